@@ -1,0 +1,242 @@
+"""The engine: jitted decode step and prefill chunk over one sequence.
+
+Replay prefill is the decode step (m = 1) once per prompt token; batched
+prefill runs the same forward at m = C per chunk, the last chunk padded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from functools import partial
+from typing import Callable, Sequence
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from . import model as M
+from .config import Config
+from .ops import get_ops
+from .sampling import Sampler, Sampling
+
+PREFILL_MODES = ("batch", "replay")
+DEFAULT_CHUNK = 256
+MIN_STATE_LEN = 1024
+
+
+def env_prefill_mode(default: str = "replay") -> str:
+    v = os.environ.get("BARO_PREFILL")
+    if v is None or v == "":
+        return default
+    if v not in ("0", "1"):
+        raise ValueError(f"BARO_PREFILL must be 0 (replay) or 1 (batch), got {v!r}")
+    return "batch" if v == "1" else "replay"
+
+
+def env_chunk(default: int = DEFAULT_CHUNK) -> int:
+    v = os.environ.get("BARO_PREFILL_C")
+    if not v:
+        return default
+    try:
+        c = int(v)
+    except ValueError:
+        raise ValueError(f"BARO_PREFILL_C must be a positive integer, got {v!r}") from None
+    if c < 1:
+        raise ValueError(f"BARO_PREFILL_C must be a positive integer, got {v!r}")
+    return c
+
+
+@dataclasses.dataclass
+class PrefillResult:
+    logits: jax.Array  # [V] fp32, last prompt position
+    state: tuple
+    seconds: float
+    n_tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.n_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    prompt_ids: list
+    generated_ids: list
+    text: str
+    prefill_seconds: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    model: str
+    backend: str
+    prefill_mode: str
+    chunk: int | None
+    last_prompt_logits: np.ndarray = dataclasses.field(repr=False, default=None)
+    state: tuple = dataclasses.field(repr=False, default=None)
+
+    def to_json(self) -> dict:
+        return {
+            "prompt_ids": self.prompt_ids, "generated_ids": self.generated_ids, "text": self.text,
+            "prefill_seconds": self.prefill_seconds, "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s, "model": self.model, "backend": self.backend,
+            "prefill_mode": self.prefill_mode, "chunk": self.chunk,
+        }
+
+
+def state_length(n: int, max_context: int) -> int:
+    """KV length for a request of n tokens: a power of two >= n, so few shapes compile."""
+    L = MIN_STATE_LEN
+    while L < n:
+        L *= 2
+    return min(L, max_context)
+
+
+class Engine:
+    def __init__(self, cfg: Config, params, tokenizer, *, backend: str = "xla", name: str = "model"):
+        self.cfg = cfg
+        self.params = params
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.name = name
+        self.ops = get_ops(backend)
+        self.dtype = params["embed"].dtype
+        self.rope = M.rope_tables(cfg, cfg.max_context)
+        fwd = partial(M.forward, cfg=cfg, ops=self.ops)
+        self._step = jax.jit(fwd, donate_argnums=(1,))
+        self._all_logits = jax.jit(partial(fwd, all_logits=True))
+
+    # --- state -------------------------------------------------------------
+    def new_state(self, length: int | None = None):
+        return M.init_state(self.cfg, self.dtype, length or self.cfg.max_context)
+
+    def check_fits(self, n_prompt: int, n_new: int = 0):
+        if n_prompt < 1:
+            raise ValueError("the prompt is empty: give at least one token")
+        total = n_prompt + n_new
+        if total > self.cfg.max_context:
+            raise ValueError(
+                f"prompt of {n_prompt} tokens plus {n_new} new tokens needs {total} positions, "
+                f"more than the context of {self.cfg.max_context} (raise --max-context if the model allows)")
+
+    def check_ids(self, ids):
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token id(s) {bad[:5]} outside the vocabulary [0, {self.cfg.vocab_size})")
+        return ids
+
+    # --- the two arms ----------------------------------------------------------
+    def decode_step(self, token: int, state, pos: int):
+        """One token at position pos -> (logits [V] fp32, new state). The state is donated."""
+        toks = jnp.asarray([token], jnp.int32)
+        return self._step(self.params, state, toks, jnp.int32(pos), jnp.int32(1), self.rope)
+
+    def prefill_chunk(self, ids: Sequence[int], state, pos: int, chunk: int):
+        """Up to `chunk` tokens at pos.. in one call, padded to `chunk` rows."""
+        n = len(ids)
+        toks = np.zeros((chunk,), np.int32)
+        toks[:n] = ids
+        return self._step(self.params, state, jnp.asarray(toks), jnp.int32(pos), jnp.int32(n), self.rope)
+
+    def prefill(self, ids: Sequence[int], mode: str = "replay", chunk: int | None = None, state=None,
+                n_new: int = 0, progress: Callable[[int, int], None] | None = None) -> PrefillResult:
+        if mode not in PREFILL_MODES:
+            raise ValueError(f"unknown prefill mode {mode!r}; choose batch or replay")
+        ids = self.check_ids(ids)
+        self.check_fits(len(ids), n_new)
+        if state is None:
+            state = self.new_state(state_length(len(ids) + n_new, self.cfg.max_context))
+        chunk = chunk or DEFAULT_CHUNK
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        t0 = time.perf_counter()
+        if mode == "replay":
+            for p, t in enumerate(ids):
+                logits, state = self.decode_step(t, state, p)
+                if progress and (p + 1) % 256 == 0:
+                    progress(p + 1, len(ids))
+        else:
+            for p in range(0, len(ids), chunk):
+                logits, state = self.prefill_chunk(ids[p:p + chunk], state, p, chunk)
+                if progress:
+                    progress(min(p + chunk, len(ids)), len(ids))
+        logits = jax.block_until_ready(logits)
+        return PrefillResult(logits, state, time.perf_counter() - t0, len(ids))
+
+    def prompt_logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits of every prompt position [n, V] fp32 from one whole-prompt forward."""
+        ids = self.check_ids(ids)
+        self.check_fits(len(ids))
+        state = self.new_state(len(ids))
+        logits, _ = self._all_logits(self.params, state, jnp.asarray(ids, jnp.int32), jnp.int32(0),
+                                     jnp.int32(len(ids)), self.rope)
+        return np.asarray(logits)
+
+    # --- text in, text out -----------------------------------------------------
+    def encode(self, prompt) -> list:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return [int(i) for i in prompt]
+
+    def generate(self, prompt, max_new_tokens: int = 64, *, prefill: str = "replay", chunk: int | None = None,
+                 sampling: Sampling = Sampling(), on_token: Callable[[int], None] | None = None,
+                 stop_at_eos: bool = True, keep_state: bool = False) -> GenerateResult:
+        ids = self.check_ids(self.encode(prompt))
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        sampler = Sampler(sampling)
+        pre = self.prefill(ids, prefill, chunk, n_new=max_new_tokens)
+        logits, state = pre.logits, pre.state
+        last_logits = np.asarray(logits)
+        out = []
+        eos = getattr(self.tokenizer, "eos_id", None) if stop_at_eos else None
+        t0 = time.perf_counter()
+        pos = len(ids)
+        for i in range(max_new_tokens):
+            tok = sampler(logits)
+            out.append(tok)
+            if on_token:
+                on_token(tok)
+            if tok == eos:
+                break
+            if i + 1 < max_new_tokens:
+                logits, state = self.decode_step(tok, state, pos)
+                pos += 1
+        dt = time.perf_counter() - t0
+        n_dec = max(len(out) - 1, 0)  # the first token comes from the prefill logits
+        return GenerateResult(
+            prompt_ids=ids, generated_ids=out, text=self.tokenizer.decode(out),
+            prefill_seconds=pre.seconds, prefill_tokens_per_s=pre.tokens_per_s,
+            decode_tokens_per_s=(n_dec / dt if dt > 0 and n_dec else 0.0),
+            model=self.name, backend=self.backend, prefill_mode=prefill,
+            chunk=(chunk or DEFAULT_CHUNK) if prefill == "batch" else None,
+            last_prompt_logits=last_logits, state=state if keep_state else None)
+
+
+def load(model: str = "tiny", *, backend: str = "xla", dtype: str = "bfloat16", max_context: int | None = None,
+         seed: int = 0, progress: bool = True) -> Engine:
+    """Load a checkpoint directory or a preset name into an Engine."""
+    from .config import ConfigError, PRESETS, load_config, preset
+    from .tokenizer import ByteTokenizer, load_tokenizer
+
+    dt = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}.get(dtype)
+    if dt is None:
+        raise ValueError(f"unknown dtype {dtype!r}; choose bfloat16 or float32")
+    if backend == "ordered" and dt != jnp.bfloat16:
+        raise ValueError("the 'ordered' backend runs bfloat16 only; use --dtype bfloat16 or --backend xla")
+    get_ops(backend)  # fail early and plainly if the backend is unavailable
+    if os.path.isdir(model):
+        from .weights import load_params
+
+        cfg = load_config(model, max_context)
+        params = load_params(model, cfg, dtype=dt, progress=progress)
+        return Engine(cfg, params, load_tokenizer(model), backend=backend, name=os.path.basename(os.path.normpath(model)))
+    name = "tiny-random" if model == "tiny" else model
+    if name in PRESETS:
+        from .synthetic import synthetic_params
+
+        cfg = preset(name, max_context)
+        params = synthetic_params(cfg, seed=seed, dtype=dt)
+        return Engine(cfg, params, ByteTokenizer(), backend=backend, name=model)
+    raise ConfigError(f"--model {model!r} is neither a checkpoint directory nor a preset "
+                      f"(tiny, {', '.join(p for p in PRESETS if p != 'tiny-random')})")

@@ -1,0 +1,113 @@
+"""One functional forward over m consecutive tokens of one sequence.
+
+Decode is m = 1, a prefill chunk is m = C: the same code and the same ops, so
+with the `ordered` backend (row-invariant kernels) both give the same bits.
+`cfg.layer_types` drives the weights, the state and the dispatch.
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from .config import FULL, Config
+
+f32 = jnp.float32
+
+
+def rope_tables(cfg: Config, length: int):
+    """cos/sin [length, R/2] made once in float64 so every position is exact in fp32."""
+    half = cfg.rotary_dim // 2
+    inv = cfg.rope_theta ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rotary_dim)
+    ang = np.arange(length, dtype=np.float64)[:, None] * inv[None, :]
+    return jnp.asarray(np.cos(ang), f32), jnp.asarray(np.sin(ang), f32)
+
+
+def init_state(cfg: Config, dtype=jnp.bfloat16, length: int | None = None):
+    """Zeroed per-layer state for a context of `length` tokens."""
+    S = length or cfg.max_context
+    layers = []
+    for t in cfg.layer_types:
+        if t == FULL:
+            kv = (S, cfg.num_kv_heads, cfg.head_dim)
+            layers.append({"k": jnp.zeros(kv, dtype), "v": jnp.zeros(kv, dtype)})
+        else:
+            layers.append({
+                "conv": jnp.zeros((cfg.conv_kernel - 1, cfg.conv_dim), dtype),
+                "ssm": jnp.zeros((cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim), f32),
+            })
+    return tuple(layers)
+
+
+def attention_block(h, p, st, cfg, ops, cos, sin, pos, n_valid):
+    qkv = ops.matmul(h, p["qkv"])
+    o, k, v = ops.attention(qkv, p["q_norm"], p["k_norm"], cos, sin, st["k"], st["v"], pos, n_valid,
+                            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_eps)
+    return ops.matmul(o, p["o"]), {"k": k, "v": v}
+
+
+def gdn_block(h, p, st, cfg, ops, pos, n_valid):
+    C = cfg.conv_dim
+    nvdv = cfg.lin_v_heads * cfg.lin_v_dim
+    nv = cfg.lin_v_heads
+    proj = ops.matmul(h, p["in_proj"])
+    mixed = proj[:, :C].astype(h.dtype)
+    z = proj[:, C:C + nvdv]
+    b = proj[:, C + nvdv:C + nvdv + nv]
+    a = proj[:, C + nvdv + nv:]
+    y, window = ops.conv(mixed, p["conv"], st["conv"], n_valid)
+    o, ssm = ops.delta(y, b, a, p["A_log"], p["dt_bias"], st["ssm"], n_valid,
+                       nk=cfg.lin_k_heads, dk=cfg.lin_k_dim)
+    g = ops.gated_norm(o, z, p["norm"], cfg.rms_eps, h.dtype)
+    return ops.matmul(g, p["out"]), {"conv": window, "ssm": ssm}
+
+
+def layer_forward(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid):
+    """x += mixer(norm1(x)); x += moe(norm2(x))."""
+    A = lp["moe"]["router"].dtype
+    h = ops.rmsnorm(x, lp["in_norm"], cfg.rms_eps, A)
+    if kind == FULL:
+        y, st = attention_block(h, lp["attn"], st, cfg, ops, cos, sin, pos, n_valid)
+    else:
+        y, st = gdn_block(h, lp["gdn"], st, cfg, ops, pos, n_valid)
+    x = x + y
+    h2 = ops.rmsnorm(x, lp["post_norm"], cfg.rms_eps, A)
+    m = lp["moe"]
+    x = x + ops.moe(h2, m["router"], m["gate_up"], m["down"], m["shared_gate_up"], m["shared_down"],
+                    m["shared_gate"], top_k=cfg.top_k)
+    return x, st
+
+
+def embed(params, tokens):
+    return params["embed"][tokens].astype(f32)
+
+
+def rope_rows(rope, pos, m):
+    """cos/sin rows for positions pos..pos+m-1 (clipped: padded rows past the end are garbage anyway)."""
+    cos, sin = rope
+    idx = jnp.clip(pos + jnp.arange(m), 0, cos.shape[0] - 1)
+    return cos[idx], sin[idx]
+
+
+def head(params, x, cfg, ops):
+    A = params["lm_head"].dtype
+    return ops.matmul(ops.rmsnorm(x, params["final_norm"], cfg.rms_eps, A), params["lm_head"])
+
+
+def forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, all_logits: bool = False):
+    """Run m tokens at positions pos.. through every layer.
+
+    Returns (logits, new_state): logits of the last valid row [V] fp32, or of
+    every row [m, V] when all_logits.
+    """
+    m = tokens.shape[0]
+    x = embed(params, tokens)
+    cos, sin = rope_rows(rope, pos, m)
+    new_state = []
+    for lp, st, kind in zip(params["layers"], state, cfg.layer_types):
+        x, st = layer_forward(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid)
+        new_state.append(st)
+    if all_logits:
+        return head(params, x, cfg, ops), tuple(new_state)
+    last = jax.lax.dynamic_slice_in_dim(x, n_valid - 1, 1, axis=0)
+    return head(params, last, cfg, ops)[0], tuple(new_state)

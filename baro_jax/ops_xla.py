@@ -1,0 +1,166 @@
+"""The `xla` backend: every op of docs/NUMERICS.md written plainly in jnp.
+
+It is the numeric reference for the ordered kernels (same rounding points,
+possibly different summation order) and the "fast but not identical" speed
+arm. Differentiable, so the training script can use it.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+f32 = jnp.float32
+KV_BLOCK = 64  # documented for the kernels; the reference attends to the whole cache at once
+
+
+def matmul(x, w):
+    """x[m,K] @ w[N,K]^T with fp32 accumulation -> fp32 [m,N]."""
+    return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+
+
+def _rms_scale(x, eps):
+    ss = jnp.sum(x * x, axis=-1, keepdims=True)
+    return 1.0 / jnp.sqrt(ss / x.shape[-1] + eps)
+
+
+def rmsnorm(x, w, eps, dtype=jnp.bfloat16):
+    """Zero-centred RMSNorm: A((x * r) * (1 + w))."""
+    x = x.astype(f32)
+    return ((x * _rms_scale(x, eps)) * (1.0 + w.astype(f32))).astype(dtype)
+
+
+def head_rmsnorm(x, w, eps):
+    """Zero-centred RMSNorm over the last axis, fp32 out (q/k norms)."""
+    return (x * _rms_scale(x, eps)) * (1.0 + w.astype(f32))
+
+
+def gated_norm(o, z, w, eps, dtype=jnp.bfloat16):
+    """o[m,nv,dv] fp32, z[m,nv*dv] fp32 -> A((o*r) * w * silu(z)) [m, nv*dv]."""
+    m, nv, dv = o.shape
+    zz = z.reshape(m, nv, dv).astype(f32)
+    y = (o * _rms_scale(o, eps)) * w.astype(f32) * jax.nn.silu(zz)
+    return y.astype(dtype).reshape(m, nv * dv)
+
+
+def rope(x, cos, sin):
+    """Rotate-half rotary on the first 2*cos.shape[-1] dims of x[m, heads, hd]."""
+    half = cos.shape[-1]
+    a = x[..., :half]
+    b = x[..., half:2 * half]
+    c = cos[:, None, :]
+    s = sin[:, None, :]
+    return jnp.concatenate([a * c - b * s, b * c + a * s, x[..., 2 * half:]], axis=-1)
+
+
+def _write_rows(cache, rows, pos, n_valid):
+    """Write rows[i] to cache[pos+i] for i < n_valid; padded rows are dropped."""
+    m = rows.shape[0]
+    i = jnp.arange(m)
+    idx = jnp.where(i < n_valid, pos + i, cache.shape[0])  # out of range -> dropped
+    return cache.at[idx].set(rows.astype(cache.dtype), mode="drop")
+
+
+def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, *, num_heads, num_kv_heads, eps):
+    """Gated causal attention for rows at pos..pos+m-1 (see NUMERICS.md)."""
+    m = qkv.shape[0]
+    S, hkv, hd = k_cache.shape
+    H = num_heads
+    A = k_cache.dtype
+    qg = qkv[:, : 2 * H * hd].reshape(m, H, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:]
+    k = qkv[:, 2 * H * hd: (2 * H + hkv) * hd].reshape(m, hkv, hd)
+    v = qkv[:, (2 * H + hkv) * hd:].reshape(m, hkv, hd)
+    q = rope(head_rmsnorm(q, q_norm, eps), cos, sin).astype(A)
+    k = rope(head_rmsnorm(k, k_norm, eps), cos, sin).astype(A)
+    k_cache = _write_rows(k_cache, k, pos, n_valid)
+    v_cache = _write_rows(v_cache, v.astype(A), pos, n_valid)
+    rep = H // hkv
+    qh = q.reshape(m, hkv, rep, hd)
+    s = jnp.einsum("mgrd,sgd->grms", qh, k_cache, preferred_element_type=f32) * f32(hd ** -0.5)
+    qpos = pos + jnp.arange(m)
+    mask = jnp.arange(S)[None, :] <= qpos[:, None]
+    s = jnp.where(mask[None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("grms,sgd->mgrd", p.astype(A), v_cache, preferred_element_type=f32)
+    o = o.reshape(m, H, hd) * jax.nn.sigmoid(gate)
+    return o.astype(A).reshape(m, H * hd), k_cache, v_cache
+
+
+def conv(x, w, window, n_valid):
+    """Depthwise causal conv (window 4) + SiLU; returns fp32 y and the new window."""
+    m = x.shape[0]
+    u = jnp.concatenate([window.astype(x.dtype), x], axis=0).astype(f32)
+    wf = w.astype(f32)
+    y = sum(wf[None, :, j] * u[j: j + m] for j in range(4))
+    new_window = lax.dynamic_slice_in_dim(jnp.concatenate([window, x.astype(window.dtype)], 0), n_valid, 3, axis=0)
+    return jax.nn.silu(y), new_window
+
+
+def _l2norm(x):
+    return x * (1.0 / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6))
+
+
+def delta_inputs(y, b, a, A_log, dt_bias, *, nk, dk, nv, dv):
+    """Split the conv output and form the delta-rule inputs (all fp32)."""
+    m = y.shape[0]
+    q = y[:, : nk * dk].reshape(m, nk, dk)
+    k = y[:, nk * dk: 2 * nk * dk].reshape(m, nk, dk)
+    v = y[:, 2 * nk * dk:].reshape(m, nv, dv)
+    rep = nv // nk
+    q = jnp.repeat(_l2norm(q) * f32(dk ** -0.5), rep, axis=1)
+    k = jnp.repeat(_l2norm(k), rep, axis=1)
+    beta = jax.nn.sigmoid(b)
+    g = -jnp.exp(A_log.astype(f32)) * jax.nn.softplus(a + dt_bias.astype(f32))
+    return q, k, v, beta, g
+
+
+def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk):
+    """Gated delta rule over m rows, carrying the fp32 state [nv, dk, dv]."""
+    nv, _, dv = state.shape
+    q, k, v, beta, g = delta_inputs(y, b, a, A_log, dt_bias, nk=nk, dk=dk, nv=nv, dv=dv)
+
+    def step(S, inp):
+        qt, kt, vt, bt, gt, valid = inp
+        Sn = S * jnp.exp(gt)[:, None, None]
+        kv = jnp.einsum("hkv,hk->hv", Sn, kt)
+        d = (vt - kv) * bt[:, None]
+        Sn = Sn + kt[:, :, None] * d[:, None, :]
+        o = jnp.einsum("hkv,hk->hv", Sn, qt)
+        return jnp.where(valid, Sn, S), o
+
+    valid = jnp.arange(y.shape[0]) < n_valid
+    state, o = lax.scan(step, state, (q, k, v, beta, g, valid))
+    return o, state
+
+
+def moe(h, router, gate_up, down, shared_gate_up, shared_down, shared_gate, *, top_k):
+    """Routed top-k experts plus gated shared expert (NUMERICS.md, MoE)."""
+    m, D = h.shape
+    E, two_i, _ = gate_up.shape
+    I = two_i // 2
+    A = h.dtype
+    p = jax.nn.softmax(matmul(h, router), axis=-1)
+    # lax.top_k breaks ties towards the lower index, as the contract asks.
+    w, idx = lax.top_k(p, top_k)
+    w = w / jnp.sum(w, axis=-1, keepdims=True)
+    # Group (token, slot) pairs by expert and run them as one ragged matmul.
+    flat_e = idx.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    tok = (order // top_k)
+    xs = h[tok]
+    sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
+    dn = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    gu = lax.ragged_dot_general(xs, gate_up, sizes, dn, preferred_element_type=f32)
+    act = (jax.nn.silu(gu[:, :I]) * gu[:, I:]).astype(A)
+    ys = lax.ragged_dot_general(act, down, sizes, dn, preferred_element_type=f32)
+    y = jnp.zeros_like(ys).at[order].set(ys).reshape(m, top_k, D)
+    routed = jnp.zeros((m, D), f32)
+    for s in range(top_k):  # slot order, as written in the contract
+        routed = routed + w[:, s, None] * y[:, s]
+    sgu = matmul(h, shared_gate_up)
+    Is = sgu.shape[1] // 2
+    s_out = matmul((jax.nn.silu(sgu[:, :Is]) * sgu[:, Is:]).astype(A), shared_down)
+    sg = jax.nn.sigmoid(matmul(h, shared_gate))
+    return routed + sg * s_out

@@ -1,0 +1,63 @@
+"""Token selection: greedy by default; temperature / top-k / top-p with a seed."""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int = 0
+
+    def validate(self) -> "Sampling":
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@jax.jit
+def greedy(logits):
+    # argmax breaks ties towards the lower id, so greedy is deterministic.
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnames=("top_k",))
+def sample(logits, key, temperature, top_k: int, top_p):
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    sorted_logits = jnp.sort(logits)[::-1]
+    probs = jax.nn.softmax(sorted_logits)
+    cum = jnp.cumsum(probs)
+    # keep the smallest prefix whose mass reaches top_p (always at least one token)
+    cutoff_idx = jnp.sum(cum < top_p)
+    cutoff = sorted_logits[jnp.minimum(cutoff_idx, logits.shape[-1] - 1)]
+    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits).astype(jnp.int32)
+
+
+class Sampler:
+    def __init__(self, s: Sampling):
+        self.s = s.validate()
+        self.key = jax.random.PRNGKey(s.seed)
+
+    def __call__(self, logits) -> int:
+        if self.s.greedy:
+            return int(greedy(logits))
+        self.key, sub = jax.random.split(self.key)
+        return int(sample(logits, sub, jnp.float32(self.s.temperature), self.s.top_k, jnp.float32(self.s.top_p)))

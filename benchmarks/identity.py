@@ -1,0 +1,121 @@
+"""Identity gate: batched prefill must equal replay (decode step per token), byte for byte.
+
+For every prompt and chunk size it compares, after the prompt: every layer's
+state (KV rows, conv window, delta state), the last-position logits, and the
+greedy tokens generated afterwards. Prints a per-prompt table, writes JSON,
+exits non-zero on any difference.
+
+    python benchmarks/identity.py --model tiny --chunks 16,37,64 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import jax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import load_prompts, provenance, write_json  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_PROMPTS = os.path.join(HERE, "prompts", "identity.jsonl")
+
+
+def host_state(state):
+    return [np.asarray(a) for a in jax.tree_util.tree_leaves(state)]
+
+
+def state_names(cfg):
+    names = []
+    for i, t in enumerate(cfg.layer_types):
+        keys = ["k", "v"] if t == "full_attention" else ["conv", "ssm"]
+        names += [f"L{i}.{k}" for k in sorted(keys)]  # tree_leaves orders dict keys sorted
+    return names
+
+
+def first_diff(a_list, b_list, names):
+    for a, b, n in zip(a_list, b_list, names):
+        if a.shape != b.shape or a.dtype != b.dtype or a.tobytes() != b.tobytes():
+            return n
+    return None
+
+
+def greedy_tokens(eng, logits, state, pos, n):
+    from baro_jax.sampling import greedy
+
+    out = []
+    for i in range(n):
+        t = int(greedy(logits))
+        out.append(t)
+        if i + 1 < n:
+            logits, state = eng.decode_step(t, state, pos + i)
+    return out
+
+
+def run_arm(eng, ids, mode, chunk, new_tokens):
+    pre = eng.prefill(ids, mode, chunk, n_new=new_tokens)
+    logits = np.asarray(pre.logits)
+    st = host_state(pre.state)
+    toks = greedy_tokens(eng, pre.logits, pre.state, len(ids), new_tokens)
+    return {"logits": logits, "state": st, "tokens": toks, "seconds": pre.seconds}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--backend", default="ordered", choices=["ordered", "xla"])
+    ap.add_argument("--prompts", default=DEFAULT_PROMPTS)
+    ap.add_argument("--chunks", default="16,37,64", help="comma-separated chunk sizes")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--max-len", type=int, default=0, help="skip prompts longer than this (0 = none)")
+    ap.add_argument("--max-context", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write results here")
+    args = ap.parse_args(argv)
+
+    import baro_jax
+
+    chunks = [int(c) for c in args.chunks.split(",") if c]
+    eng = baro_jax.load(args.model, backend=args.backend, max_context=args.max_context, seed=args.seed)
+    prompts = load_prompts(args.prompts, eng.tokenizer)
+    if args.max_len:
+        prompts = [p for p in prompts if len(p["ids"]) <= args.max_len]
+    names = state_names(eng.cfg)
+    rows, failures = [], 0
+    print(f"identity gate: model={args.model} backend={args.backend} chunks={chunks} "
+          f"prompts={len(prompts)} new_tokens={args.new_tokens}")
+    print(f"{'prompt':>8} {'len':>6} {'chunk':>6} {'state':>8} {'logits':>7} {'tokens':>7}  first diff")
+    t_start = time.time()
+    for p in prompts:
+        ids = p["ids"]
+        ref = run_arm(eng, ids, "replay", None, args.new_tokens)
+        for c in chunks:
+            got = run_arm(eng, ids, "batch", c, args.new_tokens)
+            d = first_diff(ref["state"], got["state"], names)
+            same_logits = ref["logits"].tobytes() == got["logits"].tobytes()
+            same_tokens = ref["tokens"] == got["tokens"]
+            ok = d is None and same_logits and same_tokens
+            failures += not ok
+            row = {"prompt": p["name"], "len": len(ids), "chunk": c, "boundaries_crossed": (len(ids) - 1) // c,
+                   "state_equal": d is None, "first_state_diff": d, "logits_equal": same_logits,
+                   "tokens_equal": same_tokens, "replay_seconds": ref["seconds"], "batch_seconds": got["seconds"]}
+            if not same_logits:
+                row["max_abs_logit_diff"] = float(np.max(np.abs(ref["logits"] - got["logits"])))
+            rows.append(row)
+            print(f"{p['name']:>8} {len(ids):>6} {c:>6} {'same' if d is None else 'DIFF':>8} "
+                  f"{'same' if same_logits else 'DIFF':>7} {'same' if same_tokens else 'DIFF':>7}  {d or ''}",
+                  flush=True)
+    summary = {"pass": failures == 0, "failures": failures, "cases": len(rows), "model": args.model,
+               "backend": args.backend, "chunks": chunks, "new_tokens": args.new_tokens,
+               "prompts_file": os.path.relpath(args.prompts, os.path.dirname(HERE)),
+               "wall_seconds": time.time() - t_start, **provenance()}
+    write_json(args.json, {"summary": summary, "rows": rows})
+    print(f"{'PASS' if failures == 0 else 'FAIL'}: {len(rows) - failures}/{len(rows)} cases identical")
+    return 0 if failures == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The `ordered` backend: the custom calls of custom_calls/, with ops_xla's signatures.
+
+Every reduction runs in a kernel whose summation order does not depend on how
+many rows it gets; only glue stays in XLA. bf16 only.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+import custom_calls as cc
+
+_BF16 = jnp.bfloat16
+
+
+def _bf16_only(dtype):
+    if dtype != _BF16:
+        raise ValueError(f"the 'ordered' backend computes in bfloat16 only, got {jnp.dtype(dtype).name}")
+
+
+def matmul(x, w):
+    return cc.matmul(x, w)
+
+
+def rmsnorm(x, w, eps, dtype=_BF16):
+    _bf16_only(dtype)
+    return cc.rmsnorm(x, w, eps)
+
+
+def gated_norm(o, z, w, eps, dtype=_BF16):
+    _bf16_only(dtype)
+    return cc.gated_norm(o, z, w, eps)
+
+
+def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, *, num_heads, num_kv_heads, eps):
+    # H and Hkv are implied by the shapes; the kernel checks they agree.
+    return cc.attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, eps=eps)
+
+
+def conv(x, w, window, n_valid):
+    return cc.conv(x, w, window, n_valid)
+
+
+def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk):
+    return cc.delta(y, b, a, A_log, dt_bias, state, n_valid)
+
+
+def moe(h, router, gate_up, down, shared_gate_up, shared_down, shared_gate, *, top_k):
+    return cc.moe(h, router, gate_up, down, shared_gate_up, shared_down, shared_gate, top_k)

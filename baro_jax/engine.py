@@ -91,6 +91,11 @@ def state_length(n: int, max_context: int) -> int:
     return min(L, max_context)
 
 
+# Module-level jits keyed on (cfg, ops): engines of the same model share compiled graphs.
+_STEP = jax.jit(M.forward, static_argnames=("cfg", "ops", "all_logits"), donate_argnums=(1,))
+_ALL_LOGITS = jax.jit(partial(M.forward, all_logits=True), static_argnames=("cfg", "ops"))
+
+
 class Engine:
     def __init__(self, cfg: Config, params, tokenizer, *, backend: str = "xla", name: str = "model"):
         self.cfg = cfg
@@ -101,9 +106,8 @@ class Engine:
         self.ops = get_ops(backend)
         self.dtype = params["embed"].dtype
         self.rope = M.rope_tables(cfg, cfg.max_context)
-        fwd = partial(M.forward, cfg=cfg, ops=self.ops)
-        self._step = jax.jit(fwd, donate_argnums=(1,))
-        self._all_logits = jax.jit(partial(fwd, all_logits=True))
+        self._step = partial(_STEP, cfg=cfg, ops=self.ops)
+        self._all_logits = partial(_ALL_LOGITS, cfg=cfg, ops=self.ops)
 
     # --- state -------------------------------------------------------------
     def new_state(self, length: int | None = None):

@@ -82,7 +82,10 @@ def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, *, 
     mask = jnp.arange(S)[None, :] <= qpos[:, None]
     s = jnp.where(mask[None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("grms,sgd->mgrd", p.astype(A), v_cache, preferred_element_type=f32)
+    # Rows past the last query are never read (they may hold anything, even NaN).
+    seen = (jnp.arange(S) < pos + m)[:, None, None]
+    v_seen = jnp.where(seen, v_cache, jnp.zeros((), A))
+    o = jnp.einsum("grms,sgd->mgrd", p.astype(A), v_seen, preferred_element_type=f32)
     o = o.reshape(m, H, hd) * jax.nn.sigmoid(gate)
     return o.astype(A).reshape(m, H * hd), k_cache, v_cache
 

@@ -1,0 +1,179 @@
+// baro_attention (CPU): q/k head RMSNorm, partial rotary, KV-cache write,
+// causal online-softmax attention over 64-blocks aligned to absolute
+// positions, output gate. See BUILD.md "FFI contract" and docs/NUMERICS.md.
+#include <limits>
+#include <vector>
+
+#include "dot.h"
+#include "ffi_util.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 64;
+
+// t = (x * r) * (1 + w), r = 1/sqrt(dot(x,x)/hd + eps); then rotary on the
+// first R dims (pairs j, j+R/2); result written to out (fp32).
+inline void norm_rope(const float* x, const float* w, const float* c,
+                      const float* s, int64_t hd, int64_t R2, float eps,
+                      float* out) {
+  const float r = baro::inv_rms(baro::dot(x, x, hd), static_cast<float>(hd), eps);
+  for (int64_t d = 0; d < hd; ++d) out[d] = (x[d] * r) * (1.0f + w[d]);
+  for (int64_t j = 0; j < R2; ++j) {
+    const float a = out[j], b = out[j + R2];
+    out[j] = a * c[j] - b * s[j];
+    out[j + R2] = b * c[j] + a * s[j];
+  }
+}
+
+ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> q_norm,
+                         ffi::Buffer<ffi::F32> k_norm, ffi::Buffer<ffi::F32> cos,
+                         ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::BF16> k_cache,
+                         ffi::Buffer<ffi::BF16> v_cache, ffi::Buffer<ffi::S32> pos_buf,
+                         ffi::Buffer<ffi::S32> n_valid_buf, float eps,
+                         ffi::ResultBuffer<ffi::BF16> o,
+                         ffi::ResultBuffer<ffi::BF16> k_out,
+                         ffi::ResultBuffer<ffi::BF16> v_out) {
+  const char* op = "baro_attention";
+  BARO_RETURN_IF(baro::expect_rank(op, "qkv", qkv, 2));
+  BARO_RETURN_IF(baro::expect_rank(op, "q_norm", q_norm, 1));
+  BARO_RETURN_IF(baro::expect_rank(op, "k_cache", k_cache, 3));
+  BARO_RETURN_IF(baro::expect_rank(op, "cos", cos, 2));
+  const int64_t m = qkv.dimensions()[0], W = qkv.dimensions()[1];
+  const int64_t hd = q_norm.dimensions()[0];
+  const int64_t S = k_cache.dimensions()[0], Hkv = k_cache.dimensions()[1];
+  const int64_t R2 = cos.dimensions()[1];
+  BARO_CHECK(hd > 0, op, "q_norm must be non-empty (its length is head_dim)");
+  BARO_CHECK(Hkv > 0, op, "k_cache must have at least one kv head, got shape "
+                              << baro::dims_str(k_cache.dimensions()));
+  BARO_RETURN_IF(baro::expect_shape(op, "k_norm", k_norm, {hd}));
+  BARO_RETURN_IF(baro::expect_shape(op, "k_cache", k_cache, {S, Hkv, hd}));
+  BARO_RETURN_IF(baro::expect_shape(op, "v_cache", v_cache, {S, Hkv, hd}));
+  BARO_CHECK(W % hd == 0 && W / hd > 2 * Hkv && (W / hd - 2 * Hkv) % 2 == 0, op,
+             "qkv width " << W << " must be (2*H + 2*Hkv) * head_dim with head_dim="
+                          << hd << ", Hkv=" << Hkv);
+  const int64_t H = (W / hd - 2 * Hkv) / 2;
+  BARO_CHECK(H % Hkv == 0, op,
+             "number of q heads " << H << " must be a multiple of Hkv=" << Hkv);
+  BARO_RETURN_IF(baro::expect_shape(op, "cos", cos, {m, R2}));
+  BARO_RETURN_IF(baro::expect_shape(op, "sin", sin, {m, R2}));
+  BARO_CHECK(2 * R2 <= hd, op,
+             "rotary dims 2*cos.shape[1]=" << 2 * R2 << " exceed head_dim=" << hd);
+  BARO_RETURN_IF(baro::expect_shape(op, "pos", pos_buf, {}));
+  BARO_RETURN_IF(baro::expect_shape(op, "n_valid", n_valid_buf, {}));
+  BARO_RETURN_IF(baro::expect_shape(op, "o (result)", *o, {m, H * hd}));
+  BARO_RETURN_IF(baro::expect_shape(op, "k_cache (result)", *k_out, {S, Hkv, hd}));
+  BARO_RETURN_IF(baro::expect_shape(op, "v_cache (result)", *v_out, {S, Hkv, hd}));
+
+  const int64_t pos = pos_buf.typed_data()[0];
+  const int64_t n_valid = n_valid_buf.typed_data()[0];
+  BARO_CHECK(pos >= 0, op, "pos must be >= 0, got " << pos);
+  BARO_CHECK(n_valid >= 0 && n_valid <= m, op,
+             "n_valid must be in [0, m=" << m << "], got " << n_valid);
+  BARO_CHECK(pos + n_valid <= S, op,
+             "pos + n_valid = " << pos << " + " << n_valid
+                                << " exceeds the cache length S=" << S);
+
+  baro::copy_if_not_aliased(k_cache, k_out);
+  baro::copy_if_not_aliased(v_cache, v_out);
+  uint16_t* kc = k_out->typed_data();
+  uint16_t* vc = v_out->typed_data();
+  uint16_t* op_ = o->typed_data();
+  const float* x = qkv.typed_data();
+  const float* qw = q_norm.typed_data();
+  const float* kw = k_norm.typed_data();
+  const float* cp = cos.typed_data();
+  const float* sp = sin.typed_data();
+  const int64_t row_stride = Hkv * hd;  // cache elements per position
+  const int64_t group = H / Hkv;
+  const float scale = baro::inv_sqrt_scale(hd);
+
+  // 1. Normalise + rotate k, round k and v to bf16 and store them at pos+i.
+  std::vector<float> tmp(hd);
+  for (int64_t i = 0; i < n_valid; ++i) {
+    const float* xr = x + i * W;
+    const int64_t p = pos + i;
+    for (int64_t g = 0; g < Hkv; ++g) {
+      norm_rope(xr + 2 * H * hd + g * hd, kw, cp + i * R2, sp + i * R2, hd, R2, eps,
+                tmp.data());
+      uint16_t* kdst = kc + p * row_stride + g * hd;
+      uint16_t* vdst = vc + p * row_stride + g * hd;
+      const float* v = xr + 2 * H * hd + Hkv * hd + g * hd;
+      for (int64_t d = 0; d < hd; ++d) {
+        kdst[d] = baro::f32_to_bf16(tmp[d]);
+        vdst[d] = baro::f32_to_bf16(v[d]);
+      }
+    }
+  }
+  // Padded rows: output 0.
+  for (int64_t i = n_valid; i < m; ++i)
+    std::fill(op_ + i * H * hd, op_ + (i + 1) * H * hd, uint16_t{0});
+
+  // 2. Attention per (row, q head); row i sees cache rows 0 .. pos+i.
+  const double avg_ctx = static_cast<double>(pos) + 0.5 * n_valid + 1.0;
+  baro::parallel_for(n_valid * H, 2.0 * avg_ctx * hd, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qf(hd), acc(hd), pv(hd), s(kBlock);
+    std::vector<uint16_t> q(hd);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i = t / H, h = t % H;
+      const int64_t p = pos + i;
+      const int64_t g = h / group;
+      const float* xr = x + i * W;
+      norm_rope(xr + h * 2 * hd, qw, cp + i * R2, sp + i * R2, hd, R2, eps, qf.data());
+      for (int64_t d = 0; d < hd; ++d) q[d] = baro::f32_to_bf16(qf[d]);
+
+      float mx = -std::numeric_limits<float>::infinity();
+      float l = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      const uint16_t* kbase = kc + g * hd;
+      const uint16_t* vbase = vc + g * hd;
+      for (int64_t j0 = 0; j0 <= p; j0 += kBlock) {
+        const int64_t nj = std::min(kBlock, p + 1 - j0);
+        float mb = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < nj; ++j) {
+          s[j] = baro::dot(q.data(), kbase + (j0 + j) * row_stride, hd) * scale;
+          mb = std::fmax(mb, s[j]);
+        }
+        const float mn = std::fmax(mx, mb);
+        const float alpha = std::exp(mx - mn);
+        float lb = 0.0f;
+        for (int64_t j = 0; j < nj; ++j) {
+          s[j] = std::exp(s[j] - mn);
+          lb = lb + s[j];
+        }
+        for (int64_t d = 0; d < hd; ++d) {
+          pv[d] = baro::dot(s.data(), 1, vbase + j0 * row_stride + d, row_stride, nj);
+        }
+        l = l * alpha + lb;
+        for (int64_t d = 0; d < hd; ++d) acc[d] = acc[d] * alpha + pv[d];
+        mx = mn;
+      }
+      const float* gate = xr + h * 2 * hd + hd;
+      uint16_t* orow = op_ + i * H * hd + h * hd;
+      for (int64_t d = 0; d < hd; ++d) {
+        orow[d] = baro::f32_to_bf16((acc[d] / l) * baro::sigmoid(gate[d]));
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionCpu, AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // k_cache
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // n_valid
+                                  .Attr<float>("eps")
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // o
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // k_cache
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // v_cache
+);

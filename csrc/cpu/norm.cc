@@ -1,0 +1,79 @@
+// baro_rmsnorm, baro_gated_norm (CPU).
+#include "dot.h"
+#include "ffi_util.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// y = bf16((x * r) * (1 + w)), r = 1/sqrt(dot(x,x)/D + eps)
+ffi::Error RmsnormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       float eps, ffi::ResultBuffer<ffi::BF16> y) {
+  const char* op = "baro_rmsnorm";
+  BARO_RETURN_IF(baro::expect_rank(op, "x", x, 2));
+  const int64_t m = x.dimensions()[0], D = x.dimensions()[1];
+  BARO_RETURN_IF(baro::expect_shape(op, "w", w, {D}));
+  BARO_RETURN_IF(baro::expect_shape(op, "y (result)", *y, {m, D}));
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  uint16_t* yp = y->typed_data();
+  const float fD = static_cast<float>(D);
+  baro::parallel_for(m, 2.0 * D, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* xr = xp + i * D;
+      const float r = baro::inv_rms(baro::dot(xr, xr, D), fD, eps);
+      for (int64_t d = 0; d < D; ++d) {
+        yp[i * D + d] = baro::f32_to_bf16((xr[d] * r) * (1.0f + wp[d]));
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// per head: y = bf16(((o * r) * w) * silu(z)), r = 1/sqrt(dot(o,o)/dv + eps)
+ffi::Error GatedNormImpl(ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> z,
+                         ffi::Buffer<ffi::F32> w, float eps,
+                         ffi::ResultBuffer<ffi::BF16> y) {
+  const char* op = "baro_gated_norm";
+  BARO_RETURN_IF(baro::expect_rank(op, "o", o, 3));
+  const int64_t m = o.dimensions()[0], nv = o.dimensions()[1], dv = o.dimensions()[2];
+  BARO_RETURN_IF(baro::expect_shape(op, "z", z, {m, nv * dv}));
+  BARO_RETURN_IF(baro::expect_shape(op, "w", w, {dv}));
+  BARO_RETURN_IF(baro::expect_shape(op, "y (result)", *y, {m, nv * dv}));
+  const float* op_ = o.typed_data();
+  const float* zp = z.typed_data();
+  const float* wp = w.typed_data();
+  uint16_t* yp = y->typed_data();
+  const float fdv = static_cast<float>(dv);
+  baro::parallel_for(m * nv, 3.0 * dv, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {  // r = i * nv + head
+      const float* orow = op_ + r * dv;
+      const float* zrow = zp + r * dv;
+      const float rr = baro::inv_rms(baro::dot(orow, orow, dv), fdv, eps);
+      for (int64_t d = 0; d < dv; ++d) {
+        yp[r * dv + d] =
+            baro::f32_to_bf16(((orow[d] * rr) * wp[d]) * baro::silu(zrow[d]));
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroRmsnormCpu, RmsnormImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w
+                                  .Attr<float>("eps")
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // y
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroGatedNormCpu, GatedNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // o
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // z
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w
+                                  .Attr<float>("eps")
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // y
+);

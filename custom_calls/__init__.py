@@ -1,0 +1,22 @@
+"""baro_jax ordered kernels as JAX functions (XLA FFI custom calls).
+
+Each op validates shapes and dtypes before lowering and works under jax.jit.
+The op contract is docs/NUMERICS.md; the FFI signatures are in BUILD.md.
+"""
+
+from . import _lib
+from ._lib import available_platforms, library_paths, load, load_errors
+from .attention import attention
+from .deltanet import conv, delta
+from .matmul import matmul
+from .moe import moe
+from .norm import gated_norm, rmsnorm
+
+load()
+if "cpu" not in available_platforms():
+    raise ImportError("custom_calls: " + _lib.BUILD_HINT["cpu"] + " [" + load_errors().get("cpu", "") + "]")
+
+__all__ = [
+    "available_platforms", "library_paths", "load_errors",
+    "matmul", "rmsnorm", "gated_norm", "attention", "conv", "delta", "moe",
+]

@@ -1,0 +1,78 @@
+"""Shape/dtype validation shared by the custom_calls wrappers (runs before lowering)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BF16 = jnp.bfloat16
+F32 = jnp.float32
+
+
+def _shape_str(shape) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+
+def array(op: str, name: str, x, shape, dtype, *, dtype_note: str = ""):
+    """Checks rank, sizes (None = any) and dtype of x; returns x unchanged.
+
+    Raises ValueError "op: name must have shape [...] (dtype), got shape (...) dtype ...".
+    """
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        x = np.asarray(x)
+    got_shape = tuple(x.shape)
+    ok_shape = len(got_shape) == len(shape) and all(
+        e is None or e == g for e, g in zip(shape, got_shape))
+    if not ok_shape:
+        raise ValueError(f"{op}: {name} must have shape {_shape_str(shape)}, "
+                         f"got shape {list(got_shape)} (dtype {np.dtype(x.dtype).name})")
+    if np.dtype(x.dtype) != np.dtype(dtype):
+        raise ValueError(f"{op}: {name} must have dtype {np.dtype(dtype).name}"
+                         f"{dtype_note}, got dtype {np.dtype(x.dtype).name} "
+                         f"(shape {list(got_shape)})")
+    return x
+
+
+def rank(op: str, name: str, x, r: int):
+    if not hasattr(x, "shape"):
+        x = np.asarray(x)
+    if len(x.shape) != r:
+        raise ValueError(f"{op}: {name} must have rank {r}, got shape {list(x.shape)}")
+    return x
+
+
+def int_scalar(op: str, name: str, v):
+    """An int32 scalar array (traced values welcome); Python ints are converted."""
+    if isinstance(v, (bool, np.bool_)):
+        raise ValueError(f"{op}: {name} must be an int32 scalar, got a bool")
+    if isinstance(v, (int, np.integer)):
+        return jnp.asarray(v, dtype=jnp.int32)
+    if not hasattr(v, "shape") or not hasattr(v, "dtype"):
+        raise ValueError(f"{op}: {name} must be an int32 scalar array, got {type(v).__name__}")
+    if tuple(v.shape) != ():
+        raise ValueError(f"{op}: {name} must be a scalar (shape []), got shape {list(v.shape)}")
+    if not jnp.issubdtype(v.dtype, jnp.integer):
+        raise ValueError(f"{op}: {name} must be an int32 scalar, got dtype {np.dtype(v.dtype).name}")
+    if np.dtype(v.dtype) != np.int32:
+        v = jnp.asarray(v).astype(jnp.int32)
+    return v
+
+
+def positive_int(op: str, name: str, v) -> int:
+    try:
+        iv = int(v)
+    except TypeError:
+        raise ValueError(f"{op}: {name} must be a Python int (static), got {type(v).__name__}") from None
+    if iv != v or iv < 1:
+        raise ValueError(f"{op}: {name} must be a positive int, got {v!r}")
+    return iv
+
+
+def f32_attr(op: str, name: str, v) -> np.float32:
+    if isinstance(v, jax.core.Tracer):
+        raise ValueError(f"{op}: {name} must be a static Python float, got a traced value")
+    return np.float32(v)
+
+
+BF16_NOTE = " (the ordered kernels take bfloat16 activations and weights only)"

@@ -1,0 +1,218 @@
+"""Finds and loads the baro kernel libraries and registers their FFI targets.
+
+libbaro_cpu.so  -> platform "cpu"   (symbols Baro<Op>Cpu)
+libbaro_cuda.so -> platform "CUDA"  (symbols Baro<Op>Gpu)
+libbaro_hip.so  -> platform "ROCM"  (symbols Baro<Op>Gpu)
+
+When a GPU library is absent, its platform gets a stub handler from the CPU
+library that fails with a message saying how to build it (see BUILD.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import site
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+
+import jax
+
+# FFI target name -> symbol stem (symbol = stem + "Cpu" / "Gpu").
+TARGETS = {
+    "baro_matmul": "BaroMatmul",
+    "baro_rmsnorm": "BaroRmsnorm",
+    "baro_gated_norm": "BaroGatedNorm",
+    "baro_attention": "BaroAttention",
+    "baro_conv": "BaroConv",
+    "baro_delta": "BaroDelta",
+    "baro_moe": "BaroMoe",
+}
+
+# XLA platform name -> (library file, symbol suffix, stub symbol in the CPU lib)
+LIBRARIES = {
+    "cpu": ("libbaro_cpu.so", "Cpu", None),
+    "CUDA": ("libbaro_cuda.so", "Gpu", "BaroMissingCuda"),
+    "ROCM": ("libbaro_hip.so", "Gpu", "BaroMissingHip"),
+}
+
+BUILD_HINT = {
+    "cpu": ("the CPU library libbaro_cpu.so was not found; build it with "
+            "`pip install --no-build-isolation --no-deps -e .` (or `pip install .`) "
+            "from the baro_jax checkout (see BUILD.md)"),
+    "CUDA": ("the CUDA library libbaro_cuda.so was not built; rebuild with nvcc on "
+             "PATH: `BARO_GPU=cuda pip install --no-build-isolation --no-deps -e .` "
+             "(see BUILD.md)"),
+    "ROCM": ("the HIP library libbaro_hip.so was not built; rebuild with hipcc on "
+             "PATH: `BARO_GPU=hip pip install --no-build-isolation --no-deps -e .` "
+             "(see BUILD.md)"),
+}
+
+_lock = threading.Lock()
+_loaded = False
+_libs: dict[str, ctypes.CDLL] = {}
+_paths: dict[str, str] = {}
+_errors: dict[str, str] = {}
+# platform -> set of targets registered with a real handler
+_registered: dict[str, set[str]] = {}
+
+
+def search_dirs() -> list[Path]:
+    """Directories searched for the libraries, in order."""
+    dirs: list[Path] = []
+    env = os.environ.get("BARO_LIB_DIR")
+    if env:
+        dirs.append(Path(env))
+    here = Path(__file__).resolve().parent
+    dirs.append(here)
+    pkg = sys.modules.get(__package__ or "custom_calls")
+    for p in getattr(pkg, "__path__", []) or []:
+        dirs.append(Path(p))
+    roots: list[str] = []
+    try:
+        roots += site.getsitepackages()
+    except AttributeError:  # some virtualenvs
+        pass
+    try:
+        roots.append(site.getusersitepackages())
+    except AttributeError:
+        pass
+    for key in ("purelib", "platlib"):
+        try:
+            roots.append(sysconfig.get_paths()[key])
+        except KeyError:
+            pass
+    for r in roots:
+        dirs.append(Path(r) / "custom_calls")
+    out: list[Path] = []
+    for d in dirs:
+        try:
+            d = d.resolve()
+        except OSError:
+            continue
+        if d not in out:
+            out.append(d)
+    return out
+
+
+def _find(filename: str) -> Path | None:
+    for d in search_dirs():
+        f = d / filename
+        if f.is_file():
+            return f
+    return None
+
+
+def _load_library(platform: str) -> None:
+    filename = LIBRARIES[platform][0]
+    path = _find(filename)
+    if path is None:
+        _errors[platform] = f"{filename} not found in {[str(d) for d in search_dirs()]}"
+        return
+    try:
+        _libs[platform] = ctypes.CDLL(str(path))
+        _paths[platform] = str(path)
+    except OSError as e:  # e.g. a GPU runtime library is missing
+        _errors[platform] = f"{path} could not be loaded: {e}"
+
+
+def load() -> None:
+    """Loads the libraries and registers all targets (idempotent)."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        _loaded = True
+        for platform in LIBRARIES:
+            _load_library(platform)
+        cpu = _libs.get("cpu")
+        for platform, (_, suffix, stub) in LIBRARIES.items():
+            lib = _libs.get(platform)
+            done = _registered.setdefault(platform, set())
+            for target, stem in TARGETS.items():
+                fn = None
+                if lib is not None:
+                    fn = getattr(lib, stem + suffix, None)
+                    if fn is None:
+                        _errors.setdefault(platform, "")
+                        _errors[platform] += f" missing symbol {stem + suffix};"
+                    else:
+                        done.add(target)
+                if fn is None and stub is not None and cpu is not None and lib is None:
+                    fn = getattr(cpu, stub, None)
+                if fn is not None:
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn),
+                                                platform=platform)
+
+
+def available_platforms() -> list[str]:
+    """XLA platforms ("cpu", "CUDA", "ROCM") with a real kernel library loaded."""
+    load()
+    return [p for p in LIBRARIES if p in _libs]
+
+
+def library_paths() -> dict[str, str]:
+    """Platform -> path of the loaded library."""
+    load()
+    return dict(_paths)
+
+
+def load_errors() -> dict[str, str]:
+    """Platform -> why its library is not (fully) available."""
+    load()
+    return dict(_errors)
+
+
+def _array_platforms(args) -> set[str]:
+    """XLA platform names of the concrete jax arrays among args."""
+    plats: set[str] = set()
+    for a in args:
+        if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
+            try:
+                devs = a.devices()
+            except Exception:  # noqa: BLE001 - deleted/odd arrays: let XLA decide
+                continue
+            for d in devs:
+                plats.add(_xla_platform(d))
+    return plats
+
+
+def _xla_platform(device) -> str:
+    p = device.platform.lower()
+    if p == "cpu":
+        return "cpu"
+    if p in ("cuda", "rocm"):
+        return p.upper()
+    if p == "gpu":
+        ver = str(getattr(device.client, "platform_version", "")).lower()
+        return "ROCM" if "rocm" in ver or "hip" in ver else "CUDA"
+    return p
+
+
+def check_runnable(target: str, args) -> None:
+    """Raises a clear error before lowering when the op cannot run.
+
+    Only concrete arrays are inspected; inside jit the registered stub handler
+    reports a missing GPU library at run time.
+    """
+    load()
+    if not _libs:
+        raise RuntimeError(f"{target}: {BUILD_HINT['cpu']} [{_errors.get('cpu', '')}]")
+    plats = _array_platforms(args)
+    if not plats:
+        if any(isinstance(a, jax.core.Tracer) for a in args):
+            return
+        try:
+            plats = {_xla_platform(jax.devices()[0])}
+        except Exception:  # noqa: BLE001
+            return
+    for p in plats:
+        if p not in LIBRARIES:
+            raise RuntimeError(f"{target}: platform {p!r} is not supported by baro_jax "
+                               f"(supported: cpu, CUDA, ROCM)")
+        if target not in _registered.get(p, set()):
+            why = _errors.get(p, "")
+            raise RuntimeError(f"{target}: cannot run on {p}: {BUILD_HINT[p]}"
+                               + (f" [{why.strip()}]" if why else ""))

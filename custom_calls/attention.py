@@ -1,0 +1,61 @@
+"""baro_attention: q/k head norm, partial rotary, KV-cache write, causal
+online-softmax attention over 64-blocks aligned to absolute positions, gate."""
+
+from __future__ import annotations
+
+import jax
+
+from . import _check as C
+from ._lib import check_runnable
+
+OP = "baro_attention"
+
+
+def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, eps=1e-6):
+    """Gated causal attention for m rows at absolute positions pos .. pos+m-1.
+
+    qkv[m, (2H+2Hkv)*hd] f32 (per q head [query hd | gate hd], then k, then v),
+    q_norm[hd] f32, k_norm[hd] f32 (zero-centred weights), cos/sin[m, R/2] f32,
+    k_cache/v_cache[S, Hkv, hd] bf16, pos/n_valid int32 scalars, eps (static).
+    Returns (o[m, H*hd] bf16, k_cache, v_cache); the caches are updated in place
+    (rows pos .. pos+n_valid-1). Needs pos + n_valid <= S (checked at run time
+    on CPU).
+    """
+    C.rank(OP, "qkv", qkv, 2)
+    m, W = qkv.shape
+    C.array(OP, "qkv", qkv, (m, W), C.F32)
+    C.rank(OP, "q_norm", q_norm, 1)
+    hd = q_norm.shape[0]
+    if hd < 1:
+        raise ValueError(f"{OP}: q_norm must be non-empty (its length is head_dim)")
+    C.array(OP, "q_norm", q_norm, (hd,), C.F32)
+    C.array(OP, "k_norm", k_norm, (hd,), C.F32)
+    C.rank(OP, "k_cache", k_cache, 3)
+    S, Hkv = k_cache.shape[0], k_cache.shape[1]
+    C.array(OP, "k_cache", k_cache, (S, Hkv, hd), C.BF16, dtype_note=C.BF16_NOTE)
+    C.array(OP, "v_cache", v_cache, (S, Hkv, hd), C.BF16, dtype_note=C.BF16_NOTE)
+    if Hkv < 1 or W % hd or W // hd <= 2 * Hkv or (W // hd - 2 * Hkv) % 2:
+        raise ValueError(f"{OP}: qkv must have shape [m, (2*H + 2*Hkv)*hd] with hd={hd}, "
+                         f"Hkv={Hkv} (from q_norm, k_cache), got shape {list(qkv.shape)}")
+    H = (W // hd - 2 * Hkv) // 2
+    if H % Hkv:
+        raise ValueError(f"{OP}: number of q heads H={H} (from qkv width {W}) must be a "
+                         f"multiple of Hkv={Hkv}")
+    C.rank(OP, "cos", cos, 2)
+    R2 = cos.shape[1]
+    C.array(OP, "cos", cos, (m, R2), C.F32)
+    C.array(OP, "sin", sin, (m, R2), C.F32)
+    if 2 * R2 > hd:
+        raise ValueError(f"{OP}: cos/sin must have shape [m, R/2] with R <= hd={hd}, "
+                         f"got shape {list(cos.shape)}")
+    pos = C.int_scalar(OP, "pos", pos)
+    n_valid = C.int_scalar(OP, "n_valid", n_valid)
+    eps = C.f32_attr(OP, "eps", eps)
+    args = (qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid)
+    check_runnable(OP, args)
+    cache_t = jax.ShapeDtypeStruct((S, Hkv, hd), C.BF16)
+    return tuple(jax.ffi.ffi_call(
+        OP,
+        (jax.ShapeDtypeStruct((m, H * hd), C.BF16), cache_t, cache_t),
+        input_output_aliases={5: 1, 6: 2},
+    )(*args, eps=eps))

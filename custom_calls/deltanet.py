@@ -1,0 +1,63 @@
+"""Gated DeltaNet kernels: baro_conv (causal depthwise conv, window 4, SiLU)
+and baro_delta (gated delta rule with fp32 state)."""
+
+from __future__ import annotations
+
+import jax
+
+from . import _check as C
+from ._lib import check_runnable
+
+CONV_K = 4
+
+
+def conv(x, w, window, n_valid):
+    """x[m,C] bf16, w[C,4] bf16, window[3,C] bf16 (oldest first), n_valid int32
+    -> (y[m,C] f32 = silu(causal conv), new window[3,C] bf16, updated in place)."""
+    op = "baro_conv"
+    C.rank(op, "x", x, 2)
+    m, Cc = x.shape
+    C.array(op, "x", x, (m, Cc), C.BF16, dtype_note=C.BF16_NOTE)
+    C.array(op, "w", w, (Cc, CONV_K), C.BF16, dtype_note=C.BF16_NOTE)
+    C.array(op, "window", window, (CONV_K - 1, Cc), C.BF16, dtype_note=C.BF16_NOTE)
+    n_valid = C.int_scalar(op, "n_valid", n_valid)
+    args = (x, w, window, n_valid)
+    check_runnable(op, args)
+    return tuple(jax.ffi.ffi_call(
+        op,
+        (jax.ShapeDtypeStruct((m, Cc), C.F32),
+         jax.ShapeDtypeStruct((CONV_K - 1, Cc), C.BF16)),
+        input_output_aliases={2: 1},
+    )(*args))
+
+
+def delta(y, b, a, A_log, dt_bias, state, n_valid):
+    """y[m, 2*nk*dk + nv*dv] f32 (q, k, v), b/a[m,nv] f32, A_log/dt_bias[nv] f32,
+    state[nv,dk,dv] f32, n_valid int32 -> (o[m,nv,dv] f32, state updated in place)."""
+    op = "baro_delta"
+    C.rank(op, "y", y, 2)
+    m, Cc = y.shape
+    C.array(op, "y", y, (m, Cc), C.F32)
+    C.rank(op, "state", state, 3)
+    nv, dk, dv = state.shape
+    C.array(op, "state", state, (nv, dk, dv), C.F32)
+    if min(nv, dk, dv) < 1 or Cc <= nv * dv or (Cc - nv * dv) % (2 * dk):
+        raise ValueError(f"{op}: y must have shape [m, 2*nk*dk + nv*dv] with nv={nv}, "
+                         f"dk={dk}, dv={dv} (from state), got shape {list(y.shape)}")
+    nk = (Cc - nv * dv) // (2 * dk)
+    if nv % nk:
+        raise ValueError(f"{op}: nv={nv} value heads must be a multiple of nk={nk} key heads "
+                         f"(nk from y width {Cc})")
+    C.array(op, "b", b, (m, nv), C.F32)
+    C.array(op, "a", a, (m, nv), C.F32)
+    C.array(op, "A_log", A_log, (nv,), C.F32)
+    C.array(op, "dt_bias", dt_bias, (nv,), C.F32)
+    n_valid = C.int_scalar(op, "n_valid", n_valid)
+    args = (y, b, a, A_log, dt_bias, state, n_valid)
+    check_runnable(op, args)
+    return tuple(jax.ffi.ffi_call(
+        op,
+        (jax.ShapeDtypeStruct((m, nv, dv), C.F32),
+         jax.ShapeDtypeStruct((nv, dk, dv), C.F32)),
+        input_output_aliases={5: 1},
+    )(*args))

@@ -1,0 +1,33 @@
+"""baro_rmsnorm (zero-centred, 1 + w) and baro_gated_norm (plain w, silu(z) gate)."""
+
+from __future__ import annotations
+
+import jax
+
+from . import _check as C
+from ._lib import check_runnable
+
+
+def rmsnorm(x, w, eps):
+    """x[m,D] f32, w[D] f32 -> bf16((x * rsqrt(mean(x^2) + eps)) * (1 + w)) [m,D]."""
+    op = "baro_rmsnorm"
+    C.rank(op, "x", x, 2)
+    m, D = x.shape
+    C.array(op, "x", x, (m, D), C.F32)
+    C.array(op, "w", w, (D,), C.F32)
+    eps = C.f32_attr(op, "eps", eps)
+    check_runnable(op, (x, w))
+    return jax.ffi.ffi_call(op, jax.ShapeDtypeStruct((m, D), C.BF16))(x, w, eps=eps)
+
+
+def gated_norm(o, z, w, eps):
+    """o[m,nv,dv] f32, z[m,nv*dv] f32, w[dv] f32 -> bf16((o*r) * w * silu(z)) [m,nv*dv]."""
+    op = "baro_gated_norm"
+    C.rank(op, "o", o, 3)
+    m, nv, dv = o.shape
+    C.array(op, "o", o, (m, nv, dv), C.F32)
+    C.array(op, "z", z, (m, nv * dv), C.F32)
+    C.array(op, "w", w, (dv,), C.F32)
+    eps = C.f32_attr(op, "eps", eps)
+    check_runnable(op, (o, z, w))
+    return jax.ffi.ffi_call(op, jax.ShapeDtypeStruct((m, nv * dv), C.BF16))(o, z, w, eps=eps)

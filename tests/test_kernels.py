@@ -1,0 +1,755 @@
+"""Kernel tests for the ordered custom calls (custom_calls/).
+
+For every op and several m:
+  * bytes: m rows in one call == m calls of one row (and other splits, padded
+    chunks, permuted rows), including the state that sequential ops carry;
+  * values: within a stated tolerance of a float64 numpy reference written
+    here from docs/NUMERICS.md (and of baro_jax.ops_xla when it exists);
+  * errors: bad shapes/dtypes give clear messages.
+
+Every test takes a `platform` parameter ("cpu", or "gpu" marked `gpu`, which
+pytest deselects by default; run `pytest -m gpu` on a GPU machine).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import custom_calls as cc
+
+BF16 = ml_dtypes.bfloat16
+M_LIST = [1, 2, 5, 64, 300]
+EPS = 1e-6
+
+PLATFORMS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=PLATFORMS)
+def platform(request):
+    p = request.param
+    try:
+        devs = jax.devices(p)
+    except RuntimeError:
+        pytest.skip(f"no {p} device")
+    if p == "gpu" and not {"CUDA", "ROCM"} & set(cc.available_platforms()):
+        pytest.fail("GPU present but the baro GPU library is not loaded: "
+                    f"{cc.load_errors()}")
+    return devs[0]
+
+
+def put(dev, *arrays):
+    out = tuple(jax.device_put(a, dev) for a in arrays)
+    return out if len(out) > 1 else out[0]
+
+
+def bits(a):
+    """Raw bits of an array (bf16 -> uint16, f32 -> uint32), so NaN compares."""
+    a = np.asarray(a)
+    if a.dtype == BF16:
+        return a.view(np.uint16)
+    if a.dtype == np.float32:
+        return a.view(np.uint32)
+    return a
+
+
+def assert_same_bits(got, want, what):
+    g, w = bits(got), bits(want)
+    assert g.shape == w.shape, f"{what}: shape {g.shape} != {w.shape}"
+    if not np.array_equal(g, w):
+        bad = np.argwhere(g != w)
+        raise AssertionError(f"{what}: {len(bad)} of {g.size} elements differ in bits, "
+                             f"first at {tuple(bad[0])}")
+
+
+def assert_close(got, ref, rel, what):
+    """|got - ref| <= rel * (|ref| + max|ref|)  (relative, with a floor at the scale)."""
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
+    assert np.all(np.isfinite(got)), f"{what}: non-finite values"
+    scale = np.max(np.abs(ref)) if ref.size else 0.0
+    err = np.abs(got - ref)
+    tol = rel * (np.abs(ref) + scale)
+    if not np.all(err <= tol):
+        i = np.unravel_index(np.argmax(err - tol), err.shape)
+        raise AssertionError(f"{what}: max error {err.max():.3g} (scale {scale:.3g}); "
+                             f"worst at {i}: got {got[i]!r}, ref {ref[i]!r}")
+
+
+def bf16(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(BF16)
+
+
+def f32(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def splits_for(m, rng):
+    """Row splits: one row at a time, 1+rest, rest+1, a random split."""
+    out = {"rows": [1] * m}
+    if m >= 2:
+        out["1+rest"] = [1, m - 1]
+        out["rest+1"] = [m - 1, 1]
+    if m >= 3:
+        cuts = np.sort(rng.choice(np.arange(1, m), size=min(4, m - 1), replace=False))
+        out["random"] = list(np.diff(np.concatenate([[0], cuts, [m]])).astype(int))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# float64 numpy references (docs/NUMERICS.md), bf16 rounding points included
+# ---------------------------------------------------------------------------
+
+def f64(a):
+    return np.asarray(a).astype(np.float64)
+
+
+def rbf16(a):
+    """Round float64 values to bf16 (via f32, as the kernels do) and back."""
+    return np.asarray(a, np.float64).astype(np.float32).astype(BF16).astype(np.float64)
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def softplus(x):
+    return np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))
+
+
+def ref_matmul(x, w):
+    return f64(x) @ f64(w).T
+
+
+def ref_rmsnorm(x, w, eps):
+    x = f64(x)
+    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x * r * (1.0 + f64(w))
+
+
+def ref_gated_norm(o, z, w, eps):
+    o = f64(o)
+    m, nv, dv = o.shape
+    r = 1.0 / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + eps)
+    z = f64(z).reshape(m, nv, dv)
+    return (o * r * f64(w) * (z * sigmoid(z))).reshape(m, nv * dv)
+
+
+def rope_tables(S, R2, theta=1e4):
+    inv = theta ** (-np.arange(R2, dtype=np.float64) * 2.0 / (2 * R2))
+    ang = np.arange(S, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def ref_attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, H, eps):
+    qkv = f64(qkv)
+    kc, vc = k_cache.copy(), v_cache.copy()
+    S, Hkv, hd = kc.shape
+    R2 = cos.shape[1]
+    m = qkv.shape[0]
+
+    def norm_rope(x, w, i):
+        t = ref_rmsnorm(x[None], w, eps)[0]
+        c, s = f64(cos[i]), f64(sin[i])
+        a, b = t[:R2].copy(), t[R2:2 * R2].copy()
+        t[:R2], t[R2:2 * R2] = a * c - b * s, b * c + a * s
+        return t
+
+    for i in range(n_valid):
+        for g in range(Hkv):
+            kx = qkv[i, 2 * H * hd + g * hd: 2 * H * hd + (g + 1) * hd]
+            vx = qkv[i, 2 * H * hd + Hkv * hd + g * hd: 2 * H * hd + Hkv * hd + (g + 1) * hd]
+            kc[pos + i, g] = rbf16(norm_rope(kx, k_norm, i)).astype(BF16)
+            vc[pos + i, g] = vx.astype(np.float32).astype(BF16)
+    o = np.zeros((m, H * hd))
+    K, V = f64(kc), f64(vc)
+    for i in range(n_valid):
+        p = pos + i
+        for h in range(H):
+            g = h // (H // Hkv)
+            q = rbf16(norm_rope(qkv[i, 2 * h * hd: 2 * h * hd + hd], q_norm, i))
+            s = K[: p + 1, g] @ q / np.sqrt(hd)
+            e = np.exp(s - s.max())
+            att = (e / e.sum()) @ V[: p + 1, g]
+            o[i, h * hd:(h + 1) * hd] = att * sigmoid(qkv[i, 2 * h * hd + hd: 2 * h * hd + 2 * hd])
+    return o, kc, vc
+
+
+def ref_conv(x, w, window, n_valid):
+    u = np.concatenate([f64(window), f64(x)], axis=0)
+    m = x.shape[0]
+    W = f64(w)
+    y = np.stack([(u[t:t + 4] * W.T).sum(0) for t in range(m)]) if m else np.zeros((0, x.shape[1]))
+    y = y * sigmoid(y)
+    new_window = np.concatenate([window, x[:n_valid]], axis=0)[-3:]
+    return y, new_window
+
+
+def ref_delta(y, b, a, A_log, dt_bias, state, n_valid, nk):
+    y = f64(y)
+    S = f64(state).copy()
+    nv, dk, dv = S.shape
+    m = y.shape[0]
+    o = np.zeros((m, nv, dv))
+    for i in range(n_valid):
+        q = y[i, : nk * dk].reshape(nk, dk)
+        k = y[i, nk * dk: 2 * nk * dk].reshape(nk, dk)
+        v = y[i, 2 * nk * dk:].reshape(nv, dv)
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) / np.sqrt(dk)
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+        beta = sigmoid(f64(b[i]))
+        g = -np.exp(f64(A_log)) * softplus(f64(a[i]) + f64(dt_bias))
+        for j in range(nv):
+            kh = j // (nv // nk)
+            S[j] *= np.exp(g[j])
+            kv = S[j].T @ k[kh]
+            d = (v[j] - kv) * beta[j]
+            S[j] += np.outer(k[kh], d)
+            o[i, j] = S[j].T @ q[kh]
+    return o, S
+
+
+def ref_moe(h, router, w_gate_up, w_down, sgu, sdown, sgate, top_k):
+    h = f64(h)
+    logits = h @ f64(router).T
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    I = w_gate_up.shape[1] // 2
+    Is = sgu.shape[0] // 2
+    out = np.zeros((h.shape[0], h.shape[1]))
+    for i in range(h.shape[0]):
+        sel = np.argsort(-p[i], kind="stable")[:top_k]  # ties -> lower id
+        wts = p[i, sel] / p[i, sel].sum()
+        for e, wk in zip(sel, wts):
+            gu = f64(w_gate_up[e]) @ h[i]
+            act = rbf16(gu[:I] * sigmoid(gu[:I]) * gu[I:])
+            out[i] += wk * (f64(w_down[e]) @ act)
+        gu = f64(sgu) @ h[i]
+        act = rbf16(gu[:Is] * sigmoid(gu[:Is]) * gu[Is:])
+        out[i] += sigmoid(f64(sgate)[0] @ h[i]) * (f64(sdown) @ act)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# jitted entry points (the production path); pos / n_valid are traced
+# ---------------------------------------------------------------------------
+
+J_MATMUL = jax.jit(cc.matmul)
+J_RMSNORM = jax.jit(cc.rmsnorm, static_argnames=("eps",))
+J_GATED = jax.jit(cc.gated_norm, static_argnames=("eps",))
+J_ATT = jax.jit(cc.attention, static_argnames=("eps",))
+J_CONV = jax.jit(cc.conv)
+J_DELTA = jax.jit(cc.delta)
+J_MOE = jax.jit(cc.moe, static_argnames=("top_k",))
+
+
+def i32(v):
+    return np.asarray(v, np.int32)
+
+
+# ---------------------------------------------------------------------------
+# matmul
+# ---------------------------------------------------------------------------
+
+MM_K, MM_N = 96, 40
+
+
+@pytest.mark.parametrize("m", M_LIST)
+def test_matmul(platform, m):
+    rng = np.random.default_rng(100 + m)
+    x, w = bf16(rng, m, MM_K), bf16(rng, MM_N, MM_K)
+    full = np.asarray(J_MATMUL(*put(platform, x, w)))
+    for i in range(m):
+        one = np.asarray(J_MATMUL(*put(platform, x[i:i + 1], w)))
+        assert_same_bits(one[0], full[i], f"matmul row {i} of m={m}")
+    perm = rng.permutation(m)
+    assert_same_bits(np.asarray(J_MATMUL(*put(platform, x[perm], w))), full[perm],
+                     "matmul permuted rows")
+    # eager call = jitted call
+    assert_same_bits(np.asarray(cc.matmul(*put(platform, x, w))), full, "matmul eager vs jit")
+    assert full.dtype == np.float32
+    assert_close(full, ref_matmul(x, w), 1e-5, "matmul vs float64")
+
+
+def test_matmul_errors(platform):
+    rng = np.random.default_rng(1)
+    x, w = put(platform, bf16(rng, 3, 8), bf16(rng, 5, 8))
+    with pytest.raises(ValueError, match=r"baro_matmul: x must have dtype bfloat16.*got dtype float32"):
+        cc.matmul(x.astype(jnp.float32), w)
+    with pytest.raises(ValueError, match=r"baro_matmul: w must have shape \[\*, 8\], got shape \[5, 7\]"):
+        cc.matmul(x, w[:, :7])
+    with pytest.raises(ValueError, match=r"baro_matmul: x must have rank 2"):
+        cc.matmul(x[None], w)
+    with pytest.raises(ValueError, match=r"baro_matmul: w must have dtype bfloat16"):
+        jax.jit(cc.matmul)(x, w.astype(jnp.float16))
+
+
+# ---------------------------------------------------------------------------
+# rmsnorm, gated_norm
+# ---------------------------------------------------------------------------
+
+NORM_D = 80
+GN_NV, GN_DV = 4, 16
+
+
+@pytest.mark.parametrize("m", M_LIST)
+def test_rmsnorm(platform, m):
+    rng = np.random.default_rng(200 + m)
+    x = f32(rng, m, NORM_D, scale=3.0)
+    w = f32(rng, NORM_D, scale=0.2)
+    full = np.asarray(J_RMSNORM(*put(platform, x, w), eps=EPS))
+    assert full.dtype == BF16
+    for i in range(m):
+        one = np.asarray(J_RMSNORM(*put(platform, x[i:i + 1], w), eps=EPS))
+        assert_same_bits(one[0], full[i], f"rmsnorm row {i} of m={m}")
+    perm = rng.permutation(m)
+    assert_same_bits(np.asarray(J_RMSNORM(*put(platform, x[perm], w), eps=EPS)), full[perm],
+                     "rmsnorm permuted")
+    assert_close(full, ref_rmsnorm(x, w, EPS), 2 ** -8, "rmsnorm vs float64")
+
+
+@pytest.mark.parametrize("m", M_LIST)
+def test_gated_norm(platform, m):
+    rng = np.random.default_rng(300 + m)
+    o = f32(rng, m, GN_NV, GN_DV, scale=0.5)
+    z = f32(rng, m, GN_NV * GN_DV, scale=2.0)
+    w = f32(rng, GN_DV, scale=1.0)
+    full = np.asarray(J_GATED(*put(platform, o, z, w), eps=EPS))
+    assert full.dtype == BF16 and full.shape == (m, GN_NV * GN_DV)
+    for i in range(m):
+        one = np.asarray(J_GATED(*put(platform, o[i:i + 1], z[i:i + 1], w), eps=EPS))
+        assert_same_bits(one[0], full[i], f"gated_norm row {i} of m={m}")
+    perm = rng.permutation(m)
+    assert_same_bits(np.asarray(J_GATED(*put(platform, o[perm], z[perm], w), eps=EPS)),
+                     full[perm], "gated_norm permuted")
+    assert_close(full, ref_gated_norm(o, z, w, EPS), 2 ** -7, "gated_norm vs float64")
+
+
+def test_norm_errors(platform):
+    rng = np.random.default_rng(2)
+    x, w = put(platform, f32(rng, 3, 8), f32(rng, 8))
+    with pytest.raises(ValueError, match=r"baro_rmsnorm: w must have shape \[8\], got shape \[7\]"):
+        cc.rmsnorm(x, w[:7], EPS)
+    with pytest.raises(ValueError, match=r"baro_rmsnorm: x must have dtype float32, got dtype bfloat16"):
+        cc.rmsnorm(x.astype(jnp.bfloat16), w, EPS)
+    o, z, gw = put(platform, f32(rng, 3, 2, 4), f32(rng, 3, 8), f32(rng, 4))
+    with pytest.raises(ValueError, match=r"baro_gated_norm: z must have shape \[3, 8\], got shape \[3, 6\]"):
+        cc.gated_norm(o, z[:, :6], gw, EPS)
+    with pytest.raises(ValueError, match=r"baro_gated_norm: o must have rank 3"):
+        cc.gated_norm(z, z, gw, EPS)
+
+
+# ---------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------
+
+AT_H, AT_HKV, AT_HD, AT_R2 = 4, 2, 32, 8
+AT_POS = 37
+AT_S = AT_POS + 300 + 20
+AT_W = (2 * AT_H + 2 * AT_HKV) * AT_HD
+COS, SIN = rope_tables(AT_S + 64, AT_R2)
+
+
+def att_setup(rng, m, pos0, S=AT_S):
+    qkv = f32(rng, m, AT_W, scale=1.5)
+    qn = f32(rng, AT_HD, scale=0.2)
+    kn = f32(rng, AT_HD, scale=0.2)
+    # history rows below pos0: random; everything else poisoned with NaN
+    kc = np.full((S, AT_HKV, AT_HD), np.nan, np.float32).astype(BF16)
+    vc = kc.copy()
+    kc[:pos0] = bf16(rng, pos0, AT_HKV, AT_HD, scale=2.0)
+    vc[:pos0] = bf16(rng, pos0, AT_HKV, AT_HD)
+    return qkv, qn, kn, kc, vc
+
+
+def att_run(dev, qkv, qn, kn, kc, vc, pos0, chunks, pad_to=None, rng=None, donate=False):
+    """Runs attention over the rows of qkv in the given chunks (row counts),
+    carrying the caches; optionally pads every chunk to pad_to rows with garbage."""
+    fn = J_ATT_DONATE if donate else J_ATT
+    kc_d, vc_d = put(dev, kc, vc)
+    qn_d, kn_d = put(dev, qn, kn)
+    outs = []
+    r = 0
+    for c in chunks:
+        rows = qkv[r:r + c]
+        cos, sin = COS[pos0 + r: pos0 + r + c], SIN[pos0 + r: pos0 + r + c]
+        n = c
+        if pad_to is not None and c < pad_to:
+            extra = pad_to - c
+            rows = np.concatenate([rows, f32(rng, extra, AT_W, scale=5.0)])
+            cos = np.concatenate([cos, f32(rng, extra, AT_R2)])
+            sin = np.concatenate([sin, f32(rng, extra, AT_R2)])
+        o, kc_d, vc_d = fn(put(dev, rows), qn_d, kn_d, *put(dev, cos, sin),
+                           kc_d, vc_d, i32(pos0 + r), i32(n), eps=EPS)
+        outs.append(np.asarray(o)[:c])
+        r += c
+    return np.concatenate(outs), np.asarray(kc_d), np.asarray(vc_d)
+
+
+J_ATT_DONATE = jax.jit(cc.attention, static_argnames=("eps",), donate_argnums=(5, 6))
+
+
+@pytest.mark.parametrize("m,pos0", [(m, AT_POS) for m in M_LIST] + [(5, 0), (64, 0)])
+def test_attention(platform, m, pos0):
+    rng = np.random.default_rng(400 + m + pos0)
+    qkv, qn, kn, kc, vc = att_setup(rng, m, pos0)
+    o_full, kc_full, vc_full = att_run(platform, qkv, qn, kn, kc, vc, pos0, [m])
+    assert o_full.dtype == BF16 and o_full.shape == (m, AT_H * AT_HD)
+
+    # bytes: every split (incl. one row per call) gives the same outputs and caches
+    for name, chunks in splits_for(m, rng).items():
+        o, k2, v2 = att_run(platform, qkv, qn, kn, kc, vc, pos0, chunks)
+        assert_same_bits(o, o_full, f"attention o, split {name}, m={m}")
+        assert_same_bits(k2, kc_full, f"attention k_cache, split {name}, m={m}")
+        assert_same_bits(v2, vc_full, f"attention v_cache, split {name}, m={m}")
+    # padded chunks (n_valid < rows), as a prefill with chunk 7 / one padded call
+    for pad_chunk in (7, m + 5):
+        chunks = [min(pad_chunk, m - r) for r in range(0, m, pad_chunk)]
+        o, k2, v2 = att_run(platform, qkv, qn, kn, kc, vc, pos0, chunks, pad_to=pad_chunk, rng=rng)
+        assert_same_bits(o, o_full, f"attention o, padded chunk {pad_chunk}, m={m}")
+        assert_same_bits(k2, kc_full, f"attention k_cache, padded chunk {pad_chunk}, m={m}")
+        assert_same_bits(v2, vc_full, f"attention v_cache, padded chunk {pad_chunk}, m={m}")
+    # donated (truly in-place) caches give the same bytes
+    o, k2, v2 = att_run(platform, qkv, qn, kn, kc, vc, pos0, [m], donate=True)
+    assert_same_bits(o, o_full, "attention o, donated caches")
+    assert_same_bits(k2, kc_full, "attention k_cache, donated caches")
+
+    # untouched cache rows are unchanged (history and the NaN poison)
+    for name, c_full, c0 in (("k", kc_full, kc), ("v", vc_full, vc)):
+        assert_same_bits(c_full[:pos0], c0[:pos0], f"{name}_cache history rows")
+        assert_same_bits(c_full[pos0 + m:], c0[pos0 + m:], f"{name}_cache rows past pos+m")
+        assert not np.any(np.isnan(c_full[pos0:pos0 + m].astype(np.float32))), \
+            f"{name}_cache rows pos..pos+m not all written"
+
+    # values vs float64 reference
+    o_ref, kc_ref, vc_ref = ref_attention(qkv, qn, kn, COS[pos0:pos0 + m], SIN[pos0:pos0 + m],
+                                          kc, vc, pos0, m, AT_H, EPS)
+    assert_close(kc_full[pos0:pos0 + m], kc_ref[pos0:pos0 + m], 2 ** -7, "k_cache vs float64")
+    assert_same_bits(vc_full, vc_ref, "v_cache vs reference (plain bf16 cast)")
+    assert_close(o_full, o_ref, 1e-2, "attention o vs float64")
+
+
+def test_attention_no_recompile_and_nvalid0(platform):
+    rng = np.random.default_rng(5)
+    qkv, qn, kn, kc, vc = att_setup(rng, 3, 10)
+    f = jax.jit(cc.attention, static_argnames=("eps",))
+    args = put(platform, qkv, qn, kn, COS[10:13], SIN[10:13], kc, vc)
+    o1, k1, v1 = f(*args, i32(10), i32(3), eps=EPS)
+    n_compiled = f._cache_size()
+    f(*args, i32(11), i32(2), eps=EPS)
+    assert f._cache_size() == n_compiled, "pos / n_valid changes must not recompile"
+    # n_valid = 0 leaves the caches untouched
+    _, k0, v0 = f(*args, i32(10), i32(0), eps=EPS)
+    assert_same_bits(k0, kc, "k_cache after n_valid=0")
+    assert_same_bits(v0, vc, "v_cache after n_valid=0")
+    # Python ints are accepted for pos / n_valid (eager)
+    o2, _, _ = cc.attention(*args, 10, 3, eps=EPS)
+    assert_same_bits(o2, o1, "attention with Python int pos")
+
+
+def test_attention_errors(platform):
+    rng = np.random.default_rng(6)
+    qkv, qn, kn, kc, vc = att_setup(rng, 3, 4, S=16)
+    cos, sin = COS[:3], SIN[:3]
+    a = put(platform, qkv, qn, kn, cos, sin, kc, vc)
+    with pytest.raises(ValueError, match=r"baro_attention: qkv must have shape \[m, \(2\*H \+ 2\*Hkv\)\*hd\]"):
+        cc.attention(a[0][:, :-AT_HD], *a[1:], 4, 3)
+    with pytest.raises(ValueError, match=r"baro_attention: k_cache must have dtype bfloat16.*got dtype float32"):
+        cc.attention(*a[:5], a[5].astype(jnp.float32), a[6], 4, 3)
+    with pytest.raises(ValueError, match=r"baro_attention: v_cache must have shape \[16, 2, 32\], got shape \[16, 2, 16\]"):
+        cc.attention(*a[:6], a[6][..., :16], 4, 3)
+    with pytest.raises(ValueError, match=r"baro_attention: sin must have shape \[3, 8\]"):
+        cc.attention(*a[:4], a[4][:2], *a[5:], 4, 3)
+    with pytest.raises(ValueError, match=r"baro_attention: qkv must have dtype float32"):
+        cc.attention(a[0].astype(jnp.bfloat16), *a[1:], 4, 3)
+    with pytest.raises(ValueError, match=r"baro_attention: pos must be an int32 scalar, got dtype float32"):
+        cc.attention(*a, jnp.float32(4), 3)
+    with pytest.raises(ValueError, match=r"baro_attention: n_valid must be a scalar"):
+        cc.attention(*a, 4, jnp.array([3], jnp.int32))
+
+
+CPU = jax.devices("cpu")[0]
+
+
+def test_attention_runtime_checks():
+    """Value checks done by the CPU handler (GPU kernels cannot check traced
+    values without a sync, so this runs on CPU only)."""
+    rng = np.random.default_rng(7)
+    qkv, qn, kn, kc, vc = att_setup(rng, 3, 4, S=16)
+    a = put(CPU, qkv, qn, kn, COS[:3], SIN[:3], kc, vc)
+    with pytest.raises(Exception, match=r"pos \+ n_valid = 14 \+ 3 exceeds the cache length S=16"):
+        J_ATT(*a, i32(14), i32(3), eps=EPS)[0].block_until_ready()
+    with pytest.raises(Exception, match=r"n_valid must be in \[0, m=3\], got 4"):
+        J_ATT(*a, i32(0), i32(4), eps=EPS)[0].block_until_ready()
+    with pytest.raises(Exception, match=r"pos must be >= 0, got -1"):
+        J_ATT(*a, i32(-1), i32(1), eps=EPS)[0].block_until_ready()
+
+
+def test_handler_validates_shapes():
+    """The C++ handlers validate shapes themselves (bypassing the Python checks)."""
+    with jax.default_device(CPU):
+        _handler_validates_shapes()
+
+
+def _handler_validates_shapes():
+    x = jnp.zeros((3, 8), jnp.bfloat16)
+    w = jnp.zeros((5, 7), jnp.bfloat16)
+    call = jax.ffi.ffi_call("baro_matmul", jax.ShapeDtypeStruct((3, 5), jnp.float32))
+    with pytest.raises(Exception, match=r"baro_matmul: w must have shape \[N, K\] with K = x.shape\[1\] = 8, got \[5, 7\]"):
+        call(x, w).block_until_ready()
+    st = jnp.zeros((4, 16, 16), jnp.float32)
+    call = jax.ffi.ffi_call("baro_delta", (jax.ShapeDtypeStruct((2, 4, 16), jnp.float32), st))
+    y = jnp.zeros((2, 100), jnp.float32)
+    with pytest.raises(Exception, match=r"baro_delta: y width 100 must be 2\*nk\*dk \+ nv\*dv"):
+        call(y, jnp.zeros((2, 4)), jnp.zeros((2, 4)), jnp.zeros(4), jnp.zeros(4), st,
+             jnp.int32(2))[0].block_until_ready()
+
+
+# ---------------------------------------------------------------------------
+# conv
+# ---------------------------------------------------------------------------
+
+CV_C = 48
+
+
+def seq_run(dev, fn, row_inputs, consts, state, chunks, pad_to=None, rng=None, pad_maker=None):
+    """Generic driver for the carried-state ops: fn(*rows, *consts, state, n_valid)
+    -> (out, state). Returns (concatenated outputs of the valid rows, final state)."""
+    state = put(dev, state)
+    consts = [put(dev, c) for c in consts]
+    outs, r = [], 0
+    for c in chunks:
+        rows = [a[r:r + c] for a in row_inputs]
+        if pad_to is not None and c < pad_to:
+            rows = [np.concatenate([a, pad_maker(rng, pad_to - c, a)]) for a in rows]
+        o, state = fn(*put(dev, *rows) if len(rows) > 1 else (put(dev, rows[0]),),
+                      *consts, state, i32(c))
+        outs.append(np.asarray(o)[:c])
+        r += c
+    return np.concatenate(outs), np.asarray(state)
+
+
+def garbage_like(rng, n, a):
+    return (rng.standard_normal((n,) + a.shape[1:]) * 7).astype(np.float32).astype(a.dtype)
+
+
+def conv_fn(x, w, window, n_valid):
+    return J_CONV(x, w, window, n_valid)
+
+
+@pytest.mark.parametrize("m", M_LIST)
+def test_conv(platform, m):
+    rng = np.random.default_rng(500 + m)
+    x, w, win = bf16(rng, m, CV_C), bf16(rng, CV_C, 4, scale=0.5), bf16(rng, 3, CV_C)
+    y_full, win_full = seq_run(platform, conv_fn, [x], [w], win, [m])
+    assert y_full.dtype == np.float32 and win_full.dtype == BF16
+    for name, chunks in splits_for(m, rng).items():
+        y, wn = seq_run(platform, conv_fn, [x], [w], win, chunks)
+        assert_same_bits(y, y_full, f"conv y, split {name}, m={m}")
+        assert_same_bits(wn, win_full, f"conv window, split {name}, m={m}")
+    for pad_chunk in (7, m + 5):
+        chunks = [min(pad_chunk, m - r) for r in range(0, m, pad_chunk)]
+        y, wn = seq_run(platform, conv_fn, [x], [w], win, chunks, pad_to=pad_chunk, rng=rng,
+                        pad_maker=garbage_like)
+        assert_same_bits(y, y_full, f"conv y, padded chunk {pad_chunk}, m={m}")
+        assert_same_bits(wn, win_full, f"conv window, padded chunk {pad_chunk}, m={m}")
+    # n_valid = 0: window unchanged
+    _, wn = J_CONV(*put(platform, x, w, win), i32(0))
+    assert_same_bits(wn, win, "conv window after n_valid=0")
+    y_ref, win_ref = ref_conv(x, w, win, m)
+    assert_same_bits(win_full, win_ref, "conv window vs reference")
+    assert_close(y_full, y_ref, 1e-5, "conv y vs float64")
+
+
+def test_conv_errors(platform):
+    rng = np.random.default_rng(8)
+    x, w, win = put(platform, bf16(rng, 3, 8), bf16(rng, 8, 4), bf16(rng, 3, 8))
+    with pytest.raises(ValueError, match=r"baro_conv: w must have shape \[8, 4\], got shape \[8, 3\]"):
+        cc.conv(x, w[:, :3], win, 3)
+    with pytest.raises(ValueError, match=r"baro_conv: window must have shape \[3, 8\], got shape \[2, 8\]"):
+        cc.conv(x, w, win[:2], 3)
+    with pytest.raises(ValueError, match=r"baro_conv: x must have dtype bfloat16.*got dtype float32"):
+        cc.conv(x.astype(jnp.float32), w, win, 3)
+
+
+def test_conv_runtime_checks():
+    rng = np.random.default_rng(9)
+    x, w, win = put(CPU, bf16(rng, 3, 8), bf16(rng, 8, 4), bf16(rng, 3, 8))
+    with pytest.raises(Exception, match=r"baro_conv: n_valid must be in \[0, m=3\], got 5"):
+        J_CONV(x, w, win, i32(5))[0].block_until_ready()
+
+
+# ---------------------------------------------------------------------------
+# delta
+# ---------------------------------------------------------------------------
+
+DT_NK, DT_NV, DT_DK, DT_DV = 2, 4, 16, 16
+DT_C = 2 * DT_NK * DT_DK + DT_NV * DT_DV
+
+
+def delta_fn(y, b, a, A_log, dt_bias, state, n_valid):
+    return J_DELTA(y, b, a, A_log, dt_bias, state, n_valid)
+
+
+def delta_setup(rng, m):
+    y = f32(rng, m, DT_C)
+    b = f32(rng, m, DT_NV, scale=2.0)
+    a = f32(rng, m, DT_NV, scale=2.0)
+    A_log = f32(rng, DT_NV, scale=0.5)
+    dt_bias = f32(rng, DT_NV, scale=0.5)
+    state = f32(rng, DT_NV, DT_DK, DT_DV, scale=0.3)
+    return y, b, a, A_log, dt_bias, state
+
+
+@pytest.mark.parametrize("m", M_LIST)
+def test_delta(platform, m):
+    rng = np.random.default_rng(600 + m)
+    y, b, a, A_log, dt_bias, state = delta_setup(rng, m)
+    args = ([y, b, a], [A_log, dt_bias], state)
+    o_full, s_full = seq_run(platform, delta_fn, *args, [m])
+    assert o_full.shape == (m, DT_NV, DT_DV) and s_full.dtype == np.float32
+    for name, chunks in splits_for(m, rng).items():
+        o, s = seq_run(platform, delta_fn, *args, chunks)
+        assert_same_bits(o, o_full, f"delta o, split {name}, m={m}")
+        assert_same_bits(s, s_full, f"delta state, split {name}, m={m}")
+    for pad_chunk in (7, m + 5):
+        chunks = [min(pad_chunk, m - r) for r in range(0, m, pad_chunk)]
+        o, s = seq_run(platform, delta_fn, *args, chunks, pad_to=pad_chunk, rng=rng,
+                       pad_maker=garbage_like)
+        assert_same_bits(o, o_full, f"delta o, padded chunk {pad_chunk}, m={m}")
+        assert_same_bits(s, s_full, f"delta state, padded chunk {pad_chunk}, m={m}")
+    _, s0 = J_DELTA(*put(platform, y, b, a, A_log, dt_bias, state), i32(0))
+    assert_same_bits(s0, state, "delta state after n_valid=0")
+    o_ref, s_ref = ref_delta(y, b, a, A_log, dt_bias, state, m, DT_NK)
+    assert_close(o_full, o_ref, 1e-4, "delta o vs float64")
+    assert_close(s_full, s_ref, 1e-4, "delta state vs float64")
+
+
+def test_delta_errors(platform):
+    rng = np.random.default_rng(10)
+    y, b, a, A_log, dt_bias, state = put(platform, *delta_setup(rng, 3))
+    with pytest.raises(ValueError, match=r"baro_delta: y must have shape \[m, 2\*nk\*dk \+ nv\*dv\]"):
+        cc.delta(y[:, :-1], b, a, A_log, dt_bias, state, 3)
+    with pytest.raises(ValueError, match=r"baro_delta: A_log must have shape \[4\], got shape \[3\]"):
+        cc.delta(y, b, a, A_log[:3], dt_bias, state, 3)
+    with pytest.raises(ValueError, match=r"baro_delta: state must have dtype float32, got dtype bfloat16"):
+        cc.delta(y, b, a, A_log, dt_bias, state.astype(jnp.bfloat16), 3)
+    with pytest.raises(ValueError, match=r"baro_delta: b must have shape \[3, 4\]"):
+        cc.delta(y, b[:2], a, A_log, dt_bias, state, 3)
+
+
+# ---------------------------------------------------------------------------
+# moe
+# ---------------------------------------------------------------------------
+
+MO_D, MO_E, MO_I, MO_IS, MO_K = 32, 8, 16, 24, 3
+
+
+def moe_weights(rng):
+    return (bf16(rng, MO_E, MO_D, scale=0.5),            # router
+            bf16(rng, MO_E, 2 * MO_I, MO_D, scale=0.3),  # w_gate_up
+            bf16(rng, MO_E, MO_D, MO_I, scale=0.3),      # w_down
+            bf16(rng, 2 * MO_IS, MO_D, scale=0.3),       # shared_gate_up
+            bf16(rng, MO_D, MO_IS, scale=0.3),           # shared_down
+            bf16(rng, 1, MO_D, scale=0.3))               # shared_gate
+
+
+@pytest.mark.parametrize("m", M_LIST)
+def test_moe(platform, m):
+    rng = np.random.default_rng(700 + m)
+    h = bf16(rng, m, MO_D)
+    wts = moe_weights(rng)
+    wd = put(platform, *wts)
+    full = np.asarray(J_MOE(put(platform, h), *wd, top_k=MO_K))
+    assert full.dtype == np.float32 and full.shape == (m, MO_D)
+    for i in range(m):
+        one = np.asarray(J_MOE(put(platform, h[i:i + 1]), *wd, top_k=MO_K))
+        assert_same_bits(one[0], full[i], f"moe row {i} of m={m}")
+    perm = rng.permutation(m)
+    assert_same_bits(np.asarray(J_MOE(put(platform, h[perm]), *wd, top_k=MO_K)), full[perm],
+                     "moe permuted rows")
+    assert_close(full, ref_moe(h, *wts, MO_K), 1e-3, "moe vs float64")
+
+
+def test_moe_ties_to_lower_id(platform):
+    rng = np.random.default_rng(11)
+    h = bf16(rng, 6, MO_D)
+    router, gu, down, sgu, sdown, sgate = moe_weights(rng)
+    # experts 2 and 5 get identical (dominant) router rows: exact ties in p
+    router[5] = router[2] = (np.asarray(router[2], np.float32) * 8).astype(BF16)
+    h = np.concatenate([h, -h])  # half the rows prefer the tied pair
+    wts = (router, gu, down, sgu, sdown, sgate)
+    for k in (1, 2, 4):
+        got = np.asarray(J_MOE(*put(platform, h, *wts), top_k=k))
+        assert_close(got, ref_moe(h, *wts, k), 1e-3, f"moe with ties, top_k={k}")
+
+
+def test_moe_errors(platform):
+    rng = np.random.default_rng(12)
+    h = put(platform, bf16(rng, 3, MO_D))
+    wts = list(put(platform, *moe_weights(rng)))
+    with pytest.raises(ValueError, match=r"baro_moe: top_k=9 exceeds the number of experts E=8"):
+        cc.moe(h, *wts, 9)
+    with pytest.raises(ValueError, match=r"baro_moe: w_down must have shape \[8, 32, 16\], got shape \[8, 32, 15\]"):
+        cc.moe(h, wts[0], wts[1], wts[2][..., :15], *wts[3:], 2)
+    with pytest.raises(ValueError, match=r"baro_moe: h must have dtype bfloat16.*got dtype float32"):
+        cc.moe(h.astype(jnp.float32), *wts, 2)
+    with pytest.raises(ValueError, match=r"baro_moe: shared_gate must have shape \[1, 32\]"):
+        cc.moe(h, *wts[:5], wts[5][0], 2)
+
+
+# ---------------------------------------------------------------------------
+# against baro_jax.ops_xla (the jnp reference backend), when it exists
+# ---------------------------------------------------------------------------
+
+HAVE_OPS_XLA = importlib.util.find_spec("baro_jax") is not None and \
+    importlib.util.find_spec("baro_jax.ops_xla") is not None
+
+
+@pytest.mark.skipif(not HAVE_OPS_XLA, reason="baro_jax.ops_xla not written yet")
+@pytest.mark.parametrize("op", ["matmul", "rmsnorm", "gated_norm", "attention", "conv",
+                                "delta", "moe"])
+def test_vs_ops_xla(platform, op):
+    import baro_jax.ops_xla as X
+    rng = np.random.default_rng(800)
+    m = 9
+    if op == "matmul":
+        a = put(platform, bf16(rng, m, MM_K), bf16(rng, MM_N, MM_K))
+        assert_close(cc.matmul(*a), X.matmul(*a), 1e-5, "matmul vs ops_xla")
+    elif op == "rmsnorm":
+        a = put(platform, f32(rng, m, NORM_D), f32(rng, NORM_D, scale=0.2))
+        assert_close(cc.rmsnorm(*a, EPS), X.rmsnorm(*a, EPS), 2 ** -7, "rmsnorm vs ops_xla")
+    elif op == "gated_norm":
+        a = put(platform, f32(rng, m, GN_NV, GN_DV), f32(rng, m, GN_NV * GN_DV), f32(rng, GN_DV))
+        assert_close(cc.gated_norm(*a, EPS), X.gated_norm(*a, EPS), 2 ** -6, "gated_norm vs ops_xla")
+    elif op == "attention":
+        qkv, qn, kn, kc, vc = att_setup(rng, m, AT_POS)
+        # ops_xla attends over the whole cache with a mask, so unwritten rows must
+        # be finite there (the engine zero-initialises caches); no NaN poison here.
+        kc[AT_POS:], vc[AT_POS:] = 0, 0
+        a = put(platform, qkv, qn, kn, COS[AT_POS:AT_POS + m], SIN[AT_POS:AT_POS + m], kc, vc)
+        got = cc.attention(*a, i32(AT_POS), i32(m), eps=EPS)
+        ref = X.attention(*a, i32(AT_POS), i32(m), num_heads=AT_H, num_kv_heads=AT_HKV, eps=EPS)
+        assert_close(got[0], ref[0], 2e-2, "attention o vs ops_xla")
+        sl = slice(AT_POS, AT_POS + m)
+        assert_close(np.asarray(got[1])[sl], np.asarray(ref[1])[sl], 2 ** -7, "k_cache vs ops_xla")
+    elif op == "conv":
+        a = put(platform, bf16(rng, m, CV_C), bf16(rng, CV_C, 4, scale=0.5), bf16(rng, 3, CV_C))
+        got, ref = cc.conv(*a, i32(m)), X.conv(*a, i32(m))
+        assert_close(got[0], ref[0], 1e-5, "conv y vs ops_xla")
+        assert_same_bits(got[1], ref[1], "conv window vs ops_xla")
+    elif op == "delta":
+        a = put(platform, *delta_setup(rng, m))
+        got, ref = cc.delta(*a, i32(m)), X.delta(*a, i32(m), nk=DT_NK, dk=DT_DK)
+        assert_close(got[0], ref[0], 1e-4, "delta o vs ops_xla")
+        assert_close(got[1], ref[1], 1e-4, "delta state vs ops_xla")
+    elif op == "moe":
+        h = put(platform, bf16(rng, m, MO_D))
+        w = put(platform, *moe_weights(rng))
+        assert_close(cc.moe(h, *w, MO_K), X.moe(h, *w, top_k=MO_K), 1e-3, "moe vs ops_xla")

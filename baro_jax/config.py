@@ -143,6 +143,15 @@ def from_hf_dict(raw: dict, max_context: int | None = None) -> Config:
             raise ConfigError("qwen3_next with mlp_only_layers (dense MLP layers) is not supported")
         if int(d.get("decoder_sparse_step", 1)) != 1:
             raise ConfigError("qwen3_next with decoder_sparse_step != 1 is not supported")
+    if mt == "qwen3_next" and d.get("norm_topk_prob", True) is False:
+        raise ConfigError("qwen3_next with norm_topk_prob=false is not supported (top-k weights are always renormalised)")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+    if d.get("attention_bias"):
+        raise ConfigError("attention_bias=true is not supported")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in (None, "default"):
+        raise ConfigError(f"rope_type {rope_type!r} is not supported (only plain rope, 'default')")
     if d.get("attn_output_gate") is False:
         raise ConfigError("attn_output_gate=false is not supported (both architectures gate attention)")
     return cfg.validate()

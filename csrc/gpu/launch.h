@@ -1,0 +1,95 @@
+// baro_jax GPU: framework-free host launchers (pointers, sizes, a stream).
+// The FFI handlers in csrc/gpu/*.cu validate shapes and call these. Every
+// launcher only enqueues work on `stream` (never synchronises, never copies to
+// the host) and returns the status of the last launch (gpuGetLastError).
+// Device scalars (pos, n_valid) are read by the kernels.
+#pragma once
+
+#include <cstdint>
+
+#include "gemm.cuh"
+#include "portability.h"
+
+namespace baro_gpu {
+
+// ---- GEMM (gemm.cu) ----
+enum class GemmConfig { kSmall, kLarge };  // BM x BN = 16 x 32 or 64 x 64
+int gemm_bm(GemmConfig cfg);
+// Plain: small when m <= 16.
+GemmConfig gemm_pick(int64_t m);
+// Enqueues gemm_kernel over grid (row_slots, ceil(N / BN)). Fills p.vec.
+gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStream_t stream);
+// y[m,N] = x[m,K] . w[N,K]^T
+gpuError_t launch_matmul(const uint16_t* x, const uint16_t* w, float* y, int64_t m, int64_t N,
+                         int64_t K, gpuStream_t stream);
+
+// ---- norms (norm.cu) ----
+gpuError_t launch_rmsnorm(const float* x, const float* w, uint16_t* y, int64_t m, int64_t D,
+                          float eps, gpuStream_t stream);
+// o: [rows, dv] with rows = m*nv; z, y: [rows, dv]
+gpuError_t launch_gated_norm(const float* o, const float* z, const float* w, uint16_t* y,
+                             int64_t rows, int64_t dv, float eps, gpuStream_t stream);
+
+// ---- attention (attention.cu) ----
+struct AttentionArgs {
+  const float* qkv;  // [m, (2H+2Hkv)*hd]
+  const float* q_norm;
+  const float* k_norm;
+  const float* cos;  // [m, R2]
+  const float* sin;
+  uint16_t* k_cache;  // [S, Hkv, hd] (already holding the old contents)
+  uint16_t* v_cache;
+  const int32_t* pos;      // device scalar
+  const int32_t* n_valid;  // device scalar
+  uint16_t* out;           // [m, H*hd]
+  int64_t m, S;
+  int H, Hkv, hd, R2;
+  float eps, scale;
+};
+constexpr int kAttnMaxHeadDim = 256;
+// Checks hd/alignment limits; "" when fine, else a message.
+const char* attention_unsupported(const AttentionArgs& a);
+// Device scratch launch_attention needs (0 when m > 16: no scratch).
+size_t attention_scratch_bytes(const AttentionArgs& a);
+gpuError_t launch_attention(const AttentionArgs& a, void* scratch, gpuStream_t stream);
+
+// ---- Gated DeltaNet (deltanet.cu) ----
+gpuError_t launch_conv(const uint16_t* x, const uint16_t* w, const uint16_t* win_in,
+                       uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m,
+                       int64_t C, gpuStream_t stream);
+struct DeltaArgs {
+  const float* y;  // [m, 2*nk*dk + nv*dv]
+  const float* b;  // [m, nv]
+  const float* a;  // [m, nv]
+  const float* A_log;
+  const float* dt_bias;
+  const float* state_in;  // [nv, dk, dv]
+  float* state_out;       // may equal state_in
+  const int32_t* n_valid;
+  float* o;  // [m, nv, dv]
+  int64_t m;
+  int nk, nv, dk, dv;
+  float scale;
+};
+bool delta_supported_dk(int dk);
+gpuError_t launch_delta(const DeltaArgs& a, gpuStream_t stream);
+
+// ---- MoE (moe.cu) ----
+struct MoeArgs {
+  const uint16_t* h;       // [m, D]
+  const uint16_t* router;  // [E, D]
+  const uint16_t* w_gate_up;  // [E, 2I, D]
+  const uint16_t* w_down;     // [E, D, I]
+  const uint16_t* s_gate_up;  // [2Is, D]
+  const uint16_t* s_down;     // [D, Is]
+  const uint16_t* s_gate;     // [1, D]
+  float* out;                 // [m, D]
+  int64_t m, D, E, I, Is;
+  int top_k;
+};
+constexpr int kMoeMaxExperts = 8192;
+// Bytes of device scratch launch_moe needs (256-byte aligned pieces).
+size_t moe_scratch_bytes(const MoeArgs& a);
+gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream);
+
+}  // namespace baro_gpu

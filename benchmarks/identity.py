@@ -108,6 +108,8 @@ def main(argv=None) -> int:
             print(f"{p['name']:>8} {len(ids):>6} {c:>6} {'same' if d is None else 'DIFF':>8} "
                   f"{'same' if same_logits else 'DIFF':>7} {'same' if same_tokens else 'DIFF':>7}  {d or ''}",
                   flush=True)
+        # written after every prompt so a run cut short still leaves its evidence
+        write_json(args.json, {"summary": {"pass": None, "partial": True, "cases": len(rows)}, "rows": rows})
     summary = {"pass": failures == 0, "failures": failures, "cases": len(rows), "model": args.model,
                "backend": args.backend, "chunks": chunks, "new_tokens": args.new_tokens,
                "prompts_file": os.path.relpath(args.prompts, os.path.dirname(HERE)),

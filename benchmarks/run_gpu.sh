@@ -10,12 +10,13 @@ cd "$(dirname "$0")/.."
 log() { echo "=== $(date +%T) $*" | tee -a "$OUT/stages.txt"; }
 stage_build() {
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-  BARO_GPU=cuda pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; return 1; }
+  if [ -n "${BARO_LIB_DIR:-}" ]; then echo "using prebuilt libraries in $BARO_LIB_DIR"; export PYTHONPATH=$PWD; else
+  BARO_GPU=cuda pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; return 1; }; fi
   python -c "import custom_calls, jax; print(custom_calls.available_platforms(), jax.devices())"
 }
 stage_kernels() { python -m pytest -m gpu tests/test_kernels.py -q 2>&1 | tee "$OUT/gpu_kernel_tests.txt" | tail -25; }
 stage_tiny() {
-  python benchmarks/identity.py --model tiny --chunks 7,16,37,64 --json "$OUT/identity_tiny_gpu.json" 2>&1 | tail -6
+  python benchmarks/identity.py --model tiny --chunks 7,16,37,64 --max-len 1100 --json "$OUT/identity_tiny_gpu.json" 2>&1 | tail -6
 }
 stage_ops() { python benchmarks/op_times.py --m 1,256,1024 --json "$OUT/op_times_h200.json" 2>&1 | tail -30; }
 stage_probe() {
@@ -30,7 +31,7 @@ for mode, c in (("batch", 256), ("batch", 256), ("replay", None), ("replay", Non
 PY
 }
 stage_full() {
-  python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks 256,1024,2048 --max-len "${FULL_MAX_LEN:-2600}" \
+  python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks 256,1024,2048 --prompts benchmarks/prompts/identity_gpu.jsonl \
     --max-context 8192 --json "$OUT/identity_qwen35_h200.json" 2>&1 | tail -40
 }
 stage_speed() {

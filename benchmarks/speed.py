@@ -104,6 +104,7 @@ def main(argv=None) -> int:
         if "tokens_per_s" in bo and "tokens_per_s" in ro:
             row["batch_over_replay"] = bo["tokens_per_s"] / ro["tokens_per_s"]
         results.append(row)
+        write_json(args.json, {"summary": {"model": args.model, "partial": True}, "rows": results})
     ok = all(v for row in results for arm in row.values() if isinstance(arm, dict)
              for k, v in arm.items() if k.startswith("logits_equal"))
     write_json(args.json, {"summary": {"model": args.model, "checks_pass": ok, **provenance()}, "rows": results})

@@ -11,13 +11,17 @@ import subprocess
 def provenance() -> dict:
     import jax
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                    text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip())
-    except OSError:
-        commit, dirty = "unknown", False
+    here = os.path.dirname(os.path.abspath(__file__))
+    commit, dirty = os.environ.get("BARO_COMMIT", ""), False
+    if not commit:
+        try:
+            r = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True, cwd=here)
+            commit = r.stdout.strip() if r.returncode == 0 else "unknown (no git history; set BARO_COMMIT)"
+            dirty = r.returncode == 0 and bool(subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                cwd=here).stdout.strip())
+        except OSError:
+            commit = "unknown (git not found; set BARO_COMMIT)"
     dev = jax.devices()[0]
     return {
         "device": f"{dev.platform}:{getattr(dev, 'device_kind', '')}",

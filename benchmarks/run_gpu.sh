@@ -6,6 +6,7 @@ set -u
 OUT=${OUT:-/tmp/baro_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export BARO_COMMIT=${BARO_COMMIT:-$(git rev-parse --verify HEAD 2>/dev/null)}
 cd "$(dirname "$0")/.."
 log() { echo "=== $(date +%T) $*" | tee -a "$OUT/stages.txt"; }
 stage_build() {

@@ -21,11 +21,11 @@ from .ops import get_ops
 from .sampling import Sampler, Sampling
 
 PREFILL_MODES = ("batch", "replay")
-DEFAULT_CHUNK = 256
+DEFAULT_CHUNK = 1024  # the largest chunk a request uses unless --chunk says otherwise
 MIN_STATE_LEN = 1024
 
 
-def env_prefill_mode(default: str = "replay") -> str:
+def env_prefill_mode(default: str = "batch") -> str:
     v = os.environ.get("BARO_PREFILL")
     if v is None or v == "":
         return default
@@ -34,7 +34,8 @@ def env_prefill_mode(default: str = "replay") -> str:
     return "batch" if v == "1" else "replay"
 
 
-def env_chunk(default: int = DEFAULT_CHUNK) -> int:
+def env_chunk(default: int | None = None) -> int | None:
+    """BARO_PREFILL_C, or `default` (None: pick per prompt, see default_chunk)."""
     v = os.environ.get("BARO_PREFILL_C")
     if not v:
         return default
@@ -81,6 +82,14 @@ class GenerateResult:
             "decode_tokens_per_s": self.decode_tokens_per_s, "model": self.model, "backend": self.backend,
             "prefill_mode": self.prefill_mode, "chunk": self.chunk,
         }
+
+
+def default_chunk(n_prompt: int) -> int:
+    """DEFAULT_CHUNK, shrunk to a power of two >= the prompt so short prompts are not padded to 1024 rows."""
+    c = 16
+    while c < n_prompt and c < DEFAULT_CHUNK:
+        c *= 2
+    return c
 
 
 def state_length(n: int, max_context: int) -> int:
@@ -142,7 +151,7 @@ class Engine:
         toks[:n] = ids
         return self._step(self.params, state, jnp.asarray(toks), jnp.int32(pos), jnp.int32(n), self.rope)
 
-    def prefill(self, ids: Sequence[int], mode: str = "replay", chunk: int | None = None, state=None,
+    def prefill(self, ids: Sequence[int], mode: str = "batch", chunk: int | None = None, state=None,
                 n_new: int = 0, progress: Callable[[int, int], None] | None = None) -> PrefillResult:
         if mode not in PREFILL_MODES:
             raise ValueError(f"unknown prefill mode {mode!r}; choose batch or replay")
@@ -150,7 +159,7 @@ class Engine:
         self.check_fits(len(ids), n_new)
         if state is None:
             state = self.new_state(state_length(len(ids) + n_new, self.cfg.max_context))
-        chunk = chunk or DEFAULT_CHUNK
+        chunk = chunk or default_chunk(len(ids))
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         t0 = time.perf_counter()
@@ -182,7 +191,7 @@ class Engine:
             return self.tokenizer.encode(prompt)
         return [int(i) for i in prompt]
 
-    def generate(self, prompt, max_new_tokens: int = 64, *, prefill: str = "replay", chunk: int | None = None,
+    def generate(self, prompt, max_new_tokens: int = 64, *, prefill: str = "batch", chunk: int | None = None,
                  sampling: Sampling = Sampling(), on_token: Callable[[int], None] | None = None,
                  stop_at_eos: bool = True, keep_state: bool = False) -> GenerateResult:
         ids = self.check_ids(self.encode(prompt))
@@ -213,7 +222,7 @@ class Engine:
             prefill_seconds=pre.seconds, prefill_tokens_per_s=pre.tokens_per_s,
             decode_tokens_per_s=(n_dec / dt if dt > 0 and n_dec else 0.0),
             model=self.name, backend=self.backend, prefill_mode=prefill,
-            chunk=(chunk or DEFAULT_CHUNK) if prefill == "batch" else None,
+            chunk=(chunk or default_chunk(len(ids))) if prefill == "batch" else None,
             last_prompt_logits=last_logits, state=state if keep_state else None)
 
 

@@ -19,8 +19,9 @@ def parse_args(argv=None):
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prefill", choices=["batch", "replay"], default=None,
-                   help="batch: chunked prefill; replay: the decode step per prompt token (env BARO_PREFILL=1|0)")
-    p.add_argument("--chunk", type=int, default=None, help="prefill chunk size (env BARO_PREFILL_C)")
+                   help="batch (default): chunked prefill, bit-identical to replay on the ordered backend; "
+                        "replay: the decode step per prompt token (env BARO_PREFILL=1|0)")
+    p.add_argument("--chunk", type=int, default=None, help="prefill chunk size (env BARO_PREFILL_C; default 1024, smaller for short prompts)")
     p.add_argument("--backend", choices=["ordered", "xla"], default=None,
                    help="ordered: row-invariant custom calls (default when built); xla: plain jnp")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")

@@ -23,6 +23,8 @@ from .sampling import Sampler, Sampling
 PREFILL_MODES = ("batch", "replay")
 DEFAULT_CHUNK = 1024  # the largest chunk a request uses unless --chunk says otherwise
 MIN_STATE_LEN = 1024
+# Trained by benchmarks/train_tiny.py (evidence in benchmarks/results/train_tiny_*).
+TINY_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "tiny")
 
 
 def env_prefill_mode(default: str = "batch") -> str:
@@ -238,13 +240,15 @@ def load(model: str = "tiny", *, backend: str = "xla", dtype: str = "bfloat16", 
     if backend == "ordered" and dt != jnp.bfloat16:
         raise ValueError("the 'ordered' backend runs bfloat16 only; use --dtype bfloat16 or --backend xla")
     get_ops(backend)  # fail early and plainly if the backend is unavailable
+    if model == "tiny":  # the embedded default: a trained checkpoint, loaded like any other
+        model = TINY_CHECKPOINT
     if os.path.isdir(model):
         from .weights import load_params
 
         cfg = load_config(model, max_context)
         params = load_params(model, cfg, dtype=dt, progress=progress)
         return Engine(cfg, params, load_tokenizer(model), backend=backend, name=os.path.basename(os.path.normpath(model)))
-    name = "tiny-random" if model == "tiny" else model
+    name = model
     if name in PRESETS:
         from .synthetic import synthetic_params
 
@@ -252,4 +256,4 @@ def load(model: str = "tiny", *, backend: str = "xla", dtype: str = "bfloat16", 
         params = synthetic_params(cfg, seed=seed, dtype=dt)
         return Engine(cfg, params, ByteTokenizer(), backend=backend, name=model)
     raise ConfigError(f"--model {model!r} is neither a checkpoint directory nor a preset "
-                      f"(tiny, {', '.join(p for p in PRESETS if p != 'tiny-random')})")
+                      f"(tiny, {', '.join(PRESETS)})")

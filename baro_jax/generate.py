@@ -6,12 +6,13 @@ import json
 import os
 import sys
 
-DEMO_PROMPT = "def fibonacci(n):\n"
+DEMO_PROMPT = "import os\nimport sys\n\n\ndef main():\n    "
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m baro_jax.generate", description=__doc__)
-    p.add_argument("--model", default="tiny", help="checkpoint directory, or a preset: tiny, qwen3.5-35b-a3b, qwen3-next-80b-a3b")
+    p.add_argument("--model", default="tiny", help="checkpoint directory; tiny (the embedded trained demo model); or a synthetic-weight preset: "
+                        "qwen3.5-35b-a3b, qwen3-next-80b-a3b, tiny-random")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt text from this file")
@@ -50,6 +51,7 @@ def main(argv=None) -> int:
     from .engine import env_chunk, env_prefill_mode
     from .ops import BackendUnavailable
     from .sampling import Sampling
+    from .config import PRESETS
     from .tokenizer import apply_chat_template
 
     try:
@@ -77,7 +79,11 @@ def main(argv=None) -> int:
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         if not args.json:
             if args.model == "tiny":
-                print("[baro_jax] 'tiny' is a random-weight demo model: expect noise, not language.", file=sys.stderr)
+                print("[baro_jax] 'tiny': a 7.8M-parameter Qwen3.5-MoE-architecture demonstration model trained "
+                      "on Python source (not a general assistant).", file=sys.stderr)
+            elif args.model in PRESETS:
+                print(f"[baro_jax] {args.model!r}: real shapes, synthetic random weights: expect noise, not language.",
+                      file=sys.stderr)
             if isinstance(prompt, str):
                 sys.stdout.write(prompt)
                 sys.stdout.flush()

@@ -8,6 +8,9 @@ Bounds (bf16 model, stated before measuring and kept):
   choice, so the max is not bounded; the mean and top-1 rate are).
 Measured at the time of writing (seed 3, 100 tokens): mean 0.006 vs std 4.0, max 0.13
 between backends; mean 0.089, top-1 96-97% against float32.
+- trained `tiny` (sharper logits, so absolute diffs are larger): teacher-forced argmax
+  agreement of ordered vs xla on real Python source >= 99% (DESIGN's bar for
+  order-changing variants).
 """
 import sys
 import os
@@ -49,9 +52,21 @@ def test_bf16_vs_transformers_float32(hf_case, backend):
     assert (got[backend].argmax(-1) == ref.argmax(-1)).mean() >= 0.9
 
 
-def test_tiny_ordered_vs_xla():
+def test_tiny_random_ordered_vs_xla():
     ids = [int(i) for i in np.random.default_rng(1).integers(0, 256, 80)]
-    a = baro_jax.load("tiny", backend="ordered").prompt_logits(ids)
-    b = baro_jax.load("tiny", backend="xla").prompt_logits(ids)
+    a = baro_jax.load("tiny-random", backend="ordered").prompt_logits(ids)
+    b = baro_jax.load("tiny-random", backend="xla").prompt_logits(ids)
     d = np.abs(a - b)
     assert d.mean() <= 0.005 * b.std() and d.max() <= 0.05 * np.abs(b).max(), (d.mean(), d.max(), b.std())
+
+
+def test_trained_tiny_ordered_vs_xla_argmax():
+    """On the trained model, teacher-forced argmax agreement of the two backends on real Python
+    source, against DESIGN's bar for order-changing variants: >= 99% of positions."""
+    import inspect
+
+    ids = list(inspect.getsource(baro_jax.engine).encode()[:1500])
+    a = baro_jax.load("tiny", backend="ordered", progress=False).prompt_logits(ids)
+    b = baro_jax.load("tiny", backend="xla", progress=False).prompt_logits(ids)
+    agree = (a.argmax(-1) == b.argmax(-1)).mean()
+    assert agree >= 0.99, agree

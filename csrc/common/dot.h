@@ -52,6 +52,26 @@ inline float dot(const TA* a, std::ptrdiff_t sa, const TB* b, std::ptrdiff_t sb,
   return acc;
 }
 
+// out[r * os] = dot(a, b + r * ldb, n) for r < rows. Eight rows share each load of a so
+// their independent fma chains overlap; every accumulator still runs dot's exact
+// sequence (init 0, k ascending, one fma per step), so the bits equal dot's.
+template <class TA, class TB>
+inline void dot_rows(const TA* a, const TB* b, std::ptrdiff_t ldb, int64_t rows, int64_t n,
+                     float* out, std::ptrdiff_t os = 1) {
+  constexpr int R = 8;
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) {
+    const TB* br = b + r * ldb;
+    float acc[R] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t k = 0; k < n; ++k) {
+      const float ak = load(a[k]);
+      for (int j = 0; j < R; ++j) acc[j] = std::fma(ak, load(br[j * ldb + k]), acc[j]);
+    }
+    for (int j = 0; j < R; ++j) out[(r + j) * os] = acc[j];
+  }
+  for (; r < rows; ++r) out[r * os] = dot(a, 1, b + r * ldb, 1, n);
+}
+
 // Contiguous shorthand.
 template <class TA, class TB>
 inline float dot(const TA* a, const TB* b, int64_t n) {

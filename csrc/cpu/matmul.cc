@@ -25,9 +25,7 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
   baro::parallel_for(N, static_cast<double>(m) * K, [&](int64_t n0, int64_t n1) {
     for (int64_t i = 0; i < m; ++i) {
       const uint16_t* xr = xp + i * K;
-      for (int64_t n = n0; n < n1; ++n) {
-        yp[i * N + n] = baro::dot(xr, wp + n * K, K);
-      }
+      baro::dot_rows(xr, wp + n0 * K, K, n1 - n0, K, yp + i * N + n0);
     }
   });
   return ffi::Error::Success();

@@ -15,12 +15,10 @@ namespace {
 // y[D] = down[D, I] . bf16(silu(gate_up[0:I] . h) * (gate_up[I:2I] . h))
 inline void swiglu(const uint16_t* h, const uint16_t* gate_up, const uint16_t* down,
                    int64_t D, int64_t I, uint16_t* act, float* y) {
-  for (int64_t n = 0; n < I; ++n) {
-    const float g = baro::dot(h, gate_up + n * D, D);
-    const float u = baro::dot(h, gate_up + (I + n) * D, D);
-    act[n] = baro::f32_to_bf16(baro::silu(g) * u);
-  }
-  for (int64_t d = 0; d < D; ++d) y[d] = baro::dot(act, down + d * I, I);
+  std::vector<float> gu(2 * I);
+  baro::dot_rows(h, gate_up, D, 2 * I, D, gu.data());
+  for (int64_t n = 0; n < I; ++n) act[n] = baro::f32_to_bf16(baro::silu(gu[n]) * gu[I + n]);
+  baro::dot_rows(act, down, I, D, I, y);
 }
 
 ffi::Error MoeImpl(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> router,

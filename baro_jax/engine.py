@@ -228,6 +228,41 @@ class Engine:
             last_prompt_logits=last_logits, state=state if keep_state else None)
 
 
+def param_bytes(cfg: Config, dtype) -> int:
+    from .weights import param_shapes
+
+    is_leaf = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], bool)  # noqa: E731
+    leaves = jax.tree_util.tree_leaves(param_shapes(cfg), is_leaf=is_leaf)
+    return sum(int(np.prod(shape)) * (4 if is_f32 else jnp.dtype(dtype).itemsize) for shape, is_f32 in leaves)
+
+
+def device_memory_bytes() -> int | None:
+    """Memory of the default device: its allocator limit on GPUs, physical RAM on the CPU."""
+    dev = jax.devices()[0]
+    try:
+        stats = dev.memory_stats() or {}
+    except Exception:  # some backends do not report
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    if dev.platform == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def check_memory(cfg: Config, dtype):
+    """Refuse up front a model whose weights cannot fit, instead of failing deep inside an allocation."""
+    need, have = param_bytes(cfg, dtype), device_memory_bytes()
+    if have is not None and need > 0.95 * have:
+        dev = jax.devices()[0]
+        raise MemoryError(f"the weights need {need / 2**30:.1f} GiB but the {dev.platform} device has "
+                          f"{have / 2**30:.1f} GiB; use a larger device (tier mode for experts in host memory "
+                          "is not built yet)")
+
+
 def load(model: str = "tiny", *, backend: str = "xla", dtype: str = "bfloat16", max_context: int | None = None,
          seed: int = 0, progress: bool = True) -> Engine:
     """Load a checkpoint directory or a preset name into an Engine."""
@@ -253,6 +288,7 @@ def load(model: str = "tiny", *, backend: str = "xla", dtype: str = "bfloat16", 
         from .synthetic import synthetic_params
 
         cfg = preset(name, max_context)
+        check_memory(cfg, dt)
         params = synthetic_params(cfg, seed=seed, dtype=dt)
         return Engine(cfg, params, ByteTokenizer(), backend=backend, name=model)
     raise ConfigError(f"--model {model!r} is neither a checkpoint directory nor a preset "

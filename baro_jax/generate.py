@@ -90,7 +90,7 @@ def main(argv=None) -> int:
         streamer = None if args.json else _Streamer(eng.tokenizer)
         res = eng.generate(prompt, args.max_new_tokens, prefill=prefill, chunk=chunk, sampling=sampling,
                            on_token=streamer)
-    except (ValueError, BackendUnavailable, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, BackendUnavailable, FileNotFoundError, RuntimeError, MemoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:

@@ -67,6 +67,7 @@ def test_seeded_sampling_repeats(capsys, monkeypatch):
     (("--prompt", "a" * 50, "--max-context", "40"), "more than the context"),
     (("--dtype", "float32", "--backend", "ordered"), "bfloat16 only"),
     (("--temperature", "-1"), "temperature must be >= 0"),
+    (("--chat",), "no chat template"),
 ])
 def test_clear_errors(capsys, monkeypatch, args, msg):
     rc, out, err = run_main(capsys, monkeypatch, *args, "--max-new-tokens", "2", "--backend", "xla", "--json") \
@@ -81,3 +82,11 @@ def test_python_m_streams_text():
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("abc")
     assert "tok/s" in r.stderr
+
+
+def test_model_too_large_for_device(capsys, monkeypatch):
+    from baro_jax import engine
+
+    monkeypatch.setattr(engine, "device_memory_bytes", lambda: 8 << 30)
+    rc, out, err = run_main(capsys, monkeypatch, "--model", "qwen3.5-35b-a3b", "--backend", "xla", "--json")
+    assert rc == 2 and "the weights need 64." in err and "8.0 GiB" in err, err

@@ -21,6 +21,7 @@ from .ops import get_ops
 from .sampling import Sampler, Sampling
 
 PREFILL_MODES = ("batch", "replay")
+ENGINE_MODES = ("resident", "tier")  # where the routed experts live: device memory, or host (staging.py)
 DEFAULT_CHUNK = 1024  # the largest chunk a request uses unless --chunk says otherwise
 MIN_STATE_LEN = 1024
 # Trained by benchmarks/train_tiny.py (evidence in benchmarks/results/train_tiny_*).
@@ -34,6 +35,16 @@ def env_prefill_mode(default: str = "batch") -> str:
     if v not in ("0", "1"):
         raise ValueError(f"BARO_PREFILL must be 0 (replay) or 1 (batch), got {v!r}")
     return "batch" if v == "1" else "replay"
+
+
+def env_engine_mode(default: str = "resident") -> str:
+    """BARO_TIER=1 -> tier, 0 -> resident; unset -> default."""
+    v = os.environ.get("BARO_TIER")
+    if v is None or v == "":
+        return default
+    if v not in ("0", "1"):
+        raise ValueError(f"BARO_TIER must be 0 (resident) or 1 (tier), got {v!r}")
+    return "tier" if v == "1" else "resident"
 
 
 def env_chunk(default: int | None = None) -> int | None:
@@ -74,6 +85,7 @@ class GenerateResult:
     backend: str
     prefill_mode: str
     chunk: int | None
+    mode: str = "resident"
     last_prompt_logits: np.ndarray = dataclasses.field(repr=False, default=None)
     state: tuple = dataclasses.field(repr=False, default=None)
 
@@ -82,7 +94,7 @@ class GenerateResult:
             "prompt_ids": self.prompt_ids, "generated_ids": self.generated_ids, "text": self.text,
             "prefill_seconds": self.prefill_seconds, "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "decode_tokens_per_s": self.decode_tokens_per_s, "model": self.model, "backend": self.backend,
-            "prefill_mode": self.prefill_mode, "chunk": self.chunk,
+            "prefill_mode": self.prefill_mode, "chunk": self.chunk, "mode": self.mode,
         }
 
 
@@ -108,17 +120,37 @@ _ALL_LOGITS = jax.jit(partial(M.forward, all_logits=True), static_argnames=("cfg
 
 
 class Engine:
-    def __init__(self, cfg: Config, params, tokenizer, *, backend: str = "xla", name: str = "model"):
+    def __init__(self, cfg: Config, params, tokenizer, *, backend: str = "xla", name: str = "model",
+                 mode: str = "resident", device_budget_gb: float | None = None):
+        if mode not in ENGINE_MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose resident or tier")
         self.cfg = cfg
-        self.params = params
         self.tokenizer = tokenizer
         self.backend = backend
         self.name = name
+        self.mode = mode
+        self.device_budget_gb = device_budget_gb
         self.ops = get_ops(backend)
         self.dtype = params["embed"].dtype
         self.rope = M.rope_tables(cfg, cfg.max_context)
-        self._step = partial(_STEP, cfg=cfg, ops=self.ops)
-        self._all_logits = partial(_ALL_LOGITS, cfg=cfg, ops=self.ops)
+        if mode == "tier":
+            from . import staging
+
+            staging.check_budget(cfg, self.dtype, device_budget_gb, min(MIN_STATE_LEN, cfg.max_context))
+            self.params = staging.tier_params(params)  # routed experts -> host memory (no-op where already)
+            self._step = partial(staging.forward, cfg=cfg, ops=self.ops)
+            self._all_logits = partial(staging.forward, cfg=cfg, ops=self.ops, all_logits=True)
+        else:
+            self.params = params
+            self._step = partial(_STEP, cfg=cfg, ops=self.ops)
+            self._all_logits = partial(_ALL_LOGITS, cfg=cfg, ops=self.ops)
+
+    def check_device(self, state_len: int):
+        """Tier mode: refuse a request whose KV/state would overflow the device budget."""
+        if self.mode == "tier":
+            from . import staging
+
+            staging.check_budget(self.cfg, self.dtype, self.device_budget_gb, state_len)
 
     # --- state -------------------------------------------------------------
     def new_state(self, length: int | None = None):
@@ -160,7 +192,9 @@ class Engine:
         ids = self.check_ids(ids)
         self.check_fits(len(ids), n_new)
         if state is None:
-            state = self.new_state(state_length(len(ids) + n_new, self.cfg.max_context))
+            L = state_length(len(ids) + n_new, self.cfg.max_context)
+            self.check_device(L)
+            state = self.new_state(L)
         chunk = chunk or default_chunk(len(ids))
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
@@ -182,6 +216,7 @@ class Engine:
         """Logits of every prompt position [n, V] fp32 from one whole-prompt forward."""
         ids = self.check_ids(ids)
         self.check_fits(len(ids))
+        self.check_device(len(ids))
         state = self.new_state(len(ids))
         logits, _ = self._all_logits(self.params, state, jnp.asarray(ids, jnp.int32), jnp.int32(0),
                                      jnp.int32(len(ids)), self.rope)
@@ -224,7 +259,7 @@ class Engine:
             prefill_seconds=pre.seconds, prefill_tokens_per_s=pre.tokens_per_s,
             decode_tokens_per_s=(n_dec / dt if dt > 0 and n_dec else 0.0),
             model=self.name, backend=self.backend, prefill_mode=prefill,
-            chunk=(chunk or default_chunk(len(ids))) if prefill == "batch" else None,
+            chunk=(chunk or default_chunk(len(ids))) if prefill == "batch" else None, mode=self.mode,
             last_prompt_logits=last_logits, state=state if keep_state else None)
 
 
@@ -253,19 +288,28 @@ def device_memory_bytes() -> int | None:
     return None
 
 
-def check_memory(cfg: Config, dtype):
+def check_memory(cfg: Config, dtype, device_budget_gb: float | None = None):
     """Refuse up front a model whose weights cannot fit, instead of failing deep inside an allocation."""
-    need, have = param_bytes(cfg, dtype), device_memory_bytes()
-    if have is not None and need > 0.95 * have:
-        dev = jax.devices()[0]
-        raise MemoryError(f"the weights need {need / 2**30:.1f} GiB but the {dev.platform} device has "
-                          f"{have / 2**30:.1f} GiB; use a larger device (tier mode for experts in host memory "
-                          "is not built yet)")
+    from .staging import budget_bytes
+
+    need = param_bytes(cfg, dtype)
+    limit, what = budget_bytes(device_budget_gb)
+    if limit is not None and need > limit:
+        raise MemoryError(f"the weights need {need / 2**30:.1f} GiB, more than {what}; use a larger device "
+                          "or --mode tier (routed experts in host memory)")
 
 
 def load(model: str = "tiny", *, backend: str = "xla", dtype: str = "bfloat16", max_context: int | None = None,
-         seed: int = 0, progress: bool = True) -> Engine:
-    """Load a checkpoint directory or a preset name into an Engine."""
+         seed: int = 0, progress: bool = True, mode: str | None = None,
+         device_budget_gb: float | None = None) -> Engine:
+    """Load a checkpoint directory or a preset name into an Engine.
+
+    mode: "resident" (every weight in device memory) or "tier" (routed experts in pinned host
+    memory, staged per layer; see staging.py); None: env BARO_TIER, else resident.
+    device_budget_gb: the device memory to plan for (default: the device's)."""
+    mode = mode or env_engine_mode()
+    if mode not in ENGINE_MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose resident or tier")
     from .config import ConfigError, PRESETS, load_config, preset
     from .tokenizer import ByteTokenizer, load_tokenizer
 
@@ -277,19 +321,33 @@ def load(model: str = "tiny", *, backend: str = "xla", dtype: str = "bfloat16", 
     get_ops(backend)  # fail early and plainly if the backend is unavailable
     if model == "tiny":  # the embedded default: a trained checkpoint, loaded like any other
         model = TINY_CHECKPOINT
+    from . import staging
+
+    def check(cfg):  # before any weight is read or drawn
+        if mode == "tier":
+            staging.check_budget(cfg, dt, device_budget_gb, min(MIN_STATE_LEN, cfg.max_context))
+        else:
+            check_memory(cfg, dt, device_budget_gb)
+
+    kw = dict(backend=backend, mode=mode, device_budget_gb=device_budget_gb)
     if os.path.isdir(model):
         from .weights import load_params
 
         cfg = load_config(model, max_context)
-        params = load_params(model, cfg, dtype=dt, progress=progress)
-        return Engine(cfg, params, load_tokenizer(model), backend=backend, name=os.path.basename(os.path.normpath(model)))
+        check(cfg)
+        place = None
+        if mode == "tier":  # experts straight to the host store, the rest to the device
+            place = lambda t, a: staging.to_store(a) if staging.is_expert_target(t) else jax.device_put(a)  # noqa: E731
+        params = load_params(model, cfg, dtype=dt, progress=progress, place=place)
+        return Engine(cfg, params, load_tokenizer(model), name=os.path.basename(os.path.normpath(model)), **kw)
     name = model
     if name in PRESETS:
         from .synthetic import synthetic_params
 
         cfg = preset(name, max_context)
-        check_memory(cfg, dt)
-        params = synthetic_params(cfg, seed=seed, dtype=dt)
-        return Engine(cfg, params, ByteTokenizer(), backend=backend, name=model)
+        check(cfg)
+        params = synthetic_params(cfg, seed=seed, dtype=dt,
+                                  place_layer=staging.store_layer_experts if mode == "tier" else None)
+        return Engine(cfg, params, ByteTokenizer(), name=model, **kw)
     raise ConfigError(f"--model {model!r} is neither a checkpoint directory nor a preset "
                       f"(tiny, {', '.join(PRESETS)})")

@@ -25,6 +25,12 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=int, default=None, help="prefill chunk size (env BARO_PREFILL_C; default 1024, smaller for short prompts)")
     p.add_argument("--backend", choices=["ordered", "xla"], default=None,
                    help="ordered: row-invariant custom calls (default when built); xla: plain jnp")
+    p.add_argument("--mode", choices=["resident", "tier"], default=None,
+                   help="resident (default): every weight in device memory; tier: routed experts in pinned host "
+                        "memory, staged to the device layer by layer (env BARO_TIER=1|0)")
+    p.add_argument("--device-budget-gb", type=float, default=None,
+                   help="device memory to plan for, in GiB (default: the device's); tier mode refuses a request "
+                        "whose non-expert weights + two staged expert layers + KV/state exceed it")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -61,7 +67,8 @@ def main(argv=None) -> int:
         if args.dtype == "float32" and args.backend is None:
             backend = "xla"
         eng = load(args.model, backend=backend, dtype=args.dtype, max_context=args.max_context,
-                   seed=args.seed, progress=not args.json)
+                   seed=args.seed, progress=not args.json, mode=args.mode,
+                   device_budget_gb=args.device_budget_gb)
         if args.prompt_ids is not None:
             try:
                 prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -97,7 +104,7 @@ def main(argv=None) -> int:
         print(json.dumps(res.to_json()))
     else:
         streamer.flush()
-        print(f"\n[{res.model} | {res.backend} | prefill {res.prefill_mode}: {len(res.prompt_ids)} tokens "
+        print(f"\n[{res.model} | {res.backend} | {res.mode} | prefill {res.prefill_mode}: {len(res.prompt_ids)} tokens "
               f"in {res.prefill_seconds:.3f}s ({res.prefill_tokens_per_s:.1f} tok/s) | "
               f"decode {res.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
     return 0

@@ -94,20 +94,31 @@ def head(params, x, cfg, ops):
     return ops.matmul(ops.rmsnorm(x, params["final_norm"], cfg.rms_eps, A), params["lm_head"])
 
 
+def prologue(params, tokens, pos, rope):
+    """Embedded rows and their rope rows: what every layer of a forward over `tokens` takes."""
+    x = embed(params, tokens)
+    cos, sin = rope_rows(rope, pos, tokens.shape[0])
+    return x, cos, sin
+
+
+def epilogue(params, x, n_valid, *, cfg: Config, ops, all_logits: bool = False):
+    """Logits of the last valid row [V] fp32, or of every row [m, V] when all_logits."""
+    if all_logits:
+        return head(params, x, cfg, ops)
+    last = jax.lax.dynamic_slice_in_dim(x, n_valid - 1, 1, axis=0)
+    return head(params, last, cfg, ops)[0]
+
+
 def forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, all_logits: bool = False):
     """Run m tokens at positions pos.. through every layer.
 
     Returns (logits, new_state): logits of the last valid row [V] fp32, or of
-    every row [m, V] when all_logits.
+    every row [m, V] when all_logits. Tier mode (staging.py) runs the same
+    prologue, layer_forward and epilogue from a Python loop.
     """
-    m = tokens.shape[0]
-    x = embed(params, tokens)
-    cos, sin = rope_rows(rope, pos, m)
+    x, cos, sin = prologue(params, tokens, pos, rope)
     new_state = []
     for lp, st, kind in zip(params["layers"], state, cfg.layer_types):
         x, st = layer_forward(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid)
         new_state.append(st)
-    if all_logits:
-        return head(params, x, cfg, ops), tuple(new_state)
-    last = jax.lax.dynamic_slice_in_dim(x, n_valid - 1, 1, axis=0)
-    return head(params, last, cfg, ops)[0], tuple(new_state)
+    return epilogue(params, x, n_valid, cfg=cfg, ops=ops, all_logits=all_logits), tuple(new_state)

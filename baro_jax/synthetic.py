@@ -112,13 +112,17 @@ def _top(root, *, cfg: Config, dtype):
     return _fill(jax.random.fold_in(root, 0), specs, dtype)
 
 
-def synthetic_params(cfg: Config, seed: int = 0, dtype=jnp.bfloat16):
-    """Random weights with cfg's shapes in the params tree, on the default device."""
+def synthetic_params(cfg: Config, seed: int = 0, dtype=jnp.bfloat16, place_layer=None):
+    """Random weights with cfg's shapes in the params tree, on the default device.
+
+    `place_layer(layer) -> layer` is applied to each layer as soon as it is drawn (tier mode moves
+    its routed experts to host memory, so at most one layer's experts are on the device at a time)."""
+    place_layer = place_layer or (lambda lp: lp)
     dtype = jnp.dtype(dtype)
     root = jax.random.key(seed)
     # the static cfg keeps only what shapes depend on, so every layer of a kind shares one compile
     scfg = dataclasses.replace(cfg, max_context=0, num_layers=1)
-    layers = tuple(_layer(root, jnp.int32(i), cfg=dataclasses.replace(scfg, layer_types=(lt,)), kind=lt, dtype=dtype)
+    layers = tuple(place_layer(_layer(root, jnp.int32(i), cfg=dataclasses.replace(scfg, layer_types=(lt,)), kind=lt, dtype=dtype))
                    for i, lt in enumerate(cfg.layer_types))
     top = _top(root, cfg=dataclasses.replace(scfg, num_layers=0, layer_types=()), dtype=dtype)
     return {"embed": top["embed"], "final_norm": top["final_norm"],

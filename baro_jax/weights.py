@@ -402,8 +402,9 @@ def _plan(names: dict[str, tuple[int, ...]], cfg: Config) -> list[_Source]:
 class _Assembler:
     """Collects sources into targets; puts a target on the device as soon as it is complete."""
 
-    def __init__(self, cfg: Config, sources: list[_Source], dtype):
+    def __init__(self, cfg: Config, sources: list[_Source], dtype, place: Callable | None = None):
         self.cfg = cfg
+        self.place = place  # (target, numpy array) -> the stored array; None: the default device
         self.dtype = jnp.dtype(dtype)
         self.np_dtype = np.dtype(self.dtype)
         shapes = param_shapes(cfg)
@@ -423,7 +424,7 @@ class _Assembler:
     def _finish(self, target, arr: np.ndarray):
         shape, f32 = self.target_info[target]
         assert arr.shape == shape, (target, arr.shape, shape)
-        self.done[target] = jax.device_put(arr)
+        self.done[target] = self.place(target, arr) if self.place else jax.device_put(arr)
 
     def add(self, name: str, x: np.ndarray):
         s = self.by_name[name]
@@ -472,10 +473,11 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def load_params(path: str, cfg: Config, dtype=jnp.bfloat16, progress: bool = True):
+def load_params(path: str, cfg: Config, dtype=jnp.bfloat16, progress: bool = True, place: Callable | None = None):
     """Read a checkpoint (directory with model.safetensors[.index.json], or one .safetensors file)
     into the params tree (see module docstring). Raises WeightsError naming every missing,
-    unexpected or mis-shaped tensor before reading any data."""
+    unexpected or mis-shaped tensor before reading any data. `place(target, array)` stores each
+    finished tensor (tier mode puts routed experts in host memory); default: the default device."""
     t0 = time.time()
     files = checkpoint_files(path)
     infos: dict[str, _TensorInfo] = {}
@@ -492,7 +494,7 @@ def load_params(path: str, cfg: Config, dtype=jnp.bfloat16, progress: bool = Tru
     bad = [p for p in (_info_problem(n, infos[n]) for n in sorted(wanted)) if p]
     if bad:
         raise WeightsError(f"unreadable tensor(s) ({len(bad)}):\n" + "\n".join("  " + p for p in bad))
-    asm = _Assembler(cfg, sources, dtype)
+    asm = _Assembler(cfg, sources, dtype, place)
     total = sum(infos[n].end - infos[n].begin for n in wanted)
     done_bytes = 0
     for k, f in enumerate(files):

@@ -6,6 +6,7 @@ greedy tokens generated afterwards. Prints a per-prompt table, writes JSON,
 exits non-zero on any difference.
 
     python benchmarks/identity.py --model tiny --chunks 16,37,64 --json out.json
+    python benchmarks/identity.py --model tiny --mode tier   # routed experts in pinned host memory
 """
 from __future__ import annotations
 
@@ -67,6 +68,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--backend", default="ordered", choices=["ordered", "xla"])
+    ap.add_argument("--mode", default="resident", choices=["resident", "tier"],
+                    help="where the routed experts live (tier: pinned host memory, staged per layer); "
+                         "the gate compares batched vs replay within the mode")
+    ap.add_argument("--device-budget-gb", type=float, default=None)
     ap.add_argument("--prompts", default=DEFAULT_PROMPTS)
     ap.add_argument("--chunks", default="16,37,64", help="comma-separated chunk sizes")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -79,13 +84,14 @@ def main(argv=None) -> int:
     import baro_jax
 
     chunks = [int(c) for c in args.chunks.split(",") if c]
-    eng = baro_jax.load(args.model, backend=args.backend, max_context=args.max_context, seed=args.seed)
+    eng = baro_jax.load(args.model, backend=args.backend, max_context=args.max_context, seed=args.seed,
+                        mode=args.mode, device_budget_gb=args.device_budget_gb)
     prompts = load_prompts(args.prompts, eng.tokenizer)
     if args.max_len:
         prompts = [p for p in prompts if len(p["ids"]) <= args.max_len]
     names = state_names(eng.cfg)
     rows, failures = [], 0
-    print(f"identity gate: model={args.model} backend={args.backend} chunks={chunks} "
+    print(f"identity gate: model={args.model} backend={args.backend} mode={args.mode} chunks={chunks} "
           f"prompts={len(prompts)} new_tokens={args.new_tokens}")
     print(f"{'prompt':>8} {'len':>6} {'chunk':>6} {'state':>8} {'logits':>7} {'tokens':>7}  first diff")
     t_start = time.time()
@@ -111,7 +117,7 @@ def main(argv=None) -> int:
         # written after every prompt so a run cut short still leaves its evidence
         write_json(args.json, {"summary": {"pass": None, "partial": True, "cases": len(rows)}, "rows": rows})
     summary = {"pass": failures == 0, "failures": failures, "cases": len(rows), "model": args.model,
-               "backend": args.backend, "chunks": chunks, "new_tokens": args.new_tokens,
+               "backend": args.backend, "mode": args.mode, "chunks": chunks, "new_tokens": args.new_tokens,
                "prompts_file": os.path.relpath(args.prompts, os.path.dirname(HERE)),
                "wall_seconds": time.time() - t_start, **provenance()}
     write_json(args.json, {"summary": summary, "rows": rows})

@@ -1,0 +1,102 @@
+"""Tier mode (routed experts in pinned host memory, layers from a Python loop) gives resident mode's bytes."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import baro_jax
+from baro_jax import generate, staging
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import identity  # noqa: E402
+
+PROMPT = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n"  # 54 tokens: crosses chunk boundaries
+NEW = 6
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-random"])
+def engines(request):
+    kw = dict(backend="ordered", progress=False)
+    return (baro_jax.load(request.param, mode="resident", **kw), baro_jax.load(request.param, mode="tier", **kw))
+
+
+def test_weights_live_where_they_should(engines):
+    res, tier = engines
+    assert res.mode == "resident" and tier.mode == "tier"
+    kinds = staging.memory_kinds(tier.params)
+    experts = {k: v for k, v in kinds.items() if k.endswith("['gate_up']") or k.endswith("['down']")}
+    assert len(experts) == 2 * tier.cfg.num_layers
+    assert set(experts.values()) == {"pinned_host"}, experts
+    others = {k: v for k, v in kinds.items() if k not in experts}
+    assert set(others.values()) == {"device"}, others
+    assert set(staging.memory_kinds(res.params).values()) == {"device"}
+
+
+def test_tier_bytes_equal_resident(engines):
+    res, tier = engines
+    ids = res.encode(PROMPT)
+    assert len(ids) > 37
+    ref = identity.run_arm(res, ids, "batch", 16, NEW)
+    arms = {"tier replay": identity.run_arm(tier, ids, "replay", None, NEW)}
+    for c in (16, 7):  # 7: odd, several boundaries, a padded last chunk
+        arms[f"tier batch {c}"] = identity.run_arm(tier, ids, "batch", c, NEW)
+    names = identity.state_names(res.cfg)
+    for name, got in arms.items():
+        assert identity.first_diff(ref["state"], got["state"], names) is None, name
+        assert ref["logits"].tobytes() == got["logits"].tobytes(), name
+        assert ref["tokens"] == got["tokens"], name
+
+
+def test_tier_prompt_logits_equal_resident(engines):
+    res, tier = engines
+    ids = res.encode(PROMPT)[:20]
+    assert res.prompt_logits(ids).tobytes() == tier.prompt_logits(ids).tobytes()
+
+
+def test_budget_refused_up_front():
+    with pytest.raises(MemoryError) as e:
+        baro_jax.load("tiny-random", mode="tier", device_budget_gb=0.0001, progress=False)
+    msg = str(e.value)
+    for s in ("tier mode needs", "non-expert weights", "two staged expert layers 2 x", "KV/state for 1024 positions",
+              "the device budget of 0.0001 GiB"):
+        assert s in msg, msg
+
+
+def test_budget_refuses_a_request_too_long():
+    cfg = baro_jax.preset("tiny-random")
+    import jax.numpy as jnp
+
+    need_1k = staging.check_budget(cfg, jnp.bfloat16, None, 1024)
+    budget = (need_1k + (1 << 16)) / 2**30  # fits a 1024-position state, not a 2048 one
+    eng = baro_jax.load("tiny-random", mode="tier", device_budget_gb=budget, progress=False, backend="ordered")
+    with pytest.raises(MemoryError, match="KV/state for 2048 positions"):
+        eng.prefill(list(range(10)), n_new=1500)
+
+
+def test_cli_tier_json(capsys, monkeypatch):
+    rc = generate.main(["--model", "tiny", "--prompt", "def add(a, b):\n", "--max-new-tokens", "4", "--mode", "tier",
+                        "--chunk", "5", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    o = json.loads(out)
+    assert o["mode"] == "tier" and len(o["generated_ids"]) == 4
+    monkeypatch.setenv("BARO_TIER", "1")
+    rc = generate.main(["--model", "tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and json.loads(out)["mode"] == "tier", err
+
+
+def test_cli_budget_error(capsys):
+    rc = generate.main(["--model", "tiny", "--mode", "tier", "--device-budget-gb", "0.0005", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and err.startswith("error: tier mode needs") and "non-expert weights" in err, err
+
+
+def test_identity_gate_tier(tmp_path):
+    out = tmp_path / "id.json"
+    rc = identity.main(["--model", "tiny", "--mode", "tier", "--chunks", "7,16", "--max-len", "70",
+                        "--new-tokens", "4", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["summary"]["pass"] and res["summary"]["mode"] == "tier"

@@ -23,6 +23,12 @@ the official Qwen3.5 names, tokenizer.json), ``train_log.json`` and ``train_tiny
     python benchmarks/train_tiny.py --minutes 6 --out /tmp/tiny            # GPU (the shipped model)
     python benchmarks/train_tiny.py --smoke --minutes 0.5 --out /tmp/smoke  # CPU, whole pipeline, small
     python benchmarks/train_tiny.py --preset cpu --minutes 20 --out /tmp/cpu
+    python benchmarks/train_tiny.py --eval-checkpoint baro_jax/checkpoints/tiny --out /tmp/ev  # held-out bpb only
+    python benchmarks/train_tiny.py --time-blocks --out /tmp/tb   # fwd+bwd ms per block at the training shape
+
+Held-out bits/byte are scored over windows of --seq bytes with stride seq/2 (every byte once; each byte
+after the first window sees >= seq/2 bytes of context). Before this change (the run that produced the
+shipped checkpoint's train_summary.json) the windows did not overlap, which gives slightly higher numbers.
 """
 from __future__ import annotations
 
@@ -70,9 +76,12 @@ MODELS = {
                   moe_inter=16, shared_inter=32),
 }
 RUNS = {
-    "h200": dict(batch=64, seq=1024, lr=3e-3, warmup=150, log_every=25, eval_every_s=30.0, eval_bytes=0, chunk=64),
-    "cpu": dict(batch=16, seq=512, lr=3e-3, warmup=100, log_every=10, eval_every_s=120.0, eval_bytes=131072, chunk=64),
-    "smoke": dict(batch=4, seq=128, lr=3e-3, warmup=10, log_every=5, eval_every_s=10.0, eval_bytes=16384, chunk=32),
+    "h200": dict(batch=64, seq=1024, lr=3e-3, warmup=150, log_every=25, eval_every_s=30.0, eval_bytes=0, chunk=64,
+                 dtype="bfloat16"),
+    "cpu": dict(batch=8, seq=1024, lr=3e-3, warmup=100, log_every=10, eval_every_s=120.0, eval_bytes=0, chunk=64,
+                dtype="float32"),
+    "smoke": dict(batch=4, seq=128, lr=3e-3, warmup=10, log_every=5, eval_every_s=10.0, eval_bytes=16384, chunk=32,
+                  dtype="float32"),
 }
 
 
@@ -129,6 +138,36 @@ def build_config(model: dict, seq: int) -> Config:
                   rope_theta=10000.0, conv_kernel=4, max_context=max(8192, seq), **kw).validate()
 
 
+def pick_attention(requested: str, cfg: Config, seq: int) -> str:
+    """"auto" on a GPU: cuDNN flash attention when it compiles, runs and agrees with XLA's; else XLA."""
+    if requested != "auto":
+        return requested
+    if jax.default_backend() != "gpu":
+        return "xla"
+    try:
+        ks = jax.random.split(jax.random.key(1), 3)
+        q = jax.random.normal(ks[0], (2, seq, cfg.num_heads, cfg.head_dim), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (2, seq, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (2, seq, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
+
+        def f(impl):
+            def loss(q, k, v):
+                o = jax.nn.dot_product_attention(q, k, v, scale=cfg.head_dim ** -0.5, is_causal=True, implementation=impl)
+                return jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(cfg.head_dim)))
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+        (l1, g1), (l2, g2) = f("cudnn"), f("xla")
+        err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))) /
+                  max(1e-6, float(jnp.max(jnp.abs(b.astype(jnp.float32))))) for a, b in zip(g1, g2))
+        if not abs(float(l1) - float(l2)) <= 2e-2 * max(1.0, abs(float(l2))) or not err < 5e-2:
+            log(f"cuDNN attention disagrees with XLA (loss {float(l1)} vs {float(l2)}, grad err {err}): using XLA")
+            return "xla"
+        return "cudnn"
+    except Exception as e:  # noqa: BLE001
+        log(f"cuDNN attention unavailable ({type(e).__name__}: {str(e)[:200]}): using XLA attention")
+        return "xla"
+
+
 def decay_mask(params):
     """AdamW weight decay on the matrices except the embeddings; never on norms, A_log, dt_bias."""
     keep = TM.f32_leaf_mask(params)
@@ -163,8 +202,8 @@ def make_fns(cfg: Config, args, data_len: int):
         params = jax.tree.map(lambda p, u, d: p - lr * (u + (args.wd * p if d else 0.0)), params, upd, dm)
         return params, opt_state, {"ce": ce, "aux": aux, "gnorm": gnorm}
 
-    def eval_step(params, x, y, mask):
-        logits, router = TM.forward_train(params, x, **fwd)
+    def eval_step(params, x, y, mask):  # with the matrices in bf16: the precision of the shipped checkpoint
+        logits, router = TM.forward_train(params, x, **dict(fwd, dtype=jnp.bfloat16))
         lse = jax.nn.logsumexp(logits, axis=-1)
         tgt = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
         nats = jnp.sum((lse - tgt) * mask)
@@ -176,20 +215,30 @@ def make_fns(cfg: Config, args, data_len: int):
     return tx, jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step)
 
 
-def eval_windows(stream: bytes, T: int, limit: int = 0):
-    """Non-overlapping windows over the stream: inputs are the previous byte (NUL before the first), targets
-    every byte once. Returns x, y, mask [n, T]."""
+def eval_windows(stream: bytes, T: int, limit: int = 0, stride: int | None = None):
+    """Windows of T positions over the stream that score every byte exactly once. The input at a
+    position is the previous byte (NUL before the first byte). Window k >= 1 starts at k*stride and
+    scores only its last `stride` positions, so every scored byte after the first window sees at least
+    T - stride bytes of context (stride = T: non-overlapping windows). Returns x, y, mask [n, T], bytes."""
     s = np.frombuffer(stream, np.uint8)
     if limit:
         s = s[:limit]
     n = len(s)
-    nw = -(-n // T)
+    S = stride or T
     prev = np.concatenate([np.frombuffer(SEP, np.uint8), s[:-1]])
-    x = np.zeros(nw * T, np.int32)
-    y = np.zeros(nw * T, np.int32)
-    mask = np.zeros(nw * T, np.float32)
-    x[:n], y[:n], mask[:n] = prev, s, 1.0
-    return x.reshape(nw, T), y.reshape(nw, T), mask.reshape(nw, T), n
+    starts = [0]
+    while starts[-1] + T < n:
+        starts.append(starts[-1] + S)
+    x = np.zeros((len(starts), T), np.int32)
+    y = np.zeros((len(starts), T), np.int32)
+    mask = np.zeros((len(starts), T), np.float32)
+    for k, a in enumerate(starts):
+        b = min(a + T, n)
+        x[k, :b - a], y[k, :b - a] = prev[a:b], s[a:b]
+        first = 0 if k == 0 else T - S
+        mask[k, first:b - a] = 1.0
+    assert int(mask.sum()) == n
+    return x, y, mask, n
 
 
 def evaluate(eval_step, params, windows, batch: int):
@@ -276,13 +325,82 @@ def parse_args(argv=None):
     ap.add_argument("--chunk", type=int, help="delta-rule chunk length")
     ap.add_argument("--attn", default="auto", choices=["auto", "xla", "cudnn", "reference"])
     ap.add_argument("--remat", action="store_true", help="rematerialise each layer in the backward pass")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="matmul dtype")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                    help="matmul dtype in training (default: bfloat16 on a GPU preset, float32 on the CPU presets, "
+                         "where XLA's bf16 dots are no faster); evaluation always uses bf16 matrices, as shipped")
     ap.add_argument("--log-every", type=int)
     ap.add_argument("--eval-every-s", type=float)
     ap.add_argument("--eval-bytes", type=int, help="held-out bytes in the final eval (0: all)")
     ap.add_argument("--model", default=None, help="JSON overrides of the model preset, e.g. '{\"hidden_size\": 192}'")
+    ap.add_argument("--eval-checkpoint", default=None, metavar="DIR",
+                    help="no training: held-out bits/byte of a checkpoint directory (with xz/gzip baselines)")
+    ap.add_argument("--no-check", action="store_true",
+                    help="skip the round trip through baro_jax.load and the sample after export (saves ~20 s)")
+    ap.add_argument("--time-blocks", action="store_true",
+                    help="no training: time forward + backward of each block at the training shape, then exit")
     ap.add_argument("--install", action="store_true", help="copy the checkpoint to baro_jax/checkpoints/tiny/")
     return ap.parse_args(argv)
+
+
+def eval_checkpoint(args, final_eval: bytes, baselines: dict, held_files: list, root: str) -> dict:
+    from baro_jax.config import load_config
+    from baro_jax.weights import load_params
+
+    cfg = load_config(args.eval_checkpoint)
+    params = load_params(args.eval_checkpoint, cfg, dtype=jnp.float32, progress=False)
+    args.attn = pick_attention(args.attn, cfg, args.seq)
+    _, _, eval_step = make_fns(cfg, args, args.seq + 2)
+    t = time.time()
+    bpb, usage = evaluate(eval_step, params, eval_windows(final_eval, args.seq, 0, args.seq // 2), max(1, min(args.batch, 64)))
+    share = usage / usage.sum(axis=1, keepdims=True)
+    rec = {"checkpoint": os.path.abspath(args.eval_checkpoint), "heldout_bpb": bpb, "heldout_bytes": len(final_eval),
+           "heldout_files": held_files, "stdlib": root, "python": sys.version.split()[0], "context": args.seq,
+           "baselines": baselines, "expert_usage": share.tolist(), "seconds": time.time() - t}
+    with open(os.path.join(args.out, "eval_checkpoint.json"), "w") as fh:
+        json.dump(rec, fh, indent=1)
+    log(f"{args.eval_checkpoint}: held-out {bpb:.4f} bits/byte over {len(final_eval)} bytes; "
+        f"xz -9 {baselines['xz -9']['bpb']:.4f}, gzip -9 {baselines['gzip -9']['bpb']:.4f} ({time.time() - t:.1f}s)")
+    return rec
+
+
+def time_blocks(cfg: Config, args) -> dict:
+    """Forward + backward time of each block at the training shape (where a step's time goes)."""
+    A = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    B, T, D = args.batch, args.seq, cfg.hidden_size
+    params = jax.jit(TM.init_params, static_argnums=0)(cfg, jax.random.key(0))
+    p = TM.cast_params(params, A)
+    gdn = next(lp for lp in p["layers"] if "gdn" in lp)
+    att = next(lp for lp in p["layers"] if "attn" in lp)
+    h = jax.random.normal(jax.random.key(1), (B, T, D), jnp.float32).astype(A)
+    cos, sin = TM.rope_tables(cfg, T)
+    nv, dk, dv = cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
+    ks = jax.random.split(jax.random.key(2), 5)
+    qd = jax.random.normal(ks[0], (B, T, nv, dk)) * dk ** -0.5
+    kd = jax.random.normal(ks[1], (B, T, nv, dk)) * dk ** -0.5
+    vd = jax.random.normal(ks[2], (B, T, nv, dv))
+    bd = jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, nv)))
+    gd = -jax.nn.softplus(jax.random.normal(ks[4], (B, T, nv)))
+    tok = jax.random.randint(jax.random.key(3), (B, T), 0, 256)
+    blocks = {
+        "gdn mixer (1 layer)": (lambda w, x: TM._gdn(x, w, cfg, A, args.chunk).sum(), gdn["gdn"], h),
+        "  chunked delta only": (lambda w, x: TM.chunked_delta(*x, args.chunk)[0].sum(), None, (qd, kd, vd, bd, gd)),
+        "attention mixer (1 layer)": (lambda w, x: TM._attention(x, w, cfg, cos, sin, A, args.attn).sum(), att["attn"], h),
+        "moe (1 layer)": (lambda w, x: TM._moe(x.reshape(B * T, D), w, cfg, A)[0].sum(), gdn["moe"], h),
+        "whole forward + loss": (lambda w, x: TM.forward_train(w, x, cfg=cfg, dtype=A, chunk=args.chunk,
+                                                               attn=args.attn)[0].mean(), params, tok),
+    }
+    out = {}
+    for name, (f, w, x) in blocks.items():
+        argn = 1 if w is None else 0
+        g = jax.jit(jax.value_and_grad(f, argnums=argn))
+        jax.block_until_ready(g(w, x))
+        t = time.time()
+        for _ in range(5):
+            r = g(w, x)
+        jax.block_until_ready(r)
+        out[name] = (time.time() - t) / 5 * 1e3
+        log(f"{name:28s} fwd+bwd {out[name]:8.2f} ms")
+    return out
 
 
 def main(argv=None):
@@ -299,6 +417,9 @@ def main(argv=None):
     cfg = build_config(model, args.seq)
     os.makedirs(args.out, exist_ok=True)
     log(f"jax {jax.__version__} on {backend} ({jax.devices()[0].device_kind}); preset {preset}")
+    if args.time_blocks:
+        args.attn = pick_attention(args.attn, cfg, args.seq)
+        return time_blocks(cfg, args)
 
     root = args.stdlib or sysconfig.get_paths()["stdlib"]
     train_bytes, held_bytes, train_files, held_files = load_corpus(root, args.heldout_mod)
@@ -308,18 +429,24 @@ def main(argv=None):
     baselines = compressed_bpb(final_eval)
     log("baselines on the held-out bytes: " + ", ".join(f"{k} {v['bpb']:.4f} bpb" for k, v in baselines.items()))
 
+    if args.eval_checkpoint:
+        return eval_checkpoint(args, final_eval, baselines, held_files, root)
+
     key = jax.random.key(args.seed)
-    params = TM.init_params(cfg, jax.random.fold_in(key, 0))
+    params = jax.jit(TM.init_params, static_argnums=0)(cfg, jax.random.fold_in(key, 0))
     n_params = TM.count_params(params) - (cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0)
     log(f"model: {n_params / 1e6:.3f}M params ({2 * n_params / 1e6:.1f} MB in bf16), layers {cfg.layer_types}, "
         f"D {cfg.hidden_size}, E {cfg.num_experts} top {cfg.top_k}, I {cfg.moe_inter}, shared {cfg.shared_inter}; "
         f"batch {args.batch} x {args.seq}")
+    args.attn = pick_attention(args.attn, cfg, args.seq)
+    log(f"attention: {args.attn}; delta-rule chunk {args.chunk}; matmuls in {args.dtype}")
     data = jnp.asarray(np.frombuffer(train_bytes, np.uint8))
     tx, train_step, eval_step = make_fns(cfg, args, len(train_bytes))
     opt_state = tx.init(params)
     eval_batch = max(1, min(args.batch, 64))
-    mid_windows = eval_windows(held_bytes, args.seq, min(len(held_bytes), 262144 if backend == "gpu" else 32768))
-    fin_windows = eval_windows(final_eval, args.seq)
+    stride = args.seq // 2  # every scored byte after the first window has >= seq/2 bytes of context
+    mid_windows = eval_windows(held_bytes, args.seq, min(len(held_bytes), 262144 if backend == "gpu" else 32768), stride)
+    fin_windows = eval_windows(final_eval, args.seq, 0, stride)
 
     budget = args.minutes * 60.0
     t0 = time.time()
@@ -347,7 +474,7 @@ def main(argv=None):
         if step == 3:
             jax.block_until_ready(met)
             t_cal, s_cal = time.time(), step
-        if step % args.log_every == 0 or (total is not None and step >= total):
+        if step % args.log_every == 0 or (total is not None and step >= total) or time.time() >= deadline:
             vals = jax.device_get(pending)
             pending = []
             now = time.time()
@@ -373,6 +500,12 @@ def main(argv=None):
     jax.block_until_ready(params)
     train_s = time.time() - t0
     log(f"training done: {step} steps, {step * tokens_per_step / 1e6:.1f}M tokens in {train_s:.1f}s")
+    try:
+        ms = jax.devices()[0].memory_stats() or {}
+        if "peak_bytes_in_use" in ms:
+            log(f"device memory: peak {ms['peak_bytes_in_use'] / 2 ** 30:.1f} GiB")
+    except Exception:  # noqa: BLE001
+        pass
 
     te = time.time()
     bpb, usage = evaluate(eval_step, params, fin_windows, eval_batch)
@@ -386,13 +519,28 @@ def main(argv=None):
 
     ck = os.path.join(args.out, "checkpoint")
     write_checkpoint(jax.device_get(params), cfg, ck, dtype="bfloat16",
-                     metadata={"trained_by": "benchmarks/train_tiny.py", "heldout_bpb": f"{bpb:.4f}"})
+                     metadata={"trained_by": "benchmarks/train_tiny.py", "heldout_bpb": f"{bpb:.4f}"},
+                     config_extra={"router_aux_loss_coef": args.aux_coef})
     ck_bytes = os.path.getsize(os.path.join(ck, "model.safetensors"))
+    summary = {"trained_by": "benchmarks/train_tiny.py", "argv": sys.argv[1:], "preset": preset,
+               "device": jax.devices()[0].device_kind, "backend": backend, "jax": jax.__version__,
+               "python": sys.version.split()[0], "n_params": n_params, "steps": step,
+               "tokens": step * tokens_per_step, "batch": args.batch, "context": args.seq,
+               "train_seconds": round(time.time() - t0, 1),
+               "data": f"*.py of the Python {sys.version.split()[0]} stdlib, bytes, NUL between files; held out: "
+                       f"int(sha256(relpath)[:8], 16) % {args.heldout_mod} == 0 ({len(held_files)} files)",
+               "heldout_bytes": len(final_eval), "heldout_bpb": round(bpb, 4),
+               "xz9_bpb": round(baselines["xz -9"]["bpb"], 4), "gzip9_bpb": round(baselines["gzip -9"]["bpb"], 4)}
+    with open(os.path.join(ck, "train_summary.json"), "w") as fh:
+        json.dump(summary, fh, indent=1)
+        fh.write("\n")
     log(f"checkpoint: {ck} ({ck_bytes / 1e6:.2f} MB)")
 
     # The shipped file through baro_jax's own loader and inference forward, on the first held-out window.
     check = {}
     try:
+        if args.no_check:
+            raise RuntimeError("skipped (--no-check)")
         import baro_jax
 
         eng = baro_jax.load(ck, backend="xla", dtype="bfloat16", progress=False)
@@ -408,7 +556,7 @@ def main(argv=None):
                  "max_abs_logit_diff": float(np.max(np.abs(lg - tl)))}
         log(f"round trip (baro_jax.load of the bf16 file vs training forward, {n_chk} tokens): "
             f"{check['engine_bpb']:.4f} vs {check['train_forward_bpb']:.4f} bpb, max |dlogit| {check['max_abs_logit_diff']:.3g}")
-        sample = eng.generate("def ", max_new_tokens=120, prefill="batch")
+        sample = eng.generate("def ", max_new_tokens=64, prefill="batch")
         check["sample"] = "def " + sample.text
         log("sample: " + repr(check["sample"]))
     except Exception as e:  # noqa: BLE001  (report, do not lose the run)

@@ -13,7 +13,6 @@ pytest deselects by default; run `pytest -m gpu` on a GPU machine).
 
 from __future__ import annotations
 
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -705,14 +704,10 @@ def test_moe_errors(platform):
 
 
 # ---------------------------------------------------------------------------
-# against baro_jax.ops_xla (the jnp reference backend), when it exists
+# against baro_jax.ops_xla (the jnp reference backend)
 # ---------------------------------------------------------------------------
 
-HAVE_OPS_XLA = importlib.util.find_spec("baro_jax") is not None and \
-    importlib.util.find_spec("baro_jax.ops_xla") is not None
 
-
-@pytest.mark.skipif(not HAVE_OPS_XLA, reason="baro_jax.ops_xla not written yet")
 @pytest.mark.parametrize("op", ["matmul", "rmsnorm", "gated_norm", "attention", "conv",
                                 "delta", "moe"])
 def test_vs_ops_xla(platform, op):

@@ -1,5 +1,6 @@
 // baro_matmul (CPU): y[m,N] f32 = x[m,K] bf16 . w[N,K]^T bf16, fixed order.
 #include "dot.h"
+#include "contract.h"
 #include "ffi_util.h"
 
 namespace ffi = xla::ffi;
@@ -8,15 +9,9 @@ namespace {
 
 ffi::Error MatmulImpl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                       ffi::ResultBuffer<ffi::F32> y) {
-  const char* op = "baro_matmul";
-  BARO_RETURN_IF(baro::expect_rank(op, "x", x, 2));
-  BARO_RETURN_IF(baro::expect_rank(op, "w", w, 2));
-  const int64_t m = x.dimensions()[0], K = x.dimensions()[1];
-  const int64_t N = w.dimensions()[0];
-  BARO_CHECK(w.dimensions()[1] == K, op,
-             "w must have shape [N, K] with K = x.shape[1] = " << K << ", got "
-                 << baro::dims_str(w.dimensions()));
-  BARO_RETURN_IF(baro::expect_shape(op, "y (result)", *y, {m, N}));
+  baro::MatmulDims dims;
+  if (auto err = baro::check_matmul(x, w, *y, dims); err.failure()) return err;
+  const int64_t m = dims.m, K = dims.K, N = dims.N;
 
   const uint16_t* xp = x.typed_data();
   const uint16_t* wp = w.typed_data();

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "contract.h"
 #include "ffi_gpu.h"
 #include "launch.h"
 
@@ -203,25 +204,11 @@ ffi::Error DeltaGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> yb, ffi::Buffe
                         ffi::Buffer<ffi::S32> n_valid_buf, ffi::ResultBuffer<ffi::F32> o,
                         ffi::ResultBuffer<ffi::F32> state_out) {
   const char* op = "baro_delta";
-  BARO_RETURN_IF(baro::expect_rank(op, "y", yb, 2));
-  BARO_RETURN_IF(baro::expect_rank(op, "state", state, 3));
-  const int64_t m = yb.dimensions()[0], C = yb.dimensions()[1];
-  const int64_t nv = state.dimensions()[0], dk = state.dimensions()[1], dv = state.dimensions()[2];
-  BARO_CHECK(nv > 0 && dk > 0 && dv > 0, op,
-             "state must have non-empty shape [nv, dk, dv], got " << baro::dims_str(state.dimensions()));
-  BARO_CHECK(C > nv * dv && (C - nv * dv) % (2 * dk) == 0, op,
-             "y width " << C << " must be 2*nk*dk + nv*dv with nv=" << nv << ", dk=" << dk
-                        << ", dv=" << dv << " (from state)");
-  const int64_t nk = (C - nv * dv) / (2 * dk);
-  BARO_CHECK(nv % nk == 0, op,
-             "nv=" << nv << " value heads must be a multiple of nk=" << nk << " key heads");
-  BARO_RETURN_IF(baro::expect_shape(op, "b", b, {m, nv}));
-  BARO_RETURN_IF(baro::expect_shape(op, "a", a, {m, nv}));
-  BARO_RETURN_IF(baro::expect_shape(op, "A_log", A_log, {nv}));
-  BARO_RETURN_IF(baro::expect_shape(op, "dt_bias", dt_bias, {nv}));
-  BARO_RETURN_IF(baro::expect_shape(op, "n_valid", n_valid_buf, {}));
-  BARO_RETURN_IF(baro::expect_shape(op, "o (result)", *o, {m, nv, dv}));
-  BARO_RETURN_IF(baro::expect_shape(op, "state (result)", *state_out, {nv, dk, dv}));
+  baro::DeltaDims dims;
+  if (auto err = baro::check_delta(yb, b, a, A_log, dt_bias, state, n_valid_buf, *o, *state_out, dims);
+      err.failure())
+    return err;
+  const int64_t m = dims.m, nv = dims.nv, dk = dims.dk, dv = dims.dv, nk = dims.nk;
   BARO_CHECK(baro_gpu::delta_supported_dk(static_cast<int>(dk)), op,
              "the GPU kernel supports key head dims 16, 32, 64, 128; got dk=" << dk);
   BARO_CHECK(nv <= 0x7fffffffLL && dv <= 65535LL * 64 && nk <= 0x7fffffffLL, op,

@@ -2,6 +2,7 @@
 // launcher shared with moe.cu. Order: see gemm.cuh / dot.cuh.
 #include <cstdint>
 
+#include "contract.h"
 #include "ffi_gpu.h"
 #include "gemm.cuh"
 #include "launch.h"
@@ -70,14 +71,9 @@ namespace ffi = xla::ffi;
 ffi::Error MatmulGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                          ffi::ResultBuffer<ffi::F32> y) {
   const char* op = "baro_matmul";
-  BARO_RETURN_IF(baro::expect_rank(op, "x", x, 2));
-  BARO_RETURN_IF(baro::expect_rank(op, "w", w, 2));
-  const int64_t m = x.dimensions()[0], K = x.dimensions()[1];
-  const int64_t N = w.dimensions()[0];
-  BARO_CHECK(w.dimensions()[1] == K, op,
-             "w must have shape [N, K] with K = x.shape[1] = " << K << ", got "
-                                                               << baro::dims_str(w.dimensions()));
-  BARO_RETURN_IF(baro::expect_shape(op, "y (result)", *y, {m, N}));
+  baro::MatmulDims dims;
+  if (auto err = baro::check_matmul(x, w, *y, dims); err.failure()) return err;
+  const int64_t m = dims.m, K = dims.K, N = dims.N;
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_matmul(x.typed_data(), w.typed_data(),
                                                     y->typed_data(), m, N, K, stream));
   return ffi::Error::Success();

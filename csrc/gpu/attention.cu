@@ -31,6 +31,7 @@
 #include <optional>
 #include <string>
 
+#include "contract.h"
 #include "common.cuh"
 #include "dot.cuh"
 #include "ffi_gpu.h"
@@ -544,33 +545,12 @@ ffi::Error AttentionGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch,
                             ffi::ResultBuffer<ffi::BF16> k_out,
                             ffi::ResultBuffer<ffi::BF16> v_out) {
   const char* op = "baro_attention";
-  BARO_RETURN_IF(baro::expect_rank(op, "qkv", qkv, 2));
-  BARO_RETURN_IF(baro::expect_rank(op, "q_norm", q_norm, 1));
-  BARO_RETURN_IF(baro::expect_rank(op, "k_cache", k_cache, 3));
-  BARO_RETURN_IF(baro::expect_rank(op, "cos", cos, 2));
-  const int64_t m = qkv.dimensions()[0], W = qkv.dimensions()[1];
-  const int64_t hd = q_norm.dimensions()[0];
-  const int64_t S = k_cache.dimensions()[0], Hkv = k_cache.dimensions()[1];
-  const int64_t R2 = cos.dimensions()[1];
-  BARO_CHECK(hd > 0, op, "q_norm must be non-empty (its length is head_dim)");
-  BARO_CHECK(Hkv > 0, op,
-             "k_cache must have at least one kv head, got shape " << baro::dims_str(k_cache.dimensions()));
-  BARO_RETURN_IF(baro::expect_shape(op, "k_norm", k_norm, {hd}));
-  BARO_RETURN_IF(baro::expect_shape(op, "k_cache", k_cache, {S, Hkv, hd}));
-  BARO_RETURN_IF(baro::expect_shape(op, "v_cache", v_cache, {S, Hkv, hd}));
-  BARO_CHECK(W % hd == 0 && W / hd > 2 * Hkv && (W / hd - 2 * Hkv) % 2 == 0, op,
-             "qkv width " << W << " must be (2*H + 2*Hkv) * head_dim with head_dim=" << hd
-                          << ", Hkv=" << Hkv);
-  const int64_t H = (W / hd - 2 * Hkv) / 2;
-  BARO_CHECK(H % Hkv == 0, op, "number of q heads " << H << " must be a multiple of Hkv=" << Hkv);
-  BARO_RETURN_IF(baro::expect_shape(op, "cos", cos, {m, R2}));
-  BARO_RETURN_IF(baro::expect_shape(op, "sin", sin, {m, R2}));
-  BARO_CHECK(2 * R2 <= hd, op, "rotary dims 2*cos.shape[1]=" << 2 * R2 << " exceed head_dim=" << hd);
-  BARO_RETURN_IF(baro::expect_shape(op, "pos", pos_buf, {}));
-  BARO_RETURN_IF(baro::expect_shape(op, "n_valid", n_valid_buf, {}));
-  BARO_RETURN_IF(baro::expect_shape(op, "o (result)", *o, {m, H * hd}));
-  BARO_RETURN_IF(baro::expect_shape(op, "k_cache (result)", *k_out, {S, Hkv, hd}));
-  BARO_RETURN_IF(baro::expect_shape(op, "v_cache (result)", *v_out, {S, Hkv, hd}));
+  baro::AttentionDims dims;
+  if (auto err = baro::check_attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos_buf, n_valid_buf,
+                                       *o, *k_out, *v_out, dims);
+      err.failure())
+    return err;
+  const int64_t m = dims.m, hd = dims.hd, S = dims.S, Hkv = dims.Hkv, H = dims.H, R2 = dims.R2;
   BARO_CHECK(S < (int64_t{1} << 31) && H <= 65535, op,
              "cache length " << S << " or q heads " << H << " too large for the GPU kernel");
 

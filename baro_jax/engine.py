@@ -299,7 +299,20 @@ def check_memory(cfg: Config, dtype, device_budget_gb: float | None = None):
                           "or --mode tier (routed experts in host memory)")
 
 
-def load(model: str = "tiny", *, backend: str = "xla", dtype: str = "bfloat16", max_context: int | None = None,
+def default_backend(dtype: str = "bfloat16") -> str:
+    """The product, `ordered`, when its library is built and the dtype is bf16; else `xla`."""
+    from .ops import BackendUnavailable
+
+    if dtype != "bfloat16":
+        return "xla"
+    try:
+        get_ops("ordered")
+        return "ordered"
+    except BackendUnavailable:
+        return "xla"
+
+
+def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloat16", max_context: int | None = None,
          seed: int = 0, progress: bool = True, mode: str | None = None,
          device_budget_gb: float | None = None) -> Engine:
     """Load a checkpoint directory or a preset name into an Engine.
@@ -313,6 +326,7 @@ def load(model: str = "tiny", *, backend: str = "xla", dtype: str = "bfloat16", 
     from .config import ConfigError, PRESETS, load_config, preset
     from .tokenizer import ByteTokenizer, load_tokenizer
 
+    backend = backend or default_backend(dtype)
     dt = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}.get(dtype)
     if dt is None:
         raise ValueError(f"unknown dtype {dtype!r}; choose bfloat16 or float32")

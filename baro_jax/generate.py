@@ -41,20 +41,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def default_backend() -> str:
-    from .ops import BackendUnavailable, get_ops
-
-    try:
-        get_ops("ordered")
-        return "ordered"
-    except BackendUnavailable:
-        return "xla"
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     from . import load
-    from .engine import env_chunk, env_prefill_mode
+    from .engine import default_backend, env_chunk, env_prefill_mode
     from .ops import BackendUnavailable
     from .sampling import Sampling
     from .config import PRESETS
@@ -63,9 +53,7 @@ def main(argv=None) -> int:
     try:
         prefill = args.prefill or env_prefill_mode()
         chunk = args.chunk if args.chunk is not None else env_chunk()
-        backend = args.backend or default_backend()
-        if args.dtype == "float32" and args.backend is None:
-            backend = "xla"
+        backend = args.backend or default_backend(args.dtype)
         eng = load(args.model, backend=backend, dtype=args.dtype, max_context=args.max_context,
                    seed=args.seed, progress=not args.json, mode=args.mode,
                    device_budget_gb=args.device_budget_gb)

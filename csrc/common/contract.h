@@ -117,4 +117,65 @@ inline ::xla::ffi::Error check_attention(
   return ::xla::ffi::Error::Success();
 }
 
+struct MoeDims {
+  int64_t m, D, E, I, Is;
+};
+
+inline ::xla::ffi::Error check_moe(const ::xla::ffi::Buffer<::xla::ffi::BF16>& h, const ::xla::ffi::Buffer<::xla::ffi::BF16>& router, const ::xla::ffi::Buffer<::xla::ffi::BF16>& w_gate_up,
+                                   const ::xla::ffi::Buffer<::xla::ffi::BF16>& w_down, const ::xla::ffi::Buffer<::xla::ffi::BF16>& shared_gate_up,
+                                   const ::xla::ffi::Buffer<::xla::ffi::BF16>& shared_down, const ::xla::ffi::Buffer<::xla::ffi::BF16>& shared_gate, int32_t top_k,
+                                   const ::xla::ffi::Buffer<::xla::ffi::F32>& out, MoeDims& d) {
+  const char* op = "baro_moe";
+  BARO_RETURN_IF(expect_rank(op, "h", h, 2));
+  BARO_RETURN_IF(expect_rank(op, "router", router, 2));
+  BARO_RETURN_IF(expect_rank(op, "w_gate_up", w_gate_up, 3));
+  BARO_RETURN_IF(expect_rank(op, "shared_gate_up", shared_gate_up, 2));
+  const int64_t m = h.dimensions()[0], D = h.dimensions()[1];
+  const int64_t E = router.dimensions()[0];
+  const int64_t I2 = w_gate_up.dimensions()[1], I = I2 / 2;
+  const int64_t Is2 = shared_gate_up.dimensions()[0], Is = Is2 / 2;
+  BARO_RETURN_IF(expect_shape(op, "router", router, {E, D}));
+  BARO_CHECK(I2 % 2 == 0 && I2 > 0, op, "w_gate_up.shape[1] must be 2*I (even, > 0), got " << I2);
+  BARO_RETURN_IF(expect_shape(op, "w_gate_up", w_gate_up, {E, 2 * I, D}));
+  BARO_RETURN_IF(expect_shape(op, "w_down", w_down, {E, D, I}));
+  BARO_CHECK(Is2 % 2 == 0 && Is2 > 0, op,
+             "shared_gate_up.shape[0] must be 2*Is (even, > 0), got " << Is2);
+  BARO_RETURN_IF(expect_shape(op, "shared_gate_up", shared_gate_up, {2 * Is, D}));
+  BARO_RETURN_IF(expect_shape(op, "shared_down", shared_down, {D, Is}));
+  BARO_RETURN_IF(expect_shape(op, "shared_gate", shared_gate, {1, D}));
+  BARO_CHECK(top_k >= 1 && top_k <= E, op, "top_k must be in [1, E=" << E << "], got " << top_k);
+  BARO_RETURN_IF(expect_shape(op, "out (result)", out, {m, D}));
+  d = MoeDims{m, D, E, I, Is};
+  return ::xla::ffi::Error::Success();
+}
+
+struct RmsnormDims {
+  int64_t m, D;
+};
+
+inline ::xla::ffi::Error check_rmsnorm(const ::xla::ffi::Buffer<::xla::ffi::F32>& x, const ::xla::ffi::Buffer<::xla::ffi::F32>& w, const ::xla::ffi::Buffer<::xla::ffi::BF16>& y,
+                                       RmsnormDims& d) {
+  const char* op = "baro_rmsnorm";
+  BARO_RETURN_IF(expect_rank(op, "x", x, 2));
+  d = RmsnormDims{x.dimensions()[0], x.dimensions()[1]};
+  BARO_RETURN_IF(expect_shape(op, "w", w, {d.D}));
+  BARO_RETURN_IF(expect_shape(op, "y (result)", y, {d.m, d.D}));
+  return ::xla::ffi::Error::Success();
+}
+
+struct GatedNormDims {
+  int64_t m, nv, dv;
+};
+
+inline ::xla::ffi::Error check_gated_norm(const ::xla::ffi::Buffer<::xla::ffi::F32>& o, const ::xla::ffi::Buffer<::xla::ffi::F32>& z, const ::xla::ffi::Buffer<::xla::ffi::F32>& w,
+                                          const ::xla::ffi::Buffer<::xla::ffi::BF16>& y, GatedNormDims& d) {
+  const char* op = "baro_gated_norm";
+  BARO_RETURN_IF(expect_rank(op, "o", o, 3));
+  d = GatedNormDims{o.dimensions()[0], o.dimensions()[1], o.dimensions()[2]};
+  BARO_RETURN_IF(expect_shape(op, "z", z, {d.m, d.nv * d.dv}));
+  BARO_RETURN_IF(expect_shape(op, "w", w, {d.dv}));
+  BARO_RETURN_IF(expect_shape(op, "y (result)", y, {d.m, d.nv * d.dv}));
+  return ::xla::ffi::Error::Success();
+}
+
 }  // namespace baro

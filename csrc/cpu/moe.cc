@@ -5,6 +5,7 @@
 #include <limits>
 #include <vector>
 
+#include "contract.h"
 #include "dot.h"
 #include "ffi_util.h"
 
@@ -27,28 +28,12 @@ ffi::Error MoeImpl(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> router,
                    ffi::Buffer<ffi::BF16> shared_down,
                    ffi::Buffer<ffi::BF16> shared_gate, int32_t top_k,
                    ffi::ResultBuffer<ffi::F32> out) {
-  const char* op = "baro_moe";
-  BARO_RETURN_IF(baro::expect_rank(op, "h", h, 2));
-  BARO_RETURN_IF(baro::expect_rank(op, "router", router, 2));
-  BARO_RETURN_IF(baro::expect_rank(op, "w_gate_up", w_gate_up, 3));
-  BARO_RETURN_IF(baro::expect_rank(op, "shared_gate_up", shared_gate_up, 2));
-  const int64_t m = h.dimensions()[0], D = h.dimensions()[1];
-  const int64_t E = router.dimensions()[0];
-  const int64_t I2 = w_gate_up.dimensions()[1], I = I2 / 2;
-  const int64_t Is2 = shared_gate_up.dimensions()[0], Is = Is2 / 2;
-  BARO_RETURN_IF(baro::expect_shape(op, "router", router, {E, D}));
-  BARO_CHECK(I2 % 2 == 0 && I2 > 0, op,
-             "w_gate_up.shape[1] must be 2*I (even, > 0), got " << I2);
-  BARO_RETURN_IF(baro::expect_shape(op, "w_gate_up", w_gate_up, {E, 2 * I, D}));
-  BARO_RETURN_IF(baro::expect_shape(op, "w_down", w_down, {E, D, I}));
-  BARO_CHECK(Is2 % 2 == 0 && Is2 > 0, op,
-             "shared_gate_up.shape[0] must be 2*Is (even, > 0), got " << Is2);
-  BARO_RETURN_IF(baro::expect_shape(op, "shared_gate_up", shared_gate_up, {2 * Is, D}));
-  BARO_RETURN_IF(baro::expect_shape(op, "shared_down", shared_down, {D, Is}));
-  BARO_RETURN_IF(baro::expect_shape(op, "shared_gate", shared_gate, {1, D}));
-  BARO_CHECK(top_k >= 1 && top_k <= E, op,
-             "top_k must be in [1, E=" << E << "], got " << top_k);
-  BARO_RETURN_IF(baro::expect_shape(op, "out (result)", *out, {m, D}));
+  baro::MoeDims dims;
+  if (auto err = baro::check_moe(h, router, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate,
+                                 top_k, *out, dims);
+      err.failure())
+    return err;
+  const int64_t m = dims.m, D = dims.D, E = dims.E, I = dims.I, Is = dims.Is;
 
   const uint16_t* hp = h.typed_data();
   const uint16_t* rp = router.typed_data();

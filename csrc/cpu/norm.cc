@@ -1,4 +1,5 @@
 // baro_rmsnorm, baro_gated_norm (CPU).
+#include "contract.h"
 #include "dot.h"
 #include "ffi_util.h"
 
@@ -9,11 +10,9 @@ namespace {
 // y = bf16((x * r) * (1 + w)), r = 1/sqrt(dot(x,x)/D + eps)
 ffi::Error RmsnormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        float eps, ffi::ResultBuffer<ffi::BF16> y) {
-  const char* op = "baro_rmsnorm";
-  BARO_RETURN_IF(baro::expect_rank(op, "x", x, 2));
-  const int64_t m = x.dimensions()[0], D = x.dimensions()[1];
-  BARO_RETURN_IF(baro::expect_shape(op, "w", w, {D}));
-  BARO_RETURN_IF(baro::expect_shape(op, "y (result)", *y, {m, D}));
+  baro::RmsnormDims dims;
+  if (auto err = baro::check_rmsnorm(x, w, *y, dims); err.failure()) return err;
+  const int64_t m = dims.m, D = dims.D;
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   uint16_t* yp = y->typed_data();
@@ -34,12 +33,9 @@ ffi::Error RmsnormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
 ffi::Error GatedNormImpl(ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> z,
                          ffi::Buffer<ffi::F32> w, float eps,
                          ffi::ResultBuffer<ffi::BF16> y) {
-  const char* op = "baro_gated_norm";
-  BARO_RETURN_IF(baro::expect_rank(op, "o", o, 3));
-  const int64_t m = o.dimensions()[0], nv = o.dimensions()[1], dv = o.dimensions()[2];
-  BARO_RETURN_IF(baro::expect_shape(op, "z", z, {m, nv * dv}));
-  BARO_RETURN_IF(baro::expect_shape(op, "w", w, {dv}));
-  BARO_RETURN_IF(baro::expect_shape(op, "y (result)", *y, {m, nv * dv}));
+  baro::GatedNormDims dims;
+  if (auto err = baro::check_gated_norm(o, z, w, *y, dims); err.failure()) return err;
+  const int64_t m = dims.m, nv = dims.nv, dv = dims.dv;
   const float* op_ = o.typed_data();
   const float* zp = z.typed_data();
   const float* wp = w.typed_data();

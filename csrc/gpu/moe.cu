@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 
+#include "contract.h"
 #include "common.cuh"
 #include "ffi_gpu.h"
 #include "gemm.cuh"
@@ -343,27 +344,14 @@ ffi::Error MoeGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ffi::Bu
                       ffi::Buffer<ffi::BF16> shared_down, ffi::Buffer<ffi::BF16> shared_gate,
                       int32_t top_k, ffi::ResultBuffer<ffi::F32> out) {
   const char* op = "baro_moe";
-  BARO_RETURN_IF(baro::expect_rank(op, "h", h, 2));
-  BARO_RETURN_IF(baro::expect_rank(op, "router", router, 2));
-  BARO_RETURN_IF(baro::expect_rank(op, "w_gate_up", w_gate_up, 3));
-  BARO_RETURN_IF(baro::expect_rank(op, "shared_gate_up", shared_gate_up, 2));
-  const int64_t m = h.dimensions()[0], D = h.dimensions()[1];
-  const int64_t E = router.dimensions()[0];
-  const int64_t I2 = w_gate_up.dimensions()[1], I = I2 / 2;
-  const int64_t Is2 = shared_gate_up.dimensions()[0], Is = Is2 / 2;
-  BARO_RETURN_IF(baro::expect_shape(op, "router", router, {E, D}));
-  BARO_CHECK(I2 % 2 == 0 && I2 > 0, op, "w_gate_up.shape[1] must be 2*I (even, > 0), got " << I2);
-  BARO_RETURN_IF(baro::expect_shape(op, "w_gate_up", w_gate_up, {E, 2 * I, D}));
-  BARO_RETURN_IF(baro::expect_shape(op, "w_down", w_down, {E, D, I}));
-  BARO_CHECK(Is2 % 2 == 0 && Is2 > 0, op,
-             "shared_gate_up.shape[0] must be 2*Is (even, > 0), got " << Is2);
-  BARO_RETURN_IF(baro::expect_shape(op, "shared_gate_up", shared_gate_up, {2 * Is, D}));
-  BARO_RETURN_IF(baro::expect_shape(op, "shared_down", shared_down, {D, Is}));
-  BARO_RETURN_IF(baro::expect_shape(op, "shared_gate", shared_gate, {1, D}));
-  BARO_CHECK(top_k >= 1 && top_k <= E, op, "top_k must be in [1, E=" << E << "], got " << top_k);
+  baro::MoeDims dims;
+  if (auto err = baro::check_moe(h, router, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate,
+                                 top_k, *out, dims);
+      err.failure())
+    return err;
+  const int64_t m = dims.m, D = dims.D, E = dims.E, I = dims.I, Is = dims.Is;
   BARO_CHECK(E <= baro_gpu::kMoeMaxExperts, op,
              "the GPU kernel supports at most " << baro_gpu::kMoeMaxExperts << " experts, got E=" << E);
-  BARO_RETURN_IF(baro::expect_shape(op, "out (result)", *out, {m, D}));
   BARO_CHECK(m * top_k < (int64_t{1} << 31) - 1 && E < (int64_t{1} << 31), op,
              "m * top_k = " << m * top_k << " (row, slot) pairs is too many for one GPU call");
   if (m == 0) return ffi::Error::Success();

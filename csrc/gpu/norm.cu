@@ -3,6 +3,7 @@
 // butterfly, so a row's bits never depend on m or on its neighbours.
 #include <cstdint>
 
+#include "contract.h"
 #include "common.cuh"
 #include "ffi_gpu.h"
 #include "launch.h"
@@ -76,10 +77,9 @@ namespace ffi = xla::ffi;
 ffi::Error RmsnormGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                           float eps, ffi::ResultBuffer<ffi::BF16> y) {
   const char* op = "baro_rmsnorm";
-  BARO_RETURN_IF(baro::expect_rank(op, "x", x, 2));
-  const int64_t m = x.dimensions()[0], D = x.dimensions()[1];
-  BARO_RETURN_IF(baro::expect_shape(op, "w", w, {D}));
-  BARO_RETURN_IF(baro::expect_shape(op, "y (result)", *y, {m, D}));
+  baro::RmsnormDims dims;
+  if (auto err = baro::check_rmsnorm(x, w, *y, dims); err.failure()) return err;
+  const int64_t m = dims.m, D = dims.D;
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_rmsnorm(x.typed_data(), w.typed_data(),
                                                      y->typed_data(), m, D, eps, stream));
   return ffi::Error::Success();
@@ -88,11 +88,9 @@ ffi::Error RmsnormGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buff
 ffi::Error GatedNormGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> z,
                             ffi::Buffer<ffi::F32> w, float eps, ffi::ResultBuffer<ffi::BF16> y) {
   const char* op = "baro_gated_norm";
-  BARO_RETURN_IF(baro::expect_rank(op, "o", o, 3));
-  const int64_t m = o.dimensions()[0], nv = o.dimensions()[1], dv = o.dimensions()[2];
-  BARO_RETURN_IF(baro::expect_shape(op, "z", z, {m, nv * dv}));
-  BARO_RETURN_IF(baro::expect_shape(op, "w", w, {dv}));
-  BARO_RETURN_IF(baro::expect_shape(op, "y (result)", *y, {m, nv * dv}));
+  baro::GatedNormDims dims;
+  if (auto err = baro::check_gated_norm(o, z, w, *y, dims); err.failure()) return err;
+  const int64_t m = dims.m, nv = dims.nv, dv = dims.dv;
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_gated_norm(o.typed_data(), z.typed_data(),
                                                         w.typed_data(), y->typed_data(), m * nv,
                                                         dv, eps, stream));

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from . import model as M
+from . import budget
 from .config import Config
 from .ops import get_ops
 from .sampling import Sampler, Sampling
@@ -136,7 +137,7 @@ class Engine:
         if mode == "tier":
             from . import staging
 
-            staging.check_budget(cfg, self.dtype, device_budget_gb, min(MIN_STATE_LEN, cfg.max_context))
+            budget.check_tier(cfg, self.dtype, device_budget_gb, min(MIN_STATE_LEN, cfg.max_context))
             self.params = staging.tier_params(params)  # routed experts -> host memory (no-op where already)
             self._step = partial(staging.forward, cfg=cfg, ops=self.ops)
             self._all_logits = partial(staging.forward, cfg=cfg, ops=self.ops, all_logits=True)
@@ -145,12 +146,12 @@ class Engine:
             self._step = partial(_STEP, cfg=cfg, ops=self.ops)
             self._all_logits = partial(_ALL_LOGITS, cfg=cfg, ops=self.ops)
 
-    def check_device(self, state_len: int):
-        """Tier mode: refuse a request whose KV/state would overflow the device budget."""
+    def check_device(self, state_len: int, chunk: int = 0):
+        """Refuse, before any work, a request whose KV/state and activations at `chunk` cannot fit."""
         if self.mode == "tier":
-            from . import staging
-
-            staging.check_budget(self.cfg, self.dtype, self.device_budget_gb, state_len)
+            budget.check_tier(self.cfg, self.dtype, self.device_budget_gb, state_len, chunk)
+        else:
+            budget.check_resident(self.cfg, self.dtype, self.device_budget_gb, state_len, chunk)
 
     # --- state -------------------------------------------------------------
     def new_state(self, length: int | None = None):
@@ -191,13 +192,13 @@ class Engine:
             raise ValueError(f"unknown prefill mode {mode!r}; choose batch or replay")
         ids = self.check_ids(ids)
         self.check_fits(len(ids), n_new)
-        if state is None:
-            L = state_length(len(ids) + n_new, self.cfg.max_context)
-            self.check_device(L)
-            state = self.new_state(L)
         chunk = chunk or default_chunk(len(ids))
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
+        if state is None:
+            L = state_length(len(ids) + n_new, self.cfg.max_context)
+            self.check_device(L, chunk if mode == "batch" else 1)
+            state = self.new_state(L)
         t0 = time.perf_counter()
         if mode == "replay":
             for p, t in enumerate(ids):
@@ -216,7 +217,7 @@ class Engine:
         """Logits of every prompt position [n, V] fp32 from one whole-prompt forward."""
         ids = self.check_ids(ids)
         self.check_fits(len(ids))
-        self.check_device(len(ids))
+        self.check_device(len(ids), len(ids))
         state = self.new_state(len(ids))
         logits, _ = self._all_logits(self.params, state, jnp.asarray(ids, jnp.int32), jnp.int32(0),
                                      jnp.int32(len(ids)), self.rope)
@@ -263,42 +264,6 @@ class Engine:
             last_prompt_logits=last_logits, state=state if keep_state else None)
 
 
-def param_bytes(cfg: Config, dtype) -> int:
-    from .weights import param_shapes
-
-    is_leaf = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], bool)  # noqa: E731
-    leaves = jax.tree_util.tree_leaves(param_shapes(cfg), is_leaf=is_leaf)
-    return sum(int(np.prod(shape)) * (4 if is_f32 else jnp.dtype(dtype).itemsize) for shape, is_f32 in leaves)
-
-
-def device_memory_bytes() -> int | None:
-    """Memory of the default device: its allocator limit on GPUs, physical RAM on the CPU."""
-    dev = jax.devices()[0]
-    try:
-        stats = dev.memory_stats() or {}
-    except Exception:  # some backends do not report
-        stats = {}
-    if stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
-    if dev.platform == "cpu":
-        try:
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError):
-            return None
-    return None
-
-
-def check_memory(cfg: Config, dtype, device_budget_gb: float | None = None):
-    """Refuse up front a model whose weights cannot fit, instead of failing deep inside an allocation."""
-    from .staging import budget_bytes
-
-    need = param_bytes(cfg, dtype)
-    limit, what = budget_bytes(device_budget_gb)
-    if limit is not None and need > limit:
-        raise MemoryError(f"the weights need {need / 2**30:.1f} GiB, more than {what}; use a larger device "
-                          "or --mode tier (routed experts in host memory)")
-
-
 def default_backend(dtype: str = "bfloat16") -> str:
     """The product, `ordered`, when its library is built and the dtype is bf16; else `xla`."""
     from .ops import BackendUnavailable
@@ -339,9 +304,9 @@ def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloa
 
     def check(cfg):  # before any weight is read or drawn
         if mode == "tier":
-            staging.check_budget(cfg, dt, device_budget_gb, min(MIN_STATE_LEN, cfg.max_context))
+            budget.check_tier(cfg, dt, device_budget_gb, min(MIN_STATE_LEN, cfg.max_context))
         else:
-            check_memory(cfg, dt, device_budget_gb)
+            budget.check_resident(cfg, dt, device_budget_gb)
 
     kw = dict(backend=backend, mode=mode, device_budget_gb=device_budget_gb)
     if os.path.isdir(model):

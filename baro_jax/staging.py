@@ -30,7 +30,7 @@ import jax
 from jax.sharding import SingleDeviceSharding
 
 from . import model as M
-from .config import FULL, Config
+from .config import Config
 
 EXPERT_KEYS = ("gate_up", "down")
 HOST_KINDS = ("pinned_host", "unpinned_host")
@@ -96,84 +96,6 @@ def split_layer(layer: dict):
     moe = layer["moe"]
     return ({**layer, "moe": {k: v for k, v in moe.items() if k not in EXPERT_KEYS}},
             {k: moe[k] for k in EXPERT_KEYS})
-
-
-# --- the memory budget ------------------------------------------------------------
-def _itemsize(dtype) -> int:
-    return np.dtype(jax.numpy.dtype(dtype)).itemsize
-
-
-def expert_layer_bytes(cfg: Config, dtype) -> int:
-    E, I, D = cfg.num_experts, cfg.moe_inter, cfg.hidden_size
-    return (E * 2 * I * D + E * D * I) * _itemsize(dtype)
-
-
-def state_bytes(cfg: Config, dtype, length: int) -> int:
-    n = 0
-    for t in cfg.layer_types:
-        if t == FULL:
-            n += 2 * length * cfg.num_kv_heads * cfg.head_dim * _itemsize(dtype)
-        else:
-            n += (cfg.conv_kernel - 1) * cfg.conv_dim * _itemsize(dtype)
-            n += cfg.lin_v_heads * cfg.lin_k_dim * cfg.lin_v_dim * 4
-    return n
-
-
-def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
-
-
-def budget_bytes(device_budget_gb: float | None) -> tuple[int | None, str]:
-    """(bytes, what it is): 95% of the device's memory, or the explicit budget where smaller."""
-    from .engine import device_memory_bytes
-
-    have = device_memory_bytes()
-    dev_limit = None if have is None else int(0.95 * have)
-    dev_what = f"95% of the {jax.devices()[0].platform} device's {have / 2**30:.1f} GiB" if have else ""
-    if device_budget_gb is not None:
-        if device_budget_gb <= 0:
-            raise ValueError(f"--device-budget-gb must be positive, got {device_budget_gb}")
-        b = int(device_budget_gb * 2**30)
-        if dev_limit is None or b <= dev_limit:
-            return b, f"the device budget of {device_budget_gb:g} GiB"
-    return dev_limit, dev_what or "unknown device memory"
-
-
-def host_memory_bytes() -> int | None:
-    import os
-
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def check_budget(cfg: Config, dtype, device_budget_gb: float | None, state_len: int):
-    """Refuse up front a tier-mode request whose device footprint exceeds the budget.
-
-    Counted: the non-expert weights, two staged expert layers and the KV/state
-    of a context of `state_len` positions (activations and workspace are not).
-    """
-    from .engine import param_bytes
-
-    limit, what = budget_bytes(device_budget_gb)
-    exp = expert_layer_bytes(cfg, dtype)
-    resident = param_bytes(cfg, dtype) - cfg.num_layers * exp
-    st = state_bytes(cfg, dtype, state_len)
-    need = resident + 2 * exp + st
-    if limit is not None and need > limit:
-        raise MemoryError(
-            f"tier mode needs {gib(need)} of device memory: non-expert weights {gib(resident)} + "
-            f"two staged expert layers 2 x {gib(exp)} + KV/state for {state_len} positions {gib(st)}, "
-            f"more than {what}")
-    # the expert store lives in host RAM (on the CPU backend, so does the "device" part)
-    host = host_memory_bytes()
-    store = cfg.num_layers * exp + (need if jax.devices()[0].platform == "cpu" else 0)
-    if host is not None and store > 0.95 * host:
-        raise MemoryError(f"tier mode's host store needs {gib(store)} (routed experts {gib(cfg.num_layers * exp)}"
-                          f"{' + the CPU device part' if jax.devices()[0].platform == 'cpu' else ''}), more than "
-                          f"95% of the host's {gib(host)} of RAM")
-    return need
 
 
 # --- the per-layer forward --------------------------------------------------------

@@ -85,8 +85,8 @@ def test_python_m_streams_text():
 
 
 def test_model_too_large_for_device(capsys, monkeypatch):
-    from baro_jax import engine
+    from baro_jax import budget
 
-    monkeypatch.setattr(engine, "device_memory_bytes", lambda: 8 << 30)
+    monkeypatch.setattr(budget, "device_memory_bytes", lambda: 8 << 30)
     rc, out, err = run_main(capsys, monkeypatch, "--model", "qwen3.5-35b-a3b", "--backend", "xla", "--json")
     assert rc == 2 and "the weights need 64." in err and "8.0 GiB" in err, err

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import baro_jax
-from baro_jax import generate, staging
+from baro_jax import budget, generate, staging
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import identity  # noqa: E402
@@ -68,11 +68,26 @@ def test_budget_refuses_a_request_too_long():
     cfg = baro_jax.preset("tiny-random")
     import jax.numpy as jnp
 
-    need_1k = staging.check_budget(cfg, jnp.bfloat16, None, 1024)
-    budget = (need_1k + (1 << 16)) / 2**30  # fits a 1024-position state, not a 2048 one
-    eng = baro_jax.load("tiny-random", mode="tier", device_budget_gb=budget, progress=False, backend="ordered")
+    need_1k = budget.check_tier(cfg, jnp.bfloat16, None, 1024, chunk=16)  # 10 tokens: chunk 16
+    gb = (need_1k + (1 << 16)) / 2**30  # fits a 1024-position state, not a 2048 one
+    eng = baro_jax.load("tiny-random", mode="tier", device_budget_gb=gb, progress=False, backend="ordered")
+    eng.prefill(list(range(10)), n_new=10)
     with pytest.raises(MemoryError, match="KV/state for 2048 positions"):
         eng.prefill(list(range(10)), n_new=1500)
+    with pytest.raises(MemoryError, match="activations at chunk 4096"):
+        eng.prefill(list(range(10)), chunk=4096)
+
+
+def test_activations_counted_in_resident_requests():
+    import jax.numpy as jnp
+
+    cfg = baro_jax.preset("tiny-random")
+    base = budget.check_resident(cfg, jnp.bfloat16, None, 1024, chunk=16)
+    assert budget.activation_bytes(cfg, jnp.bfloat16, 4096) > 100 * budget.activation_bytes(cfg, jnp.bfloat16, 16)
+    eng = baro_jax.load("tiny-random", device_budget_gb=(base + (1 << 16)) / 2**30, progress=False, backend="xla")
+    eng.prefill(list(range(10)))
+    with pytest.raises(MemoryError, match="resident mode needs .* activations at chunk 4096"):
+        eng.prefill(list(range(10)), chunk=4096)
 
 
 def test_cli_tier_json(capsys, monkeypatch):

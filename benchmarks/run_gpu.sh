@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels tiny ops probe full speed)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels tiny ops probe full speed peer vs_peer)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -38,6 +38,49 @@ stage_full() {
 stage_speed() {
   python benchmarks/speed.py --model qwen3.5-35b-a3b --lengths "${SPEED_LENGTHS:-1024,8192}" --chunk 1024 \
     --json "$OUT/speed_qwen35_h200.json" 2>&1 | tail -12
+}
+# Wheels the GPU machine lacks (fla-core, flash-linear-attention: pure Python) travel in .whl/
+# (git-ignored); installed into /tmp/site (WHL_SITE), which is put in front of PYTHONPATH (torch/triton stay the machine's).
+install_whl() {
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "${WHL_SITE:-/tmp/site}" .whl/*.whl \
+      && export PYTHONPATH=${WHL_SITE:-/tmp/site}${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  python -c "import fla, fla.ops.gated_delta_rule; print('fla', fla.__version__, fla.__file__)" 2>&1 | tail -1
+}
+# The transformers peer alone (about 70 GB of its own weights): $OUT/peer_hf_h200.json, also kept in
+# build/ (ignored, so it stays on a warm machine) for a later `PEER_JSON=build/peer_hf_h200.json ... vs_peer`.
+stage_peer() {
+  install_whl
+  timeout "${VS_PEER_TIMEOUT:-300}" python benchmarks/peer_hf.py --model "${VS_MODEL:-qwen3.5-35b-a3b}" \
+    --device "${VS_PEER_DEVICE:-cuda}" \
+    --lengths "${VS_PEER_LENGTHS:-1024,8192,32768}" --repeats "${VS_PEER_REPEATS:-3}" \
+    --json "$OUT/peer_hf_h200.json" 2>&1 | tee "$OUT/peer_hf.log" | grep -v '^\[transformers\]'
+  mkdir -p build && cp -f "$OUT/peer_hf_h200.json" build/peer_hf_h200.json 2>/dev/null
+}
+# Ours vs the peer in one JSON + PNG. The peer runs first in a subprocess (its weights are freed
+# before ours are made), unless PEER_JSON names a file stage_peer wrote. One device command may run
+# 10 minutes: speed.py skips what would start after VS_DEADLINE_S and is killed at VS_TIMEOUT_S; it
+# writes the JSON and PNG after every length, so a cut run still returns the lengths done.
+# Env: VS_PEER_LENGTHS (1024,8192,32768), VS_PEER_CHUNKS (1024; e.g. 1024,2048,4096),
+# VS_PEER_ARMS (batch-ordered,replay-ordered,batch-xla), VS_REPLAY_MAX (1024), VS_REPEATS (1),
+# VS_PEER_REPEATS (3), VS_PEER_TIMEOUT (300), VS_DEADLINE_S (420), VS_TIMEOUT_S (560), PEER_JSON;
+# VS_MODEL / VS_PEER_DEVICE only for a CPU check of the stage (tiny-random / cpu).
+stage_vs_peer() {
+  install_whl
+  local peer=(--peer --peer-timeout "${VS_PEER_TIMEOUT:-300}" --peer-repeats "${VS_PEER_REPEATS:-3}"
+              --peer-device "${VS_PEER_DEVICE:-cuda}")
+  [ -n "${PEER_JSON:-}" ] && peer=()
+  timeout "${VS_TIMEOUT_S:-560}" python benchmarks/speed.py --model "${VS_MODEL:-qwen3.5-35b-a3b}" \
+    --lengths "${VS_PEER_LENGTHS:-1024,8192,32768}" --chunk "${VS_PEER_CHUNKS:-1024}" \
+    --arms "${VS_PEER_ARMS:-batch-ordered,replay-ordered,batch-xla}" --replay-max "${VS_REPLAY_MAX:-1024}" \
+    --check-prefix 1088 --check-tail 64 --repeats "${VS_REPEATS:-1}" --deadline-s "${VS_DEADLINE_S:-420}" \
+    ${peer[@]+"${peer[@]}"} --peer-json "${PEER_JSON:-$OUT/peer_hf_h200.json}" \
+    --json "$OUT/speed_vs_peer_h200.json" --png "$OUT/speed_vs_peer_h200.png" 2>&1 \
+    | tee "$OUT/speed_vs_peer.log" | grep -v '^\[transformers\]'
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 124 ] && echo "speed.py killed at VS_TIMEOUT_S=${VS_TIMEOUT_S:-560}s; the JSON holds the lengths done"
+  return "$rc"
 }
 for s in "$@"; do log "$s"; "stage_$s" || log "stage $s FAILED"; done
 log done

@@ -1,27 +1,51 @@
-"""Prefill speed: batched-ordered vs replay-ordered vs batched-xla, each checked while timed.
+"""Prefill speed: batched-ordered vs replay-ordered vs batched-xla (vs the transformers peer), each checked.
 
-    python benchmarks/speed.py --model qwen3.5-35b-a3b --lengths 1024,8192 --chunk 1024 --json out.json
+    python benchmarks/speed.py --model qwen3.5-35b-a3b --lengths 1024,8192,32768 --chunk 1024,2048 \\
+        --peer --json out.json --png out.png
 
-Arms (compile time excluded: each graph is run once on a throwaway state first):
-- batch-ordered: the product. Checked: its last logits equal replay-ordered's, bytes
-  (when replay ran at that length), else equal to a second batched run.
-- replay-ordered: the decode step per prompt token (the identity reference).
-- batch-xla: plain jnp prefill. Checked: greedy top-1 of the last logits equals the
-  ordered arm's and max |logit diff| is reported.
-Decode tokens/s is measured too (ordered, m = 1 steps after the prompt).
+Arms (compile time excluded: each graph is run once on a throwaway state first; tokens/s is the
+median wall time of --repeats runs, each on a fresh state):
+- batch-ordered: the product, at every --chunk (the first one is the headline `batch-ordered`;
+  all of them are under `by_chunk`). Its identity check is written in its `identity` entry:
+  * "full": at lengths <= --replay-max, the last logits bytes equal replay-ordered's (the whole
+    prompt through the decode step);
+  * "prefix+tail" above --replay-max (full replay costs minutes there):
+    prefix: batched prefill of ids[:--check-prefix] at the same chunk and state length vs
+    replay of the same ids[:P] (last logits, bytes);
+    tail: batched prefill of ids[:n-K] then replay of the last K = --check-tail ids from that
+    state vs the batched prefill of all n ids (last logits, bytes). It runs the decode step at
+    the real long context against the batched path there.
+- replay-ordered: the decode step once per prompt token (the identity reference), timed only
+  at lengths <= --replay-max.
+- batch-xla: plain jnp prefill at the first chunk. Checked: greedy top-1 of the last logits
+  equals the ordered arm's; max |logit diff| is reported.
+- peer-hf (--peer): benchmarks/peer_hf.py (transformers + FLA) in a subprocess run FIRST, so
+  its weights are freed before ours are made on the same card (or --peer-json: reuse a file it
+  wrote). ratio_vs_peer = batch-ordered tok/s / peer tok/s.
+Decode tokens/s is measured too (ordered, m = 1 steps after the prompt, headline chunk).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
+import subprocess
 import sys
 import time
 
 import numpy as np
 import jax
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 from common import provenance, write_json  # noqa: E402
+
+T0 = time.perf_counter()
+
+
+def log(msg: str):
+    print(f"[speed {time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
 
 
 def prompt_ids(n, vocab, seed=0):
@@ -47,68 +71,285 @@ def time_decode(eng, logits, state, pos, n):
     return n / (time.perf_counter() - t0)
 
 
+def replay_from(eng, ids, state, pos0):
+    """Decode-step ids[0..] at positions pos0.. from state; last logits (np) and seconds."""
+    t0 = time.perf_counter()
+    logits = None
+    for i, t in enumerate(ids):
+        logits, state = eng.decode_step(t, state, pos0 + i)
+    logits = np.asarray(jax.block_until_ready(logits))
+    return logits, time.perf_counter() - t0
+
+
+def same(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def run_peer(args, lengths) -> tuple[dict | None, dict]:
+    """peer_hf.py in a subprocess (before this process touches the device); its JSON and how it ran."""
+    path = args.peer_json
+    if path and os.path.isfile(path) and not args.peer:
+        log(f"peer: reusing {path}")
+        with open(path) as f:
+            return json.load(f), {"source": "file", "path": path}
+    if not args.peer:
+        if path:
+            log(f"peer: WARNING --peer-json {path} does not exist and --peer is not given: no peer arm")
+            return None, {"source": "file", "path": path, "missing": True}
+        return None, {}
+    if not path:
+        base = os.path.splitext(args.json)[0] if args.json else "/tmp/speed"
+        path = base + ".peer_hf.json"
+    cmd = [sys.executable, os.path.join(HERE, "peer_hf.py"), "--model", args.model,
+           "--lengths", ",".join(map(str, lengths)), "--repeats", str(args.peer_repeats),
+           "--device", args.peer_device, "--json", path, "--seed", str(args.seed)] + args.peer_arg
+    log("peer: " + " ".join(cmd))
+    t = time.perf_counter()
+    run = {"source": "subprocess", "path": path, "cmd": cmd}
+    try:
+        r = subprocess.run(cmd, timeout=args.peer_timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        run["rc"] = r.returncode
+    except subprocess.TimeoutExpired:
+        run["rc"] = None
+        run["timed_out_after_s"] = args.peer_timeout
+    run["seconds"] = time.perf_counter() - t
+    log(f"peer: done in {run['seconds']:.1f}s rc={run.get('rc')}")
+    if not os.path.isfile(path):
+        return None, run
+    with open(path) as f:
+        return json.load(f), run
+
+
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def summarize(args, chunks, arms, peer, peer_run, timings, final, rows):
+    s = {"model": args.model, "chunks": chunks, "arms": arms, "repeats": args.repeats,
+         "replay_max": args.replay_max, "check_prefix": args.check_prefix, "check_tail": args.check_tail,
+         "identity_method": ("lengths <= replay_max: batch-ordered's last logits bytes == replay-ordered's "
+                             "(whole prompt). Longer: prefix = batched prefill of ids[:check_prefix] vs replay "
+                             "of ids[:check_prefix], tail = batched prefill of ids[:n-check_tail] then replay "
+                             "of the last check_tail ids vs batched prefill of all n ids; last logits bytes, "
+                             "same chunk and state length as the timed run."),
+         "timings_s": timings, "partial": not final}
+    if peer is not None or peer_run:
+        ps = (peer or {}).get("summary", {})
+        s["peer"] = {k: ps.get(k) for k in (
+            "arm", "device", "versions", "fla_used", "fla_import", "gdn_kernels", "gdn_calls_match_layers",
+            "hf_class", "attn_implementation", "experts_implementation", "n_params", "build_seconds",
+            "weights_memory_gb", "dtype", "error", "partial", "total_seconds")}
+        s["peer"]["run"] = {k: v for k, v in peer_run.items() if k != "cmd"}
+        s["peer"]["cmd"] = " ".join(peer_run.get("cmd", []))
+    if final:
+        checks = [r["identity"]["equal"] for row in rows for r in row.get("by_chunk", {}).values()
+                  if "identity" in r]
+        s["checks_pass"] = all(checks) if checks else None
+        s["checks_run"] = len(checks)
+        s.update(provenance())
+    return s
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--lengths", default="1024,8192")
-    ap.add_argument("--chunk", type=int, default=1024)
-    ap.add_argument("--replay-max", type=int, default=8192, help="skip the replay arm above this length")
+    ap.add_argument("--chunk", default="1024", help="comma list of prefill chunks; the first is the headline")
+    ap.add_argument("--replay-max", type=int, default=8192,
+                    help="time replay (and check against it) only at lengths <= this; above, prefix+tail checks")
+    ap.add_argument("--check-prefix", type=int, default=1088, help="prefix length P of the long-prompt check")
+    ap.add_argument("--check-tail", type=int, default=64, help="tail length K of the long-prompt check (0: off)")
     ap.add_argument("--arms", default="batch-ordered,replay-ordered,batch-xla")
+    ap.add_argument("--repeats", type=int, default=1, help="timed batched prefills per length and chunk (median)")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--png", default=None, help="plot tok/s vs prompt length (benchmarks/plot_speed.py)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="seconds from start; a length or the xla arm that would start later is skipped (recorded)")
+    ap.add_argument("--peer", action="store_true", help="run benchmarks/peer_hf.py first (subprocess)")
+    ap.add_argument("--peer-json", default=None,
+                    help="where the peer writes its JSON; without --peer, an existing file to reuse")
+    ap.add_argument("--peer-repeats", type=int, default=3)
+    ap.add_argument("--peer-device", default="cuda")
+    ap.add_argument("--peer-timeout", type=float, default=None, help="seconds; the peer is killed after this")
+    ap.add_argument("--peer-arg", action="append", default=[], help="extra argument for peer_hf.py (repeatable)")
     args = ap.parse_args(argv)
+
+    lengths = ints(args.lengths)
+    chunks = ints(args.chunk)
+    arms = [a for a in args.arms.split(",") if a]
+    bad = set(arms) - {"batch-ordered", "replay-ordered", "batch-xla"}
+    if bad:
+        ap.error(f"unknown arm(s) {sorted(bad)}")
+    timings = {}
+
+    # The peer first: nothing in this process has touched the device yet.
+    peer, peer_run = run_peer(args, lengths)
+    if peer_run.get("seconds") is not None:
+        timings["peer_subprocess"] = peer_run["seconds"]
+    peer_rows = {r["prompt_tokens"]: r["peer-hf"] for r in (peer or {}).get("rows", [])}
 
     import baro_jax
     from baro_jax.engine import state_length
 
-    lengths = [int(x) for x in args.lengths.split(",") if x]
-    arms = args.arms.split(",")
     max_ctx = state_length(max(lengths) + args.decode_tokens, 1 << 30)
     engines = {}
+    t = time.perf_counter()
     if any(a.endswith("ordered") for a in arms):
         engines["ordered"] = baro_jax.load(args.model, backend="ordered", max_context=max_ctx, seed=args.seed)
+        jax.block_until_ready(engines["ordered"].params)
     if "batch-xla" in arms:
         base = engines.get("ordered")
         engines["xla"] = (baro_jax.Engine(base.cfg, base.params, base.tokenizer, backend="xla", name=base.name)
                           if base else baro_jax.load(args.model, backend="xla", max_context=max_ctx, seed=args.seed))
+        jax.block_until_ready(engines["xla"].params)
+    timings["load_weights"] = time.perf_counter() - t
+    log(f"weights for {args.model} ready in {timings['load_weights']:.1f}s (synthetic/loaded, on device)")
+    vocab = next(iter(engines.values())).cfg.vocab_size
+
+    def plot():
+        if args.png:
+            try:
+                import plot_speed
+
+                plot_speed.plot(out, args.png)
+            except Exception as e:  # noqa: BLE001  (a plot must not lose the numbers)
+                log(f"plot failed: {type(e).__name__}: {e}")
+
     results = []
+    out = {}
+    def late() -> bool:
+        return args.deadline_s is not None and time.perf_counter() - T0 > args.deadline_s
+
     for n in lengths:
-        ids = prompt_ids(n, next(iter(engines.values())).cfg.vocab_size, args.seed)
+        tn = time.perf_counter()
+        if late():
+            log(f"n={n:>6} skipped: past --deadline-s {args.deadline_s}")
+            results.append({"prompt_tokens": n, "skipped": f"past --deadline-s {args.deadline_s}",
+                            **({"peer-hf": peer_rows[n]} if n in peer_rows else {})})
+            continue
+        ids = prompt_ids(n, vocab, args.seed)
         L = state_length(n + args.decode_tokens, max_ctx)
-        row = {"prompt_tokens": n, "chunk": args.chunk, "state_len": L}
-        ref = None
-        for arm in arms:
-            mode, backend = arm.split("-")
-            if mode == "replay" and n > args.replay_max:
-                row[arm] = {"skipped": f"replay above --replay-max {args.replay_max}"}
-                continue
-            eng = engines[backend]
-            warm(eng, args.chunk, L)
-            pre = eng.prefill(ids, mode, args.chunk, state=eng.new_state(L))
+        row = {"prompt_tokens": n, "state_len": L, "chunks": chunks}
+        replay_logits = None
+        if "replay-ordered" in arms:
+            if n > args.replay_max:
+                row["replay-ordered"] = {"skipped": f"replay timed only at lengths <= --replay-max {args.replay_max}"}
+            else:
+                eng = engines["ordered"]
+                warm(eng, chunks[0], L)
+                pre = eng.prefill(ids, "replay", state=eng.new_state(L))
+                replay_logits = np.asarray(pre.logits)
+                row["replay-ordered"] = {"seconds": pre.seconds, "tokens_per_s": pre.tokens_per_s}
+                log(f"n={n:>6} {'replay-ordered':>15}: {pre.tokens_per_s:10.1f} tok/s  {pre.seconds:8.3f}s")
+                del pre
+        prefix_ref = None  # (P, logits, seconds) of the replayed prefix, shared by the chunks
+        by_chunk = {}
+        if "batch-ordered" in arms:
+            eng = engines["ordered"]
+            for ci, c in enumerate(chunks):
+                tw = time.perf_counter()
+                warm(eng, c, L)
+                compile_s = time.perf_counter() - tw
+                secs, logits, first = [], None, None
+                for rep in range(max(1, args.repeats)):
+                    pre = eng.prefill(ids, "batch", c, state=eng.new_state(L))
+                    secs.append(pre.seconds)
+                    logits = np.asarray(pre.logits)
+                    first = logits if first is None else first
+                    if rep + 1 < args.repeats:
+                        del pre
+                med = statistics.median(secs)
+                r = {"chunk": c, "tokens_per_s": n / med, "seconds": med, "seconds_all": secs,
+                     "warm_compile_s": compile_s, "repeat_runs_equal": same(first, logits)}
+                checks = []
+                if replay_logits is not None:
+                    eq = same(logits, replay_logits)
+                    r["logits_equal_to_replay-ordered"] = eq
+                    checks.append({"kind": "full-replay", "tokens": n, "equal": eq,
+                                   "compared": "last logits bytes: batched prefill of all ids vs replay of all ids"})
+                else:
+                    tc = time.perf_counter()
+                    P = min(args.check_prefix, n)
+                    if P > 0:
+                        if prefix_ref is None:
+                            lg, s = replay_from(eng, ids[:P], eng.new_state(L), 0)
+                            prefix_ref = (P, lg, s)
+                        bp = np.asarray(eng.prefill(ids[:P], "batch", c, state=eng.new_state(L)).logits)
+                        checks.append({"kind": "prefix", "tokens": P, "equal": same(bp, prefix_ref[1]),
+                                       "replay_seconds": prefix_ref[2],
+                                       "compared": f"last logits bytes: batched prefill of ids[:{P}] (chunk {c}, "
+                                                   f"state {L}) vs replay of ids[:{P}]"})
+                    K = args.check_tail
+                    if 0 < K < n:
+                        head = eng.prefill(ids[:n - K], "batch", c, state=eng.new_state(L))
+                        tl, _ = replay_from(eng, ids[n - K:], head.state, n - K)
+                        del head
+                        checks.append({"kind": "tail", "tokens": K, "from_position": n - K,
+                                       "equal": same(tl, logits),
+                                       "compared": f"last logits bytes: batched prefill of ids[:{n - K}] then replay "
+                                                   f"of ids[{n - K}:{n}] vs batched prefill of all {n} ids "
+                                                   f"(chunk {c}, state {L})"})
+                    r["check_seconds"] = time.perf_counter() - tc
+                r["identity"] = {"checked": "+".join(k["kind"] for k in checks) or "none",
+                                 "equal": bool(checks) and all(k["equal"] for k in checks) and r["repeat_runs_equal"],
+                                 "details": checks}
+                if ci == 0 and args.decode_tokens:
+                    r["decode_tokens_per_s"] = time_decode(eng, pre.logits, pre.state, n, args.decode_tokens)
+                del pre
+                pr = peer_rows.get(n, {})
+                if "tokens_per_s" in pr:
+                    r["ratio_vs_peer"] = r["tokens_per_s"] / pr["tokens_per_s"]
+                by_chunk[str(c)] = r
+                if ci == 0:
+                    ref_logits = logits
+                log(f"n={n:>6} {'batch-ordered':>15} chunk {c:>5}: {r['tokens_per_s']:10.1f} tok/s  {med:8.3f}s  "
+                    f"identity {r['identity']['checked']}={r['identity']['equal']}  compile {compile_s:.1f}s"
+                    + (f"  x{r['ratio_vs_peer']:.3f} of peer" if "ratio_vs_peer" in r else "")
+                    + (f"  decode {r['decode_tokens_per_s']:.1f} tok/s" if "decode_tokens_per_s" in r else ""))
+            row["batch-ordered"] = by_chunk[str(chunks[0])]
+            row["by_chunk"] = by_chunk
+        if "batch-xla" in arms and late():
+            row["batch-xla"] = {"skipped": f"past --deadline-s {args.deadline_s}"}
+        elif "batch-xla" in arms:
+            eng = engines["xla"]
+            tw = time.perf_counter()
+            warm(eng, chunks[0], L)
+            compile_s = time.perf_counter() - tw
+            pre = eng.prefill(ids, "batch", chunks[0], state=eng.new_state(L))
             logits = np.asarray(pre.logits)
-            r = {"seconds": pre.seconds, "tokens_per_s": pre.tokens_per_s}
-            if backend == "ordered" and ref is not None:
-                r["logits_equal_to_" + ref[0]] = bool(ref[1].tobytes() == logits.tobytes())
-            if backend == "ordered" and ref is None:
-                ref = (arm, logits)
-            if backend == "xla" and ref is not None:
-                r["top1_equal_to_ordered"] = bool(int(np.argmax(logits)) == int(np.argmax(ref[1])))
-                r["max_abs_logit_diff_vs_ordered"] = float(np.max(np.abs(logits - ref[1])))
-            if mode == "batch" and backend == "ordered" and args.decode_tokens:
-                r["decode_tokens_per_s"] = time_decode(eng, pre.logits, pre.state, n, args.decode_tokens)
-            row[arm] = r
-            print(f"n={n:>6} {arm:>15}: {r['tokens_per_s']:10.1f} tok/s  {pre.seconds:8.3f}s  "
-                  + " ".join(f"{k}={v}" for k, v in r.items() if k not in ("seconds", "tokens_per_s")), flush=True)
-        bo, ro = row.get("batch-ordered", {}), row.get("replay-ordered", {})
+            r = {"chunk": chunks[0], "seconds": pre.seconds, "tokens_per_s": pre.tokens_per_s,
+                 "warm_compile_s": compile_s}
+            if by_chunk:
+                r["top1_equal_to_ordered"] = bool(int(np.argmax(logits)) == int(np.argmax(ref_logits)))
+                r["max_abs_logit_diff_vs_ordered"] = float(np.max(np.abs(logits - ref_logits)))
+            del pre
+            row["batch-xla"] = r
+            log(f"n={n:>6} {'batch-xla':>15}: {r['tokens_per_s']:10.1f} tok/s  {r['seconds']:8.3f}s  "
+                + " ".join(f"{k}={v}" for k, v in r.items() if k.startswith(("top1", "max_abs"))))
+        if n in peer_rows:
+            row["peer-hf"] = peer_rows[n]
+        elif peer is not None or peer_run:
+            row["peer-hf"] = {"missing": (peer or {}).get("summary", {}).get("error", "no peer row at this length")}
+        bo, ro, ph = row.get("batch-ordered", {}), row.get("replay-ordered", {}), row.get("peer-hf", {})
         if "tokens_per_s" in bo and "tokens_per_s" in ro:
             row["batch_over_replay"] = bo["tokens_per_s"] / ro["tokens_per_s"]
+        if "tokens_per_s" in bo and "tokens_per_s" in ph:
+            row["ratio_vs_peer"] = bo["tokens_per_s"] / ph["tokens_per_s"]
+        timings[f"length_{n}"] = time.perf_counter() - tn
+        log(f"n={n:>6} done in {timings[f'length_{n}']:.1f}s"
+            + (f"; batch-ordered / peer = {row['ratio_vs_peer']:.3f}" if "ratio_vs_peer" in row else ""))
         results.append(row)
-        write_json(args.json, {"summary": {"model": args.model, "partial": True}, "rows": results})
-    ok = all(v for row in results for arm in row.values() if isinstance(arm, dict)
-             for k, v in arm.items() if k.startswith("logits_equal"))
-    write_json(args.json, {"summary": {"model": args.model, "checks_pass": ok, **provenance()}, "rows": results})
-    print("checks", "PASS" if ok else "FAIL")
+        out = {"summary": summarize(args, chunks, arms, peer, peer_run, timings, False, results), "rows": results}
+        write_json(args.json, out)
+        plot()
+    timings["total"] = time.perf_counter() - T0
+    out = {"summary": summarize(args, chunks, arms, peer, peer_run, timings, True, results), "rows": results}
+    ok = out["summary"]["checks_pass"] is not False
+    write_json(args.json, out)
+    plot()
+    print("checks", "PASS" if ok else "FAIL", flush=True)
     return 0 if ok else 1
 
 

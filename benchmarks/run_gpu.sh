@@ -48,15 +48,15 @@ install_whl() {
   fi
   python -c "import fla, fla.ops.gated_delta_rule; print('fla', fla.__version__, fla.__file__)" 2>&1 | tail -1
 }
-# The transformers peer alone (about 70 GB of its own weights): $OUT/peer_hf_h200.json, also kept in
-# build/ (ignored, so it stays on a warm machine) for a later `PEER_JSON=build/peer_hf_h200.json ... vs_peer`.
+# The transformers peer alone (about 70 GB of its own weights): $OUT/peer_hf_h200.json, also copied to
+# /tmp/peer_hf_h200.json (stays while the machine is warm) for a later `PEER_JSON=/tmp/peer_hf_h200.json ... vs_peer`.
 stage_peer() {
   install_whl
   timeout "${VS_PEER_TIMEOUT:-300}" python benchmarks/peer_hf.py --model "${VS_MODEL:-qwen3.5-35b-a3b}" \
     --device "${VS_PEER_DEVICE:-cuda}" \
     --lengths "${VS_PEER_LENGTHS:-1024,8192,32768}" --repeats "${VS_PEER_REPEATS:-3}" \
     --json "$OUT/peer_hf_h200.json" 2>&1 | tee "$OUT/peer_hf.log" | grep -v '^\[transformers\]'
-  mkdir -p build && cp -f "$OUT/peer_hf_h200.json" build/peer_hf_h200.json 2>/dev/null
+  cp -f "$OUT/peer_hf_h200.json" /tmp/peer_hf_h200.json 2>/dev/null
 }
 # Ours vs the peer in one JSON + PNG. The peer runs first in a subprocess (its weights are freed
 # before ours are made), unless PEER_JSON names a file stage_peer wrote. One device command may run

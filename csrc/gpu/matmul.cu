@@ -1,6 +1,9 @@
 // baro_matmul (GPU): y[m,N] f32 = x[m,K] bf16 . w[N,K]^T bf16, plus the GEMM
 // launcher shared with moe.cu. Order: see gemm.cuh / dot.cuh.
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "contract.h"
 #include "ffi_gpu.h"
@@ -9,24 +12,147 @@
 
 namespace baro_gpu {
 
-// Block shapes. Both walk K identically per output element (dot.cuh), so the
+// Block shapes. All walk K identically per output element (gemm.cuh), so the
 // choice never changes bits; it only trades padding waste against reuse.
 // Small: BK = 256 so a decode GEMM (latency-bound) needs few K stages.
 using GemmSmall = GemmShape<1, 1, 1, 4, 256>;  // 16 x 32, 4 warps (decode, small groups)
-using GemmLarge = GemmShape<2, 4, 2, 2, 64>;   // 64 x 64, 4 warps (prefill)
+using GemmLarge = GemmShape<2, 4, 2, 2, 64>;   // 64 x 64, 4 warps (no 16-byte loads; HIP)
+constexpr int kPipeStages = 3;
 
-int gemm_bm(GemmConfig cfg) { return cfg == GemmConfig::kSmall ? GemmSmall::BM : GemmLarge::BM; }
+int gemm_bm(GemmConfig cfg) {
+  switch (cfg) {
+    case GemmConfig::kSmall: return GemmSmall::BM;
+    case GemmConfig::kLarge: return GemmLarge::BM;
+    case GemmConfig::kPipe64: return 64;
+    case GemmConfig::kPipe128: return 128;
+  }
+  return GemmLarge::BM;
+}
 
-GemmConfig gemm_pick(int64_t m) { return m <= 16 ? GemmConfig::kSmall : GemmConfig::kLarge; }
+// Test/benchmark knob: BARO_GEMM_TILE=16|64|128|simple forces a config for
+// every GEMM of m > 1 rows (speed only: every config gives the same bits, and
+// the tests use it to reach each kernel at small shapes). Read per call so a
+// test can switch it between calls.
+static bool forced_config(GemmConfig& cfg) {
+  const char* s = std::getenv("BARO_GEMM_TILE");
+  if (s == nullptr || *s == '\0') return false;
+  if (!std::strcmp(s, "16")) cfg = GemmConfig::kSmall;
+  else if (!std::strcmp(s, "simple")) cfg = GemmConfig::kLarge;
+  else if (!std::strcmp(s, "64")) cfg = GemmConfig::kPipe64;
+  else if (!std::strcmp(s, "128")) cfg = GemmConfig::kPipe128;
+  else return false;
+  return true;
+}
 
-static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+static int sm_count() {
+#if BARO_HIP
+  return 0;  // unused on HIP
+#else
+  static std::atomic<int> cache[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 132;
+  if (dev >= 0 && dev < 64) {
+    int v = cache[dev].load(std::memory_order_relaxed);
+    if (v > 0) return v;
+  }
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0)
+    n = 132;
+  if (dev >= 0 && dev < 64) cache[dev].store(n, std::memory_order_relaxed);
+  return n;
+#endif
+}
+
+GemmConfig gemm_pick(int64_t m, int64_t N) {
+  GemmConfig cfg;
+  if (m > 1 && forced_config(cfg)) return cfg;
+  if (m <= 16) return GemmConfig::kSmall;
+  if (m <= 64) return GemmConfig::kPipe64;
+  // 128-row tiles halve the weight traffic per row but need enough blocks to
+  // fill the machine; below about one block per SM the 64-row tiles win.
+  const int64_t blocks128 = ((m + 127) / 128) * ((N + 127) / 128);
+  return blocks128 >= sm_count() ? GemmConfig::kPipe128 : GemmConfig::kPipe64;
+}
+
+GemmConfig gemm_pick_grouped(int64_t pairs, int64_t groups) {
+  GemmConfig cfg;
+  if (pairs > 1 && forced_config(cfg)) return cfg;
+  // Rows per group decide: a tile of BM rows reads the group's weights once,
+  // so BM near the typical group size minimises both re-reads and padding.
+  const int64_t avg = groups > 0 ? pairs / groups : pairs;
+  if (avg < 8) return GemmConfig::kSmall;
+  if (avg < 64) return GemmConfig::kPipe64;
+  return GemmConfig::kPipe128;
+}
+
+static bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
+
+#if !BARO_HIP
+// >48 KB of dynamic shared memory must be opted into per kernel and device;
+// done once per (instantiation, device). Harmless to repeat on a race.
+template <typename Kernel>
+static gpuError_t allow_smem(Kernel kernel, int bytes) {
+  static std::atomic<uint64_t> done{0};
+  int dev = 0;
+  gpuError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const uint64_t bit = dev >= 0 && dev < 64 ? (uint64_t{1} << dev) : 0;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess && bit != 0) done.fetch_or(bit, std::memory_order_release);
+  return e;
+}
+
+template <int BM, int BN, int WM, int WN, bool SWIGLU>
+static gpuError_t launch_pipe(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
+  using Cfg = PipeCfg<BM, BN, WM, WN, kPipeStages, SWIGLU>;
+  auto kernel = gemm_pipe_kernel<BM, BN, WM, WN, kPipeStages, SWIGLU>;
+  const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
+  const int64_t n_tiles = (out_n + Cfg::kOutCols - 1) / Cfg::kOutCols;
+  if (n_tiles > 65535 || row_slots > 0x7fffffffLL) return gpuErrorInvalidValue;
+  gpuError_t e = allow_smem(kernel, Cfg::kSmemBytes);
+  if (e != gpuSuccess) return e;
+  dim3 grid(static_cast<unsigned>(row_slots), static_cast<unsigned>(n_tiles));
+  kernel<<<grid, kPipeThreads, Cfg::kSmemBytes, stream>>>(p);
+  return gpuGetLastError();
+}
+#endif
+
+bool gemm_fused_swiglu_ok(GemmConfig cfg) {
+#if BARO_HIP
+  (void)cfg;
+  return false;
+#else
+  return cfg == GemmConfig::kPipe64 || cfg == GemmConfig::kPipe128;
+#endif
+}
 
 gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStream_t stream) {
+  const bool swiglu = p.Act != nullptr;
   if (row_slots <= 0 || p.N <= 0) return gpuSuccess;  // nothing to compute
+  if (swiglu && (!gemm_fused_swiglu_ok(cfg) || p.N != 2 * p.swiglu_I)) return gpuErrorInvalidValue;
+  p.slot_rows = gemm_bm(cfg);
   p.vec = (p.K % 8 == 0 && p.lda % 8 == 0 && p.ldw % 8 == 0 && p.w_group_stride % 8 == 0 &&
-           aligned16(p.A) && aligned16(p.W))
+           aligned(p.A, 16) && aligned(p.W, 16))
               ? 1
               : 0;
+  p.out2 = swiglu ? (p.ldc % 2 == 0 && aligned(p.Act, 4)) : (p.ldc % 2 == 0 && aligned(p.C, 8));
+#if BARO_HIP
+  if (cfg != GemmConfig::kSmall) cfg = GemmConfig::kLarge;  // slot_rows stays: sub-tiles
+#else
+  if (cfg == GemmConfig::kPipe64 || cfg == GemmConfig::kPipe128) {
+    if (p.vec) {
+      if (swiglu)
+        return cfg == GemmConfig::kPipe128 ? launch_pipe<128, 128, 2, 4, true>(p, row_slots, stream)
+                                           : launch_pipe<64, 128, 2, 4, true>(p, row_slots, stream);
+      return cfg == GemmConfig::kPipe128 ? launch_pipe<128, 128, 2, 4, false>(p, row_slots, stream)
+                                         : launch_pipe<64, 128, 2, 4, false>(p, row_slots, stream);
+    }
+    if (swiglu) return gpuErrorInvalidValue;  // callers check gemm_vec_ok first
+    cfg = GemmConfig::kLarge;  // no 16-byte loads: the simple kernel walks the slot in sub-tiles
+  }
+#endif
+  if (swiglu) return gpuErrorInvalidValue;
   const int bn = cfg == GemmConfig::kSmall ? GemmSmall::BN : GemmLarge::BN;
   const int64_t n_tiles = (p.N + bn - 1) / bn;
   if (n_tiles > 65535 || row_slots > 0x7fffffffLL) return gpuErrorInvalidValue;
@@ -37,6 +163,11 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
     gemm_kernel<2, 4, 2, 2, GemmLarge::BK><<<grid, GemmLarge::kThreads, 0, stream>>>(p);
   }
   return gpuGetLastError();
+}
+
+bool gemm_vec_ok(const GemmParams& p) {
+  return p.K % 8 == 0 && p.lda % 8 == 0 && p.ldw % 8 == 0 && p.w_group_stride % 8 == 0 &&
+         aligned(p.A, 16) && aligned(p.W, 16);
 }
 
 gpuError_t launch_matmul(const uint16_t* x, const uint16_t* w, float* y, int64_t m, int64_t N,
@@ -54,7 +185,7 @@ gpuError_t launch_matmul(const uint16_t* x, const uint16_t* w, float* y, int64_t
   p.K = K;
   p.C = y;
   p.ldc = N;
-  const GemmConfig cfg = gemm_pick(m);
+  const GemmConfig cfg = gemm_pick(m, N);
   const int bm = gemm_bm(cfg);
   return launch_gemm(p, cfg, (m + bm - 1) / bm, stream);
 }

@@ -1,8 +1,9 @@
 // baro_moe (GPU): router matmul, softmax + top-k (ties to the lower id) +
 // renormalisation per row, (row, slot) pairs grouped by expert on the device
-// (deterministic counting sort), grouped gate/up GEMM -> bf16(silu(g)*u) ->
-// grouped down GEMM (one fp32 row per pair), combine per row in slot order,
-// shared expert times sigmoid(shared gate).
+// (parallel counting sort, stable by pair index), grouped gate/up GEMM with
+// bf16(silu(g)*u) fused into its epilogue (or a separate pass when the fused
+// kernel cannot run) -> grouped down GEMM (one fp32 row per pair), combine per
+// row in slot order, shared expert times sigmoid(shared gate).
 //
 // Row independence: every GEMM goes through gemm.cuh (an output row depends
 // only on its own A row and the weights, whatever tile it shares), the
@@ -25,9 +26,10 @@
 namespace baro_gpu {
 
 constexpr int kTopkWarps = 4;          // rows per block in moe_topk_kernel
-constexpr int kSortThreads = 1024;     // moe_sort_kernel is a single block
-constexpr int kSortChunk = 2048;       // expert ids staged in shared memory per pass
-constexpr int kSortMaxE = kMoeMaxExperts;  // counts live in shared memory
+constexpr int kGroupChunk = 512;       // pairs per block in the grouping kernels
+constexpr int kGroupThreads = 256;
+constexpr int kScanThreads = 1024;     // moe_scan_kernel is a single block
+constexpr int kSortMaxE = kMoeMaxExperts;  // per-chunk counts live in shared memory
 constexpr int kElemThreads = 256;
 constexpr int kMinGroupBM = 16;        // smallest GEMM BM: sizes the tile list
 
@@ -87,70 +89,131 @@ __global__ void __launch_bounds__(kTopkWarps * BARO_WARP)
     for (int s = 0; s < k; ++s) wts[row * k + s] = wts[row * k + s] / wsum;
 }
 
-// Single block. Pairs p = row*k + slot, expert ids[p]. Output, stable by p
-// within each expert: srow[pos] = row of the pair at sorted position pos,
-// inv[p] = its sorted position; tiles[t] = (expert, start, count <= bm) in
-// expert order; *n_tiles. Counts and offsets live in shared memory
-// (E <= kSortMaxE, host-checked).
-__global__ void __launch_bounds__(kSortThreads)
-    moe_sort_kernel(const int32_t* __restrict__ ids, int64_t P, int k, int E, int bm,
-                    int32_t* __restrict__ srow, int32_t* __restrict__ inv,
-                    int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles,
-                    int64_t max_tiles) {
-  __shared__ int32_t sid[kSortChunk];
-  __shared__ int32_t cnt[kSortMaxE];
+// ---- grouping of the P = m*k pairs (p = row*k + slot) by expert ----
+// Result, stable by p within each expert: srow[pos] = row of the pair at
+// sorted position pos, inv[p] = its sorted position; tiles[t] = (expert,
+// start, count <= bm) in expert order; *n_tiles. Integer counts only, so the
+// result is exact whatever the thread timing. Three launches:
+//  1. count: cnt[c][e] = pairs of chunk c (kGroupChunk pairs) routed to e;
+//  2. scan (one block): expert offsets, the tile list, and cnt[c][e] turned
+//     into the sorted position of chunk c's first pair of expert e;
+//  3. place: per chunk, pairs in ascending p take consecutive positions.
+
+BARO_DEV int clamp_expert(int e, int E) { return e < 0 ? 0 : (e >= E ? E - 1 : e); }
+
+__global__ void __launch_bounds__(kGroupThreads)
+    moe_count_kernel(const int32_t* __restrict__ ids, int64_t P, int E, int32_t* __restrict__ cnt) {
+  extern __shared__ int32_t scnt[];  // [E]
   const int tid = threadIdx.x;
-  for (int e = tid; e < E; e += kSortThreads) cnt[e] = 0;
+  for (int e = tid; e < E; e += kGroupThreads) scnt[e] = 0;
   __syncthreads();
-  // pass 1: counts per expert (each expert owned by one thread)
-  for (int64_t base = 0; base < P; base += kSortChunk) {
-    const int n = static_cast<int>(P - base < kSortChunk ? P - base : kSortChunk);
-    for (int q = tid; q < n; q += kSortThreads) sid[q] = ids[base + q];
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kGroupChunk;
+  const int n = static_cast<int>(P - base < kGroupChunk ? P - base : kGroupChunk);
+  for (int q = tid; q < n; q += kGroupThreads) atomicAdd(&scnt[clamp_expert(ids[base + q], E)], 1);
+  __syncthreads();
+  int32_t* out = cnt + static_cast<int64_t>(blockIdx.x) * E;
+  for (int e = tid; e < E; e += kGroupThreads) out[e] = scnt[e];
+}
+
+// Inclusive scan of v over the block (Hillis-Steele in shared memory).
+BARO_DEV int64_t block_scan_incl(int64_t v, int64_t* sh) {
+  const int tid = threadIdx.x;
+  sh[tid] = v;
+  __syncthreads();
+  for (int o = 1; o < kScanThreads; o <<= 1) {
+    const int64_t add = tid >= o ? sh[tid - o] : 0;
     __syncthreads();
-    for (int e = tid; e < E; e += kSortThreads) {
-      int c = 0;
-      for (int q = 0; q < n; ++q) c += (sid[q] == e) ? 1 : 0;
-      cnt[e] += c;
-    }
+    sh[tid] += add;
     __syncthreads();
   }
-  // exclusive scan + tile list (serial, expert order); cnt becomes the offset
-  if (tid == 0) {
-    int64_t off = 0, nt = 0;
-    for (int e = 0; e < E; ++e) {
-      const int32_t c = cnt[e];
-      cnt[e] = static_cast<int32_t>(off);
-      for (int32_t st = 0; st < c; st += bm) {
-        if (nt < max_tiles) {
-          tiles[3 * nt + 0] = e;
-          tiles[3 * nt + 1] = static_cast<int32_t>(off + st);
-          tiles[3 * nt + 2] = c - st < bm ? c - st : bm;
-        }
-        ++nt;
-      }
-      off += c;
-    }
-    *n_tiles = static_cast<int32_t>(nt < max_tiles ? nt : max_tiles);
-  }
+  const int64_t r = sh[tid];
   __syncthreads();
-  // pass 2: placement, ascending p within each expert
-  for (int64_t base = 0; base < P; base += kSortChunk) {
-    const int n = static_cast<int>(P - base < kSortChunk ? P - base : kSortChunk);
-    for (int q = tid; q < n; q += kSortThreads) sid[q] = ids[base + q];
-    __syncthreads();
-    for (int e = tid; e < E; e += kSortThreads) {
-      int32_t pos = cnt[e];
-      for (int q = 0; q < n; ++q) {
-        if (sid[q] == e) {
-          const int64_t pair = base + q;
-          srow[pos] = static_cast<int32_t>(pair / k);
-          inv[pair] = pos;
-          ++pos;
-        }
-      }
-      cnt[e] = pos;
+  return r;
+}
+
+__global__ void __launch_bounds__(kScanThreads)
+    moe_scan_kernel(int32_t* __restrict__ cnt, int n_chunks, int E, int bm,
+                    int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles, int64_t max_tiles) {
+  __shared__ int64_t sh[kScanThreads];
+  const int tid = threadIdx.x;
+  const int per = (E + kScanThreads - 1) / kScanThreads;  // contiguous experts per thread
+  const int e_lo = imin(tid * per, E), e_hi = imin(e_lo + per, E);
+  int64_t my_pairs = 0, my_tiles = 0;
+  for (int e = e_lo; e < e_hi; ++e) {
+    int64_t tot = 0;
+    for (int c = 0; c < n_chunks; ++c) tot += cnt[static_cast<int64_t>(c) * E + e];
+    my_pairs += tot;
+    my_tiles += (tot + bm - 1) / bm;
+  }
+  // pack (pairs, tiles): both < 2^31, so one 64-bit scan carries the two
+  const uint64_t packed = static_cast<uint64_t>(
+      block_scan_incl(static_cast<int64_t>((static_cast<uint64_t>(my_pairs) << 32) |
+                                           static_cast<uint64_t>(my_tiles)),
+                      sh));
+  int64_t off = static_cast<int64_t>(packed >> 32) - my_pairs;
+  int64_t nt = static_cast<int64_t>(packed & 0xffffffffull) - my_tiles;
+  for (int e = e_lo; e < e_hi; ++e) {
+    int64_t run = off;
+    for (int c = 0; c < n_chunks; ++c) {
+      int32_t* q = cnt + static_cast<int64_t>(c) * E + e;
+      const int32_t v = *q;
+      *q = static_cast<int32_t>(run);
+      run += v;
     }
-    __syncthreads();
+    const int64_t tot = run - off;
+    for (int64_t st = 0; st < tot; st += bm, ++nt) {
+      if (nt < max_tiles) {
+        tiles[3 * nt + 0] = e;
+        tiles[3 * nt + 1] = static_cast<int32_t>(off + st);
+        tiles[3 * nt + 2] = static_cast<int32_t>(tot - st < bm ? tot - st : bm);
+      }
+    }
+    off = run;
+  }
+  if (tid == kScanThreads - 1) *n_tiles = static_cast<int32_t>(nt < max_tiles ? nt : max_tiles);
+}
+
+// One warp walks the chunk's pairs in ascending p, 32 at a time: a lane's rank
+// among the lanes of its step with the same expert, plus the expert's running
+// position, is its sorted position.
+__global__ void __launch_bounds__(kGroupThreads)
+    moe_place_kernel(const int32_t* __restrict__ ids, int64_t P, int k, int E,
+                     const int32_t* __restrict__ cnt, int32_t* __restrict__ srow,
+                     int32_t* __restrict__ inv) {
+  extern __shared__ int32_t sm[];  // [E] running positions, then [kGroupChunk] ids
+  int32_t* pos = sm;
+  int32_t* sid = sm + E;
+  const int tid = threadIdx.x;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kGroupChunk;
+  const int n = static_cast<int>(P - base < kGroupChunk ? P - base : kGroupChunk);
+  const int32_t* c = cnt + static_cast<int64_t>(blockIdx.x) * E;
+  for (int e = tid; e < E; e += kGroupThreads) pos[e] = c[e];
+  for (int q = tid; q < n; q += kGroupThreads) sid[q] = clamp_expert(ids[base + q], E);
+  __syncthreads();
+  if (tid >= BARO_WARP) return;
+  const int lane = tid;
+  for (int s0 = 0; s0 < n; s0 += BARO_WARP) {
+    const int q = s0 + lane;
+    const int len = imin(BARO_WARP, n - s0);
+    const int e = q < n ? sid[q] : -1;
+    int rank = 0, same = 0;
+    for (int j = 0; j < len; ++j) {
+      const int ej = sid[s0 + j];
+      if (ej == e) {
+        same += 1;
+        if (j < lane) rank += 1;
+      }
+    }
+    int32_t at = 0;
+    if (q < n) at = pos[e] + rank;
+    warp_sync();  // every lane has read pos[e] before the first lane of e advances it
+    if (q < n) {
+      if (rank == 0) pos[e] += same;
+      const int64_t pair = base + q;
+      srow[at] = static_cast<int32_t>(pair / k);
+      inv[pair] = at;
+    }
+    warp_sync();
   }
 }
 
@@ -170,22 +233,45 @@ __global__ void __launch_bounds__(kElemThreads)
 
 // out[i][d] = routed + sigmoid(sgl[i]) * sout[i][d],
 // routed = fma over slots in order of w[i,s] * ys[inv[i*k+s]][d], from 0.
+// V consecutive d per thread (16-byte loads when V = 4); the arithmetic of
+// each element is the same for every V.
+template <int V>
 __global__ void __launch_bounds__(kElemThreads)
     moe_combine_kernel(const float* __restrict__ ys, const int32_t* __restrict__ inv,
                        const float* __restrict__ wts, const float* __restrict__ sout,
                        const float* __restrict__ sgl, float* __restrict__ out, int64_t m,
                        int64_t D, int k) {
-  const int64_t total = m * D;
+  const int64_t DV = D / V;
+  const int64_t total = m * DV;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kElemThreads + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * kElemThreads) {
-    const int64_t i = idx / D, d = idx % D;
-    float routed = 0.0f;
+    const int64_t i = idx / DV, d = (idx % DV) * V;
+    float routed[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) routed[j] = 0.0f;
     for (int s = 0; s < k; ++s) {
       const int64_t pair = i * k + s;
-      routed = fmaf(wts[pair], ys[static_cast<int64_t>(inv[pair]) * D + d], routed);
+      const float w = wts[pair];
+      const float* y = ys + static_cast<int64_t>(inv[pair]) * D + d;
+      float yv[V];
+      if (V == 4) {
+        const float4 t = *reinterpret_cast<const float4*>(y);
+        yv[0] = t.x;
+        yv[V > 1 ? 1 : 0] = t.y;
+        yv[V > 2 ? 2 : 0] = t.z;
+        yv[V > 3 ? 3 : 0] = t.w;
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) yv[j] = y[j];
+      }
+#pragma unroll
+      for (int j = 0; j < V; ++j) routed[j] = fmaf(w, yv[j], routed[j]);
     }
     const float sg = sigmoidf_(sgl[i]);
-    out[idx] = routed + sg * sout[idx];
+    const float* so = sout + i * D + d;
+    float* o = out + i * D + d;
+#pragma unroll
+    for (int j = 0; j < V; ++j) o[j] = routed[j] + sg * so[j];
   }
 }
 
@@ -198,7 +284,8 @@ struct MoeScratch {
   int32_t* inv;      // [P]
   int32_t* tiles;    // [max_tiles, 3]
   int32_t* n_tiles;  // [1]
-  float* gu;         // [P, 2I]
+  int32_t* cnt;      // [n_chunks, E] grouping counts / positions
+  float* gu;         // [P, 2I] (only when the SwiGLU is not fused)
   uint16_t* act;     // [P, I]
   float* ys;         // [P, D]
   float* sgu;        // [m, 2Is]
@@ -207,14 +294,47 @@ struct MoeScratch {
   float* sgl;        // [m]
 };
 
-static int64_t moe_max_tiles(const MoeArgs& a) {
+// Sizes the tile list for the smallest BM, so it holds any config's tiles.
+static int64_t moe_max_tiles(const MoeArgs& a, int bm) {
   const int64_t P = a.m * a.top_k;
-  return P / kMinGroupBM + (a.E < P ? a.E : P) + 1;
+  return P / bm + (a.E < P ? a.E : P) + 1;
+}
+
+static int64_t moe_chunks(const MoeArgs& a) {
+  return (a.m * a.top_k + kGroupChunk - 1) / kGroupChunk;
+}
+
+// The grouped GEMM config, and whether gate/up runs with the fused SwiGLU
+// epilogue (then the fp32 gu buffer is not needed). Depends only on the
+// shapes and the operand pointers, so scratch sizing and launch agree.
+struct MoePlan {
+  GemmConfig cfg;
+  bool fused;
+};
+
+static GemmParams moe_gate_up_params(const MoeArgs& a) {
+  GemmParams p;
+  p.A = a.h;
+  p.lda = a.D;
+  p.W = a.w_gate_up;
+  p.ldw = a.D;
+  p.w_group_stride = 2 * a.I * a.D;
+  p.N = 2 * a.I;
+  p.K = a.D;
+  return p;
+}
+
+static MoePlan moe_plan(const MoeArgs& a) {
+  MoePlan pl;
+  pl.cfg = gemm_pick_grouped(a.m * a.top_k, a.E);
+  pl.fused = gemm_fused_swiglu_ok(pl.cfg) && gemm_vec_ok(moe_gate_up_params(a));
+  return pl;
 }
 
 // Computes the layout; fills *s when base != nullptr. Returns total bytes.
 static size_t moe_layout(const MoeArgs& a, char* base, MoeScratch* s) {
   const int64_t m = a.m, P = a.m * a.top_k;
+  const MoePlan pl = moe_plan(a);
   size_t off = 0;
   auto take = [&](size_t bytes) -> char* {
     char* p = base ? base + off : nullptr;
@@ -227,9 +347,10 @@ static size_t moe_layout(const MoeArgs& a, char* base, MoeScratch* s) {
   t.wts = reinterpret_cast<float*>(take(sizeof(float) * P));
   t.srow = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * P));
   t.inv = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * P));
-  t.tiles = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * 3 * moe_max_tiles(a)));
+  t.tiles = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * 3 * moe_max_tiles(a, kMinGroupBM)));
   t.n_tiles = reinterpret_cast<int32_t*>(take(sizeof(int32_t)));
-  t.gu = reinterpret_cast<float*>(take(sizeof(float) * P * 2 * a.I));
+  t.cnt = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * moe_chunks(a) * a.E));
+  t.gu = pl.fused ? nullptr : reinterpret_cast<float*>(take(sizeof(float) * P * 2 * a.I));
   t.act = reinterpret_cast<uint16_t*>(take(sizeof(uint16_t) * P * a.I));
   t.ys = reinterpret_cast<float*>(take(sizeof(float) * P * a.D));
   t.sgu = reinterpret_cast<float*>(take(sizeof(float) * m * 2 * a.Is));
@@ -257,14 +378,43 @@ static unsigned elem_blocks(int64_t total) {
     if (_e != gpuSuccess) return _e; \
   } while (0)
 
+// act[rows, I] = bf16(silu(x . W[:I]^T) * (x . W[I:]^T)) for the shared
+// expert: fused when the pipelined config runs, else the GEMM into gu and a
+// separate pass (the same two fp32 values meet in the same expression).
+static gpuError_t shared_swiglu(const MoeArgs& a, const MoeScratch& s, gpuStream_t stream) {
+  const int64_t m = a.m, D = a.D, Is = a.Is;
+  GemmParams p;
+  p.A = a.h;
+  p.lda = D;
+  p.W = a.s_gate_up;
+  p.ldw = D;
+  p.M = m;
+  p.N = 2 * Is;
+  p.K = D;
+  const GemmConfig cfg = gemm_pick(m, 2 * Is);
+  const int64_t slots = (m + gemm_bm(cfg) - 1) / gemm_bm(cfg);
+  if (gemm_fused_swiglu_ok(cfg) && gemm_vec_ok(p)) {
+    p.Act = s.sact;
+    p.swiglu_I = Is;
+    p.ldc = Is;
+    return launch_gemm(p, cfg, slots, stream);
+  }
+  p.C = s.sgu;
+  p.ldc = 2 * Is;
+  BARO_MOE_TRY(launch_gemm(p, cfg, slots, stream));
+  swiglu_kernel<<<elem_blocks(m * Is), kElemThreads, 0, stream>>>(s.sgu, s.sact, m, Is);
+  return gpuGetLastError();
+}
+
 gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream) {
   (void)gpuGetLastError();
   if (a.m <= 0) return gpuSuccess;
   if (a.top_k < 1 || a.top_k > a.E || a.E > kSortMaxE || scratch == nullptr)
     return gpuErrorInvalidValue;
-  const int64_t m = a.m, P = a.m * a.top_k, D = a.D, E = a.E, I = a.I, Is = a.Is;
+  const int64_t m = a.m, P = a.m * a.top_k, D = a.D, E = a.E, I = a.I;
   MoeScratch s;
   moe_layout(a, static_cast<char*>(scratch), &s);
+  const MoePlan pl = moe_plan(a);
 
   // 1. router logits [m, E]
   BARO_MOE_TRY(launch_matmul(a.h, a.router, s.logits, m, E, D, stream));
@@ -273,32 +423,42 @@ gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream) {
                     kTopkWarps * BARO_WARP, 0, stream>>>(s.logits, s.ids, s.wts, m,
                                                          static_cast<int>(E), a.top_k);
   BARO_MOE_TRY(gpuGetLastError());
-  // 3. group pairs by expert
-  const GemmConfig gcfg = (P >= 32 * E) ? GemmConfig::kLarge : GemmConfig::kSmall;
-  const int bm = gemm_bm(gcfg);
-  const int64_t max_tiles = moe_max_tiles(a);
-  moe_sort_kernel<<<1, kSortThreads, 0, stream>>>(s.ids, P, a.top_k, static_cast<int>(E), bm,
-                                                   s.srow, s.inv, s.tiles, s.n_tiles, max_tiles);
+  // 3. group pairs by expert (tiles of bm pairs)
+  const int bm = gemm_bm(pl.cfg);
+  const int64_t max_tiles = moe_max_tiles(a, bm);
+  const int64_t n_chunks = moe_chunks(a);
+  if (n_chunks > 0x7fffffffLL) return gpuErrorInvalidValue;
+  const size_t cnt_smem = sizeof(int32_t) * static_cast<size_t>(E);
+  moe_count_kernel<<<static_cast<unsigned>(n_chunks), kGroupThreads, cnt_smem, stream>>>(
+      s.ids, P, static_cast<int>(E), s.cnt);
   BARO_MOE_TRY(gpuGetLastError());
-  // 4. grouped gate/up: gu[pos] = h[srow[pos]] . w_gate_up[e]^T   [P, 2I]
+  moe_scan_kernel<<<1, kScanThreads, 0, stream>>>(s.cnt, static_cast<int>(n_chunks),
+                                                  static_cast<int>(E), bm, s.tiles, s.n_tiles,
+                                                  max_tiles);
+  BARO_MOE_TRY(gpuGetLastError());
+  moe_place_kernel<<<static_cast<unsigned>(n_chunks), kGroupThreads,
+                     cnt_smem + sizeof(int32_t) * kGroupChunk, stream>>>(
+      s.ids, P, a.top_k, static_cast<int>(E), s.cnt, s.srow, s.inv);
+  BARO_MOE_TRY(gpuGetLastError());
+  // 4. grouped gate/up: act[pos] = swiglu(h[srow[pos]] . w_gate_up[e]^T)   [P, I]
   {
-    GemmParams p;
-    p.A = a.h;
-    p.lda = D;
+    GemmParams p = moe_gate_up_params(a);
     p.a_rows = s.srow;
-    p.W = a.w_gate_up;
-    p.ldw = D;
-    p.w_group_stride = 2 * I * D;
-    p.N = 2 * I;
-    p.K = D;
-    p.C = s.gu;
-    p.ldc = 2 * I;
     p.tiles = s.tiles;
     p.n_tiles = s.n_tiles;
-    BARO_MOE_TRY(launch_gemm(p, gcfg, max_tiles, stream));
+    if (pl.fused) {
+      p.Act = s.act;
+      p.swiglu_I = I;
+      p.ldc = I;
+      BARO_MOE_TRY(launch_gemm(p, pl.cfg, max_tiles, stream));
+    } else {
+      p.C = s.gu;
+      p.ldc = 2 * I;
+      BARO_MOE_TRY(launch_gemm(p, pl.cfg, max_tiles, stream));
+      swiglu_kernel<<<elem_blocks(P * I), kElemThreads, 0, stream>>>(s.gu, s.act, P, I);
+      BARO_MOE_TRY(gpuGetLastError());
+    }
   }
-  swiglu_kernel<<<elem_blocks(P * I), kElemThreads, 0, stream>>>(s.gu, s.act, P, I);
-  BARO_MOE_TRY(gpuGetLastError());
   // 5. grouped down: ys[pos] = act[pos] . w_down[e]^T   [P, D]
   {
     GemmParams p;
@@ -314,17 +474,21 @@ gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream) {
     p.ldc = D;
     p.tiles = s.tiles;
     p.n_tiles = s.n_tiles;
-    BARO_MOE_TRY(launch_gemm(p, gcfg, max_tiles, stream));
+    BARO_MOE_TRY(launch_gemm(p, pl.cfg, max_tiles, stream));
   }
   // 6. shared expert and its gate
-  BARO_MOE_TRY(launch_matmul(a.h, a.s_gate_up, s.sgu, m, 2 * Is, D, stream));
-  swiglu_kernel<<<elem_blocks(m * Is), kElemThreads, 0, stream>>>(s.sgu, s.sact, m, Is);
-  BARO_MOE_TRY(gpuGetLastError());
-  BARO_MOE_TRY(launch_matmul(s.sact, a.s_down, s.sout, m, D, Is, stream));
+  BARO_MOE_TRY(shared_swiglu(a, s, stream));
+  BARO_MOE_TRY(launch_matmul(s.sact, a.s_down, s.sout, m, D, a.Is, stream));
   BARO_MOE_TRY(launch_matmul(a.h, a.s_gate, s.sgl, m, 1, D, stream));
   // 7. combine
-  moe_combine_kernel<<<elem_blocks(m * D), kElemThreads, 0, stream>>>(
-      s.ys, s.inv, s.wts, s.sout, s.sgl, a.out, m, D, a.top_k);
+  const bool v4 = D % 4 == 0 && (reinterpret_cast<uintptr_t>(a.out) & 15u) == 0;
+  if (v4) {
+    moe_combine_kernel<4><<<elem_blocks(m * D / 4), kElemThreads, 0, stream>>>(
+        s.ys, s.inv, s.wts, s.sout, s.sgl, a.out, m, D, a.top_k);
+  } else {
+    moe_combine_kernel<1><<<elem_blocks(m * D), kElemThreads, 0, stream>>>(
+        s.ys, s.inv, s.wts, s.sout, s.sgl, a.out, m, D, a.top_k);
+  }
   return gpuGetLastError();
 }
 

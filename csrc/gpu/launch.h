@@ -12,12 +12,23 @@
 
 namespace baro_gpu {
 
-// ---- GEMM (gemm.cu) ----
-enum class GemmConfig { kSmall, kLarge };  // BM x BN = 16 x 32 or 64 x 64
-int gemm_bm(GemmConfig cfg);
-// Plain: small when m <= 16.
-GemmConfig gemm_pick(int64_t m);
-// Enqueues gemm_kernel over grid (row_slots, ceil(N / BN)). Fills p.vec.
+// ---- GEMM (matmul.cu) ----
+// kSmall 16 x 32 and kLarge 64 x 64: the simple synchronous kernel (decode,
+// no 16-byte loads, HIP). kPipe64 64 x 128 and kPipe128 128 x 128: the
+// pipelined sm_80+ kernel (HIP runs them on the simple kernel). Every config
+// gives the same bits; the choice is speed only.
+enum class GemmConfig { kSmall, kLarge, kPipe64, kPipe128 };
+int gemm_bm(GemmConfig cfg);  // rows per slot / max rows per grouped tile
+// Plain matmul: small when m <= 16, else by m and N (env BARO_GEMM_TILE forces one).
+GemmConfig gemm_pick(int64_t m, int64_t N);
+// Grouped (MoE): by the average rows per group.
+GemmConfig gemm_pick_grouped(int64_t pairs, int64_t groups);
+// 16-byte loads possible (the pipelined kernel; otherwise the simple one runs).
+bool gemm_vec_ok(const GemmParams& p);
+// The config can run the fused SwiGLU epilogue (p.Act != nullptr) when gemm_vec_ok.
+bool gemm_fused_swiglu_ok(GemmConfig cfg);
+// Enqueues the config's kernel over grid (row_slots, N tiles). Fills
+// p.slot_rows, p.vec, p.out2. Grouped tiles must hold <= gemm_bm(cfg) rows.
 gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStream_t stream);
 // y[m,N] = x[m,K] . w[N,K]^T
 gpuError_t launch_matmul(const uint16_t* x, const uint16_t* w, float* y, int64_t m, int64_t N,
@@ -53,7 +64,8 @@ const char* attention_unsupported(const AttentionArgs& a);
 size_t attention_scratch_bytes(const AttentionArgs& a);
 gpuError_t launch_attention(const AttentionArgs& a, void* scratch, gpuStream_t stream);
 
-// ---- Gated DeltaNet (deltanet.cu) ----
+// ---- Gated DeltaNet (conv.cu, delta.cu) ----
+// y[t,c] = silu(sum_j w[c,j] u[t-3+j,c]); win_out may equal win_in.
 gpuError_t launch_conv(const uint16_t* x, const uint16_t* w, const uint16_t* win_in,
                        uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m,
                        int64_t C, gpuStream_t stream);
@@ -71,6 +83,8 @@ struct DeltaArgs {
   int nk, nv, dk, dv;
   float scale;
 };
+// State columns per delta block (grid: nv x ceil(dv / this)).
+constexpr int kDeltaColsPerBlock = BARO_HIP ? 64 : 32;
 bool delta_supported_dk(int dk);
 gpuError_t launch_delta(const DeltaArgs& a, gpuStream_t stream);
 

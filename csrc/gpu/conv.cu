@@ -1,0 +1,211 @@
+// baro_conv (GPU): Gated DeltaNet causal conv (window 4, SiLU).
+//
+// y[t,c] = silu(fma chain over the 4 taps, j ascending from 0, starting at 0)
+// with u = [window (3 rows); x]. Every output depends only on its own four
+// inputs and the weights, so any split over channels and tokens gives the
+// same bits as one row per call.
+//
+// Work split: a thread owns V = 8 consecutive channels (one 16-byte bf16 load
+// per row; V = 1 when C or a pointer is not aligned) and kConvRows consecutive
+// tokens; it reads the three inputs before its first token from x, or from the
+// window for the first token block.
+//
+// Window aliasing (win_out may be win_in): only token block 0 reads the old
+// window (t0 - 3 < 0 only there, since kConvRows >= 3), and each thread of it
+// reads only its own V columns. The same thread writes the new window of
+// those columns (u[n_valid .. n_valid + 2]), after all of its reads, so no
+// thread of any block can read a window value that was already replaced.
+#include <cstdint>
+
+#include "common.cuh"
+#include "contract.h"
+#include "ffi_gpu.h"
+#include "launch.h"
+
+namespace baro_gpu {
+namespace {
+
+constexpr int kConvThreads = 256;
+constexpr int kConvK = 4;      // taps; the window holds kConvK - 1 rows
+constexpr int kConvRows = 16;  // tokens per thread
+static_assert(kConvRows >= kConvK - 1, "only token block 0 may read the old window");
+
+// V raw bf16 values; for V = 8 packed two per 32-bit word, as loaded.
+template <int V>
+struct Raw {
+  uint16_t h[V];
+  BARO_DEV float f(int i) const { return bf16_to_f32(h[i]); }
+};
+template <>
+struct Raw<8> {
+  uint4 u;
+  BARO_DEV float f(int i) const {
+    const uint32_t w = (i >> 1) == 0 ? u.x : (i >> 1) == 1 ? u.y : (i >> 1) == 2 ? u.z : u.w;
+    return __uint_as_float((i & 1) ? (w & 0xffff0000u) : (w << 16));  // == bf16_to_f32
+  }
+};
+
+template <int V>
+BARO_DEV Raw<V> load_raw(const uint16_t* p) {
+  Raw<V> r;
+  if constexpr (V == 8) {
+    r.u = *reinterpret_cast<const uint4*>(p);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) r.h[i] = p[i];
+  }
+  return r;
+}
+
+template <int V>
+BARO_DEV void store_raw(uint16_t* p, const Raw<V>& r) {
+  if constexpr (V == 8) {
+    *reinterpret_cast<uint4*>(p) = r.u;
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) p[i] = r.h[i];
+  }
+}
+
+template <int V>
+BARO_DEV void store_f32(float* p, const float (&v)[V]) {
+  if constexpr (V == 8) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) p[i] = v[i];
+  }
+}
+
+// grid: (token blocks, channel blocks); block: kConvThreads channel groups.
+template <int V>
+__global__ void __launch_bounds__(kConvThreads)
+    conv_kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
+                const uint16_t* win_in, uint16_t* win_out, const int32_t* __restrict__ n_valid,
+                float* __restrict__ y, int64_t m, int64_t C) {
+  const int64_t c = (static_cast<int64_t>(blockIdx.y) * kConvThreads + threadIdx.x) * V;
+  if (c >= C) return;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kConvRows;
+
+  float wf[V][kConvK];  // w[c + i][j]: the V channels' taps are V*4 contiguous bf16
+#pragma unroll
+  for (int q = 0; q < kConvK; ++q) {
+    const Raw<V> r = load_raw<V>(w + c * kConvK + q * V);
+#pragma unroll
+    for (int i = 0; i < V; ++i) wf[(q * V + i) / kConvK][(q * V + i) % kConvK] = r.f(i);
+  }
+  // u row q = t + 3: the window for q < 3, else x row q - 3.
+  auto u_ptr = [&](int64_t q) -> const uint16_t* {
+    return q < kConvK - 1 ? win_in + q * C + c : x + (q - (kConvK - 1)) * C + c;
+  };
+  Raw<V> hist[kConvK - 1];
+#pragma unroll
+  for (int i = 0; i < kConvK - 1; ++i) hist[i] = load_raw<V>(u_ptr(t0 + i));
+  // All rows' loads first: independent, so they are in flight together.
+  Raw<V> xr[kConvRows];
+#pragma unroll
+  for (int r = 0; r < kConvRows; ++r)
+    if (t0 + r < m) xr[r] = load_raw<V>(x + (t0 + r) * C + c);
+#pragma unroll
+  for (int r = 0; r < kConvRows; ++r) {
+    if (t0 + r >= m) break;
+    float out[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      float acc = 0.0f;
+      acc = fmaf(wf[i][0], hist[0].f(i), acc);
+      acc = fmaf(wf[i][1], hist[1].f(i), acc);
+      acc = fmaf(wf[i][2], hist[2].f(i), acc);
+      acc = fmaf(wf[i][3], xr[r].f(i), acc);
+      out[i] = siluf_(acc);
+    }
+    store_f32<V>(y + (t0 + r) * C + c, out);
+    hist[0] = hist[1];
+    hist[1] = hist[2];
+    hist[2] = xr[r];
+  }
+  if (blockIdx.x == 0) {
+    // New window = u[nvld .. nvld + 2]: read all three, then write.
+    const int64_t nv = *n_valid;
+    const int64_t nvld = nv < 0 ? 0 : (nv > m ? m : nv);
+    Raw<V> nw[kConvK - 1];
+#pragma unroll
+    for (int i = 0; i < kConvK - 1; ++i) nw[i] = load_raw<V>(u_ptr(nvld + i));
+#pragma unroll
+    for (int i = 0; i < kConvK - 1; ++i) store_raw<V>(win_out + i * C + c, nw[i]);
+  }
+}
+
+template <int V>
+gpuError_t launch_conv_v(const uint16_t* x, const uint16_t* w, const uint16_t* win_in,
+                         uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m,
+                         int64_t C, gpuStream_t stream) {
+  const int64_t groups = (C + V - 1) / V;
+  const int64_t cblocks = (groups + kConvThreads - 1) / kConvThreads;
+  // Block row 0 exists even for m = 0: it writes the window.
+  const int64_t tblocks = m > 0 ? (m + kConvRows - 1) / kConvRows : 1;
+  if (cblocks > 65535 || tblocks > 0x7fffffffLL) return gpuErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(tblocks), static_cast<unsigned>(cblocks));
+  conv_kernel<V><<<grid, kConvThreads, 0, stream>>>(x, w, win_in, win_out, n_valid, y, m, C);
+  return gpuGetLastError();
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+}  // namespace
+
+gpuError_t launch_conv(const uint16_t* x, const uint16_t* w, const uint16_t* win_in,
+                       uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m,
+                       int64_t C, gpuStream_t stream) {
+  (void)gpuGetLastError();
+  if (C <= 0) return gpuSuccess;
+  const bool vec = C % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(win_in) &&
+                   aligned16(win_out) && aligned16(y);
+  return vec ? launch_conv_v<8>(x, w, win_in, win_out, n_valid, y, m, C, stream)
+             : launch_conv_v<1>(x, w, win_in, win_out, n_valid, y, m, C, stream);
+}
+
+}  // namespace baro_gpu
+
+// ---------------------------------------------------------------------------
+// FFI handler (same operands/results as BaroConvCpu, BUILD.md)
+// ---------------------------------------------------------------------------
+namespace {
+
+namespace ffi = xla::ffi;
+
+ffi::Error ConvGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                       ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf,
+                       ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::BF16> window_out) {
+  const char* op = "baro_conv";
+  constexpr int64_t K = 4;
+  BARO_RETURN_IF(baro::expect_rank(op, "x", x, 2));
+  const int64_t m = x.dimensions()[0], C = x.dimensions()[1];
+  BARO_RETURN_IF(baro::expect_shape(op, "w", w, {C, K}));
+  BARO_RETURN_IF(baro::expect_shape(op, "window", window, {K - 1, C}));
+  BARO_RETURN_IF(baro::expect_shape(op, "n_valid", n_valid_buf, {}));
+  BARO_RETURN_IF(baro::expect_shape(op, "y (result)", *y, {m, C}));
+  BARO_RETURN_IF(baro::expect_shape(op, "window (result)", *window_out, {K - 1, C}));
+  BARO_CHECK(C <= 65535LL * 256, op, "x has " << C << " channels, too many for the GPU grid");
+  // The kernel reads every old window value before the same thread replaces
+  // it (see the top of this file): correct aliased or not, no copy needed.
+  BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_conv(x.typed_data(), w.typed_data(),
+                                                  window.typed_data(), window_out->typed_data(),
+                                                  n_valid_buf.typed_data(), y->typed_data(), m, C,
+                                                  stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvGpu, ConvGpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()   // x
+                                  .Arg<ffi::Buffer<ffi::BF16>>()   // w
+                                  .Arg<ffi::Buffer<ffi::BF16>>()   // window
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // n_valid
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // y
+                                  .Ret<ffi::Buffer<ffi::BF16>>(),  // window
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,545 @@
+// baro_delta (GPU): the gated delta-rule recurrence with fp32 state.
+//
+// The state columns S[:, c] of a value head are independent (kv[c], d[c], the
+// update and o[c] only touch column c), so a block owns kCols columns of one
+// value head and walks the valid rows in order. The recurrence is strictly
+// sequential per token, so what matters is the per-token critical path and
+// the number of warps in flight, not the arithmetic (4 flops per state
+// element per token).
+//
+// CUDA layout: L lanes (8; 4 when dk = 16) share one column, each lane holding
+// R = dk / L rows of it in registers: rows 4*(sub + L*i) + u (i < R/4, u < 4),
+// so the L lanes of a column read one contiguous float4 each from the staged
+// k and q (conflict-free, broadcast across the columns of a warp).
+//
+// Summation order of kv = S^T k and o = S^T q, the same code for every token,
+// every m and every block (so m = 1 decode and prefill give the same bits):
+//   1. in the lane, two accumulators a0 (u = 0, 2) and a1 (u = 1, 3), each an
+//      fmaf chain over i ascending, u ascending; partial = a0 + a1;
+//   2. xor butterfly over the L lanes of the column, offsets 16, 8, .. 32/L
+//      (symmetric: every lane of the column ends with the same bits).
+// The rounding points of docs/NUMERICS.md stay: S *= exp(g) (rounded), kv
+// from the rounded S, d = (v - kv) * beta, S = fmaf(k, d, S), o from the new S.
+//
+// Tokens are staged kT at a time into shared memory with cp.async, double
+// buffered: batch b+1 is in flight while batch b is consumed. Each block
+// normalises its key head's q/k rows of the batch in place (one warp per row:
+// lane float4 squares as an fmaf chain, then the 16..1 butterfly; independent
+// of m and of the row's slot in the batch) and computes exp(g), beta per token
+// with fixed per-row code. No scratch buffers: command-buffer compatible.
+//
+// HIP keeps the simple kernel (one thread per column, sequential chains over
+// all dk rows): it has no cp.async, and 64 KB of LDS does not fit the stages.
+#include <cmath>
+#include <cstdint>
+
+#include "common.cuh"
+#include "contract.h"
+#include "ffi_gpu.h"
+#include "launch.h"
+
+namespace baro_gpu {
+namespace {
+
+BARO_DEV int64_t delta_rows(const int32_t* p, int64_t m) {
+  int64_t v = *p;
+  return v < 0 ? 0 : (v > m ? m : v);
+}
+
+#if !BARO_HIP
+
+constexpr int kCols = kDeltaColsPerBlock;  // state columns per block
+constexpr int kT = 32;                     // tokens per staged batch
+
+template <int DK>
+struct DeltaCfg {
+  static constexpr int L = DK >= 32 ? 8 : 4;  // lanes per column
+  static constexpr int R = DK / L;            // state rows per lane
+  static constexpr int CW = BARO_WARP / L;    // columns per warp
+  static constexpr int kThreads = kCols * L;
+  static constexpr int kWarps = kThreads / BARO_WARP;
+  // one stage buffer (floats): q[kT][DK] k[kT][DK] v[kT][kCols] gate[kT][2]
+  static constexpr int kQ = 0, kK = kT * DK, kV = 2 * kT * DK, kG = 2 * kT * DK + kT * kCols;
+  static constexpr int kBuf = kG + 2 * kT;
+  static constexpr int kOpart = kT * kCols * L;  // o partials, after the two stage buffers
+  static constexpr int kTileLd = kCols + 1;  // state tile row stride (bank spread)
+  static constexpr int kNormRows = 8;        // rows one warp normalises together (ILP)
+  static_assert(R % 4 == 0 && R >= 4, "lane rows come in float4 groups");
+  static_assert(DK / 4 <= BARO_WARP, "one float4 per lane per q/k row");
+  static_assert(kCols % CW == 0 && kThreads % BARO_WARP == 0, "whole warps");
+  static_assert(DK * kTileLd <= kBuf, "the state tile is staged in one stage buffer");
+  static_assert(kBuf % 4 == 0 && kK % 4 == 0 && kV % 4 == 0 && kG % 2 == 0, "aligned slots");
+};
+
+BARO_DEV void cp_async16(float* smem, const float* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+BARO_DEV void cp_async4(float* smem, const float* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+BARO_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+BARO_DEV void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+template <int DK>
+__global__ void __launch_bounds__(DeltaCfg<DK>::kThreads) delta_kernel(DeltaArgs a) {
+  using Cf = DeltaCfg<DK>;
+  constexpr int L = Cf::L, R = Cf::R, CW = Cf::CW, NT = Cf::kThreads, NW = Cf::kWarps;
+  extern __shared__ __align__(16) float smem[];
+
+  const int tid = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
+  const int j = static_cast<int>(blockIdx.x);  // value head
+  const int c0 = static_cast<int>(blockIdx.y) * kCols;
+  const int cl = warp * CW + lane % CW;  // this lane's column within the block
+  const int sub = lane / CW;             // which rows of the column
+  const int nk = a.nk, nv = a.nv, dv = a.dv;
+  const int ncols = imin(kCols, dv - c0);
+  const bool has = cl < ncols;
+  const int kh = j / (nv / nk);
+  const int64_t C = static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(nv) * dv;
+  const int64_t m = a.m;
+  const int64_t nvld = delta_rows(a.n_valid, m);
+  // 16-byte copies need aligned rows: y aligned, and C, the v offset and c0
+  // multiples of 4 floats (2*nk*DK always is; dv decides the rest).
+  const bool vec = (reinterpret_cast<uintptr_t>(a.y) & 15u) == 0 && (dv & 3) == 0;
+  const float neg_exp_A = -expf(a.A_log[j]);
+  const float dt_bias = a.dt_bias[j];
+  const float scale = a.scale;
+
+  // Padded rows leave no trace in the state and read as zeros.
+  for (int64_t i = tid; i < (m - nvld) * ncols; i += NT) {
+    const int64_t t = nvld + i / ncols;
+    a.o[(t * nv + j) * dv + c0 + i % ncols] = 0.0f;
+  }
+
+  // Raw q/k rows of key head kh, this block's v columns, b and a for tokens
+  // [t0, t0 + nt) into buf (one cp.async group).
+  auto stage = [&](float* buf, int64_t t0, int nt) {
+    if (vec) {
+      constexpr int QC = DK / 4, VC = kCols / 4, PER = 2 * QC + VC;
+      for (int i = tid; i < nt * PER; i += NT) {
+        const int tt = i / PER, r = i % PER;
+        const float* row = a.y + (t0 + tt) * C;
+        if (r < QC) {
+          cp_async16(buf + Cf::kQ + tt * DK + 4 * r, row + kh * DK + 4 * r);
+        } else if (r < 2 * QC) {
+          const int q = r - QC;
+          cp_async16(buf + Cf::kK + tt * DK + 4 * q, row + (nk + kh) * DK + 4 * q);
+        } else {
+          const int q = r - 2 * QC;
+          if (4 * q < ncols)
+            cp_async16(buf + Cf::kV + tt * kCols + 4 * q,
+                       row + static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(j) * dv + c0 + 4 * q);
+        }
+      }
+    } else {
+      constexpr int PER = 2 * DK + kCols;
+      for (int i = tid; i < nt * PER; i += NT) {
+        const int tt = i / PER, r = i % PER;
+        const float* row = a.y + (t0 + tt) * C;
+        if (r < DK) {
+          cp_async4(buf + Cf::kQ + tt * DK + r, row + kh * DK + r);
+        } else if (r < 2 * DK) {
+          cp_async4(buf + Cf::kK + tt * DK + (r - DK), row + (nk + kh) * DK + (r - DK));
+        } else if (r - 2 * DK < ncols) {
+          cp_async4(buf + Cf::kV + tt * kCols + (r - 2 * DK),
+                    row + static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(j) * dv + c0 + (r - 2 * DK));
+        }
+      }
+    }
+    for (int i = tid; i < 2 * nt; i += NT) {
+      const float* src = (i & 1) ? a.a : a.b;
+      cp_async4(buf + Cf::kG + i, src + (t0 + (i >> 1)) * nv + j);
+    }
+    cp_async_commit();
+  };
+
+  // In place: q <- q * (1/sqrt(sum q^2 + 1e-6)) * scale, k likewise without
+  // scale; (b, a) <- (exp(g), beta). Row rho < nt is q of token rho, else k of
+  // token rho - nt; warp w takes rows w, w + NW, ... kNormRows at a time.
+  auto normalise = [&](float* buf, int nt) {
+    constexpr int G = Cf::kNormRows;
+    const bool mine = lane < DK / 4;
+    for (int base = warp; base < 2 * nt; base += NW * G) {
+      float4 x[G];
+      float ss[G];
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const int rho = base + g * NW;
+        x[g] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (rho < 2 * nt && mine) {
+          const float* p = buf + (rho < nt ? Cf::kQ + rho * DK : Cf::kK + (rho - nt) * DK);
+          x[g] = *reinterpret_cast<const float4*>(p + 4 * lane);
+        }
+        float acc = 0.0f;
+        acc = fmaf(x[g].x, x[g].x, acc);
+        acc = fmaf(x[g].y, x[g].y, acc);
+        acc = fmaf(x[g].z, x[g].z, acc);
+        acc = fmaf(x[g].w, x[g].w, acc);
+        ss[g] = acc;
+      }
+#pragma unroll
+      for (int off = BARO_WARP / 2; off >= 1; off >>= 1) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) ss[g] = ss[g] + shfl_xor(ss[g], off);
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const int rho = base + g * NW;
+        if (rho < 2 * nt && mine) {
+          const float r = 1.0f / sqrtf(ss[g] + 1e-6f);
+          const float sc = rho < nt ? scale : 1.0f;  // x * 1.0f is exact
+          float* p = buf + (rho < nt ? Cf::kQ + rho * DK : Cf::kK + (rho - nt) * DK);
+          *reinterpret_cast<float4*>(p + 4 * lane) =
+              make_float4((x[g].x * r) * sc, (x[g].y * r) * sc, (x[g].z * r) * sc, (x[g].w * r) * sc);
+        }
+      }
+    }
+    // Gates on the last warp's lanes (the q/k rows above are spread from warp 0).
+    const int gt = tid - (NT - BARO_WARP);
+    for (int tt = gt; tt >= 0 && tt < nt; tt += BARO_WARP) {
+      float* gp = buf + Cf::kG + 2 * tt;
+      const float beta = sigmoidf_(gp[0]);
+      const float g = neg_exp_A * softplusf_(gp[1] + dt_bias);
+      gp[0] = expf(g);
+      gp[1] = beta;
+    }
+  };
+
+  // State tile [DK][kCols] in through buf 1 (coalesced rows of the column
+  // block), together with batch 0 into buf 0.
+  if (nvld > 0) stage(smem, 0, static_cast<int>(nvld < kT ? nvld : kT));
+  {
+    float* tile = (smem + Cf::kBuf);
+    const float* Sin = a.state_in + static_cast<int64_t>(j) * DK * dv + c0;
+    for (int i = tid; i < DK * kCols; i += NT) {
+      const int r = i / kCols, cc = i % kCols;
+      if (cc < ncols)
+        cp_async4(tile + r * Cf::kTileLd + cc, Sin + static_cast<int64_t>(r) * dv + cc);
+      else
+        tile[r * Cf::kTileLd + cc] = 0.0f;
+    }
+    cp_async_commit();
+  }
+  cp_async_wait_all();
+  __syncthreads();
+  float s[R];
+#pragma unroll
+  for (int i = 0; i < R / 4; ++i)
+#pragma unroll
+    for (int u = 0; u < 4; ++u) s[4 * i + u] = (smem + Cf::kBuf)[(4 * (sub + L * i) + u) * Cf::kTileLd + cl];
+
+  // o partials [kT][kCols][L] of the batch, reduced over the L lanes by
+  // flush_o in one fixed tree, the same for every token.
+  float* const opart = smem + 2 * Cf::kBuf;
+  auto flush_o = [&](int64_t t0, int nt) {
+    for (int i = tid; i < nt * kCols; i += NT) {
+      const int tt = i / kCols, cc = i % kCols;
+      if (cc >= ncols) continue;
+      const float4* p = reinterpret_cast<const float4*>(opart + (tt * kCols + cc) * L);
+      const float4 x0 = p[0];
+      float o;
+      if constexpr (L == 8) {
+        const float4 x1 = p[1];
+        o = ((x0.x + x0.y) + (x0.z + x0.w)) + ((x1.x + x1.y) + (x1.z + x1.w));
+      } else {
+        o = (x0.x + x0.y) + (x0.z + x0.w);
+      }
+      a.o[((t0 + tt) * nv + j) * dv + c0 + cc] = o;
+    }
+  };
+  // Lane's o partial of one token from the state after its update: a0 over
+  // u = 0, 2 and a1 over u = 1, 3, i ascending, then a0 + a1.
+  auto o_partial = [&](const float4 (&qq)[R / 4]) {
+    float b0 = 0.0f, b1 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < R / 4; ++i) {
+      b0 = fmaf(s[4 * i + 0], qq[i].x, b0);
+      b1 = fmaf(s[4 * i + 1], qq[i].y, b1);
+      b0 = fmaf(s[4 * i + 2], qq[i].z, b0);
+      b1 = fmaf(s[4 * i + 3], qq[i].w, b1);
+    }
+    return b0 + b1;
+  };
+
+  int b = 0;
+  int64_t prev_t0 = 0;
+  int prev_nt = 0;
+  for (int64_t t0 = 0; t0 < nvld; t0 += kT, b ^= 1) {
+    const int nt = static_cast<int>(nvld - t0 < kT ? nvld - t0 : kT);
+    float* cur = smem + b * Cf::kBuf;
+    // Batch t0 has landed (own copies) and is visible (barrier); the barrier
+    // also ends every read of the other buffer (last batch / state tile) and
+    // every write of the previous batch's o partials.
+    cp_async_wait_all();
+    __syncthreads();
+    if (t0 + kT < nvld)
+      stage(smem + (b ^ 1) * Cf::kBuf, t0 + kT, static_cast<int>(nvld - t0 - kT < kT ? nvld - t0 - kT : kT));
+    flush_o(prev_t0, prev_nt);
+    normalise(cur, nt);
+    __syncthreads();
+
+    // Token tt's o partial is formed in iteration tt + 1, in the same row
+    // loop as token tt+1's decay and kv (two independent chains), so the
+    // only per-token dependency is decay -> kv -> butterfly -> d -> update.
+    // The next token's k and gates are loaded before the butterfly.
+    const float4* k4 = reinterpret_cast<const float4*>(cur + Cf::kK) + sub;
+    const float4* q4 = reinterpret_cast<const float4*>(cur + Cf::kQ) + sub;
+    const float* vv = cur + Cf::kV + cl;
+    const float2* gg = reinterpret_cast<const float2*>(cur + Cf::kG);
+    float* op = opart + cl * L + sub;
+    float4 ka[R / 4], kb[R / 4], qq[R / 4];
+#pragma unroll
+    for (int i = 0; i < R / 4; ++i) {
+      ka[i] = k4[L * i];
+      qq[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    float2 eb = gg[0];
+    // One token: kk holds its k (loaded one token ahead), kn receives the
+    // next token's. Two register sets, called alternately, so no copies.
+    auto step = [&](int tt, const float4 (&kk)[R / 4], float4 (&kn)[R / 4]) {
+      float a0 = 0.0f, a1 = 0.0f, b0 = 0.0f, b1 = 0.0f;
+#pragma unroll
+      for (int i = 0; i < R / 4; ++i) {
+        float* si = s + 4 * i;
+        b0 = fmaf(si[0], qq[i].x, b0);  // o partial of token tt - 1 (o_partial's order)
+        b1 = fmaf(si[1], qq[i].y, b1);
+        b0 = fmaf(si[2], qq[i].z, b0);
+        b1 = fmaf(si[3], qq[i].w, b1);
+        si[0] = si[0] * eb.x;
+        a0 = fmaf(si[0], kk[i].x, a0);
+        si[1] = si[1] * eb.x;
+        a1 = fmaf(si[1], kk[i].y, a1);
+        si[2] = si[2] * eb.x;
+        a0 = fmaf(si[2], kk[i].z, a0);
+        si[3] = si[3] * eb.x;
+        a1 = fmaf(si[3], kk[i].w, a1);
+      }
+      if (tt > 0) op[(tt - 1) * kCols * L] = b0 + b1;
+      float kv = a0 + a1;
+      const float v = has ? vv[tt * kCols] : 0.0f;
+      const float beta = eb.y;
+      const int tn = tt + 1 < nt ? tt + 1 : tt;
+#pragma unroll
+      for (int i = 0; i < R / 4; ++i) {
+        qq[i] = q4[tt * (DK / 4) + L * i];
+        kn[i] = k4[tn * (DK / 4) + L * i];
+      }
+      eb = gg[tn];
+#pragma unroll
+      for (int off = BARO_WARP / 2; off >= CW; off >>= 1) kv = kv + shfl_xor(kv, off);
+      const float d = (v - kv) * beta;
+#pragma unroll
+      for (int i = 0; i < R / 4; ++i) {
+        float* si = s + 4 * i;
+        si[0] = fmaf(kk[i].x, d, si[0]);
+        si[1] = fmaf(kk[i].y, d, si[1]);
+        si[2] = fmaf(kk[i].z, d, si[2]);
+        si[3] = fmaf(kk[i].w, d, si[3]);
+      }
+    };
+    int tt = 0;
+    for (; tt + 1 < nt; tt += 2) {
+      step(tt, ka, kb);
+      step(tt + 1, kb, ka);
+    }
+    if (tt < nt) step(tt, ka, kb);
+    op[(nt - 1) * kCols * L] = o_partial(qq);
+    prev_t0 = t0;
+    prev_nt = nt;
+  }
+
+  // State out through buf 0 (no copies are pending: the last batch staged
+  // nothing). The block read its whole tile before the loop, so state_out may
+  // be state_in.
+  __syncthreads();
+  flush_o(prev_t0, prev_nt);
+  float* tile = smem;
+#pragma unroll
+  for (int i = 0; i < R / 4; ++i)
+#pragma unroll
+    for (int u = 0; u < 4; ++u) tile[(4 * (sub + L * i) + u) * Cf::kTileLd + cl] = s[4 * i + u];
+  __syncthreads();
+  float* Sout = a.state_out + static_cast<int64_t>(j) * DK * dv + c0;
+  for (int i = tid; i < DK * kCols; i += NT) {
+    const int r = i / kCols, cc = i % kCols;
+    if (cc < ncols) Sout[static_cast<int64_t>(r) * dv + cc] = tile[r * Cf::kTileLd + cc];
+  }
+}
+
+template <int DK>
+gpuError_t launch_delta_dk(const DeltaArgs& a, dim3 grid, gpuStream_t stream) {
+  using Cf = DeltaCfg<DK>;
+  const size_t smem = sizeof(float) * (2 * Cf::kBuf + Cf::kOpart);  // 107,008 B for dk = 128
+  if (smem > 48 * 1024) {
+    const gpuError_t e = cudaFuncSetAttribute(
+        delta_kernel<DK>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != gpuSuccess) return e;
+  }
+  delta_kernel<DK><<<grid, Cf::kThreads, smem, stream>>>(a);
+  return gpuGetLastError();
+}
+
+#else  // BARO_HIP: one thread per column, the q/k norms by one warp each
+
+template <int DK>
+__global__ void __launch_bounds__(kDeltaColsPerBlock) delta_kernel(DeltaArgs a) {
+  static_assert(kDeltaColsPerBlock == 2 * BARO_WARP, "warp 0: q norm, warp 1: k norm");
+  __shared__ float qn[DK];
+  __shared__ float kn[DK];
+  __shared__ float gates[2];  // exp(g), beta
+
+  const int j = blockIdx.x;  // value head
+  const int c = static_cast<int>(blockIdx.y) * kDeltaColsPerBlock + static_cast<int>(threadIdx.x);
+  const bool has = c < a.dv;
+  const int nk = a.nk, nv = a.nv, dv = a.dv;
+  const int kh = j / (nv / nk);
+  const int64_t C = static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(nv) * dv;
+  const int64_t m = a.m;
+  const int64_t nvld = delta_rows(a.n_valid, m);
+  const int warp = warp_id(), lane = lane_id();
+
+  float s[DK];
+  const float* Sin = a.state_in + static_cast<int64_t>(j) * DK * dv;
+#pragma unroll
+  for (int r = 0; r < DK; ++r) s[r] = has ? Sin[static_cast<int64_t>(r) * dv + c] : 0.0f;
+
+  const float A_log = a.A_log[j], dt_bias = a.dt_bias[j];
+  for (int64_t t = 0; t < nvld; ++t) {
+    const float* yr = a.y + t * C;
+    __syncthreads();  // previous row's qn/kn/gates fully consumed
+    if (warp == 0) {
+      const float* q = yr + static_cast<int64_t>(kh) * DK;
+      const float rq = 1.0f / sqrtf(warp_sumsq(q, DK) + 1e-6f);
+      for (int r = lane; r < DK; r += BARO_WARP) qn[r] = (q[r] * rq) * a.scale;
+    } else {
+      const float* k = yr + static_cast<int64_t>(nk + kh) * DK;
+      const float rk = 1.0f / sqrtf(warp_sumsq(k, DK) + 1e-6f);
+      for (int r = lane; r < DK; r += BARO_WARP) kn[r] = k[r] * rk;
+      if (lane == 0) {
+        const float beta = sigmoidf_(a.b[t * nv + j]);
+        const float g = -expf(A_log) * softplusf_(a.a[t * nv + j] + dt_bias);
+        gates[0] = expf(g);
+        gates[1] = beta;
+      }
+    }
+    __syncthreads();
+    if (has) {
+      const float e = gates[0], beta = gates[1];
+      float kv = 0.0f;
+#pragma unroll
+      for (int r = 0; r < DK; ++r) {
+        s[r] = s[r] * e;
+        kv = fmaf(s[r], kn[r], kv);
+      }
+      const float v = yr[static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(j) * dv + c];
+      const float d = (v - kv) * beta;
+      float ov = 0.0f;
+#pragma unroll
+      for (int r = 0; r < DK; ++r) {
+        s[r] = fmaf(kn[r], d, s[r]);
+        ov = fmaf(s[r], qn[r], ov);
+      }
+      a.o[(t * nv + j) * dv + c] = ov;
+    }
+  }
+  if (has) {
+    for (int64_t t = nvld; t < m; ++t) a.o[(t * nv + j) * dv + c] = 0.0f;  // padded rows
+    float* Sout = a.state_out + static_cast<int64_t>(j) * DK * dv;
+#pragma unroll
+    for (int r = 0; r < DK; ++r) Sout[static_cast<int64_t>(r) * dv + c] = s[r];
+  }
+}
+
+template <int DK>
+gpuError_t launch_delta_dk(const DeltaArgs& a, dim3 grid, gpuStream_t stream) {
+  delta_kernel<DK><<<grid, kDeltaColsPerBlock, 0, stream>>>(a);
+  return gpuGetLastError();
+}
+
+#endif  // BARO_HIP
+
+}  // namespace
+
+bool delta_supported_dk(int dk) { return dk == 16 || dk == 32 || dk == 64 || dk == 128; }
+
+gpuError_t launch_delta(const DeltaArgs& a, gpuStream_t stream) {
+  (void)gpuGetLastError();
+  if (a.nv <= 0 || a.dv <= 0) return gpuSuccess;
+  if (!delta_supported_dk(a.dk) || a.nk <= 0 || a.nv % a.nk != 0) return gpuErrorInvalidValue;
+  const int64_t col_blocks = (a.dv + kDeltaColsPerBlock - 1) / kDeltaColsPerBlock;
+  if (col_blocks > 65535) return gpuErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(a.nv), static_cast<unsigned>(col_blocks));
+  switch (a.dk) {
+    case 16: return launch_delta_dk<16>(a, grid, stream);
+    case 32: return launch_delta_dk<32>(a, grid, stream);
+    case 64: return launch_delta_dk<64>(a, grid, stream);
+    case 128: return launch_delta_dk<128>(a, grid, stream);
+    default: return gpuErrorInvalidValue;
+  }
+}
+
+}  // namespace baro_gpu
+
+// ---------------------------------------------------------------------------
+// FFI handler (same operands/results as BaroDeltaCpu, BUILD.md)
+// ---------------------------------------------------------------------------
+namespace {
+
+namespace ffi = xla::ffi;
+
+ffi::Error DeltaGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
+                        ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> A_log,
+                        ffi::Buffer<ffi::F32> dt_bias, ffi::Buffer<ffi::F32> state,
+                        ffi::Buffer<ffi::S32> n_valid_buf, ffi::ResultBuffer<ffi::F32> o,
+                        ffi::ResultBuffer<ffi::F32> state_out) {
+  const char* op = "baro_delta";
+  baro::DeltaDims dims;
+  if (auto err = baro::check_delta(yb, b, a, A_log, dt_bias, state, n_valid_buf, *o, *state_out, dims);
+      err.failure())
+    return err;
+  const int64_t m = dims.m, nv = dims.nv, dk = dims.dk, dv = dims.dv, nk = dims.nk;
+  BARO_CHECK(baro_gpu::delta_supported_dk(static_cast<int>(dk)), op,
+             "the GPU kernel supports key head dims 16, 32, 64, 128; got dk=" << dk);
+  BARO_CHECK(nv <= 0x7fffffffLL && dv <= 65535LL * baro_gpu::kDeltaColsPerBlock &&
+                 nk <= 0x7fffffffLL,
+             op, "state shape " << baro::dims_str(state.dimensions()) << " too large for the GPU grid");
+
+  baro_gpu::DeltaArgs args;
+  args.y = yb.typed_data();
+  args.b = b.typed_data();
+  args.a = a.typed_data();
+  args.A_log = A_log.typed_data();
+  args.dt_bias = dt_bias.typed_data();
+  // Each block reads its whole (head, column block) state tile before it
+  // writes it, and no two blocks share a tile: correct aliased or not.
+  args.state_in = state.typed_data();
+  args.state_out = state_out->typed_data();
+  args.n_valid = n_valid_buf.typed_data();
+  args.o = o->typed_data();
+  args.m = m;
+  args.nk = static_cast<int>(nk);
+  args.nv = static_cast<int>(nv);
+  args.dk = static_cast<int>(dk);
+  args.dv = static_cast<int>(dv);
+  args.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dk)));
+  BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_delta(args, stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroDeltaGpu, DeltaGpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // y
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // b
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // a
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // A_log
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // dt_bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // state
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // n_valid
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // o
+                                  .Ret<ffi::Buffer<ffi::F32>>(),  // state
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -276,6 +276,49 @@ def test_matmul(platform, m):
     assert_close(full, ref_matmul(x, w), 1e-5, "matmul vs float64")
 
 
+# GEMM tile configs (csrc/gpu/matmul.cu, env BARO_GEMM_TILE): the simple 16x32
+# and 64x64 kernels, the pipelined 64x128 and 128x128 ones. Every config must
+# give the bits of the one-row (decode, 16x32) call. Forcing is GPU-only and
+# speed-only; on CPU the knob is ignored.
+GEMM_TILES = ["16", "simple", "64", "128"]
+
+
+def poison(dev, shape, dtype=jnp.float32):
+    """Fill and free a NaN buffer of the result's size, so the allocator likely
+    hands the same memory to the next result: an element the kernel forgets
+    to write then shows up as NaN instead of a lucky leftover."""
+    jnp.full(shape, jnp.nan, dtype, device=dev).block_until_ready().delete()
+
+
+def gemm_tiles_for(platform):
+    return GEMM_TILES if platform.platform == "gpu" else []
+
+
+@pytest.mark.parametrize("m,K", [(2, 200), (17, 2056), (130, 203), (300, 200), (300, 2056)])
+def test_matmul_tiles(platform, m, K, monkeypatch):
+    """Several row and N tiles of the large configs, K past a whole BK (200,
+    2056 = 16*128 + 8: a half-filled last 16-step) and K % 8 != 0 (203: no
+    16-byte loads, the simple kernel walks each 128-row slot in sub-tiles)."""
+    N = 264  # 2 full 128-column tiles and a partial one
+    rng = np.random.default_rng(900 + m + K)
+    x, w = bf16(rng, m, K), bf16(rng, N, K)
+    wd = put(platform, w)
+    poison(platform, (m, N))
+    full = np.asarray(J_MATMUL(put(platform, x), wd))
+    assert np.all(np.isfinite(full)), "matmul left elements unwritten"
+    rows = range(m) if m <= 130 or platform.platform == "gpu" else sorted({0, 1, 63, 64, 127, 128, m - 1})
+    for i in rows:
+        one = np.asarray(J_MATMUL(put(platform, x[i:i + 1]), wd))
+        assert_same_bits(one[0], full[i], f"matmul m={m} K={K} row {i} vs one-row call")
+    for tile in gemm_tiles_for(platform):
+        monkeypatch.setenv("BARO_GEMM_TILE", tile)
+        poison(platform, (m, N))
+        got = np.asarray(jax.jit(lambda a, b: cc.matmul(a, b))(put(platform, x), wd))
+        assert_same_bits(got, full, f"matmul m={m} K={K} forced tile {tile}")
+    monkeypatch.delenv("BARO_GEMM_TILE", raising=False)
+    assert_close(full, ref_matmul(x, w), 1e-5, f"matmul m={m} K={K} vs float64")
+
+
 def test_matmul_errors(platform):
     rng = np.random.default_rng(1)
     x, w = put(platform, bf16(rng, 3, 8), bf16(rng, 5, 8))
@@ -674,6 +717,46 @@ def test_moe(platform, m):
     assert_same_bits(np.asarray(J_MOE(put(platform, h[perm]), *wd, top_k=MO_K)), full[perm],
                      "moe permuted rows")
     assert_close(full, ref_moe(h, *wts, MO_K), 1e-3, "moe vs float64")
+
+
+def moe_weights_sized(rng, E, D, I, Is):
+    return (bf16(rng, E, D, scale=0.5), bf16(rng, E, 2 * I, D, scale=0.3),
+            bf16(rng, E, D, I, scale=0.3), bf16(rng, 2 * Is, D, scale=0.3),
+            bf16(rng, D, Is, scale=0.3), bf16(rng, 1, D, scale=0.3))
+
+
+# E = 8, top_k = 2: m = 5 -> about 1 pair per expert (16-row grouped tiles),
+# m = 64 -> 16 (64-row pipelined tiles), m = 300 / 700 -> 75 / 175 (128-row
+# tiles, several per expert at 700, and several 512-pair grouping chunks).
+# D = 136 and I = 72 cross a BK of 64 with a half-filled last 16-step, and
+# 2I = 144 gives two N tiles of the fused SwiGLU epilogue (64 columns each);
+# D = 36 has no 16-byte loads (simple kernel, separate SwiGLU pass).
+@pytest.mark.parametrize("m,D,I", [(5, 136, 72), (64, 136, 72), (300, 136, 72), (700, 136, 72),
+                                   (300, 36, 20)])
+def test_moe_tiles(platform, m, D, I, monkeypatch):
+    E, Is, k = 8, 40, 2
+    rng = np.random.default_rng(950 + m + D)
+    h = bf16(rng, m, D)
+    wts = moe_weights_sized(rng, E, D, I, Is)
+    wd = put(platform, *wts)
+    poison(platform, (m, D))
+    full = np.asarray(J_MOE(put(platform, h), *wd, top_k=k))
+    assert np.all(np.isfinite(full)), "moe left elements unwritten"
+    rows = range(m) if m <= 64 or platform.platform == "gpu" else sorted(
+        set(rng.choice(m, 24, replace=False)) | {0, m - 1})
+    for i in rows:
+        one = np.asarray(J_MOE(put(platform, h[i:i + 1]), *wd, top_k=k))
+        assert_same_bits(one[0], full[i], f"moe m={m} D={D} row {i} vs one-row call")
+    perm = rng.permutation(m)
+    assert_same_bits(np.asarray(J_MOE(put(platform, h[perm]), *wd, top_k=k)), full[perm],
+                     f"moe m={m} D={D} permuted rows")
+    for tile in gemm_tiles_for(platform):
+        monkeypatch.setenv("BARO_GEMM_TILE", tile)
+        poison(platform, (m, D))
+        got = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h), *wd))
+        assert_same_bits(got, full, f"moe m={m} D={D} forced tile {tile}")
+    monkeypatch.delenv("BARO_GEMM_TILE", raising=False)
+    assert_close(full, ref_moe(h, *wts, k), 1e-3, f"moe m={m} D={D} vs float64")
 
 
 def test_moe_ties_to_lower_id(platform):

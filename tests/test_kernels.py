@@ -146,7 +146,7 @@ def rope_tables(S, R2, theta=1e4):
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-def ref_attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, H, eps):
+def ref_attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, H, eps, rows=None):
     qkv = f64(qkv)
     kc, vc = k_cache.copy(), v_cache.copy()
     S, Hkv, hd = kc.shape
@@ -168,7 +168,7 @@ def ref_attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid,
             vc[pos + i, g] = vx.astype(np.float32).astype(BF16)
     o = np.zeros((m, H * hd))
     K, V = f64(kc), f64(vc)
-    for i in range(n_valid):
+    for i in range(n_valid) if rows is None else rows:
         p = pos + i
         for h in range(H):
             g = h // (H // Hkv)
@@ -396,23 +396,27 @@ AT_POS = 37
 AT_S = 1100  # room for rows that cross the GPU kernels' 1024-position KV split
 AT_W = (2 * AT_H + 2 * AT_HKV) * AT_HD
 COS, SIN = rope_tables(AT_S + 64, AT_R2)
+TABLES = (COS, SIN)
 
 
-def att_setup(rng, m, pos0, S=AT_S):
-    qkv = f32(rng, m, AT_W, scale=1.5)
-    qn = f32(rng, AT_HD, scale=0.2)
-    kn = f32(rng, AT_HD, scale=0.2)
+def att_setup(rng, m, pos0, S=AT_S, shape=(AT_H, AT_HKV, AT_HD)):
+    H, Hkv, hd = shape
+    qkv = f32(rng, m, (2 * H + 2 * Hkv) * hd, scale=1.5)
+    qn = f32(rng, hd, scale=0.2)
+    kn = f32(rng, hd, scale=0.2)
     # history rows below pos0: random; everything else poisoned with NaN
-    kc = np.full((S, AT_HKV, AT_HD), np.nan, np.float32).astype(BF16)
+    kc = np.full((S, Hkv, hd), np.nan, np.float32).astype(BF16)
     vc = kc.copy()
-    kc[:pos0] = bf16(rng, pos0, AT_HKV, AT_HD, scale=2.0)
-    vc[:pos0] = bf16(rng, pos0, AT_HKV, AT_HD)
+    kc[:pos0] = (rng.standard_normal((pos0, Hkv, hd), dtype=np.float32) * 2.0).astype(BF16)
+    vc[:pos0] = rng.standard_normal((pos0, Hkv, hd), dtype=np.float32).astype(BF16)
     return qkv, qn, kn, kc, vc
 
 
-def att_run(dev, qkv, qn, kn, kc, vc, pos0, chunks, pad_to=None, rng=None, donate=False):
+def att_run(dev, qkv, qn, kn, kc, vc, pos0, chunks, pad_to=None, rng=None, donate=False,
+            tables=None):
     """Runs attention over the rows of qkv in the given chunks (row counts),
     carrying the caches; optionally pads every chunk to pad_to rows with garbage."""
+    COS, SIN = tables if tables is not None else (TABLES[0], TABLES[1])
     fn = J_ATT_DONATE if donate else J_ATT
     kc_d, vc_d = put(dev, kc, vc)
     qn_d, kn_d = put(dev, qn, kn)
@@ -424,9 +428,9 @@ def att_run(dev, qkv, qn, kn, kc, vc, pos0, chunks, pad_to=None, rng=None, donat
         n = c
         if pad_to is not None and c < pad_to:
             extra = pad_to - c
-            rows = np.concatenate([rows, f32(rng, extra, AT_W, scale=5.0)])
-            cos = np.concatenate([cos, f32(rng, extra, AT_R2)])
-            sin = np.concatenate([sin, f32(rng, extra, AT_R2)])
+            rows = np.concatenate([rows, f32(rng, extra, qkv.shape[1], scale=5.0)])
+            cos = np.concatenate([cos, f32(rng, extra, COS.shape[1])])
+            sin = np.concatenate([sin, f32(rng, extra, SIN.shape[1])])
         o, kc_d, vc_d = fn(put(dev, rows), qn_d, kn_d, *put(dev, cos, sin),
                            kc_d, vc_d, i32(pos0 + r), i32(n), eps=EPS)
         outs.append(np.asarray(o)[:c])
@@ -475,6 +479,105 @@ def test_attention(platform, m, pos0):
     assert_close(kc_full[pos0:pos0 + m], kc_ref[pos0:pos0 + m], 2 ** -7, "k_cache vs float64")
     assert_same_bits(vc_full, vc_ref, "v_cache vs reference (plain bf16 cast)")
     assert_close(o_full, o_ref, 1e-2, "attention o vs float64")
+
+
+# GQA shapes: the model's (G = 8 q heads per kv head, head_dim 256, rotary 64)
+# and smaller ones. The CUDA kernel's tile rows are (token, q head of one kv
+# group) pairs: 16-row tiles when m*G <= 16, 64-row tiles otherwise; the KV
+# splits run in parallel blocks when m <= 16, serially inside a block when
+# m > 16. Each case below reaches a different tile / mode, and the one-row
+# calls always take the decode path (a 16-row tile, split-parallel).
+AT_GQA = {"g8_hd256": (16, 2, 256, 32), "g4_hd64": (8, 2, 64, 16), "g1_hd64": (2, 2, 64, 8)}
+AT_GQA_S = 1400
+_GQA_TABLES = {}
+
+
+def gqa_tables(R2):
+    if R2 not in _GQA_TABLES:
+        _GQA_TABLES[R2] = rope_tables(AT_GQA_S + 64, R2)
+    return _GQA_TABLES[R2]
+
+
+@pytest.mark.parametrize("cfg", list(AT_GQA))
+@pytest.mark.parametrize("m,pos0", [(1, 1030), (2, 37), (5, 1021), (16, 100), (37, 1000), (300, 900)])
+def test_attention_gqa(platform, cfg, m, pos0):
+    H, Hkv, hd, R2 = AT_GQA[cfg]
+    if platform.platform == "cpu" and m * H * hd > 300 * 8 * 64:
+        pytest.skip("CPU: the model-size case with 300 one-row calls is slow, and the CPU "
+                    "kernel's order is covered by the smaller cases")
+    tables = gqa_tables(R2)
+    rng = np.random.default_rng(900 + m + pos0 + hd + H)
+    qkv, qn, kn, kc, vc = att_setup(rng, m, pos0, S=AT_GQA_S, shape=(H, Hkv, hd))
+    run = lambda chunks, **kw: att_run(platform, qkv, qn, kn, kc, vc, pos0, chunks, tables=tables, **kw)
+    o_full, kc_full, vc_full = run([m])
+    assert o_full.shape == (m, H * hd)
+    assert np.all(np.isfinite(o_full.astype(np.float32))), "attention o: non-finite values"
+
+    splits = splits_for(m, rng)
+    if m > 3:
+        splits.pop("1+rest")  # "rest+1" and "random" already mix large and one-row calls
+    for name, chunks in splits.items():
+        o, k2, v2 = run(chunks)
+        assert_same_bits(o, o_full, f"attention o, split {name}, {cfg}, m={m}")
+        assert_same_bits(k2, kc_full, f"attention k_cache, split {name}, {cfg}, m={m}")
+        assert_same_bits(v2, vc_full, f"attention v_cache, split {name}, {cfg}, m={m}")
+    # one padded call (n_valid = m < rows): padding rows must come back as exact zeros
+    pad = m + 5
+    rows = np.concatenate([qkv, f32(rng, 5, qkv.shape[1], scale=5.0)])
+    cos = np.concatenate([tables[0][pos0:pos0 + m], f32(rng, 5, R2)])
+    sin = np.concatenate([tables[1][pos0:pos0 + m], f32(rng, 5, R2)])
+    o, k2, v2 = J_ATT(*put(platform, rows, qn, kn, cos, sin, kc, vc), i32(pos0), i32(m), eps=EPS)
+    o = np.asarray(o)
+    assert o.shape == (pad, H * hd)
+    assert_same_bits(o[:m], o_full, f"attention o, padded to {pad}, {cfg}")
+    assert_same_bits(o[m:], np.zeros_like(o[m:]), f"attention padding rows, {cfg}")
+    assert_same_bits(np.asarray(k2), kc_full, f"attention k_cache, padded to {pad}, {cfg}")
+    assert_same_bits(np.asarray(v2), vc_full, f"attention v_cache, padded to {pad}, {cfg}")
+    for name, c_full, c0 in (("k", kc_full, kc), ("v", vc_full, vc)):
+        assert_same_bits(c_full[:pos0], c0[:pos0], f"{name}_cache history rows")
+        assert_same_bits(c_full[pos0 + m:], c0[pos0 + m:], f"{name}_cache rows past pos+m")
+
+    # values vs float64 reference (a few rows: the reference is a Python loop)
+    sel = sorted({0, m // 2, m - 1})
+    o_ref, _, _ = ref_attention(qkv, qn, kn, tables[0][pos0:pos0 + m], tables[1][pos0:pos0 + m],
+                                kc, vc, pos0, m, H, EPS, rows=sel)
+    assert_close(o_full[sel], o_ref[sel], 1e-2, f"attention o vs float64, {cfg}")
+
+
+def test_attention_long_context(platform):
+    """Decode at 128k context (128 KV splits in parallel blocks) equals the rows
+    of one serial prefill call over the same positions (GPU only: on CPU a 128k
+    float64 reference and caches of 2 x 128 MB are too slow for CI)."""
+    if platform.platform == "cpu":
+        pytest.skip("long context: GPU only")
+    H, Hkv, hd, R2 = AT_GQA["g8_hd256"]
+    S, m, pos0 = 131072, 24, 131072 - 30
+    cos_t, sin_t = rope_tables(S, R2)
+    rng = np.random.default_rng(12)
+    qkv, qn, kn, kc, vc = att_setup(rng, m, pos0, S=S, shape=(H, Hkv, hd))
+    o_full, kc_full, vc_full = att_run(platform, qkv, qn, kn, kc, vc, pos0, [m], tables=(cos_t, sin_t))
+    o, k2, v2 = att_run(platform, qkv, qn, kn, kc, vc, pos0, [1] * m, tables=(cos_t, sin_t))
+    assert_same_bits(o, o_full, "attention o at 128k, one row per call vs one call")
+    assert_same_bits(k2, kc_full, "attention k_cache at 128k")
+    assert_same_bits(v2, vc_full, "attention v_cache at 128k")
+    # float64 values of the last row
+    i = m - 1
+    p = pos0 + i
+    K, V = f64(kc_full[:p + 1]), f64(vc_full[:p + 1])
+    W = qkv.shape[1]
+    for h in range(H):
+        g = h // (H // Hkv)
+        x = f64(qkv[i, 2 * h * hd: 2 * h * hd + hd])
+        t = ref_rmsnorm(x[None], qn, EPS)[0]
+        c, s_ = f64(cos_t[p]), f64(sin_t[p])
+        a, b = t[:R2].copy(), t[R2:2 * R2].copy()
+        t[:R2], t[R2:2 * R2] = a * c - b * s_, b * c + a * s_
+        sc = K[:, g] @ rbf16(t) / np.sqrt(hd)
+        e = np.exp(sc - sc.max())
+        att = (e / e.sum()) @ V[:, g]
+        ref = att * sigmoid(f64(qkv[i, 2 * h * hd + hd: 2 * h * hd + 2 * hd]))
+        assert_close(o_full[i, h * hd:(h + 1) * hd], ref, 1e-2, f"attention o at 128k, head {h}")
+    assert W == (2 * H + 2 * Hkv) * hd
 
 
 def test_attention_no_recompile_and_nvalid0(platform):

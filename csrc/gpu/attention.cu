@@ -39,18 +39,10 @@
 
 namespace baro_gpu {
 
-constexpr int kAttnRows = 16;                 // query rows per block (one MMA row tile)
 constexpr int kAttnKB = 64;                   // KV block, aligned to absolute positions
-constexpr int kAttnWarps = 4;
-constexpr int kAttnThreads = kAttnWarps * BARO_WARP;
-constexpr int kAttnSld = kAttnKB + 2;         // fp32 score row stride (floats)
-constexpr int kAttnPld = kAttnKB + 8;         // bf16 probability row stride (elements)
-constexpr int kAttnMaxNt = kAttnMaxHeadDim / 8 / kAttnWarps;  // PV n-tiles per warp
 constexpr int kKvWarps = 4;                   // (row, kv head) items per block in kernel 1
 constexpr int kAttnSplitBlocks = 16;          // KV blocks per split
 constexpr int64_t kAttnSplit = kAttnKB * kAttnSplitBlocks;  // 1024 positions
-
-static_assert(kAttnKB == 8 * 2 * kAttnWarps, "S tile: two 8-column n-tiles per warp");
 
 // Element d of the head-RMSNormed (fp32, (x*r)*(1+w)) and rotated vector;
 // rotate-half pairs (j, j+R2) for j < R2, computed as written (no fusion).
@@ -101,6 +93,31 @@ __global__ void __launch_bounds__(kKvWarps * BARO_WARP) attn_kv_write_kernel(Att
   }
 }
 
+// (M, L, O) <- merge with a split's (ms, ls, Os): identical in both modes.
+BARO_DEV void attn_merge_scale(float M, float ms, float& Mn, float& ea, float& eb) {
+  Mn = fmaxf(M, ms);
+  ea = expf(M - Mn);  // 0 when M = -inf (nothing merged yet)
+  eb = expf(ms - Mn);
+}
+
+}  // namespace baro_gpu
+
+#if !BARO_HIP
+#include "attention_fa.cuh"  // kernels 2 and 3 on NVIDIA
+#endif
+
+namespace baro_gpu {
+
+#if BARO_HIP
+// ---- HIP: the portable kernels (one q head per 16-row tile, no tensor cores) ----
+constexpr int kAttnRows = 16;                 // query rows per block (one MMA row tile)
+constexpr int kAttnWarps = 4;
+constexpr int kAttnThreads = kAttnWarps * BARO_WARP;
+constexpr int kAttnSld = kAttnKB + 2;         // fp32 score row stride (floats)
+constexpr int kAttnPld = kAttnKB + 8;         // bf16 probability row stride (elements)
+constexpr int kAttnMaxNt = kAttnMaxHeadDim / 8 / kAttnWarps;  // PV n-tiles per warp
+static_assert(kAttnKB == 8 * 2 * kAttnWarps, "S tile: two 8-column n-tiles per warp");
+
 // Shared-memory layout of attn_kernel (bytes), all pieces 16-byte aligned.
 struct AttnSmem {
   int ld;  // bf16 row stride of Q / KV tiles = hd + 8
@@ -146,13 +163,6 @@ BARO_DEV void attn_load_kv(uint16_t* __restrict__ dst, const uint16_t* __restric
 //    long context run on many SMs).
 // Both run the same split code and the same merge, so a row's bits do not
 // depend on the mode, on m, or on the other rows.
-
-// (M, L, O) <- merge with a split's (ms, ls, Os): identical in both modes.
-BARO_DEV void attn_merge_scale(float M, float ms, float& Mn, float& ea, float& eb) {
-  Mn = fmaxf(M, ms);
-  ea = expf(M - Mn);  // 0 when M = -inf (nothing merged yet)
-  eb = expf(ms - Mn);
-}
 
 __global__ void __launch_bounds__(kAttnThreads)
     attn_kernel(AttentionArgs a, float* __restrict__ part_o, float* __restrict__ part_ml,
@@ -458,6 +468,8 @@ __global__ void __launch_bounds__(kCombineWarps * BARO_WARP)
   }
 }
 
+#endif  // BARO_HIP
+
 static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 const char* attention_unsupported(const AttentionArgs& a) {
@@ -471,13 +483,19 @@ const char* attention_unsupported(const AttentionArgs& a) {
   return "";
 }
 
+#if BARO_HIP
 static int64_t attn_max_splits(const AttentionArgs& a) { return (a.S + kAttnSplit - 1) / kAttnSplit; }
+#endif
 
 size_t attention_scratch_bytes(const AttentionArgs& a) {
+#if !BARO_HIP
+  return fa_scratch_bytes(a);
+#else
   if (a.m <= 0 || a.m > kAttnRows) return 0;  // serial mode needs no scratch
   const int64_t slots = static_cast<int64_t>(a.H) * attn_max_splits(a) * kAttnRows;
   const size_t o_bytes = ((sizeof(float) * slots * a.hd + 255) / 256) * 256;
   return o_bytes + sizeof(float) * slots * 2;
+#endif
 }
 
 gpuError_t launch_attention(const AttentionArgs& a, void* scratch, gpuStream_t stream) {
@@ -485,28 +503,25 @@ gpuError_t launch_attention(const AttentionArgs& a, void* scratch, gpuStream_t s
   if (a.m <= 0) return gpuSuccess;
   const char* why = attention_unsupported(a);
   if (why[0] != '\0') return gpuErrorInvalidValue;
-  const bool parallel = a.m <= kAttnRows;
-  if (parallel && scratch == nullptr) return gpuErrorInvalidValue;
-  const int64_t max_splits = attn_max_splits(a);
   // 1. cache writes (before any block of kernel 2 reads the cache: same stream)
   const int64_t items = a.m * a.Hkv;
   const int64_t blocks1 = (items + kKvWarps - 1) / kKvWarps;
-  const int64_t blocks2 = (a.m + kAttnRows - 1) / kAttnRows;
-  const int64_t blocks3 = (a.m * a.H + kCombineWarps - 1) / kCombineWarps;
-  if (blocks1 > 0x7fffffffLL || blocks2 > 0x7fffffffLL || max_splits > 65535)
-    return gpuErrorInvalidValue;
+  if (blocks1 > 0x7fffffffLL) return gpuErrorInvalidValue;
   attn_kv_write_kernel<<<static_cast<unsigned>(blocks1), kKvWarps * BARO_WARP, 0, stream>>>(a);
   gpuError_t e = gpuGetLastError();
   if (e != gpuSuccess) return e;
+#if !BARO_HIP
+  // 2. (and 3.) GQA flash attention, attention_fa.cuh
+  return fa_launch(a, scratch, stream);
+#else
+  const bool parallel = a.m <= kAttnRows;
+  if (parallel && scratch == nullptr) return gpuErrorInvalidValue;
+  const int64_t max_splits = attn_max_splits(a);
+  const int64_t blocks2 = (a.m + kAttnRows - 1) / kAttnRows;
+  const int64_t blocks3 = (a.m * a.H + kCombineWarps - 1) / kCombineWarps;
+  if (blocks2 > 0x7fffffffLL || max_splits > 65535) return gpuErrorInvalidValue;
   // 2. attention
   const size_t smem = attn_smem(a.hd).total;  // <= 49088 B for hd <= 256
-#if !BARO_HIP
-  if (smem > 48 * 1024) {
-    e = cudaFuncSetAttribute(attn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(smem));
-    if (e != gpuSuccess) return e;
-  }
-#endif
   if (!parallel) {
     dim3 grid(static_cast<unsigned>(blocks2), static_cast<unsigned>(a.H), 1u);
     attn_kernel<<<grid, kAttnThreads, smem, stream>>>(a, nullptr, nullptr, 0);
@@ -524,6 +539,7 @@ gpuError_t launch_attention(const AttentionArgs& a, void* scratch, gpuStream_t s
   attn_combine_kernel<<<static_cast<unsigned>(blocks3), kCombineWarps * BARO_WARP, 0, stream>>>(
       a, part_o, part_ml, static_cast<int>(max_splits));
   return gpuGetLastError();
+#endif
 }
 
 }  // namespace baro_gpu

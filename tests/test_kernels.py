@@ -730,6 +730,46 @@ def test_conv_runtime_checks():
         J_CONV(x, w, win, i32(5))[0].block_until_ready()
 
 
+# The GPU conv kernel: a thread owns 8 channels (16-byte loads; 1 channel when
+# C % 8 != 0) and 16 tokens, 256 threads per block; only token block 0 reads
+# and rewrites the window. C = 4104 gives three channel blocks (the last holds
+# one group), C = 44 the one-channel path; m = 37 three token blocks.
+CONV_GPU_M = [1, 2, 17, 37, pytest.param(300, marks=pytest.mark.gpu)]
+J_CONV_DONATE = jax.jit(cc.conv, donate_argnums=(2,))
+
+
+@pytest.mark.parametrize("C", [4104, 44])
+@pytest.mark.parametrize("m", CONV_GPU_M)
+def test_conv_blocks(platform, m, C):
+    rng = np.random.default_rng(520 + m + C)
+    x, w, win = bf16(rng, m, C), bf16(rng, C, 4, scale=0.5), bf16(rng, 3, C)
+    wd = put(platform, w)
+    poison(platform, (m, C))
+    y_full, win_full = (np.asarray(r) for r in J_CONV(put(platform, x), wd, put(platform, win), i32(m)))
+    assert np.all(np.isfinite(y_full)), "conv left elements of y unwritten"
+    # decode arm: one row per call, carrying the window
+    wn = put(platform, win)
+    for i in range(m):
+        y1, wn = J_CONV(put(platform, x[i:i + 1]), wd, wn, i32(1))
+        assert_same_bits(np.asarray(y1)[0], y_full[i], f"conv C={C} m={m} row {i} vs one-row call")
+    assert_same_bits(wn, win_full, f"conv C={C} m={m} window vs one-row calls")
+    y_ref, win_ref = ref_conv(x, w, win, m)
+    assert_same_bits(win_full, win_ref, "conv window vs reference")
+    assert_close(y_full, y_ref, 1e-5, f"conv C={C} m={m} vs float64")
+    # padded call (n_valid < m, incl. 0, 1, 2: the new window keeps old rows)
+    # and a donated (truly in-place) window: every block reads before the
+    # window is replaced
+    for nvld in sorted({0, 1, 2, m // 2, m - 1, m} & set(range(m + 1))):
+        xp = x.copy()
+        xp[nvld:] = garbage_like(rng, m - nvld, x)
+        for fn, what in ((J_CONV, "aliased"), (J_CONV_DONATE, "donated")):
+            y, wn = fn(put(platform, xp), wd, put(platform, win), i32(nvld))
+            _, win_want = ref_conv(x, w, win, nvld)
+            assert_same_bits(wn, win_want, f"conv C={C} m={m} n_valid={nvld} window ({what})")
+            assert_same_bits(np.asarray(y)[:nvld], y_full[:nvld],
+                             f"conv C={C} m={m} n_valid={nvld} y ({what})")
+
+
 # ---------------------------------------------------------------------------
 # delta
 # ---------------------------------------------------------------------------
@@ -787,6 +827,68 @@ def test_delta_errors(platform):
         cc.delta(y, b, a, A_log, dt_bias, state.astype(jnp.bfloat16), 3)
     with pytest.raises(ValueError, match=r"baro_delta: b must have shape \[3, 4\]"):
         cc.delta(y, b[:2], a, A_log, dt_bias, state, 3)
+
+
+# The GPU delta kernel: blocks of 32 state columns of one value head, 8 lanes
+# per column (4 when dk = 16), tokens staged 32 at a time. dv = 80: three
+# column blocks, the last half full; dv = 36: no 16-byte loads, a 4-column
+# block; m = 75: three token batches, the last partial. Gates, state and
+# inputs at the model's magnitudes.
+DELTA_GPU_SHAPES = [(2, 4, 128, 80), (1, 2, 64, 36), (2, 2, 32, 48)]
+DELTA_GPU_M = [1, 2, 37, 75, pytest.param(300, marks=pytest.mark.gpu)]
+J_DELTA_DONATE = jax.jit(cc.delta, donate_argnums=(5,))
+
+
+def delta_model_inputs(rng, m, nk, nv, dk, dv):
+    y = f32(rng, m, 2 * nk * dk + nv * dv)
+    b = f32(rng, m, nv)
+    a = f32(rng, m, nv)
+    A_log = np.log(rng.uniform(1.0, 16.0, nv)).astype(np.float32)      # A ~ U(1, 16)
+    dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), nv))           # dt_bias = softplus^-1(dt)
+    dt_bias = np.log(np.expm1(dt)).astype(np.float32)
+    state = f32(rng, nv, dk, dv, scale=0.5)
+    return y, b, a, A_log, dt_bias, state
+
+
+@pytest.mark.parametrize("shape", DELTA_GPU_SHAPES, ids=lambda s: "nk%d-nv%d-dk%d-dv%d" % s)
+@pytest.mark.parametrize("m", DELTA_GPU_M)
+def test_delta_blocks(platform, m, shape):
+    nk, nv, dk, dv = shape
+    rng = np.random.default_rng(640 + m + dk + dv)
+    y, b, a, A_log, dt_bias, state = delta_model_inputs(rng, m, nk, nv, dk, dv)
+    consts = put(platform, A_log, dt_bias)
+    poison(platform, (m, nv, dv))
+    o_full, s_full = (np.asarray(r) for r in
+                      J_DELTA(*put(platform, y, b, a), *consts, put(platform, state), i32(m)))
+    assert np.all(np.isfinite(o_full)) and np.all(np.isfinite(s_full)), "delta left outputs unwritten"
+    # decode arm: one row per call, carrying the state
+    st, states = put(platform, state), [state]
+    for i in range(m):
+        o1, st = J_DELTA(*put(platform, y[i:i + 1], b[i:i + 1], a[i:i + 1]), *consts, st, i32(1))
+        assert_same_bits(np.asarray(o1)[0], o_full[i], f"delta {shape} m={m} row {i} vs one-row call")
+        states.append(np.asarray(st))
+    assert_same_bits(states[m], s_full, f"delta {shape} m={m} state vs one-row calls")
+    o_ref, s_ref = ref_delta(y, b, a, A_log, dt_bias, state, m, nk)
+    assert_close(o_full, o_ref, 1e-4, f"delta {shape} m={m} o vs float64")
+    assert_close(s_full, s_ref, 1e-4, f"delta {shape} m={m} state vs float64")
+    # padded rows (garbage inputs) leave no trace and give o = 0; a donated
+    # (truly in-place) state gives the same bytes
+    for nvld in sorted({0, m // 2, m - 1, m} & set(range(m + 1))):
+        yp, bp, ap = y.copy(), b.copy(), a.copy()
+        for arr in (yp, bp, ap):
+            arr[nvld:] = garbage_like(rng, m - nvld, arr)
+        for fn, what in ((J_DELTA, "aliased"), (J_DELTA_DONATE, "donated")):
+            poison(platform, (m, nv, dv))
+            o, s2 = fn(*put(platform, yp, bp, ap), *consts, put(platform, state), i32(nvld))
+            o = np.asarray(o)
+            assert_same_bits(s2, states[nvld], f"delta {shape} m={m} n_valid={nvld} state ({what})")
+            assert_same_bits(o[:nvld], o_full[:nvld], f"delta {shape} m={m} n_valid={nvld} o ({what})")
+            assert_same_bits(o[nvld:], np.zeros_like(o[nvld:]), f"delta {shape} padded rows of o")
+    # a split that crosses the 32-token batch grid off its boundaries
+    if m > 33:
+        o, s2 = seq_run(platform, delta_fn, [y, b, a], [A_log, dt_bias], state, [33, m - 33])
+        assert_same_bits(o, o_full, f"delta {shape} m={m} split 33+rest o")
+        assert_same_bits(s2, s_full, f"delta {shape} m={m} split 33+rest state")
 
 
 # ---------------------------------------------------------------------------

@@ -141,7 +141,8 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
   if (cfg != GemmConfig::kSmall) cfg = GemmConfig::kLarge;  // slot_rows stays: sub-tiles
 #else
   if (cfg == GemmConfig::kPipe64 || cfg == GemmConfig::kPipe128) {
-    if (p.vec) {
+    // the pipelined kernel keeps A row indices in 32 bits
+    if (p.vec && (p.tiles != nullptr || p.M <= 0x7fffffffLL)) {
       if (swiglu)
         return cfg == GemmConfig::kPipe128 ? launch_pipe<128, 128, 2, 4, true>(p, row_slots, stream)
                                            : launch_pipe<64, 128, 2, 4, true>(p, row_slots, stream);

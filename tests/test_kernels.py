@@ -731,9 +731,9 @@ def test_conv_runtime_checks():
 
 
 # The GPU conv kernel: a thread owns 8 channels (16-byte loads; 1 channel when
-# C % 8 != 0) and 16 tokens, 256 threads per block; only token block 0 reads
+# C % 8 != 0) and 8 tokens, 256 threads per block; only token block 0 reads
 # and rewrites the window. C = 4104 gives three channel blocks (the last holds
-# one group), C = 44 the one-channel path; m = 37 three token blocks.
+# one group), C = 44 the one-channel path; m = 17 and 37 partial token blocks.
 CONV_GPU_M = [1, 2, 17, 37, pytest.param(300, marks=pytest.mark.gpu)]
 J_CONV_DONATE = jax.jit(cc.conv, donate_argnums=(2,))
 

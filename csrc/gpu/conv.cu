@@ -27,7 +27,7 @@ namespace {
 
 constexpr int kConvThreads = 256;
 constexpr int kConvK = 4;      // taps; the window holds kConvK - 1 rows
-constexpr int kConvRows = 16;  // tokens per thread
+constexpr int kConvRows = 8;  // tokens per thread
 static_assert(kConvRows >= kConvK - 1, "only token block 0 may read the old window");
 
 // V raw bf16 values; for V = 8 packed two per 32-bit word, as loaded.
@@ -79,8 +79,9 @@ BARO_DEV void store_f32(float* p, const float (&v)[V]) {
 }
 
 // grid: (token blocks, channel blocks); block: kConvThreads channel groups.
+// Two blocks per SM: 16 warps keep enough 16-byte loads in flight.
 template <int V>
-__global__ void __launch_bounds__(kConvThreads)
+__global__ void __launch_bounds__(kConvThreads, 2)
     conv_kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
                 const uint16_t* win_in, uint16_t* win_out, const int32_t* __restrict__ n_valid,
                 float* __restrict__ y, int64_t m, int64_t C) {

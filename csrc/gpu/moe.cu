@@ -98,6 +98,8 @@ __global__ void __launch_bounds__(kTopkWarps * BARO_WARP)
 //  2. scan (one block): expert offsets, the tile list, and cnt[c][e] turned
 //     into the sorted position of chunk c's first pair of expert e;
 //  3. place: per chunk, pairs in ascending p take consecutive positions.
+// A call with one chunk (P <= kGroupChunk: decode, short chunks) runs the
+// same three steps in one block (moe_group_one_kernel), saving two launches.
 
 BARO_DEV int clamp_expert(int e, int E) { return e < 0 ? 0 : (e >= E ? E - 1 : e); }
 
@@ -131,10 +133,9 @@ BARO_DEV int64_t block_scan_incl(int64_t v, int64_t* sh) {
   return r;
 }
 
-__global__ void __launch_bounds__(kScanThreads)
-    moe_scan_kernel(int32_t* __restrict__ cnt, int n_chunks, int E, int bm,
-                    int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles, int64_t max_tiles) {
-  __shared__ int64_t sh[kScanThreads];
+// Body of the scan, for a block of kScanThreads; cnt may be global or shared.
+BARO_DEV void group_scan(int32_t* cnt, int n_chunks, int E, int bm, int32_t* __restrict__ tiles,
+                         int32_t* __restrict__ n_tiles, int64_t max_tiles, int64_t* sh) {
   const int tid = threadIdx.x;
   const int per = (E + kScanThreads - 1) / kScanThreads;  // contiguous experts per thread
   const int e_lo = imin(tid * per, E), e_hi = imin(e_lo + per, E);
@@ -173,25 +174,19 @@ __global__ void __launch_bounds__(kScanThreads)
   if (tid == kScanThreads - 1) *n_tiles = static_cast<int32_t>(nt < max_tiles ? nt : max_tiles);
 }
 
+__global__ void __launch_bounds__(kScanThreads)
+    moe_scan_kernel(int32_t* __restrict__ cnt, int n_chunks, int E, int bm,
+                    int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles, int64_t max_tiles) {
+  __shared__ int64_t sh[kScanThreads];
+  group_scan(cnt, n_chunks, E, bm, tiles, n_tiles, max_tiles, sh);
+}
+
 // One warp walks the chunk's pairs in ascending p, 32 at a time: a lane's rank
 // among the lanes of its step with the same expert, plus the expert's running
-// position, is its sorted position.
-__global__ void __launch_bounds__(kGroupThreads)
-    moe_place_kernel(const int32_t* __restrict__ ids, int64_t P, int k, int E,
-                     const int32_t* __restrict__ cnt, int32_t* __restrict__ srow,
-                     int32_t* __restrict__ inv) {
-  extern __shared__ int32_t sm[];  // [E] running positions, then [kGroupChunk] ids
-  int32_t* pos = sm;
-  int32_t* sid = sm + E;
-  const int tid = threadIdx.x;
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * kGroupChunk;
-  const int n = static_cast<int>(P - base < kGroupChunk ? P - base : kGroupChunk);
-  const int32_t* c = cnt + static_cast<int64_t>(blockIdx.x) * E;
-  for (int e = tid; e < E; e += kGroupThreads) pos[e] = c[e];
-  for (int q = tid; q < n; q += kGroupThreads) sid[q] = clamp_expert(ids[base + q], E);
-  __syncthreads();
-  if (tid >= BARO_WARP) return;
-  const int lane = tid;
+// position pos[e], is its sorted position. sid: the chunk's n expert ids.
+BARO_DEV void group_place(const int32_t* sid, int32_t* pos, int n, int64_t base, int k,
+                          int32_t* __restrict__ srow, int32_t* __restrict__ inv) {
+  const int lane = lane_id();
   for (int s0 = 0; s0 < n; s0 += BARO_WARP) {
     const int q = s0 + lane;
     const int len = imin(BARO_WARP, n - s0);
@@ -215,6 +210,44 @@ __global__ void __launch_bounds__(kGroupThreads)
     }
     warp_sync();
   }
+}
+
+__global__ void __launch_bounds__(kGroupThreads)
+    moe_place_kernel(const int32_t* __restrict__ ids, int64_t P, int k, int E,
+                     const int32_t* __restrict__ cnt, int32_t* __restrict__ srow,
+                     int32_t* __restrict__ inv) {
+  extern __shared__ int32_t sm[];  // [E] running positions, then [kGroupChunk] ids
+  int32_t* pos = sm;
+  int32_t* sid = sm + E;
+  const int tid = threadIdx.x;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kGroupChunk;
+  const int n = static_cast<int>(P - base < kGroupChunk ? P - base : kGroupChunk);
+  const int32_t* c = cnt + static_cast<int64_t>(blockIdx.x) * E;
+  for (int e = tid; e < E; e += kGroupThreads) pos[e] = c[e];
+  for (int q = tid; q < n; q += kGroupThreads) sid[q] = clamp_expert(ids[base + q], E);
+  __syncthreads();
+  if (tid < BARO_WARP) group_place(sid, pos, n, base, k, srow, inv);
+}
+
+// P <= kGroupChunk (decode, short chunks): count, scan and place in one
+// block, the same arithmetic as the three-launch path with one chunk.
+__global__ void __launch_bounds__(kScanThreads)
+    moe_group_one_kernel(const int32_t* __restrict__ ids, int P, int k, int E, int bm,
+                         int32_t* __restrict__ srow, int32_t* __restrict__ inv,
+                         int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles,
+                         int64_t max_tiles) {
+  __shared__ int64_t sh[kScanThreads];
+  __shared__ int32_t sid[kGroupChunk];
+  extern __shared__ int32_t pos[];  // [E]: counts, then running positions
+  const int tid = threadIdx.x;
+  for (int e = tid; e < E; e += kScanThreads) pos[e] = 0;
+  for (int q = tid; q < P; q += kScanThreads) sid[q] = clamp_expert(ids[q], E);
+  __syncthreads();
+  for (int q = tid; q < P; q += kScanThreads) atomicAdd(&pos[sid[q]], 1);
+  __syncthreads();
+  group_scan(pos, 1, E, bm, tiles, n_tiles, max_tiles, sh);  // pos[e] = expert offset
+  __syncthreads();
+  if (tid < BARO_WARP) group_place(sid, pos, P, 0, k, srow, inv);
 }
 
 // act[s][n] = bf16(silu(gu[s][n]) * gu[s][I + n])
@@ -429,16 +462,22 @@ gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream) {
   const int64_t n_chunks = moe_chunks(a);
   if (n_chunks > 0x7fffffffLL) return gpuErrorInvalidValue;
   const size_t cnt_smem = sizeof(int32_t) * static_cast<size_t>(E);
-  moe_count_kernel<<<static_cast<unsigned>(n_chunks), kGroupThreads, cnt_smem, stream>>>(
-      s.ids, P, static_cast<int>(E), s.cnt);
-  BARO_MOE_TRY(gpuGetLastError());
-  moe_scan_kernel<<<1, kScanThreads, 0, stream>>>(s.cnt, static_cast<int>(n_chunks),
-                                                  static_cast<int>(E), bm, s.tiles, s.n_tiles,
-                                                  max_tiles);
-  BARO_MOE_TRY(gpuGetLastError());
-  moe_place_kernel<<<static_cast<unsigned>(n_chunks), kGroupThreads,
-                     cnt_smem + sizeof(int32_t) * kGroupChunk, stream>>>(
-      s.ids, P, a.top_k, static_cast<int>(E), s.cnt, s.srow, s.inv);
+  if (n_chunks == 1) {
+    moe_group_one_kernel<<<1, kScanThreads, cnt_smem, stream>>>(
+        s.ids, static_cast<int>(P), a.top_k, static_cast<int>(E), bm, s.srow, s.inv, s.tiles,
+        s.n_tiles, max_tiles);
+  } else {
+    moe_count_kernel<<<static_cast<unsigned>(n_chunks), kGroupThreads, cnt_smem, stream>>>(
+        s.ids, P, static_cast<int>(E), s.cnt);
+    BARO_MOE_TRY(gpuGetLastError());
+    moe_scan_kernel<<<1, kScanThreads, 0, stream>>>(s.cnt, static_cast<int>(n_chunks),
+                                                    static_cast<int>(E), bm, s.tiles, s.n_tiles,
+                                                    max_tiles);
+    BARO_MOE_TRY(gpuGetLastError());
+    moe_place_kernel<<<static_cast<unsigned>(n_chunks), kGroupThreads,
+                       cnt_smem + sizeof(int32_t) * kGroupChunk, stream>>>(
+        s.ids, P, a.top_k, static_cast<int>(E), s.cnt, s.srow, s.inv);
+  }
   BARO_MOE_TRY(gpuGetLastError());
   // 4. grouped gate/up: act[pos] = swiglu(h[srow[pos]] . w_gate_up[e]^T)   [P, I]
   {

@@ -3,18 +3,23 @@
 // positions, output gate. Launches on one stream:
 //   1. attn_kv_write_kernel: k (normed, rotated) and v rounded to bf16 and
 //      stored at cache rows pos+i for i < n_valid;
-//   2. attn_kernel: one block = 16 query rows of one q head. KV positions are
-//      cut into splits of 1024 (16 blocks of 64, aligned to absolute
-//      positions); each split is an online softmax over its blocks in order,
-//      and a row's result is the in-order merge of its splits (see below);
-//   3. (m <= 16 only) attn_combine_kernel: the in-order merge of the splits,
+//   2. the attention kernel. KV positions are cut into splits of 1024 (16
+//      blocks of 64, aligned to absolute positions); each split is an online
+//      softmax over its blocks in order, and a row's result is the in-order
+//      merge of its splits (see below). CUDA: attn_fa_kernel
+//      (attention_fa.cuh), GQA-aware: a tile's rows are (token, q head of one
+//      kv group) pairs, so the G q heads of a kv head share every K/V tile;
+//      64-row tiles (prefill) or 16-row tiles (decode). HIP: attn_kernel
+//      below, one block = 16 query rows of one q head;
+//   3. (m <= 16 only) the combine kernel: the in-order merge of the splits,
 //      which kernel 2 then computed in parallel (decode of a long context).
 //
 // Why a row gets the same bits whatever m is (decode m = 1 vs prefill m = C):
 // - its q is computed by the same per-(row, head) warp code;
 // - S = QK^T and O += PV use dot.cuh's MMA (row- and tile-invariant), K and
 //   V read from the cache (so decode and prefill read the same bf16 values);
-// - the block max and sum of a row use a fixed lane order + butterfly;
+// - the block max and sum of a row use a fixed order that depends on the
+//   column only (HIP: lane order + butterfly; CUDA: attention_fa.cuh);
 // - columns past the row's own position are masked to -inf (p = 0);
 // - a KV block (or a whole split) that lies wholly past a row's position
 //   (possible when other rows of the tile are later) is skipped for that row

@@ -61,17 +61,20 @@ BARO_DEV void fa_pair_barrier(int id) { asm volatile("bar.sync %0, 64;\n" ::"r"(
 BARO_DEV void fa_ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(fa_smem_addr(p)));
+               : "r"(fa_smem_addr(p))
+               : "memory");
 }
 BARO_DEV void fa_ldsm_x4_t(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(fa_smem_addr(p)));
+               : "r"(fa_smem_addr(p))
+               : "memory");
 }
 BARO_DEV void fa_ldsm_x2_t(uint32_t& r0, uint32_t& r1, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
                : "=r"(r0), "=r"(r1)
-               : "r"(fa_smem_addr(p)));
+               : "r"(fa_smem_addr(p))
+               : "memory");
 }
 
 // A fragment of rows 0..15, k 0..15 at p (row stride ld): == load_a(f, p, ld).
@@ -139,7 +142,10 @@ BARO_DEV void fa_issue_tile(uint16_t* __restrict__ dst, const uint16_t* __restri
 // Grid (tiles, Hkv, 1) serial / (tiles, Hkv, max_splits) parallel. In parallel
 // mode the split partials go to part_o[((kh*max_splits + sp)*rows_pad + R)*hd]
 // and part_ml[... * 2] (m, l).
-template <int kPairs, bool kParallel>
+// kHd: the head dim as a compile-time constant (the model's 256: every loop
+// unrolls, so the independent PV chains of a warp interleave), or 0 for any
+// other head dim read at run time. A given hd always runs one instantiation.
+template <int kPairs, bool kParallel, int kHd>
 __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
     attn_fa_kernel(AttentionArgs a, float* __restrict__ part_o, float* __restrict__ part_ml,
                    int max_splits, int64_t rows_pad) {
@@ -148,7 +154,7 @@ __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
   constexpr int kThreads = kWarps * BARO_WARP;
   extern __shared__ uint4 fa_smem4[];
   char* smem = reinterpret_cast<char*>(fa_smem4);
-  const int hd = a.hd;
+  const int hd = kHd > 0 ? kHd : a.hd;
   const FaSmem L = fa_smem(hd, kPairs);
   const int ld = L.ld;
   uint16_t* Qs = reinterpret_cast<uint16_t*>(smem + L.q);
@@ -196,7 +202,8 @@ __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
   }
   fa_cp_async_commit();
 
-  // Q tile: the same per-(row, head) warp code as the CPU-agreeing kv write.
+  // Q tile (bf16): one warp per row, the same per-(token, head) code in every
+  // tile shape and mode (norm_rope_elem, as the kv write).
   const int64_t W = static_cast<int64_t>(2 * a.H + 2 * a.Hkv) * hd;
   for (int r = warp; r < kRows; r += kWarps) {
     uint16_t* qrow = Qs + r * ld;
@@ -234,7 +241,11 @@ __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
   const int nbase = half * 32;         // this warp's S columns
   const uint16_t* Qp = Qs + pair * kFaPairRows * ld;
 
-  float o[kFaMaxNt][4];
+  float o[kFaMaxNt][4];  // this split's O (reset when a split starts: b_begin % 16 == 0)
+#pragma unroll
+  for (int q = 0; q < kFaMaxNt; ++q)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[q][i] = 0.0f;
   float ms[2] = {-INFINITY, -INFINITY}, ls[2] = {0.0f, 0.0f};
   // running merge over splits (serial mode only)
   float O[kParallel ? 1 : kFaMaxNt][4];
@@ -278,6 +289,7 @@ __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
     for (int u = 0; u < 4; ++u)
 #pragma unroll
       for (int i = 0; i < 4; ++i) sacc[u][i] = 0.0f;
+#pragma unroll
     for (int k0 = 0; k0 < hd; k0 += 16) {
       FragA fa;
       fa_load_a(fa, Qp + k0, ld);
@@ -561,17 +573,26 @@ inline size_t fa_scratch_bytes(const AttentionArgs& a) {
   return o_bytes + sizeof(float) * slots * 2;
 }
 
-template <int kPairs, bool kParallel>
-gpuError_t fa_launch_one(const AttentionArgs& a, dim3 grid, float* part_o, float* part_ml,
+template <int kPairs, bool kParallel, int kHd>
+gpuError_t fa_launch_one_hd(const AttentionArgs& a, dim3 grid, float* part_o, float* part_ml,
                          int max_splits, int64_t rows_pad, gpuStream_t stream) {
   const size_t smem = fa_smem(a.hd, kPairs).total;  // <= ~179 KB for hd = 256
-  gpuError_t e = cudaFuncSetAttribute(attn_fa_kernel<kPairs, kParallel>,
+  gpuError_t e = cudaFuncSetAttribute(attn_fa_kernel<kPairs, kParallel, kHd>,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem));
   if (e != gpuSuccess) return e;
-  attn_fa_kernel<kPairs, kParallel><<<grid, kPairs * 2 * BARO_WARP, smem, stream>>>(
+  attn_fa_kernel<kPairs, kParallel, kHd><<<grid, kPairs * 2 * BARO_WARP, smem, stream>>>(
       a, part_o, part_ml, max_splits, rows_pad);
   return gpuGetLastError();
+}
+
+template <int kPairs, bool kParallel>
+gpuError_t fa_launch_one(const AttentionArgs& a, dim3 grid, float* part_o, float* part_ml,
+                         int max_splits, int64_t rows_pad, gpuStream_t stream) {
+  if (a.hd == kAttnMaxHeadDim)
+    return fa_launch_one_hd<kPairs, kParallel, kAttnMaxHeadDim>(a, grid, part_o, part_ml, max_splits,
+                                                                 rows_pad, stream);
+  return fa_launch_one_hd<kPairs, kParallel, 0>(a, grid, part_o, part_ml, max_splits, rows_pad, stream);
 }
 
 // Kernels 2 (and 3) of launch_attention on CUDA; the cache writes are enqueued before.

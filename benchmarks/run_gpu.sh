@@ -15,11 +15,11 @@ stage_build() {
   BARO_GPU=cuda pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; return 1; }; fi
   python -c "import custom_calls, jax; print(custom_calls.available_platforms(), jax.devices())"
 }
-stage_kernels() { python -m pytest -m gpu tests/test_kernels.py -q 2>&1 | tee "$OUT/gpu_kernel_tests.txt" | tail -25; }
+stage_kernels() { timeout "${KERNELS_TIMEOUT:-300}" python -m pytest -m gpu tests/test_kernels.py -q -x --durations=8 ${KERNELS_K:+-k "$KERNELS_K"} 2>&1 | tee "$OUT/gpu_kernel_tests.txt" | tail -40; }
 stage_tiny() {
   python benchmarks/identity.py --model tiny --chunks 7,16,37,64 --max-len 1100 --json "$OUT/identity_tiny_gpu.json" 2>&1 | tail -6
 }
-stage_ops() { python benchmarks/op_times.py --m 1,256,1024 --json "$OUT/op_times_h200.json" 2>&1 | tail -30; }
+stage_ops() { timeout "${OPS_TIMEOUT:-240}" python benchmarks/op_times.py --m "${OPS_M:-1,256,1024}" --backends "${OPS_BACKENDS:-ordered,xla}" --json "$OUT/op_times_h200.json" 2>&1 | tail -30; }
 stage_probe() {
   python - <<'PY' 2>&1 | tee "$OUT/probe.txt"
 import time, numpy as np, jax, baro_jax

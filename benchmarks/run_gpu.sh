@@ -15,7 +15,7 @@ stage_build() {
   BARO_GPU=cuda pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; return 1; }; fi
   python -c "import custom_calls, jax; print(custom_calls.available_platforms(), jax.devices())"
 }
-stage_kernels() { timeout "${KERNELS_TIMEOUT:-300}" python -m pytest -m gpu tests/test_kernels.py -q -x --durations=8 ${KERNELS_K:+-k "$KERNELS_K"} 2>&1 | tee "$OUT/gpu_kernel_tests.txt" | tail -40; }
+stage_kernels() { timeout "${KERNELS_TIMEOUT:-300}" python -m pytest -m gpu tests/test_kernels.py -q --durations=8 ${KERNELS_K:+-k "$KERNELS_K"} 2>&1 | tee "$OUT/gpu_kernel_tests.txt" | tail -40; }
 stage_tiny() {
   python benchmarks/identity.py --model tiny --chunks 7,16,37,64 --max-len 1100 --json "$OUT/identity_tiny_gpu.json" 2>&1 | tail -6
 }

@@ -12,7 +12,7 @@ log() { echo "=== $(date +%T) $*" | tee -a "$OUT/stages.txt"; }
 stage_build() {
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
   if [ -n "${BARO_LIB_DIR:-}" ]; then echo "using prebuilt libraries in $BARO_LIB_DIR"; export PYTHONPATH=$PWD; else
-  BARO_GPU=cuda pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; return 1; }; fi
+  BARO_GPU=cuda python -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; return 1; }; fi
   python -c "import custom_calls, jax; print(custom_calls.available_platforms(), jax.devices())"
 }
 stage_kernels() { timeout "${KERNELS_TIMEOUT:-300}" python -m pytest -m gpu tests/test_kernels.py -q --durations=8 ${KERNELS_K:+-k "$KERNELS_K"} 2>&1 | tee "$OUT/gpu_kernel_tests.txt" | tail -40; }

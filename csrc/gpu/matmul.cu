@@ -89,10 +89,11 @@ static bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintp
 
 #if !BARO_HIP
 // >48 KB of dynamic shared memory must be opted into per kernel and device;
-// done once per (instantiation, device). Harmless to repeat on a race.
+// done once per (instantiation, device). Harmless to repeat on a race. `done`
+// belongs to the caller's instantiation: every pipelined kernel has the same
+// function type, so a static here would be shared by all of them.
 template <typename Kernel>
-static gpuError_t allow_smem(Kernel kernel, int bytes) {
-  static std::atomic<uint64_t> done{0};
+static gpuError_t allow_smem(Kernel kernel, int bytes, std::atomic<uint64_t>& done) {
   int dev = 0;
   gpuError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
@@ -110,7 +111,8 @@ static gpuError_t launch_pipe(const GemmParams& p, int64_t row_slots, gpuStream_
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t n_tiles = (out_n + Cfg::kOutCols - 1) / Cfg::kOutCols;
   if (n_tiles > 65535 || row_slots > 0x7fffffffLL) return gpuErrorInvalidValue;
-  gpuError_t e = allow_smem(kernel, Cfg::kSmemBytes);
+  static std::atomic<uint64_t> smem_done{0};
+  gpuError_t e = allow_smem(kernel, Cfg::kSmemBytes, smem_done);
   if (e != gpuSuccess) return e;
   dim3 grid(static_cast<unsigned>(row_slots), static_cast<unsigned>(n_tiles));
   kernel<<<grid, kPipeThreads, Cfg::kSmemBytes, stream>>>(p);

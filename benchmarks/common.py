@@ -29,6 +29,9 @@ def provenance() -> dict:
         "commit": commit + ("+dirty" if dirty else ""),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "jax": jax.__version__,
+        # every knob that can change speed (none may change bits) or the path taken
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if k.startswith(("BARO_", "XLA_PYTHON_CLIENT_")) and k != "BARO_COMMIT"},
     }
 
 

@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=8192, help="KV cache length; attention queries sit at its middle")
     ap.add_argument("--backends", default="ordered,xla")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--ops", default="", help="comma list of op names to time (default: all), e.g. delta,moe")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -77,7 +78,10 @@ def main(argv=None) -> int:
     rows = []
     for m in [int(x) for x in args.m.split(",")]:
         pos = args.context // 2
+        wanted = {o for o in args.ops.split(",") if o}
         for name, op, a, kw in cases(cfg, m, args.context, pos, jax.random.PRNGKey(m)):
+            if wanted and op not in wanted and name not in wanted:
+                continue
             row = {"op": name, "m": m}
             for be in args.backends.split(","):
                 ops = get_ops(be)

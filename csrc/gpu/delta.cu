@@ -32,6 +32,8 @@
 // all dk rows): it has no cp.async, and 64 KB of LDS does not fit the stages.
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "common.cuh"
 #include "contract.h"
@@ -48,11 +50,13 @@ BARO_DEV int64_t delta_rows(const int32_t* p, int64_t m) {
 
 #if !BARO_HIP
 
-constexpr int kCols = kDeltaColsPerBlock;  // state columns per block
-constexpr int kT = 32;                     // tokens per staged batch
+constexpr int kT = 32;  // tokens per staged batch
 
-template <int DK>
+// COLS: state columns per block (32, or 16 for two blocks per SM). It only
+// groups columns; every column's arithmetic is the same either way.
+template <int DK, int COLS>
 struct DeltaCfg {
+  static constexpr int kCols = COLS;
   static constexpr int L = DK >= 32 ? 8 : 4;  // lanes per column
   static constexpr int R = DK / L;            // state rows per lane
   static constexpr int CW = BARO_WARP / L;    // columns per warp
@@ -82,9 +86,10 @@ BARO_DEV void cp_async4(float* smem, const float* gmem) {
 BARO_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 BARO_DEV void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-template <int DK>
-__global__ void __launch_bounds__(DeltaCfg<DK>::kThreads) delta_kernel(DeltaArgs a) {
-  using Cf = DeltaCfg<DK>;
+template <int DK, int COLS>
+__global__ void __launch_bounds__(DeltaCfg<DK, COLS>::kThreads) delta_kernel(DeltaArgs a) {
+  using Cf = DeltaCfg<DK, COLS>;
+  constexpr int kCols = COLS;
   constexpr int L = Cf::L, R = Cf::R, CW = Cf::CW, NT = Cf::kThreads, NW = Cf::kWarps;
   extern __shared__ __align__(16) float smem[];
 
@@ -368,17 +373,35 @@ __global__ void __launch_bounds__(DeltaCfg<DK>::kThreads) delta_kernel(DeltaArgs
   }
 }
 
-template <int DK>
-gpuError_t launch_delta_dk(const DeltaArgs& a, dim3 grid, gpuStream_t stream) {
-  using Cf = DeltaCfg<DK>;
-  const size_t smem = sizeof(float) * (2 * Cf::kBuf + Cf::kOpart);  // 107,008 B for dk = 128
+template <int DK, int COLS>
+gpuError_t launch_delta_cols(const DeltaArgs& a, gpuStream_t stream) {
+  using Cf = DeltaCfg<DK, COLS>;
+  const int64_t col_blocks = (a.dv + COLS - 1) / COLS;
+  if (col_blocks > 65535) return gpuErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(a.nv), static_cast<unsigned>(col_blocks));
+  const size_t smem = sizeof(float) * (2 * Cf::kBuf + Cf::kOpart);  // 107,008 B for dk = 128, COLS = 32
   if (smem > 48 * 1024) {
     const gpuError_t e = cudaFuncSetAttribute(
-        delta_kernel<DK>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+        delta_kernel<DK, COLS>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (e != gpuSuccess) return e;
   }
-  delta_kernel<DK><<<grid, Cf::kThreads, smem, stream>>>(a);
+  delta_kernel<DK, COLS><<<grid, Cf::kThreads, smem, stream>>>(a);
   return gpuGetLastError();
+}
+
+// Columns per block: 32 by default; BARO_DELTA_COLS=16 gives twice the blocks
+// (two per SM). Speed only: the bits are the same.
+int delta_cols() {
+  static const int cols = [] {
+    const char* v = std::getenv("BARO_DELTA_COLS");
+    return (v != nullptr && std::strcmp(v, "16") == 0) ? 16 : 32;
+  }();
+  return cols;
+}
+
+template <int DK>
+gpuError_t launch_delta_dk(const DeltaArgs& a, dim3 /*grid*/, gpuStream_t stream) {
+  return delta_cols() == 16 ? launch_delta_cols<DK, 16>(a, stream) : launch_delta_cols<DK, 32>(a, stream);
 }
 
 #else  // BARO_HIP: one thread per column, the q/k norms by one warp each

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Kernel-level look on the GPU machine: ncu stall breakdown of the ordered
+# kernels at prefill sizes, plus op-time A/B of speed-only knobs.
+# Usage: OUT=dir bash benchmarks/profile_gpu.sh [m]   (after run_gpu.sh build)
+set -u
+OUT=${OUT:-/tmp/baro_out}; mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+M=${1:-4096}
+SECTIONS=(--section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis)
+prof() {  # prof <label> <kernel regex> <ops> <count>
+  timeout 120 ncu --clock-control none "${SECTIONS[@]}" -k "regex:$2" --launch-skip "${SKIP:-1}" --launch-count "$4" \
+    python benchmarks/op_times.py --m "$M" --ops "$3" --reps 2 --backends ordered > "$OUT/ncu_$1.txt" 2>&1
+  grep -E "^  [a-z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Issue Slots Busy|Executed Ipc A" "$OUT/ncu_$1.txt" | head -40
+}
+echo "--- ncu delta"; prof delta "delta_kernel" delta 1
+echo "--- ncu attention"; prof attention "attn_fa_kernel" attention 1
+echo "--- ncu moe"; prof moe "gemm_pipe|moe_" moe 8

@@ -23,7 +23,8 @@ from .sampling import Sampler, Sampling
 
 PREFILL_MODES = ("batch", "replay")
 ENGINE_MODES = ("resident", "tier")  # where the routed experts live: device memory, or host (staging.py)
-DEFAULT_CHUNK = 1024  # the largest chunk a request uses unless --chunk says otherwise
+MAX_PAD_FRACTION = 0.25  # padding rows a long prompt may waste in its last chunk
+DEFAULT_CHUNK = 8192  # the largest chunk a request uses unless --chunk says otherwise (H200: 8192 beat 4096 and 2048, benchmarks/results/speed_chunks_h200.json)
 MIN_STATE_LEN = 1024
 # Trained by benchmarks/train_tiny.py (evidence in benchmarks/results/train_tiny_*).
 TINY_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "tiny")
@@ -100,10 +101,21 @@ class GenerateResult:
 
 
 def default_chunk(n_prompt: int) -> int:
-    """DEFAULT_CHUNK, shrunk to a power of two >= the prompt so short prompts are not padded to 1024 rows."""
+    """The prefill chunk a request uses unless told otherwise.
+
+    A prompt of at most DEFAULT_CHUNK tokens runs as one chunk, the smallest
+    power of two >= its length. A longer one takes the largest power of two
+    <= DEFAULT_CHUNK whose padded last chunk keeps the rows computed within
+    MAX_PAD_FRACTION of the prompt (9000 tokens: 5 x 2048, not 2 x 8192).
+    The chunk never changes the bits, only the time.
+    """
     c = 16
     while c < n_prompt and c < DEFAULT_CHUNK:
         c *= 2
+    if n_prompt <= c:
+        return c
+    while c > 16 and -(-n_prompt // c) * c > (1 + MAX_PAD_FRACTION) * n_prompt:
+        c //= 2
     return c
 
 

@@ -32,8 +32,8 @@ for mode, c in (("batch", 256), ("batch", 256), ("replay", None), ("replay", Non
 PY
 }
 stage_full() {
-  python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks 256,1024,2048 --prompts benchmarks/prompts/identity_gpu.jsonl \
-    --max-context 8192 --json "$OUT/identity_qwen35_h200.json" 2>&1 | tail -40
+  python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks "${GATE_CHUNKS:-256,1024,2048,8192}" --prompts benchmarks/prompts/identity_gpu.jsonl \
+    --max-context "${GATE_MAX_CONTEXT:-16384}" --json "$OUT/identity_qwen35_h200.json" 2>&1 | tail -40
 }
 stage_speed() {
   python benchmarks/speed.py --model qwen3.5-35b-a3b --lengths "${SPEED_LENGTHS:-1024,8192}" --chunk 1024 \

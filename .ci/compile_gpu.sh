@@ -63,8 +63,8 @@ if [ "${BARO_CI_SKIP_CUDA:-0}" != "1" ]; then
         --generate-code="arch=compute_$CUDA_ARCH,code=[compute_$CUDA_ARCH,sm_$CUDA_ARCH]" -Xptxas -v; then
     "$NVCC" -shared -o "$OUT/libbaro_cuda.so" "$OUT"/cuda/*.o -cudart static || status=1
     [ -f "$OUT/libbaro_cuda.so" ] && { check_symbols "$OUT/libbaro_cuda.so" || status=1; }
-    # registers / spills per kernel (information; the delta kernel for dk=128
-    # keeps its 128-float state column in registers and spills a little)
+    # registers / spills per kernel (information: none of the CUDA kernels
+    # spills today; the attention kernel for head_dim 256 sits at 253 registers)
     grep -h -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT"/cuda/*.log \
       | sed -E "s/ptxas info +: //; s/Compiling entry function '([^']+)'.*/\1/" \
       | paste - - - | (c++filt 2>/dev/null || cat) | sed -E 's/\(baro_gpu::[A-Za-z]+\)//' || true

@@ -151,3 +151,18 @@ def check_tier(cfg: Config, dtype, device_budget_gb: float | None, state_len: in
                           f"{' + the CPU device part' if on_cpu else ''}), more than "
                           f"95% of the host's {gib(host)} of RAM")
     return need
+
+
+def largest_tier_chunk(cfg: Config, dtype, device_budget_gb: float | None, state_len: int, n_prompt: int) -> int:
+    """The largest power-of-two chunk (16 .. the prompt's next power of two) whose tier-mode
+    footprint fits; 16 when none does (check_tier then refuses the request with the numbers)."""
+    c = 16
+    while c < n_prompt:
+        c *= 2
+    while c > 16:
+        try:
+            check_tier(cfg, dtype, device_budget_gb, state_len, c)
+            return c
+        except MemoryError:
+            c //= 2
+    return c

@@ -169,6 +169,15 @@ class Engine:
     def new_state(self, length: int | None = None):
         return M.init_state(self.cfg, self.dtype, length or self.cfg.max_context)
 
+    def pick_chunk(self, n_prompt: int, n_new: int = 0) -> int:
+        """The default prefill chunk. Resident: default_chunk. Tier: every pass moves all routed
+        experts over the host link whatever the chunk, so take the largest chunk (up to one for
+        the whole prompt) whose activations fit the device budget beside the request's state."""
+        if self.mode != "tier":
+            return default_chunk(n_prompt)
+        L = state_length(n_prompt + n_new, self.cfg.max_context)
+        return budget.largest_tier_chunk(self.cfg, self.dtype, self.device_budget_gb, L, n_prompt)
+
     def check_fits(self, n_prompt: int, n_new: int = 0):
         if n_prompt < 1:
             raise ValueError("the prompt is empty: give at least one token")
@@ -204,7 +213,7 @@ class Engine:
             raise ValueError(f"unknown prefill mode {mode!r}; choose batch or replay")
         ids = self.check_ids(ids)
         self.check_fits(len(ids), n_new)
-        chunk = chunk or default_chunk(len(ids))
+        chunk = chunk or self.pick_chunk(len(ids), n_new)
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         if state is None:
@@ -272,7 +281,7 @@ class Engine:
             prefill_seconds=pre.seconds, prefill_tokens_per_s=pre.tokens_per_s,
             decode_tokens_per_s=(n_dec / dt if dt > 0 and n_dec else 0.0),
             model=self.name, backend=self.backend, prefill_mode=prefill,
-            chunk=(chunk or default_chunk(len(ids))) if prefill == "batch" else None, mode=self.mode,
+            chunk=(chunk or self.pick_chunk(len(ids), max_new_tokens)) if prefill == "batch" else None, mode=self.mode,
             last_prompt_logits=last_logits, state=state if keep_state else None)
 
 

@@ -115,3 +115,20 @@ def test_identity_gate_tier(tmp_path):
                         "--new-tokens", "4", "--json", str(out)])
     res = json.loads(out.read_text())
     assert rc == 0 and res["summary"]["pass"] and res["summary"]["mode"] == "tier"
+
+
+def test_tier_default_chunk_is_the_largest_that_fits():
+    import jax.numpy as jnp
+
+    cfg = baro_jax.preset("tiny-random")
+    need_64 = budget.check_tier(cfg, jnp.bfloat16, None, 1024, chunk=64)
+    need_128 = budget.check_tier(cfg, jnp.bfloat16, None, 1024, chunk=128)
+    assert need_128 > need_64
+    gb = (need_64 + need_128) / 2 / 2**30  # chunk 64 fits, 128 does not
+    eng = baro_jax.load("tiny-random", mode="tier", device_budget_gb=gb, progress=False, backend="ordered")
+    assert eng.pick_chunk(300) == 64
+    assert eng.pick_chunk(40) == 64  # the whole prompt in one pass
+    roomy = baro_jax.load("tiny-random", mode="tier", progress=False, backend="ordered")
+    assert roomy.pick_chunk(300) == 512  # one pass for the whole prompt
+    res = eng.generate(list(range(1, 200)), 2)
+    assert res.chunk == 64

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from . import model as M
-from . import budget
+from . import budget, variants
 from .config import Config
 from .ops import get_ops
 from .sampling import Sampler, Sampling
@@ -88,6 +88,7 @@ class GenerateResult:
     prefill_mode: str
     chunk: int | None
     mode: str = "resident"
+    variant: str | None = None  # an order-changing variant (baro_jax/variants.py), None: the backend as is
     last_prompt_logits: np.ndarray = dataclasses.field(repr=False, default=None)
     state: tuple = dataclasses.field(repr=False, default=None)
 
@@ -96,7 +97,7 @@ class GenerateResult:
             "prompt_ids": self.prompt_ids, "generated_ids": self.generated_ids, "text": self.text,
             "prefill_seconds": self.prefill_seconds, "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "decode_tokens_per_s": self.decode_tokens_per_s, "model": self.model, "backend": self.backend,
-            "prefill_mode": self.prefill_mode, "chunk": self.chunk, "mode": self.mode,
+            "prefill_mode": self.prefill_mode, "chunk": self.chunk, "mode": self.mode, "variant": self.variant,
         }
 
 
@@ -134,7 +135,7 @@ _ALL_LOGITS = jax.jit(partial(M.forward, all_logits=True), static_argnames=("cfg
 
 class Engine:
     def __init__(self, cfg: Config, params, tokenizer, *, backend: str = "xla", name: str = "model",
-                 mode: str = "resident", device_budget_gb: float | None = None):
+                 mode: str = "resident", device_budget_gb: float | None = None, variant: str | None = None):
         if mode not in ENGINE_MODES:
             raise ValueError(f"unknown mode {mode!r}; choose resident or tier")
         self.cfg = cfg
@@ -143,7 +144,10 @@ class Engine:
         self.name = name
         self.mode = mode
         self.device_budget_gb = device_budget_gb
-        self.ops = get_ops(backend)
+        self.variant = variants.check(variant)
+        if self.variant and backend != "ordered":
+            raise ValueError(f"variant {self.variant!r} is built on the ordered backend, got backend {backend!r}")
+        self.ops = variants.get_ops(self.variant) if self.variant else get_ops(backend)
         self.dtype = params["embed"].dtype
         self.rope = M.rope_tables(cfg, cfg.max_context)
         if mode == "tier":
@@ -244,6 +248,35 @@ class Engine:
                                      jnp.int32(len(ids)), self.rope)
         return np.asarray(logits)
 
+    def forced_logits(self, ids: Sequence[int], chunk: int | None = None, state_len: int | None = None,
+                      start: int = 0) -> np.ndarray:
+        """Teacher forcing through the batched path: logits [n - start, V] fp32 of positions
+        start..n-1. The ids run as batched prefill does (chunks of `chunk` rows from position 0,
+        default default_chunk, the last padded, on a state of `state_len` rows, default
+        state_length(n)); chunks holding a position >= start return every row's logits."""
+        ids = self.check_ids(ids)
+        self.check_fits(len(ids))
+        chunk = chunk or default_chunk(len(ids))
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        if not 0 <= start < len(ids):
+            raise ValueError(f"start must be in [0, {len(ids)}), got {start}")
+        L = state_len or state_length(len(ids), self.cfg.max_context)
+        self.check_device(L, chunk)
+        state = self.new_state(L)
+        out = []
+        for p in range(0, len(ids), chunk):
+            part = ids[p:p + chunk]
+            toks = np.zeros((chunk,), np.int32)
+            toks[:len(part)] = part
+            args = (self.params, state, jnp.asarray(toks), jnp.int32(p), jnp.int32(len(part)), self.rope)
+            if p + len(part) <= start:  # nothing scored here: the plain prefill chunk
+                _, state = self._step(*args)
+                continue
+            logits, state = self._all_logits(*args)
+            out.append(np.asarray(logits[max(start - p, 0):len(part)]))
+        return np.concatenate(out)
+
     # --- text in, text out -----------------------------------------------------
     def encode(self, prompt) -> list:
         if isinstance(prompt, str):
@@ -280,7 +313,7 @@ class Engine:
             prompt_ids=ids, generated_ids=out, text=self.tokenizer.decode(out),
             prefill_seconds=pre.seconds, prefill_tokens_per_s=pre.tokens_per_s,
             decode_tokens_per_s=(n_dec / dt if dt > 0 and n_dec else 0.0),
-            model=self.name, backend=self.backend, prefill_mode=prefill,
+            model=self.name, backend=self.backend, prefill_mode=prefill, variant=self.variant,
             chunk=(chunk or self.pick_chunk(len(ids), max_new_tokens)) if prefill == "batch" else None, mode=self.mode,
             last_prompt_logits=last_logits, state=state if keep_state else None)
 
@@ -300,8 +333,12 @@ def default_backend(dtype: str = "bfloat16") -> str:
 
 def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloat16", max_context: int | None = None,
          seed: int = 0, progress: bool = True, mode: str | None = None,
-         device_budget_gb: float | None = None) -> Engine:
+         device_budget_gb: float | None = None, variant: str | None = None) -> Engine:
     """Load a checkpoint directory or a preset name into an Engine.
+
+    variant: an opt-in order-changing variant (xla, attn-fast, delta-chunk; baro_jax/variants.py) on
+    the ordered backend: not byte-identical to replay, judged by benchmarks/agreement.py; None: env
+    BARO_VARIANT, else none ("none" turns it off whatever the env says).
 
     mode: "resident" (every weight in device memory) or "tier" (routed experts in pinned host
     memory, staged per layer; see staging.py); None: env BARO_TIER, else resident.
@@ -309,6 +346,12 @@ def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloa
     mode = mode or env_engine_mode()
     if mode not in ENGINE_MODES:
         raise ValueError(f"unknown mode {mode!r}; choose resident or tier")
+    variant = variants.check(variant) if variant is not None else variants.env_variant()
+    if variant:
+        if backend not in (None, "ordered"):
+            raise ValueError(f"variant {variant!r} is built on the ordered backend; drop backend={backend!r} "
+                             "(the plain-jnp backend is also the 'xla' variant)")
+        backend = "ordered"
     from .config import ConfigError, PRESETS, load_config, preset
     from .tokenizer import ByteTokenizer, load_tokenizer
 
@@ -329,7 +372,7 @@ def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloa
         else:
             budget.check_resident(cfg, dt, device_budget_gb)
 
-    kw = dict(backend=backend, mode=mode, device_budget_gb=device_budget_gb)
+    kw = dict(backend=backend, mode=mode, device_budget_gb=device_budget_gb, variant=variant)
     if os.path.isdir(model):
         from .weights import load_params
 

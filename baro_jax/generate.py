@@ -25,6 +25,10 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=int, default=None, help="prefill chunk size (env BARO_PREFILL_C; default 1024, smaller for short prompts)")
     p.add_argument("--backend", choices=["ordered", "xla"], default=None,
                    help="ordered: row-invariant custom calls (default when built); xla: plain jnp")
+    p.add_argument("--variant", default=None,
+                   help="opt-in order-changing variant on the ordered backend: xla, attn-fast, delta-chunk, or none "
+                        "(default; env BARO_VARIANT). Not byte-identical to replay: judged by "
+                        "benchmarks/agreement.py")
     p.add_argument("--mode", choices=["resident", "tier"], default=None,
                    help="resident (default): every weight in device memory; tier: routed experts in pinned host "
                         "memory, staged to the device layer by layer (env BARO_TIER=1|0)")
@@ -53,10 +57,13 @@ def main(argv=None) -> int:
     try:
         prefill = args.prefill or env_prefill_mode()
         chunk = args.chunk if args.chunk is not None else env_chunk()
-        backend = args.backend or default_backend(args.dtype)
+        from . import variants
+
+        variant = variants.check(args.variant) if args.variant is not None else variants.env_variant()
+        backend = args.backend or ("ordered" if variant else default_backend(args.dtype))
         eng = load(args.model, backend=backend, dtype=args.dtype, max_context=args.max_context,
                    seed=args.seed, progress=not args.json, mode=args.mode,
-                   device_budget_gb=args.device_budget_gb)
+                   device_budget_gb=args.device_budget_gb, variant=variant or "none")
         if args.prompt_ids is not None:
             try:
                 prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -92,7 +99,7 @@ def main(argv=None) -> int:
         print(json.dumps(res.to_json()))
     else:
         streamer.flush()
-        print(f"\n[{res.model} | {res.backend} | {res.mode} | prefill {res.prefill_mode}: {len(res.prompt_ids)} tokens "
+        print(f"\n[{res.model} | {res.backend}{'+' + res.variant if res.variant else ''} | {res.mode} | prefill {res.prefill_mode}: {len(res.prompt_ids)} tokens "
               f"in {res.prefill_seconds:.3f}s ({res.prefill_tokens_per_s:.1f} tok/s) | "
               f"decode {res.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
     return 0

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels tiny ops probe full speed peer vs_peer)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels tiny ops probe full speed peer vs_peer agreement)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -81,6 +81,14 @@ stage_vs_peer() {
   local rc=${PIPESTATUS[0]}
   [ "$rc" = 124 ] && echo "speed.py killed at VS_TIMEOUT_S=${VS_TIMEOUT_S:-560}s; the JSON holds the lengths done"
   return "$rc"
+}
+# Teacher-forced agreement of the opt-in variants (bar 99%, benchmarks/agreement.py): $OUT/agreement_h200.json,
+# written after every prompt. Env: AGREE_CANDIDATES, AGREE_MAX_LEN (2049), AGREE_CHUNK (1024), AGREE_TIMEOUT (560).
+stage_agreement() {
+  timeout "${AGREE_TIMEOUT:-560}" python benchmarks/agreement.py --model qwen3.5-35b-a3b \
+    --candidate "${AGREE_CANDIDATES:-xla,attn-fast,delta-chunk}" --prompts benchmarks/prompts/identity_gpu.jsonl \
+    --max-len "${AGREE_MAX_LEN:-2049}" --new-tokens 64 --chunk "${AGREE_CHUNK:-1024}" --max-context 4096 \
+    --json "$OUT/agreement_h200.json" 2>&1 | tee "$OUT/agreement.log" | tail -12
 }
 for s in "$@"; do log "$s"; "stage_$s" || log "stage $s FAILED"; done
 log done

@@ -1,0 +1,194 @@
+"""Order-changing variants: opt-in ops objects built from the ordered backend with overrides.
+
+A variant changes the summation order of one or more ops, so batched prefill
+is no longer byte-identical to replay: variants FAIL the identity gate by
+design and are judged by teacher-forced agreement instead
+(`benchmarks/agreement.py`, bar 99%). None is on by default; select one with
+`--variant NAME`, `baro_jax.load(..., variant=NAME)` or `BARO_VARIANT=NAME`.
+
+- ``xla``: the whole plain-jnp backend (``ops_xla``), every op.
+- ``attn-fast``: prefill attention (m > 1 rows) through
+  ``jax.nn.dot_product_attention`` (cuDNN flash attention on a CUDA GPU, XLA
+  elsewhere); q/k head norms, rope and the cache write are ``ops_xla``'s.
+  Decode (m = 1) stays on the ordered kernel. Everything else is ordered.
+- ``delta-chunk``: the prefill delta rule (m > 1) in its chunked (dense WY)
+  form, ``train_model.chunked_delta``; decode (m = 1) stays ordered.
+  Everything else is ordered.
+
+The ops objects are made once per name (they are static jit arguments: the
+same object means the same compiled graph).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from . import ops_xla
+
+VARIANTS = ("xla", "attn-fast", "delta-chunk")
+OP_NAMES = ("matmul", "rmsnorm", "gated_norm", "attention", "conv", "delta", "moe")
+DELTA_CHUNK = 64  # rows per WY block of the delta-chunk variant (the training script's chunk)
+f32 = jnp.float32
+
+
+def unknown(name) -> ValueError:
+    return ValueError(f"unknown variant {name!r}; choose one of {', '.join(VARIANTS)} "
+                      "(or none: the ordered backend, the default)")
+
+
+def check(name: str | None) -> str | None:
+    """None / '' / 'none' -> None (no variant); a known name -> itself; else a ValueError naming the choices."""
+    if name is None or name == "" or name == "none":
+        return None
+    if name not in VARIANTS:
+        raise unknown(name)
+    return name
+
+
+def env_variant(default: str | None = None) -> str | None:
+    """BARO_VARIANT=NAME (xla, attn-fast, delta-chunk; empty or 'none': no variant); unset -> default."""
+    v = os.environ.get("BARO_VARIANT")
+    if v is None or v == "":
+        return default
+    if v != "none" and v not in VARIANTS:
+        raise ValueError(f"BARO_VARIANT must be one of {', '.join(VARIANTS)} or none, got {v!r}")
+    return check(v)
+
+
+class VariantOps:
+    """An ops object (same attributes as ops_ordered / ops_xla) with some ops overridden.
+
+    Hashed by identity: one instance per variant name (see get_ops)."""
+
+    def __init__(self, name: str, base, overrides: dict):
+        self.name = name
+        self.overridden = tuple(sorted(overrides))
+        for op in OP_NAMES:
+            setattr(self, op, overrides.get(op, getattr(base, op)))
+
+    def __repr__(self):
+        if len(self.overridden) == len(OP_NAMES):
+            return f"<baro_jax variant {self.name!r}: every op order-changing>"
+        return f"<baro_jax variant {self.name!r}: {', '.join(self.overridden)} order-changing, the rest ordered>"
+
+
+# ----------------------------------------------------------------------------- attn-fast
+
+def attention_impl() -> str:
+    """'cudnn' on a CUDA GPU, 'xla' elsewhere; BARO_ATTN_IMPL=xla|cudnn overrides."""
+    v = os.environ.get("BARO_ATTN_IMPL", "")
+    if v:
+        if v not in ("xla", "cudnn"):
+            raise ValueError(f"BARO_ATTN_IMPL must be xla or cudnn, got {v!r}")
+        return v
+    if jax.default_backend() != "gpu":
+        return "xla"
+    try:
+        cuda = "cuda" in jax.devices()[0].client.platform_version.lower()
+    except Exception:  # noqa: BLE001 (an unknown client: take the portable path)
+        cuda = False
+    return "cudnn" if cuda else "xla"
+
+
+_FALLBACKS: list = []  # (reason) when cuDNN refused the shapes and XLA ran instead
+
+
+def _fast_attention(ordered_attention):
+    def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, *, num_heads, num_kv_heads, eps):
+        m = qkv.shape[0]
+        if m == 1:  # decode stays on the ordered kernel
+            return ordered_attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid,
+                                     num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps)
+        S, hkv, hd = k_cache.shape
+        H = num_heads
+        A = k_cache.dtype
+        qg = qkv[:, : 2 * H * hd].reshape(m, H, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:]
+        k = qkv[:, 2 * H * hd: (2 * H + hkv) * hd].reshape(m, hkv, hd)
+        v = qkv[:, (2 * H + hkv) * hd:].reshape(m, hkv, hd)
+        # NUMERICS.md steps 1-3: head norms (fp32), rope, round to A, write rows pos+i for i < n_valid.
+        q = ops_xla.rope(ops_xla.head_rmsnorm(q, q_norm, eps), cos, sin).astype(A)
+        k = ops_xla.rope(ops_xla.head_rmsnorm(k, k_norm, eps), cos, sin).astype(A)
+        k_cache = ops_xla._write_rows(k_cache, k, pos, n_valid)
+        v_cache = ops_xla._write_rows(v_cache, v.astype(A), pos, n_valid)
+        # Row i attends to cache rows 0..pos+i. Rows at or past pos+n_valid were not written by this
+        # call (they may hold anything): zeroed, so no NaN can reach a valid row through a 0 weight.
+        written = (jnp.arange(S) < pos + n_valid)[:, None, None]
+        kc = jnp.where(written, k_cache, jnp.zeros((), A))
+        vc = jnp.where(written, v_cache, jnp.zeros((), A))
+        mask = (jnp.arange(S)[None, :] <= (pos + jnp.arange(m))[:, None])[None, None]  # [1, 1, m, S]
+        impl = attention_impl()
+        args = (q[None], kc[None], vc[None])
+        kw = dict(mask=mask, scale=hd ** -0.5)
+        try:
+            o = jax.nn.dot_product_attention(*args, implementation=impl, **kw)
+        except Exception as e:  # cuDNN refuses some shapes at trace time: say so, run XLA's
+            if impl != "cudnn":
+                raise
+            _FALLBACKS.append(repr(e))
+            warnings.warn(f"attn-fast: cuDNN refused these shapes ({e}); using XLA's dot_product_attention")
+            o = jax.nn.dot_product_attention(*args, implementation="xla", **kw)
+        o = o[0].astype(f32) * jax.nn.sigmoid(gate)  # step 5, as the ordered op (attn in A here)
+        return o.astype(A).reshape(m, H * hd), k_cache, v_cache
+
+    return attention
+
+
+# ----------------------------------------------------------------------------- delta-chunk
+
+def _chunked_delta(ordered_delta):
+    from .train_model import chunked_delta
+
+    def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk):
+        m = y.shape[0]
+        if m == 1:  # decode stays on the ordered kernel
+            return ordered_delta(y, b, a, A_log, dt_bias, state, n_valid, nk=nk, dk=dk)
+        nv, _, dv = state.shape
+        q, k, v, beta, g = ops_xla.delta_inputs(y, b, a, A_log, dt_bias, nk=nk, dk=dk, nv=nv, dv=dv)
+        # Padded rows (i >= n_valid) get k = v = beta = 0 and g = 0 (decay 1): they leave the state as it
+        # is (where, not a product, so a non-finite padded input cannot leak).
+        valid = jnp.arange(m) < n_valid
+        k = jnp.where(valid[:, None, None], k, 0.0)
+        v = jnp.where(valid[:, None, None], v, 0.0)
+        beta = jnp.where(valid[:, None], beta, 0.0)
+        g = jnp.where(valid[:, None], g, 0.0)
+        o, S = chunked_delta(q[None], k[None], v[None], beta[None], g[None], chunk=min(DELTA_CHUNK, m),
+                             state=state[None])
+        return o[0], S[0]
+
+    return delta
+
+
+# ----------------------------------------------------------------------------- selection
+
+_CACHE: dict = {}
+
+
+def get_ops(name: str):
+    """The ops object of a variant (made once per name)."""
+    name = check(name)
+    if name is None:
+        raise ValueError("no variant named: use baro_jax.ops.get_ops('ordered') for the default")
+    if name not in _CACHE:
+        if name == "xla":
+            _CACHE[name] = VariantOps(name, ops_xla, {op: getattr(ops_xla, op) for op in OP_NAMES})
+        else:
+            from .ops import get_ops as backend_ops
+
+            base = backend_ops("ordered")
+            if name == "attn-fast":
+                _CACHE[name] = VariantOps(name, base, {"attention": _fast_attention(base.attention)})
+            else:
+                _CACHE[name] = VariantOps(name, base, {"delta": _chunked_delta(base.delta)})
+    return _CACHE[name]
+
+
+def engine_with(eng, name: str | None):
+    """An Engine on the same weights (no second copy) with `name`'s ops; None: the product's ordered ops."""
+    from .engine import Engine
+
+    return Engine(eng.cfg, eng.params, eng.tokenizer, backend=eng.backend, name=eng.name, mode=eng.mode,
+                  device_budget_gb=eng.device_budget_gb, variant=name)

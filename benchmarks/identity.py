@@ -68,6 +68,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--backend", default="ordered", choices=["ordered", "xla"])
+    ap.add_argument("--variant", default="none",
+                    help="an opt-in order-changing variant (xla, attn-fast, delta-chunk): expected to FAIL this gate")
     ap.add_argument("--mode", default="resident", choices=["resident", "tier"],
                     help="where the routed experts live (tier: pinned host memory, staged per layer); "
                          "the gate compares batched vs replay within the mode")
@@ -85,13 +87,13 @@ def main(argv=None) -> int:
 
     chunks = [int(c) for c in args.chunks.split(",") if c]
     eng = baro_jax.load(args.model, backend=args.backend, max_context=args.max_context, seed=args.seed,
-                        mode=args.mode, device_budget_gb=args.device_budget_gb)
+                        mode=args.mode, device_budget_gb=args.device_budget_gb, variant=args.variant)
     prompts = load_prompts(args.prompts, eng.tokenizer)
     if args.max_len:
         prompts = [p for p in prompts if len(p["ids"]) <= args.max_len]
     names = state_names(eng.cfg)
     rows, failures = [], 0
-    print(f"identity gate: model={args.model} backend={args.backend} mode={args.mode} chunks={chunks} "
+    print(f"identity gate: model={args.model} backend={args.backend} variant={eng.variant} mode={args.mode} chunks={chunks} "
           f"prompts={len(prompts)} new_tokens={args.new_tokens}")
     print(f"{'prompt':>8} {'len':>6} {'chunk':>6} {'state':>8} {'logits':>7} {'tokens':>7}  first diff")
     t_start = time.time()
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
         # written after every prompt so a run cut short still leaves its evidence
         write_json(args.json, {"summary": {"pass": None, "partial": True, "cases": len(rows)}, "rows": rows})
     summary = {"pass": failures == 0, "failures": failures, "cases": len(rows), "model": args.model,
-               "backend": args.backend, "mode": args.mode, "chunks": chunks, "new_tokens": args.new_tokens,
+               "backend": args.backend, "variant": eng.variant, "mode": args.mode, "chunks": chunks, "new_tokens": args.new_tokens,
                "prompts_file": os.path.relpath(args.prompts, os.path.dirname(HERE)),
                "wall_seconds": time.time() - t_start, **provenance()}
     write_json(args.json, {"summary": summary, "rows": rows})

@@ -94,8 +94,9 @@ def budget_bytes(device_budget_gb: float | None) -> tuple[int | None, str]:
     dev_limit = None if have is None else int(0.95 * have)
     dev_what = f"95% of the {jax.devices()[0].platform} device's {have / 2**30:.1f} GiB" if have else ""
     if device_budget_gb is not None:
-        if device_budget_gb <= 0:
-            raise ValueError(f"--device-budget-gb must be positive, got {device_budget_gb}")
+        from .checks import budget_gb
+
+        device_budget_gb = budget_gb(device_budget_gb)  # a finite number > 0, or a clear error
         b = int(device_budget_gb * 2**30)
         if dev_limit is None or b <= dev_limit:
             return b, f"the device budget of {device_budget_gb:g} GiB"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -14,6 +15,9 @@ SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
 class ConfigError(ValueError):
     """A checkpoint's config.json cannot be turned into a Config."""
+
+
+_MISSING = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +65,20 @@ class Config:
         """Rows of the fused GDN input projection: qkv | z | b | a."""
         return self.conv_dim + self.lin_v_heads * self.lin_v_dim + 2 * self.lin_v_heads
 
-    def validate(self) -> "Config":
+    def validate(self, where: str = "config") -> "Config":
+        """Check ranges and divisibility; every message names the config.json field."""
+        for f, hf in _POSITIVE_INT_FIELDS.items():
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{where}: {hf} must be a positive integer, got {v!r}")
+        for f, hf in (("rms_eps", "rms_norm_eps"), ("rope_theta", "rope_theta")):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"{where}: {hf} must be a finite number > 0, got {v!r}")
+        if not isinstance(self.partial_rotary_factor, (int, float)) or not 0.0 <= self.partial_rotary_factor <= 1.0:
+            raise ConfigError(f"{where}: partial_rotary_factor must be in [0, 1], got {self.partial_rotary_factor!r}")
+        if not isinstance(self.max_context, int) or not 1 <= self.max_context <= MAX_CONTEXT_LIMIT:
+            raise ConfigError(f"{where}: max_context must be an integer in [1, {MAX_CONTEXT_LIMIT}], got {self.max_context!r}")
         if len(self.layer_types) != self.num_layers:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_layers}")
         bad = sorted(set(self.layer_types) - {FULL, LINEAR})
@@ -80,6 +97,17 @@ class Config:
         return self
 
 
+# Config fields that must be positive integers, with their config.json names.
+_POSITIVE_INT_FIELDS = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+    "lin_k_heads": "linear_num_key_heads", "lin_v_heads": "linear_num_value_heads",
+    "lin_k_dim": "linear_key_head_dim", "lin_v_dim": "linear_value_head_dim",
+    "conv_kernel": "linear_conv_kernel_dim", "num_experts": "num_experts", "top_k": "num_experts_per_tok",
+    "moe_inter": "moe_intermediate_size", "shared_inter": "shared_expert_intermediate_size",
+}
+
+
 def default_layer_types(num_layers: int, interval: int = 4) -> tuple[str, ...]:
     return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers))
 
@@ -87,11 +115,39 @@ def default_layer_types(num_layers: int, interval: int = 4) -> tuple[str, ...]:
 def _need(d: dict, key: str, where: str) -> Any:
     if key not in d:
         raise ConfigError(f"config.json ({where}) is missing required field {key!r}")
+    if d[key] is None:
+        raise ConfigError(f"config.json ({where}): required field {key!r} is null")
     return d[key]
+
+
+def _int(d: dict, key: str, where: str, default: Any = _MISSING, lo: int | None = 1) -> int:
+    """An integer field (a float with no fraction is taken), >= lo; the error names the field."""
+    v = _need(d, key, where) if default is _MISSING else (d.get(key) if d.get(key) is not None else default)
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"config.json ({where}): field {key!r} must be an integer, got {type(v).__name__} {v!r}")
+    if lo is not None and v < lo:
+        raise ConfigError(f"config.json ({where}): field {key!r} must be >= {lo}, got {v}")
+    return v
+
+
+def _float(v: Any, key: str, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"config.json ({where}): field {key!r} must be a number, got {type(v).__name__} {v!r}")
+    return float(v)
+
+
+def _obj(v: Any, key: str, where: str) -> dict:
+    if not isinstance(v, dict):
+        raise ConfigError(f"config.json ({where}): field {key!r} must be a JSON object, got {type(v).__name__}")
+    return v
 
 
 def from_hf_dict(raw: dict, max_context: int | None = None) -> Config:
     """Build a Config from a transformers config.json dict (either architecture)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config.json must hold a JSON object, got {type(raw).__name__}")
     mt = raw.get("model_type")
     if mt is None:
         raise ConfigError("config.json has no 'model_type'")
@@ -99,49 +155,56 @@ def from_hf_dict(raw: dict, max_context: int | None = None) -> Config:
         raise ConfigError(f"unknown model_type {mt!r}; baro_jax supports {', '.join(SUPPORTED_MODEL_TYPES)}")
     d = raw
     if mt == "qwen3_5_moe":
-        d = _need(raw, "text_config", mt)
+        d = _obj(_need(raw, "text_config", mt), "text_config", mt)
         d = dict(d)
     where = mt
-    n_layers = int(_need(d, "num_hidden_layers", where))
+    n_layers = _int(d, "num_hidden_layers", where)
     if d.get("layer_types"):
-        layer_types = tuple(d["layer_types"])
+        lt = d["layer_types"]
+        if not isinstance(lt, list) or not all(isinstance(t, str) for t in lt):
+            raise ConfigError(f"config.json ({where}): field 'layer_types' must be a list of strings, got {lt!r:.80}")
+        layer_types = tuple(lt)
     else:
-        layer_types = default_layer_types(n_layers, int(d.get("full_attention_interval", 4)))
+        layer_types = default_layer_types(n_layers, _int(d, "full_attention_interval", where, default=4))
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope = _obj(rope, "rope_parameters" if d.get("rope_parameters") else "rope_scaling", where)
     rope_theta = rope.get("rope_theta", d.get("rope_theta"))
     if rope_theta is None:
         raise ConfigError(f"config.json ({where}) has no rope_theta (neither top level nor rope_parameters)")
     prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-    hidden = int(_need(d, "hidden_size", where))
-    n_heads = int(_need(d, "num_attention_heads", where))
+    hidden = _int(d, "hidden_size", where)
+    n_heads = _int(d, "num_attention_heads", where)
+    model_ctx = _int(d, "max_position_embeddings", where, default=32768)
+    if max_context is not None:
+        max_context = check_max_context(max_context, model_ctx, "config.json max_position_embeddings")
     cfg = Config(
         model_type=mt,
-        vocab_size=int(_need(d, "vocab_size", where)),
+        vocab_size=_int(d, "vocab_size", where),
         hidden_size=hidden,
         num_layers=n_layers,
         layer_types=layer_types,
         num_heads=n_heads,
-        num_kv_heads=int(_need(d, "num_key_value_heads", where)),
-        head_dim=int(d.get("head_dim") or hidden // n_heads),
-        rope_theta=float(rope_theta),
-        partial_rotary_factor=float(prf),
-        lin_k_heads=int(_need(d, "linear_num_key_heads", where)),
-        lin_v_heads=int(_need(d, "linear_num_value_heads", where)),
-        lin_k_dim=int(_need(d, "linear_key_head_dim", where)),
-        lin_v_dim=int(_need(d, "linear_value_head_dim", where)),
-        conv_kernel=int(_need(d, "linear_conv_kernel_dim", where)),
-        num_experts=int(_need(d, "num_experts", where)),
-        top_k=int(_need(d, "num_experts_per_tok", where)),
-        moe_inter=int(_need(d, "moe_intermediate_size", where)),
-        shared_inter=int(_need(d, "shared_expert_intermediate_size", where)),
-        rms_eps=float(d.get("rms_norm_eps", 1e-6)),
-        max_context=int(max_context or min(int(d.get("max_position_embeddings", 32768)), 262144)),
+        num_kv_heads=_int(d, "num_key_value_heads", where),
+        head_dim=_int(d, "head_dim", where, default=hidden // n_heads),
+        rope_theta=_float(rope_theta, "rope_theta", where),
+        partial_rotary_factor=_float(prf, "partial_rotary_factor", where),
+        lin_k_heads=_int(d, "linear_num_key_heads", where),
+        lin_v_heads=_int(d, "linear_num_value_heads", where),
+        lin_k_dim=_int(d, "linear_key_head_dim", where),
+        lin_v_dim=_int(d, "linear_value_head_dim", where),
+        conv_kernel=_int(d, "linear_conv_kernel_dim", where),
+        num_experts=_int(d, "num_experts", where),
+        top_k=_int(d, "num_experts_per_tok", where),
+        moe_inter=_int(d, "moe_intermediate_size", where),
+        shared_inter=_int(d, "shared_expert_intermediate_size", where),
+        rms_eps=_float(d.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
+        max_context=max_context or min(model_ctx, 262144),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", d.get("tie_word_embeddings", False))),
     )
     if mt == "qwen3_next":
         if d.get("mlp_only_layers"):
             raise ConfigError("qwen3_next with mlp_only_layers (dense MLP layers) is not supported")
-        if int(d.get("decoder_sparse_step", 1)) != 1:
+        if _int(d, "decoder_sparse_step", where, default=1, lo=None) != 1:
             raise ConfigError("qwen3_next with decoder_sparse_step != 1 is not supported")
     if mt == "qwen3_next" and d.get("norm_topk_prob", True) is False:
         raise ConfigError("qwen3_next with norm_topk_prob=false is not supported (top-k weights are always renormalised)")
@@ -154,15 +217,41 @@ def from_hf_dict(raw: dict, max_context: int | None = None) -> Config:
         raise ConfigError(f"rope_type {rope_type!r} is not supported (only plain rope, 'default')")
     if d.get("attn_output_gate") is False:
         raise ConfigError("attn_output_gate=false is not supported (both architectures gate attention)")
-    return cfg.validate()
+    return cfg.validate(where=f"config.json ({where})")
+
+
+MAX_CONTEXT_LIMIT = 1 << 24  # a sanity bound for presets and Configs built by hand
+
+
+def check_max_context(max_context, model_ctx: int | None, what: str) -> int:
+    """A requested context length: a positive integer no larger than the model's."""
+    if isinstance(max_context, bool) or not isinstance(max_context, int):
+        raise ConfigError(f"max_context (--max-context) must be a positive integer, "
+                          f"got {type(max_context).__name__} {max_context!r}")
+    if max_context < 1:
+        raise ConfigError(f"max_context (--max-context) must be >= 1, got {max_context}")
+    limit = model_ctx if model_ctx is not None else MAX_CONTEXT_LIMIT
+    if max_context > limit:
+        raise ConfigError(f"max_context (--max-context) {max_context} is beyond the model's context of {limit} "
+                          f"({what}); refused before allocating anything")
+    return max_context
 
 
 def load_config(path: str, max_context: int | None = None) -> Config:
     f = os.path.join(path, "config.json")
     if not os.path.isfile(f):
         raise ConfigError(f"no config.json in checkpoint directory {path!r}")
-    with open(f) as fh:
-        return from_hf_dict(json.load(fh), max_context)
+    try:
+        with open(f, encoding="utf-8") as fh:
+            raw = json.load(fh)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{f}: not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{f}: cannot be read ({e})") from None
+    try:
+        return from_hf_dict(raw, max_context)
+    except ConfigError as e:
+        raise ConfigError(f"{f}: {e}") from None
 
 
 # Presets with real shapes (weights are synthetic, see weights.synthetic_params).
@@ -193,6 +282,6 @@ def preset(name: str, max_context: int | None = None) -> Config:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     kw = dict(PRESETS[name])
-    if max_context:
-        kw["max_context"] = max_context
+    if max_context is not None:
+        kw["max_context"] = check_max_context(max_context, kw["max_context"], f"the {name} preset")
     return Config(**kw).validate()

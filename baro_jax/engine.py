@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from . import model as M
-from . import budget, variants
+from . import budget, checks, variants
 from .config import Config
 from .ops import get_ops
 from .sampling import Sampler, Sampling
@@ -143,7 +143,7 @@ class Engine:
         self.backend = backend
         self.name = name
         self.mode = mode
-        self.device_budget_gb = device_budget_gb
+        self.device_budget_gb = checks.budget_gb(device_budget_gb)
         self.variant = variants.check(variant)
         if self.variant and backend != "ordered":
             raise ValueError(f"variant {self.variant!r} is built on the ordered backend, got backend {backend!r}")
@@ -169,10 +169,6 @@ class Engine:
         else:
             budget.check_resident(self.cfg, self.dtype, self.device_budget_gb, state_len, chunk)
 
-    # --- state -------------------------------------------------------------
-    def new_state(self, length: int | None = None):
-        return M.init_state(self.cfg, self.dtype, length or self.cfg.max_context)
-
     def pick_chunk(self, n_prompt: int, n_new: int = 0) -> int:
         """The default prefill chunk. Resident: default_chunk. Tier: every pass moves all routed
         experts over the host link whatever the chunk, so take the largest chunk (up to one for
@@ -181,6 +177,13 @@ class Engine:
             return default_chunk(n_prompt)
         L = state_length(n_prompt + n_new, self.cfg.max_context)
         return budget.largest_tier_chunk(self.cfg, self.dtype, self.device_budget_gb, L, n_prompt)
+
+    # --- state -------------------------------------------------------------
+    def new_state(self, length: int | None = None):
+        """A zeroed state with a KV cache of `length` positions (default: max_context)."""
+        if length is not None:
+            length = checks.as_int("length", length, lo=1, hi=self.cfg.max_context)
+        return M.init_state(self.cfg, self.dtype, length or self.cfg.max_context)
 
     def check_fits(self, n_prompt: int, n_new: int = 0):
         if n_prompt < 1:
@@ -192,20 +195,42 @@ class Engine:
                 f"more than the context of {self.cfg.max_context} (raise --max-context if the model allows)")
 
     def check_ids(self, ids):
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"token id(s) {bad[:5]} outside the vocabulary [0, {self.cfg.vocab_size})")
-        return ids
+        """ids as a list of ints in [0, vocab): floats, bools, None and out-of-range ids are refused."""
+        return checks.token_ids(ids, self.cfg.vocab_size)
+
+    def check_state(self, state, what: str = "state") -> int | None:
+        """Refuse a state that is not a live state of this model (wrong model, wrong dtype, or
+        already donated to an earlier call); its KV length (None when the model has no attention layer)."""
+        return checks.state_length(self.cfg, self.dtype, state, what)
 
     # --- the two arms ----------------------------------------------------------
     def decode_step(self, token: int, state, pos: int):
-        """One token at position pos -> (logits [V] fp32, new state). The state is donated."""
+        """One token at position pos -> (logits [V] fp32, new state).
+
+        The state is donated: its buffers become the returned state, and the state passed in
+        is deleted, so always continue with the returned one (passing the old one again is
+        refused). token must be an int in [0, vocab), pos an int with pos + 1 <= the state's KV
+        length and <= max_context; both are checked here, before anything is dispatched."""
+        token = checks.token_id(token, self.cfg.vocab_size, "decode_step: token")
+        pos = checks.positions(pos, 1, self.check_state(state, "decode_step"), self.cfg.max_context, "decode_step")
+        return self._decode(token, state, pos)
+
+    def _decode(self, token: int, state, pos: int):  # unchecked: the engine's own loops
         toks = jnp.asarray([token], jnp.int32)
         return self._step(self.params, state, toks, jnp.int32(pos), jnp.int32(1), self.rope)
 
     def prefill_chunk(self, ids: Sequence[int], state, pos: int, chunk: int):
-        """Up to `chunk` tokens at pos.. in one call, padded to `chunk` rows."""
+        """Up to `chunk` tokens at pos.. in one call, padded to `chunk` rows. Donates the state
+        (as decode_step does); ids, pos, chunk and the state are checked first."""
+        ids = self.check_ids(ids)
+        chunk = checks.as_int("chunk", chunk, lo=1)
+        if not 1 <= len(ids) <= chunk:
+            raise ValueError(f"prefill_chunk: {len(ids)} ids for a chunk of {chunk} rows (give 1..chunk ids)")
+        pos = checks.positions(pos, len(ids), self.check_state(state, "prefill_chunk"), self.cfg.max_context,
+                               "prefill_chunk")
+        return self._chunk(ids, state, pos, chunk)
+
+    def _chunk(self, ids: Sequence[int], state, pos: int, chunk: int):  # unchecked: the engine's own loops
         n = len(ids)
         toks = np.zeros((chunk,), np.int32)
         toks[:n] = ids
@@ -216,24 +241,29 @@ class Engine:
         if mode not in PREFILL_MODES:
             raise ValueError(f"unknown prefill mode {mode!r}; choose batch or replay")
         ids = self.check_ids(ids)
+        n_new = checks.as_int("n_new", n_new, lo=0)
         self.check_fits(len(ids), n_new)
-        chunk = chunk or self.pick_chunk(len(ids), n_new)
-        if chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        chunk = self.pick_chunk(len(ids), n_new) if chunk is None else checks.as_int("chunk (--chunk)", chunk, lo=1)
         if state is None:
             L = state_length(len(ids) + n_new, self.cfg.max_context)
             self.check_device(L, chunk if mode == "batch" else 1)
             state = self.new_state(L)
+        else:  # a caller's state: donated (see decode_step), and it must hold the whole prompt
+            checks.positions(0, len(ids), self.check_state(state, "prefill"), self.cfg.max_context, "prefill")
         t0 = time.perf_counter()
+        # progress(done, total) is called after the tokens so far have been computed (the loop
+        # waits for them), so a caller can show true tokens/s; without it nothing waits.
         if mode == "replay":
             for p, t in enumerate(ids):
-                logits, state = self.decode_step(t, state, p)
+                logits, state = self._decode(t, state, p)
                 if progress and (p + 1) % 256 == 0:
+                    jax.block_until_ready(logits)
                     progress(p + 1, len(ids))
         else:
             for p in range(0, len(ids), chunk):
-                logits, state = self.prefill_chunk(ids[p:p + chunk], state, p, chunk)
+                logits, state = self._chunk(ids[p:p + chunk], state, p, chunk)
                 if progress:
+                    jax.block_until_ready(logits)
                     progress(min(p + chunk, len(ids)), len(ids))
         logits = jax.block_until_ready(logits)
         return PrefillResult(logits, state, time.perf_counter() - t0, len(ids))
@@ -279,18 +309,25 @@ class Engine:
 
     # --- text in, text out -----------------------------------------------------
     def encode(self, prompt) -> list:
+        """Text through the tokenizer; a sequence of token ids checked (ints only, no floats)."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        return [int(i) for i in prompt]
+        if prompt is None or isinstance(prompt, bytes) or not hasattr(prompt, "__iter__"):
+            raise TypeError(f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}")
+        return self.check_ids(prompt)
 
     def generate(self, prompt, max_new_tokens: int = 64, *, prefill: str = "batch", chunk: int | None = None,
                  sampling: Sampling = Sampling(), on_token: Callable[[int], None] | None = None,
-                 stop_at_eos: bool = True, keep_state: bool = False) -> GenerateResult:
+                 stop_at_eos: bool = True, keep_state: bool = False,
+                 progress: Callable[[int, int], None] | None = None) -> GenerateResult:
         ids = self.check_ids(self.encode(prompt))
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        sampler = Sampler(sampling)
-        pre = self.prefill(ids, prefill, chunk, n_new=max_new_tokens)
+        max_new_tokens = checks.as_int("max_new_tokens (--max-new-tokens)", max_new_tokens, lo=0)
+        if not isinstance(sampling, Sampling):
+            raise TypeError(f"sampling must be a baro_jax.Sampling, got {type(sampling).__name__}")
+        sampler = Sampler(sampling)  # validates it
+        if sampling.top_k > self.cfg.vocab_size:
+            raise ValueError(f"top_k (--top-k) {sampling.top_k} is larger than the vocabulary of {self.cfg.vocab_size}")
+        pre = self.prefill(ids, prefill, chunk, n_new=max_new_tokens, progress=progress)
         logits, state = pre.logits, pre.state
         last_logits = np.asarray(logits)
         out = []
@@ -305,7 +342,7 @@ class Engine:
             if tok == eos:
                 break
             if i + 1 < max_new_tokens:
-                logits, state = self.decode_step(tok, state, pos)
+                logits, state = self._decode(tok, state, pos)
                 pos += 1
         dt = time.perf_counter() - t0
         n_dec = max(len(out) - 1, 0)  # the first token comes from the prefill logits
@@ -333,8 +370,14 @@ def default_backend(dtype: str = "bfloat16") -> str:
 
 def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloat16", max_context: int | None = None,
          seed: int = 0, progress: bool = True, mode: str | None = None,
-         device_budget_gb: float | None = None, variant: str | None = None) -> Engine:
+         device_budget_gb: float | None = None, variant: str | None = None,
+         allow_nonfinite: bool | None = None) -> Engine:
     """Load a checkpoint directory or a preset name into an Engine.
+
+    Refused with a message naming the file and field or tensor: a bad config.json, index or
+    tokenizer file, a corrupt safetensors header (offsets must tile the file exactly, sized
+    dtype x shape), NaN/Inf weights (unless allow_nonfinite; None: env BARO_ALLOW_NONFINITE),
+    a max_context beyond the model's.
 
     variant: an opt-in order-changing variant (xla, attn-fast, delta-chunk; baro_jax/variants.py) on
     the ordered backend: not byte-identical to replay, judged by benchmarks/agreement.py; None: env
@@ -343,6 +386,13 @@ def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloa
     mode: "resident" (every weight in device memory) or "tier" (routed experts in pinned host
     memory, staged per layer; see staging.py); None: env BARO_TIER, else resident.
     device_budget_gb: the device memory to plan for (default: the device's)."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a checkpoint directory or a preset name (a str), got {type(model).__name__}")
+    model = os.fspath(model)
+    device_budget_gb = checks.budget_gb(device_budget_gb)
+    from .sampling import check_seed
+
+    seed = check_seed(seed)
     mode = mode or env_engine_mode()
     if mode not in ENGINE_MODES:
         raise ValueError(f"unknown mode {mode!r}; choose resident or tier")
@@ -381,7 +431,7 @@ def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloa
         place = None
         if mode == "tier":  # experts straight to the host store, the rest to the device
             place = lambda t, a: staging.to_store(a) if staging.is_expert_target(t) else jax.device_put(a)  # noqa: E731
-        params = load_params(model, cfg, dtype=dt, progress=progress, place=place)
+        params = load_params(model, cfg, dtype=dt, progress=progress, place=place, allow_nonfinite=allow_nonfinite)
         return Engine(cfg, params, load_tokenizer(model), name=os.path.basename(os.path.normpath(model)), **kw)
     name = model
     if name in PRESETS:

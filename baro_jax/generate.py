@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+import time
 
 DEMO_PROMPT = "import os\nimport sys\n\n\ndef main():\n    "
 
@@ -42,10 +44,12 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="seed for sampling and synthetic weights")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="load a checkpoint even if some weights hold NaN/Inf (refused by default; env BARO_ALLOW_NONFINITE=1)")
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def _run(argv) -> int:
     args = parse_args(argv)
     from . import load
     from .engine import default_backend, env_chunk, env_prefill_mode
@@ -63,7 +67,8 @@ def main(argv=None) -> int:
         backend = args.backend or ("ordered" if variant else default_backend(args.dtype))
         eng = load(args.model, backend=backend, dtype=args.dtype, max_context=args.max_context,
                    seed=args.seed, progress=not args.json, mode=args.mode,
-                   device_budget_gb=args.device_budget_gb, variant=variant or "none")
+                   device_budget_gb=args.device_budget_gb, variant=variant or "none",
+                   allow_nonfinite=args.allow_nonfinite or None)
         if args.prompt_ids is not None:
             try:
                 prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -71,8 +76,13 @@ def main(argv=None) -> int:
                 raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
         else:
             if args.prompt_file:
-                with open(args.prompt_file) as f:
-                    text = f.read()
+                try:
+                    with open(args.prompt_file, encoding="utf-8") as f:
+                        text = f.read()
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"--prompt-file {args.prompt_file!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+                except OSError as e:
+                    raise ValueError(f"--prompt-file {args.prompt_file!r}: cannot read it ({e.strerror or e})") from None
             else:
                 text = args.prompt if args.prompt is not None else DEMO_PROMPT
             if args.chat:
@@ -80,6 +90,9 @@ def main(argv=None) -> int:
             prompt = text
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         if not args.json:
+            print(f"[baro_jax] running on {_device_name()} | backend {eng.backend}"
+                  f"{'+' + eng.variant if getattr(eng, 'variant', None) else ''} | {eng.mode} | "
+                  f"{_dtype_name(eng.dtype)}", file=sys.stderr)
             if args.model == "tiny":
                 print("[baro_jax] 'tiny': a 7.8M-parameter Qwen3.5-MoE-architecture demonstration model trained "
                       "on Python source (not a general assistant).", file=sys.stderr)
@@ -91,8 +104,10 @@ def main(argv=None) -> int:
                 sys.stdout.flush()
         streamer = None if args.json else _Streamer(eng.tokenizer)
         res = eng.generate(prompt, args.max_new_tokens, prefill=prefill, chunk=chunk, sampling=sampling,
-                           on_token=streamer)
-    except (ValueError, BackendUnavailable, FileNotFoundError, RuntimeError, MemoryError) as e:
+                           on_token=streamer, progress=None if args.json else _Progress())
+    except BrokenPipeError:
+        raise
+    except (ValueError, TypeError, OverflowError, BackendUnavailable, OSError, RuntimeError, MemoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
@@ -103,6 +118,92 @@ def main(argv=None) -> int:
               f"in {res.prefill_seconds:.3f}s ({res.prefill_tokens_per_s:.1f} tok/s) | "
               f"decode {res.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
     return 0
+
+
+PROGRESS_AFTER_S = 3.0  # a prefill shows progress once it has run this long ...
+PROGRESS_EVERY_S = 2.0  # ... and then at most this often
+
+
+class _Progress:
+    """Prefill progress on stderr (tokens done, tok/s), only for prefills longer than a few seconds."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.last = None
+
+    def __call__(self, done: int, total: int):
+        now = time.perf_counter()
+        dt = now - self.t0
+        final = done >= total
+        if self.last is None and dt < PROGRESS_AFTER_S:
+            return
+        if not final and self.last is not None and now - self.last < PROGRESS_EVERY_S:
+            return
+        print(f"{'' if self.last is not None else chr(10)}[baro_jax] prefill {done}/{total} tokens "
+              f"({100 * done // total}%), {done / dt if dt > 0 else 0:.1f} tok/s, {dt:.1f}s",
+              file=sys.stderr, flush=True)
+        self.last = now
+
+
+def _device_name() -> str:
+    import jax
+
+    d = jax.devices()[0]
+    kind = getattr(d, "device_kind", "") or ""
+    return f"{d.platform} ({kind})" if kind and kind != d.platform else d.platform
+
+
+def _dtype_name(dtype) -> str:
+    import numpy as np
+
+    return np.dtype(dtype).name
+
+
+_IDS_ARG = re.compile(r"-\d[\d,\s-]*")
+
+
+def _join_negative_ids(argv: list) -> list:
+    """`--prompt-ids -1,2`: argparse takes '-1,2' for an option; glue it on as --prompt-ids=-1,2
+    so the ids are read (and -1 refused as outside the vocabulary)."""
+    out = list(argv)
+    for i in range(len(out) - 1):
+        if out[i] == "--prompt-ids" and _IDS_ARG.fullmatch(out[i + 1]):
+            out[i:i + 2] = [f"--prompt-ids={out[i + 1]}", None]
+    return [a for a in out if a is not None]
+
+
+def main(argv=None) -> int:
+    """The CLI. Every failure is one line on stderr and a non-zero exit, never a traceback:
+    2 for a bad request, 130 for Ctrl-C, 141 when stdout is closed early (`| head`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for k, a in enumerate(argv):
+        try:
+            a.encode("utf-8")
+        except UnicodeEncodeError:
+            print(f"error: command-line argument {k + 1} ({ascii(a)}) is not valid UTF-8", file=sys.stderr)
+            return 2
+    try:
+        return _run(_join_negative_ids(argv))
+    except KeyboardInterrupt:
+        print("\nerror: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        try:  # stdout was closed early: point it at /dev/null so the exit-time flush does not fail again
+            fd = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(fd, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        try:
+            print("error: output closed early (broken pipe); stopped", file=sys.stderr)
+        except OSError:
+            pass
+        return 141
+    except Exception as e:  # a bug: still one line, with what to report
+        if os.environ.get("BARO_TRACEBACK"):
+            raise
+        print(f"error: internal error {type(e).__name__}: {e} (please report it; "
+              "BARO_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        return 1
 
 
 class _Streamer:

@@ -2,10 +2,24 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+
+
+SEED_RANGE = (0, 2**63 - 1)  # what jax.random.key takes (a C long); negative seeds are refused too
+
+
+def check_seed(seed) -> int:
+    """The seed as an int, or a ValueError/TypeError naming it (jax overflows past a C long)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an integer, got {type(seed).__name__} {seed!r}")
+    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ValueError(f"seed must be in [0, 2**63 - 1], got {seed}")
+    return int(seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,12 +30,23 @@ class Sampling:
     seed: int = 0
 
     def validate(self) -> "Sampling":
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {type(v).__name__} {v!r}")
+            if not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v}")
+        for name in ("top_k", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_seed(self.seed)
         return self
 
     @property

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 
 class ByteTokenizer:
@@ -18,29 +19,68 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
+class TokenizerError(ValueError):
+    """A checkpoint's tokenizer files cannot be read."""
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path}: cannot be read ({e})") from None
+
+
+def _chat_template(t, where: str):
+    """tokenizer_config.json's chat_template: a string, or transformers' list of {name, template}
+    (the one named 'default' is used)."""
+    if t is None or isinstance(t, str):
+        return t
+    if isinstance(t, list) and all(isinstance(x, dict) and isinstance(x.get("template"), str) for x in t):
+        named = {x.get("name"): x["template"] for x in t}
+        if "default" in named:
+            return named["default"]
+        raise TokenizerError(f"{where}: field 'chat_template' lists templates {sorted(map(str, named))} "
+                             "but none named 'default'")
+    raise TokenizerError(f"{where}: field 'chat_template' must be a string, got {type(t).__name__}")
+
+
 class HFTokenizer:
     """A `tokenizers` tokenizer.json plus the chat template from tokenizer_config.json."""
 
     def __init__(self, path: str):
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        tj = os.path.join(path, "tokenizer.json")
+        try:
+            self._tok = Tokenizer.from_file(tj)
+        except Exception as e:  # the tokenizers library raises a bare Exception for any bad file
+            raise TokenizerError(f"{tj}: not a tokenizer.json the tokenizers library can read ({e})") from None
         self.chat_template = None
         self.eos_id = None
         tc = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(tc):
-            with open(tc) as f:
-                conf = json.load(f)
-            self.chat_template = conf.get("chat_template")
+            conf = _read_json(tc)
+            if not isinstance(conf, dict):
+                raise TokenizerError(f"{tc}: a JSON object expected, got {type(conf).__name__}")
+            self.chat_template = _chat_template(conf.get("chat_template"), tc)
             eos = conf.get("eos_token")
             if isinstance(eos, dict):
                 eos = eos.get("content")
             if isinstance(eos, str):
                 self.eos_id = self._tok.token_to_id(eos)
+            elif eos is not None:
+                raise TokenizerError(f"{tc}: field 'eos_token' must be a string or an object with 'content', "
+                                     f"got {type(eos).__name__}")
         ct = os.path.join(path, "chat_template.jinja")
         if self.chat_template is None and os.path.isfile(ct):
-            with open(ct) as f:
-                self.chat_template = f.read()
+            try:
+                with open(ct, encoding="utf-8") as f:
+                    self.chat_template = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"{ct}: cannot be read ({e})") from None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -62,7 +102,16 @@ def apply_chat_template(tok, user_text: str) -> str:
     return tmpl.render(messages=[{"role": "user", "content": user_text}], add_generation_prompt=True)
 
 
+_warned_bytes: set = set()
+
+
 def load_tokenizer(path: str | None):
+    """The checkpoint's tokenizer.json; without one, byte-level ids (0..255) with a one-time
+    warning on stderr (a checkpoint directory without tokenizer.json is usually incomplete)."""
     if path and os.path.isfile(os.path.join(path, "tokenizer.json")):
         return HFTokenizer(path)
+    if path and path not in _warned_bytes:
+        _warned_bytes.add(path)
+        print(f"[baro_jax] warning: {path} has no tokenizer.json; text is encoded as raw UTF-8 bytes "
+              "(token ids 0..255), which is right only for a byte-level model", file=sys.stderr)
     return ByteTokenizer()

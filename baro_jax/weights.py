@@ -88,8 +88,19 @@ class _TensorInfo:
     end: int
 
 
+# Byte widths of every safetensors dtype (the header's sizes are checked for all of them; only
+# _ST_DTYPES can be loaded).
+_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "F4": 1, "I16": 2, "U16": 2,
+                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
 def _read_header(path: str) -> dict[str, _TensorInfo]:
+    """Parse and fully validate a safetensors header: every entry has a dtype, a shape of
+    non-negative ints and data_offsets [begin, end] with begin <= end; the byte size is
+    dtype x shape; the tensors tile the data area exactly (sorted by offset: contiguous, no
+    overlap, no gap) and the data area ends where the file ends (a truncated file is named)."""
     try:
+        size = os.path.getsize(path)
         with open(path, "rb") as fh:
             raw = fh.read(8)
             if len(raw) != 8:
@@ -97,18 +108,59 @@ def _read_header(path: str) -> dict[str, _TensorInfo]:
             (n,) = struct.unpack("<Q", raw)
             if n > 1 << 30:
                 raise WeightsError(f"{path}: not a safetensors file (header length {n})")
+            if 8 + n > size:
+                raise WeightsError(f"{path}: truncated safetensors file: the header needs {8 + n} bytes, "
+                                   f"the file has {size}")
             header = json.loads(fh.read(n))
     except OSError as e:
         raise WeightsError(f"cannot read {path}: {e}") from e
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise WeightsError(f"{path}: corrupt safetensors header: {e}") from e
+    if not isinstance(header, dict):
+        raise WeightsError(f"{path}: corrupt safetensors header: a JSON object expected, got {type(header).__name__}")
     out = {}
     base = 8 + n
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        b, e = meta["data_offsets"]
-        out[name] = _TensorInfo(path, meta["dtype"], tuple(int(s) for s in meta["shape"]), base + b, base + e)
+        bad = f"{path}: corrupt safetensors header: tensor {name!r}"
+        if not isinstance(meta, dict) or not {"dtype", "shape", "data_offsets"} <= set(meta):
+            raise WeightsError(f"{bad} needs dtype, shape and data_offsets, got {meta!r:.120}")
+        dtype, shape, offs = meta["dtype"], meta["shape"], meta["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in _ST_ITEMSIZE:
+            raise WeightsError(f"{bad} has an unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise WeightsError(f"{bad} has a bad shape {shape!r:.80} (a list of non-negative integers expected)")
+        if (not isinstance(offs, list) or len(offs) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs)):
+            raise WeightsError(f"{bad} has bad data_offsets {offs!r:.80} (two non-negative integers expected)")
+        b, e = offs
+        if b > e:
+            raise WeightsError(f"{bad} has data_offsets [{b}, {e}] with begin > end")
+        want = math.prod(shape) * _ST_ITEMSIZE[dtype]
+        if e - b != want:
+            raise WeightsError(f"{bad} has {e - b} bytes (data_offsets [{b}, {e}]) but shape {shape} {dtype} "
+                               f"needs {want}")
+        out[name] = _TensorInfo(path, dtype, tuple(shape), base + b, base + e)
+    end = 0
+    prev = None
+    for name, info in sorted(out.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        b, e = info.begin - base, info.end - base
+        if b < end:
+            raise WeightsError(f"{path}: corrupt safetensors header: tensor {name!r} (data_offsets [{b}, {e}]) "
+                               f"overlaps tensor {prev!r} (ends at {end})")
+        if b > end:
+            raise WeightsError(f"{path}: corrupt safetensors header: a gap of {b - end} bytes before tensor "
+                               f"{name!r} (data_offsets [{b}, {e}]; the previous tensor ends at {end})")
+        end, prev = e, name
+    if base + end > size:
+        last = [nm for nm, i in out.items() if i.end > size]
+        raise WeightsError(f"{path}: truncated safetensors file: the tensors need {base + end} bytes, the file has "
+                           f"{size} (tensor(s) past the end: {', '.join(sorted(last)[:5])})")
+    if base + end < size:
+        raise WeightsError(f"{path}: corrupt safetensors file: {size - base - end} bytes after the last tensor "
+                           f"(the header accounts for {base + end} of {size} bytes)")
     return out
 
 
@@ -131,10 +183,22 @@ def checkpoint_files(path: str) -> list[str]:
         return [path]
     idx = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(idx):
-        with open(idx) as fh:
-            wm = json.load(fh).get("weight_map")
+        try:
+            with open(idx, encoding="utf-8") as fh:
+                index = json.load(fh)
+        except json.JSONDecodeError as e:
+            raise WeightsError(f"{idx}: not valid JSON ({e})") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise WeightsError(f"{idx}: cannot be read ({e})") from None
+        if not isinstance(index, dict):
+            raise WeightsError(f"{idx}: a JSON object expected, got {type(index).__name__}")
+        wm = index.get("weight_map")
         if not isinstance(wm, dict) or not wm:
-            raise WeightsError(f"{idx} has no weight_map")
+            raise WeightsError(f"{idx} has no weight_map (field 'weight_map' must be a non-empty object)")
+        bad = [k for k, v in wm.items() if not isinstance(v, str) or not v or os.path.isabs(v)]
+        if bad:
+            raise WeightsError(f"{idx}: field 'weight_map' must map tensor names to shard file names; "
+                               f"bad entries for {', '.join(bad[:5])}")
         files = sorted(set(wm.values()))
         missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
         if missing:
@@ -402,9 +466,13 @@ def _plan(names: dict[str, tuple[int, ...]], cfg: Config) -> list[_Source]:
 class _Assembler:
     """Collects sources into targets; puts a target on the device as soon as it is complete."""
 
-    def __init__(self, cfg: Config, sources: list[_Source], dtype, place: Callable | None = None):
+    def __init__(self, cfg: Config, sources: list[_Source], dtype, place: Callable | None = None,
+                 check_finite: bool = True):
         self.cfg = cfg
         self.place = place  # (target, numpy array) -> the stored array; None: the default device
+        self.check_finite = check_finite
+        self.finite_flags: list[tuple[tuple, Any]] = []  # (target, "has a non-finite value" bool array)
+        self.sources_of: dict[tuple, list[str]] = {}
         self.dtype = jnp.dtype(dtype)
         self.np_dtype = np.dtype(self.dtype)
         shapes = param_shapes(cfg)
@@ -414,6 +482,7 @@ class _Assembler:
         for s in sources:
             self.by_name[s.name] = s
             self.pending.setdefault(s.target, set()).add(s.name)
+            self.sources_of.setdefault(s.target, []).append(s.name)
             node = shapes
             for k in s.target:
                 node = node[k]
@@ -424,7 +493,26 @@ class _Assembler:
     def _finish(self, target, arr: np.ndarray):
         shape, f32 = self.target_info[target]
         assert arr.shape == shape, (target, arr.shape, shape)
-        self.done[target] = self.place(target, arr) if self.place else jax.device_put(arr)
+        stored = self.place(target, arr) if self.place else jax.device_put(arr)
+        self.done[target] = stored
+        if self.check_finite:  # one reduction per tensor where it lives; read back once, in nonfinite()
+            self.finite_flags.append((target, _any_nonfinite(stored) if _on_device(stored)
+                                      else np.bool_(not np.isfinite(arr).all())))
+
+    def nonfinite(self, reader: Callable[[str], np.ndarray] | None = None) -> list[str]:
+        """Names of the checkpoint tensors holding NaN/Inf (after conversion to the load dtype):
+        the flagged targets' sources, narrowed by `reader(name)` to the guilty ones where given."""
+        if not self.finite_flags:
+            return []
+        flags = jax.device_get([f for _, f in self.finite_flags])
+        out = []
+        for (target, _), bad in zip(self.finite_flags, flags):
+            if not bad:
+                continue
+            names = self.sources_of[target]
+            guilty = [n for n in names if not np.isfinite(reader(n)).all()] if reader and len(names) > 1 else []
+            out += guilty or names
+        return out
 
     def add(self, name: str, x: np.ndarray):
         s = self.by_name[name]
@@ -465,6 +553,33 @@ class _Assembler:
                 "layers": tuple(layers)}
 
 
+_any_nonfinite = jax.jit(lambda x: jnp.any(~jnp.isfinite(x)))
+
+
+def _on_device(x) -> bool:
+    """A jax array in its device's default memory (not a host memory kind, not numpy)."""
+    if not isinstance(x, jax.Array):
+        return False
+    try:
+        dev = next(iter(x.devices()))
+        return x.sharding.memory_kind in (None, dev.default_memory().kind)
+    except Exception:  # a backend without memory kinds
+        return True
+
+
+def allow_nonfinite_env() -> bool:
+    """BARO_ALLOW_NONFINITE=1: load checkpoints holding NaN/Inf weights anyway."""
+    return os.environ.get("BARO_ALLOW_NONFINITE", "") not in ("", "0")
+
+
+def _refuse_nonfinite(names: list[str], where: str):
+    if names:
+        shown = "\n".join(f"  {n}" for n in names[:20]) + (f"\n  ... and {len(names) - 20} more" if len(names) > 20 else "")
+        raise WeightsError(f"{where}: {len(names)} tensor(s) hold NaN or Inf values (a model with them decodes "
+                           f"garbage):\n{shown}\nrefusing to load; pass allow_nonfinite=True (CLI --allow-nonfinite, "
+                           f"env BARO_ALLOW_NONFINITE=1) to load it anyway")
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1024 or unit == "TB":
@@ -473,11 +588,16 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def load_params(path: str, cfg: Config, dtype=jnp.bfloat16, progress: bool = True, place: Callable | None = None):
+def load_params(path: str, cfg: Config, dtype=jnp.bfloat16, progress: bool = True, place: Callable | None = None,
+                allow_nonfinite: bool | None = None):
     """Read a checkpoint (directory with model.safetensors[.index.json], or one .safetensors file)
     into the params tree (see module docstring). Raises WeightsError naming every missing,
-    unexpected or mis-shaped tensor before reading any data. `place(target, array)` stores each
-    finished tensor (tier mode puts routed experts in host memory); default: the default device."""
+    unexpected or mis-shaped tensor before reading any data, and, after reading, every tensor
+    holding NaN/Inf unless allow_nonfinite (None: env BARO_ALLOW_NONFINITE). `place(target, array)`
+    stores each finished tensor (tier mode puts routed experts in host memory); default: the
+    default device."""
+    if allow_nonfinite is None:
+        allow_nonfinite = allow_nonfinite_env()
     t0 = time.time()
     files = checkpoint_files(path)
     infos: dict[str, _TensorInfo] = {}
@@ -494,7 +614,7 @@ def load_params(path: str, cfg: Config, dtype=jnp.bfloat16, progress: bool = Tru
     bad = [p for p in (_info_problem(n, infos[n]) for n in sorted(wanted)) if p]
     if bad:
         raise WeightsError(f"unreadable tensor(s) ({len(bad)}):\n" + "\n".join("  " + p for p in bad))
-    asm = _Assembler(cfg, sources, dtype, place)
+    asm = _Assembler(cfg, sources, dtype, place, check_finite=not allow_nonfinite)
     total = sum(infos[n].end - infos[n].begin for n in wanted)
     done_bytes = 0
     for k, f in enumerate(files):
@@ -514,6 +634,12 @@ def load_params(path: str, cfg: Config, dtype=jnp.bfloat16, progress: bool = Tru
                   f"{_fmt_bytes(nbytes)}; {_fmt_bytes(done_bytes)}/{_fmt_bytes(total)} in {time.time() - t0:.1f}s",
                   file=sys.stderr, flush=True)
     params = asm.params()
+
+    def reader(name):
+        info = infos[name]
+        return _view(np.memmap(info.file, dtype=np.uint8, mode="r"), info)
+
+    _refuse_nonfinite(asm.nonfinite(reader), path)
     if progress:
         print(f"[baro_jax] loaded {len(wanted)} tensors ({_fmt_bytes(total)}) as {jnp.dtype(dtype).name} "
               f"in {time.time() - t0:.1f}s", file=sys.stderr, flush=True)
@@ -530,12 +656,16 @@ def _to_numpy(v) -> np.ndarray:
     return np.asarray(v)
 
 
-def params_from_state_dict(state: dict[str, Any], cfg: Config, dtype=jnp.bfloat16):
+def params_from_state_dict(state: dict[str, Any], cfg: Config, dtype=jnp.bfloat16, allow_nonfinite: bool | None = None):
     """Same as load_params, from an in-memory {hf_name: array} dict (numpy arrays, torch tensors,
     or anything np.asarray takes), e.g. ``model.state_dict()`` of a transformers model."""
+    if allow_nonfinite is None:
+        allow_nonfinite = allow_nonfinite_env()
     arrays = {k: _to_numpy(v) for k, v in state.items()}
     sources = _plan({k: tuple(v.shape) for k, v in arrays.items()}, cfg)
-    asm = _Assembler(cfg, sources, dtype)
+    asm = _Assembler(cfg, sources, dtype, check_finite=not allow_nonfinite)
     for s in sources:
         asm.add(s.name, arrays[s.name])
-    return asm.params()
+    params = asm.params()
+    _refuse_nonfinite(asm.nonfinite(lambda n: arrays[n]), "state dict")
+    return params

@@ -1,0 +1,260 @@
+"""Bad checkpoints (issue 13): every corrupt file is refused with its name and the field or tensor.
+
+Each case is a copy of the embedded tiny checkpoint, broken in tmp_path. Most checks run before
+any tensor data is read, so they are fast; the NaN/Inf cases load the (15 MB) weights.
+"""
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import baro_jax
+from baro_jax import config as C
+from baro_jax import weights as W
+from baro_jax.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer
+from bad_input_util import ST, edit_config, read_st, tiny_copy, write_st
+
+P = "model.language_model.layers.0."
+
+
+# --- config.json ---------------------------------------------------------------------------
+@pytest.mark.parametrize("change,msg", [
+    (lambda r: r.update(num_attention_heads=0), "field 'num_attention_heads' must be >= 1, got 0"),
+    (lambda r: r.update(num_attention_heads=None), "required field 'num_attention_heads' is null"),
+    (lambda r: r.update(num_key_value_heads="2"), "field 'num_key_value_heads' must be an integer, got str"),
+    (lambda r: r.update(num_key_value_heads=3), "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    (lambda r: r.update(hidden_size=2.5), "field 'hidden_size' must be an integer, got float 2.5"),
+    (lambda r: r.update(rms_norm_eps=-1e-6), "rms_norm_eps must be a finite number > 0, got -1e-06"),
+    (lambda r: r.update(rms_norm_eps=0), "rms_norm_eps must be a finite number > 0"),
+    (lambda r: r["rope_parameters"].update(rope_theta=-10000.0), "rope_theta must be a finite number > 0"),
+    (lambda r: r["rope_parameters"].update(rope_theta="big"), "field 'rope_theta' must be a number, got str"),
+    (lambda r: r["rope_parameters"].update(partial_rotary_factor=2.0), "partial_rotary_factor must be in [0, 1]"),
+    (lambda r: r.update(rope_parameters=[1, 2]), "field 'rope_parameters' must be a JSON object, got list"),
+    (lambda r: r.update(layer_types="full_attention"), "field 'layer_types' must be a list of strings"),
+    (lambda r: (r.pop("layer_types"), r.update(full_attention_interval=0)), "field 'full_attention_interval' must be >= 1"),
+    (lambda r: r.update(num_experts=0), "field 'num_experts' must be >= 1, got 0"),
+    (lambda r: r.update(vocab_size=-5), "field 'vocab_size' must be >= 1, got -5"),
+    (lambda r: r.update(max_position_embeddings=0), "field 'max_position_embeddings' must be >= 1"),
+])
+def test_config_values_refused_with_file_and_field(tmp_path, change, msg):
+    d = tiny_copy(tmp_path)
+    edit_config(d, change)
+    with pytest.raises(C.ConfigError) as ei:
+        C.load_config(d)
+    assert msg in str(ei.value)
+    assert os.path.join(d, "config.json") in str(ei.value)  # the file is named
+
+
+def test_config_not_json_or_not_an_object(tmp_path):
+    d = tiny_copy(tmp_path)
+    p = os.path.join(d, "config.json")
+    with open(p, "w") as f:
+        f.write('{"model_type": "qwen3_5_moe_text",')
+    with pytest.raises(C.ConfigError, match=r"config\.json: not valid JSON \(.*line 1"):
+        C.load_config(d)
+    with open(p, "w") as f:
+        json.dump([1, 2], f)
+    with pytest.raises(C.ConfigError, match="config.json must hold a JSON object, got list"):
+        C.load_config(d)
+    with open(p, "w") as f:
+        json.dump({"model_type": "qwen3_5_moe", "text_config": [1]}, f)
+    with pytest.raises(C.ConfigError, match="field 'text_config' must be a JSON object, got list"):
+        C.load_config(d)
+
+
+def test_max_context_beyond_the_model_refused_before_allocating(tmp_path):
+    with pytest.raises(C.ConfigError, match=r"max_context \(--max-context\) 1000000000 is beyond the model's context of 8192"):
+        C.load_config(bad_input_tiny(), 10**9)
+    with pytest.raises(C.ConfigError, match=r"must be >= 1, got 0"):
+        C.load_config(bad_input_tiny(), 0)
+    with pytest.raises(C.ConfigError, match="beyond the model's context of 4096"):
+        C.preset("tiny-random", 1 << 20)
+    assert C.load_config(bad_input_tiny(), 1000).max_context == 1000
+
+
+def bad_input_tiny():
+    from bad_input_util import TINY
+    return TINY
+
+
+# --- safetensors header -------------------------------------------------------------------
+def _corrupt(tmp_path, fn):
+    d = tiny_copy(tmp_path)
+    p = os.path.join(d, ST)
+    h, data = read_st(p)
+    out = fn(h, data)
+    write_st(p, h, data if out is None else out)
+    return d, p
+
+
+def _header_error(d):
+    cfg = C.load_config(d)
+    with pytest.raises(W.WeightsError) as ei:
+        W.load_params(d, cfg, progress=False)
+    return str(ei.value)
+
+
+def test_overlapping_offsets(tmp_path):
+    def fn(h, data):  # A_log [4] f32 moved onto the first 16 bytes of input_layernorm
+        h[P + "linear_attn.A_log"]["data_offsets"] = [0, 16]
+    d, p = _corrupt(tmp_path, fn)
+    msg = _header_error(d)
+    assert p in msg and "overlaps tensor" in msg and "linear_attn.A_log" in msg, msg
+
+
+def test_swapped_offsets(tmp_path):
+    def fn(h, data):
+        b, e = h[P + "linear_attn.A_log"]["data_offsets"]
+        h[P + "linear_attn.A_log"]["data_offsets"] = [e, b]
+    d, p = _corrupt(tmp_path, fn)
+    msg = _header_error(d)
+    assert "linear_attn.A_log" in msg and "begin > end" in msg, msg
+
+
+def test_size_not_dtype_times_shape(tmp_path):
+    def fn(h, data):
+        h[P + "linear_attn.A_log"]["shape"] = [5]
+    d, p = _corrupt(tmp_path, fn)
+    msg = _header_error(d)
+    assert "linear_attn.A_log" in msg and "has 16 bytes" in msg and "needs 20" in msg, msg
+
+
+def test_gap_between_tensors(tmp_path):
+    def fn(h, data):  # every tensor after the first shifted by 8 bytes: a hole, and 8 bytes more data
+        for k, v in h.items():
+            if k != "__metadata__" and v["data_offsets"][0] > 0:
+                v["data_offsets"] = [v["data_offsets"][0] + 8, v["data_offsets"][1] + 8]
+        return data[:1024] + b"\0" * 8 + data[1024:]
+    d, p = _corrupt(tmp_path, fn)
+    assert "a gap of 8 bytes before tensor" in _header_error(d)
+
+
+def test_truncated_file(tmp_path):
+    d, p = _corrupt(tmp_path, lambda h, data: data[:-1000])
+    msg = _header_error(d)
+    assert "truncated safetensors file" in msg and p in msg and "layers.7.self_attn.v_proj.weight" in msg, msg
+
+
+def test_trailing_bytes(tmp_path):
+    d, p = _corrupt(tmp_path, lambda h, data: data + b"\0" * 64)
+    assert "64 bytes after the last tensor" in _header_error(d)
+
+
+@pytest.mark.parametrize("meta,msg", [
+    ({"dtype": "BF16", "shape": [4]}, "needs dtype, shape and data_offsets"),
+    ({"dtype": "Q4", "shape": [4], "data_offsets": [0, 16]}, "unknown dtype 'Q4'"),
+    ({"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}, "bad shape"),
+    ({"dtype": "F32", "shape": [4], "data_offsets": [0]}, "bad data_offsets"),
+    ([1, 2], "needs dtype, shape and data_offsets"),
+])
+def test_malformed_header_entries(tmp_path, meta, msg):
+    def fn(h, data):
+        h[P + "linear_attn.A_log"] = meta
+    d, p = _corrupt(tmp_path, fn)
+    got = _header_error(d)
+    assert msg in got and "linear_attn.A_log" in got and p in got, got
+
+
+def test_header_not_json_and_header_past_the_end(tmp_path):
+    d = tiny_copy(tmp_path)
+    p = os.path.join(d, ST)
+    with open(p, "r+b") as f:
+        f.seek(8)
+        f.write(b"[[[[")
+    assert "corrupt safetensors header" in _header_error(d)
+    with open(p, "r+b") as f:
+        f.write((10**8).to_bytes(8, "little"))
+    assert "the header needs 100000008 bytes" in _header_error(d)
+
+
+def test_index_json_errors(tmp_path):
+    d = tiny_copy(tmp_path)
+    idx = os.path.join(d, "model.safetensors.index.json")
+    for text, msg in [("{not json", "not valid JSON"), ("[1, 2]", "a JSON object expected, got list"),
+                      ('{"weight_map": []}', "has no weight_map"),
+                      ('{"weight_map": {"a": 3}}', "bad entries for a")]:
+        with open(idx, "w") as f:
+            f.write(text)
+        with pytest.raises(W.WeightsError) as ei:
+            W.checkpoint_files(d)
+        assert idx in str(ei.value) and msg in str(ei.value), str(ei.value)
+
+
+# --- NaN / Inf weights --------------------------------------------------------------------------
+def _poison(d, name, value):
+    p = os.path.join(d, ST)
+    h, data = read_st(p)
+    b, e = h[name]["data_offsets"]
+    dt = {"BF16": ml_dtypes.bfloat16, "F32": np.float32}[h[name]["dtype"]]
+    arr = np.frombuffer(data[b:e], dt).copy()
+    arr[len(arr) // 2] = value
+    data = data[:b] + arr.tobytes() + data[e:]
+    write_st(p, h, data)
+
+
+def test_nonfinite_weights_refused_with_the_tensor_name(tmp_path, monkeypatch, capsys):
+    d = tiny_copy(tmp_path)
+    _poison(d, P + "mlp.shared_expert.up_proj.weight", np.inf)  # part of a fused target (shared_gate_up)
+    _poison(d, "model.language_model.layers.3.input_layernorm.weight", np.nan)
+    with pytest.raises(W.WeightsError) as ei:
+        baro_jax.load(d, backend="xla", progress=False)
+    msg = str(ei.value)
+    assert "2 tensor(s) hold NaN or Inf" in msg and d in msg
+    assert P + "mlp.shared_expert.up_proj.weight" in msg
+    assert "layers.3.input_layernorm.weight" in msg
+    assert "shared_expert.gate_proj" not in msg  # narrowed to the guilty source
+    assert "--allow-nonfinite" in msg
+    # the opt-outs: the argument, and the env var
+    eng = baro_jax.load(d, backend="xla", progress=False, allow_nonfinite=True)
+    assert not np.isfinite(np.asarray(eng.params["layers"][3]["in_norm"])).all()
+    monkeypatch.setenv("BARO_ALLOW_NONFINITE", "1")
+    baro_jax.load(d, backend="xla", progress=False)
+    # the CLI says it in one line, exit 2
+    from baro_jax import generate
+
+    monkeypatch.delenv("BARO_ALLOW_NONFINITE")
+    rc = generate.main(["--model", d, "--backend", "xla", "--json", "--max-new-tokens", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "hold NaN or Inf" in err and "Traceback" not in err
+
+
+def test_nonfinite_in_state_dict():
+    cfg = C.load_config(bad_input_tiny())
+    from safetensors.numpy import load_file
+
+    sd = load_file(os.path.join(bad_input_tiny(), ST))
+    sd[P + "linear_attn.A_log"] = np.full((4,), np.nan, np.float32)
+    with pytest.raises(W.WeightsError, match=r"state dict: 1 tensor\(s\) hold NaN or Inf.*\n  " + P + "linear_attn.A_log"):
+        W.params_from_state_dict(sd, cfg)
+
+
+# --- tokenizer files ---------------------------------------------------------------------------
+def test_tokenizer_files(tmp_path, capsys):
+    d = tiny_copy(tmp_path)
+    tj = os.path.join(d, "tokenizer.json")
+    with open(tj, "w") as f:
+        f.write('{"version": "1.0", "model": 42}')
+    with pytest.raises(TokenizerError, match="tokenizer.json: not a tokenizer.json the tokenizers library can read"):
+        load_tokenizer(d)
+    os.remove(tj)
+    # missing tokenizer.json: bytes, with a one-time warning naming the directory
+    assert isinstance(load_tokenizer(d), ByteTokenizer)
+    assert isinstance(load_tokenizer(d), ByteTokenizer)
+    err = capsys.readouterr().err
+    assert err.count("has no tokenizer.json") == 1 and d in err
+    d2 = tiny_copy(tmp_path, "ckpt2")
+    tc = os.path.join(d2, "tokenizer_config.json")
+    for text, msg in [("{bad", "not valid JSON"), ("[]", "a JSON object expected, got list"),
+                      ('{"chat_template": 5}', "field 'chat_template' must be a string, got int"),
+                      ('{"eos_token": ["<eos>"]}', "field 'eos_token' must be a string"),
+                      ('{"chat_template": [{"name": "tool", "template": "x"}]}', "none named 'default'")]:
+        with open(tc, "w") as f:
+            f.write(text)
+        with pytest.raises(TokenizerError) as ei:
+            load_tokenizer(d2)
+        assert tc in str(ei.value) and msg in str(ei.value), str(ei.value)
+    with open(tc, "w") as f:
+        f.write('{"chat_template": [{"name": "default", "template": "T{{ messages[0].content }}"}]}')
+    assert load_tokenizer(d2).chat_template == "T{{ messages[0].content }}"

@@ -1,0 +1,143 @@
+"""Bad input through the CLI (issue 13): one clear line on stderr, a non-zero exit, no traceback.
+
+In-process through generate.main (fast, graphs shared); two subprocesses for what only a real
+process shows: non-UTF-8 argv bytes and a pipe closed early.
+"""
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from baro_jax import generate
+
+XLA = ("--backend", "xla")
+
+
+def run(capsys, *args):
+    rc = generate.main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_error_line(err):
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,msg", [
+    (("--temperature", "nan"), "temperature must be a finite number, got nan"),
+    (("--temperature", "inf"), "temperature must be a finite number, got inf"),
+    (("--temperature", "-0.5"), "temperature must be >= 0"),
+    (("--top-p", "nan"), "top_p must be a finite number"),
+    (("--seed", str(2**70)), "seed must be in [0, 2**63 - 1]"),
+    (("--seed", "-1"), "seed must be in [0, 2**63 - 1], got -1"),
+    (("--device-budget-gb", "inf"), "device_budget_gb (--device-budget-gb) must be a finite number, got inf"),
+    (("--device-budget-gb", "nan"), "device_budget_gb (--device-budget-gb) must be a finite number, got nan"),
+    (("--device-budget-gb", "-1"), "must be positive"),
+    (("--chunk", "0"), "chunk (--chunk) must be >= 1, got 0"),
+    (("--max-context", "0"), "max_context (--max-context) must be >= 1, got 0"),
+    (("--max-context", "1000000000"), "max_context (--max-context) 1000000000 is beyond the model's context of 8192"),
+    (("--max-new-tokens", "-2"), "max_new_tokens (--max-new-tokens) must be >= 0"),
+    (("--prompt-ids", "-1,2"), "token id(s) [-1] outside the vocabulary [0, 256)"),
+    (("--prompt-ids=-1,2",), "token id(s) [-1] outside the vocabulary"),
+    (("--prompt-ids", "1.5,2"), "--prompt-ids must be comma-separated integers"),
+    (("--top-k", "1000", "--temperature", "1"), "top_k (--top-k) 1000 is larger than the vocabulary of 256"),
+])
+def test_bad_values_one_line(capsys, args, msg):
+    rc, out, err = run(capsys, *args, *XLA, "--max-new-tokens", "2", "--json") if "--max-new-tokens" not in args \
+        else run(capsys, *args, *XLA, "--json")
+    assert rc == 2
+    assert msg in one_error_line(err), err
+
+
+def test_prompt_file_directory_and_not_utf8(capsys, tmp_path):
+    rc, out, err = run(capsys, "--prompt-file", str(tmp_path), *XLA, "--json")
+    assert rc == 2 and f"--prompt-file {str(tmp_path)!r}: cannot read it (Is a directory)" in one_error_line(err)
+    p = tmp_path / "latin1.txt"
+    p.write_bytes(b"caf\xe9\n")
+    rc, out, err = run(capsys, "--prompt-file", str(p), *XLA, "--json")
+    assert rc == 2 and "is not UTF-8 text" in one_error_line(err)
+    rc, out, err = run(capsys, "--prompt-file", str(tmp_path / "nope.txt"), *XLA, "--json")
+    assert rc == 2 and "cannot read it (No such file or directory)" in one_error_line(err)
+
+
+def test_bad_checkpoint_through_the_cli(capsys, tmp_path):
+    from bad_input_util import edit_config, tiny_copy
+
+    d = tiny_copy(tmp_path)
+    edit_config(d, lambda r: r.update(rms_norm_eps=-1.0))
+    rc, out, err = run(capsys, "--model", d, *XLA, "--json")
+    line = one_error_line(err)
+    assert rc == 2 and os.path.join(d, "config.json") in line and "rms_norm_eps must be a finite number > 0" in line
+
+
+def test_surrogate_argv_in_process(capsys):
+    rc, out, err = run(capsys, "--prompt", "ab\udcffc", *XLA)  # what Python makes of a non-UTF-8 byte
+    assert rc == 2 and "command-line argument 2 ('ab\\udcffc') is not valid UTF-8" in one_error_line(err)
+
+
+def test_ctrl_c_and_broken_pipe_in_process(capsys, monkeypatch):
+    from baro_jax.engine import Engine
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "generate", interrupt)
+    rc, out, err = run(capsys, *XLA, "--max-new-tokens", "1")
+    assert rc == 130 and "interrupted (Ctrl-C)" in one_error_line(err)
+    monkeypatch.undo()
+
+    class ClosedPipe(io.StringIO):
+        def write(self, s):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    rc = generate.main(["--prompt", "x", *XLA, "--max-new-tokens", "2"])
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert rc == 141 and "broken pipe" in one_error_line(err)
+
+
+def test_header_names_device_and_backend_and_progress(capsys, monkeypatch):
+    monkeypatch.setattr(generate, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(generate, "PROGRESS_EVERY_S", 0.0)
+    rc, out, err = run(capsys, "--prompt", "def f(x):\n  ", *XLA, "--max-new-tokens", "2",
+                       "--chunk", "5")  # 12 tokens; chunk 5 as test_cli (the compiled graph is shared)
+    assert rc == 0, err
+    assert "[baro_jax] running on cpu | backend xla | resident | bfloat16" in err
+    prog = [ln for ln in err.splitlines() if ln.startswith("[baro_jax] prefill ")]
+    assert [ln.split()[2] for ln in prog] == ["5/12", "10/12", "12/12"], err
+    assert all("tok/s" in ln for ln in prog)
+    # --json: stdout is one JSON object, no header or progress on stderr
+    rc, out, err = run(capsys, "--prompt-ids", "1,2,3", *XLA, "--max-new-tokens", "1", "--json")
+    assert rc == 0 and json.loads(out)["prompt_ids"] == [1, 2, 3] and "running on" not in err
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+                                        + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def test_non_utf8_argv_bytes_subprocess():
+    r = subprocess.run([sys.executable, "-m", "baro_jax.generate", "--prompt", b"caf\xe9"], capture_output=True,
+                       timeout=300, env=_env())
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "is not valid UTF-8" in err and "Traceback" not in err, err
+
+
+def test_broken_pipe_subprocess():
+    """`python -m baro_jax.generate | head -c 1`: the reader goes away; one line, exit 141."""
+    p = subprocess.Popen([sys.executable, "-m", "baro_jax.generate", "--backend", "xla", "--max-new-tokens", "64",
+                          "--prompt", "x" * 10], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    p.stdout.read(1)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    rc = p.wait(timeout=300)
+    assert rc == 141 and "Traceback" not in err and "broken pipe" in err, (rc, err)

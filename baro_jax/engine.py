@@ -251,8 +251,9 @@ class Engine:
         else:  # a caller's state: donated (see decode_step), and it must hold the whole prompt
             checks.positions(0, len(ids), self.check_state(state, "prefill"), self.cfg.max_context, "prefill")
         t0 = time.perf_counter()
-        # progress(done, total) is called after the tokens so far have been computed (the loop
-        # waits for them), so a caller can show true tokens/s; without it nothing waits.
+        # progress(done, total) is called once the tokens so far have been computed, so a caller
+        # can show true tokens/s. The batched loop waits for chunk k only after chunk k+1 is
+        # dispatched, so the device never idles on the host; without progress nothing waits.
         if mode == "replay":
             for p, t in enumerate(ids):
                 logits, state = self._decode(t, state, p)
@@ -260,11 +261,17 @@ class Engine:
                     jax.block_until_ready(logits)
                     progress(p + 1, len(ids))
         else:
+            pending = None  # (logits, tokens done) of the chunk before the one just dispatched
             for p in range(0, len(ids), chunk):
                 logits, state = self._chunk(ids[p:p + chunk], state, p, chunk)
                 if progress:
-                    jax.block_until_ready(logits)
-                    progress(min(p + chunk, len(ids)), len(ids))
+                    if pending is not None:
+                        jax.block_until_ready(pending[0])
+                        progress(pending[1], len(ids))
+                    pending = (logits, min(p + chunk, len(ids)))
+            if progress and pending is not None:
+                jax.block_until_ready(pending[0])
+                progress(pending[1], len(ids))
         logits = jax.block_until_ready(logits)
         return PrefillResult(logits, state, time.perf_counter() - t0, len(ids))
 

@@ -53,6 +53,19 @@ def prompt_ids(n, vocab, seed=0):
     return [int(t) for t in np.random.default_rng(seed).integers(0, min(vocab, 256), n)]
 
 
+def model_context(name: str) -> int | None:
+    """The model's own context limit (a preset's or a checkpoint's config), None if unknown."""
+    from baro_jax.config import PRESETS, load_config, preset
+    from baro_jax.engine import TINY_CHECKPOINT
+
+    name = TINY_CHECKPOINT if name == "tiny" else name
+    if name in PRESETS:
+        return preset(name).max_context
+    if os.path.isdir(name):
+        return load_config(name).max_context
+    return None
+
+
 def warm(eng, chunk, state_len):
     """Compile the chunk graph and the decode step outside the timed region."""
     st = eng.new_state(state_len)
@@ -197,6 +210,9 @@ def main(argv=None) -> int:
     from baro_jax.engine import state_length
 
     max_ctx = state_length(max(lengths) + args.decode_tokens, 1 << 30)
+    model_ctx = model_context(args.model)
+    if model_ctx and max_ctx > model_ctx:  # a power of two past the model's context is refused
+        max_ctx = model_ctx
     engines = {}
     t = time.perf_counter()
     if any(a.endswith("ordered") for a in arms):

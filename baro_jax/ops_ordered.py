@@ -46,3 +46,7 @@ def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk):
 
 def moe(h, router, gate_up, down, shared_gate_up, shared_down, shared_gate, *, top_k):
     return cc.moe(h, router, gate_up, down, shared_gate_up, shared_down, shared_gate, top_k)
+
+
+def delta_blocked(y, b, a, A_log, dt_bias, state, pending_k, pending_u, pending_c, pos, n_valid, *, nk, dk):
+    return cc.delta_blocked(y, b, a, A_log, dt_bias, state, pending_k, pending_u, pending_c, pos, n_valid)

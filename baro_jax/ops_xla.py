@@ -137,6 +137,51 @@ def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk):
     return o, state
 
 
+def delta_blocked(y, b, a, A_log, dt_bias, state, pending_k, pending_u, pending_c, pos, n_valid, *, nk, dk):
+    """The chunk-aligned delta rule (DESIGN §9, NUMERICS.md "delta_blocked") over m rows.
+
+    state [nv, dk, dv] is S0, the state at the start of the block of position pos; pending_*
+    hold the block's rows before pos (slot j = position % B, B = pending_k.shape[1]). Each row
+    computes its block arithmetic over all B slots, slots at or past its own masked by where
+    (never 0 * garbage); a row in the last slot closes the block (S0 <- S_B, pending cleared).
+    The reference: same formulas and rounding points as the kernel, einsum sums in XLA's order."""
+    nv, _, dv = state.shape
+    B = pending_k.shape[1]
+    q, k, v, beta, g = delta_inputs(y, b, a, A_log, dt_bias, nk=nk, dk=dk, nv=nv, dv=dv)
+    slots = jnp.arange(B)
+
+    def step(carry, inp):
+        S0, K, U, Cl = carry
+        qt, kt, vt, bt, gt, r = inp
+        i = (pos + r) % B
+        c = jnp.where(i == 0, gt, Cl[:, jnp.maximum(i - 1, 0)] + gt)  # [nv]
+        G = jnp.exp(c)
+        before = (slots < i)[None, :]  # [1, B]
+        w = jnp.where(before, jnp.exp(c[:, None] - Cl), 0.0)
+        Ub = jnp.where(before[..., None], U, 0.0)
+        akk = jnp.where(before, w * jnp.einsum("hk,hjk->hj", kt, K), 0.0)
+        aqk = jnp.where(before, w * jnp.einsum("hk,hjk->hj", qt, K), 0.0)
+        ks0 = jnp.einsum("hkv,hk->hv", S0, kt)
+        u = bt[:, None] * ((vt - G[:, None] * ks0) - jnp.einsum("hj,hjv->hv", akk, Ub))
+        qs0 = jnp.einsum("hkv,hk->hv", S0, qt)
+        o = G[:, None] * qs0 + (jnp.einsum("hj,hjv->hv", aqk, Ub) + jnp.sum(qt * kt, -1)[:, None] * u)
+        K2, U2, C2 = K.at[:, i].set(kt), U.at[:, i].set(u), Cl.at[:, i].set(c)
+        upto = (slots <= i)[None, :]
+        e = jnp.where(upto, jnp.exp(c[:, None] - C2), 0.0)
+        SB = G[:, None, None] * S0 + jnp.einsum("hj,hjk,hjv->hkv", e, jnp.where(upto[..., None], K2, 0.0),
+                                                jnp.where(upto[..., None], U2, 0.0))
+        close = i == B - 1
+        new = (jnp.where(close, SB, S0), jnp.where(close, 0.0, K2), jnp.where(close, 0.0, U2),
+               jnp.where(close, 0.0, C2))
+        valid = r < n_valid
+        carry = tuple(jnp.where(valid, n_, o_) for n_, o_ in zip(new, carry))
+        return carry, jnp.where(valid, o, 0.0)
+
+    rows = jnp.arange(y.shape[0])
+    (S0, K, U, Cl), o = lax.scan(step, (state, pending_k, pending_u, pending_c), (q, k, v, beta, g, rows))
+    return o, S0, K, U, Cl
+
+
 def moe(h, router, gate_up, down, shared_gate_up, shared_down, shared_gate, *, top_k):
     """Routed top-k experts plus gated shared expert (NUMERICS.md, MoE)."""
     m, D = h.shape

@@ -7,9 +7,9 @@ The op contract is docs/NUMERICS.md; the FFI signatures are in BUILD.md.
 from . import _lib
 from ._lib import available_platforms, library_paths, load, load_errors
 from .attention import attention
-from .deltanet import conv, delta
+from .deltanet import conv, delta, delta_blocked
 from .matmul import matmul
-from .moe import moe
+from .moe import moe, moe_route, moe_slots
 from .norm import gated_norm, rmsnorm
 
 load()
@@ -18,5 +18,6 @@ if "cpu" not in available_platforms():
 
 __all__ = [
     "available_platforms", "library_paths", "load_errors",
-    "matmul", "rmsnorm", "gated_norm", "attention", "conv", "delta", "moe",
+    "matmul", "rmsnorm", "gated_norm", "attention", "conv", "delta", "delta_blocked", "moe",
+    "moe_slots", "moe_route",
 ]

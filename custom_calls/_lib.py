@@ -28,7 +28,21 @@ TARGETS = {
     "baro_attention": "BaroAttention",
     "baro_conv": "BaroConv",
     "baro_delta": "BaroDelta",
+    "baro_delta_blocked": "BaroDeltaBlocked",
     "baro_moe": "BaroMoe",
+    "baro_moe_slots": "BaroMoeSlots",  # baro_moe through a slot table (tier decode cache)
+    "baro_moe_route": "BaroMoeRoute",  # baro_moe's routing alone: expert ids [m, top_k]
+}
+
+# Targets with a CPU kernel only: on a GPU platform whose library does not export them, a stub
+# from the CPU library is registered that fails with "no GPU kernel yet" (not "rebuild").
+CPU_ONLY = {
+    "baro_delta_blocked": "BaroDeltaBlockedNoGpu",
+}
+NO_GPU_KERNEL = {
+    "baro_delta_blocked": ("baro_delta_blocked (the chunk-aligned delta rule, DESIGN §9; BARO_DELTA=blocked / "
+                           "--delta-rule blocked) has no GPU kernel yet: it runs on CPU only; use the default "
+                           "per-token rule (BARO_DELTA=token) on a GPU"),
 }
 
 # XLA platform name -> (library file, symbol suffix, stub symbol in the CPU lib)
@@ -135,7 +149,10 @@ def load() -> None:
                 fn = None
                 if lib is not None:
                     fn = getattr(lib, stem + suffix, None)
-                    if fn is None:
+                    if fn is None and target in CPU_ONLY and platform != "cpu":
+                        if cpu is not None:  # a clear "no GPU kernel yet" at run time, not a missing handler
+                            fn = getattr(cpu, CPU_ONLY[target], None)
+                    elif fn is None:
                         _errors.setdefault(platform, "")
                         _errors[platform] += f" missing symbol {stem + suffix};"
                     else:
@@ -213,6 +230,8 @@ def check_runnable(target: str, args) -> None:
             raise RuntimeError(f"{target}: platform {p!r} is not supported by baro_jax "
                                f"(supported: cpu, CUDA, ROCM)")
         if target not in _registered.get(p, set()):
+            if p != "cpu" and target in NO_GPU_KERNEL and p in _libs:
+                raise RuntimeError(f"{target}: cannot run on {p}: {NO_GPU_KERNEL[target]}")
             why = _errors.get(p, "")
             raise RuntimeError(f"{target}: cannot run on {p}: {BUILD_HINT[p]}"
                                + (f" [{why.strip()}]" if why else ""))

@@ -1,5 +1,6 @@
 """Gated DeltaNet kernels: baro_conv (causal depthwise conv, window 4, SiLU)
-and baro_delta (gated delta rule with fp32 state)."""
+baro_delta (gated delta rule with fp32 state) and baro_delta_blocked (the same rule in
+its chunk-aligned form, DESIGN §9; CPU kernel only so far)."""
 
 from __future__ import annotations
 
@@ -60,4 +61,51 @@ def delta(y, b, a, A_log, dt_bias, state, n_valid):
         (jax.ShapeDtypeStruct((m, nv, dv), C.F32),
          jax.ShapeDtypeStruct((nv, dk, dv), C.F32)),
         input_output_aliases={5: 1},
+    )(*args))
+
+
+def delta_blocked(y, b, a, A_log, dt_bias, state, pending_k, pending_u, pending_c, pos, n_valid):
+    """The chunk-aligned delta rule (DESIGN §9, docs/NUMERICS.md "delta_blocked").
+
+    y, b, a, A_log, dt_bias as `delta`; state[nv,dk,dv] f32 = S0, the state at the start of
+    the block holding position pos; pending_k[nv,B,dk], pending_u[nv,B,dv], pending_c[nv,B]
+    f32: the block's rows before pos (slots 0 .. pos%B - 1; B from their shape); pos, n_valid
+    int32 -> (o[m,nv,dv] f32, state, pending_k, pending_u, pending_c), all updated in place."""
+    op = "baro_delta_blocked"
+    C.rank(op, "y", y, 2)
+    m, Cc = y.shape
+    C.array(op, "y", y, (m, Cc), C.F32)
+    C.rank(op, "state", state, 3)
+    nv, dk, dv = state.shape
+    C.array(op, "state", state, (nv, dk, dv), C.F32)
+    if min(nv, dk, dv) < 1 or Cc <= nv * dv or (Cc - nv * dv) % (2 * dk):
+        raise ValueError(f"{op}: y must have shape [m, 2*nk*dk + nv*dv] with nv={nv}, "
+                         f"dk={dk}, dv={dv} (from state), got shape {list(y.shape)}")
+    nk = (Cc - nv * dv) // (2 * dk)
+    if nv % nk:
+        raise ValueError(f"{op}: nv={nv} value heads must be a multiple of nk={nk} key heads "
+                         f"(nk from y width {Cc})")
+    C.array(op, "b", b, (m, nv), C.F32)
+    C.array(op, "a", a, (m, nv), C.F32)
+    C.array(op, "A_log", A_log, (nv,), C.F32)
+    C.array(op, "dt_bias", dt_bias, (nv,), C.F32)
+    C.rank(op, "pending_k", pending_k, 3)
+    B = pending_k.shape[1]
+    if B < 1:
+        raise ValueError(f"{op}: pending_k must have shape [nv, B, dk] with B >= 1, got {list(pending_k.shape)}")
+    C.array(op, "pending_k", pending_k, (nv, B, dk), C.F32)
+    C.array(op, "pending_u", pending_u, (nv, B, dv), C.F32)
+    C.array(op, "pending_c", pending_c, (nv, B), C.F32)
+    pos = C.int_scalar(op, "pos", pos)
+    n_valid = C.int_scalar(op, "n_valid", n_valid)
+    args = (y, b, a, A_log, dt_bias, state, pending_k, pending_u, pending_c, pos, n_valid)
+    check_runnable(op, args)
+    return tuple(jax.ffi.ffi_call(
+        op,
+        (jax.ShapeDtypeStruct((m, nv, dv), C.F32),
+         jax.ShapeDtypeStruct((nv, dk, dv), C.F32),
+         jax.ShapeDtypeStruct((nv, B, dk), C.F32),
+         jax.ShapeDtypeStruct((nv, B, dv), C.F32),
+         jax.ShapeDtypeStruct((nv, B), C.F32)),
+        input_output_aliases={5: 1, 6: 2, 7: 3, 8: 4},
     )(*args))

@@ -44,8 +44,7 @@ inline ::xla::ffi::Error check_delta(const ::xla::ffi::Buffer<::xla::ffi::F32>& 
                                      const ::xla::ffi::Buffer<::xla::ffi::S32>& n_valid,
                                      const ::xla::ffi::Buffer<::xla::ffi::F32>& o,
                                      const ::xla::ffi::Buffer<::xla::ffi::F32>& state_out,
-                                     DeltaDims& d) {
-  const char* op = "baro_delta";
+                                     DeltaDims& d, const char* op = "baro_delta") {
   BARO_RETURN_IF(expect_rank(op, "y", y, 2));
   BARO_RETURN_IF(expect_rank(op, "state", state, 3));
   d.m = y.dimensions()[0];
@@ -68,6 +67,40 @@ inline ::xla::ffi::Error check_delta(const ::xla::ffi::Buffer<::xla::ffi::F32>& 
   BARO_RETURN_IF(expect_shape(op, "n_valid", n_valid, {}));
   BARO_RETURN_IF(expect_shape(op, "o (result)", o, {d.m, d.nv, d.dv}));
   BARO_RETURN_IF(expect_shape(op, "state (result)", state_out, {d.nv, d.dk, d.dv}));
+  return ::xla::ffi::Error::Success();
+}
+
+struct DeltaBlockedDims {
+  int64_t m, C, nv, dk, dv, nk, B;
+};
+
+// baro_delta_blocked: delta's operands (with S0 as `state`) plus the pending rows of the
+// current block; B (the block length) is implied by the pending buffers' shape.
+inline ::xla::ffi::Error check_delta_blocked(
+    const ::xla::ffi::Buffer<::xla::ffi::F32>& y, const ::xla::ffi::Buffer<::xla::ffi::F32>& b,
+    const ::xla::ffi::Buffer<::xla::ffi::F32>& a, const ::xla::ffi::Buffer<::xla::ffi::F32>& A_log,
+    const ::xla::ffi::Buffer<::xla::ffi::F32>& dt_bias, const ::xla::ffi::Buffer<::xla::ffi::F32>& s0,
+    const ::xla::ffi::Buffer<::xla::ffi::F32>& pk, const ::xla::ffi::Buffer<::xla::ffi::F32>& pu,
+    const ::xla::ffi::Buffer<::xla::ffi::F32>& pc, const ::xla::ffi::Buffer<::xla::ffi::S32>& pos,
+    const ::xla::ffi::Buffer<::xla::ffi::S32>& n_valid, const ::xla::ffi::Buffer<::xla::ffi::F32>& o,
+    const ::xla::ffi::Buffer<::xla::ffi::F32>& s0_out, const ::xla::ffi::Buffer<::xla::ffi::F32>& pk_out,
+    const ::xla::ffi::Buffer<::xla::ffi::F32>& pu_out, const ::xla::ffi::Buffer<::xla::ffi::F32>& pc_out,
+    DeltaBlockedDims& d) {
+  const char* op = "baro_delta_blocked";
+  DeltaDims dd;
+  if (auto err = check_delta(y, b, a, A_log, dt_bias, s0, n_valid, o, s0_out, dd, op); err.failure())
+    return err;
+  BARO_RETURN_IF(expect_rank(op, "pending_k", pk, 3));
+  const int64_t B = pk.dimensions()[1];
+  BARO_CHECK(B >= 1, op, "pending_k must have shape [nv, B, dk] with B >= 1, got " << dims_str(pk.dimensions()));
+  BARO_RETURN_IF(expect_shape(op, "pending_k", pk, {dd.nv, B, dd.dk}));
+  BARO_RETURN_IF(expect_shape(op, "pending_u", pu, {dd.nv, B, dd.dv}));
+  BARO_RETURN_IF(expect_shape(op, "pending_c", pc, {dd.nv, B}));
+  BARO_RETURN_IF(expect_shape(op, "pos", pos, {}));
+  BARO_RETURN_IF(expect_shape(op, "pending_k (result)", pk_out, {dd.nv, B, dd.dk}));
+  BARO_RETURN_IF(expect_shape(op, "pending_u (result)", pu_out, {dd.nv, B, dd.dv}));
+  BARO_RETURN_IF(expect_shape(op, "pending_c (result)", pc_out, {dd.nv, B}));
+  d = DeltaBlockedDims{dd.m, dd.C, dd.nv, dd.dk, dd.dv, dd.nk, B};
   return ::xla::ffi::Error::Success();
 }
 
@@ -146,6 +179,56 @@ inline ::xla::ffi::Error check_moe(const ::xla::ffi::Buffer<::xla::ffi::BF16>& h
   BARO_CHECK(top_k >= 1 && top_k <= E, op, "top_k must be in [1, E=" << E << "], got " << top_k);
   BARO_RETURN_IF(expect_shape(op, "out (result)", out, {m, D}));
   d = MoeDims{m, D, E, I, Is};
+  return ::xla::ffi::Error::Success();
+}
+
+// baro_moe_slots: baro_moe's operands with the routed experts in a pool of S slots,
+// w_gate_up_pool [S, 2I, D], w_down_pool [S, D, I], and slots [E] int32 (expert -> slot,
+// -1 = not resident) after w_down_pool. *S is the pool's slot count.
+inline ::xla::ffi::Error check_moe_slots(const ::xla::ffi::Buffer<::xla::ffi::BF16>& h, const ::xla::ffi::Buffer<::xla::ffi::BF16>& router,
+                                         const ::xla::ffi::Buffer<::xla::ffi::BF16>& w_gate_up_pool, const ::xla::ffi::Buffer<::xla::ffi::BF16>& w_down_pool,
+                                         const ::xla::ffi::Buffer<::xla::ffi::S32>& slots, const ::xla::ffi::Buffer<::xla::ffi::BF16>& shared_gate_up,
+                                         const ::xla::ffi::Buffer<::xla::ffi::BF16>& shared_down, const ::xla::ffi::Buffer<::xla::ffi::BF16>& shared_gate, int32_t top_k,
+                                         const ::xla::ffi::Buffer<::xla::ffi::F32>& out, MoeDims& d, int64_t& S) {
+  const char* op = "baro_moe_slots";
+  BARO_RETURN_IF(expect_rank(op, "h", h, 2));
+  BARO_RETURN_IF(expect_rank(op, "router", router, 2));
+  BARO_RETURN_IF(expect_rank(op, "w_gate_up_pool", w_gate_up_pool, 3));
+  BARO_RETURN_IF(expect_rank(op, "shared_gate_up", shared_gate_up, 2));
+  const int64_t m = h.dimensions()[0], D = h.dimensions()[1];
+  const int64_t E = router.dimensions()[0];
+  S = w_gate_up_pool.dimensions()[0];
+  const int64_t I2 = w_gate_up_pool.dimensions()[1], I = I2 / 2;
+  const int64_t Is2 = shared_gate_up.dimensions()[0], Is = Is2 / 2;
+  BARO_RETURN_IF(expect_shape(op, "router", router, {E, D}));
+  BARO_CHECK(S >= 1, op, "w_gate_up_pool must hold at least one slot, got shape " << dims_str(w_gate_up_pool.dimensions()));
+  BARO_CHECK(I2 % 2 == 0 && I2 > 0, op, "w_gate_up_pool.shape[1] must be 2*I (even, > 0), got " << I2);
+  BARO_RETURN_IF(expect_shape(op, "w_gate_up_pool", w_gate_up_pool, {S, 2 * I, D}));
+  BARO_RETURN_IF(expect_shape(op, "w_down_pool", w_down_pool, {S, D, I}));
+  BARO_RETURN_IF(expect_shape(op, "slots", slots, {E}));
+  BARO_CHECK(Is2 % 2 == 0 && Is2 > 0, op,
+             "shared_gate_up.shape[0] must be 2*Is (even, > 0), got " << Is2);
+  BARO_RETURN_IF(expect_shape(op, "shared_gate_up", shared_gate_up, {2 * Is, D}));
+  BARO_RETURN_IF(expect_shape(op, "shared_down", shared_down, {D, Is}));
+  BARO_RETURN_IF(expect_shape(op, "shared_gate", shared_gate, {1, D}));
+  BARO_CHECK(top_k >= 1 && top_k <= E, op, "top_k must be in [1, E=" << E << "], got " << top_k);
+  BARO_RETURN_IF(expect_shape(op, "out (result)", out, {m, D}));
+  d = MoeDims{m, D, E, I, Is};
+  return ::xla::ffi::Error::Success();
+}
+
+// baro_moe_route: h [m, D], router [E, D] -> ids [m, top_k] int32 (baro_moe's routing).
+inline ::xla::ffi::Error check_moe_route(const ::xla::ffi::Buffer<::xla::ffi::BF16>& h, const ::xla::ffi::Buffer<::xla::ffi::BF16>& router, int32_t top_k,
+                                         const ::xla::ffi::Buffer<::xla::ffi::S32>& ids, int64_t& m, int64_t& D, int64_t& E) {
+  const char* op = "baro_moe_route";
+  BARO_RETURN_IF(expect_rank(op, "h", h, 2));
+  BARO_RETURN_IF(expect_rank(op, "router", router, 2));
+  m = h.dimensions()[0];
+  D = h.dimensions()[1];
+  E = router.dimensions()[0];
+  BARO_RETURN_IF(expect_shape(op, "router", router, {E, D}));
+  BARO_CHECK(top_k >= 1 && top_k <= E, op, "top_k must be in [1, E=" << E << "], got " << top_k);
+  BARO_RETURN_IF(expect_shape(op, "ids (result)", ids, {m, top_k}));
   return ::xla::ffi::Error::Success();
 }
 

@@ -1,5 +1,6 @@
-// baro_conv, baro_delta (CPU): Gated DeltaNet causal conv (window 4, SiLU)
-// and the gated delta-rule recurrence with fp32 state.
+// baro_conv, baro_delta, baro_delta_blocked (CPU): Gated DeltaNet causal conv
+// (window 4, SiLU), the gated delta-rule recurrence with fp32 state, and the
+// chunk-aligned (blocked) form of the same rule (DESIGN §9, docs/NUMERICS.md).
 #include <vector>
 
 #include "dot.h"
@@ -125,6 +126,149 @@ ffi::Error DeltaImpl(ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
   return ffi::Error::Success();
 }
 
+// ---- baro_delta_blocked ------------------------------------------------------------
+// One value head's block state: S0 [dk, dv] (state at the current block's start) and the
+// pending rows of the block, slots [0, B): K [B, dk], U [B, dv], Cl [B] (local prefix
+// log-decay). Slots >= the row's index in its block are never read.
+struct BlockHead {
+  float* S0;
+  float* K;
+  float* U;
+  float* Cl;
+};
+
+// Scratch for one row (sized once per thread).
+struct BlockScratch {
+  std::vector<float> akk, aqk, u, ek;
+  BlockScratch(int64_t B, int64_t dk, int64_t dv) : akk(B), aqk(B), u(dv), ek(B * dk) {}
+};
+
+// THE per-row code of the chunk-aligned delta rule (NUMERICS.md, "delta_blocked"): row at
+// slot i = position % B of its block, with q (normalised, scaled), k (normalised), v, beta,
+// g already formed. Every call of the op, whatever m, runs exactly this for each valid row
+// in order, so m rows in one call == m one-row calls, bytes.
+void blocked_row(const BlockHead& h, int64_t i, int64_t B, int64_t dk, int64_t dv,
+                 const float* q, const float* k, const float* v, float beta, float g,
+                 float* orow, BlockScratch& sc) {
+  const float c = i == 0 ? g : h.Cl[i - 1] + g;  // c_i = c_{i-1} + g_i, c_0 = g_0
+  const float G = std::exp(c);                   // G_i = exp(c_i)
+  // Row coefficients over the block's slots j < i (and j = i for o): exp(c_i - c_j) * (x . k_j).
+  for (int64_t j = 0; j < i; ++j) {
+    const float w = std::exp(c - h.Cl[j]);
+    const float* kj = h.K + j * dk;
+    sc.akk[j] = w * baro::dot(k, kj, dk);
+    sc.aqk[j] = w * baro::dot(q, kj, dk);
+  }
+  sc.aqk[i] = std::exp(c - c) * baro::dot(q, k, dk);  // exp(0) = 1: the j = i term
+  // u_i = beta * ((v - G * S0^T k) - sum_{j<i} akk_j u_j)
+  for (int64_t d = 0; d < dv; ++d) {
+    const float ks0 = baro::dot(h.S0 + d, dv, k, 1, dk);
+    float s = 0.0f;
+    for (int64_t j = 0; j < i; ++j) s = std::fma(sc.akk[j], h.U[j * dv + d], s);
+    sc.u[d] = beta * ((v[d] - G * ks0) - s);
+  }
+  // o_i = G * S0^T q + sum_{j<=i} aqk_j u_j   (slot i is u_i itself)
+  for (int64_t d = 0; d < dv; ++d) {
+    const float qs0 = baro::dot(h.S0 + d, dv, q, 1, dk);
+    float s = 0.0f;
+    for (int64_t j = 0; j < i; ++j) s = std::fma(sc.aqk[j], h.U[j * dv + d], s);
+    s = std::fma(sc.aqk[i], sc.u[d], s);
+    orow[d] = G * qs0 + s;
+  }
+  if (i < B - 1) {  // the row becomes pending slot i
+    std::copy(k, k + dk, h.K + i * dk);
+    std::copy(sc.u.begin(), sc.u.end(), h.U + i * dv);
+    h.Cl[i] = c;
+    return;
+  }
+  // i = B - 1: S_B = G * S0 + sum_{j<B} (exp(c - c_j) * k_j) u_j^T, then the pending rows clear.
+  for (int64_t j = 0; j < B; ++j) {
+    const float e = std::exp(c - (j < i ? h.Cl[j] : c));
+    const float* kj = j < i ? h.K + j * dk : k;
+    for (int64_t r = 0; r < dk; ++r) sc.ek[j * dk + r] = e * kj[r];
+  }
+  for (int64_t r = 0; r < dk; ++r) {
+    for (int64_t d = 0; d < dv; ++d) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < i; ++j) acc = std::fma(sc.ek[j * dk + r], h.U[j * dv + d], acc);
+      acc = std::fma(sc.ek[i * dk + r], sc.u[d], acc);
+      h.S0[r * dv + d] = G * h.S0[r * dv + d] + acc;
+    }
+  }
+  std::fill(h.K, h.K + B * dk, 0.0f);
+  std::fill(h.U, h.U + B * dv, 0.0f);
+  std::fill(h.Cl, h.Cl + B, 0.0f);
+}
+
+ffi::Error DeltaBlockedImpl(ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
+                            ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> A_log,
+                            ffi::Buffer<ffi::F32> dt_bias, ffi::Buffer<ffi::F32> s0,
+                            ffi::Buffer<ffi::F32> pk, ffi::Buffer<ffi::F32> pu,
+                            ffi::Buffer<ffi::F32> pc, ffi::Buffer<ffi::S32> pos_buf,
+                            ffi::Buffer<ffi::S32> n_valid_buf, ffi::ResultBuffer<ffi::F32> o,
+                            ffi::ResultBuffer<ffi::F32> s0_out, ffi::ResultBuffer<ffi::F32> pk_out,
+                            ffi::ResultBuffer<ffi::F32> pu_out, ffi::ResultBuffer<ffi::F32> pc_out) {
+  const char* op = "baro_delta_blocked";
+  baro::DeltaBlockedDims dims;
+  if (auto err = baro::check_delta_blocked(yb, b, a, A_log, dt_bias, s0, pk, pu, pc, pos_buf,
+                                           n_valid_buf, *o, *s0_out, *pk_out, *pu_out, *pc_out, dims);
+      err.failure())
+    return err;
+  const int64_t m = dims.m, C = dims.C, nv = dims.nv, dk = dims.dk, dv = dims.dv, nk = dims.nk,
+                B = dims.B;
+  const int64_t pos = pos_buf.typed_data()[0];
+  const int64_t n_valid = n_valid_buf.typed_data()[0];
+  BARO_CHECK(pos >= 0, op, "pos must be >= 0, got " << pos);
+  BARO_CHECK(n_valid >= 0 && n_valid <= m, op,
+             "n_valid must be in [0, m=" << m << "], got " << n_valid);
+
+  baro::copy_if_not_aliased(s0, s0_out);
+  baro::copy_if_not_aliased(pk, pk_out);
+  baro::copy_if_not_aliased(pu, pu_out);
+  baro::copy_if_not_aliased(pc, pc_out);
+  float* op_ = o->typed_data();
+  const float* yp = yb.typed_data();
+  const float* bp = b.typed_data();
+  const float* ap = a.typed_data();
+  const float* alp = A_log.typed_data();
+  const float* dtp = dt_bias.typed_data();
+  const int64_t ratio = nv / nk;
+  const float scale = baro::inv_sqrt_scale(dk);
+  const float l2eps = 1e-6f;
+
+  for (int64_t i = n_valid; i < m; ++i)
+    std::fill(op_ + i * nv * dv, op_ + (i + 1) * nv * dv, 0.0f);
+
+  // Value heads are independent; each walks the valid rows in order.
+  baro::parallel_for(nv, 6.0 * n_valid * dk * dv, [&](int64_t j0, int64_t j1) {
+    std::vector<float> q(dk), k(dk);
+    BlockScratch sc(B, dk, dv);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t kh = j / ratio;
+      const BlockHead h{s0_out->typed_data() + j * dk * dv, pk_out->typed_data() + j * B * dk,
+                        pu_out->typed_data() + j * B * dv, pc_out->typed_data() + j * B};
+      for (int64_t i = 0; i < n_valid; ++i) {
+        const float* yr = yp + i * C;
+        const float* qs = yr + kh * dk;
+        const float* ks = yr + nk * dk + kh * dk;
+        const float* vs = yr + 2 * nk * dk + j * dv;
+        // q, k, beta, g exactly as baro_delta forms them.
+        const float rq = 1.0f / std::sqrt(baro::dot(qs, qs, dk) + l2eps);
+        const float rk = 1.0f / std::sqrt(baro::dot(ks, ks, dk) + l2eps);
+        for (int64_t d = 0; d < dk; ++d) {
+          q[d] = (qs[d] * rq) * scale;
+          k[d] = ks[d] * rk;
+        }
+        const float beta = baro::sigmoid(bp[i * nv + j]);
+        const float g = -std::exp(alp[j]) * baro::softplus(ap[i * nv + j] + dtp[j]);
+        blocked_row(h, (pos + i) % B, B, dk, dv, q.data(), k.data(), vs, beta, g,
+                    op_ + i * nv * dv + j * dv, sc);
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvCpu, ConvImpl,
@@ -148,4 +292,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroDeltaCpu, DeltaImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // n_valid
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o
                                   .Ret<ffi::Buffer<ffi::F32>>()  // state
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroDeltaBlockedCpu, DeltaBlockedImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // y
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // a
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // A_log
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dt_bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // state (S0)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // pending_k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // pending_u
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // pending_c
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // n_valid
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // state (S0)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // pending_k
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // pending_u
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // pending_c
 );

@@ -12,36 +12,82 @@ from ._lib import check_runnable
 OP = "baro_moe"
 
 
+def _check_moe(op, h, router, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate, top_k,
+               gu_name="w_gate_up", dn_name="w_down", n_w=None):
+    """Checks baro_moe's operands (experts [E, ...], or a pool [S, ...] when n_w is given); returns (m, D, k)."""
+    C.rank(op, "h", h, 2)
+    m, D = h.shape
+    C.array(op, "h", h, (m, D), C.BF16, dtype_note=C.BF16_NOTE)
+    C.rank(op, "router", router, 2)
+    E = router.shape[0]
+    C.array(op, "router", router, (E, D), C.BF16, dtype_note=C.BF16_NOTE)
+    C.rank(op, gu_name, w_gate_up, 3)
+    lead = "E" if n_w is None else "S"
+    n_w = E if n_w is None else w_gate_up.shape[0]  # n_w given: the pool's slot count
+    I2 = w_gate_up.shape[1]
+    if I2 < 2 or I2 % 2:
+        raise ValueError(f"{op}: {gu_name} must have shape [{lead}, 2*I, D] (gate rows first), "
+                         f"got shape {list(w_gate_up.shape)}")
+    I = I2 // 2
+    C.array(op, gu_name, w_gate_up, (n_w, 2 * I, D), C.BF16, dtype_note=C.BF16_NOTE)
+    C.array(op, dn_name, w_down, (n_w, D, I), C.BF16, dtype_note=C.BF16_NOTE)
+    C.rank(op, "shared_gate_up", shared_gate_up, 2)
+    Is2 = shared_gate_up.shape[0]
+    if Is2 < 2 or Is2 % 2:
+        raise ValueError(f"{op}: shared_gate_up must have shape [2*Is, D] (gate rows first), "
+                         f"got shape {list(shared_gate_up.shape)}")
+    Is = Is2 // 2
+    C.array(op, "shared_gate_up", shared_gate_up, (2 * Is, D), C.BF16, dtype_note=C.BF16_NOTE)
+    C.array(op, "shared_down", shared_down, (D, Is), C.BF16, dtype_note=C.BF16_NOTE)
+    C.array(op, "shared_gate", shared_gate, (1, D), C.BF16, dtype_note=C.BF16_NOTE)
+    k = C.positive_int(op, "top_k", top_k)
+    if k > E:
+        raise ValueError(f"{op}: top_k={k} exceeds the number of experts E={E}")
+    return m, D, k
+
+
 def moe(h, router, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate, top_k):
     """h[m,D] bf16, router[E,D], w_gate_up[E,2I,D], w_down[E,D,I],
     shared_gate_up[2Is,D], shared_down[D,Is], shared_gate[1,D] (all bf16),
     top_k (static int) -> out[m,D] f32."""
-    C.rank(OP, "h", h, 2)
-    m, D = h.shape
-    C.array(OP, "h", h, (m, D), C.BF16, dtype_note=C.BF16_NOTE)
-    C.rank(OP, "router", router, 2)
-    E = router.shape[0]
-    C.array(OP, "router", router, (E, D), C.BF16, dtype_note=C.BF16_NOTE)
-    C.rank(OP, "w_gate_up", w_gate_up, 3)
-    I2 = w_gate_up.shape[1]
-    if I2 < 2 or I2 % 2:
-        raise ValueError(f"{OP}: w_gate_up must have shape [E, 2*I, D] (gate rows first), "
-                         f"got shape {list(w_gate_up.shape)}")
-    I = I2 // 2
-    C.array(OP, "w_gate_up", w_gate_up, (E, 2 * I, D), C.BF16, dtype_note=C.BF16_NOTE)
-    C.array(OP, "w_down", w_down, (E, D, I), C.BF16, dtype_note=C.BF16_NOTE)
-    C.rank(OP, "shared_gate_up", shared_gate_up, 2)
-    Is2 = shared_gate_up.shape[0]
-    if Is2 < 2 or Is2 % 2:
-        raise ValueError(f"{OP}: shared_gate_up must have shape [2*Is, D] (gate rows first), "
-                         f"got shape {list(shared_gate_up.shape)}")
-    Is = Is2 // 2
-    C.array(OP, "shared_gate_up", shared_gate_up, (2 * Is, D), C.BF16, dtype_note=C.BF16_NOTE)
-    C.array(OP, "shared_down", shared_down, (D, Is), C.BF16, dtype_note=C.BF16_NOTE)
-    C.array(OP, "shared_gate", shared_gate, (1, D), C.BF16, dtype_note=C.BF16_NOTE)
-    k = C.positive_int(OP, "top_k", top_k)
-    if k > E:
-        raise ValueError(f"{OP}: top_k={k} exceeds the number of experts E={E}")
+    m, D, k = _check_moe(OP, h, router, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate, top_k)
     args = (h, router, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate)
     check_runnable(OP, args)
     return jax.ffi.ffi_call(OP, jax.ShapeDtypeStruct((m, D), C.F32))(*args, top_k=np.int32(k))
+
+
+OP_SLOTS = "baro_moe_slots"
+OP_ROUTE = "baro_moe_route"
+
+
+def moe_slots(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate, top_k):
+    """baro_moe with the routed experts in a pool of S slots: w_gate_up_pool[S,2I,D],
+    w_down_pool[S,D,I] (bf16), slots[E] int32 (expert id -> slot, -1 = not resident).
+    The same bytes as moe() when every routed expert's slot holds that expert; a routed
+    expert with no slot fails the call (CPU: an error; GPU: NaN rows)."""
+    C.rank(OP_SLOTS, "w_gate_up_pool", w_gate_up_pool, 3)
+    m, D, k = _check_moe(OP_SLOTS, h, router, w_gate_up_pool, w_down_pool, shared_gate_up, shared_down,
+                         shared_gate, top_k, "w_gate_up_pool", "w_down_pool", n_w="pool")
+    if w_gate_up_pool.shape[0] < 1:
+        raise ValueError(f"{OP_SLOTS}: w_gate_up_pool must hold at least one slot, got shape "
+                         f"{list(w_gate_up_pool.shape)}")
+    C.array(OP_SLOTS, "slots", slots, (router.shape[0],), np.int32)
+    args = (h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate)
+    check_runnable(OP_SLOTS, args)
+    return jax.ffi.ffi_call(OP_SLOTS, jax.ShapeDtypeStruct((m, D), C.F32))(*args, top_k=np.int32(k))
+
+
+def moe_route(h, router, top_k):
+    """h[m,D] bf16, router[E,D] bf16 -> ids[m, top_k] int32: the experts moe() routes each row
+    to, in slot order (the same code as moe's routing, so the same ids)."""
+    C.rank(OP_ROUTE, "h", h, 2)
+    m, D = h.shape
+    C.array(OP_ROUTE, "h", h, (m, D), C.BF16, dtype_note=C.BF16_NOTE)
+    C.rank(OP_ROUTE, "router", router, 2)
+    E = router.shape[0]
+    C.array(OP_ROUTE, "router", router, (E, D), C.BF16, dtype_note=C.BF16_NOTE)
+    k = C.positive_int(OP_ROUTE, "top_k", top_k)
+    if k > E:
+        raise ValueError(f"{OP_ROUTE}: top_k={k} exceeds the number of experts E={E}")
+    check_runnable(OP_ROUTE, (h, router))
+    return jax.ffi.ffi_call(OP_ROUTE, jax.ShapeDtypeStruct((m, k), np.int32))(h, router, top_k=np.int32(k))

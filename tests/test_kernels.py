@@ -1036,3 +1036,86 @@ def test_vs_ops_xla(platform, op):
         h = put(platform, bf16(rng, m, MO_D))
         w = put(platform, *moe_weights(rng))
         assert_close(cc.moe(h, *w, MO_K), X.moe(h, *w, top_k=MO_K), 1e-3, "moe vs ops_xla")
+
+
+# ---------------------------------------------------------------------------
+# moe_slots / moe_route (the tier-mode decode expert cache, staging.ExpertCache)
+# ---------------------------------------------------------------------------
+
+J_MOE_SLOTS = jax.jit(cc.moe_slots, static_argnames=("top_k",))
+J_ROUTE = jax.jit(cc.moe_route, static_argnames=("top_k",))
+
+
+def pool_for(gu, down, experts, S, rng):
+    """A pool of S slots holding `experts` at random slots (the other slots garbage) and slots[E]."""
+    E = gu.shape[0]
+    at = rng.choice(S, len(experts), replace=False)
+    pgu = bf16(rng, S, *gu.shape[1:], scale=9.0)
+    pdn = bf16(rng, S, *down.shape[1:], scale=9.0)
+    slots = np.full((E,), -1, np.int32)
+    for e, s in zip(experts, at):
+        pgu[s], pdn[s], slots[e] = gu[e], down[e], s
+    return pgu, pdn, slots
+
+
+@pytest.mark.parametrize("m", [1, 5, 64, 300])
+def test_moe_slots_same_bytes(platform, m):
+    """Every routed expert resident (at any slot of a pool larger or smaller than E): moe's bytes."""
+    rng = np.random.default_rng(1200 + m)
+    h = bf16(rng, m, MO_D)
+    router, gu, down, sgu, sdown, sgate = moe_weights(rng)
+    want = np.asarray(J_MOE(*put(platform, h, router, gu, down, sgu, sdown, sgate), top_k=MO_K))
+    ids = np.asarray(J_ROUTE(*put(platform, h, router), top_k=MO_K))
+    assert ids.shape == (m, MO_K) and ids.dtype == np.int32
+    routed = sorted(set(ids.reshape(-1).tolist()))
+    for S in sorted({len(routed), MO_E, MO_E + 5}):
+        pgu, pdn, slots = pool_for(gu, down, routed if S < MO_E else range(MO_E), S, rng)
+        got = np.asarray(J_MOE_SLOTS(*put(platform, h, router, pgu, pdn, slots, sgu, sdown, sgate), top_k=MO_K))
+        assert_same_bits(got, want, f"moe_slots m={m} S={S}")
+
+
+def test_moe_route_is_moes_routing(platform):
+    """moe_route's ids: descending probability, ties to the lower id (the float64 reference's order)."""
+    rng = np.random.default_rng(13)
+    h = bf16(rng, 6, MO_D)
+    router = moe_weights(rng)[0]
+    router[5] = router[2] = (np.asarray(router[2], np.float32) * 8).astype(BF16)  # exact ties
+    h = np.concatenate([h, -h])
+    logits = f64(h) @ f64(router).T
+    for k in (1, 2, 4):
+        ids = np.asarray(J_ROUTE(*put(platform, h, router), top_k=k))
+        for i in range(h.shape[0]):
+            order = sorted(range(MO_E), key=lambda e: (-logits[i, e], e))[:k]
+            assert ids[i].tolist() == order, (k, i, ids[i], order)
+
+
+def test_moe_slots_not_resident(platform):
+    """A routed expert without a slot never reads another expert's weights: CPU fails the call, GPU gives NaN."""
+    rng = np.random.default_rng(14)
+    h = bf16(rng, 3, MO_D)
+    router, gu, down, sgu, sdown, sgate = moe_weights(rng)
+    ids = np.asarray(J_ROUTE(*put(platform, h, router), top_k=MO_K))
+    pgu, pdn, slots = pool_for(gu, down, range(MO_E), MO_E, rng)
+    slots[ids[1, 0]] = -1
+    args = put(platform, h, router, pgu, pdn, slots, sgu, sdown, sgate)
+    if platform.platform == "cpu":
+        with pytest.raises(Exception, match=r"baro_moe_slots: row 1 routes to expert \d+, whose slot is -1"):
+            np.asarray(J_MOE_SLOTS(*args, top_k=MO_K))
+    else:
+        got = np.asarray(J_MOE_SLOTS(*args, top_k=MO_K))
+        assert np.all(np.isnan(got[1])), "a row with a missing expert must be NaN"
+
+
+def test_moe_slots_errors(platform):
+    rng = np.random.default_rng(15)
+    h = put(platform, bf16(rng, 3, MO_D))
+    router, gu, down, sgu, sdown, sgate = put(platform, *moe_weights(rng))
+    slots = put(platform, np.arange(MO_E, dtype=np.int32))
+    with pytest.raises(ValueError, match=r"baro_moe_slots: slots must have shape \[8\], got shape \[7\]"):
+        cc.moe_slots(h, router, gu, down, slots[:7], sgu, sdown, sgate, 2)
+    with pytest.raises(ValueError, match=r"baro_moe_slots: slots must have dtype int32"):
+        cc.moe_slots(h, router, gu, down, slots.astype(jnp.float32), sgu, sdown, sgate, 2)
+    with pytest.raises(ValueError, match=r"baro_moe_slots: w_down_pool must have shape \[8, 32, 16\]"):
+        cc.moe_slots(h, router, gu, down[:5], slots, sgu, sdown, sgate, 2)
+    with pytest.raises(ValueError, match=r"baro_moe_route: top_k=9 exceeds the number of experts E=8"):
+        cc.moe_route(h, router, 9)

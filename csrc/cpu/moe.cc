@@ -2,7 +2,11 @@
 // per (row, slot) SwiGLU expert, combine in slot order, gated shared expert.
 // Each (row, slot) pair is computed directly; no grouping by expert is needed
 // on CPU, and nothing a row computes depends on the other rows.
+#include <algorithm>
+#include <cmath>
 #include <limits>
+#include <mutex>
+#include <string>
 #include <vector>
 
 #include "contract.h"
@@ -22,6 +26,99 @@ inline void swiglu(const uint16_t* h, const uint16_t* gate_up, const uint16_t* d
   baro::dot_rows(act, down, I, D, I, y);
 }
 
+// Router softmax (fp32) and top-k (descending p, ties to the lower expert id) of one row:
+// sel[0..K) the experts in slot order, p[E] the probabilities, *wsum their sum. The one
+// routing code of baro_moe, baro_moe_slots and baro_moe_route (the same ids by construction).
+inline void route_row(const uint16_t* hr, const uint16_t* rp, int64_t D, int64_t E, int64_t K,
+                      float* p, char* taken, int64_t* sel, float* wsum_out) {
+  // 1. router softmax (fp32)
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t e = 0; e < E; ++e) {
+    p[e] = baro::dot(hr, rp + e * D, D);
+    mx = std::fmax(mx, p[e]);
+  }
+  float sum = 0.0f;
+  for (int64_t e = 0; e < E; ++e) {
+    p[e] = std::exp(p[e] - mx);
+    sum = sum + p[e];
+  }
+  for (int64_t e = 0; e < E; ++e) p[e] = p[e] / sum;
+  // 2. top-k, descending p, ties to the lower expert id
+  std::fill(taken, taken + E, 0);
+  float wsum = 0.0f;
+  for (int64_t s = 0; s < K; ++s) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E; ++e) {
+      if (taken[e]) continue;
+      if (best < 0 || p[e] > p[best]) best = e;
+    }
+    taken[best] = 1;
+    sel[s] = best;
+    wsum = wsum + p[best];
+  }
+  *wsum_out = wsum;
+}
+
+// The MoE over m rows. slots == nullptr: expert e's weights are w_gate_up[e] / w_down[e];
+// else they are the pool's slot slots[e] (S slots); a routed expert with no slot is an error.
+ffi::Error moe_rows(const baro::MoeDims& dims, const uint16_t* hp, const uint16_t* rp,
+                    const uint16_t* gup, const uint16_t* dnp, const int32_t* slots, int64_t S,
+                    const uint16_t* sgup, const uint16_t* sdnp, const uint16_t* sgp, int32_t top_k,
+                    float* outp) {
+  const int64_t m = dims.m, D = dims.D, E = dims.E, I = dims.I, Is = dims.Is;
+  const int64_t K = top_k;
+  std::mutex bad_mu;  // the first (row, expert) routed to an expert with no slot
+  int64_t bad_row = -1, bad_expert = -1, bad_slot = 0;
+  const double cost = static_cast<double>(E) * D + (K * 3.0 * I + 3.0 * Is) * D;
+  baro::parallel_for(m, cost, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(E), y(D), routed(D), shared(D);
+    std::vector<uint16_t> act(std::max(I, Is));
+    std::vector<int64_t> sel(K);
+    std::vector<char> taken(E);
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint16_t* hr = hp + i * D;
+      float wsum;
+      route_row(hr, rp, D, E, K, p.data(), taken.data(), sel.data(), &wsum);
+      if (slots != nullptr) {  // every routed expert must be resident
+        bool ok = true;
+        for (int64_t s = 0; s < K && ok; ++s) {
+          const int32_t sl = slots[sel[s]];
+          if (sl < 0 || sl >= S) {
+            ok = false;
+            std::lock_guard<std::mutex> lock(bad_mu);
+            if (bad_row < 0 || i < bad_row) bad_row = i, bad_expert = sel[s], bad_slot = sl;
+          }
+        }
+        if (!ok) {
+          std::fill(outp + i * D, outp + (i + 1) * D, std::numeric_limits<float>::quiet_NaN());
+          continue;
+        }
+      }
+      // 3-4. experts in slot order
+      std::fill(routed.begin(), routed.end(), 0.0f);
+      for (int64_t s = 0; s < K; ++s) {
+        const int64_t e = sel[s];
+        const int64_t w = slots != nullptr ? slots[e] : e;
+        const float wk = p[e] / wsum;
+        swiglu(hr, gup + w * 2 * I * D, dnp + w * D * I, D, I, act.data(), y.data());
+        for (int64_t d = 0; d < D; ++d) routed[d] = std::fma(wk, y[d], routed[d]);
+      }
+      // 5. shared expert, gated
+      swiglu(hr, sgup, sdnp, D, Is, act.data(), shared.data());
+      const float sg = baro::sigmoid(baro::dot(hr, sgp, D));
+      float* orow = outp + i * D;
+      for (int64_t d = 0; d < D; ++d) orow[d] = routed[d] + sg * shared[d];
+    }
+  });
+  if (bad_row >= 0)
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "baro_moe_slots: row " + std::to_string(bad_row) + " routes to expert " +
+                          std::to_string(bad_expert) + ", whose slot is " + std::to_string(bad_slot) +
+                          " (not resident: slots must map every routed expert into [0, " +
+                          std::to_string(S) + "))");
+  return ffi::Error::Success();
+}
+
 ffi::Error MoeImpl(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> router,
                    ffi::Buffer<ffi::BF16> w_gate_up, ffi::Buffer<ffi::BF16> w_down,
                    ffi::Buffer<ffi::BF16> shared_gate_up,
@@ -33,64 +130,47 @@ ffi::Error MoeImpl(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> router,
                                  top_k, *out, dims);
       err.failure())
     return err;
-  const int64_t m = dims.m, D = dims.D, E = dims.E, I = dims.I, Is = dims.Is;
+  return moe_rows(dims, h.typed_data(), router.typed_data(), w_gate_up.typed_data(), w_down.typed_data(),
+                  nullptr, 0, shared_gate_up.typed_data(), shared_down.typed_data(),
+                  shared_gate.typed_data(), top_k, out->typed_data());
+}
 
+// baro_moe_slots: baro_moe with the routed experts in a pool of S slots, addressed
+// through slots[E] (expert -> slot, -1 = not resident). Same bytes as baro_moe when every
+// routed expert's slot holds that expert's weights.
+ffi::Error MoeSlotsImpl(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> router,
+                        ffi::Buffer<ffi::BF16> w_gate_up_pool, ffi::Buffer<ffi::BF16> w_down_pool,
+                        ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::BF16> shared_gate_up,
+                        ffi::Buffer<ffi::BF16> shared_down, ffi::Buffer<ffi::BF16> shared_gate,
+                        int32_t top_k, ffi::ResultBuffer<ffi::F32> out) {
+  baro::MoeDims dims;
+  int64_t S = 0;
+  if (auto err = baro::check_moe_slots(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up,
+                                       shared_down, shared_gate, top_k, *out, dims, S);
+      err.failure())
+    return err;
+  return moe_rows(dims, h.typed_data(), router.typed_data(), w_gate_up_pool.typed_data(),
+                  w_down_pool.typed_data(), slots.typed_data(), S, shared_gate_up.typed_data(),
+                  shared_down.typed_data(), shared_gate.typed_data(), top_k, out->typed_data());
+}
+
+// baro_moe_route: the expert ids [m, top_k] (slot order) baro_moe routes each row to.
+ffi::Error MoeRouteImpl(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> router, int32_t top_k,
+                        ffi::ResultBuffer<ffi::S32> ids) {
+  int64_t m = 0, D = 0, E = 0;
+  if (auto err = baro::check_moe_route(h, router, top_k, *ids, m, D, E); err.failure()) return err;
   const uint16_t* hp = h.typed_data();
   const uint16_t* rp = router.typed_data();
-  const uint16_t* gup = w_gate_up.typed_data();
-  const uint16_t* dnp = w_down.typed_data();
-  const uint16_t* sgup = shared_gate_up.typed_data();
-  const uint16_t* sdnp = shared_down.typed_data();
-  const uint16_t* sgp = shared_gate.typed_data();
-  float* outp = out->typed_data();
+  int32_t* op = ids->typed_data();
   const int64_t K = top_k;
-
-  const double cost = static_cast<double>(E) * D + (K * 3.0 * I + 3.0 * Is) * D;
-  baro::parallel_for(m, cost, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(E), y(D), routed(D), shared(D);
-    std::vector<uint16_t> act(std::max(I, Is));
-    std::vector<int64_t> sel(K);
+  baro::parallel_for(m, static_cast<double>(E) * D, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(E);
     std::vector<char> taken(E);
+    std::vector<int64_t> sel(K);
     for (int64_t i = i0; i < i1; ++i) {
-      const uint16_t* hr = hp + i * D;
-      // 1. router softmax (fp32)
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t e = 0; e < E; ++e) {
-        p[e] = baro::dot(hr, rp + e * D, D);
-        mx = std::fmax(mx, p[e]);
-      }
-      float sum = 0.0f;
-      for (int64_t e = 0; e < E; ++e) {
-        p[e] = std::exp(p[e] - mx);
-        sum = sum + p[e];
-      }
-      for (int64_t e = 0; e < E; ++e) p[e] = p[e] / sum;
-      // 2. top-k, descending p, ties to the lower expert id
-      std::fill(taken.begin(), taken.end(), 0);
-      float wsum = 0.0f;
-      for (int64_t s = 0; s < K; ++s) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; ++e) {
-          if (taken[e]) continue;
-          if (best < 0 || p[e] > p[best]) best = e;
-        }
-        taken[best] = 1;
-        sel[s] = best;
-        wsum = wsum + p[best];
-      }
-      // 3-4. experts in slot order
-      std::fill(routed.begin(), routed.end(), 0.0f);
-      for (int64_t s = 0; s < K; ++s) {
-        const int64_t e = sel[s];
-        const float wk = p[e] / wsum;
-        swiglu(hr, gup + e * 2 * I * D, dnp + e * D * I, D, I, act.data(), y.data());
-        for (int64_t d = 0; d < D; ++d) routed[d] = std::fma(wk, y[d], routed[d]);
-      }
-      // 5. shared expert, gated
-      swiglu(hr, sgup, sdnp, D, Is, act.data(), shared.data());
-      const float sg = baro::sigmoid(baro::dot(hr, sgp, D));
-      float* orow = outp + i * D;
-      for (int64_t d = 0; d < D; ++d) orow[d] = routed[d] + sg * shared[d];
+      float wsum;
+      route_row(hp + i * D, rp, D, E, K, p.data(), taken.data(), sel.data(), &wsum);
+      for (int64_t s = 0; s < K; ++s) op[i * K + s] = static_cast<int32_t>(sel[s]);
     }
   });
   return ffi::Error::Success();
@@ -109,4 +189,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeCpu, MoeImpl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
                                   .Attr<int32_t>("top_k")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsCpu, MoeSlotsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // router
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_gate_up_pool [S, 2I, D]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_down_pool [S, D, I]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [E]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate_up
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_down
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
+                                  .Attr<int32_t>("top_k")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeRouteCpu, MoeRouteImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // router
+                                  .Attr<int32_t>("top_k")
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // ids [m, top_k]
 );

@@ -41,6 +41,11 @@ def expert_layer_bytes(cfg: Config, dtype) -> int:
     return (E * 2 * I * D + E * D * I) * itemsize(dtype)
 
 
+def cache_bytes(cfg: Config, dtype, slots: int) -> int:
+    """The decode expert cache's device pools: every layer's `slots` experts (gate_up + down)."""
+    return cfg.num_layers * slots * 3 * cfg.moe_inter * cfg.hidden_size * itemsize(dtype)
+
+
 def state_bytes(cfg: Config, dtype, length: int) -> int:
     n = 0
     for t in cfg.layer_types:
@@ -126,22 +131,26 @@ def check_resident(cfg: Config, dtype, device_budget_gb: float | None = None, st
     return need
 
 
-def check_tier(cfg: Config, dtype, device_budget_gb: float | None, state_len: int, chunk: int = 0) -> int:
+def check_tier(cfg: Config, dtype, device_budget_gb: float | None, state_len: int, chunk: int = 0,
+               cache_slots: int = 0) -> int:
     """Refuse up front a tier-mode request whose device footprint exceeds the budget.
 
-    Counted: the non-expert weights, two staged expert layers, the KV/state of a
-    context of `state_len` positions and (when chunk > 0) one layer's activations.
+    Counted: the non-expert weights, two staged expert layers, the decode expert cache's
+    pools (cache_slots per layer), the KV/state of a context of `state_len` positions and
+    (when chunk > 0) one layer's activations.
     """
     limit, what = budget_bytes(device_budget_gb)
     exp = expert_layer_bytes(cfg, dtype)
     resident = param_bytes(cfg, dtype) - cfg.num_layers * exp
     st = state_bytes(cfg, dtype, state_len)
     act = activation_bytes(cfg, dtype, chunk) if chunk else 0
-    need = resident + 2 * exp + st + act
+    pools = cache_bytes(cfg, dtype, cache_slots)
+    need = resident + 2 * exp + pools + st + act
     if limit is not None and need > limit:
         raise MemoryError(
             f"tier mode needs {gib(need)} of device memory: non-expert weights {gib(resident)} + "
-            f"two staged expert layers 2 x {gib(exp)} + KV/state for {state_len} positions {gib(st)}"
+            f"two staged expert layers 2 x {gib(exp)} + "
+            f"{f'decode expert cache {cfg.num_layers} x {cache_slots} slots {gib(pools)} + ' if cache_slots else ''}KV/state for {state_len} positions {gib(st)}"
             f"{f' + activations at chunk {chunk} {gib(act)}' if chunk else ''}, more than {what}")
     # the expert store lives in host RAM (on the CPU backend, so does the "device" part)
     host = host_memory_bytes()
@@ -154,7 +163,37 @@ def check_tier(cfg: Config, dtype, device_budget_gb: float | None, state_len: in
     return need
 
 
-def largest_tier_chunk(cfg: Config, dtype, device_budget_gb: float | None, state_len: int, n_prompt: int) -> int:
+CACHE_RESERVE = 1024  # context and chunk left for requests when the expert cache is sized
+
+
+def tier_cache_slots(cfg: Config, dtype, device_budget_gb: float | None, want: int | None = None) -> tuple[int, str]:
+    """(slots per layer, why) of the decode expert cache: `want` (default 64, at most E), fewer
+    when the budget leaves less room beside the non-expert weights, two staged layers and a
+    request of CACHE_RESERVE positions at chunk CACHE_RESERVE; 0 (no cache) below top_k."""
+    from .staging import DEFAULT_CACHE_SLOTS
+
+    E, k = cfg.num_experts, cfg.top_k
+    top = min(DEFAULT_CACHE_SLOTS if want is None else want, E)
+    if want is not None and want < 1:
+        return 0, "turned off (0 slots asked)"
+    limit, what = budget_bytes(device_budget_gb)
+    if limit is None:
+        return top, f"{top} slots (device memory unknown)"
+    r = min(CACHE_RESERVE, cfg.max_context)
+    try:
+        base = check_tier(cfg, dtype, device_budget_gb, r, r)
+    except MemoryError:
+        return 0, f"no room for the cache in {what} beside a {r}-position request at chunk {r}"
+    per = cache_bytes(cfg, dtype, 1)
+    fit = int((limit - base) // per)
+    S = min(top, fit)
+    if S < k:
+        return 0, f"no room for the cache ({fit} slots per layer fit in {what}, top_k is {k})"
+    return S, f"{S} slots per layer ({gib(cache_bytes(cfg, dtype, S))}){' (the budget allows no more)' if S < top else ''}"
+
+
+def largest_tier_chunk(cfg: Config, dtype, device_budget_gb: float | None, state_len: int, n_prompt: int,
+                       cache_slots: int = 0) -> int:
     """The largest power-of-two chunk (16 .. the prompt's next power of two) whose tier-mode
     footprint fits; 16 when none does (check_tier then refuses the request with the numbers)."""
     c = 16
@@ -162,7 +201,7 @@ def largest_tier_chunk(cfg: Config, dtype, device_budget_gb: float | None, state
         c *= 2
     while c > 16:
         try:
-            check_tier(cfg, dtype, device_budget_gb, state_len, c)
+            check_tier(cfg, dtype, device_budget_gb, state_len, c, cache_slots)
             return c
         except MemoryError:
             c //= 2

@@ -89,6 +89,7 @@ class GenerateResult:
     chunk: int | None
     mode: str = "resident"
     variant: str | None = None  # an order-changing variant (baro_jax/variants.py), None: the backend as is
+    expert_cache: dict | None = None  # tier mode: the decode expert cache over this request's decode steps
     last_prompt_logits: np.ndarray = dataclasses.field(repr=False, default=None)
     state: tuple = dataclasses.field(repr=False, default=None)
 
@@ -98,6 +99,7 @@ class GenerateResult:
             "prefill_seconds": self.prefill_seconds, "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "decode_tokens_per_s": self.decode_tokens_per_s, "model": self.model, "backend": self.backend,
             "prefill_mode": self.prefill_mode, "chunk": self.chunk, "mode": self.mode, "variant": self.variant,
+            "expert_cache": self.expert_cache,
         }
 
 
@@ -155,6 +157,7 @@ class Engine:
 
             budget.check_tier(cfg, self.dtype, device_budget_gb, min(MIN_STATE_LEN, cfg.max_context))
             self.params = staging.tier_params(params)  # routed experts -> host memory (no-op where already)
+        self.cache, self.cache_note = None, "resident mode: every expert on the device"
             self._step = partial(staging.forward, cfg=cfg, ops=self.ops)
             self._all_logits = partial(staging.forward, cfg=cfg, ops=self.ops, all_logits=True)
         else:
@@ -162,11 +165,41 @@ class Engine:
             self._step = partial(_STEP, cfg=cfg, ops=self.ops)
             self._all_logits = partial(_ALL_LOGITS, cfg=cfg, ops=self.ops)
 
+            self.use_expert_cache(env_cache_slots())
     def check_device(self, state_len: int, chunk: int = 0):
         """Refuse, before any work, a request whose KV/state and activations at `chunk` cannot fit."""
         if self.mode == "tier":
-            budget.check_tier(self.cfg, self.dtype, self.device_budget_gb, state_len, chunk)
+            budget.check_tier(self.cfg, self.dtype, self.device_budget_gb, state_len, chunk, self.cache_slots)
         else:
+    def use_expert_cache(self, slots: int | None = None):
+        """Tier mode: (re)build the decode expert cache with `slots` per layer (None: 64, fewer when
+        the budget says so, see budget.tier_cache_slots; 0: none, decode stages every layer's experts)."""
+        from . import staging
+
+        if self.mode != "tier":
+            raise ValueError("the decode expert cache is for tier mode (mode='tier')")
+        self.cache = None
+        if not staging.has_cache_ops(self.ops):
+            self.cache_note = f"off: the {self.variant or self.backend} ops have no slot-table MoE"
+        else:
+            S, self.cache_note = budget.tier_cache_slots(self.cfg, self.dtype, self.device_budget_gb, slots)
+            if S:
+                self.cache = staging.ExpertCache(self.cfg, self.params["layers"], S)
+        self._step = partial(staging.forward, cfg=self.cfg, ops=self.ops, cache=self.cache)
+        return self.cache
+
+    def expert_cache_report(self) -> dict | None:
+        """The cache's size and counters since its last reset (None in resident mode)."""
+        if self.mode != "tier":
+            return None
+        if self.cache is None:
+            return {"slots_per_layer": 0, "note": self.cache_note}
+        return {**self.cache.stats(), "note": self.cache_note}
+
+    @property
+    def cache_slots(self) -> int:
+        return self.cache.slots if self.cache is not None else 0
+
             budget.check_resident(self.cfg, self.dtype, self.device_budget_gb, state_len, chunk)
 
     def pick_chunk(self, n_prompt: int, n_new: int = 0) -> int:
@@ -176,7 +209,7 @@ class Engine:
         if self.mode != "tier":
             return default_chunk(n_prompt)
         L = state_length(n_prompt + n_new, self.cfg.max_context)
-        return budget.largest_tier_chunk(self.cfg, self.dtype, self.device_budget_gb, L, n_prompt)
+        return budget.largest_tier_chunk(self.cfg, self.dtype, self.device_budget_gb, L, n_prompt, self.cache_slots)
 
     # --- state -------------------------------------------------------------
     def new_state(self, length: int | None = None):
@@ -344,6 +377,8 @@ class Engine:
         pos = len(ids)
         for i in range(max_new_tokens):
             tok = sampler(logits)
+        if self.cache is not None:
+            self.cache.reset_stats()  # the hit rate of this request's decode steps
             if i == 1:
                 t1 = time.perf_counter()
             out.append(tok)
@@ -371,10 +406,25 @@ class Engine:
 
 
 def default_backend(dtype: str = "bfloat16") -> str:
+            expert_cache=self.expert_cache_report(),
     """The product, `ordered`, when its library is built and the dtype is bf16; else `xla`."""
     from .ops import BackendUnavailable
 
     if dtype != "bfloat16":
+def env_cache_slots(default: int | None = None) -> int | None:
+    """BARO_CACHE_SLOTS: the decode expert cache's slots per layer (0: none); unset -> default (sized by the budget)."""
+    v = os.environ.get("BARO_CACHE_SLOTS")
+    if not v:
+        return default
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"BARO_CACHE_SLOTS must be an integer >= 0, got {v!r}") from None
+    if n < 0:
+        raise ValueError(f"BARO_CACHE_SLOTS must be an integer >= 0, got {v!r}")
+    return n
+
+
         return "xla"
     try:
         get_ops("ordered")

@@ -62,8 +62,8 @@ def gdn_block(h, p, st, cfg, ops, pos, n_valid):
     return ops.matmul(g, p["out"]), {"conv": window, "ssm": ssm}
 
 
-def layer_forward(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid):
-    """x += mixer(norm1(x)); x += moe(norm2(x))."""
+def layer_mixer(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid):
+    """The first half of a layer: (x + mixer(norm1(x)), norm2 of that (the MoE's input), new state)."""
     A = lp["moe"]["router"].dtype
     h = ops.rmsnorm(x, lp["in_norm"], cfg.rms_eps, A)
     if kind == FULL:
@@ -71,7 +71,13 @@ def layer_forward(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid):
     else:
         y, st = gdn_block(h, lp["gdn"], st, cfg, ops, pos, n_valid)
     x = x + y
-    h2 = ops.rmsnorm(x, lp["post_norm"], cfg.rms_eps, A)
+    return x, ops.rmsnorm(x, lp["post_norm"], cfg.rms_eps, A), st
+
+
+def layer_forward(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid):
+    """x += mixer(norm1(x)); x += moe(norm2(x)). (Tier decode runs layer_mixer, then the MoE
+    through its expert cache: staging.py.)"""
+    x, h2, st = layer_mixer(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid)
     m = lp["moe"]
     x = x + ops.moe(h2, m["router"], m["gate_up"], m["down"], m["shared_gate_up"], m["shared_down"],
                     m["shared_gate"], top_k=cfg.top_k)

@@ -50,3 +50,13 @@ def moe(h, router, gate_up, down, shared_gate_up, shared_down, shared_gate, *, t
 
 def delta_blocked(y, b, a, A_log, dt_bias, state, pending_k, pending_u, pending_c, pos, n_valid, *, nk, dk):
     return cc.delta_blocked(y, b, a, A_log, dt_bias, state, pending_k, pending_u, pending_c, pos, n_valid)
+
+
+def moe_slots(h, router, gate_up_pool, down_pool, slots, shared_gate_up, shared_down, shared_gate, *, top_k):
+    """moe with the routed experts in pools of slots (tier decode's expert cache): moe's bytes."""
+    return cc.moe_slots(h, router, gate_up_pool, down_pool, slots, shared_gate_up, shared_down, shared_gate, top_k)
+
+
+def moe_route(h, router, *, top_k):
+    """The expert ids [m, top_k] moe routes each row to (its own routing code)."""
+    return cc.moe_route(h, router, top_k)

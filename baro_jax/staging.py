@@ -14,15 +14,24 @@ into device memory (the other of two slots: at most two staged layers are
 alive). Dispatch is asynchronous, so the copy can overlap layer L's compute;
 the loop never waits on the host (no block_until_ready, no np.asarray).
 
-Not built yet: the decode expert cache (a per-layer LRU of 64 expert slots
-with a slot table in the MoE kernel). Decode currently stages every layer's
-whole expert set per token: correct, and slow (it moves all routed experts
-across the host link for every generated token). Overlap has not been
+Decode (m = 1: decode steps and replay prefill) uses the expert cache
+instead (ExpertCache): per layer a device pool of S expert slots and a host
+LRU over (layer, expert). Per layer and token: the mixer and the routing
+(`ops.moe_route`, the MoE kernel's own routing code, so the same ids) run in
+one jitted call; the ids come to the host (one device-to-host round trip per
+layer per token: the price of this design, measured in `route_seconds`); the
+misses are copied from the host store into LRU-evicted slots (one jitted
+dynamic-slice + device_put + dynamic_update_slice call, pools donated); then
+`ops.moe_slots` runs the MoE through the slot table (expert -> slot). Same
+bytes as resident decode. A backend without moe_slots (xla, variants) stages
+every layer's experts per token instead (correct, slow). Overlap has not been
 measured on a GPU yet.
 """
 from __future__ import annotations
 
+import collections
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -110,11 +119,15 @@ _LAYER = jax.jit(_layer, static_argnames=("kind", "cfg", "ops"), donate_argnums=
 _EPILOGUE = jax.jit(M.epilogue, static_argnames=("cfg", "ops", "all_logits"))
 
 
-def forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, all_logits: bool = False):
+def forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, all_logits: bool = False,
+            cache: "ExpertCache | None" = None):
     """model.forward's contract, run layer by layer with routed experts staged from the host store.
 
-    The state's per-layer leaves are donated (as the resident step donates the state).
+    The state's per-layer leaves are donated (as the resident step donates the state). With a
+    cache, a one-row call (decode) takes its experts from the cache instead (cached_forward).
     """
+    if cache is not None and tokens.shape[0] == 1 and not all_logits:
+        return cached_forward(params, state, tokens, pos, n_valid, rope, cfg=cfg, ops=ops, cache=cache)
     on_dev = device_sharding(next(iter(params["embed"].devices())))
     layers = params["layers"]
     n = len(layers)
@@ -133,6 +146,152 @@ def forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, all_
         new_state.append(st)
     logits = _EPILOGUE({"final_norm": params["final_norm"], "lm_head": params["lm_head"]}, x, n_valid,
                        cfg=cfg, ops=ops, all_logits=all_logits)
+    return logits, tuple(new_state)
+
+
+# --- the decode expert cache --------------------------------------------------------
+DEFAULT_CACHE_SLOTS = 64  # per layer (the seed system's size); fewer when the budget says so
+
+
+def has_cache_ops(ops) -> bool:
+    """Whether a backend can run the MoE through a slot table (the ordered kernels can)."""
+    return hasattr(ops, "moe_slots") and hasattr(ops, "moe_route")
+
+
+def _fetch(pool_gu, pool_dn, store_gu, store_dn, experts, slots, *, dev):
+    """pool[slots[j]] = store[experts[j]] for each j (the host-to-device copies of the misses).
+    A repeated (expert, slot) pair pads the list to a fixed length: the same copy twice.
+    dev: the device memory sharding (static)."""
+    for j in range(experts.shape[0]):
+        gu = jax.device_put(jax.lax.dynamic_index_in_dim(store_gu, experts[j], keepdims=True), dev)
+        dn = jax.device_put(jax.lax.dynamic_index_in_dim(store_dn, experts[j], keepdims=True), dev)
+        pool_gu = jax.lax.dynamic_update_slice_in_dim(pool_gu, gu, slots[j], 0)
+        pool_dn = jax.lax.dynamic_update_slice_in_dim(pool_dn, dn, slots[j], 0)
+    return pool_gu, pool_dn
+
+
+_FETCH = jax.jit(_fetch, donate_argnums=(0, 1), static_argnames=("dev",))
+
+
+def _mixer_route(x, lp, st, cos, sin, pos, n_valid, *, kind, cfg, ops):
+    x, h2, st = M.layer_mixer(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid)
+    return x, h2, ops.moe_route(h2, lp["moe"]["router"], top_k=cfg.top_k), st
+
+
+def _cached_moe(x, h2, moe, pool_gu, pool_dn, slots, *, cfg, ops):
+    y = ops.moe_slots(h2, moe["router"], pool_gu, pool_dn, slots, moe["shared_gate_up"], moe["shared_down"],
+                      moe["shared_gate"], top_k=cfg.top_k)
+    return x + y
+
+
+_MIXER_ROUTE = jax.jit(_mixer_route, static_argnames=("kind", "cfg", "ops"), donate_argnums=(0, 2))
+_CACHED_MOE = jax.jit(_cached_moe, static_argnames=("cfg", "ops"), donate_argnums=(0,))
+
+
+class ExpertCache:
+    """Per layer, a device pool of `slots` expert slots; on the host, an LRU over (layer, expert).
+
+    ensure(layer, ids) makes every expert in ids resident (copying the misses from the host
+    store into free or least-recently-used slots, never evicting an expert ids needs) and
+    returns the layer's slot table, int32 [E]: expert -> slot, -1 = not resident.
+    Counters: hits / misses (one per routed (token, expert) of a call, an expert routed
+    twice by one call counted once), evictions, and the seconds spent waiting for the ids
+    (route_seconds, the per-layer device-to-host round trip) and issuing the copies
+    (copy_seconds)."""
+
+    def __init__(self, cfg: Config, layers, slots: int, dev=None):
+        E = cfg.num_experts
+        if not cfg.top_k <= slots <= E:
+            raise ValueError(f"the decode expert cache needs top_k={cfg.top_k} <= slots <= E={E}, got {slots}")
+        dev = dev or jax.devices()[0]
+        self.cfg, self.slots, self._layers = cfg, slots, layers
+        self._on_dev = on_dev = device_sharding(dev)
+        self.pools = []
+        for lp in layers:
+            gu, dn = lp["moe"]["gate_up"], lp["moe"]["down"]
+            self.pools.append([jax.device_put(np.zeros((slots,) + tuple(gu.shape[1:]), gu.dtype), on_dev),
+                               jax.device_put(np.zeros((slots,) + tuple(dn.shape[1:]), dn.dtype), on_dev)])
+        self.slot_of = [np.full((E,), -1, np.int32) for _ in layers]
+        self.lru = [collections.OrderedDict() for _ in layers]  # expert -> slot, least recent first
+        self.free = [list(range(slots - 1, -1, -1)) for _ in layers]  # pop() gives slot 0 first
+        self.hits = self.misses = self.evictions = 0
+        self.route_seconds = self.copy_seconds = 0.0
+        self.events = []  # (layer, expert, slot, evicted expert or -1) per miss: for tests
+        self.keep_events = False
+
+    @property
+    def hit_rate(self) -> float | None:
+        n = self.hits + self.misses
+        return self.hits / n if n else None
+
+    def stats(self) -> dict:
+        return {"slots_per_layer": self.slots, "layers": len(self.pools), "hits": self.hits,
+                "misses": self.misses, "evictions": self.evictions, "hit_rate": self.hit_rate,
+                "route_seconds": self.route_seconds, "copy_seconds": self.copy_seconds}
+
+    def reset_stats(self):
+        self.hits = self.misses = self.evictions = 0
+        self.route_seconds = self.copy_seconds = 0.0
+        self.events = []
+
+    def ensure(self, layer: int, ids) -> np.ndarray:
+        lru, slot_of, free = self.lru[layer], self.slot_of[layer], self.free[layer]
+        need = list(dict.fromkeys(int(e) for e in np.asarray(ids).reshape(-1)))
+        if len(need) > self.slots:
+            raise ValueError(f"one call routes to {len(need)} experts of layer {layer}, more than the "
+                             f"cache's {self.slots} slots")
+        todo_e, todo_s = [], []
+        for e in need:  # hits first refresh their place, so no needed expert is evicted below
+            if e in lru:
+                lru.move_to_end(e)
+                self.hits += 1
+        for e in need:
+            if e in lru:
+                continue
+            self.misses += 1
+            if free:
+                s, old = free.pop(), -1
+            else:
+                old, s = lru.popitem(last=False)  # least recently used; not in need (see above)
+                slot_of[old] = -1
+                self.evictions += 1
+            lru[e] = s
+            slot_of[e] = s
+            todo_e.append(e)
+            todo_s.append(s)
+            if self.keep_events:
+                self.events.append((layer, e, s, old))
+        if todo_e:
+            t0 = time.perf_counter()
+            k = self.cfg.top_k  # a fixed length (one compile): pad with the first copy again
+            pad = max(k, len(todo_e))
+            ee = np.asarray(todo_e + todo_e[:1] * (pad - len(todo_e)), np.int32)
+            ss = np.asarray(todo_s + todo_s[:1] * (pad - len(todo_s)), np.int32)
+            moe = self._layers[layer]["moe"]
+            pool = self.pools[layer]
+            pool[0], pool[1] = _FETCH(pool[0], pool[1], moe["gate_up"], moe["down"], ee, ss, dev=self._on_dev)
+            self.copy_seconds += time.perf_counter() - t0
+        return slot_of.copy()
+
+
+def cached_forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, cache: ExpertCache):
+    """A one-row forward (decode) with the routed experts from the expert cache: per layer the
+    mixer and the routing, the ids to the host, the misses copied, the MoE through the slots."""
+    layers = params["layers"]
+    x, cos, sin = _PROLOGUE({"embed": params["embed"]}, tokens, pos, rope)
+    new_state = []
+    for i, (lp, st, kind) in enumerate(zip(layers, state, cfg.layer_types)):
+        res = split_layer(lp)[0]
+        x, h2, ids, st = _MIXER_ROUTE(x, res, st, cos, sin, pos, n_valid, kind=kind, cfg=cfg, ops=ops)
+        t0 = time.perf_counter()
+        ids = np.asarray(ids)  # waits for this layer's mixer: the per-layer host round trip
+        cache.route_seconds += time.perf_counter() - t0
+        slots = cache.ensure(i, ids)
+        gu, dn = cache.pools[i]
+        x = _CACHED_MOE(x, h2, res["moe"], gu, dn, slots, cfg=cfg, ops=ops)
+        new_state.append(st)
+    logits = _EPILOGUE({"final_norm": params["final_norm"], "lm_head": params["lm_head"]}, x, n_valid,
+                       cfg=cfg, ops=ops, all_logits=False)
     return logits, tuple(new_state)
 
 

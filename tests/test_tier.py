@@ -132,3 +132,113 @@ def test_tier_default_chunk_is_the_largest_that_fits():
     assert roomy.pick_chunk(300) == 512  # one pass for the whole prompt
     res = eng.generate(list(range(1, 200)), 2)
     assert res.chunk == 64
+
+
+# --- the decode expert cache (staging.ExpertCache) ------------------------------------------
+def decode_run(eng, ids, n):
+    """Batched prefill (chunk 16) then n greedy decode steps: every step's logits, the final state."""
+    import jax
+    from baro_jax.sampling import greedy
+
+    pre = eng.prefill(ids, "batch", 16, n_new=n)
+    logits, state, out = pre.logits, pre.state, []
+    for i in range(n):
+        out.append(np.asarray(logits))
+        logits, state = eng.decode_step(int(greedy(logits)), state, len(ids) + i)
+    out.append(np.asarray(logits))
+    return out, [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
+
+
+def test_cached_decode_bytes_equal_resident(engines):
+    """A pool smaller than the experts a prompt uses (evictions every step): resident decode's bytes,
+    every step's logits and every state leaf, 16+ greedy tokens."""
+    res, tier = engines
+    ids = res.encode(PROMPT)[:24]
+    S = tier.cfg.top_k + 1
+    cache = tier.use_expert_cache(S)
+    try:
+        assert cache is not None and cache.slots == S
+        want_logits, want_state = decode_run(res, ids, 18)
+        got_logits, got_state = decode_run(tier, ids, 18)
+        st = cache.stats()
+        assert st["misses"] > 0 and st["evictions"] > 0 and st["hits"] > 0, st
+        for i, (a, b) in enumerate(zip(want_logits, got_logits)):
+            assert a.tobytes() == b.tobytes(), f"decode step {i}"
+        names = identity.state_names(res.cfg)
+        assert identity.first_diff(want_state, got_state, names) is None
+        # and generate() reports the cache in its JSON
+        r = tier.generate(ids, 6, prefill="batch", chunk=16)
+        ec = r.to_json()["expert_cache"]
+        assert ec["slots_per_layer"] == S and ec["hits"] + ec["misses"] == 5 * tier.cfg.num_layers * tier.cfg.top_k
+        assert 0.0 <= ec["hit_rate"] <= 1.0
+    finally:
+        tier.use_expert_cache(None)
+
+
+def test_expert_cache_lru():
+    """Hits, misses, eviction order (least recently used, never an expert the call needs), slot reuse,
+    and the pool's slots holding exactly the store's experts (checked against a plain reference LRU)."""
+    eng = baro_jax.load("tiny-random", mode="tier", backend="ordered", progress=False)
+    cache = staging.ExpertCache(eng.cfg, eng.params["layers"], 3)
+    cache.keep_events = True
+    E = eng.cfg.num_experts
+    seq = [[0, 1], [1, 2], [0, 3], [2, 4], [4, 2], [5, 6]]
+    ref, ref_free, ref_slot = [], [0, 1, 2], {}
+    for t, ids in enumerate(seq):
+        n_ev = len(cache.events)
+        slots = cache.ensure(1, np.asarray(ids, np.int32))
+        exp_events = []
+        for e in ids:  # hits refresh first
+            if e in ref:
+                ref.remove(e)
+                ref.append(e)
+        for e in ids:
+            if e in ref_slot:
+                continue
+            if ref_free:
+                s, old = ref_free.pop(0), -1
+            else:
+                old = ref.pop(0)
+                s = ref_slot.pop(old)
+            ref.append(e)
+            ref_slot[e] = s
+            exp_events.append((1, e, s, old))
+        assert cache.events[n_ev:] == exp_events, (t, cache.events[n_ev:], exp_events)
+        assert {e: int(slots[e]) for e in range(E) if slots[e] >= 0} == ref_slot, t
+        assert all(e in ref_slot for e in ids)
+        gu, dn = (np.asarray(a) for a in cache.pools[1])
+        store = eng.params["layers"][1]["moe"]
+        for e, s in ref_slot.items():
+            assert gu[s].tobytes() == np.asarray(store["gate_up"][e]).tobytes(), (t, e, s)
+            assert dn[s].tobytes() == np.asarray(store["down"][e]).tobytes(), (t, e, s)
+    n = sum(len(set(i)) for i in seq)
+    assert cache.hits + cache.misses == n and cache.misses == len(cache.events)
+    assert cache.evictions == sum(1 for ev in cache.events if ev[3] >= 0)
+    assert cache.slot_of[0].tolist() == [-1] * E  # other layers untouched
+    with pytest.raises(ValueError, match="more than the cache's 3 slots"):
+        cache.ensure(1, np.arange(4, dtype=np.int32))
+
+
+def test_cache_sized_by_budget():
+    """64 slots (at most E) by default; fewer when the budget says so; none below top_k."""
+    import jax.numpy as jnp
+
+    cfg = baro_jax.preset("tiny-random")
+    S, note = budget.tier_cache_slots(cfg, jnp.bfloat16, None)
+    assert S == min(64, cfg.num_experts), note
+    r = min(budget.CACHE_RESERVE, cfg.max_context)
+    base = budget.check_tier(cfg, jnp.bfloat16, None, r, r)
+    per = budget.cache_bytes(cfg, jnp.bfloat16, 1)
+    for want in (cfg.top_k, cfg.top_k + 1):
+        gb = (base + want * per + 100) / 2**30
+        S, note = budget.tier_cache_slots(cfg, jnp.bfloat16, gb)
+        assert S == want, note
+        assert "the budget allows no more" in note
+    gb = (base + (cfg.top_k - 1) * per + 100) / 2**30
+    S, note = budget.tier_cache_slots(cfg, jnp.bfloat16, gb)
+    assert S == 0 and "no room for the cache" in note
+    eng = baro_jax.load("tiny-random", mode="tier", backend="ordered", progress=False,
+                        device_budget_gb=(base + 3 * per + 100) / 2**30)
+    assert eng.cache_slots == 3
+    with pytest.raises(MemoryError, match="decode expert cache 4 x 3 slots"):  # counted in every check
+        eng.prefill(list(range(10)), chunk=4096)

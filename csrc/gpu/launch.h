@@ -100,10 +100,18 @@ struct MoeArgs {
   float* out;                 // [m, D]
   int64_t m, D, E, I, Is;
   int top_k;
+  // baro_moe_slots: w_gate_up / w_down are pools of S slots and expert e's weights are slot
+  // slots[e] (-1 = not resident: its rows come out NaN); nullptr: slot e (baro_moe).
+  const int32_t* slots = nullptr;  // [E]
+  int64_t S = 0;
 };
 constexpr int kMoeMaxExperts = 8192;
 // Bytes of device scratch launch_moe needs (256-byte aligned pieces).
 size_t moe_scratch_bytes(const MoeArgs& a);
 gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream);
+// baro_moe_route: ids[m, k] = the experts launch_moe routes each row to (the same kernels).
+size_t moe_route_scratch_bytes(int64_t m, int64_t E, int k);
+gpuError_t launch_moe_route(const uint16_t* h, const uint16_t* router, int32_t* ids, int64_t m,
+                            int64_t D, int64_t E, int k, void* scratch, gpuStream_t stream);
 
 }  // namespace baro_gpu

@@ -103,6 +103,15 @@ __global__ void __launch_bounds__(kTopkWarps * BARO_WARP)
 
 BARO_DEV int clamp_expert(int e, int E) { return e < 0 ? 0 : (e >= E ? E - 1 : e); }
 
+// The weight group of expert e: e itself, or its slot in the pool (baro_moe_slots), clamped
+// into the pool so a non-resident expert (-1) never reads outside it; its rows are made NaN
+// by the combine (moe_combine_kernel), so nothing reads another expert's weights silently.
+BARO_DEV int weight_group(int e, const int32_t* slots, int S) {
+  if (slots == nullptr) return e;
+  const int s = slots[e];
+  return s < 0 ? 0 : (s >= S ? S - 1 : s);
+}
+
 __global__ void __launch_bounds__(kGroupThreads)
     moe_count_kernel(const int32_t* __restrict__ ids, int64_t P, int E, int32_t* __restrict__ cnt) {
   extern __shared__ int32_t scnt[];  // [E]
@@ -135,7 +144,8 @@ BARO_DEV int64_t block_scan_incl(int64_t v, int64_t* sh) {
 
 // Body of the scan, for a block of kScanThreads; cnt may be global or shared.
 BARO_DEV void group_scan(int32_t* cnt, int n_chunks, int E, int bm, int32_t* __restrict__ tiles,
-                         int32_t* __restrict__ n_tiles, int64_t max_tiles, int64_t* sh) {
+                         int32_t* __restrict__ n_tiles, int64_t max_tiles, int64_t* sh,
+                         const int32_t* __restrict__ slots, int S) {
   const int tid = threadIdx.x;
   const int per = (E + kScanThreads - 1) / kScanThreads;  // contiguous experts per thread
   const int e_lo = imin(tid * per, E), e_hi = imin(e_lo + per, E);
@@ -164,7 +174,7 @@ BARO_DEV void group_scan(int32_t* cnt, int n_chunks, int E, int bm, int32_t* __r
     const int64_t tot = run - off;
     for (int64_t st = 0; st < tot; st += bm, ++nt) {
       if (nt < max_tiles) {
-        tiles[3 * nt + 0] = e;
+        tiles[3 * nt + 0] = weight_group(e, slots, S);
         tiles[3 * nt + 1] = static_cast<int32_t>(off + st);
         tiles[3 * nt + 2] = static_cast<int32_t>(tot - st < bm ? tot - st : bm);
       }
@@ -176,9 +186,10 @@ BARO_DEV void group_scan(int32_t* cnt, int n_chunks, int E, int bm, int32_t* __r
 
 __global__ void __launch_bounds__(kScanThreads)
     moe_scan_kernel(int32_t* __restrict__ cnt, int n_chunks, int E, int bm,
-                    int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles, int64_t max_tiles) {
+                    int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles, int64_t max_tiles,
+                    const int32_t* __restrict__ slots, int S) {
   __shared__ int64_t sh[kScanThreads];
-  group_scan(cnt, n_chunks, E, bm, tiles, n_tiles, max_tiles, sh);
+  group_scan(cnt, n_chunks, E, bm, tiles, n_tiles, max_tiles, sh, slots, S);
 }
 
 // One warp walks the chunk's pairs in ascending p, 32 at a time: a lane's rank
@@ -235,7 +246,7 @@ __global__ void __launch_bounds__(kScanThreads)
     moe_group_one_kernel(const int32_t* __restrict__ ids, int P, int k, int E, int bm,
                          int32_t* __restrict__ srow, int32_t* __restrict__ inv,
                          int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles,
-                         int64_t max_tiles) {
+                         int64_t max_tiles, const int32_t* __restrict__ slots, int S) {
   __shared__ int64_t sh[kScanThreads];
   __shared__ int32_t sid[kGroupChunk];
   extern __shared__ int32_t pos[];  // [E]: counts, then running positions
@@ -245,7 +256,7 @@ __global__ void __launch_bounds__(kScanThreads)
   __syncthreads();
   for (int q = tid; q < P; q += kScanThreads) atomicAdd(&pos[sid[q]], 1);
   __syncthreads();
-  group_scan(pos, 1, E, bm, tiles, n_tiles, max_tiles, sh);  // pos[e] = expert offset
+  group_scan(pos, 1, E, bm, tiles, n_tiles, max_tiles, sh, slots, S);  // pos[e] = expert offset
   __syncthreads();
   if (tid < BARO_WARP) group_place(sid, pos, P, 0, k, srow, inv);
 }
@@ -273,7 +284,8 @@ __global__ void __launch_bounds__(kElemThreads)
     moe_combine_kernel(const float* __restrict__ ys, const int32_t* __restrict__ inv,
                        const float* __restrict__ wts, const float* __restrict__ sout,
                        const float* __restrict__ sgl, float* __restrict__ out, int64_t m,
-                       int64_t D, int k) {
+                       int64_t D, int k, const int32_t* __restrict__ ids,
+                       const int32_t* __restrict__ slots, int S) {
   const int64_t DV = D / V;
   const int64_t total = m * DV;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kElemThreads + threadIdx.x; idx < total;
@@ -284,7 +296,11 @@ __global__ void __launch_bounds__(kElemThreads)
     for (int j = 0; j < V; ++j) routed[j] = 0.0f;
     for (int s = 0; s < k; ++s) {
       const int64_t pair = i * k + s;
-      const float w = wts[pair];
+      float w = wts[pair];
+      if (slots != nullptr) {  // a routed expert with no slot: the row is NaN, loudly
+        const int sl = slots[ids[pair]];  // ids are in [0, E) (moe_topk_kernel)
+        if (sl < 0 || sl >= S) w = __int_as_float(0x7fc00000);
+      }
       const float* y = ys + static_cast<int64_t>(inv[pair]) * D + d;
       float yv[V];
       if (V == 4) {
@@ -465,14 +481,14 @@ gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream) {
   if (n_chunks == 1) {
     moe_group_one_kernel<<<1, kScanThreads, cnt_smem, stream>>>(
         s.ids, static_cast<int>(P), a.top_k, static_cast<int>(E), bm, s.srow, s.inv, s.tiles,
-        s.n_tiles, max_tiles);
+        s.n_tiles, max_tiles, a.slots, static_cast<int>(a.S));
   } else {
     moe_count_kernel<<<static_cast<unsigned>(n_chunks), kGroupThreads, cnt_smem, stream>>>(
         s.ids, P, static_cast<int>(E), s.cnt);
     BARO_MOE_TRY(gpuGetLastError());
     moe_scan_kernel<<<1, kScanThreads, 0, stream>>>(s.cnt, static_cast<int>(n_chunks),
                                                     static_cast<int>(E), bm, s.tiles, s.n_tiles,
-                                                    max_tiles);
+                                                    max_tiles, a.slots, static_cast<int>(a.S));
     BARO_MOE_TRY(gpuGetLastError());
     moe_place_kernel<<<static_cast<unsigned>(n_chunks), kGroupThreads,
                        cnt_smem + sizeof(int32_t) * kGroupChunk, stream>>>(
@@ -523,11 +539,33 @@ gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream) {
   const bool v4 = D % 4 == 0 && (reinterpret_cast<uintptr_t>(a.out) & 15u) == 0;
   if (v4) {
     moe_combine_kernel<4><<<elem_blocks(m * D / 4), kElemThreads, 0, stream>>>(
-        s.ys, s.inv, s.wts, s.sout, s.sgl, a.out, m, D, a.top_k);
+        s.ys, s.inv, s.wts, s.sout, s.sgl, a.out, m, D, a.top_k, s.ids, a.slots,
+        static_cast<int>(a.S));
   } else {
     moe_combine_kernel<1><<<elem_blocks(m * D), kElemThreads, 0, stream>>>(
-        s.ys, s.inv, s.wts, s.sout, s.sgl, a.out, m, D, a.top_k);
+        s.ys, s.inv, s.wts, s.sout, s.sgl, a.out, m, D, a.top_k, s.ids, a.slots,
+        static_cast<int>(a.S));
   }
+  return gpuGetLastError();
+}
+
+// baro_moe_route: steps 1-2 of launch_moe (the same kernels), ids straight into the result.
+size_t moe_route_scratch_bytes(int64_t m, int64_t E, int k) {
+  const auto up = [](size_t b) { return (b + 255) & ~static_cast<size_t>(255); };
+  return up(sizeof(float) * m * E) + up(sizeof(float) * m * k);
+}
+
+gpuError_t launch_moe_route(const uint16_t* h, const uint16_t* router, int32_t* ids, int64_t m,
+                            int64_t D, int64_t E, int k, void* scratch, gpuStream_t stream) {
+  (void)gpuGetLastError();
+  if (m <= 0) return gpuSuccess;
+  if (k < 1 || k > E || E > kSortMaxE || scratch == nullptr) return gpuErrorInvalidValue;
+  float* logits = static_cast<float*>(scratch);
+  float* wts = reinterpret_cast<float*>(static_cast<char*>(scratch) +
+                                        ((sizeof(float) * m * E + 255) & ~static_cast<size_t>(255)));
+  BARO_MOE_TRY(launch_matmul(h, router, logits, m, E, D, stream));
+  moe_topk_kernel<<<static_cast<unsigned>((m + kTopkWarps - 1) / kTopkWarps),
+                    kTopkWarps * BARO_WARP, 0, stream>>>(logits, ids, wts, m, static_cast<int>(E), k);
   return gpuGetLastError();
 }
 
@@ -541,22 +579,19 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-ffi::Error MoeGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> h,
-                      ffi::Buffer<ffi::BF16> router, ffi::Buffer<ffi::BF16> w_gate_up,
-                      ffi::Buffer<ffi::BF16> w_down, ffi::Buffer<ffi::BF16> shared_gate_up,
-                      ffi::Buffer<ffi::BF16> shared_down, ffi::Buffer<ffi::BF16> shared_gate,
-                      int32_t top_k, ffi::ResultBuffer<ffi::F32> out) {
-  const char* op = "baro_moe";
-  baro::MoeDims dims;
-  if (auto err = baro::check_moe(h, router, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate,
-                                 top_k, *out, dims);
-      err.failure())
-    return err;
+// The launch shared by baro_moe and baro_moe_slots (slots == nullptr: baro_moe).
+ffi::Error run_moe(const char* op, gpuStream_t stream, ffi::ScratchAllocator& scratch,
+                   const baro::MoeDims& dims, int32_t top_k, ffi::Buffer<ffi::BF16>& h,
+                   ffi::Buffer<ffi::BF16>& router, ffi::Buffer<ffi::BF16>& w_gate_up,
+                   ffi::Buffer<ffi::BF16>& w_down, const int32_t* slots, int64_t S,
+                   ffi::Buffer<ffi::BF16>& shared_gate_up, ffi::Buffer<ffi::BF16>& shared_down,
+                   ffi::Buffer<ffi::BF16>& shared_gate, ffi::Result<ffi::Buffer<ffi::F32>>& out) {
   const int64_t m = dims.m, D = dims.D, E = dims.E, I = dims.I, Is = dims.Is;
   BARO_CHECK(E <= baro_gpu::kMoeMaxExperts, op,
              "the GPU kernel supports at most " << baro_gpu::kMoeMaxExperts << " experts, got E=" << E);
   BARO_CHECK(m * top_k < (int64_t{1} << 31) - 1 && E < (int64_t{1} << 31), op,
              "m * top_k = " << m * top_k << " (row, slot) pairs is too many for one GPU call");
+  BARO_CHECK(S < (int64_t{1} << 31), op, "too many pool slots: " << S);
   if (m == 0) return ffi::Error::Success();
 
   baro_gpu::MoeArgs a;
@@ -574,6 +609,8 @@ ffi::Error MoeGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ffi::Bu
   a.I = I;
   a.Is = Is;
   a.top_k = top_k;
+  a.slots = slots;
+  a.S = S;
   const size_t bytes = baro_gpu::moe_scratch_bytes(a);
   std::optional<void*> mem = scratch.Allocate(bytes, 16);  // XLA accepts alignment <= 16
   if (!mem.has_value() || *mem == nullptr)
@@ -581,6 +618,57 @@ ffi::Error MoeGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ffi::Bu
                       std::string(op) + ": could not allocate " + std::to_string(bytes) +
                           " bytes of GPU scratch");
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_moe(a, *mem, stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error MoeGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> h,
+                      ffi::Buffer<ffi::BF16> router, ffi::Buffer<ffi::BF16> w_gate_up,
+                      ffi::Buffer<ffi::BF16> w_down, ffi::Buffer<ffi::BF16> shared_gate_up,
+                      ffi::Buffer<ffi::BF16> shared_down, ffi::Buffer<ffi::BF16> shared_gate,
+                      int32_t top_k, ffi::ResultBuffer<ffi::F32> out) {
+  baro::MoeDims dims;
+  if (auto err = baro::check_moe(h, router, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate,
+                                 top_k, *out, dims);
+      err.failure())
+    return err;
+  return run_moe("baro_moe", stream, scratch, dims, top_k, h, router, w_gate_up, w_down, nullptr, 0,
+                 shared_gate_up, shared_down, shared_gate, out);
+}
+
+// baro_moe_slots: the grouped GEMMs' weight group is the expert's slot (slots[e]) in the
+// pool instead of e; everything else, so every bit, is baro_moe's.
+ffi::Error MoeSlotsGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> h,
+                           ffi::Buffer<ffi::BF16> router, ffi::Buffer<ffi::BF16> w_gate_up_pool,
+                           ffi::Buffer<ffi::BF16> w_down_pool, ffi::Buffer<ffi::S32> slots,
+                           ffi::Buffer<ffi::BF16> shared_gate_up, ffi::Buffer<ffi::BF16> shared_down,
+                           ffi::Buffer<ffi::BF16> shared_gate, int32_t top_k,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  baro::MoeDims dims;
+  int64_t S = 0;
+  if (auto err = baro::check_moe_slots(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up,
+                                       shared_down, shared_gate, top_k, *out, dims, S);
+      err.failure())
+    return err;
+  return run_moe("baro_moe_slots", stream, scratch, dims, top_k, h, router, w_gate_up_pool, w_down_pool,
+                 slots.typed_data(), S, shared_gate_up, shared_down, shared_gate, out);
+}
+
+ffi::Error MoeRouteGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> h,
+                           ffi::Buffer<ffi::BF16> router, int32_t top_k, ffi::ResultBuffer<ffi::S32> ids) {
+  const char* op = "baro_moe_route";
+  int64_t m = 0, D = 0, E = 0;
+  if (auto err = baro::check_moe_route(h, router, top_k, *ids, m, D, E); err.failure()) return err;
+  BARO_CHECK(E <= baro_gpu::kMoeMaxExperts, op,
+             "the GPU kernel supports at most " << baro_gpu::kMoeMaxExperts << " experts, got E=" << E);
+  if (m == 0) return ffi::Error::Success();
+  const size_t bytes = baro_gpu::moe_route_scratch_bytes(m, E, top_k);
+  std::optional<void*> mem = scratch.Allocate(bytes, 16);
+  if (!mem.has_value() || *mem == nullptr)
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      std::string(op) + ": could not allocate " + std::to_string(bytes) +
+                          " bytes of GPU scratch");
+  BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_moe_route(h.typed_data(), router.typed_data(),
+                                                       ids->typed_data(), m, D, E, top_k, *mem, stream));
   return ffi::Error::Success();
 }
 
@@ -599,4 +687,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeGpu, MoeGpuImpl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
                                   .Attr<int32_t>("top_k")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsGpu, MoeSlotsGpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // router
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_gate_up_pool [S, 2I, D]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_down_pool [S, D, I]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [E]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate_up
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_down
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
+                                  .Attr<int32_t>("top_k")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeRouteGpu, MoeRouteGpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // router
+                                  .Attr<int32_t>("top_k")
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // ids [m, top_k]
 );

@@ -120,6 +120,10 @@ def state_length(cfg: Config, dtype, state, what: str) -> int | None:
         else:
             want = {"conv": ((cfg.conv_kernel - 1, cfg.conv_dim), adt),
                     "ssm": ((cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim), np.dtype(np.float32))}
+            if getattr(cfg, "delta_rule", "token") == "blocked":  # the pending rows of the delta block
+                from .model import blocked_delta_shapes
+
+                want.update({k: (shape, np.dtype(np.float32)) for k, shape in blocked_delta_shapes(cfg).items()})
         if set(st) != set(want):
             raise ValueError(f"{what}: this state does not belong to this model: layer {i} ({kind}) has entries "
                              f"{sorted(st)}, this model's has {sorted(want)} (a state from another model?); {hint}")

@@ -10,6 +10,19 @@ from typing import Any
 FULL = "full_attention"
 LINEAR = "linear_attention"
 
+DELTA_RULES = ("token", "blocked")
+DELTA_BLOCK = 64  # rows per block of the blocked delta rule (absolute positions [64b, 64b + 64))
+
+
+def check_delta_rule(rule, where: str = "delta_rule") -> str:
+    """None -> env BARO_DELTA (token|blocked), unset or empty -> "token"; else one of DELTA_RULES."""
+    if rule is None:
+        rule = os.environ.get("BARO_DELTA") or "token"
+        where = "BARO_DELTA"
+    if rule not in DELTA_RULES:
+        raise ValueError(f"{where} must be one of {', '.join(DELTA_RULES)}, got {rule!r}")
+    return rule
+
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
 
@@ -47,6 +60,10 @@ class Config:
     rms_eps: float = 1e-6
     max_context: int = 32768
     tie_word_embeddings: bool = False
+    # Gated DeltaNet recurrence: "token" (per-token rule, the default) or "blocked" (the
+    # chunk-aligned rule of DESIGN §9, blocks of DELTA_BLOCK rows at absolute positions; opt-in,
+    # CPU kernel only). Set at load time (load(delta_rule=), --delta-rule, BARO_DELTA).
+    delta_rule: str = "token"
 
     @property
     def rotary_dim(self) -> int:
@@ -88,6 +105,8 @@ class Config:
             raise ConfigError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
         if self.lin_v_heads % self.lin_k_heads:
             raise ConfigError(f"linear_num_value_heads {self.lin_v_heads} is not a multiple of linear_num_key_heads {self.lin_k_heads}")
+        if self.delta_rule not in DELTA_RULES:
+            raise ConfigError(f"{where}: delta_rule must be one of {', '.join(DELTA_RULES)}, got {self.delta_rule!r}")
         if self.conv_kernel != 4:
             raise ConfigError(f"linear_conv_kernel_dim {self.conv_kernel} is not supported (only 4)")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:

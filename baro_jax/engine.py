@@ -137,9 +137,14 @@ _ALL_LOGITS = jax.jit(partial(M.forward, all_logits=True), static_argnames=("cfg
 
 class Engine:
     def __init__(self, cfg: Config, params, tokenizer, *, backend: str = "xla", name: str = "model",
-                 mode: str = "resident", device_budget_gb: float | None = None, variant: str | None = None):
+                 mode: str = "resident", device_budget_gb: float | None = None, variant: str | None = None,
+                 delta_rule: str | None = None):
         if mode not in ENGINE_MODES:
             raise ValueError(f"unknown mode {mode!r}; choose resident or tier")
+        if delta_rule is not None:  # "token" | "blocked" (DESIGN §9): part of cfg, a static jit argument
+            from .config import check_delta_rule
+
+            cfg = dataclasses.replace(cfg, delta_rule=check_delta_rule(delta_rule))
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.backend = backend
@@ -152,25 +157,20 @@ class Engine:
         self.ops = variants.get_ops(self.variant) if self.variant else get_ops(backend)
         self.dtype = params["embed"].dtype
         self.rope = M.rope_tables(cfg, cfg.max_context)
+        self.cache, self.cache_note = None, "resident mode: every expert on the device"
         if mode == "tier":
             from . import staging
 
             budget.check_tier(cfg, self.dtype, device_budget_gb, min(MIN_STATE_LEN, cfg.max_context))
             self.params = staging.tier_params(params)  # routed experts -> host memory (no-op where already)
-        self.cache, self.cache_note = None, "resident mode: every expert on the device"
             self._step = partial(staging.forward, cfg=cfg, ops=self.ops)
             self._all_logits = partial(staging.forward, cfg=cfg, ops=self.ops, all_logits=True)
+            self.use_expert_cache(env_cache_slots())
         else:
             self.params = params
             self._step = partial(_STEP, cfg=cfg, ops=self.ops)
             self._all_logits = partial(_ALL_LOGITS, cfg=cfg, ops=self.ops)
 
-            self.use_expert_cache(env_cache_slots())
-    def check_device(self, state_len: int, chunk: int = 0):
-        """Refuse, before any work, a request whose KV/state and activations at `chunk` cannot fit."""
-        if self.mode == "tier":
-            budget.check_tier(self.cfg, self.dtype, self.device_budget_gb, state_len, chunk, self.cache_slots)
-        else:
     def use_expert_cache(self, slots: int | None = None):
         """Tier mode: (re)build the decode expert cache with `slots` per layer (None: 64, fewer when
         the budget says so, see budget.tier_cache_slots; 0: none, decode stages every layer's experts)."""
@@ -200,6 +200,11 @@ class Engine:
     def cache_slots(self) -> int:
         return self.cache.slots if self.cache is not None else 0
 
+    def check_device(self, state_len: int, chunk: int = 0):
+        """Refuse, before any work, a request whose KV/state and activations at `chunk` cannot fit."""
+        if self.mode == "tier":
+            budget.check_tier(self.cfg, self.dtype, self.device_budget_gb, state_len, chunk, self.cache_slots)
+        else:
             budget.check_resident(self.cfg, self.dtype, self.device_budget_gb, state_len, chunk)
 
     def pick_chunk(self, n_prompt: int, n_new: int = 0) -> int:
@@ -372,13 +377,13 @@ class Engine:
         last_logits = np.asarray(logits)
         out = []
         eos = getattr(self.tokenizer, "eos_id", None) if stop_at_eos else None
+        if self.cache is not None:
+            self.cache.reset_stats()  # the hit rate of this request's decode steps
         t0 = time.perf_counter()
         t1 = None  # when the first decode step's token was in hand: that step may have compiled
         pos = len(ids)
         for i in range(max_new_tokens):
             tok = sampler(logits)
-        if self.cache is not None:
-            self.cache.reset_stats()  # the hit rate of this request's decode steps
             if i == 1:
                 t1 = time.perf_counter()
             out.append(tok)
@@ -401,16 +406,11 @@ class Engine:
             prefill_seconds=pre.seconds, prefill_tokens_per_s=pre.tokens_per_s,
             decode_tokens_per_s=(n_dec / dt if dt > 0 and n_dec else 0.0),
             model=self.name, backend=self.backend, prefill_mode=prefill, variant=self.variant,
+            expert_cache=self.expert_cache_report(),
             chunk=(chunk or self.pick_chunk(len(ids), max_new_tokens)) if prefill == "batch" else None, mode=self.mode,
             last_prompt_logits=last_logits, state=state if keep_state else None)
 
 
-def default_backend(dtype: str = "bfloat16") -> str:
-            expert_cache=self.expert_cache_report(),
-    """The product, `ordered`, when its library is built and the dtype is bf16; else `xla`."""
-    from .ops import BackendUnavailable
-
-    if dtype != "bfloat16":
 def env_cache_slots(default: int | None = None) -> int | None:
     """BARO_CACHE_SLOTS: the decode expert cache's slots per layer (0: none); unset -> default (sized by the budget)."""
     v = os.environ.get("BARO_CACHE_SLOTS")
@@ -425,6 +425,11 @@ def env_cache_slots(default: int | None = None) -> int | None:
     return n
 
 
+def default_backend(dtype: str = "bfloat16") -> str:
+    """The product, `ordered`, when its library is built and the dtype is bf16; else `xla`."""
+    from .ops import BackendUnavailable
+
+    if dtype != "bfloat16":
         return "xla"
     try:
         get_ops("ordered")
@@ -436,7 +441,7 @@ def env_cache_slots(default: int | None = None) -> int | None:
 def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloat16", max_context: int | None = None,
          seed: int = 0, progress: bool = True, mode: str | None = None,
          device_budget_gb: float | None = None, variant: str | None = None,
-         allow_nonfinite: bool | None = None) -> Engine:
+         allow_nonfinite: bool | None = None, delta_rule: str | None = None) -> Engine:
     """Load a checkpoint directory or a preset name into an Engine.
 
     Refused with a message naming the file and field or tensor: a bad config.json, index or
@@ -447,6 +452,10 @@ def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloa
     variant: an opt-in order-changing variant (xla, attn-fast, delta-chunk; baro_jax/variants.py) on
     the ordered backend: not byte-identical to replay, judged by benchmarks/agreement.py; None: env
     BARO_VARIANT, else none ("none" turns it off whatever the env says).
+
+    delta_rule: "token" (the per-token delta rule, default) or "blocked" (the chunk-aligned rule of
+    DESIGN §9: its own bits, identity by construction; opt-in, CPU kernel only so far); None: env
+    BARO_DELTA, else token.
 
     mode: "resident" (every weight in device memory) or "tier" (routed experts in pinned host
     memory, staged per layer; see staging.py); None: env BARO_TIER, else resident.
@@ -487,7 +496,10 @@ def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloa
         else:
             budget.check_resident(cfg, dt, device_budget_gb)
 
-    kw = dict(backend=backend, mode=mode, device_budget_gb=device_budget_gb, variant=variant)
+    from .config import check_delta_rule
+
+    kw = dict(backend=backend, mode=mode, device_budget_gb=device_budget_gb, variant=variant,
+              delta_rule=check_delta_rule(delta_rule, "delta_rule (--delta-rule)"))
     if os.path.isdir(model):
         from .weights import load_params
 

@@ -31,6 +31,10 @@ def parse_args(argv=None):
                    help="opt-in order-changing variant on the ordered backend: xla, attn-fast, delta-chunk, or none "
                         "(default; env BARO_VARIANT). Not byte-identical to replay: judged by "
                         "benchmarks/agreement.py")
+    p.add_argument("--delta-rule", choices=["token", "blocked"], default=None,
+                   help="token (default): the per-token delta rule; blocked: the chunk-aligned rule of DESIGN §9 "
+                        "(opt-in, CPU kernel only so far; identity holds within it, its bits differ from token's) "
+                        "(env BARO_DELTA=token|blocked)")
     p.add_argument("--mode", choices=["resident", "tier"], default=None,
                    help="resident (default): every weight in device memory; tier: routed experts in pinned host "
                         "memory, staged to the device layer by layer (env BARO_TIER=1|0)")
@@ -68,7 +72,7 @@ def _run(argv) -> int:
         eng = load(args.model, backend=backend, dtype=args.dtype, max_context=args.max_context,
                    seed=args.seed, progress=not args.json, mode=args.mode,
                    device_budget_gb=args.device_budget_gb, variant=variant or "none",
-                   allow_nonfinite=args.allow_nonfinite or None)
+                   allow_nonfinite=args.allow_nonfinite or None, delta_rule=args.delta_rule)
         if args.prompt_ids is not None:
             try:
                 prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]

@@ -10,7 +10,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from .config import FULL, Config
+from .config import DELTA_BLOCK, FULL, Config
 
 f32 = jnp.float32
 
@@ -32,11 +32,26 @@ def init_state(cfg: Config, dtype=jnp.bfloat16, length: int | None = None):
             kv = (S, cfg.num_kv_heads, cfg.head_dim)
             layers.append({"k": jnp.zeros(kv, dtype), "v": jnp.zeros(kv, dtype)})
         else:
-            layers.append({
+            st = {
                 "conv": jnp.zeros((cfg.conv_kernel - 1, cfg.conv_dim), dtype),
                 "ssm": jnp.zeros((cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim), f32),
-            })
+            }
+            if cfg.delta_rule == "blocked":  # ssm is then S0, the state at the current block's start
+                st.update(blocked_delta_state(cfg))
+            layers.append(st)
     return tuple(layers)
+
+
+def blocked_delta_shapes(cfg: Config):
+    """Shapes (all fp32) of the pending rows of the current delta block (DESIGN §9): per value
+    head the normalised k_j, the u_j and the local prefix log-decays c_j of slots j < pos % B."""
+    nv, B = cfg.lin_v_heads, DELTA_BLOCK
+    return {"blk_k": (nv, B, cfg.lin_k_dim), "blk_u": (nv, B, cfg.lin_v_dim), "blk_c": (nv, B)}
+
+
+def blocked_delta_state(cfg: Config):
+    """The pending rows, zeroed (a block's empty slots hold +0)."""
+    return {k: jnp.zeros(s, f32) for k, s in blocked_delta_shapes(cfg).items()}
 
 
 def attention_block(h, p, st, cfg, ops, cos, sin, pos, n_valid):
@@ -56,10 +71,17 @@ def gdn_block(h, p, st, cfg, ops, pos, n_valid):
     b = proj[:, C + nvdv:C + nvdv + nv]
     a = proj[:, C + nvdv + nv:]
     y, window = ops.conv(mixed, p["conv"], st["conv"], n_valid)
-    o, ssm = ops.delta(y, b, a, p["A_log"], p["dt_bias"], st["ssm"], n_valid,
-                       nk=cfg.lin_k_heads, dk=cfg.lin_k_dim)
+    if cfg.delta_rule == "blocked":
+        o, ssm, bk, bu, bc = ops.delta_blocked(y, b, a, p["A_log"], p["dt_bias"], st["ssm"], st["blk_k"],
+                                               st["blk_u"], st["blk_c"], pos, n_valid,
+                                               nk=cfg.lin_k_heads, dk=cfg.lin_k_dim)
+        new = {"conv": window, "ssm": ssm, "blk_k": bk, "blk_u": bu, "blk_c": bc}
+    else:
+        o, ssm = ops.delta(y, b, a, p["A_log"], p["dt_bias"], st["ssm"], n_valid,
+                           nk=cfg.lin_k_heads, dk=cfg.lin_k_dim)
+        new = {"conv": window, "ssm": ssm}
     g = ops.gated_norm(o, z, p["norm"], cfg.rms_eps, h.dtype)
-    return ops.matmul(g, p["out"]), {"conv": window, "ssm": ssm}
+    return ops.matmul(g, p["out"]), new
 
 
 def layer_mixer(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid):

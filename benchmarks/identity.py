@@ -33,6 +33,8 @@ def state_names(cfg):
     names = []
     for i, t in enumerate(cfg.layer_types):
         keys = ["k", "v"] if t == "full_attention" else ["conv", "ssm"]
+        if t != "full_attention" and getattr(cfg, "delta_rule", "token") == "blocked":
+            keys += ["blk_k", "blk_u", "blk_c"]  # the pending rows of the delta block (DESIGN §9)
         names += [f"L{i}.{k}" for k in sorted(keys)]  # tree_leaves orders dict keys sorted
     return names
 
@@ -70,10 +72,16 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="ordered", choices=["ordered", "xla"])
     ap.add_argument("--variant", default="none",
                     help="an opt-in order-changing variant (xla, attn-fast, delta-chunk): expected to FAIL this gate")
+    ap.add_argument("--delta-rule", default=None, choices=["token", "blocked"],
+                    help="the delta rule: token (per-token, default) or blocked (chunk-aligned, DESIGN §9); "
+                         "default: env BARO_DELTA, else token")
     ap.add_argument("--mode", default="resident", choices=["resident", "tier"],
                     help="where the routed experts live (tier: pinned host memory, staged per layer); "
                          "the gate compares batched vs replay within the mode")
     ap.add_argument("--device-budget-gb", type=float, default=None)
+    ap.add_argument("--cache-slots", type=int, default=None,
+                    help="tier mode: the decode expert cache's slots per layer (default: 64, at most E, fewer when "
+                         "the budget says so; 0: none)")
     ap.add_argument("--prompts", default=DEFAULT_PROMPTS)
     ap.add_argument("--chunks", default="16,37,64", help="comma-separated chunk sizes")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -87,13 +95,17 @@ def main(argv=None) -> int:
 
     chunks = [int(c) for c in args.chunks.split(",") if c]
     eng = baro_jax.load(args.model, backend=args.backend, max_context=args.max_context, seed=args.seed,
-                        mode=args.mode, device_budget_gb=args.device_budget_gb, variant=args.variant)
+                        mode=args.mode, device_budget_gb=args.device_budget_gb, variant=args.variant,
+                        delta_rule=args.delta_rule)
+    if args.mode == "tier" and args.cache_slots is not None:
+        eng.use_expert_cache(args.cache_slots)
     prompts = load_prompts(args.prompts, eng.tokenizer)
     if args.max_len:
         prompts = [p for p in prompts if len(p["ids"]) <= args.max_len]
     names = state_names(eng.cfg)
     rows, failures = [], 0
-    print(f"identity gate: model={args.model} backend={args.backend} variant={eng.variant} mode={args.mode} chunks={chunks} "
+    print(f"identity gate: model={args.model} backend={args.backend} variant={eng.variant} "
+          f"delta_rule={eng.cfg.delta_rule} mode={args.mode} chunks={chunks} "
           f"prompts={len(prompts)} new_tokens={args.new_tokens}")
     print(f"{'prompt':>8} {'len':>6} {'chunk':>6} {'state':>8} {'logits':>7} {'tokens':>7}  first diff")
     t_start = time.time()
@@ -119,9 +131,15 @@ def main(argv=None) -> int:
         # written after every prompt so a run cut short still leaves its evidence
         write_json(args.json, {"summary": {"pass": None, "partial": True, "cases": len(rows)}, "rows": rows})
     summary = {"pass": failures == 0, "failures": failures, "cases": len(rows), "model": args.model,
-               "backend": args.backend, "variant": eng.variant, "mode": args.mode, "chunks": chunks, "new_tokens": args.new_tokens,
+               "backend": args.backend, "variant": eng.variant, "delta_rule": eng.cfg.delta_rule, "mode": args.mode, "chunks": chunks, "new_tokens": args.new_tokens,
                "prompts_file": os.path.relpath(args.prompts, os.path.dirname(HERE)),
                "wall_seconds": time.time() - t_start, **provenance()}
+    if args.mode == "tier":  # over every one-row step of the run (replay prefill and decode)
+        summary["expert_cache"] = eng.expert_cache_report()
+        ec = summary["expert_cache"]
+        print(f"expert cache: {ec['slots_per_layer']} slots per layer"
+              + (f", hit rate {ec['hit_rate']:.1%} ({ec['hits']} hits, {ec['misses']} misses, "
+                 f"{ec['evictions']} evictions)" if ec.get("hit_rate") is not None else f" ({ec['note']})"))
     write_json(args.json, {"summary": summary, "rows": rows})
     print(f"{'PASS' if failures == 0 else 'FAIL'}: {len(rows) - failures}/{len(rows)} cases identical")
     return 0 if failures == 0 else 1

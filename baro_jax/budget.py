@@ -14,7 +14,7 @@ import os
 import numpy as np
 import jax
 
-from .config import FULL, Config
+from .config import DELTA_BLOCK, FULL, Config
 
 ACTIVATION_MARGIN = 1.25  # XLA temporaries beside the buffers counted below
 
@@ -54,6 +54,8 @@ def state_bytes(cfg: Config, dtype, length: int) -> int:
         else:
             n += (cfg.conv_kernel - 1) * cfg.conv_dim * itemsize(dtype)
             n += cfg.lin_v_heads * cfg.lin_k_dim * cfg.lin_v_dim * 4
+            if cfg.delta_rule == "blocked":  # the block's pending rows: k, u and c per slot, fp32
+                n += cfg.lin_v_heads * DELTA_BLOCK * (cfg.lin_k_dim + cfg.lin_v_dim + 1) * 4
     return n
 
 

@@ -242,3 +242,17 @@ def test_cache_sized_by_budget():
     assert eng.cache_slots == 3
     with pytest.raises(MemoryError, match="decode expert cache 4 x 3 slots"):  # counted in every check
         eng.prefill(list(range(10)), chunk=4096)
+
+
+def test_state_bytes_match_the_allocated_state():
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from baro_jax import model as M
+
+    for rule in ("token", "blocked"):
+        cfg = dataclasses.replace(baro_jax.preset("tiny-random"), delta_rule=rule)
+        st = M.init_state(cfg, jnp.bfloat16, 256)
+        real = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(st))
+        assert budget.state_bytes(cfg, jnp.bfloat16, 256) == real, rule

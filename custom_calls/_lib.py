@@ -36,14 +36,10 @@ TARGETS = {
 
 # Targets with a CPU kernel only: on a GPU platform whose library does not export them, a stub
 # from the CPU library is registered that fails with "no GPU kernel yet" (not "rebuild").
-CPU_ONLY = {
-    "baro_delta_blocked": "BaroDeltaBlockedNoGpu",
-}
-NO_GPU_KERNEL = {
-    "baro_delta_blocked": ("baro_delta_blocked (the chunk-aligned delta rule, DESIGN §9; BARO_DELTA=blocked / "
-                           "--delta-rule blocked) has no GPU kernel yet: it runs on CPU only; use the default "
-                           "per-token rule (BARO_DELTA=token) on a GPU"),
-}
+# Empty now: baro_delta_blocked has its GPU kernel (csrc/gpu/delta_blocked.cu), so a GPU library
+# without BaroDeltaBlockedGpu is a stale build and gets the "rebuild" message.
+CPU_ONLY: dict[str, str] = {}
+NO_GPU_KERNEL: dict[str, str] = {}
 
 # XLA platform name -> (library file, symbol suffix, stub symbol in the CPU lib)
 LIBRARIES = {

@@ -1,5 +1,7 @@
 """Kernel tests for baro_delta_blocked, the chunk-aligned delta rule (DESIGN §9,
-docs/NUMERICS.md "delta_blocked"), on CPU.
+docs/NUMERICS.md "delta_blocked"), on CPU and (tests marked `gpu`, deselected by default, run with
+`pytest -m gpu`) on the GPU: each platform against itself (the GPU sums in its own fixed order,
+NUMERICS "delta_blocked"), and both against the same float64 and ops_xla references.
 
   * bytes: m rows in one call == m one-row calls (outputs and every state leaf:
     S0, pending_k, pending_u, pending_c), and == other splits of the same rows
@@ -33,6 +35,28 @@ J = jax.jit(cc.delta_blocked)
 J_DONATE = jax.jit(cc.delta_blocked, donate_argnums=(5, 6, 7, 8))
 J_XLA = jax.jit(X.delta_blocked, static_argnames=("nk", "dk"))
 CPU = jax.devices("cpu")[0]
+
+PLATFORMS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+def _device(p):
+    try:
+        devs = jax.devices(p)
+    except RuntimeError:
+        pytest.skip(f"no {p} device")
+    if p == "gpu":
+        if not {"CUDA", "ROCM"} & set(cc.available_platforms()):
+            pytest.fail(f"GPU present but the baro GPU library is not loaded: {cc.load_errors()}")
+        plat = "ROCM" if "rocm" in str(getattr(devs[0].client, "platform_version", "")).lower() else "CUDA"
+        if "baro_delta_blocked" not in cc._lib._registered.get(plat, set()):
+            pytest.fail(f"the GPU library does not export BaroDeltaBlockedGpu: rebuild it ({cc.load_errors()})")
+    return devs[0]
+
+
+@pytest.fixture(params=PLATFORMS)
+def platform(request):
+    """The device the kernel runs on (as tests/test_kernels.py's fixture)."""
+    return _device(request.param)
 
 # (nk, nv, dk, dv, B)
 SHAPES = [(1, 2, 128, 128, 64), (2, 4, 16, 24, 8)]
@@ -80,8 +104,8 @@ def i32(v):
     return np.asarray(v, np.int32)
 
 
-def poison(shape):
-    jnp.full(shape, jnp.nan, jnp.float32, device=CPU).block_until_ready().delete()
+def poison(shape, dev=CPU):
+    jnp.full(shape, jnp.nan, jnp.float32, device=dev).block_until_ready().delete()
 
 
 def garbage(rng, n, a):
@@ -105,23 +129,24 @@ def zero_block(nv, dk, dv, B, rng=None):
     return (S0, np.zeros((nv, B, dk), np.float32), np.zeros((nv, B, dv), np.float32), np.zeros((nv, B), np.float32))
 
 
-def call(fn, rows, consts, st, pos, n_valid, pad_to=None, rng=None):
-    """One call; rows padded with garbage up to pad_to. Returns (o [numpy], state tuple [jax])."""
+def call(fn, rows, consts, st, pos, n_valid, pad_to=None, rng=None, dev=CPU):
+    """One call on dev; rows padded with garbage up to pad_to. Returns (o [numpy], state tuple [jax])."""
     y, b, a = rows
     n = y.shape[0]
     if pad_to is not None and pad_to > n:
         y, b, a = (np.concatenate([x, garbage(rng, pad_to - n, x)]) for x in (y, b, a))
-    poison((y.shape[0], st[0].shape[0], st[0].shape[2]))
-    out = fn(*(jax.device_put(x, CPU) for x in (y, b, a)), *consts, *st, i32(pos), i32(n_valid))
+    poison((y.shape[0], st[0].shape[0], st[0].shape[2]), dev)
+    out = fn(*(jax.device_put(x, dev) for x in (y, b, a)), *(jax.device_put(x, dev) for x in consts),
+             *(jax.device_put(x, dev) for x in st), jax.device_put(i32(pos), dev), jax.device_put(i32(n_valid), dev))
     return np.asarray(out[0]), tuple(out[1:])
 
 
-def run_chunks(rows, consts, st, pos, chunks, pad_to=None, rng=None):
+def run_chunks(rows, consts, st, pos, chunks, pad_to=None, rng=None, dev=CPU):
     """The rows through calls of `chunks` rows each (padded to pad_to); valid outputs and final state."""
     outs, r = [], 0
-    st = tuple(jax.device_put(s, CPU) for s in st)
+    st = tuple(jax.device_put(s, dev) for s in st)
     for c in chunks:
-        o, st = call(J, [x[r:r + c] for x in rows], consts, st, pos + r, c, pad_to, rng)
+        o, st = call(J, [x[r:r + c] for x in rows], consts, st, pos + r, c, pad_to, rng, dev)
         outs.append(o[:c])
         r += c
     nv, dv = st[0].shape[0], st[0].shape[2]
@@ -187,17 +212,17 @@ def state_of_block(st, pos):
     return np.exp(c)[:, None, None] * S0 + np.einsum("hj,hjk,hjv->hkv", e, K[:, :i], U[:, :i])
 
 
-def setup(shape, m, pre_kind, seed):
+def setup(shape, m, pre_kind, seed, dev=CPU):
     nk, nv, dk, dv, B = shape
     pre = {"boundary": 0, "mid": B // 2 + 1, "last": B - 1}[pre_kind]
     rng = np.random.default_rng(seed)
     T = pre + m
     y, b, a, A_log, dt_bias = inputs(rng, T, nk, nv, dk, dv)
-    consts = tuple(jax.device_put(x, CPU) for x in (A_log, dt_bias))
+    consts = tuple(jax.device_put(x, dev) for x in (A_log, dt_bias))
     st0 = zero_block(nv, dk, dv, B, rng)  # a random S0 at a block boundary
     base = BASE_BLOCKS * B
     # the block's first `pre` rows, one row per call (the decode arm), give the call's state
-    o_pre, st_pre = run_chunks([y[:pre], b[:pre], a[:pre]], consts, st0, base, [1] * pre)
+    o_pre, st_pre = run_chunks([y[:pre], b[:pre], a[:pre]], consts, st0, base, [1] * pre, dev=dev)
     rows = [y[pre:], b[pre:], a[pre:]]
     return dict(rng=rng, rows=rows, consts=consts, st0=st0, st_pre=st_pre, pos=base + pre, pre=pre,
                 all_rows=(y, b, a), A_log=A_log, dt_bias=dt_bias, o_pre=o_pre, shape=shape)
@@ -214,18 +239,22 @@ def ids(shape):
 @pytest.mark.parametrize("pre_kind", PRE)
 @pytest.mark.parametrize("m", M_LIST)
 @pytest.mark.parametrize("shape", SHAPES, ids=ids)
-def test_rows_equal_one_row_calls(shape, m, pre_kind):
-    s = setup(shape, m, pre_kind, seed=7000 + 13 * m + len(pre_kind) + shape[2])
+def test_rows_equal_one_row_calls(platform, shape, m, pre_kind):
+    check_rows_equal_one_row_calls(platform, shape, m, pre_kind, seed=7000 + 13 * m + len(pre_kind) + shape[2])
+
+
+def check_rows_equal_one_row_calls(dev, shape, m, pre_kind, seed, extra_splits=True):
+    s = setup(shape, m, pre_kind, seed=seed, dev=dev)
     rows, consts, st_pre, pos, rng = s["rows"], s["consts"], s["st_pre"], s["pos"], s["rng"]
     nk, nv, dk, dv, B = shape
-    o_full, st_full = run_chunks(rows, consts, st_pre, pos, [m])
+    o_full, st_full = run_chunks(rows, consts, st_pre, pos, [m], dev=dev)
     assert o_full.shape == (m, nv, dv)
     assert np.all(np.isfinite(o_full)) and all(np.all(np.isfinite(x)) for x in st_full)
     # the decode arm: one row per call, keeping every intermediate state
-    st = tuple(jax.device_put(x, CPU) for x in st_pre)
+    st = tuple(jax.device_put(x, dev) for x in st_pre)
     states = [host(st)]
     for r in range(m):
-        o1, st = call(J, [x[r:r + 1] for x in rows], consts, st, pos + r, 1)
+        o1, st = call(J, [x[r:r + 1] for x in rows], consts, st, pos + r, 1, dev=dev)
         assert_same_bits(o1[0], o_full[r], f"{ids(shape)} m={m} {pre_kind}: row {r} o vs one-row call")
         states.append(host(st))
     same_state(st_full, states[m], f"{ids(shape)} m={m} {pre_kind}: state vs one-row calls")
@@ -235,18 +264,22 @@ def test_rows_equal_one_row_calls(shape, m, pre_kind):
     assert not np.any(bits(st_full[3][:, i_end:]))
     # other splits of the same rows
     splits = {}
+    if not extra_splits:
+        m_splits = []
+    else:
+        m_splits = [7, m + 5]
     if m >= 2:
         splits["1+rest"], splits["rest+1"] = [1, m - 1], [m - 1, 1]
     if m >= 3:
         cuts = np.sort(rng.choice(np.arange(1, m), size=min(4, m - 1), replace=False))
         splits["random"] = list(np.diff(np.concatenate([[0], cuts, [m]])).astype(int))
     for name, chunks in splits.items():
-        o, st2 = run_chunks(rows, consts, st_pre, pos, chunks)
+        o, st2 = run_chunks(rows, consts, st_pre, pos, chunks, dev=dev)
         assert_same_bits(o, o_full, f"{ids(shape)} m={m} {pre_kind}: split {name} o")
         same_state(st2, st_full, f"{ids(shape)} m={m} {pre_kind}: split {name}")
-    for pad in (7, m + 5):
+    for pad in m_splits:
         chunks = [min(pad, m - r) for r in range(0, m, pad)]
-        o, st2 = run_chunks(rows, consts, st_pre, pos, chunks, pad_to=pad, rng=rng)
+        o, st2 = run_chunks(rows, consts, st_pre, pos, chunks, pad_to=pad, rng=rng, dev=dev)
         assert_same_bits(o, o_full, f"{ids(shape)} m={m} {pre_kind}: padded chunks of {pad} o")
         same_state(st2, st_full, f"{ids(shape)} m={m} {pre_kind}: padded chunks of {pad}")
     # n_valid < m: garbage rows leave no trace, their o is 0; aliased and donated state agree
@@ -255,7 +288,7 @@ def test_rows_equal_one_row_calls(shape, m, pre_kind):
         for x in padded:
             x[nvld:] = garbage(rng, m - nvld, x)
         for fn, what in ((J, "aliased"), (J_DONATE, "donated")):
-            o, st2 = call(fn, padded, consts, tuple(jax.device_put(x, CPU) for x in st_pre), pos, nvld)
+            o, st2 = call(fn, padded, consts, tuple(jax.device_put(x, dev) for x in st_pre), pos, nvld, dev=dev)
             same_state(host(st2), states[nvld], f"{ids(shape)} m={m} {pre_kind} n_valid={nvld} ({what})")
             assert_same_bits(o[:nvld], o_full[:nvld], f"{ids(shape)} m={m} n_valid={nvld} o ({what})")
             assert_same_bits(o[nvld:], np.zeros_like(o[nvld:]), f"{ids(shape)} m={m} padded rows of o")
@@ -264,11 +297,13 @@ def test_rows_equal_one_row_calls(shape, m, pre_kind):
 @pytest.mark.parametrize("pre_kind", PRE)
 @pytest.mark.parametrize("m", [7, 65, 150])
 @pytest.mark.parametrize("shape", SHAPES, ids=ids)
-def test_values_vs_token_rule_and_xla(shape, m, pre_kind):
-    s = setup(shape, m, pre_kind, seed=8000 + 13 * m + len(pre_kind) + shape[2])
+def test_values_vs_token_rule_and_xla(platform, shape, m, pre_kind):
+    s = setup(shape, m, pre_kind, seed=8000 + 13 * m + len(pre_kind) + shape[2], dev=platform)
     nk, nv, dk, dv, B = shape
     rows, consts, st_pre, pos = s["rows"], s["consts"], s["st_pre"], s["pos"]
-    o_full, st_full = run_chunks(rows, consts, st_pre, pos, [m])
+    o_full, st_full = run_chunks(rows, consts, st_pre, pos, [m], dev=platform)
+    consts = tuple(jax.device_put(x, CPU) for x in consts)
+    st_pre = tuple(jax.device_put(x, CPU) for x in st_pre)
     # float64 per-token recurrence over the block's earlier rows and the call's rows, from S0
     f = formed64(*s["all_rows"], s["A_log"], s["dt_bias"], nk, nv, dk, dv)
     o_ref, S_ref = token64(*f, s["st0"][0])
@@ -284,28 +319,29 @@ def test_values_vs_token_rule_and_xla(shape, m, pre_kind):
 
 
 @pytest.mark.parametrize("pre_kind", ["mid"])
-def test_strong_gates(pre_kind):
+def test_strong_gates(platform, pre_kind):
     """Gates far stronger than the model's (g ~ -10 per row: c reaches ~ -600 in a B = 64 block):
     G underflows to 0, nothing overflows, values stay within TOL_STRONG of float64."""
+    dev = platform
     shape = (1, 2, 16, 16, 64)
     nk, nv, dk, dv, B = shape
-    s = setup(shape, 150, pre_kind, seed=4242)
+    s = setup(shape, 150, pre_kind, seed=4242, dev=dev)
     rng = np.random.default_rng(5)
     A_log = np.log(np.full(nv, 8.0)).astype(np.float32)
     dt_bias = np.full(nv, 1.0, np.float32)
-    consts = tuple(jax.device_put(x, CPU) for x in (A_log, dt_bias))
+    consts = tuple(jax.device_put(x, dev) for x in (A_log, dt_bias))
     y, b, a = s["all_rows"]
     pre = s["pre"]
     st0 = zero_block(nv, dk, dv, B, rng)
-    o_pre, st_pre = run_chunks([y[:pre], b[:pre], a[:pre]], consts, st0, s["pos"] - pre, [1] * pre)
-    o, st = run_chunks(s["rows"], consts, st_pre, s["pos"], [150])
+    o_pre, st_pre = run_chunks([y[:pre], b[:pre], a[:pre]], consts, st0, s["pos"] - pre, [1] * pre, dev=dev)
+    o, st = run_chunks(s["rows"], consts, st_pre, s["pos"], [150], dev=dev)
     assert np.all(np.isfinite(o)) and all(np.all(np.isfinite(x)) for x in st)
     assert st[3].min() < -300, st[3].min()
     f = formed64(y, b, a, A_log, dt_bias, nk, nv, dk, dv)
     o_ref, S_ref = token64(*f, st0[0])
     assert_close(np.concatenate([o_pre, o]), o_ref, TOL_STRONG, "strong gates: o vs float64 token rule")
     assert_close(state_of_block(st, s["pos"] + 150), S_ref, TOL_STRONG, "strong gates: state vs float64")
-    o1, st1 = run_chunks(s["rows"], consts, st_pre, s["pos"], [1] * 150)
+    o1, st1 = run_chunks(s["rows"], consts, st_pre, s["pos"], [1] * 150, dev=dev)
     assert_same_bits(o1, o, "strong gates: one-row calls o")
     same_state(st1, st, "strong gates: one-row calls")
 
@@ -350,16 +386,26 @@ def test_errors():
         jax.block_until_ready(J(*args, i32(-1), i32(3)))
 
 
-def test_gpu_platforms_say_no_gpu_kernel_yet(monkeypatch):
-    """On a GPU platform whose library lacks the target, the error says there is no GPU kernel
-    yet (not "rebuild"); the run-time stub in the CPU library carries the same words."""
+@pytest.mark.gpu
+@pytest.mark.parametrize("pre_kind", PRE)
+@pytest.mark.parametrize("m", [1, 2, 63, 64, 65, 300])
+def test_gpu_model_shape_rows_equal_one_row_calls(m, pre_kind):
+    """The GPU against itself at the model's shape (dk = dv = 128, B = 64, nv = 32, nk = 16):
+    m rows in one call == m one-row calls (decode), other splits, padded chunks, n_valid < m,
+    starting on a block boundary, mid-block and in the last slot; m = 300 crosses 4-5 blocks."""
+    check_rows_equal_one_row_calls(_device("gpu"), (16, 32, 128, 128, 64), m, pre_kind,
+                                   seed=9000 + 13 * m + len(pre_kind))
+
+
+def test_gpu_library_without_the_target_says_rebuild(monkeypatch):
+    """A GPU library that predates BaroDeltaBlockedGpu gets the generic "rebuild" error (the GPU
+    kernel exists now: csrc/gpu/delta_blocked.cu), naming the missing symbol."""
     from custom_calls import _lib
 
+    assert "baro_delta_blocked" not in _lib.CPU_ONLY
     monkeypatch.setitem(_lib._libs, "CUDA", object())
     monkeypatch.setitem(_lib._registered, "CUDA", set(_lib.TARGETS) - {"baro_delta_blocked"})
-
+    monkeypatch.setitem(_lib._errors, "CUDA", " missing symbol BaroDeltaBlockedGpu;")
     monkeypatch.setattr(_lib, "_array_platforms", lambda args: {"CUDA"})
-    with pytest.raises(RuntimeError, match="baro_delta_blocked: cannot run on CUDA: .*no GPU kernel yet"):
+    with pytest.raises(RuntimeError, match="baro_delta_blocked: cannot run on CUDA: .*rebuild.*BaroDeltaBlockedGpu"):
         _lib.check_runnable("baro_delta_blocked", ())
-    cpu = _lib._libs["cpu"]
-    assert getattr(cpu, _lib.CPU_ONLY["baro_delta_blocked"], None) is not None

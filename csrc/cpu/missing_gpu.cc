@@ -23,20 +23,9 @@ ffi::Error MissingHip(ffi::RemainingArgs, ffi::RemainingRets) {
                     "(see BUILD.md).");
 }
 
-// Registered for "CUDA" / "ROCM" for the targets that have a CPU kernel only (custom_calls/_lib.py,
-// CPU_ONLY) when the GPU library is present but does not export them.
-ffi::Error DeltaBlockedNoGpu(ffi::RemainingArgs, ffi::RemainingRets) {
-  return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    "baro_jax: baro_delta_blocked (the chunk-aligned delta rule, DESIGN §9; "
-                    "BARO_DELTA=blocked / --delta-rule blocked) has no GPU kernel yet: it runs on "
-                    "CPU only. Use the default per-token rule (BARO_DELTA=token) on a GPU.");
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMissingCuda, MissingCuda,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMissingHip, MissingHip,
-                              ffi::Ffi::Bind().RemainingArgs().RemainingRets());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroDeltaBlockedNoGpu, DeltaBlockedNoGpu,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets());

@@ -87,6 +87,32 @@ struct DeltaArgs {
 constexpr int kDeltaColsPerBlock = BARO_HIP ? 64 : 32;
 bool delta_supported_dk(int dk);
 gpuError_t launch_delta(const DeltaArgs& a, gpuStream_t stream);
+// baro_delta_blocked (delta_blocked.cu): the chunk-aligned delta rule. *_in may equal *_out
+// (the handler passes the results, after copying the operands when XLA did not alias them).
+struct DeltaBlockedArgs {
+  const float* y;  // [m, 2*nk*dk + nv*dv]
+  const float* b;  // [m, nv]
+  const float* a;  // [m, nv]
+  const float* A_log;
+  const float* dt_bias;
+  const float* s0_in;  // [nv, dk, dv]
+  const float* pk_in;  // [nv, B, dk]
+  const float* pu_in;  // [nv, B, dv]
+  const float* pc_in;  // [nv, B]
+  float* s0_out;
+  float* pk_out;
+  float* pu_out;
+  float* pc_out;
+  const int32_t* pos;      // device scalar
+  const int32_t* n_valid;  // device scalar
+  float* o;                // [m, nv, dv]
+  int64_t m;
+  int nk, nv, dk, dv, B;
+  float scale;
+};
+// "" when the shape is supported, else what is (dk 16/32/64/128, dv <= 128, B <= 64).
+const char* delta_blocked_unsupported(int dk, int dv, int B);
+gpuError_t launch_delta_blocked(const DeltaBlockedArgs& a, gpuStream_t stream);
 
 // ---- MoE (moe.cu) ----
 struct MoeArgs {

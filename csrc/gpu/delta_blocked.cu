@@ -1,0 +1,466 @@
+// baro_delta_blocked (GPU): the chunk-aligned delta rule (DESIGN §9,
+// docs/NUMERICS.md "delta_blocked"), CUDA cores only, fp32 throughout.
+//
+// Layout: one CTA per value head (grid nv), one thread per state column d
+// (NT = 128 threads, dv <= 128); thread d holds S0[:, d] (DK floats) in
+// registers. One CTA per head because pending_k / pending_c are shared by all
+// columns of a head and are updated in place (aliased): a column split over
+// CTAs would let one CTA overwrite them while another still reads the old
+// rows. Within the CTA there is no such race: thread d alone reads and writes
+// column d of S0 and of pending_u; pending_k / pending_c are written between
+// barriers.
+//
+// Rows are processed in passes: a pass is up to SEG consecutive valid rows
+// of one block (SEG = 64 on CUDA, 16 on HIP: LDS is 64 KB). Per pass:
+//   1. normalise q, k of the pass's rows (one warp per row: lane-strided fmaf
+//      chain of squares + the 16..1 butterfly, common.cuh warp_sumsq), gates
+//      beta, g per row; then ONE thread forms c_i = c_{i-1} + g_i in slot
+//      order (c_{i-1} from the pending slot when the pass starts mid-block);
+//   2. in parallel over (row i, slot j <= i): akk = exp(c_i - c_j) * dot(k_i,
+//      k_j), aqk = exp(c_i - c_j) * dot(q_i, k_j); and over (row, column d):
+//      ks0 = dot(S0[:, d], k_i), qs0 = dot(S0[:, d], q_i). These only depend on S0 and the rows, not on
+//      u: this is where prefill gains over the token scan;
+//   3. sequential over the pass's rows, per column (no barrier: thread d owns
+//      u[:, d]): u_i[d] = beta * ((v[d] - G*ks0) - sum_{j<i} akk_j u_j[d]);
+//      o_i[d] = G * qs0 + sum_{j<=i} aqk_j u_j[d];
+//   4. when the pass ends in slot B-1 (the block closes): pending_k[j] *=
+//      exp(c_{B-1} - c_j) in place (a rounded product, as the contract's
+//      e_j * k_j[r]), S0[r, d] = G * S0[r, d] + sum_{j<B} ek_j[r] u_j[d],
+//      then every pending slot is set to +0.
+//
+// The order of every sum (the GPU's, written in NUMERICS "delta_blocked"):
+// every dot over dk is ONE fmaf chain from +0, index ascending (exactly the
+// CPU's baro::dot order); every sum over slots is one fmaf chain from +0, slot
+// ascending, over j < i (u), j <= i (o, the j = i term last) or all B slots
+// (the close): the contract's order. Each value depends only on its own
+// indices and operands, never on which rows share the call or the pass, so a
+// row gives the same bits at m = 1 (decode) and inside any prefill chunk, and
+// SEG (CUDA 64, HIP 16) does not change any bit. Only the q/k L2 norms use the
+// GPU's warp order (as the token kernel's HIP path does). No tensor cores: the
+// operands are fp32 (NOTES "next: the GPU kernel"), and a 3xTF32 split would
+// need its own fixed order proven row-invariant on the card first.
+//
+// CUDA keeps the block's pending rows in shared memory (loaded once: slots
+// < pos % B; written back once: the slots the call changed); HIP works on the
+// pending result buffers in global memory in place. Same arithmetic.
+// Scratch-free: command-buffer compatible.
+#include <cmath>
+#include <cstdint>
+
+#include "common.cuh"
+#include "contract.h"
+#include "ffi_gpu.h"
+#include "launch.h"
+
+namespace baro_gpu {
+namespace {
+
+constexpr int kNT = 128;                 // threads per CTA = max dv
+constexpr int kSeg = BARO_HIP ? 16 : 64;  // rows per pass (speed only)
+constexpr int kMaxB = 64;
+constexpr bool kSmemPending = !BARO_HIP;
+
+BARO_DEV int64_t clamp_rows(const int32_t* p, int64_t m) {
+  int64_t v = *p;
+  return v < 0 ? 0 : (v > m ? m : v);
+}
+
+// dot over DK, one fmaf chain from +0, index ascending (a, b 16-byte aligned).
+template <int DK>
+BARO_DEV float dot_chain(const float* a, const float* b) {
+  float acc = 0.0f;
+#pragma unroll 8
+  for (int r = 0; r < DK; r += 4) {
+    const float4 x = *reinterpret_cast<const float4*>(a + r);
+    const float4 y = *reinterpret_cast<const float4*>(b + r);
+    acc = fmaf(x.x, y.x, acc);
+    acc = fmaf(x.y, y.y, acc);
+    acc = fmaf(x.z, y.z, acc);
+    acc = fmaf(x.w, y.w, acc);
+  }
+  return acc;
+}
+
+// dot(S0[:, d], x) with the column in registers: the same chain as dot_chain.
+template <int DK>
+BARO_DEV float dot_col(const float (&s)[DK], const float* x) {
+  float acc = 0.0f;
+#pragma unroll
+  for (int r = 0; r < DK; r += 4) {
+    const float4 y = *reinterpret_cast<const float4*>(x + r);
+    acc = fmaf(s[r + 0], y.x, acc);
+    acc = fmaf(s[r + 1], y.y, acc);
+    acc = fmaf(s[r + 2], y.z, acc);
+    acc = fmaf(s[r + 3], y.w, acc);
+  }
+  return acc;
+}
+
+struct Smem {
+  float* Kp;  // [B][ldk] pending k (CUDA: shared; HIP: the pending_k result, in place)
+  float* Up;  // [B][ldu] pending u
+  float* Cp;  // [B] pending c
+  float* Qs;  // [kSeg][ldq] q of the pass's rows
+  float* KS;  // [kSeg][kNT] S0^T k of the pass's rows
+  float* QS;  // [kSeg][kNT] S0^T q of the pass's rows
+  float* Akk;  // [kSeg][B]
+  float* Aqk;  // [kSeg][B]
+  float* beta;  // [kSeg]
+  float* g;     // [kSeg] g, then G = exp(c)
+  float* e;     // [B] close coefficients
+};
+
+template <int DK>
+__global__ void __launch_bounds__(kNT, 1) delta_blocked_kernel(DeltaBlockedArgs a) {
+  extern __shared__ __align__(16) float smem[];
+  const int tid = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
+  constexpr int NW = kNT / BARO_WARP;
+  const int h = static_cast<int>(blockIdx.x);  // value head
+  const int nk = a.nk, nv = a.nv, dv = a.dv, B = a.B;
+  const int kh = h / (nv / nk);
+  const int d = tid;
+  const bool has = d < dv;
+  const int64_t C = static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(nv) * dv;
+  const int64_t m = a.m;
+  const int64_t n = clamp_rows(a.n_valid, m);
+  const int64_t pos = *a.pos < 0 ? 0 : *a.pos;
+  const int i0 = static_cast<int>(pos % B);
+
+  float* const pk_g = a.pk_out + static_cast<int64_t>(h) * B * DK;
+  float* const pu_g = a.pu_out + static_cast<int64_t>(h) * B * dv;
+  float* const pc_g = a.pc_out + static_cast<int64_t>(h) * B;
+
+  // Shared layout (offsets in floats, each a multiple of 4).
+  const int ldq = DK + 4;
+  Smem sm;
+  int ldk, ldu;
+  {
+    float* p = smem;
+    sm.Qs = p; p += kSeg * ldq;
+    sm.KS = p; p += kSeg * kNT;
+    sm.QS = p; p += kSeg * kNT;
+    sm.Akk = p; p += kSeg * kMaxB;
+    sm.Aqk = p; p += kSeg * kMaxB;
+    sm.beta = p; p += kSeg;
+    sm.g = p; p += kSeg;
+    sm.e = p; p += kMaxB;
+    if constexpr (kSmemPending) {
+      ldk = DK + 4;  // float4 reads of 8 consecutive slots hit distinct banks
+      ldu = kNT;
+      sm.Kp = p; p += kMaxB * ldk;
+      sm.Up = p; p += kMaxB * ldu;
+      sm.Cp = p; p += kMaxB;
+    } else {
+      ldk = DK;
+      ldu = dv;
+      sm.Kp = pk_g;
+      sm.Up = pu_g;
+      sm.Cp = pc_g;
+    }
+  }
+
+  // Padded rows: o = 0, no trace in the state.
+  for (int64_t t = n; t < m; ++t)
+    if (has) a.o[(t * nv + h) * dv + d] = 0.0f;
+  if (n == 0) return;
+
+  // S0 column d into registers; the pending slots < pos % B (the only ones read).
+  float s[DK];
+  {
+    const float* S = a.s0_in + static_cast<int64_t>(h) * DK * dv;
+#pragma unroll
+    for (int r = 0; r < DK; ++r) s[r] = has ? S[static_cast<int64_t>(r) * dv + d] : 0.0f;
+  }
+  if constexpr (kSmemPending) {
+    const float* pk_in = a.pk_in + static_cast<int64_t>(h) * B * DK;
+    const float* pu_in = a.pu_in + static_cast<int64_t>(h) * B * dv;
+    const float* pc_in = a.pc_in + static_cast<int64_t>(h) * B;
+    for (int i = tid; i < i0 * DK; i += kNT) sm.Kp[(i / DK) * ldk + i % DK] = pk_in[i];
+    for (int j = tid; j < i0; j += kNT) sm.Cp[j] = pc_in[j];
+    if (has)
+      for (int j = 0; j < i0; ++j) sm.Up[j * ldu + d] = pu_in[static_cast<int64_t>(j) * dv + d];
+  }
+  // (HIP: the results already hold the operands: copy_if_not_aliased_async ran first.)
+
+  const float neg_exp_A = -expf(a.A_log[h]);
+  const float dt_bias = a.dt_bias[h];
+  bool closed = false;
+
+  for (int64_t r0 = 0; r0 < n;) {
+    const int sa = static_cast<int>((pos + r0) % B);
+    int len = B - sa;
+    if (len > kSeg) len = kSeg;
+    if (n - r0 < len) len = static_cast<int>(n - r0);
+
+    // 1. q, k, gates of the pass's rows.
+    for (int t = warp; t < 2 * len; t += NW) {
+      const int tt = t >> 1;
+      const float* yr = a.y + (r0 + tt) * C;
+      if ((t & 1) == 0) {
+        const float* q = yr + static_cast<int64_t>(kh) * DK;
+        const float rq = 1.0f / sqrtf(warp_sumsq(q, DK) + 1e-6f);
+        for (int r = lane; r < DK; r += BARO_WARP) sm.Qs[tt * ldq + r] = (q[r] * rq) * a.scale;
+      } else {
+        const float* k = yr + static_cast<int64_t>(nk + kh) * DK;
+        const float rk = 1.0f / sqrtf(warp_sumsq(k, DK) + 1e-6f);
+        for (int r = lane; r < DK; r += BARO_WARP) sm.Kp[(sa + tt) * ldk + r] = k[r] * rk;
+      }
+    }
+    for (int tt = tid; tt < len; tt += kNT) {
+      const int64_t row = r0 + tt;
+      sm.beta[tt] = sigmoidf_(a.b[row * nv + h]);
+      sm.g[tt] = neg_exp_A * softplusf_(a.a[row * nv + h] + dt_bias);
+    }
+    __syncthreads();
+    if (tid == 0) {  // c_i = c_{i-1} + g_i, slot order; G_i = exp(c_i)
+      for (int tt = 0; tt < len; ++tt) {
+        const int i = sa + tt;
+        const float c = i == 0 ? sm.g[tt] : sm.Cp[i - 1] + sm.g[tt];
+        sm.Cp[i] = c;
+        sm.g[tt] = expf(c);
+      }
+    }
+    __syncthreads();
+
+    // 2. coefficients over (row, slot j <= i), and ks0 per (row, column).
+    for (int idx = tid; idx < len * B; idx += kNT) {
+      const int tt = idx / B, j = idx % B, i = sa + tt;
+      if (j > i) continue;
+      const float* kj = sm.Kp + j * ldk;
+      const float w = expf(sm.Cp[i] - sm.Cp[j]);
+      sm.Aqk[tt * kMaxB + j] = w * dot_chain<DK>(sm.Qs + tt * ldq, kj);
+      if (j < i) sm.Akk[tt * kMaxB + j] = w * dot_chain<DK>(sm.Kp + i * ldk, kj);
+    }
+    if (has) {
+      int tt = 0;
+      for (; tt + 1 < len; tt += 2) {  // four independent chains (ILP); each is dot_col's chain
+        const float x0 = dot_col<DK>(s, sm.Kp + (sa + tt) * ldk);
+        const float y0 = dot_col<DK>(s, sm.Qs + tt * ldq);
+        const float x1 = dot_col<DK>(s, sm.Kp + (sa + tt + 1) * ldk);
+        const float y1 = dot_col<DK>(s, sm.Qs + (tt + 1) * ldq);
+        sm.KS[tt * kNT + d] = x0;
+        sm.QS[tt * kNT + d] = y0;
+        sm.KS[(tt + 1) * kNT + d] = x1;
+        sm.QS[(tt + 1) * kNT + d] = y1;
+      }
+      if (tt < len) {
+        sm.KS[tt * kNT + d] = dot_col<DK>(s, sm.Kp + (sa + tt) * ldk);
+        sm.QS[tt * kNT + d] = dot_col<DK>(s, sm.Qs + tt * ldq);
+      }
+    }
+    __syncthreads();
+
+    // 3. u and o, row by row; thread d owns column d of u.
+    if (has) {
+      for (int tt = 0; tt < len; ++tt) {
+        const int i = sa + tt;
+        const int64_t row = r0 + tt;
+        const float* akk = sm.Akk + tt * kMaxB;
+        const float* aqk = sm.Aqk + tt * kMaxB;
+        const float G = sm.g[tt];
+        const float v = a.y[row * C + static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(h) * dv + d];
+        const float qs0 = sm.QS[tt * kNT + d];
+        float su = 0.0f, so = 0.0f;
+        for (int j = 0; j < i; ++j) {
+          const float uj = sm.Up[j * ldu + d];
+          su = fmaf(akk[j], uj, su);
+          so = fmaf(aqk[j], uj, so);
+        }
+        const float u = sm.beta[tt] * ((v - G * sm.KS[tt * kNT + d]) - su);
+        sm.Up[i * ldu + d] = u;
+        so = fmaf(aqk[i], u, so);
+        a.o[(row * nv + h) * dv + d] = G * qs0 + so;
+      }
+    }
+
+    // 4. the block closes: S_B = G * S0 + sum_j (e_j k_j) u_j^T; pending slots -> +0.
+    if (sa + len == B) {
+      closed = true;
+      __syncthreads();  // every read of Kp / Cp / Aqk of the pass is done
+      const float cl = sm.Cp[B - 1];
+      const float G = sm.g[len - 1];
+      for (int j = tid; j < B; j += kNT) sm.e[j] = expf(cl - sm.Cp[j]);
+      __syncthreads();
+      for (int i = tid; i < B * DK; i += kNT) {
+        const int j = i / DK, r = i % DK;
+        sm.Kp[j * ldk + r] = sm.e[j] * sm.Kp[j * ldk + r];
+      }
+      __syncthreads();
+      if (has) {
+#pragma unroll
+        for (int r = 0; r < DK; r += 4) {
+          float c0 = 0.0f, c1 = 0.0f, c2 = 0.0f, c3 = 0.0f;
+          for (int j = 0; j < B; ++j) {
+            const float uj = sm.Up[j * ldu + d];
+            const float4 ek = *reinterpret_cast<const float4*>(sm.Kp + j * ldk + r);
+            c0 = fmaf(ek.x, uj, c0);
+            c1 = fmaf(ek.y, uj, c1);
+            c2 = fmaf(ek.z, uj, c2);
+            c3 = fmaf(ek.w, uj, c3);
+          }
+          s[r + 0] = G * s[r + 0] + c0;
+          s[r + 1] = G * s[r + 1] + c1;
+          s[r + 2] = G * s[r + 2] + c2;
+          s[r + 3] = G * s[r + 3] + c3;
+        }
+        for (int j = 0; j < B; ++j) sm.Up[j * ldu + d] = 0.0f;
+      }
+      __syncthreads();
+      for (int i = tid; i < B * DK; i += kNT) sm.Kp[(i / DK) * ldk + i % DK] = 0.0f;
+      for (int j = tid; j < B; j += kNT) sm.Cp[j] = 0.0f;
+    }
+    __syncthreads();  // the pass's Qs / KS / coefficients are free again
+    r0 += len;
+  }
+
+  // Results: S0 (only when a block closed: else the result already holds it),
+  // and on CUDA the pending slots the call changed.
+  if (closed && has) {
+    float* S = a.s0_out + static_cast<int64_t>(h) * DK * dv;
+#pragma unroll
+    for (int r = 0; r < DK; ++r) S[static_cast<int64_t>(r) * dv + d] = s[r];
+  }
+  if constexpr (kSmemPending) {
+    const int lo = closed ? 0 : i0;
+    const int hi = closed ? B : i0 + static_cast<int>(n);
+    for (int i = lo * DK + tid; i < hi * DK; i += kNT) pk_g[i] = sm.Kp[(i / DK) * ldk + i % DK];
+    for (int j = lo + tid; j < hi; j += kNT) pc_g[j] = sm.Cp[j];
+    if (has)
+      for (int j = lo; j < hi; ++j) pu_g[static_cast<int64_t>(j) * dv + d] = sm.Up[j * ldu + d];
+  }
+}
+
+size_t delta_blocked_smem(int dk) {
+  size_t f = static_cast<size_t>(kSeg) * (dk + 4) + 2 * kSeg * kNT + 2 * kSeg * kMaxB + 2 * kSeg + kMaxB;
+  if (kSmemPending) f += static_cast<size_t>(kMaxB) * (dk + 4) + kMaxB * kNT + kMaxB;
+  return f * sizeof(float);
+}
+
+template <int DK>
+gpuError_t launch_dk(const DeltaBlockedArgs& a, gpuStream_t stream) {
+  const size_t smem = delta_blocked_smem(DK);  // CUDA, dk = 128: 197,888 B
+#if !BARO_HIP
+  if (smem > 48 * 1024) {
+    const gpuError_t e = cudaFuncSetAttribute(delta_blocked_kernel<DK>,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(smem));
+    if (e != gpuSuccess) return e;
+  }
+#endif
+  delta_blocked_kernel<DK><<<dim3(static_cast<unsigned>(a.nv)), kNT, smem, stream>>>(a);
+  return gpuGetLastError();
+}
+
+}  // namespace
+
+const char* delta_blocked_unsupported(int dk, int dv, int B) {
+  if (!(dk == 16 || dk == 32 || dk == 64 || dk == 128)) return "key head dims 16, 32, 64, 128";
+  if (dv < 1 || dv > kNT) return "value head dims up to 128";
+  if (B < 1 || B > kMaxB) return "blocks of at most 64 rows";
+  return "";
+}
+
+gpuError_t launch_delta_blocked(const DeltaBlockedArgs& a, gpuStream_t stream) {
+  (void)gpuGetLastError();
+  if (a.nv <= 0) return gpuSuccess;
+  if (*delta_blocked_unsupported(a.dk, a.dv, a.B) || a.nk <= 0 || a.nv % a.nk != 0)
+    return gpuErrorInvalidValue;
+  switch (a.dk) {
+    case 16: return launch_dk<16>(a, stream);
+    case 32: return launch_dk<32>(a, stream);
+    case 64: return launch_dk<64>(a, stream);
+    case 128: return launch_dk<128>(a, stream);
+    default: return gpuErrorInvalidValue;
+  }
+}
+
+}  // namespace baro_gpu
+
+// ---------------------------------------------------------------------------
+// FFI handler (same operands/results and checks as BaroDeltaBlockedCpu)
+// ---------------------------------------------------------------------------
+namespace {
+
+namespace ffi = xla::ffi;
+
+ffi::Error DeltaBlockedGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
+                               ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> A_log,
+                               ffi::Buffer<ffi::F32> dt_bias, ffi::Buffer<ffi::F32> s0,
+                               ffi::Buffer<ffi::F32> pk, ffi::Buffer<ffi::F32> pu,
+                               ffi::Buffer<ffi::F32> pc, ffi::Buffer<ffi::S32> pos_buf,
+                               ffi::Buffer<ffi::S32> n_valid_buf, ffi::ResultBuffer<ffi::F32> o,
+                               ffi::ResultBuffer<ffi::F32> s0_out, ffi::ResultBuffer<ffi::F32> pk_out,
+                               ffi::ResultBuffer<ffi::F32> pu_out, ffi::ResultBuffer<ffi::F32> pc_out) {
+  const char* op = "baro_delta_blocked";
+  baro::DeltaBlockedDims dims;
+  if (auto err = baro::check_delta_blocked(yb, b, a, A_log, dt_bias, s0, pk, pu, pc, pos_buf,
+                                           n_valid_buf, *o, *s0_out, *pk_out, *pu_out, *pc_out, dims);
+      err.failure())
+    return err;
+  const char* why = baro_gpu::delta_blocked_unsupported(static_cast<int>(dims.dk), static_cast<int>(dims.dv),
+                                                        static_cast<int>(dims.B));
+  BARO_CHECK(dims.dk <= 128 && dims.dv <= 128 && dims.B <= 64 && *why == '\0', op,
+             "the GPU kernel supports " << why << "; got dk=" << dims.dk << ", dv=" << dims.dv
+                                        << ", B=" << dims.B);
+  BARO_CHECK(dims.nv <= 0x7fffffffLL, op, "nv=" << dims.nv << " too large for the GPU grid");
+  // pos and n_valid live on the device: their range checks (the CPU handler's "pos must be
+  // >= 0", "n_valid must be in [0, m]") cannot run here without a sync; the kernel clamps
+  // them (n_valid to [0, m], pos to >= 0), as baro_delta's GPU kernel does.
+
+  for (auto [arg, ret] : {std::pair{&s0, &s0_out}, std::pair{&pk, &pk_out}, std::pair{&pu, &pu_out},
+                          std::pair{&pc, &pc_out}}) {
+    const gpuError_t e = baro_gpu::copy_if_not_aliased_async(*arg, *ret, stream);
+    if (e != gpuSuccess) return baro_gpu::gpu_error(op, "state copy", e);
+  }
+  baro_gpu::DeltaBlockedArgs args;
+  args.y = yb.typed_data();
+  args.b = b.typed_data();
+  args.a = a.typed_data();
+  args.A_log = A_log.typed_data();
+  args.dt_bias = dt_bias.typed_data();
+  // One CTA per value head reads all of its head's state before writing it (CUDA), or works
+  // on the results in place after the copy above (HIP): correct aliased or not.
+  args.s0_in = s0_out->typed_data();
+  args.pk_in = pk_out->typed_data();
+  args.pu_in = pu_out->typed_data();
+  args.pc_in = pc_out->typed_data();
+  args.s0_out = s0_out->typed_data();
+  args.pk_out = pk_out->typed_data();
+  args.pu_out = pu_out->typed_data();
+  args.pc_out = pc_out->typed_data();
+  args.pos = pos_buf.typed_data();
+  args.n_valid = n_valid_buf.typed_data();
+  args.o = o->typed_data();
+  args.m = dims.m;
+  args.nk = static_cast<int>(dims.nk);
+  args.nv = static_cast<int>(dims.nv);
+  args.dk = static_cast<int>(dims.dk);
+  args.dv = static_cast<int>(dims.dv);
+  args.B = static_cast<int>(dims.B);
+  args.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dims.dk)));
+  BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_delta_blocked(args, stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroDeltaBlockedGpu, DeltaBlockedGpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // y
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // b
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // a
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // A_log
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // dt_bias
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // state (S0)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // pending_k
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // pending_u
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // pending_c
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // n_valid
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // o
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // state (S0)
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // pending_k
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // pending_u
+                                  .Ret<ffi::Buffer<ffi::F32>>(),  // pending_c
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -16,6 +16,10 @@ stage_build() {
   python -c "import custom_calls, jax; print(custom_calls.available_platforms(), jax.devices())"
 }
 stage_kernels() { timeout "${KERNELS_TIMEOUT:-300}" python -m pytest -m gpu tests/test_kernels.py -q --durations=8 ${KERNELS_K:+-k "$KERNELS_K"} 2>&1 | tee "$OUT/gpu_kernel_tests.txt" | tail -40; }
+stage_blocked() {  # the chunk-aligned delta rule's CUDA kernel (compiled, first run on a GPU)
+  timeout "${BLOCKED_TIMEOUT:-240}" python -m pytest -m gpu tests/test_delta_blocked.py -q 2>&1 | tee "$OUT/gpu_delta_blocked_tests.txt" | tail -30
+}
+stage_sanitize() { bash benchmarks/sanitize_gpu.sh 2>&1 | tail -30; }
 stage_tiny() {
   python benchmarks/identity.py --model tiny --chunks 7,16,37,64 --max-len 1100 --json "$OUT/identity_tiny_gpu.json" 2>&1 | tail -6
 }

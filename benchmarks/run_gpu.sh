@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels tiny ops probe full speed peer vs_peer agreement)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops probe full speed peer vs_peer agreement)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}

@@ -1,0 +1,50 @@
+"""Child process of test_expert_parallel.py: N forced host devices must be set before jax starts."""
+import os
+import sys
+
+N = int(sys.argv[1])
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={N}"
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import baro_jax  # noqa: E402
+from baro_jax import expert_parallel as EP  # noqa: E402
+import identity  # noqa: E402
+
+PROMPT = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n"
+NEW = 4
+
+
+def main():
+    assert len(jax.devices()) == N, jax.devices()
+    for model in sys.argv[2:]:
+        one = baro_jax.load(model, backend="ordered", progress=False)
+        many = EP.shard_engine(baro_jax.load(model, backend="ordered", progress=False), N)
+        gu = many.params["layers"][0]["moe"]["gate_up"]
+        E = gu.shape[0]
+        assert gu.sharding.spec == jax.sharding.PartitionSpec("e"), gu.sharding
+        assert {s.data.shape[0] for s in gu.addressable_shards} == {E // N}
+        # the MoE really runs through the mesh: one all-gather per expert tensor, no reducing collective
+        hlo = jax.jit(many.ops.moe, static_argnames="top_k").lower(
+            jnp.zeros((3, many.cfg.hidden_size), jnp.bfloat16), *(many.params["layers"][0]["moe"][k] for k in
+            ("router", "gate_up", "down", "shared_gate_up", "shared_down", "shared_gate")),
+            top_k=many.cfg.top_k).as_text()
+        assert hlo.count("all_gather") + hlo.count("all-gather") >= 2, hlo
+        assert "all_reduce" not in hlo and "all-reduce" not in hlo and "reduce_scatter" not in hlo
+        ids = one.encode(PROMPT)
+        names = identity.state_names(one.cfg)
+        ref = identity.run_arm(one, ids, "batch", 16, NEW)
+        arms = {"batch 16": ("batch", 16), "batch 7": ("batch", 7), "replay": ("replay", None)}
+        for name, (mode, c) in arms.items():
+            got = identity.run_arm(many, ids, mode, c, NEW)
+            d = identity.first_diff(ref["state"], got["state"], names)
+            assert d is None, (model, N, name, d)
+            assert ref["logits"].tobytes() == got["logits"].tobytes(), (model, N, name)
+            assert ref["tokens"] == got["tokens"], (model, N, name)
+            print(f"OK {model} devices={N} {name}")
+
+
+if __name__ == "__main__":
+    main()

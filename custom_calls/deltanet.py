@@ -1,6 +1,6 @@
 """Gated DeltaNet kernels: baro_conv (causal depthwise conv, window 4, SiLU)
 baro_delta (gated delta rule with fp32 state) and baro_delta_blocked (the same rule in
-its chunk-aligned form, DESIGN §9; CPU kernel only so far)."""
+its chunk-aligned form, DESIGN §9; its CUDA kernel compiles but has not run on a GPU yet)."""
 
 from __future__ import annotations
 
@@ -32,10 +32,8 @@ def conv(x, w, window, n_valid):
     )(*args))
 
 
-def delta(y, b, a, A_log, dt_bias, state, n_valid):
-    """y[m, 2*nk*dk + nv*dv] f32 (q, k, v), b/a[m,nv] f32, A_log/dt_bias[nv] f32,
-    state[nv,dk,dv] f32, n_valid int32 -> (o[m,nv,dv] f32, state updated in place)."""
-    op = "baro_delta"
+def _check_delta_operands(op, y, b, a, A_log, dt_bias, state):
+    """The operands baro_delta and baro_delta_blocked share; returns (m, nv, dk, dv)."""
     C.rank(op, "y", y, 2)
     m, Cc = y.shape
     C.array(op, "y", y, (m, Cc), C.F32)
@@ -53,6 +51,14 @@ def delta(y, b, a, A_log, dt_bias, state, n_valid):
     C.array(op, "a", a, (m, nv), C.F32)
     C.array(op, "A_log", A_log, (nv,), C.F32)
     C.array(op, "dt_bias", dt_bias, (nv,), C.F32)
+    return m, nv, dk, dv
+
+
+def delta(y, b, a, A_log, dt_bias, state, n_valid):
+    """y[m, 2*nk*dk + nv*dv] f32 (q, k, v), b/a[m,nv] f32, A_log/dt_bias[nv] f32,
+    state[nv,dk,dv] f32, n_valid int32 -> (o[m,nv,dv] f32, state updated in place)."""
+    op = "baro_delta"
+    m, nv, dk, dv = _check_delta_operands(op, y, b, a, A_log, dt_bias, state)
     n_valid = C.int_scalar(op, "n_valid", n_valid)
     args = (y, b, a, A_log, dt_bias, state, n_valid)
     check_runnable(op, args)
@@ -72,23 +78,7 @@ def delta_blocked(y, b, a, A_log, dt_bias, state, pending_k, pending_u, pending_
     f32: the block's rows before pos (slots 0 .. pos%B - 1; B from their shape); pos, n_valid
     int32 -> (o[m,nv,dv] f32, state, pending_k, pending_u, pending_c), all updated in place."""
     op = "baro_delta_blocked"
-    C.rank(op, "y", y, 2)
-    m, Cc = y.shape
-    C.array(op, "y", y, (m, Cc), C.F32)
-    C.rank(op, "state", state, 3)
-    nv, dk, dv = state.shape
-    C.array(op, "state", state, (nv, dk, dv), C.F32)
-    if min(nv, dk, dv) < 1 or Cc <= nv * dv or (Cc - nv * dv) % (2 * dk):
-        raise ValueError(f"{op}: y must have shape [m, 2*nk*dk + nv*dv] with nv={nv}, "
-                         f"dk={dk}, dv={dv} (from state), got shape {list(y.shape)}")
-    nk = (Cc - nv * dv) // (2 * dk)
-    if nv % nk:
-        raise ValueError(f"{op}: nv={nv} value heads must be a multiple of nk={nk} key heads "
-                         f"(nk from y width {Cc})")
-    C.array(op, "b", b, (m, nv), C.F32)
-    C.array(op, "a", a, (m, nv), C.F32)
-    C.array(op, "A_log", A_log, (nv,), C.F32)
-    C.array(op, "dt_bias", dt_bias, (nv,), C.F32)
+    m, nv, dk, dv = _check_delta_operands(op, y, b, a, A_log, dt_bias, state)
     C.rank(op, "pending_k", pending_k, 3)
     B = pending_k.shape[1]
     if B < 1:

@@ -8,15 +8,12 @@ import numpy as np
 import pytest
 
 import baro_jax
-import custom_calls as cc
 from baro_jax import model as M
 from baro_jax.config import DELTA_BLOCK
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import identity  # noqa: E402
 
-needs_kernel = pytest.mark.skipif("baro_delta_blocked" not in cc._lib._registered.get("cpu", set()),
-                                  reason="the installed libbaro_cpu.so predates baro_delta_blocked: rebuild it")
 CHUNKS = (7, 16, 37, 64, 100)  # 64 = the block; 7, 37, 100 start chunks mid-block
 
 
@@ -53,7 +50,6 @@ def test_switch(monkeypatch, token_engine):
         token_engine.check_state(st)
 
 
-@needs_kernel
 def test_identity_gate_blocked_cpu(tmp_path):
     out = tmp_path / "identity_blocked.json"
     rc = identity.main(["--model", "tiny", "--backend", "ordered", "--delta-rule", "blocked",
@@ -69,7 +65,6 @@ def test_identity_gate_blocked_cpu(tmp_path):
     assert max(r["len"] for r in res["rows"]) > 2 * DELTA_BLOCK  # prompts cross several delta blocks
 
 
-@needs_kernel
 def test_blocked_logits_close_to_token(token_engine):
     """Same weights, the two rules. The blocked rule is the token rule in exact arithmetic, so:
     float32 model (xla backend): every prompt position's logits within 1e-5 * max(1, max|logit|)
@@ -91,7 +86,6 @@ def test_blocked_logits_close_to_token(token_engine):
     assert np.mean(a.argmax(-1) == b.argmax(-1)) >= 0.98
 
 
-@needs_kernel
 def test_blocked_state_matches_reconstruction(token_engine):
     """After a prompt, the blocked state (S0 + pending rows) reconstructs the token rule's state
     (float32 xla model: within 1e-4 of the scale) and its empty slots hold +0."""

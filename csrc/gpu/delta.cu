@@ -400,7 +400,7 @@ int delta_cols() {
 }
 
 template <int DK>
-gpuError_t launch_delta_dk(const DeltaArgs& a, dim3 /*grid*/, gpuStream_t stream) {
+gpuError_t launch_delta_dk(const DeltaArgs& a, gpuStream_t stream) {
   return delta_cols() == 16 ? launch_delta_cols<DK, 16>(a, stream) : launch_delta_cols<DK, 32>(a, stream);
 }
 
@@ -476,7 +476,10 @@ __global__ void __launch_bounds__(kDeltaColsPerBlock) delta_kernel(DeltaArgs a) 
 }
 
 template <int DK>
-gpuError_t launch_delta_dk(const DeltaArgs& a, dim3 grid, gpuStream_t stream) {
+gpuError_t launch_delta_dk(const DeltaArgs& a, gpuStream_t stream) {
+  const int64_t col_blocks = (a.dv + kDeltaColsPerBlock - 1) / kDeltaColsPerBlock;
+  if (col_blocks > 65535) return gpuErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(a.nv), static_cast<unsigned>(col_blocks));
   delta_kernel<DK><<<grid, kDeltaColsPerBlock, 0, stream>>>(a);
   return gpuGetLastError();
 }
@@ -491,14 +494,11 @@ gpuError_t launch_delta(const DeltaArgs& a, gpuStream_t stream) {
   (void)gpuGetLastError();
   if (a.nv <= 0 || a.dv <= 0) return gpuSuccess;
   if (!delta_supported_dk(a.dk) || a.nk <= 0 || a.nv % a.nk != 0) return gpuErrorInvalidValue;
-  const int64_t col_blocks = (a.dv + kDeltaColsPerBlock - 1) / kDeltaColsPerBlock;
-  if (col_blocks > 65535) return gpuErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(a.nv), static_cast<unsigned>(col_blocks));
   switch (a.dk) {
-    case 16: return launch_delta_dk<16>(a, grid, stream);
-    case 32: return launch_delta_dk<32>(a, grid, stream);
-    case 64: return launch_delta_dk<64>(a, grid, stream);
-    case 128: return launch_delta_dk<128>(a, grid, stream);
+    case 16: return launch_delta_dk<16>(a, stream);
+    case 32: return launch_delta_dk<32>(a, stream);
+    case 64: return launch_delta_dk<64>(a, stream);
+    case 128: return launch_delta_dk<128>(a, stream);
     default: return gpuErrorInvalidValue;
   }
 }

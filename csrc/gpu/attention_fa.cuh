@@ -23,8 +23,11 @@
 // k-steps of 16 keys ascending). None of this depends on m, on the row's place
 // in the tile, on the tile size or on the other rows: a row's bits depend only
 // on its own q, its own position and the cache, so decode (16-row tiles) and
-// prefill (64-row tiles) agree. The split structure and the merge arithmetic
-// are attention.cu's (attn_merge_scale), shared by both modes.
+// prefill (64-row tiles) agree. The split structure is attention.cu's; the
+// scores, maxima and merge scales are in base 2 (s * scale * log2 e, p and
+// merge scales from ex2.approx: fa_ex2, fa_merge_scale), shared by both modes.
+// Blocks wholly before every row of the tile skip the mask tests
+// (fa_block_step<false>), with the same arithmetic.
 #pragma once
 
 #include <cmath>
@@ -124,18 +127,225 @@ __host__ __device__ inline FaSmem fa_smem(int hd, int pairs) {
 }
 
 // Rows j0..j0+63 of one kv head -> dst[64][ld] with cp.async; rows past lim
-// are zero-filled and never read from global memory.
-template <int kThreads>
+// are zero-filled and never read from global memory. With the head dim known
+// at compile time each thread copies one fixed 16-byte column of every
+// (kThreads / chunks)-th row: one address add per copy.
+template <int kThreads, int kHd>
 BARO_DEV void fa_issue_tile(uint16_t* __restrict__ dst, const uint16_t* __restrict__ base,
                             int64_t row_stride, int j0, int lim, int hd, int ld) {
-  const int chunks = hd >> 3;
-  for (int c = threadIdx.x; c < kFaKB * chunks; c += kThreads) {
-    const int r = c / chunks;
-    const int kc = (c - r * chunks) << 3;
-    const int j = j0 + r;
-    const bool ok = j <= lim;
-    const uint16_t* src = ok ? base + static_cast<int64_t>(j) * row_stride + kc : base;
-    fa_cp_async16(dst + r * ld + kc, src, ok ? 16 : 0);
+  constexpr int kChunks = kHd / 8;
+  if constexpr (kHd > 0 && kThreads % kChunks == 0 && kFaKB % (kThreads / kChunks) == 0) {
+    constexpr int kRowStep = kThreads / kChunks;
+    const int r0 = threadIdx.x / kChunks;
+    const int kc = (threadIdx.x % kChunks) * 8;
+    const uint16_t* src = base + static_cast<int64_t>(j0 + r0) * row_stride + kc;
+    uint16_t* d = dst + r0 * (kHd + 8) + kc;
+    const int64_t step = static_cast<int64_t>(kRowStep) * row_stride;
+#pragma unroll
+    for (int r = 0; r < kFaKB; r += kRowStep) {
+      const bool ok = j0 + r0 + r <= lim;
+      fa_cp_async16(d + r * (kHd + 8), ok ? src : base, ok ? 16 : 0);
+      src += step;
+    }
+  } else {
+    const int chunks = hd >> 3;
+    for (int c = threadIdx.x; c < kFaKB * chunks; c += kThreads) {
+      const int r = c / chunks;
+      const int kc = (c - r * chunks) << 3;
+      const int j = j0 + r;
+      const bool ok = j <= lim;
+      const uint16_t* src = ok ? base + static_cast<int64_t>(j) * row_stride + kc : base;
+      fa_cp_async16(dst + r * ld + kc, src, ok ? 16 : 0);
+    }
+  }
+}
+
+// Two fp32 -> packed bf16 (lo in the low half), round to nearest even: one
+// cvt.rn.bf16x2.f32. Equal to f32_to_bf16 on every non-NaN input; only used
+// for the softmax weights p in [0, 1].
+BARO_DEV uint32_t fa_pack_bf16x2(float lo, float hi) {
+  uint32_t v;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(v) : "f"(hi), "f"(lo));
+  return v;
+}
+
+// 2^x on the special-function unit: one MUFU.EX2 (ex2.approx.ftz.f32, about
+// 2 ulp; 2^-inf = +0). Scores are kept in the base-2 domain (s * scale *
+// log2 e), so p = 2^(s - m) is one FADD and one MUFU where expf() costs about
+// ten instructions and a branch. The value is the device's own; decode and
+// prefill run this same instruction, which is all identity needs.
+BARO_DEV float fa_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+// attn_merge_scale in the base-2 domain of this kernel's maxima.
+BARO_DEV void fa_merge_scale(float M, float ms, float& Mn, float& ea, float& eb) {
+  Mn = fmaxf(M, ms);
+  ea = fa_ex2(M - Mn);  // 0 when M = -inf (nothing merged yet)
+  eb = fa_ex2(ms - Mn);
+}
+
+// Steps a-d of one KV block of 64 keys (from j0) for this warp's 16 rows:
+// S = Q K^T over this warp's 32 columns, the pair's row max, p = 2^(s - m'),
+// the fixed-order row sum, P through shared memory, o = o * alpha + P V over
+// this warp's head dims. kMasked = false is only called when every row of the
+// tile is real and its limit is >= j0 + 63: then each mask test below is true,
+// so the unmasked path is the masked path's arithmetic with the tests removed.
+template <bool kMasked, int kHd>
+BARO_DEV void fa_block_step(const uint16_t* __restrict__ Qp, const uint16_t* __restrict__ Kt,
+                            const uint16_t* __restrict__ Vt, uint16_t* __restrict__ Ps,
+                            float* __restrict__ red, int ld_rt, int hd_rt, int half, int pair,
+                            int j0, const int (&lim)[2], float sl2, float (&o)[kFaMaxNt][4],
+                            float (&ms)[2], float (&ls)[2]) {
+  const int hd = kHd > 0 ? kHd : hd_rt;
+  const int ld = kHd > 0 ? kHd + 8 : ld_rt;
+  const int lane = lane_id();
+  const int g = lane >> 2, t = lane & 3;
+  const int nnt = hd >> 4;             // PV n-tiles of this warp
+  const int dbase = half * (hd >> 1);  // this warp's head dims
+  const int nbase = half * 32;         // this warp's S columns
+
+  // a. S for this warp's 32 columns: 4 n-tiles, K ascending into one accumulator.
+  float sacc[4][4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sacc[u][i] = 0.0f;
+#pragma unroll
+  for (int k0 = 0; k0 < hd; k0 += 16) {
+    FragA fa;
+    fa_load_a(fa, Qp + k0, ld);
+#pragma unroll
+    for (int u2 = 0; u2 < 2; ++u2) {
+      FragB f0, f1;
+      fa_load_b_nk2(f0, f1, Kt + (nbase + 16 * u2) * ld + k0, ld);
+      mma_16816(sacc[2 * u2], fa, f0);
+      mma_16816(sacc[2 * u2 + 1], fa, f1);
+    }
+  }
+  // b. scale (base 2), mask past each row's position, row max (exact, any order).
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int e = i >> 1;
+      float s = sacc[u][i] * sl2;
+      if (kMasked) {
+        const int c = nbase + 8 * u + 2 * t + (i & 1);
+        s = (j0 + c <= lim[e]) ? s : -INFINITY;
+      }
+      sacc[u][i] = s;
+      mx[e] = fmaxf(mx[e], s);
+    }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    mx[e] = fmaxf(mx[e], shfl_xor(mx[e], 1));
+    mx[e] = fmaxf(mx[e], shfl_xor(mx[e], 2));
+    if (t == 0) red[half * kFaPairRows + g + 8 * e] = mx[e];
+  }
+  fa_pair_barrier(1 + pair);
+  // c. p = 2^(s - m'), in-thread sum in a fixed order, quad butterfly, P -> smem.
+  float alpha[2], mnew[2], psum[2];
+  bool active[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int r = g + 8 * e;
+    const float bmax = fmaxf(red[r], red[kFaPairRows + r]);
+    active[e] = kMasked ? j0 <= lim[e] : true;
+    mnew[e] = ms[e];
+    alpha[e] = 1.0f;
+    if (active[e]) {
+      mnew[e] = fmaxf(ms[e], bmax);
+      alpha[e] = fa_ex2(ms[e] - mnew[e]);  // 0 on the split's first block (ms = -inf)
+    }
+    psum[e] = 0.0f;
+  }
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int e = i >> 1;
+      const float p = active[e] ? fa_ex2(sacc[u][i] - mnew[e]) : 0.0f;
+      sacc[u][i] = p;
+      psum[e] = psum[e] + p;
+    }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    psum[e] = psum[e] + shfl_xor(psum[e], 1);
+    psum[e] = psum[e] + shfl_xor(psum[e], 2);
+    if (t == 0) red[2 * kFaPairRows + half * kFaPairRows + g + 8 * e] = psum[e];
+  }
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = nbase + 8 * u + 2 * t;
+      *reinterpret_cast<uint32_t*>(Ps + (g + 8 * e) * kFaPld + c) =
+          fa_pack_bf16x2(sacc[u][2 * e], sacc[u][2 * e + 1]);
+    }
+  fa_pair_barrier(1 + pair);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if (active[e]) {
+      const int r = g + 8 * e;
+      const float lb = red[2 * kFaPairRows + r] + red[3 * kFaPairRows + r];  // A then B
+      ls[e] = ls[e] * alpha[e] + lb;
+      ms[e] = mnew[e];
+    }
+  }
+  // d. o = o * alpha + P V over this warp's dims; a row whose block is
+  //    inactive keeps o unchanged (select).
+  FragA pa[kFaKB / 16];
+#pragma unroll
+  for (int kk = 0; kk < kFaKB / 16; ++kk) fa_load_a(pa[kk], Ps + kk * 16, kFaPld);
+#pragma unroll
+  for (int q = 0; q < kFaMaxNt; q += 2) {
+    if (q < nnt) {
+      const bool two = q + 1 < nnt;
+      float c0[4] = {o[q][0] * alpha[0], o[q][1] * alpha[0], o[q][2] * alpha[1],
+                     o[q][3] * alpha[1]};
+      float c1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (two) {
+        c1[0] = o[q + 1][0] * alpha[0];
+        c1[1] = o[q + 1][1] * alpha[0];
+        c1[2] = o[q + 1][2] * alpha[1];
+        c1[3] = o[q + 1][3] * alpha[1];
+      }
+      const uint16_t* vp = Vt + dbase + q * 8;
+#pragma unroll
+      for (int kk = 0; kk < kFaKB / 16; ++kk) {
+        if (two) {
+          FragB f0, f1;
+          fa_load_b_kn2(f0, f1, vp + (kk * 16) * ld, ld);
+          mma_16816(c0, pa[kk], f0);
+          mma_16816(c1, pa[kk], f1);
+        } else {
+          FragB f0;
+          fa_load_b_kn1(f0, vp + (kk * 16) * ld, ld);
+          mma_16816(c0, pa[kk], f0);
+        }
+      }
+      if (active[0]) {
+        o[q][0] = c0[0];
+        o[q][1] = c0[1];
+      }
+      if (active[1]) {
+        o[q][2] = c0[2];
+        o[q][3] = c0[3];
+      }
+      if (two) {
+        if (active[0]) {
+          o[q + 1][0] = c1[0];
+          o[q + 1][1] = c1[1];
+        }
+        if (active[1]) {
+          o[q + 1][2] = c1[2];
+          o[q + 1][3] = c1[3];
+        }
+      }
+    }
   }
 }
 
@@ -171,7 +381,11 @@ __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
   const int G = a.H / a.Hkv;
   const int64_t m = a.m;
   const int64_t nrows = m * G;
-  const int64_t R0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  // Serial (prefill) tiles run last-first: the late rows see the most KV
+  // blocks, so the long tiles start in the first wave and the short ones fill
+  // the tail. Which block runs a tile never changes a row's arithmetic.
+  const int64_t tile = kParallel ? blockIdx.x : gridDim.x - 1 - blockIdx.x;
+  const int64_t R0 = tile * kRows;
   if (R0 >= nrows) return;
   const int64_t pos = *a.pos;
   const int64_t nvld = clamp_nvalid(a.n_valid, m);
@@ -197,8 +411,8 @@ __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
   const uint16_t* vbase = a.v_cache + static_cast<int64_t>(kh) * hd;
   // first K/V block in flight while Q is normed
   if (b_begin < b_end) {
-    fa_issue_tile<kThreads>(KV0, kbase, row_stride, b_begin * kFaKB, lim_load, hd, ld);
-    fa_issue_tile<kThreads>(KV0 + tile_el, vbase, row_stride, b_begin * kFaKB, lim_load, hd, ld);
+    fa_issue_tile<kThreads, kHd>(KV0, kbase, row_stride, b_begin * kFaKB, lim_load, hd, ld);
+    fa_issue_tile<kThreads, kHd>(KV0 + tile_el, vbase, row_stride, b_begin * kFaKB, lim_load, hd, ld);
   }
   fa_cp_async_commit();
 
@@ -236,9 +450,17 @@ __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
     lim[e] = static_cast<int>(l);
   }
 
-  const int nnt = hd >> 4;         // PV n-tiles of this warp
+  // Smallest row limit of the tile (-1 when it has padding rows): blocks
+  // ending at or before it need no masks.
+  int lim_min = -1;
+  if (R_last == R0 + kRows - 1) {
+    int64_t l = pos + R0 / G;
+    if (l > a.S - 1) l = a.S - 1;
+    lim_min = static_cast<int>(l < -1 ? -1 : l);
+  }
+  const float sl2 = a.scale * 1.44269504088896340736f;  // scores in base 2
+  const int nnt = hd >> 4;             // n-tiles of this warp's head dims
   const int dbase = half * (hd >> 1);  // this warp's head dims
-  const int nbase = half * 32;         // this warp's S columns
   const uint16_t* Qp = Qs + pair * kFaPairRows * ld;
 
   float o[kFaMaxNt][4];  // this split's O (reset when a split starts: b_begin % 16 == 0)
@@ -265,8 +487,8 @@ __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
     __syncthreads();  // block b visible to all; every warp done with block b-1's buffers
     if (b + 1 < b_end) {
       uint16_t* Kn = KV0 + (2 * (buf ^ 1)) * tile_el;
-      fa_issue_tile<kThreads>(Kn, kbase, row_stride, (b + 1) * kFaKB, lim_load, hd, ld);
-      fa_issue_tile<kThreads>(Kn + tile_el, vbase, row_stride, (b + 1) * kFaKB, lim_load, hd, ld);
+      fa_issue_tile<kThreads, kHd>(Kn, kbase, row_stride, (b + 1) * kFaKB, lim_load, hd, ld);
+      fa_issue_tile<kThreads, kHd>(Kn + tile_el, vbase, row_stride, (b + 1) * kFaKB, lim_load, hd, ld);
     }
     fa_cp_async_commit();
 
@@ -283,147 +505,12 @@ __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
     }
     const int j0 = b * kFaKB;
 
-    // a. S for this warp's 32 columns: 4 n-tiles, K ascending into one accumulator.
-    float sacc[4][4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) sacc[u][i] = 0.0f;
-#pragma unroll
-    for (int k0 = 0; k0 < hd; k0 += 16) {
-      FragA fa;
-      fa_load_a(fa, Qp + k0, ld);
-#pragma unroll
-      for (int u2 = 0; u2 < 2; ++u2) {
-        FragB f0, f1;
-        fa_load_b_nk2(f0, f1, Kt + (nbase + 16 * u2) * ld + k0, ld);
-        mma_16816(sacc[2 * u2], fa, f0);
-        mma_16816(sacc[2 * u2 + 1], fa, f1);
-      }
-    }
-    // b. scale, mask past each row's position, row max (exact, any order).
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int e = i >> 1;
-        const int c = nbase + 8 * u + 2 * t + (i & 1);
-        const float s = sacc[u][i] * a.scale;
-        sacc[u][i] = (j0 + c <= lim[e]) ? s : -INFINITY;
-        mx[e] = fmaxf(mx[e], sacc[u][i]);
-      }
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      mx[e] = fmaxf(mx[e], shfl_xor(mx[e], 1));
-      mx[e] = fmaxf(mx[e], shfl_xor(mx[e], 2));
-      if (t == 0) red[half * kFaPairRows + g + 8 * e] = mx[e];
-    }
-    fa_pair_barrier(1 + pair);
-    // c. p = exp(s - m'), in-thread sum in a fixed order, quad butterfly, P -> smem.
-    float alpha[2], mnew[2], psum[2];
-    bool active[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int r = g + 8 * e;
-      const float bmax = fmaxf(red[r], red[kFaPairRows + r]);
-      active[e] = j0 <= lim[e];
-      mnew[e] = ms[e];
-      alpha[e] = 1.0f;
-      if (active[e]) {
-        mnew[e] = fmaxf(ms[e], bmax);
-        alpha[e] = expf(ms[e] - mnew[e]);  // 0 on the split's first block (ms = -inf)
-      }
-      psum[e] = 0.0f;
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int e = i >> 1;
-        const float p = active[e] ? expf(sacc[u][i] - mnew[e]) : 0.0f;
-        sacc[u][i] = p;
-        psum[e] = psum[e] + p;
-      }
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      psum[e] = psum[e] + shfl_xor(psum[e], 1);
-      psum[e] = psum[e] + shfl_xor(psum[e], 2);
-      if (t == 0) red[2 * kFaPairRows + half * kFaPairRows + g + 8 * e] = psum[e];
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = nbase + 8 * u + 2 * t;
-        const uint32_t v = static_cast<uint32_t>(f32_to_bf16(sacc[u][2 * e])) |
-                           (static_cast<uint32_t>(f32_to_bf16(sacc[u][2 * e + 1])) << 16);
-        *reinterpret_cast<uint32_t*>(Ps + (g + 8 * e) * kFaPld + c) = v;
-      }
-    fa_pair_barrier(1 + pair);
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      if (active[e]) {
-        const int r = g + 8 * e;
-        const float lb = red[2 * kFaPairRows + r] + red[3 * kFaPairRows + r];  // A then B
-        ls[e] = ls[e] * alpha[e] + lb;
-        ms[e] = mnew[e];
-      }
-    }
-    // d. o = o * alpha + P V over this warp's dims; a row whose block is
-    //    inactive keeps o unchanged (select).
-    {
-      FragA pa[kFaKB / 16];
-#pragma unroll
-      for (int kk = 0; kk < kFaKB / 16; ++kk) fa_load_a(pa[kk], Ps + kk * 16, kFaPld);
-#pragma unroll
-      for (int q = 0; q < kFaMaxNt; q += 2) {
-        if (q < nnt) {
-          const bool two = q + 1 < nnt;
-          float c0[4] = {o[q][0] * alpha[0], o[q][1] * alpha[0], o[q][2] * alpha[1],
-                         o[q][3] * alpha[1]};
-          float c1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          if (two) {
-            c1[0] = o[q + 1][0] * alpha[0];
-            c1[1] = o[q + 1][1] * alpha[0];
-            c1[2] = o[q + 1][2] * alpha[1];
-            c1[3] = o[q + 1][3] * alpha[1];
-          }
-          const uint16_t* vp = Vt + dbase + q * 8;
-#pragma unroll
-          for (int kk = 0; kk < kFaKB / 16; ++kk) {
-            if (two) {
-              FragB f0, f1;
-              fa_load_b_kn2(f0, f1, vp + (kk * 16) * ld, ld);
-              mma_16816(c0, pa[kk], f0);
-              mma_16816(c1, pa[kk], f1);
-            } else {
-              FragB f0;
-              fa_load_b_kn1(f0, vp + (kk * 16) * ld, ld);
-              mma_16816(c0, pa[kk], f0);
-            }
-          }
-          if (active[0]) {
-            o[q][0] = c0[0];
-            o[q][1] = c0[1];
-          }
-          if (active[1]) {
-            o[q][2] = c0[2];
-            o[q][3] = c0[3];
-          }
-          if (two) {
-            if (active[0]) {
-              o[q + 1][0] = c1[0];
-              o[q + 1][1] = c1[1];
-            }
-            if (active[1]) {
-              o[q + 1][2] = c1[2];
-              o[q + 1][3] = c1[3];
-            }
-          }
-        }
-      }
-    }
+    // a-d for this warp's rows. Only blocks that cross a row's position (the
+    // diagonal, or any block of a tile with padding rows) need the masks.
+    if (j0 + kFaKB - 1 > lim_min)
+      fa_block_step<true, kHd>(Qp, Kt, Vt, Ps, red, ld, hd, half, pair, j0, lim, sl2, o, ms, ls);
+    else
+      fa_block_step<false, kHd>(Qp, Kt, Vt, Ps, red, ld, hd, half, pair, j0, lim, sl2, o, ms, ls);
 
     // e. split done: partials out (parallel) or in-order merge (serial).
     if ((b + 1) % kAttnSplitBlocks == 0 || b + 1 == b_end) {
@@ -448,7 +535,7 @@ __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
         for (int e = 0; e < 2; ++e) {
           if (static_cast<int64_t>(sp) * kAttnSplit <= lim[e]) {  // split active for the row
             float Mn, ea, eb;
-            attn_merge_scale(Mrun[e], ms[e], Mn, ea, eb);
+            fa_merge_scale(Mrun[e], ms[e], Mn, ea, eb);
             Lrun[e] = Lrun[e] * ea + ls[e] * eb;
 #pragma unroll
             for (int q = 0; q < kFaMaxNt; ++q) {
@@ -526,7 +613,7 @@ __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
     const float ms = part_ml[slot * 2 + 0];
     const float ls = part_ml[slot * 2 + 1];
     float Mn, ea, eb;
-    attn_merge_scale(M, ms, Mn, ea, eb);
+    fa_merge_scale(M, ms, Mn, ea, eb);
     Lsum = Lsum * ea + ls * eb;
 #pragma unroll
     for (int t = 0; t < kFaCombinePerLane; ++t) {

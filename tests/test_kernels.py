@@ -280,7 +280,22 @@ def test_matmul(platform, m):
 # and 64x64 kernels, the pipelined 64x128 and 128x128 ones. Every config must
 # give the bits of the one-row (decode, 16x32) call. Forcing is GPU-only and
 # speed-only; on CPU the knob is ignored.
-GEMM_TILES = ["16", "simple", "64", "128"]
+# "16-simple": the 16-row slots on the simple synchronous kernel instead of
+# gemm_rows16.cuh (env BARO_GEMM_SMALL=simple), which also runs every m = 1
+# call: the decode kernel and its predecessor must agree bit for bit.
+GEMM_TILES = ["16", "16-simple", "simple", "64", "128"]
+
+
+def force_tile(monkeypatch, tile):
+    if tile is None:
+        monkeypatch.delenv("BARO_GEMM_TILE", raising=False)
+        monkeypatch.delenv("BARO_GEMM_SMALL", raising=False)
+        return
+    monkeypatch.setenv("BARO_GEMM_TILE", tile.split("-")[0])
+    if tile.endswith("-simple"):
+        monkeypatch.setenv("BARO_GEMM_SMALL", "simple")
+    else:
+        monkeypatch.delenv("BARO_GEMM_SMALL", raising=False)
 
 
 def poison(dev, shape, dtype=jnp.float32):
@@ -311,11 +326,14 @@ def test_matmul_tiles(platform, m, K, monkeypatch):
         one = np.asarray(J_MATMUL(put(platform, x[i:i + 1]), wd))
         assert_same_bits(one[0], full[i], f"matmul m={m} K={K} row {i} vs one-row call")
     for tile in gemm_tiles_for(platform):
-        monkeypatch.setenv("BARO_GEMM_TILE", tile)
+        force_tile(monkeypatch, tile)
         poison(platform, (m, N))
         got = np.asarray(jax.jit(lambda a, b: cc.matmul(a, b))(put(platform, x), wd))
         assert_same_bits(got, full, f"matmul m={m} K={K} forced tile {tile}")
-    monkeypatch.delenv("BARO_GEMM_TILE", raising=False)
+        if tile == "16-simple":  # m = 1 on the simple kernel too
+            one = np.asarray(jax.jit(lambda a, b: cc.matmul(a, b))(put(platform, x[m - 1:]), wd))
+            assert_same_bits(one[0], full[m - 1], f"matmul K={K} one row on the simple kernel")
+    force_tile(monkeypatch, None)
     assert_close(full, ref_matmul(x, w), 1e-5, f"matmul m={m} K={K} vs float64")
 
 
@@ -956,12 +974,32 @@ def test_moe_tiles(platform, m, D, I, monkeypatch):
     assert_same_bits(np.asarray(J_MOE(put(platform, h[perm]), *wd, top_k=k)), full[perm],
                      f"moe m={m} D={D} permuted rows")
     for tile in gemm_tiles_for(platform):
-        monkeypatch.setenv("BARO_GEMM_TILE", tile)
+        force_tile(monkeypatch, tile)
         poison(platform, (m, D))
         got = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h), *wd))
         assert_same_bits(got, full, f"moe m={m} D={D} forced tile {tile}")
-    monkeypatch.delenv("BARO_GEMM_TILE", raising=False)
+        if tile == "16-simple":  # m = 1 on the simple kernel and the separate SwiGLU pass
+            one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h[m - 1:]), *wd))
+            assert_same_bits(one[0], full[m - 1], f"moe D={D} one row on the simple kernel")
+    force_tile(monkeypatch, None)
     assert_close(full, ref_moe(h, *wts, k), 1e-3, f"moe m={m} D={D} vs float64")
+
+
+@pytest.mark.parametrize("E", [512, 600])
+def test_moe_many_experts(platform, E):
+    """E = 512 is the largest router row kept in registers by the GPU top-k,
+    E = 600 takes its in-memory path (CPU: one path); rows stay independent."""
+    m, D, I, Is, k = 7, 32, 16, 24, 4
+    rng = np.random.default_rng(990 + E)
+    h = bf16(rng, m, D)
+    wts = moe_weights_sized(rng, E, D, I, Is)
+    wd = put(platform, *wts)
+    poison(platform, (m, D))
+    full = np.asarray(J_MOE(put(platform, h), *wd, top_k=k))
+    for i in range(m):
+        one = np.asarray(J_MOE(put(platform, h[i:i + 1]), *wd, top_k=k))
+        assert_same_bits(one[0], full[i], f"moe E={E} row {i} vs one-row call")
+    assert_close(full, ref_moe(h, *wts, k), 1e-3, f"moe E={E} vs float64")
 
 
 def test_moe_ties_to_lower_id(platform):

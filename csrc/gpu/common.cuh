@@ -53,9 +53,20 @@ BARO_DEV float warp_max(float v) {
 }
 
 // Sum of squares of x[0..n) by one warp: lane-strided fmaf chain + butterfly.
+// The lane's chain is x[lane]^2, x[lane+32]^2, ... in that order; the loads of
+// 8 steps are issued before their fmas so a row costs a few memory latencies,
+// not one per step (a single decode row is latency-bound).
 BARO_DEV float warp_sumsq(const float* __restrict__ x, int n) {
   float acc = 0.0f;
-  for (int i = lane_id(); i < n; i += BARO_WARP) acc = fmaf(x[i], x[i], acc);
+  int i = lane_id();
+  for (; i + 7 * BARO_WARP < n; i += 8 * BARO_WARP) {
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = x[i + j * BARO_WARP];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc = fmaf(v[j], v[j], acc);
+  }
+  for (; i < n; i += BARO_WARP) acc = fmaf(x[i], x[i], acc);
   return warp_sum(acc);
 }
 

@@ -8,6 +8,7 @@
 #include "contract.h"
 #include "ffi_gpu.h"
 #include "gemm.cuh"
+#include "gemm_rows16.cuh"
 #include "launch.h"
 
 namespace baro_gpu {
@@ -85,6 +86,13 @@ GemmConfig gemm_pick_grouped(int64_t pairs, int64_t groups) {
   return GemmConfig::kPipe128;
 }
 
+// Test knob: BARO_GEMM_SMALL=simple runs 16-row slots on the simple synchronous
+// kernel instead of gemm_rows16 (both give the same bits; tests compare them).
+[[maybe_unused]] static bool small_simple() {
+  const char* s = std::getenv("BARO_GEMM_SMALL");
+  return s != nullptr && !std::strcmp(s, "simple");
+}
+
 static bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
 
 #if !BARO_HIP
@@ -118,6 +126,22 @@ static gpuError_t launch_pipe(const GemmParams& p, int64_t row_slots, gpuStream_
   kernel<<<grid, kPipeThreads, Cfg::kSmemBytes, stream>>>(p);
   return gpuGetLastError();
 }
+
+// The decode-shaped kernel (gemm_rows16.cuh) for 16-row slots with 16-byte loads.
+template <bool SWIGLU>
+static gpuError_t launch_rows16(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
+  using Cfg = Rows16Cfg<SWIGLU>;
+  auto kernel = gemm_rows16_kernel<SWIGLU>;
+  const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
+  const int64_t n_tiles = (out_n + Cfg::kOutCols - 1) / Cfg::kOutCols;
+  if (n_tiles > 65535 || row_slots > 0x7fffffffLL) return gpuErrorInvalidValue;
+  static std::atomic<uint64_t> smem_done{0};
+  gpuError_t e = allow_smem(kernel, Cfg::kSmemBytes, smem_done);
+  if (e != gpuSuccess) return e;
+  dim3 grid(static_cast<unsigned>(row_slots), static_cast<unsigned>(n_tiles));
+  kernel<<<grid, kRows16Threads, Cfg::kSmemBytes, stream>>>(p);
+  return gpuGetLastError();
+}
 #endif
 
 bool gemm_fused_swiglu_ok(GemmConfig cfg) {
@@ -125,7 +149,8 @@ bool gemm_fused_swiglu_ok(GemmConfig cfg) {
   (void)cfg;
   return false;
 #else
-  return cfg == GemmConfig::kPipe64 || cfg == GemmConfig::kPipe128;
+  return cfg == GemmConfig::kPipe64 || cfg == GemmConfig::kPipe128 ||
+         (cfg == GemmConfig::kSmall && !small_simple());
 #endif
 }
 
@@ -153,6 +178,9 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
     }
     if (swiglu) return gpuErrorInvalidValue;  // callers check gemm_vec_ok first
     cfg = GemmConfig::kLarge;  // no 16-byte loads: the simple kernel walks the slot in sub-tiles
+  }
+  if (cfg == GemmConfig::kSmall && p.vec && !small_simple()) {
+    return swiglu ? launch_rows16<true>(p, row_slots, stream) : launch_rows16<false>(p, row_slots, stream);
   }
 #endif
   if (swiglu) return gpuErrorInvalidValue;

@@ -33,7 +33,12 @@ constexpr int kSortMaxE = kMoeMaxExperts;  // per-chunk counts live in shared me
 constexpr int kElemThreads = 256;
 constexpr int kMinGroupBM = 16;        // smallest GEMM BM: sizes the tile list
 
-// probs[m][E] holds the logits on entry and the softmax probabilities after.
+// probs[m][E] holds the logits on entry and the softmax probabilities after
+// (taken entries -2). kPer > 0: E <= 32 * kPer, the row lives in registers
+// (a decode row is latency-bound: one load wave instead of one per pass);
+// kPer = 0: any E, in memory. Both run the same arithmetic in the same order:
+// per lane e = lane, lane + 32, ... ascending, then the warp butterflies.
+template <int kPer>
 __global__ void __launch_bounds__(kTopkWarps * BARO_WARP)
     moe_topk_kernel(float* __restrict__ probs, int32_t* __restrict__ ids, float* __restrict__ wts,
                     int64_t m, int E, int k) {
@@ -41,28 +46,59 @@ __global__ void __launch_bounds__(kTopkWarps * BARO_WARP)
   if (row >= m) return;
   const int lane = lane_id();
   float* p = probs + row * E;  // lane l only ever touches p[l + 32q]
+  constexpr int kR = kPer > 0 ? kPer : 1;
+  float v[kR];
+  if constexpr (kPer > 0) {
+#pragma unroll
+    for (int q = 0; q < kPer; ++q) {
+      const int e = lane + BARO_WARP * q;
+      v[q] = e < E ? p[e] : -INFINITY;
+    }
+  }
+  auto val = [&](int q, int e) -> float { return kPer > 0 ? v[q] : p[e]; };
+  auto set = [&](int q, int e, float x) {
+    if constexpr (kPer > 0) v[q] = x; else p[e] = x;
+  };
+  const int n_q = kPer > 0 ? kPer : (E + BARO_WARP - 1) / BARO_WARP;
+
   float mx = -INFINITY;
-  for (int e = lane; e < E; e += BARO_WARP) mx = fmaxf(mx, p[e]);
+#pragma unroll
+  for (int q = 0; q < n_q; ++q) {
+    const int e = lane + BARO_WARP * q;
+    if (e < E) mx = fmaxf(mx, val(q, e));
+  }
   mx = warp_max(mx);
   float sum = 0.0f;
-  for (int e = lane; e < E; e += BARO_WARP) {
-    const float ex = expf(p[e] - mx);
-    p[e] = ex;
-    sum = sum + ex;
+#pragma unroll
+  for (int q = 0; q < n_q; ++q) {
+    const int e = lane + BARO_WARP * q;
+    if (e < E) {
+      const float ex = expf(val(q, e) - mx);
+      set(q, e, ex);
+      sum = sum + ex;
+    }
   }
   sum = warp_sum(sum);
-  for (int e = lane; e < E; e += BARO_WARP) p[e] = p[e] / sum;
+#pragma unroll
+  for (int q = 0; q < n_q; ++q) {
+    const int e = lane + BARO_WARP * q;
+    if (e < E) set(q, e, val(q, e) / sum);
+  }
 
   // top-k: descending p, ties to the lower id; taken entries become -2.
   float wsum = 0.0f;
   for (int s = 0; s < k; ++s) {
     float bp = -1.0f;
     int be = 0x7fffffff;
-    for (int e = lane; e < E; e += BARO_WARP) {
-      const float v = p[e];
-      if (v > bp) {  // strict: the first (lowest) id of this lane wins ties
-        bp = v;
-        be = e;
+#pragma unroll
+    for (int q = 0; q < n_q; ++q) {
+      const int e = lane + BARO_WARP * q;
+      if (e < E) {
+        const float x = val(q, e);
+        if (x > bp) {  // strict: the first (lowest) id of this lane wins ties
+          bp = x;
+          be = e;
+        }
       }
     }
 #pragma unroll
@@ -78,7 +114,15 @@ __global__ void __launch_bounds__(kTopkWarps * BARO_WARP)
       be = 0;
       bp = 0.0f;
     }
-    if ((be & (BARO_WARP - 1)) == lane) p[be] = -2.0f;
+    if ((be & (BARO_WARP - 1)) == lane) {
+      if constexpr (kPer > 0) {
+#pragma unroll
+        for (int q = 0; q < kPer; ++q)
+          if (lane + BARO_WARP * q == be) v[q] = -2.0f;
+      } else {
+        p[be] = -2.0f;
+      }
+    }
     if (lane == 0) {
       ids[row * k + s] = be;
       wts[row * k + s] = bp;
@@ -87,6 +131,24 @@ __global__ void __launch_bounds__(kTopkWarps * BARO_WARP)
   }
   if (lane == 0)
     for (int s = 0; s < k; ++s) wts[row * k + s] = wts[row * k + s] / wsum;
+  if constexpr (kPer > 0) {
+#pragma unroll
+    for (int q = 0; q < kPer; ++q) {
+      const int e = lane + BARO_WARP * q;
+      if (e < E) p[e] = v[q];
+    }
+  }
+}
+constexpr int kTopkRegPer = 16;  // E <= 512 in registers
+
+static gpuError_t launch_topk(float* probs, int32_t* ids, float* wts, int64_t m, int E, int k,
+                              gpuStream_t stream) {
+  const unsigned blocks = static_cast<unsigned>((m + kTopkWarps - 1) / kTopkWarps);
+  if (E <= BARO_WARP * kTopkRegPer)
+    moe_topk_kernel<kTopkRegPer><<<blocks, kTopkWarps * BARO_WARP, 0, stream>>>(probs, ids, wts, m, E, k);
+  else
+    moe_topk_kernel<0><<<blocks, kTopkWarps * BARO_WARP, 0, stream>>>(probs, ids, wts, m, E, k);
+  return gpuGetLastError();
 }
 
 // ---- grouping of the P = m*k pairs (p = row*k + slot) by expert ----
@@ -468,10 +530,7 @@ gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream) {
   // 1. router logits [m, E]
   BARO_MOE_TRY(launch_matmul(a.h, a.router, s.logits, m, E, D, stream));
   // 2. softmax + top-k per row
-  moe_topk_kernel<<<static_cast<unsigned>((m + kTopkWarps - 1) / kTopkWarps),
-                    kTopkWarps * BARO_WARP, 0, stream>>>(s.logits, s.ids, s.wts, m,
-                                                         static_cast<int>(E), a.top_k);
-  BARO_MOE_TRY(gpuGetLastError());
+  BARO_MOE_TRY(launch_topk(s.logits, s.ids, s.wts, m, static_cast<int>(E), a.top_k, stream));
   // 3. group pairs by expert (tiles of bm pairs)
   const int bm = gemm_bm(pl.cfg);
   const int64_t max_tiles = moe_max_tiles(a, bm);
@@ -564,9 +623,7 @@ gpuError_t launch_moe_route(const uint16_t* h, const uint16_t* router, int32_t* 
   float* wts = reinterpret_cast<float*>(static_cast<char*>(scratch) +
                                         ((sizeof(float) * m * E + 255) & ~static_cast<size_t>(255)));
   BARO_MOE_TRY(launch_matmul(h, router, logits, m, E, D, stream));
-  moe_topk_kernel<<<static_cast<unsigned>((m + kTopkWarps - 1) / kTopkWarps),
-                    kTopkWarps * BARO_WARP, 0, stream>>>(logits, ids, wts, m, static_cast<int>(E), k);
-  return gpuGetLastError();
+  return launch_topk(logits, ids, wts, m, static_cast<int>(E), k, stream);
 }
 
 }  // namespace baro_gpu

@@ -1,0 +1,182 @@
+"""Where a decode step's time goes: device kernels, their gaps, and the host's launches.
+
+    python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --context 1024 --steps 8 --json out.json
+
+Prefills --context random tokens, runs warm-up decode steps (the m = 1 graph compiles there),
+times --steps steps (wall clock, logits in hand each step, as generate() runs them), then runs
+--steps more under jax.profiler and reads the trace (jax.profiler.ProfileData):
+- per step: wall time, device busy time (union of kernel intervals on the GPU planes), and the
+  idle rest (launch latency, host work, the logits copy);
+- kernels grouped by name: count per step, total and mean time;
+- host-side launch events by name (cuLaunchKernel vs graph launches: whether XLA ran the step as
+  command buffers, which is what --xla_gpu_enable_command_buffer decides; XLA_FLAGS is recorded).
+On CPU the "kernels" are the XLA thunks of the host plane (for a dry run of this script).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.common import provenance, write_json  # noqa: E402
+
+
+def union_ns(intervals):
+    """Total length of the union of [start, end) intervals."""
+    total, cur_s, cur_e = 0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def read_trace(trace_dir: str):
+    from jax.profiler import ProfileData
+
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+    if not files:
+        raise SystemExit(f"decode_profile: the profiler wrote no .xplane.pb under {trace_dir}")
+    pd = ProfileData.from_file(files[-1])
+    kernels, host, gpu_lines = [], collections.Counter(), collections.Counter()
+    names = [p.name for p in pd.planes]  # (the plane objects are views made per access: compare names)
+    on_gpu = any(n.startswith("/device:GPU") for n in names)
+    for p in pd.planes:
+        kernel_plane = p.name.startswith("/device:GPU") or (not on_gpu and p.name == "/host:CPU")
+        lines = list(p.lines)
+        # A GPU plane has one line per stream plus derived lines (XLA modules / ops) that
+        # overlap the kernels: keep the streams.
+        streams = [ln for ln in lines if ln.name.startswith("Stream")]
+        if p.name.startswith("/device:GPU"):
+            for ln in lines:
+                gpu_lines[ln.name] += 1
+        for line in lines:
+            keep = kernel_plane and not line.name.startswith("python") and (
+                not p.name.startswith("/device:GPU") or not streams or line.name.startswith("Stream"))
+            for e in line.events:
+                if keep:
+                    if e.duration_ns > 0 and not e.name.startswith("end:") and "Execute" not in e.name:
+                        kernels.append((e.name, int(e.start_ns), int(e.start_ns + e.duration_ns)))
+                elif p.name.startswith("/host") and ("aunch" in e.name or "Graph" in e.name):
+                    host[e.name] += 1
+    return kernels, host, names + [f"{n} line: {ln}" for n in names if n.startswith("/device:GPU") for ln in gpu_lines]
+
+
+def short(name: str) -> str:
+    """A kernel's name without its template arguments and parameter list (for grouping)."""
+    for sep in ("(", "<"):
+        if sep in name:
+            name = name.split(sep, 1)[0]
+    return name.strip()[:80]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--context", type=int, default=1024, help="prompt tokens before the decode steps")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--top", type=int, default=25, help="kernel groups to print")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    import jax
+
+    import baro_jax
+
+    eng = baro_jax.load(args.model, backend="ordered", max_context=max(args.context + args.warmup + 2 * args.steps + 8, 64))
+    ids = [int(x) for x in np.random.default_rng(args.seed).integers(0, eng.cfg.vocab_size, args.context)]
+    pre = eng.prefill(ids)
+    logits, state = pre.logits, pre.state
+    pos = len(ids)
+    tok = int(np.argmax(np.asarray(logits)))
+
+    def steps(n):
+        nonlocal logits, state, pos, tok
+        walls = []
+        for _ in range(n):
+            t = time.perf_counter()
+            logits, state = eng._decode(tok, state, pos)
+            tok = int(np.argmax(np.asarray(logits)))  # the host sampler's sync, as generate() runs
+            walls.append(time.perf_counter() - t)
+            pos += 1
+        return walls
+
+    steps(args.warmup)
+    walls = steps(args.steps)
+    wall_ms = float(np.median(walls) * 1e3)
+    print(f"[decode_profile] {args.model} context {args.context}: median step {wall_ms:.3f} ms "
+          f"({1e3 / wall_ms:.1f} tok/s) over {args.steps} steps", flush=True)
+
+    trace_dir = tempfile.mkdtemp(prefix="baro_trace_")
+    with jax.profiler.trace(trace_dir):
+        t0 = time.perf_counter()
+        steps(args.steps)
+        traced_s = time.perf_counter() - t0
+    kernels, host, planes = read_trace(trace_dir)
+    if not kernels:
+        raise SystemExit(f"decode_profile: no kernel events in the trace (planes: {planes})")
+    n = args.steps
+    busy = union_ns([(s, e) for _, s, e in kernels]) / 1e6 / n
+    span = ((max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)) / 1e6 / n) if kernels else 0.0
+    groups = collections.defaultdict(lambda: [0, 0])
+    for name, s, e in kernels:
+        g = groups[short(name)]
+        g[0] += 1
+        g[1] += e - s
+    rows = sorted(({"kernel": k, "per_step": c / n, "ms_per_step": t / 1e6 / n, "mean_us": t / 1e3 / c}
+                   for k, (c, t) in groups.items()), key=lambda r: -r["ms_per_step"])
+    # idle gaps between consecutive kernels (device timeline): where the rest goes
+    ks = sorted(kernels, key=lambda k: k[1])
+    gaps, end, prev = [], None, None
+    for name, s0, e0 in ks:
+        if end is not None and s0 > end:
+            gaps.append((s0 - end, short(prev), short(name)))
+        if end is None or e0 > end:
+            end, prev = e0, name
+    buckets = {"<2us": 0.0, "2-10us": 0.0, "10-100us": 0.0, ">100us": 0.0}
+    for gap, _, _ in gaps:
+        key = "<2us" if gap < 2e3 else "2-10us" if gap < 1e4 else "10-100us" if gap < 1e5 else ">100us"
+        buckets[key] += gap / 1e6 / n
+    top_gaps = [{"us": g / 1e3, "after": a, "before": b} for g, a, b in sorted(gaps, reverse=True)[:12]]
+    print(f"[decode_profile] idle ms/step by gap size: " + ", ".join(f"{k} {v:.3f}" for k, v in buckets.items()))
+    for tg in top_gaps[:6]:
+        print(f"  gap {tg['us']:9.1f} us  after {tg['after']}  before {tg['before']}")
+    print(f"[decode_profile] traced: {traced_s * 1e3 / n:.3f} ms/step wall, device busy {busy:.3f} ms/step, "
+          f"kernel span {span:.3f} ms/step, {len(kernels) / n:.0f} kernels/step", flush=True)
+    for r in rows[:args.top]:
+        print(f"  {r['ms_per_step']:8.3f} ms  {r['per_step']:6.1f}x  {r['mean_us']:8.2f} us  {r['kernel']}")
+    for k, c in host.most_common(8):
+        print(f"  host {c / n:7.1f}/step  {k}")
+    out = {
+        "summary": {**provenance(), "model": args.model, "context": args.context, "steps": n,
+                    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                    "median_step_ms": wall_ms, "tok_per_s": 1e3 / wall_ms,
+                    "traced_step_ms": traced_s * 1e3 / n, "device_busy_ms_per_step": busy,
+                    "kernel_span_ms_per_step": span, "kernels_per_step": len(kernels) / n,
+                    "planes": planes},
+        "kernels": rows,
+        "idle_ms_per_step_by_gap": buckets,
+        "largest_gaps": top_gaps,
+        "host_launch_events_per_step": {k: c / n for k, c in host.most_common()},
+    }
+    if args.json:
+        write_json(args.json, out)
+    return out
+
+
+if __name__ == "__main__":
+    main()

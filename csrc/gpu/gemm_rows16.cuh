@@ -1,0 +1,206 @@
+// baro_jax GPU (CUDA only): the decode-shaped GEMM. A slot holds at most 16
+// rows (one m16 tile), so the cost is reading W once: the kernel streams W
+// through a 4-stage cp.async ring in many small blocks (32 weight rows each,
+// one 8-column n-tile per warp). The slot's A rows ride in the same ring
+// (rows past the slot zero-filled without a read), so no k-step waits on a
+// global load: A and B fragments both come from ldmatrix.
+//
+// Order: each output element is one fp32 accumulator fragment of
+// mma.sync.m16n8k16 walking K in ascending 16-wide steps, no split-K, exactly
+// gemm.cuh's order; the A fragment words are the same words load_a reads
+// (rows past the slot are zero) and the B fragments come from ldmatrix of the
+// W rows (== load_b_nk). So a row gets the bits the 64/128-row prefill tiles
+// give it: the kernel tests compare the two.
+//
+// SWIGLU: warp w owns the gate n-tile (W rows c0 + 8w ..) and the matching up
+// n-tile (rows I + c0 + 8w ..), so a lane holds g and u of the same output
+// and writes bf16(silu(g) * u) (gemm_pipe_kernel's epilogue expression).
+#pragma once
+
+#include <cstdint>
+
+#include "common.cuh"
+#include "dot.cuh"
+#include "gemm.cuh"
+
+#if !BARO_HIP
+namespace baro_gpu {
+
+constexpr int kRows16Warps = 4;
+constexpr int kRows16Threads = kRows16Warps * BARO_WARP;
+constexpr int kRows16BK = 128;                // k per stage: 8 mma k-steps
+constexpr int kRows16Stages = 4;
+constexpr int kRows16Ld = kRows16BK + 8;      // smem row stride (272 B: ldmatrix conflict-free)
+constexpr int kRows16Chunks = kRows16BK / 8;  // 16-byte chunks per W row per stage
+
+template <bool SWIGLU>
+struct Rows16Cfg {
+  static constexpr int NT = SWIGLU ? 2 : 1;               // n-tiles per warp
+  static constexpr int kWRows = kRows16Warps * NT * 8;    // W rows per block
+  static constexpr int kOutCols = kRows16Warps * 8;       // output columns per block
+  static constexpr int kStageElems = (16 + kWRows) * kRows16Ld;  // A tile, then W rows
+  static constexpr int kSmemBytes = kRows16Stages * kStageElems * 2;
+  static constexpr int kCopies = kWRows * kRows16Chunks / kRows16Threads;  // W, per thread per stage
+  static constexpr int kACopies = 16 * kRows16Chunks / kRows16Threads;      // A, per thread per stage
+  static_assert(kWRows * kRows16Chunks % kRows16Threads == 0, "copy split");
+  static_assert(16 * kRows16Chunks % kRows16Threads == 0, "copy split");
+};
+
+// Grid (row slots, ceil(out_n / 32)). Requires p.vec (K % 8 == 0, 16-byte
+// aligned A and W) and slot_rows <= 16.
+template <bool SWIGLU>
+__global__ void __launch_bounds__(kRows16Threads) gemm_rows16_kernel(GemmParams p) {
+  using Cfg = Rows16Cfg<SWIGLU>;
+  constexpr int NT = Cfg::NT;
+  extern __shared__ __align__(16) uint16_t rows16_smem[];  // Cfg::kSmemBytes
+
+  int64_t group = 0, r0 = 0, rc64 = 0;
+  if (!gemm_slot(p, blockIdx.x, group, r0, rc64)) return;
+  const int rc = static_cast<int>(rc64 < 16 ? rc64 : 16);
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * Cfg::kOutCols;
+  const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
+  if (c0 >= out_n) return;
+  const int nc = out_n - c0 < Cfg::kOutCols ? static_cast<int>(out_n - c0) : Cfg::kOutCols;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t K = p.K;
+  const int n_k = static_cast<int>((K + kRows16BK - 1) / kRows16BK);
+
+  // ---- copies: chunk tid & 15 of stage rows (tid >> 4) + 8 i; A rows 0..15, then W ----
+  const int cp_chunk = tid & (kRows16Chunks - 1);
+  const int cp_row = tid / kRows16Chunks;
+  constexpr int kRowStep = kRows16Threads / kRows16Chunks;  // 8
+  int64_t a_off[Cfg::kACopies];  // -1: a row past the slot (zero-filled)
+#pragma unroll
+  for (int i = 0; i < Cfg::kACopies; ++i) {
+    const int r = cp_row + kRowStep * i;
+    a_off[i] = -1;
+    if (r < rc) {
+      const int64_t s = r0 + r;
+      const int64_t ar = p.a_rows != nullptr ? static_cast<int64_t>(p.a_rows[s]) : s;
+      a_off[i] = ar * p.lda + cp_chunk * 8;
+    }
+  }
+  const uint16_t* wbase = p.W + group * p.w_group_stride;
+  const uint16_t* w_src[Cfg::kCopies];
+  bool w_ok[Cfg::kCopies];
+#pragma unroll
+  for (int i = 0; i < Cfg::kCopies; ++i) {
+    const int j = cp_row + kRowStep * i;  // W row of the tile
+    int rel;                              // its output column, relative to c0
+    int64_t wrow;
+    if (SWIGLU) {
+      rel = j % Cfg::kOutCols;
+      wrow = (j >= Cfg::kOutCols ? p.swiglu_I : 0) + c0 + rel;
+    } else {
+      rel = j;
+      wrow = c0 + j;
+    }
+    w_ok[i] = rel < nc;
+    w_src[i] = wbase + (w_ok[i] ? wrow : 0) * p.ldw + cp_chunk * 8;
+  }
+  const uint32_t smem0 = smem_u32(rows16_smem);
+  auto load_stage = [&](int kt, int slot) {
+    const int64_t k0 = static_cast<int64_t>(kt) * kRows16BK;
+    const bool k_ok = k0 + cp_chunk * 8 < K;  // K % 8 == 0: a chunk is wholly in or past K
+    const uint32_t base = smem0 + 2 * (slot * Cfg::kStageElems + cp_row * kRows16Ld + cp_chunk * 8);
+#pragma unroll
+    for (int i = 0; i < Cfg::kACopies; ++i) {
+      const bool ok = a_off[i] >= 0 && k_ok;
+      cp_async16(base + 2 * kRowStep * i * kRows16Ld, ok ? p.A + a_off[i] + k0 : p.A, ok);
+    }
+#pragma unroll
+    for (int i = 0; i < Cfg::kCopies; ++i) {
+      const bool ok = w_ok[i] && k_ok;
+      cp_async16(base + 2 * (16 + kRowStep * i) * kRows16Ld, ok ? w_src[i] + k0 : p.W, ok);
+    }
+  };
+
+  float acc[NT][4];
+#pragma unroll
+  for (int b = 0; b < NT; ++b)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[b][i] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < kRows16Stages - 1; ++s) {
+    if (s < n_k) load_stage(s, s);
+    cp_async_commit();
+  }
+
+  // A x4 (== load_a): lane l gives row l & 15, k chunk l >> 4 of one 16-wide step.
+  // B x4 of one n-tile: matrices (n 0-7, k 0-7), (k 8-15), (k 16-23), (k 24-31)
+  // = the B fragments of two k-steps; lane l gives row l & 7, chunk l >> 3.
+  const int a_lrow = lane & 15, a_lchunk = lane >> 4;
+  const int b_lrow = lane & 7, b_lchunk = lane >> 3;
+  int b_row[NT];
+#pragma unroll
+  for (int b = 0; b < NT; ++b) b_row[b] = 16 + (b * kRows16Warps + warp) * 8 + b_lrow;
+
+  for (int kt = 0; kt < n_k; ++kt) {
+    cp_async_wait<kRows16Stages - 2>();
+    __syncthreads();  // stage kt visible; stage kt-1 consumed by every warp
+    {
+      const int nt = kt + kRows16Stages - 1;
+      if (nt < n_k) load_stage(nt, nt % kRows16Stages);
+      cp_async_commit();
+    }
+    const uint32_t base = smem0 + 2 * (kt % kRows16Stages) * Cfg::kStageElems;
+    const int64_t k0 = static_cast<int64_t>(kt) * kRows16BK;
+#pragma unroll
+    for (int kk2 = 0; kk2 < kRows16BK / 32; ++kk2) {  // pairs of k-steps
+      if (k0 + kk2 * 32 < K) {
+        FragB fb[NT][2];
+#pragma unroll
+        for (int b = 0; b < NT; ++b)
+          ldsm_x4(base + 2 * (b_row[b] * kRows16Ld + kk2 * 32 + b_lchunk * 8), fb[b][0].r[0],
+                  fb[b][0].r[1], fb[b][1].r[0], fb[b][1].r[1]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (k0 + kk2 * 32 + h * 16 < K) {  // uniform: steps wholly past K are skipped
+            FragA fa;  // zeros past K and past the slot come from the copies
+            ldsm_x4(base + 2 * (a_lrow * kRows16Ld + kk2 * 32 + h * 16 + a_lchunk * 8), fa.r[0],
+                    fa.r[1], fa.r[2], fa.r[3]);
+#pragma unroll
+            for (int b = 0; b < NT; ++b) mma_16816(acc[b], fa, fb[b][h]);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();  // no copy may still target smem when the block exits
+
+  // ---- epilogue ----
+  const int c = warp * 8 + 2 * t;
+  const bool out2 = p.out2 != 0;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int r = g + 8 * e;
+    if (r >= rc) continue;
+    const int64_t orow = (r0 + r) * p.ldc;
+    if (SWIGLU) {
+      const uint16_t v0 = f32_to_bf16(siluf_(acc[0][2 * e]) * acc[1][2 * e]);
+      const uint16_t v1 = f32_to_bf16(siluf_(acc[0][2 * e + 1]) * acc[1][2 * e + 1]);
+      uint16_t* dst = p.Act + orow + c0 + c;
+      if (out2 && c + 1 < nc) {
+        *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(v0) | (static_cast<uint32_t>(v1) << 16);
+      } else {
+        if (c < nc) dst[0] = v0;
+        if (c + 1 < nc) dst[1] = v1;
+      }
+    } else {
+      float* dst = p.C + orow + c0 + c;
+      const float v0 = acc[0][2 * e], v1 = acc[0][2 * e + 1];
+      if (out2 && c + 1 < nc) {
+        *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+      } else {
+        if (c < nc) dst[0] = v0;
+        if (c + 1 < nc) dst[1] = v1;
+      }
+    }
+  }
+}
+
+}  // namespace baro_gpu
+#endif  // !BARO_HIP

@@ -19,7 +19,7 @@ from . import model as M
 from . import budget, checks, variants
 from .config import Config
 from .ops import get_ops
-from .sampling import Sampler, Sampling
+from .sampling import Sampler, Sampling, greedy
 
 PREFILL_MODES = ("batch", "replay")
 ENGINE_MODES = ("resident", "tier")  # where the routed experts live: device memory, or host (staging.py)
@@ -130,8 +130,43 @@ def state_length(n: int, max_context: int) -> int:
     return min(L, max_context)
 
 
+# Greedy decode steps per device call (generate, speed.py): one dispatch of the whole
+# model costs the host ~2 ms at full size (thousands of leaves), about a fifth of a step.
+DECODE_BLOCK = 16
+
+
+def env_decode_block(default: int = DECODE_BLOCK) -> int:
+    """BARO_DECODE_BLOCK: greedy decode steps per device call (1: one call per token)."""
+    v = os.environ.get("BARO_DECODE_BLOCK", "").strip()
+    if not v:
+        return default
+    try:
+        b = int(v)
+    except ValueError:
+        raise ValueError(f"BARO_DECODE_BLOCK must be a positive integer, got {v!r}") from None
+    if not 1 <= b <= 4096:
+        raise ValueError(f"BARO_DECODE_BLOCK must be in 1..4096, got {v!r}")
+    return b
+
+
+def greedy_steps(params, state, token, pos, n, rope, *, cfg: Config, ops, block: int):
+    """Up to `block` greedy decode steps in one device graph: token at pos, then each step's
+    argmax fed back, for n (traced, 1..block) steps. Each iteration is forward() on one row,
+    the decode step's graph, so the bits are the per-token loop's. Returns (tokens [block],
+    state): tokens[i] is the argmax after step i (entries past n are -1)."""
+    def body(i, carry):
+        st, tok, toks = carry
+        logits, st = M.forward(params, st, tok[None], pos + i, jnp.int32(1), rope, cfg=cfg, ops=ops)
+        nxt = greedy(logits)
+        return st, nxt, toks.at[i].set(nxt)
+
+    st, _, toks = jax.lax.fori_loop(0, n, body, (state, token, jnp.full((block,), -1, jnp.int32)))
+    return toks, st
+
+
 # Module-level jits keyed on (cfg, ops): engines of the same model share compiled graphs.
 _STEP = jax.jit(M.forward, static_argnames=("cfg", "ops", "all_logits"), donate_argnums=(1,))
+_GREEDY = jax.jit(greedy_steps, static_argnames=("cfg", "ops", "block"), donate_argnums=(1,))
 _ALL_LOGITS = jax.jit(partial(M.forward, all_logits=True), static_argnames=("cfg", "ops"))
 
 
@@ -257,6 +292,40 @@ class Engine:
         toks = jnp.asarray([token], jnp.int32)
         return self._step(self.params, state, toks, jnp.int32(pos), jnp.int32(1), self.rope)
 
+    def greedy_decode(self, token: int, state, pos: int, n: int):
+        """n greedy tokens after `token` at pos: decode token, take the argmax, feed it back,
+        n times, in device calls of up to BARO_DECODE_BLOCK (16) steps with no host work
+        between steps. Returns (tokens list [n], new state); the state is donated and ends
+        at pos + n. Same bits as n decode_step calls with greedy sampling."""
+        token = checks.token_id(token, self.cfg.vocab_size, "greedy_decode: token")
+        n = checks.as_int("n", n, lo=0)
+        pos = checks.positions(pos, max(n, 1), self.check_state(state, "greedy_decode"), self.cfg.max_context,
+                               "greedy_decode")
+        out = []
+        for toks, state in self._greedy_blocks(token, state, pos, n):
+            out.extend(toks)
+        return out, state
+
+    def _greedy_blocks(self, token: int, state, pos: int, n: int):
+        """Yields (tokens of one block, state after it) until n tokens (unchecked)."""
+        if self.mode == "tier":  # tier decode stages experts from Python per layer: one step per call
+            block = 1
+        else:
+            block = env_decode_block()
+        done = 0
+        while done < n:
+            k = min(block, n - done)
+            if block == 1:
+                logits, state = self._decode(token, state, pos + done)
+                toks = [int(greedy(logits))]
+            else:
+                dev, state = _GREEDY(self.params, state, jnp.int32(token), jnp.int32(pos + done), jnp.int32(k),
+                                     self.rope, cfg=self.cfg, ops=self.ops, block=block)
+                toks = [int(t) for t in np.asarray(dev)[:k]]
+            token = toks[-1]
+            done += k
+            yield toks, state
+
     def prefill_chunk(self, ids: Sequence[int], state, pos: int, chunk: int):
         """Up to `chunk` tokens at pos.. in one call, padded to `chunk` rows. Donates the state
         (as decode_step does); ids, pos, chunk and the state are checked first."""
@@ -380,25 +449,50 @@ class Engine:
         if self.cache is not None:
             self.cache.reset_stats()  # the hit rate of this request's decode steps
         t0 = time.perf_counter()
-        t1 = None  # when the first decode step's token was in hand: that step may have compiled
+        t1 = None  # when the first decode call's tokens were in hand: that call may have compiled
+        n1 = 0     # tokens in hand at t1
         pos = len(ids)
-        for i in range(max_new_tokens):
+        # Greedy runs blocks of decode steps on the device (greedy_decode) unless the caller keeps
+        # the state: a block may run past an end-of-sequence token, and a kept state must end there.
+        blocks = sampling.greedy and not (keep_state and eos is not None)
+        if blocks and max_new_tokens > 0:
             tok = sampler(logits)
-            if i == 1:
-                t1 = time.perf_counter()
             out.append(tok)
             if on_token:
                 on_token(tok)
-            if tok == eos:
-                break
-            if i + 1 < max_new_tokens:
-                logits, state = self._decode(tok, state, pos)
-                pos += 1
+            stop = tok == eos
+            if not stop and max_new_tokens > 1:
+                for toks, state in self._greedy_blocks(tok, state, pos, max_new_tokens - 1):
+                    if t1 is None:
+                        t1, n1 = time.perf_counter(), len(out) + len(toks)
+                    for t in toks:
+                        out.append(t)
+                        if on_token:
+                            on_token(t)
+                        if t == eos:
+                            stop = True
+                            break
+                    if stop:
+                        break
+        else:
+            for i in range(max_new_tokens):
+                tok = sampler(logits)
+                if i == 1:
+                    t1, n1 = time.perf_counter(), 2
+                out.append(tok)
+                if on_token:
+                    on_token(tok)
+                if tok == eos:
+                    break
+                if i + 1 < max_new_tokens:
+                    logits, state = self._decode(tok, state, pos)
+                    pos += 1
         t_end = time.perf_counter()
-        # The first token comes from the prefill logits. The rate counts decode steps 2.. so the
-        # first step's compilation (a new m = 1 graph) stays out of it; with one step, it is in.
-        if t1 is not None and len(out) > 2:
-            n_dec, dt = len(out) - 2, t_end - t1
+        # The first token comes from the prefill logits. The rate counts the tokens after the first
+        # decode call (one step, or one block of greedy steps), so that call's compilation (a new
+        # graph) stays out of it; when there is no later call, it is in.
+        if t1 is not None and len(out) > n1:
+            n_dec, dt = len(out) - n1, t_end - t1
         else:
             n_dec, dt = max(len(out) - 1, 0), t_end - t0
         return GenerateResult(

@@ -3,7 +3,8 @@
     python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --context 1024 --steps 8 --json out.json
 
 Prefills --context random tokens, runs warm-up decode steps (the m = 1 graph compiles there),
-times --steps steps (wall clock, logits in hand each step, as generate() runs them), then runs
+times --steps tokens (wall clock, as generate() runs them: greedy blocks on the device, or one
+call per token with --per-token), then runs
 --steps more under jax.profiler and reads the trace (jax.profiler.ProfileData):
 - per step: wall time, device busy time (union of kernel intervals on the GPU planes), and the
   idle rest (launch latency, host work, the logits copy);
@@ -90,6 +91,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--top", type=int, default=25, help="kernel groups to print")
+    ap.add_argument("--per-token", action="store_true",
+                    help="one device call per token (decode_step + host argmax) instead of greedy blocks")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -105,15 +108,20 @@ def main(argv=None):
     tok = int(np.argmax(np.asarray(logits)))
 
     def steps(n):
-        nonlocal logits, state, pos, tok
-        walls = []
-        for _ in range(n):
-            t = time.perf_counter()
-            logits, state = eng._decode(tok, state, pos)
-            tok = int(np.argmax(np.asarray(logits)))  # the host sampler's sync, as generate() runs
-            walls.append(time.perf_counter() - t)
-            pos += 1
-        return walls
+        """n decode tokens as generate() runs them (greedy blocks on the device), or one
+        decode_step call plus a host argmax per token with --per-token. Wall seconds per token."""
+        nonlocal state, pos, tok
+        t = time.perf_counter()
+        if args.per_token:
+            for _ in range(n):
+                lg, state = eng._decode(tok, state, pos)
+                tok = int(np.argmax(np.asarray(lg)))
+                pos += 1
+        else:
+            toks, state = eng.greedy_decode(tok, state, pos, n)
+            jax.block_until_ready(state)
+            tok, pos = toks[-1], pos + n
+        return [(time.perf_counter() - t) / n] * n
 
     steps(args.warmup)
     walls = steps(args.steps)
@@ -163,7 +171,7 @@ def main(argv=None):
         print(f"  host {c / n:7.1f}/step  {k}")
     out = {
         "summary": {**provenance(), "model": args.model, "context": args.context, "steps": n,
-                    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                    "xla_flags": os.environ.get("XLA_FLAGS", ""), "per_token": args.per_token,
                     "median_step_ms": wall_ms, "tok_per_s": 1e3 / wall_ms,
                     "traced_step_ms": traced_s * 1e3 / n, "device_busy_ms_per_step": busy,
                     "kernel_span_ms_per_step": span, "kernels_per_step": len(kernels) / n,

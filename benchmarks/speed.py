@@ -67,21 +67,35 @@ def model_context(name: str) -> int | None:
 
 
 def warm(eng, chunk, state_len):
-    """Compile the chunk graph and the decode step outside the timed region."""
+    """Compile the chunk graph, the decode step and the greedy decode block outside the timed region."""
     st = eng.new_state(state_len)
     lg, st = eng.prefill_chunk([1] * min(chunk, 3), st, 0, chunk)
     lg, st = eng.decode_step(1, st, 3)
-    jax.block_until_ready(lg)
+    _, st = eng.greedy_decode(1, st, 4, 2)
+    jax.block_until_ready(st)
 
 
 def time_decode(eng, logits, state, pos, n):
+    """Greedy decode of n tokens after the prompt as generate() runs it (Engine.greedy_decode:
+    blocks of steps on the device). Returns (tokens/s, whether its first tokens equal one
+    decode_step call per token from a copy of the same state)."""
+    import jax.numpy as jnp
+
     from baro_jax.sampling import greedy
 
+    tok = int(greedy(logits))
+    k = min(16, n)
+    st = jax.tree_util.tree_map(jnp.copy, state)
+    ref, t = [], tok
+    for i in range(k):
+        lg, st = eng.decode_step(t, st, pos + i)
+        t = int(greedy(lg))
+        ref.append(t)
+    del st, lg
     t0 = time.perf_counter()
-    for i in range(n):
-        logits, state = eng.decode_step(int(greedy(logits)), state, pos + i)
-    jax.block_until_ready(logits)
-    return n / (time.perf_counter() - t0)
+    toks, state = eng.greedy_decode(tok, state, pos, n)
+    jax.block_until_ready(state)
+    return n / (time.perf_counter() - t0), toks[:k] == ref
 
 
 def replay_from(eng, ids, state, pos0):
@@ -157,6 +171,8 @@ def summarize(args, chunks, arms, peer, peer_run, timings, final, rows):
     if final:
         checks = [r["identity"]["equal"] for row in rows for r in row.get("by_chunk", {}).values()
                   if "identity" in r]
+        checks += [r["decode_blocks_equal_steps"] for row in rows for r in row.get("by_chunk", {}).values()
+                   if "decode_blocks_equal_steps" in r]
         s["checks_pass"] = all(checks) if checks else None
         s["checks_run"] = len(checks)
         s.update(provenance())
@@ -315,7 +331,8 @@ def main(argv=None) -> int:
                                  "equal": bool(checks) and all(k["equal"] for k in checks) and r["repeat_runs_equal"],
                                  "details": checks}
                 if ci == 0 and args.decode_tokens:
-                    r["decode_tokens_per_s"] = time_decode(eng, pre.logits, pre.state, n, args.decode_tokens)
+                    r["decode_tokens_per_s"], r["decode_blocks_equal_steps"] = time_decode(
+                        eng, pre.logits, pre.state, n, args.decode_tokens)
                 del pre
                 pr = peer_rows.get(n, {})
                 if "tokens_per_s" in pr:

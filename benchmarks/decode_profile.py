@@ -99,10 +99,11 @@ def main(argv=None):
     import jax
 
     import baro_jax
+    from baro_jax.engine import state_length
 
     eng = baro_jax.load(args.model, backend="ordered", max_context=max(args.context + args.warmup + 2 * args.steps + 8, 64))
     ids = [int(x) for x in np.random.default_rng(args.seed).integers(0, eng.cfg.vocab_size, args.context)]
-    pre = eng.prefill(ids)
+    pre = eng.prefill(ids, state=eng.new_state(state_length(args.context + args.warmup + 2 * args.steps + 8, eng.cfg.max_context)))
     logits, state = pre.logits, pre.state
     pos = len(ids)
     tok = int(np.argmax(np.asarray(logits)))

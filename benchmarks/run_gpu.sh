@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops probe full speed peer vs_peer agreement)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops probe full longctx decode speed peer vs_peer agreement)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -38,6 +38,21 @@ PY
 stage_full() {
   python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks "${GATE_CHUNKS:-256,1024,2048,8192}" --prompts benchmarks/prompts/identity_gpu.jsonl \
     --max-context "${GATE_MAX_CONTEXT:-16384}" --json "$OUT/identity_qwen35_h200.json" 2>&1 | tail -40
+}
+# Long-context identity (issue 10): a 64k (then 128k) prompt, batched at the default chunk and 4096
+# vs replay, bytes of every state leaf, last logits, 32 greedy tokens; a replay that would end past
+# LONGCTX_DEADLINE_S is recorded as skipped with its estimate. $OUT/identity_longctx_h200.json.
+stage_longctx() {
+  timeout "${LONGCTX_TIMEOUT:-590}" python benchmarks/identity_longctx.py --model qwen3.5-35b-a3b \
+    --lengths "${LONGCTX_LENGTHS:-65536,131072}" --chunks "${LONGCTX_CHUNKS:-default,4096}" --new-tokens 32 \
+    --deadline-s "${LONGCTX_DEADLINE_S:-540}" --json "$OUT/identity_longctx_h200.json" 2>&1 | tee "$OUT/longctx.log" | tail -14
+}
+# Decode: where a token's time goes at 1k and 32k context (benchmarks/decode_profile.py).
+stage_decode() {
+  for c in ${DECODE_CONTEXTS:-1024 32768}; do
+    timeout 200 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --context "$c" --steps 32 --top 16 \
+      --json "$OUT/decode_profile_${c}_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -24
+  done
 }
 stage_speed() {
   python benchmarks/speed.py --model qwen3.5-35b-a3b --lengths "${SPEED_LENGTHS:-1024,8192}" --chunk 1024 \

@@ -31,7 +31,7 @@ def provenance() -> dict:
         "jax": jax.__version__,
         # every knob that can change speed (none may change bits) or the path taken
         "env": {k: v for k, v in sorted(os.environ.items())
-                if k.startswith(("BARO_", "XLA_PYTHON_CLIENT_")) and k != "BARO_COMMIT"},
+                if k.startswith(("BARO_", "XLA_PYTHON_CLIENT_", "XLA_PJRT_")) and k != "BARO_COMMIT"},
     }
 
 

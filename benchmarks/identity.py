@@ -7,10 +7,18 @@ exits non-zero on any difference.
 
     python benchmarks/identity.py --model tiny --chunks 16,37,64 --json out.json
     python benchmarks/identity.py --model tiny --mode tier   # routed experts in pinned host memory
+    python benchmarks/identity.py --model tiny --mode tier --reference-json resident.json
+
+Every row carries `replay_digest`, a sha256 of the replay arm's state bytes, last logits and
+tokens. --reference-json compares them with another run's rows of the same prompt (e.g. tier
+mode under a small device limit against resident mode, which cannot load in the same
+process): a differing digest is a failure, like a differing arm.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import sys
 import time
@@ -58,6 +66,15 @@ def greedy_tokens(eng, logits, state, pos, n):
     return out
 
 
+def digest(arm) -> str:
+    h = hashlib.sha256()
+    for a in arm["state"]:
+        h.update(a.tobytes())
+    h.update(arm["logits"].tobytes())
+    h.update(np.asarray(arm["tokens"], np.int64).tobytes())
+    return h.hexdigest()
+
+
 def run_arm(eng, ids, mode, chunk, new_tokens):
     pre = eng.prefill(ids, mode, chunk, n_new=new_tokens)
     logits = np.asarray(pre.logits)
@@ -89,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-context", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--reference-json", default=None,
+                    help="another identity.py JSON: its rows' replay_digest must equal this run's, per prompt")
     args = ap.parse_args(argv)
 
     import baro_jax
@@ -104,6 +123,13 @@ def main(argv=None) -> int:
         prompts = [p for p in prompts if len(p["ids"]) <= args.max_len]
     names = state_names(eng.cfg)
     rows, failures = [], 0
+    reference = {}
+    if args.reference_json:
+        with open(args.reference_json) as f:
+            for r in json.load(f)["rows"]:
+                if r.get("replay_digest"):
+                    reference[(r["prompt"], r["len"])] = r["replay_digest"]
+    ref_checked = ref_failed = 0
     print(f"identity gate: model={args.model} backend={args.backend} variant={eng.variant} "
           f"delta_rule={eng.cfg.delta_rule} mode={args.mode} chunks={chunks} "
           f"prompts={len(prompts)} new_tokens={args.new_tokens}")
@@ -112,6 +138,15 @@ def main(argv=None) -> int:
     for p in prompts:
         ids = p["ids"]
         ref = run_arm(eng, ids, "replay", None, args.new_tokens)
+        ref_digest = digest(ref)
+        matches_ref = None
+        if (p["name"], len(ids)) in reference:
+            matches_ref = reference[(p["name"], len(ids))] == ref_digest
+            ref_checked += 1
+            ref_failed += not matches_ref
+            failures += not matches_ref
+            if not matches_ref:
+                print(f"{p['name']:>8} {len(ids):>6}  replay differs from --reference-json's", flush=True)
         for c in chunks:
             got = run_arm(eng, ids, "batch", c, args.new_tokens)
             d = first_diff(ref["state"], got["state"], names)
@@ -121,7 +156,8 @@ def main(argv=None) -> int:
             failures += not ok
             row = {"prompt": p["name"], "len": len(ids), "chunk": c, "boundaries_crossed": (len(ids) - 1) // c,
                    "state_equal": d is None, "first_state_diff": d, "logits_equal": same_logits,
-                   "tokens_equal": same_tokens, "replay_seconds": ref["seconds"], "batch_seconds": got["seconds"]}
+                   "tokens_equal": same_tokens, "replay_seconds": ref["seconds"], "batch_seconds": got["seconds"],
+                   "replay_digest": ref_digest, "replay_matches_reference": matches_ref}
             if not same_logits:
                 row["max_abs_logit_diff"] = float(np.max(np.abs(ref["logits"] - got["logits"])))
             rows.append(row)
@@ -134,6 +170,13 @@ def main(argv=None) -> int:
                "backend": args.backend, "variant": eng.variant, "delta_rule": eng.cfg.delta_rule, "mode": args.mode, "chunks": chunks, "new_tokens": args.new_tokens,
                "prompts_file": os.path.relpath(args.prompts, os.path.dirname(HERE)),
                "wall_seconds": time.time() - t_start, **provenance()}
+    if args.reference_json:
+        summary["reference"] = {"file": args.reference_json, "prompts_compared": ref_checked,
+                                "prompts_differing": ref_failed}
+        print(f"reference {args.reference_json}: {ref_checked - ref_failed}/{ref_checked} prompts' replay bytes equal")
+        if ref_checked == 0:
+            print("no prompt of this run is in the reference: nothing compared")
+            failures += 1
     if args.mode == "tier":  # over every one-row step of the run (replay prefill and decode)
         summary["expert_cache"] = eng.expert_cache_report()
         ec = summary["expert_cache"]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops probe full longctx decode speed peer vs_peer agreement)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops probe full longctx decode tier speed peer vs_peer agreement)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -46,6 +46,25 @@ stage_longctx() {
   timeout "${LONGCTX_TIMEOUT:-590}" python benchmarks/identity_longctx.py --model qwen3.5-35b-a3b \
     --lengths "${LONGCTX_LENGTHS:-65536,131072}" --chunks "${LONGCTX_CHUNKS:-default,4096}" --new-tokens 32 \
     --deadline-s "${LONGCTX_DEADLINE_S:-540}" --json "$OUT/identity_longctx_h200.json" 2>&1 | tee "$OUT/longctx.log" | tail -14
+}
+# Tier mode (issue 11) as a 24 GB card: a resident run writes replay digests (no limit), then under
+# XLA_PYTHON_CLIENT_MEM_FRACTION (TIER_MEM_FRACTION, 0.17) the tier identity gate (batched == replay,
+# and replay == resident via --reference-json), the copy/compute overlap per layer and chunk pass, and
+# prefill/decode speed at the budget's chunk with the expert cache's hit rate and the host-link bound.
+stage_tier() {
+  local common=(--model qwen3.5-35b-a3b --chunks "${TIER_CHUNKS:-1024,4096}" --prompts benchmarks/prompts/identity_gpu.jsonl
+                --max-len "${TIER_MAX_LEN:-600}" --new-tokens 16 --max-context 4096)
+  python benchmarks/identity.py "${common[@]}" --json "$OUT/identity_resident_ref_h200.json" 2>&1 | tail -2
+  (
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=${TIER_MEM_FRACTION:-0.17} XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${TIER_HOST_GB:-110}
+    python benchmarks/identity.py "${common[@]}" --mode tier --device-budget-gb "${TIER_BUDGET_GB:-22}" \
+      --reference-json "$OUT/identity_resident_ref_h200.json" --json "$OUT/identity_tier_h200.json" 2>&1 | tail -4
+    python benchmarks/tier_overlap.py --model qwen3.5-35b-a3b --chunks "${TIER_OVERLAP_CHUNKS:-4096,8192}" \
+      --device-budget-gb "${TIER_BUDGET_GB:-22}" --json "$OUT/tier_overlap_h200.json" 2>&1 | tail -3
+    python benchmarks/speed.py --model qwen3.5-35b-a3b --mode tier --device-budget-gb "${TIER_BUDGET_GB:-22}" \
+      --arms batch-ordered --lengths "${TIER_LENGTHS:-1024,8192,32768}" --chunk auto --decode-tokens 32 \
+      --json "$OUT/speed_tier_h200.json" 2>&1 | tail -6
+  )
 }
 # Decode: where a token's time goes at 1k and 32k context (benchmarks/decode_profile.py).
 stage_decode() {

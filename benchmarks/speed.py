@@ -92,10 +92,31 @@ def time_decode(eng, logits, state, pos, n):
         t = int(greedy(lg))
         ref.append(t)
     del st, lg
+    if eng.cache is not None:
+        eng.cache.reset_stats()  # the hit rate of the timed tokens only
     t0 = time.perf_counter()
     toks, state = eng.greedy_decode(tok, state, pos, n)
     jax.block_until_ready(state)
     return n / (time.perf_counter() - t0), toks[:k] == ref
+
+
+def expert_copy_bound(eng, repeats=3):
+    """Tier mode: (bytes of all routed experts, measured host->device GB/s of one layer's experts)."""
+    from baro_jax import staging
+
+    layers = eng.params["layers"]
+    on_dev = staging.device_sharding(next(iter(eng.params["embed"].devices())))
+    total = sum(int(a.size) * a.dtype.itemsize for lp in layers for a in staging.split_layer(lp)[1].values())
+    one = staging.split_layer(layers[0])[1]
+    nbytes = sum(int(a.size) * a.dtype.itemsize for a in one.values())
+    ts = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        x = jax.device_put(one, on_dev)
+        jax.block_until_ready(x)
+        ts.append(time.perf_counter() - t)
+        del x
+    return total, nbytes / statistics.median(ts[1:]) / 1e9
 
 
 def replay_from(eng, ids, state, pos0):
@@ -153,6 +174,7 @@ def ints(s: str) -> list[int]:
 
 def summarize(args, chunks, arms, peer, peer_run, timings, final, rows):
     s = {"model": args.model, "chunks": chunks, "arms": arms, "repeats": args.repeats,
+         "mode": args.mode, "device_budget_gb": args.device_budget_gb,
          "replay_max": args.replay_max, "check_prefix": args.check_prefix, "check_tail": args.check_tail,
          "identity_method": ("lengths <= replay_max: batch-ordered's last logits bytes == replay-ordered's "
                              "(whole prompt). Longer: prefix = batched prefill of ids[:check_prefix] vs replay "
@@ -183,7 +205,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--lengths", default="1024,8192")
-    ap.add_argument("--chunk", default="1024", help="comma list of prefill chunks; the first is the headline")
+    ap.add_argument("--chunk", default="1024",
+                    help="comma list of prefill chunks; the first is the headline; 'auto' = the engine's own "
+                         "pick for each prompt (Engine.pick_chunk: resident default_chunk, tier the largest that "
+                         "fits the budget)")
+    ap.add_argument("--mode", default="resident", choices=["resident", "tier"],
+                    help="tier: routed experts in pinned host memory (batch-ordered arm only; decode through "
+                         "the expert cache, its hit rate reported)")
+    ap.add_argument("--device-budget-gb", type=float, default=None, help="tier mode: the device budget")
     ap.add_argument("--replay-max", type=int, default=8192,
                     help="time replay (and check against it) only at lengths <= this; above, prefix+tail checks")
     ap.add_argument("--check-prefix", type=int, default=1088, help="prefix length P of the long-prompt check")
@@ -209,8 +238,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     lengths = ints(args.lengths)
-    chunks = ints(args.chunk)
+    chunks = [c if c == "auto" else int(c) for c in (x.strip() for x in args.chunk.split(",")) if c]
     arms = [a for a in args.arms.split(",") if a]
+    if args.mode == "tier" and set(arms) - {"batch-ordered"}:
+        ap.error("--mode tier runs the batch-ordered arm only (--arms batch-ordered)")
     bad = set(arms) - {"batch-ordered", "replay-ordered", "batch-xla"}
     if bad:
         ap.error(f"unknown arm(s) {sorted(bad)}")
@@ -232,7 +263,8 @@ def main(argv=None) -> int:
     engines = {}
     t = time.perf_counter()
     if any(a.endswith("ordered") for a in arms):
-        engines["ordered"] = baro_jax.load(args.model, backend="ordered", max_context=max_ctx, seed=args.seed)
+        engines["ordered"] = baro_jax.load(args.model, backend="ordered", max_context=max_ctx, seed=args.seed,
+                                           mode=args.mode, device_budget_gb=args.device_budget_gb)
         jax.block_until_ready(engines["ordered"].params)
     if "batch-xla" in arms:
         base = engines.get("ordered")
@@ -242,6 +274,13 @@ def main(argv=None) -> int:
     timings["load_weights"] = time.perf_counter() - t
     log(f"weights for {args.model} ready in {timings['load_weights']:.1f}s (synthetic/loaded, on device)")
     vocab = next(iter(engines.values())).cfg.vocab_size
+    tier_bound = None
+    if args.mode == "tier":
+        tier_bound = expert_copy_bound(engines["ordered"])
+        timings["expert_bytes"] = tier_bound[0]
+        timings["host_to_device_gb_per_s"] = tier_bound[1]
+        log(f"tier: {tier_bound[0] / 1e9:.1f} GB of routed experts per pass, host->device "
+            f"{tier_bound[1]:.1f} GB/s measured")
 
     def plot():
         if args.png:
@@ -266,14 +305,16 @@ def main(argv=None) -> int:
             continue
         ids = prompt_ids(n, vocab, args.seed)
         L = state_length(n + args.decode_tokens, max_ctx)
-        row = {"prompt_tokens": n, "state_len": L, "chunks": chunks}
+        e0 = next(iter(engines.values()))
+        chunks_n = list(dict.fromkeys(e0.pick_chunk(n, args.decode_tokens) if c == "auto" else c for c in chunks))
+        row = {"prompt_tokens": n, "state_len": L, "chunks": chunks_n}
         replay_logits = None
         if "replay-ordered" in arms:
             if n > args.replay_max:
                 row["replay-ordered"] = {"skipped": f"replay timed only at lengths <= --replay-max {args.replay_max}"}
             else:
                 eng = engines["ordered"]
-                warm(eng, chunks[0], L)
+                warm(eng, chunks_n[0], L)
                 pre = eng.prefill(ids, "replay", state=eng.new_state(L))
                 replay_logits = np.asarray(pre.logits)
                 row["replay-ordered"] = {"seconds": pre.seconds, "tokens_per_s": pre.tokens_per_s}
@@ -283,7 +324,7 @@ def main(argv=None) -> int:
         by_chunk = {}
         if "batch-ordered" in arms:
             eng = engines["ordered"]
-            for ci, c in enumerate(chunks):
+            for ci, c in enumerate(chunks_n):
                 tw = time.perf_counter()
                 warm(eng, c, L)
                 compile_s = time.perf_counter() - tw
@@ -333,6 +374,13 @@ def main(argv=None) -> int:
                 if ci == 0 and args.decode_tokens:
                     r["decode_tokens_per_s"], r["decode_blocks_equal_steps"] = time_decode(
                         eng, pre.logits, pre.state, n, args.decode_tokens)
+                    if eng.cache is not None:
+                        r["decode_expert_cache"] = eng.expert_cache_report()
+                if tier_bound is not None:  # every pass moves all routed experts over the host link
+                    passes = -(-n // c)
+                    r["passes"] = passes
+                    r["host_link_bound_tokens_per_s"] = n / (passes * tier_bound[0] / (tier_bound[1] * 1e9))
+                    r["fraction_of_host_link_bound"] = r["tokens_per_s"] / r["host_link_bound_tokens_per_s"]
                 del pre
                 pr = peer_rows.get(n, {})
                 if "tokens_per_s" in pr:
@@ -344,13 +392,13 @@ def main(argv=None) -> int:
                     f"identity {r['identity']['checked']}={r['identity']['equal']}  compile {compile_s:.1f}s"
                     + (f"  x{r['ratio_vs_peer']:.3f} of peer" if "ratio_vs_peer" in r else "")
                     + (f"  decode {r['decode_tokens_per_s']:.1f} tok/s" if "decode_tokens_per_s" in r else ""))
-            row["batch-ordered"] = by_chunk[str(chunks[0])]
+            row["batch-ordered"] = by_chunk[str(chunks_n[0])]
             row["by_chunk"] = by_chunk
         if "batch-xla" in arms and late():
             row["batch-xla"] = {"skipped": f"past --deadline-s {args.deadline_s}"}
         elif "batch-xla" in arms:
             eng = engines["xla"]
-            xc = min(chunks[0], args.xla_chunk)
+            xc = min(chunks_n[0], args.xla_chunk)
             try:
                 tw = time.perf_counter()
                 warm(eng, xc, L)

@@ -1,0 +1,126 @@
+"""Tier mode: does staging a layer's experts overlap the previous layer's compute?
+
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.17 XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=110 \
+    python benchmarks/tier_overlap.py --model qwen3.5-35b-a3b --chunks 4096,8192 \
+        --device-budget-gb 22 --json out.json
+
+Per chunk size, one prefill chunk pass of a tier engine, three ways:
+- copy alone: each layer's routed experts host -> device (jax.device_put, waited for), per layer;
+- compute alone: each layer's forward with its experts already on the device (staged and waited
+  for first, untimed), per layer, on the real activations of the pass;
+- both: the tier forward as it runs (staging.forward: layer i+1's copy issued before layer i's
+  compute), the whole pass.
+The goal (issue 11): both <= 1.15 x max(sum copy, sum compute). Also reported: the copy
+bandwidth (the PCIe bound of a pass: expert bytes / bandwidth), the per-layer max(copy, compute)
+sum (the best a two-slot pipeline can do), the memory kind of the store, and the device limits
+(XLA_PYTHON_CLIENT_MEM_FRACTION etc.) in force.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import provenance, write_json  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--chunks", default="64")
+    ap.add_argument("--device-budget-gb", type=float, default=None)
+    ap.add_argument("--repeats", type=int, default=3, help="timed passes of the staged forward (median)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    import baro_jax
+    from baro_jax import model as M
+    from baro_jax import staging
+
+    chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
+    eng = baro_jax.load(args.model, backend="ordered", mode="tier", device_budget_gb=args.device_budget_gb,
+                        max_context=max(chunks) + 8, progress=False)
+    cfg, params = eng.cfg, eng.params
+    layers = params["layers"]
+    on_dev = staging.device_sharding(next(iter(params["embed"].devices())))
+    kind = staging.host_memory_kind()
+    expert_bytes = [sum(int(a.size) * a.dtype.itemsize for a in staging.split_layer(lp)[1].values()) for lp in layers]
+    rows = []
+    ok = True
+    for C in chunks:
+        ids = [int(x) for x in np.random.default_rng(args.seed + C).integers(0, cfg.vocab_size, C)]
+        toks = jnp.asarray(np.asarray(ids, np.int32))
+        pos, nv = jnp.int32(0), jnp.int32(C)
+
+        def staged_pass():
+            st = eng.new_state(C + 8)
+            jax.block_until_ready(st)
+            t = time.perf_counter()
+            logits, st = staging.forward(params, st, toks, pos, nv, eng.rope, cfg=cfg, ops=eng.ops)
+            jax.block_until_ready((logits, st))
+            return time.perf_counter() - t, np.asarray(logits)
+
+        staged_pass()  # compile every layer kind at this chunk
+        both, ref_logits = [], None
+        for _ in range(args.repeats):
+            dt, lg = staged_pass()
+            both.append(dt)
+            ref_logits = lg if ref_logits is None else ref_logits
+        both_s = float(np.median(both))
+
+        # copy alone, per layer
+        copy = []
+        for lp in layers:
+            t = time.perf_counter()
+            ex = jax.device_put(staging.split_layer(lp)[1], on_dev)
+            jax.block_until_ready(ex)
+            copy.append(time.perf_counter() - t)
+            del ex
+        # compute alone, per layer, on the pass's own activations (experts staged first, untimed)
+        st_all = eng.new_state(C + 8)
+        x, cos, sin = staging._PROLOGUE({"embed": params["embed"]}, toks, pos, eng.rope)
+        compute = []
+        for lp, st, k in zip(layers, st_all, cfg.layer_types):
+            ex = jax.device_put(staging.split_layer(lp)[1], on_dev)
+            jax.block_until_ready((ex, x))
+            t = time.perf_counter()
+            x, st = staging._LAYER(x, staging.split_layer(lp)[0], ex, st, cos, sin, pos, nv, kind=k, cfg=cfg, ops=eng.ops)
+            jax.block_until_ready((x, st))
+            compute.append(time.perf_counter() - t)
+            del ex, st
+        logits = staging._EPILOGUE({"final_norm": params["final_norm"], "lm_head": params["lm_head"]}, x, nv,
+                                   cfg=cfg, ops=eng.ops)
+        same = np.asarray(logits).tobytes() == ref_logits.tobytes()  # the split run is the same computation
+        ok &= same
+        sc, sk = float(sum(copy)), float(sum(compute))
+        bound = max(sc, sk)
+        row = {"chunk": C, "layers": len(layers), "both_seconds": both_s, "both_runs": both,
+               "copy_seconds_sum": sc, "compute_seconds_sum": sk,
+               "pipeline_floor_seconds": float(sum(max(a, b) for a, b in zip(copy, compute))),
+               "both_over_max": both_s / bound if bound > 0 else None,
+               "goal": 1.15, "meets_goal": bound > 0 and both_s / bound <= 1.15,
+               "copy_gb_per_s": sum(expert_bytes) / sc / 1e9 if sc > 0 else None,
+               "expert_gb_per_pass": sum(expert_bytes) / 1e9,
+               "prefill_tokens_per_s": C / both_s,
+               "per_layer_ms": {"copy": [1e3 * c for c in copy], "compute": [1e3 * c for c in compute]},
+               "split_run_logits_equal_staged": same}
+        rows.append(row)
+        print(f"chunk {C}: both {both_s * 1e3:.1f} ms, copy {sc * 1e3:.1f} ms ({row['copy_gb_per_s']:.1f} GB/s), "
+              f"compute {sk * 1e3:.1f} ms -> both / max = {row['both_over_max']:.3f} (goal <= 1.15), "
+              f"{row['prefill_tokens_per_s']:.0f} tok/s", flush=True)
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("XLA_PYTHON_CLIENT_", "XLA_PJRT_"))}
+    out = {"summary": {**provenance(), "model": args.model, "store_memory_kind": kind, "device_limits": env,
+                       "device_budget_gb": args.device_budget_gb, "checks_pass": ok}, "rows": rows}
+    write_json(args.json, out)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

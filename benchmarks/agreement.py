@@ -137,6 +137,45 @@ def report(args, cands, arms, prompts, rows, per_arm, seconds, t_start, partial:
     }
 
 
+def prefill_speeds(arms, args) -> dict:
+    """Batched prefill tok/s of each arm on one random prompt of --speed-length tokens (the chunk
+    the product would pick, the xla variant capped at --xla-chunk); one warm run, then the best of
+    two (--chunk sets the teacher-forced chunk, not this one). A failing arm records its error
+    instead of ending the run."""
+    import numpy as np
+    import jax
+
+    from baro_jax.engine import state_length
+
+    n = args.speed_length
+    base = arms["control"]
+    ids = [int(x) for x in np.random.default_rng(args.seed + n).integers(0, base.cfg.vocab_size, n)]
+    L = state_length(n, base.cfg.max_context)
+    out = {"prompt_tokens": n, "arms": {}}
+    for a, e in arms.items():
+        c = e.pick_chunk(n)
+        if a == "xla":
+            c = min(c, args.xla_chunk)
+        try:
+            secs = []
+            for _ in range(3):
+                pre = e.prefill(ids, "batch", c, state=e.new_state(L))
+                jax.block_until_ready(pre.logits)
+                secs.append(pre.seconds)
+                del pre
+            best = min(secs[1:])
+            out["arms"][a] = {"chunk": c, "tokens_per_s": n / best, "seconds": best}
+            print(f"speed {a:>12}: {n / best:10.1f} tok/s at {n} tokens, chunk {c}", flush=True)
+        except Exception as ex:  # noqa: BLE001  (an arm that cannot run still leaves the others)
+            out["arms"][a] = {"chunk": c, "error": f"{type(ex).__name__}: {str(ex)[:300]}"}
+            print(f"speed {a:>12}: failed: {out['arms'][a]['error']}", flush=True)
+    ctrl = out["arms"].get("control", {}).get("tokens_per_s")
+    for a, r in out["arms"].items():
+        if ctrl and "tokens_per_s" in r:
+            r["vs_product"] = r["tokens_per_s"] / ctrl
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
@@ -151,6 +190,10 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="resident", choices=["resident", "tier"])
     ap.add_argument("--device-budget-gb", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0, help="seed of synthetic weights (presets)")
+    ap.add_argument("--speed-length", type=int, default=0,
+                    help="also time a batched prefill of this many random tokens per arm (0: off)")
+    ap.add_argument("--xla-chunk", type=int, default=1024,
+                    help="largest prefill chunk of the xla variant's speed run (its jnp MoE is dense)")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)
     print(f"agreement bar: {BAR:.1f}% of teacher-forced positions must pick the reference token "
@@ -213,6 +256,8 @@ def main(argv=None) -> int:
         write_json(args.json, report(args, cands, arms, prompts, rows, per_arm, seconds, t_start, partial=True))
 
     out = report(args, cands, arms, prompts, rows, per_arm, seconds, t_start, partial=False)
+    if args.speed_length:
+        out["speed"] = prefill_speeds(arms, args)
     write_json(args.json, out)
     ctrl, summ = out["control"], out["candidates"]
     harness_ok = out["harness_ok"]

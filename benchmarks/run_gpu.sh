@@ -126,7 +126,7 @@ stage_agreement() {
   timeout "${AGREE_TIMEOUT:-560}" python benchmarks/agreement.py --model qwen3.5-35b-a3b \
     --candidate "${AGREE_CANDIDATES:-xla,attn-fast,delta-chunk}" --prompts benchmarks/prompts/identity_gpu.jsonl \
     --max-len "${AGREE_MAX_LEN:-2049}" --new-tokens 64 --chunk "${AGREE_CHUNK:-1024}" --max-context 4096 \
-    --json "$OUT/agreement_h200.json" 2>&1 | tee "$OUT/agreement.log" | tail -12
+    --speed-length "${AGREE_SPEED_LEN:-8192}" --json "$OUT/agreement_h200.json" 2>&1 | tee "$OUT/agreement.log" | tail -16
 }
 for s in "$@"; do log "$s"; "stage_$s" || log "stage $s FAILED"; done
 log done

@@ -25,8 +25,18 @@ ARGS = ["--model", "tiny", "--limit", "2", "--new-tokens", "8", "--chunk", "16"]
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("agreement") / "a.json"
-    rc = agreement.main(ARGS + ["--candidate", ",".join(variants.VARIANTS), "--json", str(out)])
+    rc = agreement.main(ARGS + ["--candidate", ",".join(variants.VARIANTS), "--speed-length", "40",
+                                "--json", str(out)])
     return rc, json.loads(out.read_text())
+
+
+def test_speed_of_every_arm_is_reported(run):
+    rc, res = run
+    sp = res["speed"]
+    assert sp["prompt_tokens"] == 40 and set(sp["arms"]) == {"control", *variants.VARIANTS}
+    for a, r in sp["arms"].items():
+        assert r["tokens_per_s"] > 0 and r["chunk"] >= 1, (a, r)
+    assert sp["arms"]["control"]["vs_product"] == 1.0
 
 
 def test_control_is_100_and_candidates_give_numbers(run):

@@ -170,6 +170,15 @@ def main(argv=None):
         print(f"  {r['ms_per_step']:8.3f} ms  {r['per_step']:6.1f}x  {r['mean_us']:8.2f} us  {r['kernel']}")
     for k, c in host.most_common(8):
         print(f"  host {c / n:7.1f}/step  {k}")
+    # one token's kernels in launch order (the middle token of the traced run), so a kernel that
+    # runs many times per token (the GEMMs) can be read call by call against the layer's code
+    seq = []
+    if ks and n >= 1:
+        span_all = ks[-1][2] - ks[0][1]
+        t_a = ks[0][1] + span_all * (n // 2) / n
+        t_b = ks[0][1] + span_all * (n // 2 + 1) / n
+        seq = [{"kernel": short(k), "us": (e - s0) / 1e3, "start_us": (s0 - t_a) / 1e3}
+               for k, s0, e in ks if t_a <= s0 < t_b]
     out = {
         "summary": {**provenance(), "model": args.model, "context": args.context, "steps": n,
                     "xla_flags": os.environ.get("XLA_FLAGS", ""), "per_token": args.per_token,
@@ -180,6 +189,7 @@ def main(argv=None):
         "kernels": rows,
         "idle_ms_per_step_by_gap": buckets,
         "largest_gaps": top_gaps,
+        "one_token_sequence": seq,
         "host_launch_events_per_step": {k: c / n for k, c in host.most_common()},
     }
     if args.json:

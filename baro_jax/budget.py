@@ -111,16 +111,29 @@ def budget_bytes(device_budget_gb: float | None) -> tuple[int | None, str]:
 
 
 # --- the checks ---------------------------------------------------------------------
+def expert_parallel_bytes(cfg: Config, chunk: int, devices: int) -> int:
+    """The expert-parallel MoE's extra live buffers at m = chunk (expert_parallel.py): the pair
+    outputs [m, k, D] fp32 gathered from every device, the selected copy and this device's own."""
+    return (devices + 2) * chunk * cfg.top_k * cfg.hidden_size * 4
+
+
 def check_resident(cfg: Config, dtype, device_budget_gb: float | None = None, state_len: int = 0,
-                   chunk: int = 0) -> int:
-    """Refuse up front a resident model (and request) that cannot fit; returns the bytes needed."""
+                   chunk: int = 0, devices: int = 1) -> int:
+    """Refuse up front a resident model (and request) that cannot fit; returns the bytes needed
+    per device. devices > 1: the routed experts are split over the devices (expert parallel)."""
     w = param_bytes(cfg, dtype)
+    if devices > 1:
+        w -= cfg.num_layers * expert_layer_bytes(cfg, dtype) * (devices - 1) // devices
     st = state_bytes(cfg, dtype, state_len) if state_len else 0
     act = activation_bytes(cfg, dtype, chunk) if chunk else 0
+    if devices > 1 and chunk:
+        act += expert_parallel_bytes(cfg, chunk, devices)
     need = w + st + act
     limit, what = budget_bytes(device_budget_gb)
     if limit is not None and w > limit:
-        raise MemoryError(f"the weights need {w / 2**30:.1f} GiB, more than {what}; use a larger device "
+        raise MemoryError(f"the weights need {w / 2**30:.1f} GiB"
+                          + (f" per device over {devices} devices" if devices > 1 else "")
+                          + f", more than {what}; use a larger device, more devices (--devices), "
                           "or --mode tier (routed experts in host memory)")
     if limit is not None and need > limit:
         parts = f"weights {gib(w)}"

@@ -240,7 +240,8 @@ class Engine:
         if self.mode == "tier":
             budget.check_tier(self.cfg, self.dtype, self.device_budget_gb, state_len, chunk, self.cache_slots)
         else:
-            budget.check_resident(self.cfg, self.dtype, self.device_budget_gb, state_len, chunk)
+            budget.check_resident(self.cfg, self.dtype, self.device_budget_gb, state_len, chunk,
+                                  getattr(self, "devices", 1))
 
     def pick_chunk(self, n_prompt: int, n_new: int = 0) -> int:
         """The default prefill chunk. Resident: default_chunk. Tier: every pass moves all routed
@@ -532,10 +533,19 @@ def default_backend(dtype: str = "bfloat16") -> str:
         return "xla"
 
 
+def _on_devices(eng: Engine, devices: int | None, mesh) -> Engine:
+    if devices is None:
+        return eng
+    from .expert_parallel import shard_engine
+
+    return shard_engine(eng, devices, mesh)
+
+
 def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloat16", max_context: int | None = None,
          seed: int = 0, progress: bool = True, mode: str | None = None,
          device_budget_gb: float | None = None, variant: str | None = None,
-         allow_nonfinite: bool | None = None, delta_rule: str | None = None) -> Engine:
+         allow_nonfinite: bool | None = None, delta_rule: str | None = None,
+         devices: int | None = None) -> Engine:
     """Load a checkpoint directory or a preset name into an Engine.
 
     Refused with a message naming the file and field or tensor: a bad config.json, index or
@@ -553,7 +563,11 @@ def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloa
 
     mode: "resident" (every weight in device memory) or "tier" (routed experts in pinned host
     memory, staged per layer; see staging.py); None: env BARO_TIER, else resident.
-    device_budget_gb: the device memory to plan for (default: the device's)."""
+    device_budget_gb: the device memory to plan for (default: the device's).
+
+    devices: expert parallel over this many devices (routed experts sharded along E, everything
+    else replicated; expert_parallel.py): the same bytes as one device. 1 runs the same sharded
+    code path on one device; None: no mesh."""
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a checkpoint directory or a preset name (a str), got {type(model).__name__}")
     model = os.fspath(model)
@@ -580,15 +594,35 @@ def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloa
     if backend == "ordered" and dt != jnp.bfloat16:
         raise ValueError("the 'ordered' backend runs bfloat16 only; use --dtype bfloat16 or --backend xla")
     get_ops(backend)  # fail early and plainly if the backend is unavailable
+    if devices is not None:
+        devices = checks.as_int("devices (--devices)", devices, lo=1)
+        n_dev = len(jax.devices())
+        if devices > n_dev:
+            raise ValueError(f"devices (--devices) {devices}: this host has {n_dev} {jax.devices()[0].platform} "
+                             f"device(s)")
+        if mode != "resident":
+            raise ValueError(f"devices (--devices) {devices}: expert parallel runs in resident mode, not {mode!r}")
+        if backend != "ordered" or variant:
+            raise ValueError(f"devices (--devices) {devices}: expert parallel runs the ordered kernels; "
+                             f"got backend {backend!r}" + (f" with variant {variant!r}" if variant else ""))
     if model == "tiny":  # the embedded default: a trained checkpoint, loaded like any other
         model = TINY_CHECKPOINT
     from . import staging
+
+    mesh = None
+    if devices is not None:
+        from .expert_parallel import make_mesh
+
+        mesh = make_mesh(devices)
 
     def check(cfg):  # before any weight is read or drawn
         if mode == "tier":
             budget.check_tier(cfg, dt, device_budget_gb, min(MIN_STATE_LEN, cfg.max_context))
         else:
-            budget.check_resident(cfg, dt, device_budget_gb)
+            if devices is not None and cfg.num_experts % devices:
+                raise ValueError(f"devices (--devices) {devices} must divide the number of routed experts "
+                                 f"E={cfg.num_experts}")
+            budget.check_resident(cfg, dt, device_budget_gb, devices=devices or 1)
 
     from .config import check_delta_rule
 
@@ -602,16 +636,25 @@ def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloa
         place = None
         if mode == "tier":  # experts straight to the host store, the rest to the device
             place = lambda t, a: staging.to_store(a) if staging.is_expert_target(t) else jax.device_put(a)  # noqa: E731
+        if mesh is not None:  # each tensor straight to its place on the mesh
+            from .expert_parallel import place_tensor
+
+            place = lambda t, a: place_tensor(t, a, mesh)  # noqa: E731
         params = load_params(model, cfg, dtype=dt, progress=progress, place=place, allow_nonfinite=allow_nonfinite)
-        return Engine(cfg, params, load_tokenizer(model), name=os.path.basename(os.path.normpath(model)), **kw)
+        return _on_devices(Engine(cfg, params, load_tokenizer(model), name=os.path.basename(os.path.normpath(model)),
+                                  **kw), devices, mesh)
     name = model
     if name in PRESETS:
         from .synthetic import synthetic_params
 
         cfg = preset(name, max_context)
         check(cfg)
-        params = synthetic_params(cfg, seed=seed, dtype=dt,
-                                  place_layer=staging.store_layer_experts if mode == "tier" else None)
-        return Engine(cfg, params, ByteTokenizer(), name=model, **kw)
+        place_layer = staging.store_layer_experts if mode == "tier" else None
+        if mesh is not None:  # each layer's experts sharded as it is drawn
+            from .expert_parallel import place_layer_experts
+
+            place_layer = lambda lp: place_layer_experts(lp, mesh)  # noqa: E731
+        params = synthetic_params(cfg, seed=seed, dtype=dt, place_layer=place_layer)
+        return _on_devices(Engine(cfg, params, ByteTokenizer(), name=model, **kw), devices, mesh)
     raise ConfigError(f"--model {model!r} is neither a checkpoint directory nor a preset "
                       f"(tiny, {', '.join(PRESETS)})")

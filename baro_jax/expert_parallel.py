@@ -1,33 +1,32 @@
-"""Expert-sharded weights over N devices (issue 14, first CPU step): NOT yet wired into load().
+"""Expert parallel over N devices (issue 14): routed experts sharded along E, bytes of one device.
 
-What this module does
----------------------
-The routed experts of every layer (`layers[i]["moe"]["gate_up"]` [E, 2I, D] and
-`["down"]` [E, D, I]) are stored sharded over a 1-D mesh ("e") along the expert
-axis (`NamedSharding(mesh, P("e"))`, device j holds experts j*E/N .. (j+1)*E/N - 1);
-every other weight, the state and the activations are replicated.
+`baro_jax.load(..., devices=N)` (CLI `--devices N`) puts every layer's routed experts
+(`moe.gate_up` [E, 2I, D], `moe.down` [E, D, I]) on a 1-D mesh ("e") with
+`NamedSharding(mesh, P("e"))`: device j holds experts j*E/N .. (j+1)*E/N - 1. Every other
+weight, the rope tables, the state and the activations are replicated (`P()`).
 
-At each MoE call, inside `shard_map`, the layer's expert shards are brought to every
-device with ONE collective, `all_gather(..., tiled=True)`: it moves bf16 rows and sums
-nothing, so its result is the unsharded [E, ...] tensor bit for bit, whatever N. Then
-every device runs the unchanged ordered MoE kernel (`ops.moe`) on identical inputs, so
-each device's output is the one-device output, bytes and all. No collective reduces.
+Each MoE call is a `shard_map` over the mesh. Per device (nothing but the routed experts is
+sharded):
+1. `ops.moe_pairs` on the device's own experts: the MoE kernel's routing (expert ids and
+   renormalised weights, the same code as `moe`, so the same on every device), and each
+   (row, slot) pair's expert output if that expert is local, 0 otherwise. A pair's output is
+   computed by the same row code as in the one-device kernel, on the one device that holds
+   its expert.
+2. `all_gather` of the [m, k, D] pair outputs over "e": it moves fp32 rows and sums nothing.
+3. each pair's row is SELECTED from its expert's owner (`jnp.where` on the owner index, no
+   addition), so every device holds the one-device pair outputs, bit for bit.
+4. `ops.moe_combine`: the kernel's own slot-order combine and gated shared expert.
+The experts never move; the only collective is (2), and it reduces nothing, so no sum's order
+depends on N: N devices give one device's bytes (tests/test_expert_parallel.py).
 
-What it does NOT do (see docs/EXPERT_PARALLEL.md)
--------------------------------------------------
-This is expert-sharded STORAGE with replicated compute: the memory at rest per device
-is 1/N of the routed experts (the point of issue 14: a model that does not fit one
-card), but a layer's full experts are alive on every device for the duration of its
-MoE call, and every device computes every (token, slot) pair. True expert-parallel
-compute (each device computes only the pairs of its own experts, all-gathers per-pair
-outputs, combines in slot order) needs a per-pair output op that custom_calls/moe.py
-does not expose (it has moe, moe_slots, moe_route; none returns per-pair expert outputs).
+Traffic per MoE call: N x m x k x D fp32 per device (decode: 64 KB x N at Qwen3.5 widths).
 """
 from __future__ import annotations
 
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 AXIS = "e"
@@ -60,15 +59,46 @@ def shard_params(params, mesh: Mesh):
     return jax.tree.map(lambda a: jax.device_put(a, ex if id(a) in is_expert else rep), params)
 
 
-class ExpertShardedOps:
-    """The base ops with `moe` run through the mesh (experts all-gathered, then the same kernel).
+def place_layer_experts(layer: dict, mesh: Mesh) -> dict:
+    """One layer's params with its routed experts sharded over the mesh as they are made or read,
+    so no device ever holds all of a model's experts (the point of expert parallel)."""
+    ex = NamedSharding(mesh, P(AXIS))
+    moe = dict(layer["moe"])
+    for k in EXPERT_KEYS:
+        check_divisible(moe[k].shape[0], mesh.devices.size)
+        moe[k] = jax.device_put(moe[k], ex)
+    return {**layer, "moe": moe}
+
+
+def place_tensor(target: tuple, a, mesh: Mesh):
+    """A checkpoint tensor (weights.py target path) straight to its place on the mesh."""
+    from .staging import is_expert_target
+
+    return jax.device_put(a, NamedSharding(mesh, P(AXIS) if is_expert_target(target) else P()))
+
+
+def owner_select(y_all, owner):
+    """y_all [N, m, k, D] (device j's pair outputs), owner [m, k] -> [m, k, D]: each pair's row
+    from its owner, by selects only (no addition: a sum with zeros could flip a -0)."""
+    out = y_all[0]
+    for j in range(1, y_all.shape[0]):
+        out = jnp.where((owner == j)[..., None], y_all[j], out)
+    return out
+
+
+class ExpertParallelOps:
+    """The ordered ops with `moe` run expert-parallel over the mesh (module docstring).
 
     Hashable on (base ops module, mesh), so it is a valid static jit argument like an ops module."""
 
     def __init__(self, base, mesh: Mesh):
+        for need in ("moe_pairs", "moe_combine"):
+            if not hasattr(base, need):
+                raise ValueError(f"expert parallel needs the ordered backend's {need} kernel; "
+                                 f"{getattr(base, '__name__', base)!r} has none (use backend='ordered')")
         self._base = base
         self.mesh = mesh
-        self.__name__ = f"{getattr(base, '__name__', 'ops')}+expert_sharded[{mesh.devices.size}]"
+        self.__name__ = f"{getattr(base, '__name__', 'ops')}+expert_parallel[{mesh.devices.size}]"
 
     def __getattr__(self, name):
         if name.startswith("_") or name == "moe_slots":  # a slot pool would need its own sharding design: not offered
@@ -79,15 +109,18 @@ class ExpertShardedOps:
         return hash((self._base, self.mesh))
 
     def __eq__(self, other):
-        return isinstance(other, ExpertShardedOps) and other._base is self._base and other.mesh == self.mesh
+        return isinstance(other, ExpertParallelOps) and other._base is self._base and other.mesh == self.mesh
 
     def moe(self, h, router, gate_up, down, shared_gate_up, shared_down, shared_gate, *, top_k):
         base = self._base
 
         def body(h, router, gu, dn, sgu, sdn, sg):
-            gu = jax.lax.all_gather(gu, AXIS, axis=0, tiled=True)  # moves rows, sums nothing
-            dn = jax.lax.all_gather(dn, AXIS, axis=0, tiled=True)
-            return base.moe(h, router, gu, dn, sgu, sdn, sg, top_k=top_k)
+            el = gu.shape[0]  # experts per device
+            first = (jax.lax.axis_index(AXIS) * el).astype(jnp.int32).reshape(1)
+            y, w, ids = base.moe_pairs(h, router, gu, dn, first, top_k=top_k)
+            y_all = jax.lax.all_gather(y, AXIS)  # [N, m, k, D]: moves rows, sums nothing
+            y = owner_select(y_all, ids // el)
+            return base.moe_combine(h, y, w, sgu, sdn, sg)
 
         rep = P()
         f = jax.shard_map(body, mesh=self.mesh, in_specs=(rep, rep, P(AXIS), P(AXIS), rep, rep, rep),
@@ -95,16 +128,19 @@ class ExpertShardedOps:
         return f(h, router, gate_up, down, shared_gate_up, shared_down, shared_gate)
 
 
-def shard_engine(eng, n: int):
-    """Put a resident Engine's weights on an n-device mesh (experts sharded) and route its MoE
-    through the mesh. Experimental: not wired into load()/--devices (docs/EXPERT_PARALLEL.md)."""
+def shard_engine(eng, n: int, mesh: Mesh | None = None):
+    """Put a resident Engine's weights on an n-device mesh (experts sharded; weights already
+    there stay) and run its MoE expert-parallel. What load(devices=n) does after building it."""
     from . import engine as E
 
     if eng.mode != "resident":
-        raise ValueError("expert sharding is for resident mode")
-    mesh = make_mesh(n)
+        raise ValueError(f"devices={n}: expert parallel is for resident mode (tier mode keeps experts in host memory)")
+    if eng.backend != "ordered":
+        raise ValueError(f"devices={n}: expert parallel runs the ordered kernels (backend='ordered'), "
+                         f"got backend {eng.backend!r}")
+    mesh = mesh if mesh is not None else make_mesh(n)
     eng.mesh = mesh
-    eng.ops = ExpertShardedOps(eng.ops, mesh)
+    eng.ops = ExpertParallelOps(eng.ops, mesh)
     eng.params = shard_params(eng.params, mesh)
     rep = NamedSharding(mesh, P())
     eng.rope = jax.device_put(eng.rope, rep)
@@ -112,4 +148,5 @@ def shard_engine(eng, n: int):
     eng._all_logits = partial(E._ALL_LOGITS, cfg=eng.cfg, ops=eng.ops)
     new_state = eng.new_state
     eng.new_state = lambda length=None: jax.device_put(new_state(length), rep)
+    eng.devices = n
     return eng

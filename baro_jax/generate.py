@@ -24,7 +24,9 @@ def parse_args(argv=None):
     p.add_argument("--prefill", choices=["batch", "replay"], default=None,
                    help="batch (default): chunked prefill, bit-identical to replay on the ordered backend; "
                         "replay: the decode step per prompt token (env BARO_PREFILL=1|0)")
-    p.add_argument("--chunk", type=int, default=None, help="prefill chunk size (env BARO_PREFILL_C; default 1024, smaller for short prompts)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="prefill chunk size (env BARO_PREFILL_C; default 8192, the next power of two for shorter "
+                        "prompts; tier mode: the largest that fits the device budget)")
     p.add_argument("--backend", choices=["ordered", "xla"], default=None,
                    help="ordered: row-invariant custom calls (default when built); xla: plain jnp")
     p.add_argument("--variant", default=None,
@@ -41,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--device-budget-gb", type=float, default=None,
                    help="device memory to plan for, in GiB (default: the device's); tier mode refuses a request "
                         "whose non-expert weights + two staged expert layers + KV/state exceed it")
+    p.add_argument("--devices", type=int, default=None,
+                   help="expert parallel over N devices: routed experts sharded, the same tokens as one device")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -72,7 +76,8 @@ def _run(argv) -> int:
         eng = load(args.model, backend=backend, dtype=args.dtype, max_context=args.max_context,
                    seed=args.seed, progress=not args.json, mode=args.mode,
                    device_budget_gb=args.device_budget_gb, variant=variant or "none",
-                   allow_nonfinite=args.allow_nonfinite or None, delta_rule=args.delta_rule)
+                   allow_nonfinite=args.allow_nonfinite or None, delta_rule=args.delta_rule,
+                   devices=args.devices)
         if args.prompt_ids is not None:
             try:
                 prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]

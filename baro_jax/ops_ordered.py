@@ -60,3 +60,14 @@ def moe_slots(h, router, gate_up_pool, down_pool, slots, shared_gate_up, shared_
 def moe_route(h, router, *, top_k):
     """The expert ids [m, top_k] moe routes each row to (its own routing code)."""
     return cc.moe_route(h, router, top_k)
+
+
+def moe_pairs(h, router, gate_up_shard, down_shard, expert_base, *, top_k):
+    """Expert parallel, one shard: the MoE's routing (ids, weights) and the per-pair outputs of
+    the pairs routed to this shard's experts (0 for the others); see expert_parallel.py."""
+    return cc.moe_pairs(h, router, gate_up_shard, down_shard, expert_base, top_k)
+
+
+def moe_combine(h, y, w, shared_gate_up, shared_down, shared_gate):
+    """The MoE's combine of gathered per-pair outputs plus its gated shared expert: moe's bytes."""
+    return cc.moe_combine(h, y, w, shared_gate_up, shared_down, shared_gate)

@@ -105,6 +105,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=0, help="skip prompts longer than this (0 = none)")
     ap.add_argument("--max-context", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--devices", type=int, default=None,
+                    help="expert parallel over N devices (baro_jax.load(devices=N)); with --reference-json a "
+                         "one-device run's JSON, N devices are checked against one device too")
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--reference-json", default=None,
                     help="another identity.py JSON: its rows' replay_digest must equal this run's, per prompt")
@@ -115,7 +118,7 @@ def main(argv=None) -> int:
     chunks = [int(c) for c in args.chunks.split(",") if c]
     eng = baro_jax.load(args.model, backend=args.backend, max_context=args.max_context, seed=args.seed,
                         mode=args.mode, device_budget_gb=args.device_budget_gb, variant=args.variant,
-                        delta_rule=args.delta_rule)
+                        delta_rule=args.delta_rule, devices=args.devices)
     if args.mode == "tier" and args.cache_slots is not None:
         eng.use_expert_cache(args.cache_slots)
     prompts = load_prompts(args.prompts, eng.tokenizer)
@@ -167,7 +170,7 @@ def main(argv=None) -> int:
         # written after every prompt so a run cut short still leaves its evidence
         write_json(args.json, {"summary": {"pass": None, "partial": True, "cases": len(rows)}, "rows": rows})
     summary = {"pass": failures == 0, "failures": failures, "cases": len(rows), "model": args.model,
-               "backend": args.backend, "variant": eng.variant, "delta_rule": eng.cfg.delta_rule, "mode": args.mode, "chunks": chunks, "new_tokens": args.new_tokens,
+               "backend": args.backend, "devices": args.devices, "variant": eng.variant, "delta_rule": eng.cfg.delta_rule, "mode": args.mode, "chunks": chunks, "new_tokens": args.new_tokens,
                "prompts_file": os.path.relpath(args.prompts, os.path.dirname(HERE)),
                "wall_seconds": time.time() - t_start, **provenance()}
     if args.reference_json:

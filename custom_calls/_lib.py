@@ -32,6 +32,8 @@ TARGETS = {
     "baro_moe": "BaroMoe",
     "baro_moe_slots": "BaroMoeSlots",  # baro_moe through a slot table (tier decode cache)
     "baro_moe_route": "BaroMoeRoute",  # baro_moe's routing alone: expert ids [m, top_k]
+    "baro_moe_pairs": "BaroMoePairs",  # expert parallel: routing + this shard's per-pair outputs
+    "baro_moe_combine": "BaroMoeCombine",  # expert parallel: baro_moe's combine of given pairs
 }
 
 # Targets with a CPU kernel only: on a GPU platform whose library does not export them, a stub

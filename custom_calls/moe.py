@@ -91,3 +91,70 @@ def moe_route(h, router, top_k):
         raise ValueError(f"{OP_ROUTE}: top_k={k} exceeds the number of experts E={E}")
     check_runnable(OP_ROUTE, (h, router))
     return jax.ffi.ffi_call(OP_ROUTE, jax.ShapeDtypeStruct((m, k), np.int32))(h, router, top_k=np.int32(k))
+
+
+OP_PAIRS = "baro_moe_pairs"
+OP_COMBINE = "baro_moe_combine"
+
+
+def moe_pairs(h, router, w_gate_up, w_down, expert_base, top_k):
+    """Expert parallel, per shard: h[m,D] bf16, router[E,D] bf16 (all experts), this shard's
+    experts w_gate_up[El,2I,D] / w_down[El,D,I] bf16 (experts expert_base .. expert_base+El-1),
+    expert_base int32 [1] (may be traced, e.g. from lax.axis_index) -> (y[m,k,D] f32, w[m,k] f32,
+    ids[m,k] int32): baro_moe's routing (ids and renormalised weights, slot order) and each
+    pair's expert output, computed as baro_moe computes it for the pairs of this shard's
+    experts, 0 for the others. moe_combine(h, y, w, ...) of the pairs gathered from every
+    shard (each pair from its expert's owner) is baro_moe's result, bytes and all."""
+    op = OP_PAIRS
+    C.rank(op, "h", h, 2)
+    m, D = h.shape
+    C.array(op, "h", h, (m, D), C.BF16, dtype_note=C.BF16_NOTE)
+    C.rank(op, "router", router, 2)
+    E = router.shape[0]
+    C.array(op, "router", router, (E, D), C.BF16, dtype_note=C.BF16_NOTE)
+    C.rank(op, "w_gate_up", w_gate_up, 3)
+    El, I2 = w_gate_up.shape[0], w_gate_up.shape[1]
+    if not 1 <= El <= E:
+        raise ValueError(f"{op}: w_gate_up must hold 1..E={E} experts, got shape {list(w_gate_up.shape)}")
+    if I2 < 2 or I2 % 2:
+        raise ValueError(f"{op}: w_gate_up must have shape [El, 2*I, D] (gate rows first), "
+                         f"got shape {list(w_gate_up.shape)}")
+    I = I2 // 2
+    C.array(op, "w_gate_up", w_gate_up, (El, 2 * I, D), C.BF16, dtype_note=C.BF16_NOTE)
+    C.array(op, "w_down", w_down, (El, D, I), C.BF16, dtype_note=C.BF16_NOTE)
+    C.array(op, "expert_base", expert_base, (1,), np.int32)
+    k = C.positive_int(op, "top_k", top_k)
+    if k > E:
+        raise ValueError(f"{op}: top_k={k} exceeds the number of experts E={E}")
+    args = (h, router, w_gate_up, w_down, expert_base)
+    check_runnable(op, args)
+    return jax.ffi.ffi_call(op, (jax.ShapeDtypeStruct((m, k, D), C.F32), jax.ShapeDtypeStruct((m, k), C.F32),
+                                 jax.ShapeDtypeStruct((m, k), np.int32)))(*args, top_k=np.int32(k))
+
+
+def moe_combine(h, y, w, shared_gate_up, shared_down, shared_gate):
+    """h[m,D] bf16, per-pair expert outputs y[m,k,D] f32 and weights w[m,k] f32 (slot order, as
+    moe_pairs gives them), the shared expert's weights (bf16) -> out[m,D] f32: baro_moe's combine
+    (routed = fma over slots in order, then + sigmoid(shared_gate . h) * shared expert)."""
+    op = OP_COMBINE
+    C.rank(op, "h", h, 2)
+    m, D = h.shape
+    C.array(op, "h", h, (m, D), C.BF16, dtype_note=C.BF16_NOTE)
+    C.rank(op, "y", y, 3)
+    k = y.shape[1]
+    if k < 1:
+        raise ValueError(f"{op}: y must have shape [m, k, D] with k >= 1, got shape {list(y.shape)}")
+    C.array(op, "y", y, (m, k, D), C.F32)
+    C.array(op, "w", w, (m, k), C.F32)
+    C.rank(op, "shared_gate_up", shared_gate_up, 2)
+    Is2 = shared_gate_up.shape[0]
+    if Is2 < 2 or Is2 % 2:
+        raise ValueError(f"{op}: shared_gate_up must have shape [2*Is, D] (gate rows first), "
+                         f"got shape {list(shared_gate_up.shape)}")
+    Is = Is2 // 2
+    C.array(op, "shared_gate_up", shared_gate_up, (2 * Is, D), C.BF16, dtype_note=C.BF16_NOTE)
+    C.array(op, "shared_down", shared_down, (D, Is), C.BF16, dtype_note=C.BF16_NOTE)
+    C.array(op, "shared_gate", shared_gate, (1, D), C.BF16, dtype_note=C.BF16_NOTE)
+    args = (h, y, w, shared_gate_up, shared_down, shared_gate)
+    check_runnable(op, args)
+    return jax.ffi.ffi_call(op, jax.ShapeDtypeStruct((m, D), C.F32))(*args)

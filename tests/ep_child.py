@@ -21,17 +21,21 @@ def main():
     assert len(jax.devices()) == N, jax.devices()
     for model in sys.argv[2:]:
         one = baro_jax.load(model, backend="ordered", progress=False)
-        many = EP.shard_engine(baro_jax.load(model, backend="ordered", progress=False), N)
+        many = baro_jax.load(model, backend="ordered", progress=False, devices=N)
+        assert isinstance(many.ops, EP.ExpertParallelOps) and many.devices == N
         gu = many.params["layers"][0]["moe"]["gate_up"]
         E = gu.shape[0]
         assert gu.sharding.spec == jax.sharding.PartitionSpec("e"), gu.sharding
         assert {s.data.shape[0] for s in gu.addressable_shards} == {E // N}
-        # the MoE really runs through the mesh: one all-gather per expert tensor, no reducing collective
+        # the MoE really runs expert-parallel: the per-pair kernel on each shard, ONE all-gather of
+        # the fp32 pair outputs (the bf16 experts never move), no reducing collective
         hlo = jax.jit(many.ops.moe, static_argnames="top_k").lower(
             jnp.zeros((3, many.cfg.hidden_size), jnp.bfloat16), *(many.params["layers"][0]["moe"][k] for k in
             ("router", "gate_up", "down", "shared_gate_up", "shared_down", "shared_gate")),
             top_k=many.cfg.top_k).as_text()
-        assert hlo.count("all_gather") + hlo.count("all-gather") >= 2, hlo
+        gathers = [ln for ln in hlo.splitlines() if "all_gather" in ln or "all-gather" in ln]
+        assert len(gathers) == 1 and "f32" in gathers[0] and "bf16" not in gathers[0], gathers
+        assert "baro_moe_pairs" in hlo and "baro_moe_combine" in hlo
         assert "all_reduce" not in hlo and "all-reduce" not in hlo and "reduce_scatter" not in hlo
         ids = one.encode(PROMPT)
         names = identity.state_names(one.cfg)
@@ -44,6 +48,14 @@ def main():
             assert ref["logits"].tobytes() == got["logits"].tobytes(), (model, N, name)
             assert ref["tokens"] == got["tokens"], (model, N, name)
             print(f"OK {model} devices={N} {name}")
+    # the identity gate's --devices: batched == replay on N devices, and replay == one device's
+    import tempfile
+
+    d = tempfile.mkdtemp()
+    base = ["--model", "tiny", "--chunks", "16", "--max-len", "40", "--new-tokens", "4"]
+    assert identity.main(base + ["--json", f"{d}/one.json"]) == 0
+    assert identity.main(base + ["--devices", str(N), "--reference-json", f"{d}/one.json", "--json", f"{d}/n.json"]) == 0
+    print(f"OK identity gate devices={N} vs one device")
 
 
 if __name__ == "__main__":

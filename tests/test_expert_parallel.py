@@ -1,6 +1,7 @@
-"""Expert-sharded weights (baro_jax/expert_parallel.py, issue 14 CPU step): N forced host devices
-give the bytes of one device, batched and replay, states and logits. Each N runs in a child
-process because XLA_FLAGS must be set before jax initialises."""
+"""Expert parallel (baro_jax/expert_parallel.py, issue 14): load(devices=N) on N forced host
+devices gives the bytes of one device, batched and replay, states, logits and greedy tokens; the
+MoE lowers to the per-pair kernels with one all-gather of fp32 pair outputs and no reduction.
+Each N runs in a child process because XLA_FLAGS must be set before jax initialises."""
 import os
 import subprocess
 import sys
@@ -10,11 +11,41 @@ import pytest
 CHILD = os.path.join(os.path.dirname(__file__), "ep_child.py")
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [1, 2, 4])
 def test_n_devices_bytes_equal_one(n):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     r = subprocess.run([sys.executable, CHILD, str(n), "tiny", "tiny-random"], capture_output=True, text=True,
                        timeout=300, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("OK ") == 6, r.stdout
+    assert r.stdout.count("OK ") == 7, r.stdout
+
+
+def test_devices_argument_errors():
+    import baro_jax
+
+    with pytest.raises(ValueError, match=r"devices \(--devices\) 5: this host has 1"):
+        baro_jax.load("tiny-random", backend="ordered", progress=False, devices=5)
+    with pytest.raises(ValueError, match=r"devices \(--devices\)"):
+        baro_jax.load("tiny-random", backend="ordered", progress=False, devices=0)
+    with pytest.raises(TypeError, match=r"devices \(--devices\)"):
+        baro_jax.load("tiny-random", backend="ordered", progress=False, devices=1.0)
+    with pytest.raises(ValueError, match="resident mode"):
+        baro_jax.load("tiny-random", backend="ordered", progress=False, devices=1, mode="tier")
+    with pytest.raises(ValueError, match="ordered kernels"):
+        baro_jax.load("tiny-random", backend="xla", progress=False, devices=1)
+
+
+def test_budget_counts_a_device_share_of_the_experts():
+    import jax.numpy as jnp
+    from baro_jax import budget
+    from baro_jax.config import preset
+
+    small = preset("tiny-random")
+    one = budget.check_resident(small, jnp.bfloat16, None)
+    two = budget.check_resident(small, jnp.bfloat16, None, devices=2)
+    experts = small.num_layers * budget.expert_layer_bytes(small, jnp.bfloat16)
+    assert one - two == experts // 2
+    big = preset("qwen3-next-80b-a3b")  # 148 GiB of weights: 2 devices hold about 74 each
+    with pytest.raises(MemoryError, match="per device over 2 devices"):
+        budget.check_resident(big, jnp.bfloat16, 24.0, devices=2)

@@ -1002,6 +1002,71 @@ def test_moe_many_experts(platform, E):
     assert_close(full, ref_moe(h, *wts, k), 1e-3, f"moe E={E} vs float64")
 
 
+J_PAIRS = jax.jit(cc.moe_pairs, static_argnames=("top_k",))
+J_COMBINE = jax.jit(cc.moe_combine)
+
+
+def shard_pairs(platform, h, wts, n, k):
+    """moe_pairs on n expert shards, each pair's row taken from its owner (selects only)."""
+    router, gu, dn = wts[0], wts[1], wts[2]
+    E = router.shape[0]
+    el = E // n
+    outs = []
+    for j in range(n):
+        poison(platform, (h.shape[0], k, h.shape[1]))
+        outs.append(J_PAIRS(*put(platform, h, router, gu[j * el:(j + 1) * el], dn[j * el:(j + 1) * el],
+                                 np.array([j * el], np.int32)), top_k=k))
+    ids = np.asarray(outs[0][2])
+    y = np.asarray(outs[0][0])
+    for j in range(1, n):
+        y = np.where((ids // el == j)[..., None], np.asarray(outs[j][0]), y)
+    return outs, y, np.asarray(outs[0][1]), ids
+
+
+@pytest.mark.parametrize("m", M_LIST)
+def test_moe_pairs_combine_equal_moe(platform, m):
+    """Expert parallel's two kernels: for 1, 2 and 4 shards, every shard's routing (ids, weights)
+    is the same, a pair's output is exact 0 on the shards that do not own its expert, and the
+    combine of the owners' rows is baro_moe's bytes; rows are independent (one-row calls)."""
+    rng = np.random.default_rng(760 + m)
+    h = bf16(rng, m, MO_D)
+    wts = moe_weights(rng)
+    full = np.asarray(J_MOE(*put(platform, h, *wts), top_k=MO_K))
+    for n in (1, 2, 4):
+        outs, y, w, ids = shard_pairs(platform, h, wts, n, MO_K)
+        el = MO_E // n
+        for j, (yj, wj, idj) in enumerate(outs):
+            assert_same_bits(np.asarray(idj), ids, f"moe_pairs ids of shard {j}/{n}")
+            assert_same_bits(np.asarray(wj), w, f"moe_pairs weights of shard {j}/{n}")
+            other = (ids // el != j)
+            assert np.all(np.asarray(yj)[other] == 0.0), f"shard {j}/{n}: a pair of another shard is not 0"
+        got = np.asarray(J_COMBINE(*put(platform, h, y, w, *wts[3:])))
+        assert_same_bits(got, full, f"moe_combine of {n} shards' pairs vs moe, m={m}")
+    _, y1, w1, _ = shard_pairs(platform, h, wts, 2, MO_K)
+    for i in range(m):
+        _, yi, wi, _ = shard_pairs(platform, h[i:i + 1], wts, 2, MO_K)
+        assert_same_bits(yi[0], y1[i], f"moe_pairs row {i} of m={m} vs one-row call")
+        assert_same_bits(wi[0], w1[i], f"moe_pairs weights row {i}")
+
+
+def test_moe_pairs_combine_errors(platform):
+    rng = np.random.default_rng(9)
+    h = bf16(rng, 3, MO_D)
+    router, gu, dn, sgu, sdn, sg = moe_weights(rng)
+    base = np.array([0], np.int32)
+    with pytest.raises(ValueError, match="baro_moe_pairs: expert_base"):
+        cc.moe_pairs(*put(platform, h, router, gu, dn), np.int32(0), MO_K)
+    with pytest.raises(ValueError, match="baro_moe_pairs: w_down"):
+        cc.moe_pairs(*put(platform, h, router, gu, dn[:3], base), MO_K)
+    with pytest.raises(ValueError, match="baro_moe_pairs: top_k=9 exceeds"):
+        cc.moe_pairs(*put(platform, h, router, gu, dn, base), 9)
+    y = np.zeros((3, MO_K, MO_D), np.float32)
+    with pytest.raises(ValueError, match="baro_moe_combine: w"):
+        cc.moe_combine(*put(platform, h, y, np.zeros((3, MO_K + 1), np.float32), sgu, sdn, sg))
+    with pytest.raises(ValueError, match="baro_moe_combine: y"):
+        cc.moe_combine(*put(platform, h, y.astype(np.float16), np.zeros((3, MO_K), np.float32), sgu, sdn, sg))
+
+
 def test_moe_ties_to_lower_id(platform):
     rng = np.random.default_rng(11)
     h = bf16(rng, 6, MO_D)

@@ -232,6 +232,73 @@ inline ::xla::ffi::Error check_moe_route(const ::xla::ffi::Buffer<::xla::ffi::BF
   return ::xla::ffi::Error::Success();
 }
 
+// baro_moe_pairs (expert parallel): baro_moe's routing over all E experts (router [E, D]) and
+// the per-(row, slot) expert outputs of the pairs whose expert is in this shard:
+// w_gate_up [El, 2I, D] / w_down [El, D, I] hold experts expert_base .. expert_base + El - 1.
+// Results: y [m, top_k, D] f32 (0 for a pair of another shard), w [m, top_k] f32 (the
+// renormalised routing weight of each pair), ids [m, top_k] int32 (the routed expert).
+struct MoePairsDims {
+  int64_t m, D, E, El, I;
+};
+
+inline ::xla::ffi::Error check_moe_pairs(const ::xla::ffi::Buffer<::xla::ffi::BF16>& h, const ::xla::ffi::Buffer<::xla::ffi::BF16>& router,
+                                         const ::xla::ffi::Buffer<::xla::ffi::BF16>& w_gate_up, const ::xla::ffi::Buffer<::xla::ffi::BF16>& w_down,
+                                         const ::xla::ffi::Buffer<::xla::ffi::S32>& expert_base, int32_t top_k,
+                                         const ::xla::ffi::Buffer<::xla::ffi::F32>& y, const ::xla::ffi::Buffer<::xla::ffi::F32>& w,
+                                         const ::xla::ffi::Buffer<::xla::ffi::S32>& ids, MoePairsDims& d) {
+  const char* op = "baro_moe_pairs";
+  BARO_RETURN_IF(expect_rank(op, "h", h, 2));
+  BARO_RETURN_IF(expect_rank(op, "router", router, 2));
+  BARO_RETURN_IF(expect_rank(op, "w_gate_up", w_gate_up, 3));
+  const int64_t m = h.dimensions()[0], D = h.dimensions()[1];
+  const int64_t E = router.dimensions()[0];
+  const int64_t El = w_gate_up.dimensions()[0];
+  const int64_t I2 = w_gate_up.dimensions()[1], I = I2 / 2;
+  BARO_RETURN_IF(expect_shape(op, "router", router, {E, D}));
+  BARO_CHECK(El >= 1 && El <= E, op, "w_gate_up must hold 1..E=" << E << " experts, got shape "
+                                         << dims_str(w_gate_up.dimensions()));
+  BARO_CHECK(I2 % 2 == 0 && I2 > 0, op, "w_gate_up.shape[1] must be 2*I (even, > 0), got " << I2);
+  BARO_RETURN_IF(expect_shape(op, "w_gate_up", w_gate_up, {El, 2 * I, D}));
+  BARO_RETURN_IF(expect_shape(op, "w_down", w_down, {El, D, I}));
+  BARO_RETURN_IF(expect_shape(op, "expert_base", expert_base, {1}));
+  BARO_CHECK(top_k >= 1 && top_k <= E, op, "top_k must be in [1, E=" << E << "], got " << top_k);
+  BARO_RETURN_IF(expect_shape(op, "y (result)", y, {m, top_k, D}));
+  BARO_RETURN_IF(expect_shape(op, "w (result)", w, {m, top_k}));
+  BARO_RETURN_IF(expect_shape(op, "ids (result)", ids, {m, top_k}));
+  d = MoePairsDims{m, D, E, El, I};
+  return ::xla::ffi::Error::Success();
+}
+
+// baro_moe_combine: baro_moe's combine of per-pair outputs y [m, k, D] f32 with weights
+// w [m, k] f32 (slot order), plus the gated shared expert of h [m, D].
+struct MoeCombineDims {
+  int64_t m, D, K, Is;
+};
+
+inline ::xla::ffi::Error check_moe_combine(const ::xla::ffi::Buffer<::xla::ffi::BF16>& h, const ::xla::ffi::Buffer<::xla::ffi::F32>& y,
+                                           const ::xla::ffi::Buffer<::xla::ffi::F32>& w, const ::xla::ffi::Buffer<::xla::ffi::BF16>& shared_gate_up,
+                                           const ::xla::ffi::Buffer<::xla::ffi::BF16>& shared_down, const ::xla::ffi::Buffer<::xla::ffi::BF16>& shared_gate,
+                                           const ::xla::ffi::Buffer<::xla::ffi::F32>& out, MoeCombineDims& d) {
+  const char* op = "baro_moe_combine";
+  BARO_RETURN_IF(expect_rank(op, "h", h, 2));
+  BARO_RETURN_IF(expect_rank(op, "y", y, 3));
+  BARO_RETURN_IF(expect_rank(op, "shared_gate_up", shared_gate_up, 2));
+  const int64_t m = h.dimensions()[0], D = h.dimensions()[1];
+  const int64_t K = y.dimensions()[1];
+  const int64_t Is2 = shared_gate_up.dimensions()[0], Is = Is2 / 2;
+  BARO_CHECK(K >= 1, op, "y must have shape [m, k, D] with k >= 1, got " << dims_str(y.dimensions()));
+  BARO_RETURN_IF(expect_shape(op, "y", y, {m, K, D}));
+  BARO_RETURN_IF(expect_shape(op, "w", w, {m, K}));
+  BARO_CHECK(Is2 % 2 == 0 && Is2 > 0, op,
+             "shared_gate_up.shape[0] must be 2*Is (even, > 0), got " << Is2);
+  BARO_RETURN_IF(expect_shape(op, "shared_gate_up", shared_gate_up, {2 * Is, D}));
+  BARO_RETURN_IF(expect_shape(op, "shared_down", shared_down, {D, Is}));
+  BARO_RETURN_IF(expect_shape(op, "shared_gate", shared_gate, {1, D}));
+  BARO_RETURN_IF(expect_shape(op, "out (result)", out, {m, D}));
+  d = MoeCombineDims{m, D, K, Is};
+  return ::xla::ffi::Error::Success();
+}
+
 struct RmsnormDims {
   int64_t m, D;
 };

@@ -59,6 +59,20 @@ inline void route_row(const uint16_t* hr, const uint16_t* rp, int64_t D, int64_t
   *wsum_out = wsum;
 }
 
+// routed += wk * y in the pair's slot turn (baro_moe's combine step; baro_moe_combine runs the
+// same one over pairs computed elsewhere).
+inline void accumulate_pair(float wk, const float* y, int64_t D, float* routed) {
+  for (int64_t d = 0; d < D; ++d) routed[d] = std::fma(wk, y[d], routed[d]);
+}
+
+// out = routed + sigmoid(shared_gate . h) * shared_expert(h): the last step of a row.
+inline void finish_row(const uint16_t* hr, const float* routed, const uint16_t* sgup, const uint16_t* sdnp,
+                       const uint16_t* sgp, int64_t D, int64_t Is, uint16_t* act, float* shared, float* orow) {
+  swiglu(hr, sgup, sdnp, D, Is, act, shared);
+  const float sg = baro::sigmoid(baro::dot(hr, sgp, D));
+  for (int64_t d = 0; d < D; ++d) orow[d] = routed[d] + sg * shared[d];
+}
+
 // The MoE over m rows. slots == nullptr: expert e's weights are w_gate_up[e] / w_down[e];
 // else they are the pool's slot slots[e] (S slots); a routed expert with no slot is an error.
 ffi::Error moe_rows(const baro::MoeDims& dims, const uint16_t* hp, const uint16_t* rp,
@@ -101,13 +115,10 @@ ffi::Error moe_rows(const baro::MoeDims& dims, const uint16_t* hp, const uint16_
         const int64_t w = slots != nullptr ? slots[e] : e;
         const float wk = p[e] / wsum;
         swiglu(hr, gup + w * 2 * I * D, dnp + w * D * I, D, I, act.data(), y.data());
-        for (int64_t d = 0; d < D; ++d) routed[d] = std::fma(wk, y[d], routed[d]);
+        accumulate_pair(wk, y.data(), D, routed.data());
       }
       // 5. shared expert, gated
-      swiglu(hr, sgup, sdnp, D, Is, act.data(), shared.data());
-      const float sg = baro::sigmoid(baro::dot(hr, sgp, D));
-      float* orow = outp + i * D;
-      for (int64_t d = 0; d < D; ++d) orow[d] = routed[d] + sg * shared[d];
+      finish_row(hr, routed.data(), sgup, sdnp, sgp, D, Is, act.data(), shared.data(), outp + i * D);
     }
   });
   if (bad_row >= 0)
@@ -176,7 +187,104 @@ ffi::Error MoeRouteImpl(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> router,
   return ffi::Error::Success();
 }
 
+// baro_moe_pairs: baro_moe's routing and, for the pairs whose expert is in this shard
+// (expert_base .. expert_base + El - 1), the expert output y_k (the same swiglu as baro_moe);
+// the other pairs' y rows are 0. w = p[e] / wsum and ids as baro_moe computes them.
+ffi::Error MoePairsImpl(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> router,
+                        ffi::Buffer<ffi::BF16> w_gate_up, ffi::Buffer<ffi::BF16> w_down,
+                        ffi::Buffer<ffi::S32> expert_base, int32_t top_k, ffi::ResultBuffer<ffi::F32> y,
+                        ffi::ResultBuffer<ffi::F32> w, ffi::ResultBuffer<ffi::S32> ids) {
+  baro::MoePairsDims d;
+  if (auto err = baro::check_moe_pairs(h, router, w_gate_up, w_down, expert_base, top_k, *y, *w, *ids, d);
+      err.failure())
+    return err;
+  const int64_t m = d.m, D = d.D, E = d.E, El = d.El, I = d.I, K = top_k;
+  const int64_t base = expert_base.typed_data()[0];
+  const uint16_t* hp = h.typed_data();
+  const uint16_t* rp = router.typed_data();
+  const uint16_t* gup = w_gate_up.typed_data();
+  const uint16_t* dnp = w_down.typed_data();
+  float* yp = y->typed_data();
+  float* wp = w->typed_data();
+  int32_t* ip = ids->typed_data();
+  const double cost = static_cast<double>(E) * D + (K * 3.0 * I) * D;
+  baro::parallel_for(m, cost, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(E);
+    std::vector<uint16_t> act(I);
+    std::vector<int64_t> sel(K);
+    std::vector<char> taken(E);
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint16_t* hr = hp + i * D;
+      float wsum;
+      route_row(hr, rp, D, E, K, p.data(), taken.data(), sel.data(), &wsum);
+      for (int64_t s = 0; s < K; ++s) {
+        const int64_t e = sel[s];
+        wp[i * K + s] = p[e] / wsum;
+        ip[i * K + s] = static_cast<int32_t>(e);
+        float* yr = yp + (i * K + s) * D;
+        const int64_t le = e - base;
+        if (le >= 0 && le < El)
+          swiglu(hr, gup + le * 2 * I * D, dnp + le * D * I, D, I, act.data(), yr);
+        else
+          std::fill(yr, yr + D, 0.0f);
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// baro_moe_combine: baro_moe's combine over given pairs: routed = sum over slots in order of
+// w[i,s] * y[i,s] (fma, from 0), then + sigmoid(shared_gate . h) * shared_expert(h).
+ffi::Error MoeCombineImpl(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> y, ffi::Buffer<ffi::F32> w,
+                          ffi::Buffer<ffi::BF16> shared_gate_up, ffi::Buffer<ffi::BF16> shared_down,
+                          ffi::Buffer<ffi::BF16> shared_gate, ffi::ResultBuffer<ffi::F32> out) {
+  baro::MoeCombineDims d;
+  if (auto err = baro::check_moe_combine(h, y, w, shared_gate_up, shared_down, shared_gate, *out, d);
+      err.failure())
+    return err;
+  const int64_t m = d.m, D = d.D, K = d.K, Is = d.Is;
+  const uint16_t* hp = h.typed_data();
+  const float* yp = y.typed_data();
+  const float* wp = w.typed_data();
+  float* op = out->typed_data();
+  baro::parallel_for(m, (K + 3.0 * Is) * D, [&](int64_t i0, int64_t i1) {
+    std::vector<float> routed(D), shared(D);
+    std::vector<uint16_t> act(Is);
+    for (int64_t i = i0; i < i1; ++i) {
+      std::fill(routed.begin(), routed.end(), 0.0f);
+      for (int64_t s = 0; s < K; ++s) accumulate_pair(wp[i * K + s], yp + (i * K + s) * D, D, routed.data());
+      finish_row(hp + i * D, routed.data(), shared_gate_up.typed_data(), shared_down.typed_data(),
+                 shared_gate.typed_data(), D, Is, act.data(), shared.data(), op + i * D);
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoePairsCpu, MoePairsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // router [E, D]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_gate_up [El, 2I, D]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_down [El, D, I]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // expert_base [1]
+                                  .Attr<int32_t>("top_k")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [m, k, D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // w [m, k]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // ids [m, k]
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeCombineCpu, MoeCombineImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // y [m, k, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [m, k]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate_up
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_down
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [m, D]
+);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeCpu, MoeImpl,
                               ffi::Ffi::Bind()

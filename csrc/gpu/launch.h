@@ -130,11 +130,24 @@ struct MoeArgs {
   // slots[e] (-1 = not resident: its rows come out NaN); nullptr: slot e (baro_moe).
   const int32_t* slots = nullptr;  // [E]
   int64_t S = 0;
+  // Grouping only: experts with no slot get no GEMM tiles (baro_moe_pairs: another shard's).
+  bool skip_unslotted = false;
 };
 constexpr int kMoeMaxExperts = 8192;
 // Bytes of device scratch launch_moe needs (256-byte aligned pieces).
 size_t moe_scratch_bytes(const MoeArgs& a);
 gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream);
+// baro_moe_pairs: launch_moe's routing and grouped experts for the pairs whose expert is in
+// [*expert_base, *expert_base + El) (w_gate_up / w_down hold those El experts; a.E = router
+// rows); y[m, k, D] = each such pair's expert output (0 for the others), w[m, k], ids[m, k].
+size_t moe_pairs_scratch_bytes(const MoeArgs& a);
+gpuError_t launch_moe_pairs(const MoeArgs& a, int64_t El, const int32_t* expert_base, float* y, float* w,
+                            int32_t* ids, void* scratch, gpuStream_t stream);
+// baro_moe_combine: launch_moe's combine of given pairs y[m, k, D] / w[m, k] plus the shared
+// expert of a.h (a.s_gate_up, a.s_down, a.s_gate, a.Is), into a.out.
+size_t moe_combine_scratch_bytes(const MoeArgs& a);
+gpuError_t launch_moe_combine(const MoeArgs& a, const float* y, const float* w, void* scratch,
+                              gpuStream_t stream);
 // baro_moe_route: ids[m, k] = the experts launch_moe routes each row to (the same kernels).
 size_t moe_route_scratch_bytes(int64_t m, int64_t E, int k);
 gpuError_t launch_moe_route(const uint16_t* h, const uint16_t* router, int32_t* ids, int64_t m,

@@ -55,7 +55,9 @@ __global__ void __launch_bounds__(kTopkWarps * BARO_WARP)
       v[q] = e < E ? p[e] : -INFINITY;
     }
   }
-  auto val = [&](int q, int e) -> float { return kPer > 0 ? v[q] : p[e]; };
+  auto val = [&](int q, int e) -> float {
+    if constexpr (kPer > 0) return v[q]; else return p[e];
+  };
   auto set = [&](int q, int e, float x) {
     if constexpr (kPer > 0) v[q] = x; else p[e] = x;
   };
@@ -205,18 +207,21 @@ BARO_DEV int64_t block_scan_incl(int64_t v, int64_t* sh) {
 }
 
 // Body of the scan, for a block of kScanThreads; cnt may be global or shared.
+// skip: an expert with no slot (slots[e] < 0) keeps its pairs' sorted positions but gets no
+// tiles (baro_moe_pairs: another shard's expert; its rows are never computed nor read).
 BARO_DEV void group_scan(int32_t* cnt, int n_chunks, int E, int bm, int32_t* __restrict__ tiles,
                          int32_t* __restrict__ n_tiles, int64_t max_tiles, int64_t* sh,
-                         const int32_t* __restrict__ slots, int S) {
+                         const int32_t* __restrict__ slots, int S, int skip) {
   const int tid = threadIdx.x;
   const int per = (E + kScanThreads - 1) / kScanThreads;  // contiguous experts per thread
   const int e_lo = imin(tid * per, E), e_hi = imin(e_lo + per, E);
   int64_t my_pairs = 0, my_tiles = 0;
+  auto tiled = [&](int e) { return !(skip && slots != nullptr && slots[e] < 0); };
   for (int e = e_lo; e < e_hi; ++e) {
     int64_t tot = 0;
     for (int c = 0; c < n_chunks; ++c) tot += cnt[static_cast<int64_t>(c) * E + e];
     my_pairs += tot;
-    my_tiles += (tot + bm - 1) / bm;
+    if (tiled(e)) my_tiles += (tot + bm - 1) / bm;
   }
   // pack (pairs, tiles): both < 2^31, so one 64-bit scan carries the two
   const uint64_t packed = static_cast<uint64_t>(
@@ -233,7 +238,7 @@ BARO_DEV void group_scan(int32_t* cnt, int n_chunks, int E, int bm, int32_t* __r
       *q = static_cast<int32_t>(run);
       run += v;
     }
-    const int64_t tot = run - off;
+    const int64_t tot = tiled(e) ? run - off : 0;
     for (int64_t st = 0; st < tot; st += bm, ++nt) {
       if (nt < max_tiles) {
         tiles[3 * nt + 0] = weight_group(e, slots, S);
@@ -249,9 +254,9 @@ BARO_DEV void group_scan(int32_t* cnt, int n_chunks, int E, int bm, int32_t* __r
 __global__ void __launch_bounds__(kScanThreads)
     moe_scan_kernel(int32_t* __restrict__ cnt, int n_chunks, int E, int bm,
                     int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles, int64_t max_tiles,
-                    const int32_t* __restrict__ slots, int S) {
+                    const int32_t* __restrict__ slots, int S, int skip) {
   __shared__ int64_t sh[kScanThreads];
-  group_scan(cnt, n_chunks, E, bm, tiles, n_tiles, max_tiles, sh, slots, S);
+  group_scan(cnt, n_chunks, E, bm, tiles, n_tiles, max_tiles, sh, slots, S, skip);
 }
 
 // One warp walks the chunk's pairs in ascending p, 32 at a time: a lane's rank
@@ -308,7 +313,7 @@ __global__ void __launch_bounds__(kScanThreads)
     moe_group_one_kernel(const int32_t* __restrict__ ids, int P, int k, int E, int bm,
                          int32_t* __restrict__ srow, int32_t* __restrict__ inv,
                          int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles,
-                         int64_t max_tiles, const int32_t* __restrict__ slots, int S) {
+                         int64_t max_tiles, const int32_t* __restrict__ slots, int S, int skip) {
   __shared__ int64_t sh[kScanThreads];
   __shared__ int32_t sid[kGroupChunk];
   extern __shared__ int32_t pos[];  // [E]: counts, then running positions
@@ -318,7 +323,7 @@ __global__ void __launch_bounds__(kScanThreads)
   __syncthreads();
   for (int q = tid; q < P; q += kScanThreads) atomicAdd(&pos[sid[q]], 1);
   __syncthreads();
-  group_scan(pos, 1, E, bm, tiles, n_tiles, max_tiles, sh, slots, S);  // pos[e] = expert offset
+  group_scan(pos, 1, E, bm, tiles, n_tiles, max_tiles, sh, slots, S, skip);  // pos[e] = expert offset
   __syncthreads();
   if (tid < BARO_WARP) group_place(sid, pos, P, 0, k, srow, inv);
 }
@@ -338,7 +343,8 @@ __global__ void __launch_bounds__(kElemThreads)
 }
 
 // out[i][d] = routed + sigmoid(sgl[i]) * sout[i][d],
-// routed = fma over slots in order of w[i,s] * ys[inv[i*k+s]][d], from 0.
+// routed = fma over slots in order of w[i,s] * ys[inv[i*k+s]][d], from 0 (inv == nullptr:
+// ys holds the pairs in (row, slot) order, baro_moe_combine's y).
 // V consecutive d per thread (16-byte loads when V = 4); the arithmetic of
 // each element is the same for every V.
 template <int V>
@@ -363,7 +369,7 @@ __global__ void __launch_bounds__(kElemThreads)
         const int sl = slots[ids[pair]];  // ids are in [0, E) (moe_topk_kernel)
         if (sl < 0 || sl >= S) w = __int_as_float(0x7fc00000);
       }
-      const float* y = ys + static_cast<int64_t>(inv[pair]) * D + d;
+      const float* y = ys + static_cast<int64_t>(inv != nullptr ? inv[pair] : pair) * D + d;
       float yv[V];
       if (V == 4) {
         const float4 t = *reinterpret_cast<const float4*>(y);
@@ -517,16 +523,12 @@ static gpuError_t shared_swiglu(const MoeArgs& a, const MoeScratch& s, gpuStream
   return gpuGetLastError();
 }
 
-gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream) {
-  (void)gpuGetLastError();
-  if (a.m <= 0) return gpuSuccess;
-  if (a.top_k < 1 || a.top_k > a.E || a.E > kSortMaxE || scratch == nullptr)
-    return gpuErrorInvalidValue;
+// Steps 1-5 of launch_moe: routing, grouping, grouped gate/up + SwiGLU and down, so that
+// s.ys[s.inv[pair]] is each (row, slot) pair's expert output (pairs of experts without tiles,
+// a.skip_unslotted, are left unwritten).
+static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const MoePlan& pl,
+                                 gpuStream_t stream) {
   const int64_t m = a.m, P = a.m * a.top_k, D = a.D, E = a.E, I = a.I;
-  MoeScratch s;
-  moe_layout(a, static_cast<char*>(scratch), &s);
-  const MoePlan pl = moe_plan(a);
-
   // 1. router logits [m, E]
   BARO_MOE_TRY(launch_matmul(a.h, a.router, s.logits, m, E, D, stream));
   // 2. softmax + top-k per row
@@ -540,14 +542,15 @@ gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream) {
   if (n_chunks == 1) {
     moe_group_one_kernel<<<1, kScanThreads, cnt_smem, stream>>>(
         s.ids, static_cast<int>(P), a.top_k, static_cast<int>(E), bm, s.srow, s.inv, s.tiles,
-        s.n_tiles, max_tiles, a.slots, static_cast<int>(a.S));
+        s.n_tiles, max_tiles, a.slots, static_cast<int>(a.S), a.skip_unslotted ? 1 : 0);
   } else {
     moe_count_kernel<<<static_cast<unsigned>(n_chunks), kGroupThreads, cnt_smem, stream>>>(
         s.ids, P, static_cast<int>(E), s.cnt);
     BARO_MOE_TRY(gpuGetLastError());
     moe_scan_kernel<<<1, kScanThreads, 0, stream>>>(s.cnt, static_cast<int>(n_chunks),
                                                     static_cast<int>(E), bm, s.tiles, s.n_tiles,
-                                                    max_tiles, a.slots, static_cast<int>(a.S));
+                                                    max_tiles, a.slots, static_cast<int>(a.S),
+                                                    a.skip_unslotted ? 1 : 0);
     BARO_MOE_TRY(gpuGetLastError());
     moe_place_kernel<<<static_cast<unsigned>(n_chunks), kGroupThreads,
                        cnt_smem + sizeof(int32_t) * kGroupChunk, stream>>>(
@@ -590,22 +593,137 @@ gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream) {
     p.n_tiles = s.n_tiles;
     BARO_MOE_TRY(launch_gemm(p, pl.cfg, max_tiles, stream));
   }
-  // 6. shared expert and its gate
-  BARO_MOE_TRY(shared_swiglu(a, s, stream));
-  BARO_MOE_TRY(launch_matmul(s.sact, a.s_down, s.sout, m, D, a.Is, stream));
-  BARO_MOE_TRY(launch_matmul(a.h, a.s_gate, s.sgl, m, 1, D, stream));
-  // 7. combine
-  const bool v4 = D % 4 == 0 && (reinterpret_cast<uintptr_t>(a.out) & 15u) == 0;
+  return gpuSuccess;
+}
+
+// Step 7: out = routed + sigmoid(sgl) * sout, routed the slot-order fma over the pairs of ys
+// (through inv, or in (row, slot) order when inv == nullptr).
+static gpuError_t combine(const MoeArgs& a, const float* ys, const int32_t* inv, const float* wts,
+                          const float* sout, const float* sgl, const int32_t* ids, gpuStream_t stream) {
+  const int64_t m = a.m, D = a.D;
+  const bool v4 = D % 4 == 0 && (reinterpret_cast<uintptr_t>(a.out) & 15u) == 0 &&
+                  (reinterpret_cast<uintptr_t>(ys) & 15u) == 0;
   if (v4) {
     moe_combine_kernel<4><<<elem_blocks(m * D / 4), kElemThreads, 0, stream>>>(
-        s.ys, s.inv, s.wts, s.sout, s.sgl, a.out, m, D, a.top_k, s.ids, a.slots,
-        static_cast<int>(a.S));
+        ys, inv, wts, sout, sgl, a.out, m, D, a.top_k, ids, a.slots, static_cast<int>(a.S));
   } else {
     moe_combine_kernel<1><<<elem_blocks(m * D), kElemThreads, 0, stream>>>(
-        s.ys, s.inv, s.wts, s.sout, s.sgl, a.out, m, D, a.top_k, s.ids, a.slots,
-        static_cast<int>(a.S));
+        ys, inv, wts, sout, sgl, a.out, m, D, a.top_k, ids, a.slots, static_cast<int>(a.S));
   }
   return gpuGetLastError();
+}
+
+// Step 6: the shared expert's output sout [m, D] and its gate logit sgl [m].
+static gpuError_t shared_expert(const MoeArgs& a, const MoeScratch& s, gpuStream_t stream) {
+  BARO_MOE_TRY(shared_swiglu(a, s, stream));
+  BARO_MOE_TRY(launch_matmul(s.sact, a.s_down, s.sout, a.m, a.D, a.Is, stream));
+  return launch_matmul(a.h, a.s_gate, s.sgl, a.m, 1, a.D, stream);
+}
+
+gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream) {
+  (void)gpuGetLastError();
+  if (a.m <= 0) return gpuSuccess;
+  if (a.top_k < 1 || a.top_k > a.E || a.E > kSortMaxE || scratch == nullptr)
+    return gpuErrorInvalidValue;
+  MoeScratch s;
+  moe_layout(a, static_cast<char*>(scratch), &s);
+  const MoePlan pl = moe_plan(a);
+  BARO_MOE_TRY(routed_experts(a, s, pl, stream));  // 1-5
+  BARO_MOE_TRY(shared_expert(a, s, stream));       // 6
+  return combine(a, s.ys, s.inv, s.wts, s.sout, s.sgl, s.ids, stream);  // 7
+}
+
+// ---- expert parallel: baro_moe_pairs and baro_moe_combine ----
+
+// slots[e] = e - base for this shard's experts [base, base + El), -1 for the others.
+__global__ void __launch_bounds__(kElemThreads)
+    moe_local_slots_kernel(const int32_t* __restrict__ base, int E, int El, int32_t* __restrict__ slots) {
+  const int b = *base;
+  for (int e = blockIdx.x * kElemThreads + threadIdx.x; e < E; e += gridDim.x * kElemThreads) {
+    const int l = e - b;
+    slots[e] = l >= 0 && l < El ? l : -1;
+  }
+}
+
+// y[pair] = ys[inv[pair]] for a pair of this shard's experts, else 0; w, ids copied out.
+__global__ void __launch_bounds__(kElemThreads)
+    moe_pairs_out_kernel(const float* __restrict__ ys, const int32_t* __restrict__ inv,
+                         const float* __restrict__ wts, const int32_t* __restrict__ ids,
+                         const int32_t* __restrict__ slots, float* __restrict__ y, float* __restrict__ w,
+                         int32_t* __restrict__ ids_out, int64_t P, int64_t D) {
+  const int64_t total = P * D;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kElemThreads + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * kElemThreads) {
+    const int64_t pair = idx / D, d = idx - pair * D;
+    const bool local = slots[ids[pair]] >= 0;  // ids are in [0, E) (moe_topk_kernel)
+    y[idx] = local ? ys[static_cast<int64_t>(inv[pair]) * D + d] : 0.0f;
+    if (d == 0) {
+      w[pair] = wts[pair];
+      ids_out[pair] = ids[pair];
+    }
+  }
+}
+
+size_t moe_pairs_scratch_bytes(const MoeArgs& a) {
+  if (a.m <= 0) return 0;
+  return moe_layout(a, nullptr, nullptr) + ((sizeof(int32_t) * a.E + 255) & ~static_cast<size_t>(255));
+}
+
+gpuError_t launch_moe_pairs(const MoeArgs& a, int64_t El, const int32_t* expert_base, float* y, float* w,
+                            int32_t* ids, void* scratch, gpuStream_t stream) {
+  (void)gpuGetLastError();
+  if (a.m <= 0) return gpuSuccess;
+  if (a.top_k < 1 || a.top_k > a.E || a.E > kSortMaxE || El < 1 || El > a.E || scratch == nullptr)
+    return gpuErrorInvalidValue;
+  MoeScratch s;
+  const size_t main_bytes = moe_layout(a, static_cast<char*>(scratch), &s);
+  int32_t* slots = reinterpret_cast<int32_t*>(static_cast<char*>(scratch) + main_bytes);
+  moe_local_slots_kernel<<<elem_blocks(a.E), kElemThreads, 0, stream>>>(
+      expert_base, static_cast<int>(a.E), static_cast<int>(El), slots);
+  BARO_MOE_TRY(gpuGetLastError());
+  MoeArgs b = a;  // the shard's experts are the pool, addressed through the slot table
+  b.slots = slots;
+  b.S = El;
+  b.skip_unslotted = true;
+  BARO_MOE_TRY(routed_experts(b, s, moe_plan(b), stream));
+  const int64_t P = a.m * a.top_k;
+  moe_pairs_out_kernel<<<elem_blocks(P * a.D), kElemThreads, 0, stream>>>(s.ys, s.inv, s.wts, s.ids, slots, y,
+                                                                          w, ids, P, a.D);
+  return gpuGetLastError();
+}
+
+// The shared-expert pieces of moe_layout: sgu, sact, sout, sgl.
+static size_t moe_combine_layout(const MoeArgs& a, char* base, MoeScratch* s) {
+  size_t off = 0;
+  auto take = [&](size_t bytes) -> char* {
+    char* p = base ? base + off : nullptr;
+    off += (bytes + 255) & ~static_cast<size_t>(255);
+    return p;
+  };
+  MoeScratch t{};
+  t.sgu = reinterpret_cast<float*>(take(sizeof(float) * a.m * 2 * a.Is));
+  t.sact = reinterpret_cast<uint16_t*>(take(sizeof(uint16_t) * a.m * a.Is));
+  t.sout = reinterpret_cast<float*>(take(sizeof(float) * a.m * a.D));
+  t.sgl = reinterpret_cast<float*>(take(sizeof(float) * a.m));
+  if (s) *s = t;
+  return off;
+}
+
+size_t moe_combine_scratch_bytes(const MoeArgs& a) {
+  return a.m <= 0 ? 0 : moe_combine_layout(a, nullptr, nullptr);
+}
+
+gpuError_t launch_moe_combine(const MoeArgs& a, const float* y, const float* w, void* scratch,
+                              gpuStream_t stream) {
+  (void)gpuGetLastError();
+  if (a.m <= 0) return gpuSuccess;
+  if (a.top_k < 1 || scratch == nullptr) return gpuErrorInvalidValue;
+  MoeScratch s;
+  moe_combine_layout(a, static_cast<char*>(scratch), &s);
+  MoeArgs b = a;
+  b.slots = nullptr;
+  BARO_MOE_TRY(shared_expert(b, s, stream));
+  return combine(b, y, nullptr, w, s.sout, s.sgl, nullptr, stream);
 }
 
 // baro_moe_route: steps 1-2 of launch_moe (the same kernels), ids straight into the result.
@@ -729,7 +847,107 @@ ffi::Error MoeRouteGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ff
   return ffi::Error::Success();
 }
 
+ffi::Error alloc_scratch(const char* op, ffi::ScratchAllocator& scratch, size_t bytes, void** mem) {
+  std::optional<void*> m = scratch.Allocate(bytes, 16);
+  if (!m.has_value() || *m == nullptr)
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      std::string(op) + ": could not allocate " + std::to_string(bytes) + " bytes of GPU scratch");
+  *mem = *m;
+  return ffi::Error::Success();
+}
+
+ffi::Error MoePairsGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> h,
+                           ffi::Buffer<ffi::BF16> router, ffi::Buffer<ffi::BF16> w_gate_up,
+                           ffi::Buffer<ffi::BF16> w_down, ffi::Buffer<ffi::S32> expert_base, int32_t top_k,
+                           ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> w,
+                           ffi::ResultBuffer<ffi::S32> ids) {
+  const char* op = "baro_moe_pairs";
+  baro::MoePairsDims d;
+  if (auto err = baro::check_moe_pairs(h, router, w_gate_up, w_down, expert_base, top_k, *y, *w, *ids, d);
+      err.failure())
+    return err;
+  BARO_CHECK(d.E <= baro_gpu::kMoeMaxExperts, op,
+             "the GPU kernel supports at most " << baro_gpu::kMoeMaxExperts << " experts, got E=" << d.E);
+  BARO_CHECK(d.m * top_k < (int64_t{1} << 31) - 1, op,
+             "m * top_k = " << d.m * top_k << " (row, slot) pairs is too many for one GPU call");
+  if (d.m == 0) return ffi::Error::Success();
+  baro_gpu::MoeArgs a;
+  a.h = h.typed_data();
+  a.router = router.typed_data();
+  a.w_gate_up = w_gate_up.typed_data();
+  a.w_down = w_down.typed_data();
+  a.m = d.m;
+  a.D = d.D;
+  a.E = d.E;
+  a.I = d.I;
+  a.Is = 0;  // no shared expert here (baro_moe_combine runs it)
+  a.top_k = top_k;
+  void* mem = nullptr;
+  if (auto err = alloc_scratch(op, scratch, baro_gpu::moe_pairs_scratch_bytes(a), &mem); err.failure()) return err;
+  BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_moe_pairs(a, d.El, expert_base.typed_data(), y->typed_data(),
+                                                       w->typed_data(), ids->typed_data(), mem, stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error MoeCombineGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> h,
+                             ffi::Buffer<ffi::F32> y, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::BF16> shared_gate_up,
+                             ffi::Buffer<ffi::BF16> shared_down, ffi::Buffer<ffi::BF16> shared_gate,
+                             ffi::ResultBuffer<ffi::F32> out) {
+  const char* op = "baro_moe_combine";
+  baro::MoeCombineDims d;
+  if (auto err = baro::check_moe_combine(h, y, w, shared_gate_up, shared_down, shared_gate, *out, d);
+      err.failure())
+    return err;
+  BARO_CHECK(d.K < (int64_t{1} << 31) && d.m * d.K < (int64_t{1} << 31) - 1, op,
+             "m * k = " << d.m * d.K << " pairs is too many for one GPU call");
+  if (d.m == 0) return ffi::Error::Success();
+  baro_gpu::MoeArgs a;
+  a.h = h.typed_data();
+  a.s_gate_up = shared_gate_up.typed_data();
+  a.s_down = shared_down.typed_data();
+  a.s_gate = shared_gate.typed_data();
+  a.out = out->typed_data();
+  a.m = d.m;
+  a.D = d.D;
+  a.E = d.K;
+  a.I = 0;
+  a.Is = d.Is;
+  a.top_k = static_cast<int>(d.K);
+  void* mem = nullptr;
+  if (auto err = alloc_scratch(op, scratch, baro_gpu::moe_combine_scratch_bytes(a), &mem); err.failure()) return err;
+  BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_moe_combine(a, y.typed_data(), w.typed_data(), mem, stream));
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoePairsGpu, MoePairsGpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // router [E, D]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_gate_up [El, 2I, D]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_down [El, D, I]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // expert_base [1]
+                                  .Attr<int32_t>("top_k")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [m, k, D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // w [m, k]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // ids [m, k]
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeCombineGpu, MoeCombineGpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // y [m, k, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [m, k]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate_up
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_down
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [m, D]
+);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeGpu, MoeGpuImpl,
                               ffi::Ffi::Bind()

@@ -29,17 +29,21 @@ namespace baro_gpu {
 constexpr int kRows16Warps = 4;
 constexpr int kRows16Threads = kRows16Warps * BARO_WARP;
 constexpr int kRows16BK = 128;                // k per stage: 8 mma k-steps
-constexpr int kRows16Stages = 4;
 constexpr int kRows16Ld = kRows16BK + 8;      // smem row stride (272 B: ldmatrix conflict-free)
 constexpr int kRows16Chunks = kRows16BK / 8;  // 16-byte chunks per W row per stage
 
+// Stages: a decode GEMM has about one block per SM, and a block's K walk costs about
+// (K stages / stages in flight) copy latencies, so the ring is deep: 8 x 12 KB (SwiGLU
+// 6 x 20 KB), 2 blocks (SwiGLU 1) per SM. Was 4 stages (measured 12 us per GEMM on
+// average in a decode step); the deeper ring is not measured yet.
 template <bool SWIGLU>
 struct Rows16Cfg {
+  static constexpr int kStages = SWIGLU ? 6 : 8;
   static constexpr int NT = SWIGLU ? 2 : 1;               // n-tiles per warp
   static constexpr int kWRows = kRows16Warps * NT * 8;    // W rows per block
   static constexpr int kOutCols = kRows16Warps * 8;       // output columns per block
   static constexpr int kStageElems = (16 + kWRows) * kRows16Ld;  // A tile, then W rows
-  static constexpr int kSmemBytes = kRows16Stages * kStageElems * 2;
+  static constexpr int kSmemBytes = kStages * kStageElems * 2;
   static constexpr int kCopies = kWRows * kRows16Chunks / kRows16Threads;  // W, per thread per stage
   static constexpr int kACopies = 16 * kRows16Chunks / kRows16Threads;      // A, per thread per stage
   static_assert(kWRows * kRows16Chunks % kRows16Threads == 0, "copy split");
@@ -124,7 +128,7 @@ __global__ void __launch_bounds__(kRows16Threads) gemm_rows16_kernel(GemmParams 
     for (int i = 0; i < 4; ++i) acc[b][i] = 0.0f;
 
 #pragma unroll
-  for (int s = 0; s < kRows16Stages - 1; ++s) {
+  for (int s = 0; s < Cfg::kStages - 1; ++s) {
     if (s < n_k) load_stage(s, s);
     cp_async_commit();
   }
@@ -139,14 +143,14 @@ __global__ void __launch_bounds__(kRows16Threads) gemm_rows16_kernel(GemmParams 
   for (int b = 0; b < NT; ++b) b_row[b] = 16 + (b * kRows16Warps + warp) * 8 + b_lrow;
 
   for (int kt = 0; kt < n_k; ++kt) {
-    cp_async_wait<kRows16Stages - 2>();
+    cp_async_wait<Cfg::kStages - 2>();
     __syncthreads();  // stage kt visible; stage kt-1 consumed by every warp
     {
-      const int nt = kt + kRows16Stages - 1;
-      if (nt < n_k) load_stage(nt, nt % kRows16Stages);
+      const int nt = kt + Cfg::kStages - 1;
+      if (nt < n_k) load_stage(nt, nt % Cfg::kStages);
       cp_async_commit();
     }
-    const uint32_t base = smem0 + 2 * (kt % kRows16Stages) * Cfg::kStageElems;
+    const uint32_t base = smem0 + 2 * (kt % Cfg::kStages) * Cfg::kStageElems;
     const int64_t k0 = static_cast<int64_t>(kt) * kRows16BK;
 #pragma unroll
     for (int kk2 = 0; kk2 < kRows16BK / 32; ++kk2) {  // pairs of k-steps

@@ -57,7 +57,9 @@ BARO_DEV void fa_cp_async16(void* dst, const void* src, int src_bytes) {
                : "memory");
 }
 BARO_DEV void fa_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-BARO_DEV void fa_cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Wait until at most N committed groups are still in flight.
+template <int N>
+BARO_DEV void fa_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 // Barrier of the two warps of one pair (ids 1..4; 0 is __syncthreads).
 BARO_DEV void fa_pair_barrier(int id) { asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory"); }
 
@@ -108,7 +110,11 @@ BARO_DEV void fa_load_b_kn1(FragB& f, const uint16_t* p, int ld) {
   fa_ldsm_x2_t(f.r[0], f.r[1], p + (lane & 15) * ld);
 }
 
-// Shared memory (bytes): Q tile, K/V double buffer, P per pair, the pair's
+// K/V blocks in flight: the decode tile (one block per kv head and split, a few per GPU)
+// keeps two blocks ahead, the 64-row prefill tile one (its shared memory is full).
+__host__ __device__ constexpr int fa_stages(int pairs) { return pairs == kFaSmallPairs ? 3 : 2; }
+
+// Shared memory (bytes): Q tile, the K/V ring (fa_stages deep), P per pair, the pair's
 // max/sum partials. Row stride hd + 8 bf16 keeps ldmatrix conflict-free.
 struct FaSmem {
   int ld;
@@ -120,7 +126,7 @@ __host__ __device__ inline FaSmem fa_smem(int hd, int pairs) {
   l.tile = sizeof(uint16_t) * kFaKB * l.ld;
   l.q = 0;
   l.kv = l.q + sizeof(uint16_t) * kFaPairRows * pairs * l.ld;
-  l.p = l.kv + 4 * l.tile;  // K0, V0, K1, V1
+  l.p = l.kv + 2 * fa_stages(pairs) * l.tile;  // K0, V0, K1, V1, ...
   l.red = l.p + sizeof(uint16_t) * kFaPairRows * pairs * kFaPld;
   l.total = l.red + sizeof(float) * pairs * 4 * kFaPairRows;  // [pair][max|sum][half][row]
   return l;
@@ -410,11 +416,16 @@ __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
   const uint16_t* kbase = a.k_cache + static_cast<int64_t>(kh) * hd;
   const uint16_t* vbase = a.v_cache + static_cast<int64_t>(kh) * hd;
   // first K/V block in flight while Q is normed
-  if (b_begin < b_end) {
-    fa_issue_tile<kThreads, kHd>(KV0, kbase, row_stride, b_begin * kFaKB, lim_load, hd, ld);
-    fa_issue_tile<kThreads, kHd>(KV0 + tile_el, vbase, row_stride, b_begin * kFaKB, lim_load, hd, ld);
+  constexpr int kStages = fa_stages(kPairs);
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {  // the first blocks in flight while Q is normed
+    if (b_begin + st < b_end) {
+      uint16_t* Kd = KV0 + (2 * st) * tile_el;
+      fa_issue_tile<kThreads, kHd>(Kd, kbase, row_stride, (b_begin + st) * kFaKB, lim_load, hd, ld);
+      fa_issue_tile<kThreads, kHd>(Kd + tile_el, vbase, row_stride, (b_begin + st) * kFaKB, lim_load, hd, ld);
+    }
+    fa_cp_async_commit();  // always: keeps the group count uniform
   }
-  fa_cp_async_commit();
 
   // Q tile (bf16): one warp per row, the same per-(token, head) code in every
   // tile shape and mode (norm_rope_elem, as the kv write).
@@ -480,15 +491,16 @@ __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
   }
 
   for (int b = b_begin; b < b_end; ++b) {
-    const int buf = (b - b_begin) & 1;
+    const int buf = (b - b_begin) % kStages;
     const uint16_t* Kt = KV0 + (2 * buf) * tile_el;
     const uint16_t* Vt = Kt + tile_el;
-    fa_cp_async_wait_all();
+    fa_cp_async_wait<kStages - 2>();
     __syncthreads();  // block b visible to all; every warp done with block b-1's buffers
-    if (b + 1 < b_end) {
-      uint16_t* Kn = KV0 + (2 * (buf ^ 1)) * tile_el;
-      fa_issue_tile<kThreads, kHd>(Kn, kbase, row_stride, (b + 1) * kFaKB, lim_load, hd, ld);
-      fa_issue_tile<kThreads, kHd>(Kn + tile_el, vbase, row_stride, (b + 1) * kFaKB, lim_load, hd, ld);
+    if (b + kStages - 1 < b_end) {
+      uint16_t* Kn = KV0 + (2 * ((b - b_begin + kStages - 1) % kStages)) * tile_el;
+      fa_issue_tile<kThreads, kHd>(Kn, kbase, row_stride, (b + kStages - 1) * kFaKB, lim_load, hd, ld);
+      fa_issue_tile<kThreads, kHd>(Kn + tile_el, vbase, row_stride, (b + kStages - 1) * kFaKB, lim_load, hd,
+                                   ld);
     }
     fa_cp_async_commit();
 

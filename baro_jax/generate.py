@@ -100,7 +100,8 @@ def _run(argv) -> int:
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         if not args.json:
             print(f"[baro_jax] running on {_device_name()} | backend {eng.backend}"
-                  f"{'+' + eng.variant if getattr(eng, 'variant', None) else ''} | {eng.mode} | "
+                  f"{'+' + eng.variant if getattr(eng, 'variant', None) else ''} | {eng.mode}"
+                  f"{f' | expert parallel over {eng.devices} devices' if getattr(eng, 'devices', None) else ''} | "
                   f"{_dtype_name(eng.dtype)}", file=sys.stderr)
             if args.model == "tiny":
                 print("[baro_jax] 'tiny': a 7.8M-parameter Qwen3.5-MoE-architecture demonstration model trained "

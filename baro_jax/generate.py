@@ -101,7 +101,7 @@ def _run(argv) -> int:
         if not args.json:
             print(f"[baro_jax] running on {_device_name()} | backend {eng.backend}"
                   f"{'+' + eng.variant if getattr(eng, 'variant', None) else ''} | {eng.mode}"
-                  f"{f' | expert parallel over {eng.devices} devices' if getattr(eng, 'devices', None) else ''} | "
+                  f"{_devices_note(eng)} | "
                   f"{_dtype_name(eng.dtype)}", file=sys.stderr)
             if args.model == "tiny":
                 print("[baro_jax] 'tiny': a 7.8M-parameter Qwen3.5-MoE-architecture demonstration model trained "
@@ -153,6 +153,11 @@ class _Progress:
               f"({100 * done // total}%), {done / dt if dt > 0 else 0:.1f} tok/s, {dt:.1f}s",
               file=sys.stderr, flush=True)
         self.last = now
+
+
+def _devices_note(eng) -> str:
+    n = getattr(eng, "devices", None)
+    return f" | expert parallel over {n} device{'s' if n != 1 else ''}" if n else ""
 
 
 def _device_name() -> str:

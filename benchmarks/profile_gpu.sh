@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Kernel-level look on the GPU machine: ncu stall breakdown of the ordered
 # kernels at prefill sizes, plus op-time A/B of speed-only knobs.
-# Usage: OUT=dir bash benchmarks/profile_gpu.sh [m]   (after run_gpu.sh build)
+# Usage: OUT=dir bash benchmarks/profile_gpu.sh [m]   (after run_gpu.sh build; m = 1: decode kernels)
 set -u
 OUT=${OUT:-/tmp/baro_out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
@@ -12,6 +12,13 @@ prof() {  # prof <label> <kernel regex> <ops> <count>
     python benchmarks/op_times.py --m "$M" --ops "$3" --reps 2 --backends ordered > "$OUT/ncu_$1.txt" 2>&1
   grep -E "^  [a-z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Issue Slots Busy|Executed Ipc A" "$OUT/ncu_$1.txt" | head -40
 }
+if [ "$M" = 1 ]; then  # decode shapes: the kernels a decode token spends its time in (NOTES.md)
+  echo "--- ncu rmsnorm m=1"; prof rmsnorm_m1 "rmsnorm_kernel" rmsnorm 1
+  echo "--- ncu gemm_rows16 m=1 (gdn in_proj)"; prof in_proj_m1 "gemm_rows16" "matmul gdn_in_proj" 1
+  echo "--- ncu attention m=1"; prof attention_m1 "attn_fa" attention 2
+  echo "--- ncu moe m=1"; prof moe_m1 "gemm_rows16|moe_" moe 9
+  exit 0
+fi
 echo "--- ncu delta"; prof delta "delta_kernel" delta 1
 echo "--- ncu attention"; prof attention "attn_fa_kernel" attention 1
 echo "--- ncu moe"; prof moe "gemm_pipe|moe_" moe 8

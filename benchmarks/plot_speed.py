@@ -1,6 +1,7 @@
-"""Plot a speed.py JSON: prefill tokens/s vs prompt length (log x, log y), one line per arm.
+"""Plot a speed.py JSON: prefill tokens/s vs prompt length (log x, log y), one line per arm;
+with --decode-png also greedy decode tokens/s against the context it ran at.
 
-    python benchmarks/plot_speed.py speed_vs_peer_h200.json [--png out.png]
+    python benchmarks/plot_speed.py speed_vs_peer_h200.json [--png out.png] [--decode-png d.png]
 """
 from __future__ import annotations
 
@@ -94,14 +95,51 @@ def plot(obj: dict, path: str) -> str:
     return path
 
 
+def plot_decode(obj: dict, path: str) -> str | None:
+    """Decode tok/s (the batch-ordered rows' decode_tokens_per_s) against the context length."""
+    pts = sorted((row["prompt_tokens"], (row.get("batch-ordered") or {})["decode_tokens_per_s"])
+                 for row in obj.get("rows", []) if "decode_tokens_per_s" in (row.get("batch-ordered") or {}))
+    if not pts:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = obj.get("summary", {})
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    ax.plot(xs, ys, "-", color="tab:blue", marker="o", label="baro_jax greedy decode (ordered, device blocks)")
+    for x, y in pts:
+        ax.annotate(f"{y:,.1f}", (x, y), textcoords="offset points", xytext=(4, 5), fontsize=7, color="tab:blue")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([f"{x // 1024}k" if x >= 1024 and x % 1024 == 0 else str(x) for x in xs])
+    ax.set_ylim(0, max(ys) * 1.2)
+    ax.set_xlabel("context (prompt tokens before the decode steps)")
+    ax.set_ylabel("decode tokens / s (batch 1)")
+    ax.set_title(f"Decode speed\n{s.get('model', '?')} | {s.get('device', '?')} | commit "
+                 f"{str(s.get('commit', '?'))[:10]} | {s.get('date', '')}", fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json")
     ap.add_argument("--png", default=None, help="default: the JSON's path with .png")
+    ap.add_argument("--decode-png", default=None, help="also plot decode tok/s against context here")
     args = ap.parse_args(argv)
     with open(args.json) as f:
         obj = json.load(f)
     print(plot(obj, args.png or os.path.splitext(args.json)[0] + ".png"))
+    if args.decode_png:
+        print(plot_decode(obj, args.decode_png) or "no decode_tokens_per_s in the rows: no decode plot")
     return 0
 
 

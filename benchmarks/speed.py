@@ -226,6 +226,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None, help="plot tok/s vs prompt length (benchmarks/plot_speed.py)")
+    ap.add_argument("--decode-png", default=None, help="plot decode tok/s vs context (benchmarks/plot_speed.py)")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="seconds from start; a length or the xla arm that would start later is skipped (recorded)")
     ap.add_argument("--peer", action="store_true", help="run benchmarks/peer_hf.py first (subprocess)")
@@ -283,11 +284,14 @@ def main(argv=None) -> int:
             f"{tier_bound[1]:.1f} GB/s measured")
 
     def plot():
-        if args.png:
+        if args.png or args.decode_png:
             try:
                 import plot_speed
 
-                plot_speed.plot(out, args.png)
+                if args.png:
+                    plot_speed.plot(out, args.png)
+                if args.decode_png:
+                    plot_speed.plot_decode(out, args.decode_png)
             except Exception as e:  # noqa: BLE001  (a plot must not lose the numbers)
                 log(f"plot failed: {type(e).__name__}: {e}")
 

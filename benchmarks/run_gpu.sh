@@ -66,12 +66,16 @@ stage_tier() {
       --json "$OUT/speed_tier_h200.json" 2>&1 | tail -6
   )
 }
-# Decode: where a token's time goes at 1k and 32k context (benchmarks/decode_profile.py).
+# Decode (issue 10): where a token's time goes at 1k and 32k context (benchmarks/decode_profile.py),
+# then decode tok/s at 1k, 32k and 128k context (speed.py, batch-ordered prefill first) with its PNG.
 stage_decode() {
   for c in ${DECODE_CONTEXTS:-1024 32768}; do
     timeout 200 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --context "$c" --steps 32 --top 16 \
       --json "$OUT/decode_profile_${c}_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -24
   done
+  timeout 300 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
+    --lengths "${DECODE_LENGTHS:-1024,32768,131072}" --chunk auto --decode-tokens 64 --check-tail 32 \
+    --json "$OUT/speed_decode_h200.json" --decode-png "$OUT/decode_vs_context_h200.png" 2>&1 | tail -8
 }
 stage_speed() {
   python benchmarks/speed.py --model qwen3.5-35b-a3b --lengths "${SPEED_LENGTHS:-1024,8192}" --chunk 1024 \
@@ -114,7 +118,8 @@ stage_vs_peer() {
     --arms "${VS_PEER_ARMS:-batch-ordered,replay-ordered,batch-xla}" --replay-max "${VS_REPLAY_MAX:-1024}" \
     --check-prefix 1088 --check-tail 64 --repeats "${VS_REPEATS:-1}" --deadline-s "${VS_DEADLINE_S:-420}" \
     ${peer[@]+"${peer[@]}"} --peer-json "${PEER_JSON:-$OUT/peer_hf_h200.json}" \
-    --json "$OUT/speed_vs_peer_h200.json" --png "$OUT/speed_vs_peer_h200.png" 2>&1 \
+    --json "$OUT/speed_vs_peer_h200.json" --png "$OUT/speed_vs_peer_h200.png" \
+    --decode-png "$OUT/decode_vs_context_h200.png" 2>&1 \
     | tee "$OUT/speed_vs_peer.log" | grep -v '^\[transformers\]'
   local rc=${PIPESTATUS[0]}
   [ "$rc" = 124 ] && echo "speed.py killed at VS_TIMEOUT_S=${VS_TIMEOUT_S:-560}s; the JSON holds the lengths done"

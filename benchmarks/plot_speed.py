@@ -28,9 +28,10 @@ def series(obj: dict) -> dict[str, list[tuple[int, float]]]:
             r = row.get(arm) or {}
             if "tokens_per_s" in r:
                 out.setdefault(arm, []).append((n, r["tokens_per_s"]))
-        if len(chunks) > 1:
+        row_chunks = row.get("chunks") or chunks  # a row's own (speed.py --chunk auto resolves per length)
+        if len(row_chunks) > 1:
             for c, r in (row.get("by_chunk") or {}).items():
-                if int(c) != chunks[0] and "tokens_per_s" in r:
+                if str(c) != str(row_chunks[0]) and "tokens_per_s" in r:
                     out.setdefault(f"batch-ordered@{c}", []).append((n, r["tokens_per_s"]))
     return out
 
@@ -58,7 +59,7 @@ def plot(obj: dict, path: str) -> str:
                          "transformers peer, torch reference delta rule (FLA NOT used)" if fla is False else
                          "transformers peer")
             if arm == "batch-ordered" and chunks:
-                label += f", chunk {chunks[0]}"
+                label += ", chunk " + ("the engine's pick per length" if chunks[0] == "auto" else str(chunks[0]))
         ax.plot(xs, ys, ls, color=col, marker=mk, label=label)
         if arm in ("batch-ordered", "peer-hf"):
             for x, y in zip(xs, ys):

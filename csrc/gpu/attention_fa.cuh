@@ -594,6 +594,7 @@ __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
 // d = lane + 32t.
 constexpr int kFaCombineWarps = 4;
 constexpr int kFaCombinePerLane = kAttnMaxHeadDim / BARO_WARP;
+constexpr int kFaCombineAhead = 4;  // splits read before they are merged
 
 __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
     attn_fa_combine_kernel(AttentionArgs a, const float* __restrict__ part_o,
@@ -620,19 +621,40 @@ __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
   float O[kFaCombinePerLane];
 #pragma unroll
   for (int t = 0; t < kFaCombinePerLane; ++t) O[t] = 0.0f;
-  for (int64_t sp = 0; sp < n_act && sp < max_splits; ++sp) {
-    const int64_t slot = (static_cast<int64_t>(kh) * max_splits + sp) * rows_pad + R;
-    const float ms = part_ml[slot * 2 + 0];
-    const float ls = part_ml[slot * 2 + 1];
-    float Mn, ea, eb;
-    fa_merge_scale(M, ms, Mn, ea, eb);
-    Lsum = Lsum * ea + ls * eb;
+  // The merge is sequential over splits; its loads are not: a group of kFaCombineAhead
+  // splits is read first, then merged in split order (a 128k row has 128 splits, and one
+  // memory latency per split was the whole cost).
+  const int64_t n_sp = n_act < max_splits ? n_act : max_splits;
+  for (int64_t sp0 = 0; sp0 < n_sp; sp0 += kFaCombineAhead) {
+    float ms[kFaCombineAhead], ls[kFaCombineAhead], po[kFaCombineAhead][kFaCombinePerLane];
 #pragma unroll
-    for (int t = 0; t < kFaCombinePerLane; ++t) {
-      const int d = lane + BARO_WARP * t;
-      if (d < hd) O[t] = O[t] * ea + part_o[slot * hd + d] * eb;
+    for (int u = 0; u < kFaCombineAhead; ++u) {
+      const int64_t sp = sp0 + u;
+      if (sp < n_sp) {
+        const int64_t slot = (static_cast<int64_t>(kh) * max_splits + sp) * rows_pad + R;
+        ms[u] = part_ml[slot * 2 + 0];
+        ls[u] = part_ml[slot * 2 + 1];
+#pragma unroll
+        for (int t = 0; t < kFaCombinePerLane; ++t) {
+          const int d = lane + BARO_WARP * t;
+          po[u][t] = d < hd ? part_o[slot * hd + d] : 0.0f;
+        }
+      }
     }
-    M = Mn;
+#pragma unroll
+    for (int u = 0; u < kFaCombineAhead; ++u) {
+      if (sp0 + u < n_sp) {
+        float Mn, ea, eb;
+        fa_merge_scale(M, ms[u], Mn, ea, eb);
+        Lsum = Lsum * ea + ls[u] * eb;
+#pragma unroll
+        for (int t = 0; t < kFaCombinePerLane; ++t) {
+          const int d = lane + BARO_WARP * t;
+          if (d < hd) O[t] = O[t] * ea + po[u][t] * eb;
+        }
+        M = Mn;
+      }
+    }
   }
   const float* xr = a.qkv + i * static_cast<int64_t>(2 * a.H + 2 * a.Hkv) * hd;
 #pragma unroll

@@ -374,6 +374,27 @@ def test_rmsnorm(platform, m):
     assert_close(full, ref_rmsnorm(x, w, EPS), 2 ** -8, "rmsnorm vs float64")
 
 
+@pytest.mark.parametrize("D", [1024, 2048, 2080])
+def test_rmsnorm_model_widths(platform, D, monkeypatch):
+    """The model widths take the GPU's register-resident rows (D = 1024, 2048); 2080 the
+    runtime-D kernel. Rows are independent, and BARO_NORM_GENERIC=1 (every D on the runtime-D
+    kernel) gives the same bits."""
+    rng = np.random.default_rng(250 + D)
+    m = 37
+    x = f32(rng, m, D, scale=3.0)
+    w = f32(rng, D, scale=0.2)
+    poison(platform, (m, D), jnp.bfloat16)
+    full = np.asarray(J_RMSNORM(*put(platform, x, w), eps=EPS))
+    for i in (0, 1, 17, m - 1):
+        one = np.asarray(J_RMSNORM(*put(platform, x[i:i + 1], w), eps=EPS))
+        assert_same_bits(one[0], full[i], f"rmsnorm D={D} row {i} vs one-row call")
+    monkeypatch.setenv("BARO_NORM_GENERIC", "1")
+    got = np.asarray(jax.jit(lambda a, b: cc.rmsnorm(a, b, EPS))(*put(platform, x, w)))
+    monkeypatch.delenv("BARO_NORM_GENERIC")
+    assert_same_bits(got, full, f"rmsnorm D={D}: runtime-D kernel vs the register-row kernel")
+    assert_close(full, ref_rmsnorm(x, w, EPS), 2 ** -8, f"rmsnorm D={D} vs float64")
+
+
 @pytest.mark.parametrize("m", M_LIST)
 def test_gated_norm(platform, m):
     rng = np.random.default_rng(300 + m)

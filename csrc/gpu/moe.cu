@@ -32,6 +32,7 @@ constexpr int kScanThreads = 1024;     // moe_scan_kernel is a single block
 constexpr int kSortMaxE = kMoeMaxExperts;  // per-chunk counts live in shared memory
 constexpr int kElemThreads = 256;
 constexpr int kMinGroupBM = 16;        // smallest GEMM BM: sizes the tile list
+constexpr int kCombineAhead = 8;       // slots whose values moe_combine_kernel reads before it adds
 
 // probs[m][E] holds the logits on entry and the softmax probabilities after
 // (taken entries -2). kPer > 0: E <= 32 * kPer, the row lives in registers
@@ -362,27 +363,51 @@ __global__ void __launch_bounds__(kElemThreads)
     float routed[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) routed[j] = 0.0f;
-    for (int s = 0; s < k; ++s) {
-      const int64_t pair = i * k + s;
-      float w = wts[pair];
-      if (slots != nullptr) {  // a routed expert with no slot: the row is NaN, loudly
-        const int sl = slots[ids[pair]];  // ids are in [0, E) (moe_topk_kernel)
-        if (sl < 0 || sl >= S) w = __int_as_float(0x7fc00000);
-      }
-      const float* y = ys + static_cast<int64_t>(inv != nullptr ? inv[pair] : pair) * D + d;
-      float yv[V];
-      if (V == 4) {
-        const float4 t = *reinterpret_cast<const float4*>(y);
-        yv[0] = t.x;
-        yv[V > 1 ? 1 : 0] = t.y;
-        yv[V > 2 ? 2 : 0] = t.z;
-        yv[V > 3 ? 3 : 0] = t.w;
-      } else {
+    // Slots in groups of kCombineAhead: a group's weights, rows and values are read first
+    // (a decode row is a handful of threads: one memory latency per slot was the cost),
+    // then the fmas run in slot order.
+    for (int s0 = 0; s0 < k; s0 += kCombineAhead) {
+      float wv[kCombineAhead];
+      const float* yp[kCombineAhead];
 #pragma unroll
-        for (int j = 0; j < V; ++j) yv[j] = y[j];
+      for (int u = 0; u < kCombineAhead; ++u) {
+        const int s = s0 + u;
+        wv[u] = 0.0f;
+        yp[u] = ys;
+        if (s < k) {
+          const int64_t pair = i * k + s;
+          float w = wts[pair];
+          if (slots != nullptr) {  // a routed expert with no slot: the row is NaN, loudly
+            const int sl = slots[ids[pair]];  // ids are in [0, E) (moe_topk_kernel)
+            if (sl < 0 || sl >= S) w = __int_as_float(0x7fc00000);
+          }
+          wv[u] = w;
+          yp[u] = ys + static_cast<int64_t>(inv != nullptr ? inv[pair] : pair) * D + d;
+        }
+      }
+      float yv[kCombineAhead][V];
+#pragma unroll
+      for (int u = 0; u < kCombineAhead; ++u) {
+        if (s0 + u < k) {
+          if (V == 4) {
+            const float4 t = *reinterpret_cast<const float4*>(yp[u]);
+            yv[u][0] = t.x;
+            yv[u][V > 1 ? 1 : 0] = t.y;
+            yv[u][V > 2 ? 2 : 0] = t.z;
+            yv[u][V > 3 ? 3 : 0] = t.w;
+          } else {
+#pragma unroll
+            for (int j = 0; j < V; ++j) yv[u][j] = yp[u][j];
+          }
+        }
       }
 #pragma unroll
-      for (int j = 0; j < V; ++j) routed[j] = fmaf(w, yv[j], routed[j]);
+      for (int u = 0; u < kCombineAhead; ++u) {
+        if (s0 + u < k) {
+#pragma unroll
+          for (int j = 0; j < V; ++j) routed[j] = fmaf(wv[u], yv[u][j], routed[j]);
+        }
+      }
     }
     const float sg = sigmoidf_(sgl[i]);
     const float* so = sout + i * D + d;

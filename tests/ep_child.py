@@ -48,6 +48,10 @@ def main():
             assert ref["logits"].tobytes() == got["logits"].tobytes(), (model, N, name)
             assert ref["tokens"] == got["tokens"], (model, N, name)
             print(f"OK {model} devices={N} {name}")
+        # generate(): greedy decode in device blocks (a fori_loop around the sharded MoE)
+        g1 = one.generate(PROMPT, 20, stop_at_eos=False).generated_ids
+        gn = many.generate(PROMPT, 20, stop_at_eos=False).generated_ids
+        assert g1 == gn and len(gn) == 20, (model, N, g1, gn)
     # the identity gate's --devices: batched == replay on N devices, and replay == one device's
     import tempfile
 

@@ -12,25 +12,35 @@ from ._lib import check_runnable
 OP = "baro_moe"
 
 
-def _check_moe(op, h, router, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate, top_k,
-               gu_name="w_gate_up", dn_name="w_down", n_w=None):
-    """Checks baro_moe's operands (experts [E, ...], or a pool [S, ...] when n_w is given); returns (m, D, k)."""
+def _check_h_router(op, h, router):
+    """h [m, D] and router [E, D] (bf16); returns (m, D, E)."""
     C.rank(op, "h", h, 2)
     m, D = h.shape
     C.array(op, "h", h, (m, D), C.BF16, dtype_note=C.BF16_NOTE)
     C.rank(op, "router", router, 2)
     E = router.shape[0]
     C.array(op, "router", router, (E, D), C.BF16, dtype_note=C.BF16_NOTE)
+    return m, D, E
+
+
+def _check_experts(op, w_gate_up, w_down, D, gu_name="w_gate_up", dn_name="w_down", lead="E", n=None):
+    """Routed experts gate_up [n, 2I, D] (gate rows first) and down [n, D, I] (bf16); n None:
+    the gate_up's own leading size. Returns I."""
     C.rank(op, gu_name, w_gate_up, 3)
-    lead = "E" if n_w is None else "S"
-    n_w = E if n_w is None else w_gate_up.shape[0]  # n_w given: the pool's slot count
+    n = w_gate_up.shape[0] if n is None else n
     I2 = w_gate_up.shape[1]
     if I2 < 2 or I2 % 2:
         raise ValueError(f"{op}: {gu_name} must have shape [{lead}, 2*I, D] (gate rows first), "
                          f"got shape {list(w_gate_up.shape)}")
     I = I2 // 2
-    C.array(op, gu_name, w_gate_up, (n_w, 2 * I, D), C.BF16, dtype_note=C.BF16_NOTE)
-    C.array(op, dn_name, w_down, (n_w, D, I), C.BF16, dtype_note=C.BF16_NOTE)
+    C.array(op, gu_name, w_gate_up, (n, 2 * I, D), C.BF16, dtype_note=C.BF16_NOTE)
+    C.array(op, dn_name, w_down, (n, D, I), C.BF16, dtype_note=C.BF16_NOTE)
+    return I
+
+
+def _check_shared(op, shared_gate_up, shared_down, shared_gate, D):
+    """The shared expert: shared_gate_up [2Is, D] (gate rows first), shared_down [D, Is],
+    shared_gate [1, D] (bf16)."""
     C.rank(op, "shared_gate_up", shared_gate_up, 2)
     Is2 = shared_gate_up.shape[0]
     if Is2 < 2 or Is2 % 2:
@@ -40,10 +50,23 @@ def _check_moe(op, h, router, w_gate_up, w_down, shared_gate_up, shared_down, sh
     C.array(op, "shared_gate_up", shared_gate_up, (2 * Is, D), C.BF16, dtype_note=C.BF16_NOTE)
     C.array(op, "shared_down", shared_down, (D, Is), C.BF16, dtype_note=C.BF16_NOTE)
     C.array(op, "shared_gate", shared_gate, (1, D), C.BF16, dtype_note=C.BF16_NOTE)
+
+
+def _check_top_k(op, top_k, E):
     k = C.positive_int(op, "top_k", top_k)
     if k > E:
         raise ValueError(f"{op}: top_k={k} exceeds the number of experts E={E}")
-    return m, D, k
+    return k
+
+
+def _check_moe(op, h, router, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate, top_k,
+               gu_name="w_gate_up", dn_name="w_down", n_w=None):
+    """Checks baro_moe's operands (experts [E, ...], or a pool [S, ...] when n_w is given); returns (m, D, k)."""
+    m, D, E = _check_h_router(op, h, router)
+    _check_experts(op, w_gate_up, w_down, D, gu_name, dn_name, lead="E" if n_w is None else "S",
+                   n=E if n_w is None else None)
+    _check_shared(op, shared_gate_up, shared_down, shared_gate, D)
+    return m, D, _check_top_k(op, top_k, E)
 
 
 def moe(h, router, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate, top_k):
@@ -80,15 +103,8 @@ def moe_slots(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, sha
 def moe_route(h, router, top_k):
     """h[m,D] bf16, router[E,D] bf16 -> ids[m, top_k] int32: the experts moe() routes each row
     to, in slot order (the same code as moe's routing, so the same ids)."""
-    C.rank(OP_ROUTE, "h", h, 2)
-    m, D = h.shape
-    C.array(OP_ROUTE, "h", h, (m, D), C.BF16, dtype_note=C.BF16_NOTE)
-    C.rank(OP_ROUTE, "router", router, 2)
-    E = router.shape[0]
-    C.array(OP_ROUTE, "router", router, (E, D), C.BF16, dtype_note=C.BF16_NOTE)
-    k = C.positive_int(OP_ROUTE, "top_k", top_k)
-    if k > E:
-        raise ValueError(f"{OP_ROUTE}: top_k={k} exceeds the number of experts E={E}")
+    m, D, E = _check_h_router(OP_ROUTE, h, router)
+    k = _check_top_k(OP_ROUTE, top_k, E)
     check_runnable(OP_ROUTE, (h, router))
     return jax.ffi.ffi_call(OP_ROUTE, jax.ShapeDtypeStruct((m, k), np.int32))(h, router, top_k=np.int32(k))
 
@@ -106,26 +122,13 @@ def moe_pairs(h, router, w_gate_up, w_down, expert_base, top_k):
     experts, 0 for the others. moe_combine(h, y, w, ...) of the pairs gathered from every
     shard (each pair from its expert's owner) is baro_moe's result, bytes and all."""
     op = OP_PAIRS
-    C.rank(op, "h", h, 2)
-    m, D = h.shape
-    C.array(op, "h", h, (m, D), C.BF16, dtype_note=C.BF16_NOTE)
-    C.rank(op, "router", router, 2)
-    E = router.shape[0]
-    C.array(op, "router", router, (E, D), C.BF16, dtype_note=C.BF16_NOTE)
+    m, D, E = _check_h_router(op, h, router)
     C.rank(op, "w_gate_up", w_gate_up, 3)
-    El, I2 = w_gate_up.shape[0], w_gate_up.shape[1]
-    if not 1 <= El <= E:
+    if not 1 <= w_gate_up.shape[0] <= E:
         raise ValueError(f"{op}: w_gate_up must hold 1..E={E} experts, got shape {list(w_gate_up.shape)}")
-    if I2 < 2 or I2 % 2:
-        raise ValueError(f"{op}: w_gate_up must have shape [El, 2*I, D] (gate rows first), "
-                         f"got shape {list(w_gate_up.shape)}")
-    I = I2 // 2
-    C.array(op, "w_gate_up", w_gate_up, (El, 2 * I, D), C.BF16, dtype_note=C.BF16_NOTE)
-    C.array(op, "w_down", w_down, (El, D, I), C.BF16, dtype_note=C.BF16_NOTE)
+    _check_experts(op, w_gate_up, w_down, D, lead="El")
     C.array(op, "expert_base", expert_base, (1,), np.int32)
-    k = C.positive_int(op, "top_k", top_k)
-    if k > E:
-        raise ValueError(f"{op}: top_k={k} exceeds the number of experts E={E}")
+    k = _check_top_k(op, top_k, E)
     args = (h, router, w_gate_up, w_down, expert_base)
     check_runnable(op, args)
     return jax.ffi.ffi_call(op, (jax.ShapeDtypeStruct((m, k, D), C.F32), jax.ShapeDtypeStruct((m, k), C.F32),
@@ -146,15 +149,7 @@ def moe_combine(h, y, w, shared_gate_up, shared_down, shared_gate):
         raise ValueError(f"{op}: y must have shape [m, k, D] with k >= 1, got shape {list(y.shape)}")
     C.array(op, "y", y, (m, k, D), C.F32)
     C.array(op, "w", w, (m, k), C.F32)
-    C.rank(op, "shared_gate_up", shared_gate_up, 2)
-    Is2 = shared_gate_up.shape[0]
-    if Is2 < 2 or Is2 % 2:
-        raise ValueError(f"{op}: shared_gate_up must have shape [2*Is, D] (gate rows first), "
-                         f"got shape {list(shared_gate_up.shape)}")
-    Is = Is2 // 2
-    C.array(op, "shared_gate_up", shared_gate_up, (2 * Is, D), C.BF16, dtype_note=C.BF16_NOTE)
-    C.array(op, "shared_down", shared_down, (D, Is), C.BF16, dtype_note=C.BF16_NOTE)
-    C.array(op, "shared_gate", shared_gate, (1, D), C.BF16, dtype_note=C.BF16_NOTE)
+    _check_shared(op, shared_gate_up, shared_down, shared_gate, D)
     args = (h, y, w, shared_gate_up, shared_down, shared_gate)
     check_runnable(op, args)
     return jax.ffi.ffi_call(op, jax.ShapeDtypeStruct((m, D), C.F32))(*args)

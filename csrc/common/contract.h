@@ -150,6 +150,40 @@ inline ::xla::ffi::Error check_attention(
   return ::xla::ffi::Error::Success();
 }
 
+// The routed experts' weights (gate rows first): gate_up [n, 2I, D] and down [n, D, I],
+// named gu_name / dn_name (ranks checked by the caller); sets I. Returns "" or the
+// message, as expect_shape does.
+inline std::string expect_expert_weights(const char* op, const char* gu_name, const ::xla::ffi::Buffer<::xla::ffi::BF16>& gate_up,
+                                         const char* dn_name, const ::xla::ffi::Buffer<::xla::ffi::BF16>& down, int64_t n, int64_t D, int64_t& I) {
+  const int64_t I2 = gate_up.dimensions()[1];
+  I = I2 / 2;
+  if (I2 % 2 != 0 || I2 <= 0) {
+    std::ostringstream m;
+    m << op << ": " << gu_name << ".shape[1] must be 2*I (even, > 0), got " << I2;
+    return m.str();
+  }
+  std::string e = expect_shape(op, gu_name, gate_up, {n, 2 * I, D});
+  return e.empty() ? expect_shape(op, dn_name, down, {n, D, I}) : e;
+}
+
+// The shared expert and its gate: shared_gate_up [2Is, D] (gate rows first), shared_down
+// [D, Is], shared_gate [1, D] (the rank of shared_gate_up checked by the caller); sets Is.
+inline std::string expect_shared_expert(const char* op, const ::xla::ffi::Buffer<::xla::ffi::BF16>& shared_gate_up, const ::xla::ffi::Buffer<::xla::ffi::BF16>& shared_down,
+                                        const ::xla::ffi::Buffer<::xla::ffi::BF16>& shared_gate, int64_t D, int64_t& Is) {
+  const int64_t Is2 = shared_gate_up.dimensions()[0];
+  Is = Is2 / 2;
+  if (Is2 % 2 != 0 || Is2 <= 0) {
+    std::ostringstream m;
+    m << op << ": shared_gate_up.shape[0] must be 2*Is (even, > 0), got " << Is2;
+    return m.str();
+  }
+  for (std::string e : {expect_shape(op, "shared_gate_up", shared_gate_up, {2 * Is, D}),
+                        expect_shape(op, "shared_down", shared_down, {D, Is}),
+                        expect_shape(op, "shared_gate", shared_gate, {1, D})})
+    if (!e.empty()) return e;
+  return "";
+}
+
 struct MoeDims {
   int64_t m, D, E, I, Is;
 };
@@ -165,17 +199,10 @@ inline ::xla::ffi::Error check_moe(const ::xla::ffi::Buffer<::xla::ffi::BF16>& h
   BARO_RETURN_IF(expect_rank(op, "shared_gate_up", shared_gate_up, 2));
   const int64_t m = h.dimensions()[0], D = h.dimensions()[1];
   const int64_t E = router.dimensions()[0];
-  const int64_t I2 = w_gate_up.dimensions()[1], I = I2 / 2;
-  const int64_t Is2 = shared_gate_up.dimensions()[0], Is = Is2 / 2;
+  int64_t I = 0, Is = 0;
   BARO_RETURN_IF(expect_shape(op, "router", router, {E, D}));
-  BARO_CHECK(I2 % 2 == 0 && I2 > 0, op, "w_gate_up.shape[1] must be 2*I (even, > 0), got " << I2);
-  BARO_RETURN_IF(expect_shape(op, "w_gate_up", w_gate_up, {E, 2 * I, D}));
-  BARO_RETURN_IF(expect_shape(op, "w_down", w_down, {E, D, I}));
-  BARO_CHECK(Is2 % 2 == 0 && Is2 > 0, op,
-             "shared_gate_up.shape[0] must be 2*Is (even, > 0), got " << Is2);
-  BARO_RETURN_IF(expect_shape(op, "shared_gate_up", shared_gate_up, {2 * Is, D}));
-  BARO_RETURN_IF(expect_shape(op, "shared_down", shared_down, {D, Is}));
-  BARO_RETURN_IF(expect_shape(op, "shared_gate", shared_gate, {1, D}));
+  BARO_RETURN_IF(expect_expert_weights(op, "w_gate_up", w_gate_up, "w_down", w_down, E, D, I));
+  BARO_RETURN_IF(expect_shared_expert(op, shared_gate_up, shared_down, shared_gate, D, Is));
   BARO_CHECK(top_k >= 1 && top_k <= E, op, "top_k must be in [1, E=" << E << "], got " << top_k);
   BARO_RETURN_IF(expect_shape(op, "out (result)", out, {m, D}));
   d = MoeDims{m, D, E, I, Is};
@@ -198,19 +225,12 @@ inline ::xla::ffi::Error check_moe_slots(const ::xla::ffi::Buffer<::xla::ffi::BF
   const int64_t m = h.dimensions()[0], D = h.dimensions()[1];
   const int64_t E = router.dimensions()[0];
   S = w_gate_up_pool.dimensions()[0];
-  const int64_t I2 = w_gate_up_pool.dimensions()[1], I = I2 / 2;
-  const int64_t Is2 = shared_gate_up.dimensions()[0], Is = Is2 / 2;
+  int64_t I = 0, Is = 0;
   BARO_RETURN_IF(expect_shape(op, "router", router, {E, D}));
   BARO_CHECK(S >= 1, op, "w_gate_up_pool must hold at least one slot, got shape " << dims_str(w_gate_up_pool.dimensions()));
-  BARO_CHECK(I2 % 2 == 0 && I2 > 0, op, "w_gate_up_pool.shape[1] must be 2*I (even, > 0), got " << I2);
-  BARO_RETURN_IF(expect_shape(op, "w_gate_up_pool", w_gate_up_pool, {S, 2 * I, D}));
-  BARO_RETURN_IF(expect_shape(op, "w_down_pool", w_down_pool, {S, D, I}));
+  BARO_RETURN_IF(expect_expert_weights(op, "w_gate_up_pool", w_gate_up_pool, "w_down_pool", w_down_pool, S, D, I));
   BARO_RETURN_IF(expect_shape(op, "slots", slots, {E}));
-  BARO_CHECK(Is2 % 2 == 0 && Is2 > 0, op,
-             "shared_gate_up.shape[0] must be 2*Is (even, > 0), got " << Is2);
-  BARO_RETURN_IF(expect_shape(op, "shared_gate_up", shared_gate_up, {2 * Is, D}));
-  BARO_RETURN_IF(expect_shape(op, "shared_down", shared_down, {D, Is}));
-  BARO_RETURN_IF(expect_shape(op, "shared_gate", shared_gate, {1, D}));
+  BARO_RETURN_IF(expect_shared_expert(op, shared_gate_up, shared_down, shared_gate, D, Is));
   BARO_CHECK(top_k >= 1 && top_k <= E, op, "top_k must be in [1, E=" << E << "], got " << top_k);
   BARO_RETURN_IF(expect_shape(op, "out (result)", out, {m, D}));
   d = MoeDims{m, D, E, I, Is};
@@ -253,13 +273,11 @@ inline ::xla::ffi::Error check_moe_pairs(const ::xla::ffi::Buffer<::xla::ffi::BF
   const int64_t m = h.dimensions()[0], D = h.dimensions()[1];
   const int64_t E = router.dimensions()[0];
   const int64_t El = w_gate_up.dimensions()[0];
-  const int64_t I2 = w_gate_up.dimensions()[1], I = I2 / 2;
+  int64_t I = 0;
   BARO_RETURN_IF(expect_shape(op, "router", router, {E, D}));
   BARO_CHECK(El >= 1 && El <= E, op, "w_gate_up must hold 1..E=" << E << " experts, got shape "
                                          << dims_str(w_gate_up.dimensions()));
-  BARO_CHECK(I2 % 2 == 0 && I2 > 0, op, "w_gate_up.shape[1] must be 2*I (even, > 0), got " << I2);
-  BARO_RETURN_IF(expect_shape(op, "w_gate_up", w_gate_up, {El, 2 * I, D}));
-  BARO_RETURN_IF(expect_shape(op, "w_down", w_down, {El, D, I}));
+  BARO_RETURN_IF(expect_expert_weights(op, "w_gate_up", w_gate_up, "w_down", w_down, El, D, I));
   BARO_RETURN_IF(expect_shape(op, "expert_base", expert_base, {1}));
   BARO_CHECK(top_k >= 1 && top_k <= E, op, "top_k must be in [1, E=" << E << "], got " << top_k);
   BARO_RETURN_IF(expect_shape(op, "y (result)", y, {m, top_k, D}));
@@ -285,15 +303,11 @@ inline ::xla::ffi::Error check_moe_combine(const ::xla::ffi::Buffer<::xla::ffi::
   BARO_RETURN_IF(expect_rank(op, "shared_gate_up", shared_gate_up, 2));
   const int64_t m = h.dimensions()[0], D = h.dimensions()[1];
   const int64_t K = y.dimensions()[1];
-  const int64_t Is2 = shared_gate_up.dimensions()[0], Is = Is2 / 2;
+  int64_t Is = 0;
   BARO_CHECK(K >= 1, op, "y must have shape [m, k, D] with k >= 1, got " << dims_str(y.dimensions()));
   BARO_RETURN_IF(expect_shape(op, "y", y, {m, K, D}));
   BARO_RETURN_IF(expect_shape(op, "w", w, {m, K}));
-  BARO_CHECK(Is2 % 2 == 0 && Is2 > 0, op,
-             "shared_gate_up.shape[0] must be 2*Is (even, > 0), got " << Is2);
-  BARO_RETURN_IF(expect_shape(op, "shared_gate_up", shared_gate_up, {2 * Is, D}));
-  BARO_RETURN_IF(expect_shape(op, "shared_down", shared_down, {D, Is}));
-  BARO_RETURN_IF(expect_shape(op, "shared_gate", shared_gate, {1, D}));
+  BARO_RETURN_IF(expect_shared_expert(op, shared_gate_up, shared_down, shared_gate, D, Is));
   BARO_RETURN_IF(expect_shape(op, "out (result)", out, {m, D}));
   d = MoeCombineDims{m, D, K, Is};
   return ::xla::ffi::Error::Success();

@@ -58,6 +58,35 @@ ffi::Error ConvImpl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
   return ffi::Error::Success();
 }
 
+// One delta-rule row's inputs for value head j (key head kh) of row i, the same for
+// baro_delta and baro_delta_blocked: q = l2norm(q) * dk^-0.5, k = l2norm(k) (into q, k),
+// beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), v the row's value slice.
+struct DeltaInputs {
+  const float *y, *b, *a, *A_log, *dt_bias;
+  int64_t C, nk, nv, dk, dv;
+  float scale;
+};
+struct DeltaRow {
+  const float* v;
+  float beta, g;
+};
+constexpr float kDeltaL2Eps = 1e-6f;
+
+inline DeltaRow delta_row(const DeltaInputs& in, int64_t i, int64_t j, int64_t kh, float* q, float* k) {
+  const int64_t dk = in.dk;
+  const float* yr = in.y + i * in.C;
+  const float* qs = yr + kh * dk;
+  const float* ks = yr + in.nk * dk + kh * dk;
+  const float rq = 1.0f / std::sqrt(baro::dot(qs, qs, dk) + kDeltaL2Eps);
+  const float rk = 1.0f / std::sqrt(baro::dot(ks, ks, dk) + kDeltaL2Eps);
+  for (int64_t d = 0; d < dk; ++d) {
+    q[d] = (qs[d] * rq) * in.scale;
+    k[d] = ks[d] * rk;
+  }
+  return DeltaRow{yr + 2 * in.nk * dk + j * in.dv, baro::sigmoid(in.b[i * in.nv + j]),
+                  -std::exp(in.A_log[j]) * baro::softplus(in.a[i * in.nv + j] + in.dt_bias[j])};
+}
+
 ffi::Error DeltaImpl(ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
                      ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> A_log,
                      ffi::Buffer<ffi::F32> dt_bias, ffi::Buffer<ffi::F32> state,
@@ -76,14 +105,9 @@ ffi::Error DeltaImpl(ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
   baro::copy_if_not_aliased(state, state_out);
   float* S_all = state_out->typed_data();
   float* op_ = o->typed_data();
-  const float* yp = yb.typed_data();
-  const float* bp = b.typed_data();
-  const float* ap = a.typed_data();
-  const float* alp = A_log.typed_data();
-  const float* dtp = dt_bias.typed_data();
+  const DeltaInputs in{yb.typed_data(), b.typed_data(), a.typed_data(), A_log.typed_data(),
+                       dt_bias.typed_data(), C, nk, nv, dk, dv, baro::inv_sqrt_scale(dk)};
   const int64_t ratio = nv / nk;
-  const float scale = baro::inv_sqrt_scale(dk);
-  const float l2eps = 1e-6f;
 
   for (int64_t i = n_valid; i < m; ++i)
     std::fill(op_ + i * nv * dv, op_ + (i + 1) * nv * dv, 0.0f);
@@ -95,19 +119,10 @@ ffi::Error DeltaImpl(ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
       const int64_t kh = j / ratio;
       float* S = S_all + j * dk * dv;
       for (int64_t i = 0; i < n_valid; ++i) {
-        const float* yr = yp + i * C;
-        const float* qs = yr + kh * dk;
-        const float* ks = yr + nk * dk + kh * dk;
-        const float* vs = yr + 2 * nk * dk + j * dv;
-        const float rq = 1.0f / std::sqrt(baro::dot(qs, qs, dk) + l2eps);
-        const float rk = 1.0f / std::sqrt(baro::dot(ks, ks, dk) + l2eps);
-        for (int64_t d = 0; d < dk; ++d) {
-          q[d] = (qs[d] * rq) * scale;
-          k[d] = ks[d] * rk;
-        }
-        const float beta = baro::sigmoid(bp[i * nv + j]);
-        const float g = -std::exp(alp[j]) * baro::softplus(ap[i * nv + j] + dtp[j]);
-        const float e = std::exp(g);
+        const DeltaRow r = delta_row(in, i, j, kh, q.data(), k.data());
+        const float* vs = r.v;
+        const float beta = r.beta;
+        const float e = std::exp(r.g);
         for (int64_t t = 0; t < dk * dv; ++t) S[t] = S[t] * e;
         for (int64_t d = 0; d < dv; ++d) {
           kv[d] = baro::dot(S + d, dv, k.data(), 1, dk);
@@ -227,14 +242,9 @@ ffi::Error DeltaBlockedImpl(ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
   baro::copy_if_not_aliased(pu, pu_out);
   baro::copy_if_not_aliased(pc, pc_out);
   float* op_ = o->typed_data();
-  const float* yp = yb.typed_data();
-  const float* bp = b.typed_data();
-  const float* ap = a.typed_data();
-  const float* alp = A_log.typed_data();
-  const float* dtp = dt_bias.typed_data();
+  const DeltaInputs in{yb.typed_data(), b.typed_data(), a.typed_data(), A_log.typed_data(),
+                       dt_bias.typed_data(), C, nk, nv, dk, dv, baro::inv_sqrt_scale(dk)};
   const int64_t ratio = nv / nk;
-  const float scale = baro::inv_sqrt_scale(dk);
-  const float l2eps = 1e-6f;
 
   for (int64_t i = n_valid; i < m; ++i)
     std::fill(op_ + i * nv * dv, op_ + (i + 1) * nv * dv, 0.0f);
@@ -248,20 +258,8 @@ ffi::Error DeltaBlockedImpl(ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
       const BlockHead h{s0_out->typed_data() + j * dk * dv, pk_out->typed_data() + j * B * dk,
                         pu_out->typed_data() + j * B * dv, pc_out->typed_data() + j * B};
       for (int64_t i = 0; i < n_valid; ++i) {
-        const float* yr = yp + i * C;
-        const float* qs = yr + kh * dk;
-        const float* ks = yr + nk * dk + kh * dk;
-        const float* vs = yr + 2 * nk * dk + j * dv;
-        // q, k, beta, g exactly as baro_delta forms them.
-        const float rq = 1.0f / std::sqrt(baro::dot(qs, qs, dk) + l2eps);
-        const float rk = 1.0f / std::sqrt(baro::dot(ks, ks, dk) + l2eps);
-        for (int64_t d = 0; d < dk; ++d) {
-          q[d] = (qs[d] * rq) * scale;
-          k[d] = ks[d] * rk;
-        }
-        const float beta = baro::sigmoid(bp[i * nv + j]);
-        const float g = -std::exp(alp[j]) * baro::softplus(ap[i * nv + j] + dtp[j]);
-        blocked_row(h, (pos + i) % B, B, dk, dv, q.data(), k.data(), vs, beta, g,
+        const DeltaRow r = delta_row(in, i, j, kh, q.data(), k.data());  // baro_delta's q, k, beta, g
+        blocked_row(h, (pos + i) % B, B, dk, dv, q.data(), k.data(), r.v, r.beta, r.g,
                     op_ + i * nv * dv + j * dv, sc);
       }
     }

@@ -56,6 +56,25 @@ struct GemmParams {
   int out2 = 0;       // 2-element (8-byte fp32 / 4-byte bf16) stores allowed
 };
 
+// Columns c and c + 1 of an output row (dst points at column c): one 8-byte (fp32) or
+// 4-byte (bf16) store when pair stores are allowed and both are inside nc, else each alone.
+BARO_DEV void store_pair(float* dst, float v0, float v1, int c, int nc, bool out2) {
+  if (out2 && c + 1 < nc) {
+    *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+  } else {
+    if (c < nc) dst[0] = v0;
+    if (c + 1 < nc) dst[1] = v1;
+  }
+}
+BARO_DEV void store_pair(uint16_t* dst, uint16_t v0, uint16_t v1, int c, int nc, bool out2) {
+  if (out2 && c + 1 < nc) {
+    *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(v0) | (static_cast<uint32_t>(v1) << 16);
+  } else {
+    if (c < nc) dst[0] = v0;
+    if (c + 1 < nc) dst[1] = v1;
+  }
+}
+
 // ===========================================================================
 // Simple synchronous kernel
 // ===========================================================================
@@ -421,28 +440,14 @@ __global__ void __launch_bounds__(kPipeThreads, (PipeCfg<BM, BN, WM, WN, STAGES,
           const int c = (wn * NT / 2 + q) * 8 + 2 * t;
           const float g0 = acc[a][2 * q][2 * h], g1 = acc[a][2 * q][2 * h + 1];
           const float u0 = acc[a][2 * q + 1][2 * h], u1 = acc[a][2 * q + 1][2 * h + 1];
-          const uint16_t v0 = f32_to_bf16(siluf_(g0) * u0);
-          const uint16_t v1 = f32_to_bf16(siluf_(g1) * u1);
-          uint16_t* dst = p.Act + orow + c0 + c;
-          if (out2 && c + 1 < nc) {
-            *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(v0) | (static_cast<uint32_t>(v1) << 16);
-          } else {
-            if (c < nc) dst[0] = v0;
-            if (c + 1 < nc) dst[1] = v1;
-          }
+          store_pair(p.Act + orow + c0 + c, f32_to_bf16(siluf_(g0) * u0), f32_to_bf16(siluf_(g1) * u1), c, nc,
+                     out2);
         }
       } else {
 #pragma unroll
         for (int b = 0; b < NT; ++b) {
           const int c = wn * Cfg::kWarpN + b * 8 + 2 * t;
-          const float v0 = acc[a][b][2 * h], v1 = acc[a][b][2 * h + 1];
-          float* dst = p.C + orow + c0 + c;
-          if (out2 && c + 1 < nc) {
-            *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
-          } else {
-            if (c < nc) dst[0] = v0;
-            if (c + 1 < nc) dst[1] = v1;
-          }
+          store_pair(p.C + orow + c0 + c, acc[a][b][2 * h], acc[a][b][2 * h + 1], c, nc, out2);
         }
       }
     }

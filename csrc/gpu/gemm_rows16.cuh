@@ -183,26 +183,11 @@ __global__ void __launch_bounds__(kRows16Threads) gemm_rows16_kernel(GemmParams 
     const int r = g + 8 * e;
     if (r >= rc) continue;
     const int64_t orow = (r0 + r) * p.ldc;
-    if (SWIGLU) {
-      const uint16_t v0 = f32_to_bf16(siluf_(acc[0][2 * e]) * acc[1][2 * e]);
-      const uint16_t v1 = f32_to_bf16(siluf_(acc[0][2 * e + 1]) * acc[1][2 * e + 1]);
-      uint16_t* dst = p.Act + orow + c0 + c;
-      if (out2 && c + 1 < nc) {
-        *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(v0) | (static_cast<uint32_t>(v1) << 16);
-      } else {
-        if (c < nc) dst[0] = v0;
-        if (c + 1 < nc) dst[1] = v1;
-      }
-    } else {
-      float* dst = p.C + orow + c0 + c;
-      const float v0 = acc[0][2 * e], v1 = acc[0][2 * e + 1];
-      if (out2 && c + 1 < nc) {
-        *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
-      } else {
-        if (c < nc) dst[0] = v0;
-        if (c + 1 < nc) dst[1] = v1;
-      }
-    }
+    if (SWIGLU)
+      store_pair(p.Act + orow + c0 + c, f32_to_bf16(siluf_(acc[0][2 * e]) * acc[1][2 * e]),
+                 f32_to_bf16(siluf_(acc[0][2 * e + 1]) * acc[1][2 * e + 1]), c, nc, out2);
+    else
+      store_pair(p.C + orow + c0 + c, acc[0][2 * e], acc[0][2 * e + 1], c, nc, out2);
   }
 }
 

@@ -112,35 +112,33 @@ static gpuError_t allow_smem(Kernel kernel, int bytes, std::atomic<uint64_t>& do
   return e;
 }
 
-template <int BM, int BN, int WM, int WN, bool SWIGLU>
-static gpuError_t launch_pipe(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
-  using Cfg = PipeCfg<BM, BN, WM, WN, kPipeStages, SWIGLU>;
-  auto kernel = gemm_pipe_kernel<BM, BN, WM, WN, kPipeStages, SWIGLU>;
+// Grid (row slots, output-column tiles) of one dynamic-smem kernel. Kernel is a template
+// argument, so each kernel has its own opt-in flag (see allow_smem).
+template <typename Cfg, auto Kernel, int kThreads, bool SWIGLU>
+static gpuError_t launch_tiled(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t n_tiles = (out_n + Cfg::kOutCols - 1) / Cfg::kOutCols;
   if (n_tiles > 65535 || row_slots > 0x7fffffffLL) return gpuErrorInvalidValue;
   static std::atomic<uint64_t> smem_done{0};
-  gpuError_t e = allow_smem(kernel, Cfg::kSmemBytes, smem_done);
+  gpuError_t e = allow_smem(Kernel, Cfg::kSmemBytes, smem_done);
   if (e != gpuSuccess) return e;
   dim3 grid(static_cast<unsigned>(row_slots), static_cast<unsigned>(n_tiles));
-  kernel<<<grid, kPipeThreads, Cfg::kSmemBytes, stream>>>(p);
+  Kernel<<<grid, kThreads, Cfg::kSmemBytes, stream>>>(p);
   return gpuGetLastError();
+}
+
+template <int BM, int BN, int WM, int WN, bool SWIGLU>
+static gpuError_t launch_pipe(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
+  return launch_tiled<PipeCfg<BM, BN, WM, WN, kPipeStages, SWIGLU>,
+                      gemm_pipe_kernel<BM, BN, WM, WN, kPipeStages, SWIGLU>, kPipeThreads, SWIGLU>(
+      p, row_slots, stream);
 }
 
 // The decode-shaped kernel (gemm_rows16.cuh) for 16-row slots with 16-byte loads.
 template <bool SWIGLU>
 static gpuError_t launch_rows16(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
-  using Cfg = Rows16Cfg<SWIGLU>;
-  auto kernel = gemm_rows16_kernel<SWIGLU>;
-  const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
-  const int64_t n_tiles = (out_n + Cfg::kOutCols - 1) / Cfg::kOutCols;
-  if (n_tiles > 65535 || row_slots > 0x7fffffffLL) return gpuErrorInvalidValue;
-  static std::atomic<uint64_t> smem_done{0};
-  gpuError_t e = allow_smem(kernel, Cfg::kSmemBytes, smem_done);
-  if (e != gpuSuccess) return e;
-  dim3 grid(static_cast<unsigned>(row_slots), static_cast<unsigned>(n_tiles));
-  kernel<<<grid, kRows16Threads, Cfg::kSmemBytes, stream>>>(p);
-  return gpuGetLastError();
+  return launch_tiled<Rows16Cfg<SWIGLU>, gemm_rows16_kernel<SWIGLU>, kRows16Threads, SWIGLU>(p, row_slots,
+                                                                                             stream);
 }
 #endif
 

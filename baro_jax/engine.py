@@ -594,34 +594,24 @@ def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloa
     if backend == "ordered" and dt != jnp.bfloat16:
         raise ValueError("the 'ordered' backend runs bfloat16 only; use --dtype bfloat16 or --backend xla")
     get_ops(backend)  # fail early and plainly if the backend is unavailable
-    if devices is not None:
-        devices = checks.as_int("devices (--devices)", devices, lo=1)
-        n_dev = len(jax.devices())
-        if devices > n_dev:
-            raise ValueError(f"devices (--devices) {devices}: this host has {n_dev} {jax.devices()[0].platform} "
-                             f"device(s)")
-        if mode != "resident":
-            raise ValueError(f"devices (--devices) {devices}: expert parallel runs in resident mode, not {mode!r}")
-        if backend != "ordered" or variant:
-            raise ValueError(f"devices (--devices) {devices}: expert parallel runs the ordered kernels; "
-                             f"got backend {backend!r}" + (f" with variant {variant!r}" if variant else ""))
+    mesh = None
+    if devices is not None:  # refused here, before any weight is read or drawn
+        from .expert_parallel import check_request, make_mesh
+
+        devices = check_request(devices, mode, backend, variant)
+        mesh = make_mesh(devices)
     if model == "tiny":  # the embedded default: a trained checkpoint, loaded like any other
         model = TINY_CHECKPOINT
     from . import staging
-
-    mesh = None
-    if devices is not None:
-        from .expert_parallel import make_mesh
-
-        mesh = make_mesh(devices)
 
     def check(cfg):  # before any weight is read or drawn
         if mode == "tier":
             budget.check_tier(cfg, dt, device_budget_gb, min(MIN_STATE_LEN, cfg.max_context))
         else:
-            if devices is not None and cfg.num_experts % devices:
-                raise ValueError(f"devices (--devices) {devices} must divide the number of routed experts "
-                                 f"E={cfg.num_experts}")
+            if devices is not None:
+                from .expert_parallel import check_divisible
+
+                check_divisible(cfg.num_experts, devices)
             budget.check_resident(cfg, dt, device_budget_gb, devices=devices or 1)
 
     from .config import check_delta_rule

@@ -33,16 +33,30 @@ AXIS = "e"
 EXPERT_KEYS = ("gate_up", "down")
 
 
-def make_mesh(n: int) -> Mesh:
+def check_request(n, mode: str, backend: str, variant: str | None = None) -> int:
+    """n as an int, or a clear error: a device count this host has, resident mode, the ordered
+    kernels (load() and shard_engine() both ask)."""
+    from .checks import as_int
+
+    n = as_int("devices (--devices)", n, lo=1)
     devs = jax.devices()
-    if not 1 <= n <= len(devs):
-        raise ValueError(f"devices={n}: this host has {len(devs)} {devs[0].platform} device(s)")
-    return Mesh(devs[:n], (AXIS,))
+    if n > len(devs):
+        raise ValueError(f"devices (--devices) {n}: this host has {len(devs)} {devs[0].platform} device(s)")
+    if mode != "resident":
+        raise ValueError(f"devices (--devices) {n}: expert parallel runs in resident mode, not {mode!r}")
+    if backend != "ordered" or variant:
+        raise ValueError(f"devices (--devices) {n}: expert parallel runs the ordered kernels; "
+                         f"got backend {backend!r}" + (f" with variant {variant!r}" if variant else ""))
+    return n
+
+
+def make_mesh(n: int) -> Mesh:
+    return Mesh(jax.devices()[:n], (AXIS,))
 
 
 def check_divisible(num_experts: int, n: int):
     if num_experts % n:
-        raise ValueError(f"devices={n} must divide the number of routed experts E={num_experts}")
+        raise ValueError(f"devices (--devices) {n} must divide the number of routed experts E={num_experts}")
 
 
 def shard_params(params, mesh: Mesh):
@@ -133,11 +147,7 @@ def shard_engine(eng, n: int, mesh: Mesh | None = None):
     there stay) and run its MoE expert-parallel. What load(devices=n) does after building it."""
     from . import engine as E
 
-    if eng.mode != "resident":
-        raise ValueError(f"devices={n}: expert parallel is for resident mode (tier mode keeps experts in host memory)")
-    if eng.backend != "ordered":
-        raise ValueError(f"devices={n}: expert parallel runs the ordered kernels (backend='ordered'), "
-                         f"got backend {eng.backend!r}")
+    n = check_request(n, eng.mode, eng.backend, eng.variant)
     mesh = mesh if mesh is not None else make_mesh(n)
     eng.mesh = mesh
     eng.ops = ExpertParallelOps(eng.ops, mesh)

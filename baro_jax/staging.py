@@ -107,6 +107,11 @@ def split_layer(layer: dict):
             {k: moe[k] for k in EXPERT_KEYS})
 
 
+def layer_expert_bytes(layer: dict) -> int:
+    """Bytes of one layer's routed experts: what staging moves per layer and chunk pass."""
+    return sum(int(a.size) * a.dtype.itemsize for a in split_layer(layer)[1].values())
+
+
 # --- the per-layer forward --------------------------------------------------------
 def _layer(x, lp, experts, st, cos, sin, pos, n_valid, *, kind, cfg, ops):
     lp = {**lp, "moe": {**lp["moe"], **experts}}

@@ -35,6 +35,19 @@ def provenance() -> dict:
     }
 
 
+def same_bytes(a, b) -> bool:
+    """Two numpy arrays hold the same bytes (and the same dtype and shape)."""
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def host_leaves(state) -> list:
+    """Every leaf of a state pytree as a host numpy array, in tree order."""
+    import jax
+    import numpy as np
+
+    return [np.asarray(a) for a in jax.tree_util.tree_leaves(state)]
+
+
 def load_prompts(path: str, tokenizer) -> list[dict]:
     """JSONL of {"text": ...} or {"ids": [...]}; returns [{"name", "ids"}]."""
     out = []

@@ -161,7 +161,7 @@ def main(argv=None):
         key = "<2us" if gap < 2e3 else "2-10us" if gap < 1e4 else "10-100us" if gap < 1e5 else ">100us"
         buckets[key] += gap / 1e6 / n
     top_gaps = [{"us": g / 1e3, "after": a, "before": b} for g, a, b in sorted(gaps, reverse=True)[:12]]
-    print(f"[decode_profile] idle ms/step by gap size: " + ", ".join(f"{k} {v:.3f}" for k, v in buckets.items()))
+    print("[decode_profile] idle ms/step by gap size: " + ", ".join(f"{k} {v:.3f}" for k, v in buckets.items()))
     for tg in top_gaps[:6]:
         print(f"  gap {tg['us']:9.1f} us  after {tg['after']}  before {tg['before']}")
     print(f"[decode_profile] traced: {traced_s * 1e3 / n:.3f} ms/step wall, device busy {busy:.3f} ms/step, "

@@ -24,17 +24,14 @@ import sys
 import time
 
 import numpy as np
-import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import load_prompts, provenance, write_json  # noqa: E402
+from common import host_leaves, load_prompts, provenance, write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PROMPTS = os.path.join(HERE, "prompts", "identity.jsonl")
 
 
-def host_state(state):
-    return [np.asarray(a) for a in jax.tree_util.tree_leaves(state)]
 
 
 def state_names(cfg):
@@ -78,7 +75,7 @@ def digest(arm) -> str:
 def run_arm(eng, ids, mode, chunk, new_tokens):
     pre = eng.prefill(ids, mode, chunk, n_new=new_tokens)
     logits = np.asarray(pre.logits)
-    st = host_state(pre.state)
+    st = host_leaves(pre.state)
     toks = greedy_tokens(eng, pre.logits, pre.state, len(ids), new_tokens)
     return {"logits": logits, "state": st, "tokens": toks, "seconds": pre.seconds}
 

@@ -21,15 +21,7 @@ import numpy as np
 import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import provenance, write_json  # noqa: E402
-
-
-def host_leaves(state):
-    return [np.asarray(a) for a in jax.tree_util.tree_leaves(state)]
-
-
-def same(a, b) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+from common import host_leaves, provenance, same_bytes as same, write_json  # noqa: E402
 
 
 def peak_gb():

@@ -18,6 +18,23 @@ STYLE = {  # arm: (label, colour, marker, linestyle)
 }
 
 
+def _token_ticks(ax, xs):
+    ax.set_xticks(xs)
+    ax.set_xticklabels([f"{x // 1024}k" if x >= 1024 and x % 1024 == 0 else str(x) for x in xs])
+
+
+def _save(fig, ax, path: str) -> str:
+    import matplotlib.pyplot as plt
+
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def series(obj: dict) -> dict[str, list[tuple[int, float]]]:
     out: dict[str, list[tuple[int, float]]] = {}
     rows = obj.get("rows", [])
@@ -74,8 +91,7 @@ def plot(obj: dict, path: str) -> str:
     ax.set_ylabel("prefill tokens / s")
     xs = sorted({r["prompt_tokens"] for r in obj.get("rows", [])})
     if xs:
-        ax.set_xticks(xs)
-        ax.set_xticklabels([f"{x // 1024}k" if x >= 1024 and x % 1024 == 0 else str(x) for x in xs])
+        _token_ticks(ax, xs)
     peer = s.get("peer") or {}
     v = peer.get("versions") or {}
     sub = [f"{s.get('model', '?')} | {s.get('device', '?')} | commit {str(s.get('commit', '?'))[:10]} | "
@@ -87,13 +103,7 @@ def plot(obj: dict, path: str) -> str:
     if s.get("checks_pass") is not None:
         sub.append(f"identity checks (batch-ordered): {'PASS' if s['checks_pass'] else 'FAIL'}")
     ax.set_title("Prefill speed\n" + "\n".join(sub), fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path)
 
 
 def plot_decode(obj: dict, path: str) -> str | None:
@@ -114,20 +124,13 @@ def plot_decode(obj: dict, path: str) -> str | None:
     for x, y in pts:
         ax.annotate(f"{y:,.1f}", (x, y), textcoords="offset points", xytext=(4, 5), fontsize=7, color="tab:blue")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(xs)
-    ax.set_xticklabels([f"{x // 1024}k" if x >= 1024 and x % 1024 == 0 else str(x) for x in xs])
+    _token_ticks(ax, xs)
     ax.set_ylim(0, max(ys) * 1.2)
     ax.set_xlabel("context (prompt tokens before the decode steps)")
     ax.set_ylabel("decode tokens / s (batch 1)")
     ax.set_title(f"Decode speed\n{s.get('model', '?')} | {s.get('device', '?')} | commit "
                  f"{str(s.get('commit', '?'))[:10]} | {s.get('date', '')}", fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path)
 
 
 def main(argv=None) -> int:

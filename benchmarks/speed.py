@@ -39,7 +39,7 @@ import jax
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import provenance, write_json  # noqa: E402
+from common import provenance, same_bytes as same, write_json  # noqa: E402
 
 T0 = time.perf_counter()
 
@@ -106,9 +106,9 @@ def expert_copy_bound(eng, repeats=3):
 
     layers = eng.params["layers"]
     on_dev = staging.device_sharding(next(iter(eng.params["embed"].devices())))
-    total = sum(int(a.size) * a.dtype.itemsize for lp in layers for a in staging.split_layer(lp)[1].values())
+    total = sum(staging.layer_expert_bytes(lp) for lp in layers)
     one = staging.split_layer(layers[0])[1]
-    nbytes = sum(int(a.size) * a.dtype.itemsize for a in one.values())
+    nbytes = staging.layer_expert_bytes(layers[0])
     ts = []
     for _ in range(repeats + 1):
         t = time.perf_counter()
@@ -129,8 +129,6 @@ def replay_from(eng, ids, state, pos0):
     return logits, time.perf_counter() - t0
 
 
-def same(a, b) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 def run_peer(args, lengths) -> tuple[dict | None, dict]:

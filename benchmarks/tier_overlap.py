@@ -41,7 +41,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import baro_jax
-    from baro_jax import model as M
     from baro_jax import staging
 
     chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
@@ -51,7 +50,7 @@ def main(argv=None) -> int:
     layers = params["layers"]
     on_dev = staging.device_sharding(next(iter(params["embed"].devices())))
     kind = staging.host_memory_kind()
-    expert_bytes = [sum(int(a.size) * a.dtype.itemsize for a in staging.split_layer(lp)[1].values()) for lp in layers]
+    expert_bytes = [staging.layer_expert_bytes(lp) for lp in layers]
     rows = []
     ok = True
     for C in chunks:

@@ -3,7 +3,7 @@
 # tool's 600 s), then everything it wrote goes back as one archive ($OUT/results.tgz) plus the stage
 # log, since the tool returns at most 8 files. Usage on the device: bash benchmarks/device_call.sh build kernels
 set -u
-FINAL=${OUT:?OUT is the device tool's return folder}
+FINAL=${OUT:?set OUT to the return folder}
 WORK=/tmp/baro_call; rm -rf "$WORK"; mkdir -p "$WORK"
 OUT=$WORK timeout "${CALL_LIMIT_S:-570}" bash "$(dirname "$0")/run_gpu.sh" "$@"
 rc=$?

@@ -153,15 +153,16 @@ def greedy_steps(params, state, token, pos, n, rope, *, cfg: Config, ops, block:
     """Up to `block` greedy decode steps in one device graph: token at pos, then each step's
     argmax fed back, for n (traced, 1..block) steps. Each iteration is forward() on one row,
     the decode step's graph, so the bits are the per-token loop's. Returns (tokens [block],
-    state): tokens[i] is the argmax after step i (entries past n are -1)."""
+    last token, state): tokens[i] is the argmax after step i (entries past n are -1), last the
+    final one, a device scalar the next block starts from."""
     def body(i, carry):
         st, tok, toks = carry
         logits, st = M.forward(params, st, tok[None], pos + i, jnp.int32(1), rope, cfg=cfg, ops=ops)
         nxt = greedy(logits)
         return st, nxt, toks.at[i].set(nxt)
 
-    st, _, toks = jax.lax.fori_loop(0, n, body, (state, token, jnp.full((block,), -1, jnp.int32)))
-    return toks, st
+    st, last, toks = jax.lax.fori_loop(0, n, body, (state, token, jnp.full((block,), -1, jnp.int32)))
+    return toks, last, st
 
 
 # Module-level jits keyed on (cfg, ops): engines of the same model share compiled graphs.
@@ -308,24 +309,36 @@ class Engine:
         return out, state
 
     def _greedy_blocks(self, token: int, state, pos: int, n: int):
-        """Yields (tokens of one block, state after it) until n tokens (unchecked)."""
+        """Yields (tokens of one block, state) until n tokens (unchecked). Blocks run one ahead:
+        the next block is queued on the device, from the last token as a device scalar, before
+        this block's tokens are read back, so the device never waits on the host between blocks.
+        The state yielded is the newest one (after the block in flight; after the last block at
+        the end). A caller that stops early abandons at most one block of work."""
         if self.mode == "tier":  # tier decode stages experts from Python per layer: one step per call
             block = 1
         else:
             block = env_decode_block()
         done = 0
-        while done < n:
-            k = min(block, n - done)
-            if block == 1:
+        if block == 1:
+            while done < n:
                 logits, state = self._decode(token, state, pos + done)
-                toks = [int(greedy(logits))]
-            else:
-                dev, state = _GREEDY(self.params, state, jnp.int32(token), jnp.int32(pos + done), jnp.int32(k),
-                                     self.rope, cfg=self.cfg, ops=self.ops, block=block)
-                toks = [int(t) for t in np.asarray(dev)[:k]]
-            token = toks[-1]
-            done += k
-            yield toks, state
+                token = int(greedy(logits))
+                done += 1
+                yield [token], state
+            return
+        tok = jnp.int32(token)
+        pending = None  # (tokens on the device, how many are real) of the block in flight
+        while done < n or pending is not None:
+            queued = None
+            if done < n:
+                k = min(block, n - done)
+                dev, tok, state = _GREEDY(self.params, state, tok, jnp.int32(pos + done), jnp.int32(k),
+                                          self.rope, cfg=self.cfg, ops=self.ops, block=block)
+                queued = (dev, k)
+                done += k
+            if pending is not None:
+                yield [int(t) for t in np.asarray(pending[0])[:pending[1]]], state
+            pending = queued
 
     def prefill_chunk(self, ids: Sequence[int], state, pos: int, chunk: int):
         """Up to `chunk` tokens at pos.. in one call, padded to `chunk` rows. Donates the state

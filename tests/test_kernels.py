@@ -337,6 +337,35 @@ def test_matmul_tiles(platform, m, K, monkeypatch):
     assert_close(full, ref_matmul(x, w), 1e-5, f"matmul m={m} K={K} vs float64")
 
 
+# The one-row streaming kernel (gemm_row1.cuh, every m = 1 call with K % 16 == 0 on
+# CUDA) against gemm_rows16 (BARO_GEMM_ROW1=off) and against the row inside batched
+# calls (16-row and pipelined tiles). N = 1 (one unit), 40 (a partial 8-column unit),
+# 4801 (more units than the persistent grid's warps: each warp streams several);
+# K = 272 and 1040 end on a partial 256-wide stage; K = 2056 (K % 16 == 8) falls back
+# to gemm_rows16.
+@pytest.mark.parametrize("N,K", [(1, 2048), (40, 96), (264, 272), (4801, 1040), (40, 2056)])
+def test_matmul_row1(platform, N, K, monkeypatch):
+    rng = np.random.default_rng(1300 + N + K)
+    x, w = bf16(rng, 130, K), bf16(rng, N, K)
+    wd = put(platform, w)
+    run = jax.jit(lambda a, b: cc.matmul(a, b))
+    full = np.asarray(run(put(platform, x), wd))  # pipelined tiles
+    few = np.asarray(run(put(platform, x[:3]), wd))  # 16-row tiles
+    assert_same_bits(few, full[:3], f"matmul N={N} K={K} 3 rows vs 130")
+    for i in (0, 2):
+        for knob in (None, "off"):
+            if knob is None:
+                monkeypatch.delenv("BARO_GEMM_ROW1", raising=False)
+            else:
+                monkeypatch.setenv("BARO_GEMM_ROW1", knob)
+            poison(platform, (1, N))  # a fresh jit: the launcher reads the knob when the graph is built
+            one = np.asarray(jax.jit(lambda a, b: cc.matmul(a, b))(put(platform, x[i:i + 1]), wd))
+            assert np.all(np.isfinite(one)), f"matmul N={N} K={K} one row left elements unwritten"
+            assert_same_bits(one[0], full[i], f"matmul N={N} K={K} row {i} one-row call (ROW1={knob})")
+    monkeypatch.delenv("BARO_GEMM_ROW1", raising=False)
+    assert_close(full[:3], ref_matmul(x[:3], w), 1e-5, f"matmul N={N} K={K} vs float64")
+
+
 def test_matmul_errors(platform):
     rng = np.random.default_rng(1)
     x, w = put(platform, bf16(rng, 3, 8), bf16(rng, 5, 8))
@@ -1004,6 +1033,30 @@ def test_moe_tiles(platform, m, D, I, monkeypatch):
             assert_same_bits(one[0], full[m - 1], f"moe D={D} one row on the simple kernel")
     force_tile(monkeypatch, None)
     assert_close(full, ref_moe(h, *wts, k), 1e-3, f"moe m={m} D={D} vs float64")
+
+
+# One token through the MoE: every GEMM (router, grouped gate/up with the fused SwiGLU,
+# grouped down, shared expert, shared gate N = 1) on gemm_row1 when K % 16 == 0, against
+# BARO_GEMM_ROW1=off (gemm_rows16) and the token's row in a batched call. D = 256,
+# I = 80, Is = 48: every K a multiple of 16; Is = 40 puts the shared down (K = 40) on the
+# fallback. E = 256, top_k = 8 is the model's routing.
+@pytest.mark.parametrize("E,D,I,Is,k", [(8, 256, 80, 48, 2), (256, 256, 80, 40, 8)])
+def test_moe_row1(platform, E, D, I, Is, k, monkeypatch):
+    rng = np.random.default_rng(1400 + E + Is)
+    h = bf16(rng, 9, D)
+    wd = put(platform, *moe_weights_sized(rng, E, D, I, Is))
+    full = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h), *wd))
+    for i in (0, 8):
+        for knob in (None, "off"):
+            if knob is None:
+                monkeypatch.delenv("BARO_GEMM_ROW1", raising=False)
+            else:
+                monkeypatch.setenv("BARO_GEMM_ROW1", knob)
+            poison(platform, (1, D))  # a fresh jit: the launcher reads the knob when the graph is built
+            one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h[i:i + 1]), *wd))
+            assert np.all(np.isfinite(one)), f"moe E={E} one row left elements unwritten"
+            assert_same_bits(one[0], full[i], f"moe E={E} D={D} row {i} one-row call (ROW1={knob})")
+    monkeypatch.delenv("BARO_GEMM_ROW1", raising=False)
 
 
 @pytest.mark.parametrize("E", [512, 600])

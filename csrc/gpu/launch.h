@@ -16,13 +16,16 @@ namespace baro_gpu {
 // kSmall 16 x 32 and kLarge 64 x 64: the simple synchronous kernel (decode,
 // no 16-byte loads, HIP). kPipe64 64 x 128 and kPipe128 128 x 128: the
 // pipelined sm_80+ kernel (HIP runs them on the simple kernel). Every config
-// gives the same bits; the choice is speed only.
-enum class GemmConfig { kSmall, kLarge, kPipe64, kPipe128 };
+// gives the same bits; the choice is speed only. kRow1: one row per slot, the
+// streaming decode kernel (gemm_row1.cuh; CUDA, 16-byte loads, K % 16 == 0, else
+// kSmall runs).
+enum class GemmConfig { kSmall, kLarge, kPipe64, kPipe128, kRow1 };
 int gemm_bm(GemmConfig cfg);  // rows per slot / max rows per grouped tile
-// Plain matmul: small when m <= 16, else by m and N (env BARO_GEMM_TILE forces one).
+// Plain matmul: one row when m == 1, small when m <= 16, else by m and N (env
+// BARO_GEMM_TILE forces one for m > 1; BARO_GEMM_ROW1=off keeps m == 1 on kSmall).
 GemmConfig gemm_pick(int64_t m, int64_t N);
-// Grouped (MoE): by the average rows per group.
-GemmConfig gemm_pick_grouped(int64_t pairs, int64_t groups);
+// Grouped (MoE) over `rows` tokens: one row when rows == 1, else by the average rows per group.
+GemmConfig gemm_pick_grouped(int64_t pairs, int64_t groups, int64_t rows);
 // 16-byte loads possible (the pipelined kernel; otherwise the simple one runs).
 bool gemm_vec_ok(const GemmParams& p);
 // The config can run the fused SwiGLU epilogue (p.Act != nullptr) when gemm_vec_ok.

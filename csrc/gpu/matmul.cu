@@ -8,6 +8,7 @@
 #include "contract.h"
 #include "ffi_gpu.h"
 #include "gemm.cuh"
+#include "gemm_row1.cuh"
 #include "gemm_rows16.cuh"
 #include "launch.h"
 
@@ -26,6 +27,7 @@ int gemm_bm(GemmConfig cfg) {
     case GemmConfig::kLarge: return GemmLarge::BM;
     case GemmConfig::kPipe64: return 64;
     case GemmConfig::kPipe128: return 128;
+    case GemmConfig::kRow1: return 1;
   }
   return GemmLarge::BM;
 }
@@ -43,6 +45,25 @@ static bool forced_config(GemmConfig& cfg) {
   else if (!std::strcmp(s, "128")) cfg = GemmConfig::kPipe128;
   else return false;
   return true;
+}
+
+// Test knob: BARO_GEMM_SMALL=simple runs 16-row slots on the simple synchronous
+// kernel instead of gemm_rows16 (both give the same bits; tests compare them);
+// one-row calls then run there too.
+[[maybe_unused]] static bool small_simple() {
+  const char* s = std::getenv("BARO_GEMM_SMALL");
+  return s != nullptr && !std::strcmp(s, "simple");
+}
+
+// Test knob: BARO_GEMM_ROW1=off runs one-row calls on gemm_rows16 instead of
+// gemm_row1 (same bits; the tests compare the two). Read per call.
+static bool row1_enabled() {
+#if BARO_HIP
+  return false;
+#else
+  const char* s = std::getenv("BARO_GEMM_ROW1");
+  return !small_simple() && !(s != nullptr && !std::strcmp(s, "off"));
+#endif
 }
 
 static int sm_count() {
@@ -67,6 +88,7 @@ static int sm_count() {
 GemmConfig gemm_pick(int64_t m, int64_t N) {
   GemmConfig cfg;
   if (m > 1 && forced_config(cfg)) return cfg;
+  if (m == 1 && row1_enabled()) return GemmConfig::kRow1;
   if (m <= 16) return GemmConfig::kSmall;
   if (m <= 64) return GemmConfig::kPipe64;
   // 128-row tiles halve the weight traffic per row but need enough blocks to
@@ -75,9 +97,10 @@ GemmConfig gemm_pick(int64_t m, int64_t N) {
   return blocks128 >= sm_count() ? GemmConfig::kPipe128 : GemmConfig::kPipe64;
 }
 
-GemmConfig gemm_pick_grouped(int64_t pairs, int64_t groups) {
+GemmConfig gemm_pick_grouped(int64_t pairs, int64_t groups, int64_t rows) {
   GemmConfig cfg;
   if (pairs > 1 && forced_config(cfg)) return cfg;
+  if (rows == 1 && row1_enabled()) return GemmConfig::kRow1;  // one pair per expert
   // Rows per group decide: a tile of BM rows reads the group's weights once,
   // so BM near the typical group size minimises both re-reads and padding.
   const int64_t avg = groups > 0 ? pairs / groups : pairs;
@@ -86,12 +109,6 @@ GemmConfig gemm_pick_grouped(int64_t pairs, int64_t groups) {
   return GemmConfig::kPipe128;
 }
 
-// Test knob: BARO_GEMM_SMALL=simple runs 16-row slots on the simple synchronous
-// kernel instead of gemm_rows16 (both give the same bits; tests compare them).
-[[maybe_unused]] static bool small_simple() {
-  const char* s = std::getenv("BARO_GEMM_SMALL");
-  return s != nullptr && !std::strcmp(s, "simple");
-}
 
 static bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
 
@@ -134,6 +151,22 @@ static gpuError_t launch_pipe(const GemmParams& p, int64_t row_slots, gpuStream_
       p, row_slots, stream);
 }
 
+// The one-row streaming kernel (gemm_row1.cuh): a persistent grid of one-warp blocks,
+// kRow1BlocksPerSM per SM, or fewer when there are fewer 8-column units.
+template <bool SWIGLU>
+static gpuError_t launch_row1(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
+  using Cfg = Row1Cfg<SWIGLU>;
+  const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
+  const int64_t units = row_slots * ((out_n + 7) / 8);
+  const int64_t cap = static_cast<int64_t>(kRow1BlocksPerSM) * sm_count();
+  const int64_t grid = units < cap ? units : cap;
+  static std::atomic<uint64_t> smem_done{0};
+  gpuError_t e = allow_smem(gemm_row1_kernel<SWIGLU>, Cfg::kSmemBytes, smem_done);
+  if (e != gpuSuccess) return e;
+  gemm_row1_kernel<SWIGLU><<<static_cast<unsigned>(grid), BARO_WARP, Cfg::kSmemBytes, stream>>>(p, row_slots);
+  return gpuGetLastError();
+}
+
 // The decode-shaped kernel (gemm_rows16.cuh) for 16-row slots with 16-byte loads.
 template <bool SWIGLU>
 static gpuError_t launch_rows16(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
@@ -147,7 +180,7 @@ bool gemm_fused_swiglu_ok(GemmConfig cfg) {
   (void)cfg;
   return false;
 #else
-  return cfg == GemmConfig::kPipe64 || cfg == GemmConfig::kPipe128 ||
+  return cfg == GemmConfig::kPipe64 || cfg == GemmConfig::kPipe128 || cfg == GemmConfig::kRow1 ||
          (cfg == GemmConfig::kSmall && !small_simple());
 #endif
 }
@@ -162,6 +195,16 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
               ? 1
               : 0;
   p.out2 = swiglu ? (p.ldc % 2 == 0 && aligned(p.Act, 4)) : (p.ldc % 2 == 0 && aligned(p.C, 8));
+  if (cfg == GemmConfig::kRow1) {
+#if !BARO_HIP
+    if (p.vec && p.K % 16 == 0)
+      return swiglu ? launch_row1<true>(p, row_slots, stream) : launch_row1<false>(p, row_slots, stream);
+#endif
+    // the 16-row kernel instead: grouped tiles of one row fit its slots; plain rows regroup
+    cfg = GemmConfig::kSmall;
+    p.slot_rows = gemm_bm(cfg);
+    if (p.tiles == nullptr) row_slots = (p.M + p.slot_rows - 1) / p.slot_rows;
+  }
 #if BARO_HIP
   if (cfg != GemmConfig::kSmall) cfg = GemmConfig::kLarge;  // slot_rows stays: sub-tiles
 #else

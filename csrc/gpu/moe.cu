@@ -31,7 +31,7 @@ constexpr int kGroupThreads = 256;
 constexpr int kScanThreads = 1024;     // moe_scan_kernel is a single block
 constexpr int kSortMaxE = kMoeMaxExperts;  // per-chunk counts live in shared memory
 constexpr int kElemThreads = 256;
-constexpr int kMinGroupBM = 16;        // smallest GEMM BM: sizes the tile list
+constexpr int kMinGroupBM = 16;        // smallest GEMM BM of m > 1 calls: sizes the tile list
 constexpr int kCombineAhead = 8;       // slots whose values moe_combine_kernel reads before it adds
 
 // probs[m][E] holds the logits on entry and the softmax probabilities after
@@ -436,7 +436,8 @@ struct MoeScratch {
   float* sgl;        // [m]
 };
 
-// Sizes the tile list for the smallest BM, so it holds any config's tiles.
+// Sizes the tile list for the smallest BM, so it holds any config's tiles (one-row
+// tiles only when m == 1: gemm_pick_grouped picks kRow1 for one token only).
 static int64_t moe_max_tiles(const MoeArgs& a, int bm) {
   const int64_t P = a.m * a.top_k;
   return P / bm + (a.E < P ? a.E : P) + 1;
@@ -468,7 +469,7 @@ static GemmParams moe_gate_up_params(const MoeArgs& a) {
 
 static MoePlan moe_plan(const MoeArgs& a) {
   MoePlan pl;
-  pl.cfg = gemm_pick_grouped(a.m * a.top_k, a.E);
+  pl.cfg = gemm_pick_grouped(a.m * a.top_k, a.E, a.m);
   pl.fused = gemm_fused_swiglu_ok(pl.cfg) && gemm_vec_ok(moe_gate_up_params(a));
   return pl;
 }
@@ -489,7 +490,7 @@ static size_t moe_layout(const MoeArgs& a, char* base, MoeScratch* s) {
   t.wts = reinterpret_cast<float*>(take(sizeof(float) * P));
   t.srow = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * P));
   t.inv = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * P));
-  t.tiles = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * 3 * moe_max_tiles(a, kMinGroupBM)));
+  t.tiles = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * 3 * moe_max_tiles(a, a.m == 1 ? 1 : kMinGroupBM)));
   t.n_tiles = reinterpret_cast<int32_t*>(take(sizeof(int32_t)));
   t.cnt = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * moe_chunks(a) * a.E));
   t.gu = pl.fused ? nullptr : reinterpret_cast<float*>(take(sizeof(float) * P * 2 * a.I));

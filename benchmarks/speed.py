@@ -305,11 +305,18 @@ def main(argv=None) -> int:
             results.append({"prompt_tokens": n, "skipped": f"past --deadline-s {args.deadline_s}",
                             **({"peer-hf": peer_rows[n]} if n in peer_rows else {})})
             continue
+        asked = n
+        if n + args.decode_tokens > max_ctx:  # decode at the model's full context: the prompt leaves room
+            n = max_ctx - args.decode_tokens
+            log(f"n={asked}: prompt of {n} tokens, so that {args.decode_tokens} decode tokens end at the "
+                f"context of {max_ctx}")
         ids = prompt_ids(n, vocab, args.seed)
         L = state_length(n + args.decode_tokens, max_ctx)
         e0 = next(iter(engines.values()))
         chunks_n = list(dict.fromkeys(e0.pick_chunk(n, args.decode_tokens) if c == "auto" else c for c in chunks))
         row = {"prompt_tokens": n, "state_len": L, "chunks": chunks_n}
+        if asked != n:
+            row["length_asked"] = asked
         replay_logits = None
         if "replay-ordered" in arms:
             if n > args.replay_max:
@@ -419,8 +426,8 @@ def main(argv=None) -> int:
                 r = {"chunk": xc, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
                 log(f"n={n:>6} {'batch-xla':>15}: FAILED {r['error']}")
             row["batch-xla"] = r
-        if n in peer_rows:
-            row["peer-hf"] = peer_rows[n]
+        if asked in peer_rows:
+            row["peer-hf"] = peer_rows[asked]
         elif peer is not None or peer_run:
             row["peer-hf"] = {"missing": (peer or {}).get("summary", {}).get("error", "no peer row at this length")}
         bo, ro, ph = row.get("batch-ordered", {}), row.get("replay-ordered", {}), row.get("peer-hf", {})

@@ -1,18 +1,19 @@
 // baro_jax GPU (CUDA only): the one-row GEMM of decode. Every slot holds one row
 // (a dense m = 1 call, or a grouped MoE call of one token: one pair per expert), so
-// the whole cost is streaming W once. gemm_rows16 ran 12.6 us per GEMM on average
-// in a decode step (2.5 TB/s on the largest, 1 TB/s on N = 2048): a block there is
-// 32 output columns, so N = 2048 had 64 blocks for 132 SMs, and each block's copy
-// ring was shallow for its K. Here:
-//   - a block is one warp and owns units of 8 output columns (SwiGLU: 8 gate and
-//     the matching 8 up columns), taken round-robin over the persistent grid, so
-//     every SM streams, whatever N is;
-//   - the warp's ring is deep (about 52 KB, 4 blocks per SM) and keeps streaming
-//     across its units: the next unit's first stages are in flight while the
-//     current one finishes;
-//   - each stage is one bulk copy (cp.async.bulk, the copy engine) per W row of
-//     BK elements, completing on the stage's mbarrier, so a few instructions
-//     keep ~200 KB per SM in flight.
+// the cost is streaming W once. gemm_rows16 ran 12.6 us per GEMM on average in a
+// decode step (2.5 TB/s on the largest, 1 TB/s on N = 2048: 64 blocks of 32 columns
+// for 132 SMs). Here:
+//   - a block is one warp and owns units of NT n-tiles (8 output columns each;
+//     SwiGLU: and the matching NT up tiles), taken round-robin over a persistent
+//     grid, so every SM streams whatever N is;
+//   - its ring (about 75 KB, 3 blocks per SM) keeps streaming across its units;
+//     each stage is one bulk copy (cp.async.bulk, the copy engine) per W row of a
+//     kchunk-wide piece, completing on the stage's mbarrier;
+//   - a warp runs NT (SwiGLU 2 NT) accumulator chains side by side, and issues a
+//     group's shared-memory loads before its mmas: an accumulator advances one
+//     k-step per mma latency, so the chains in flight per SM set the speed. The
+//     first version (one chain, loads between mmas, 512-byte copies) was slower
+//     than gemm_rows16 (16.1 vs 12.6 us per GEMM on the H200).
 //
 // Order: each output element is one fp32 accumulator fragment of
 // mma.sync.m16n8k16 walking K in ascending 16-wide steps, no split-K: gemm.cuh's
@@ -33,20 +34,28 @@
 #if !BARO_HIP
 namespace baro_gpu {
 
-constexpr int kRow1BK = 256;                  // k per stage: 16 mma k-steps
-constexpr int kRow1RowBytes = kRow1BK * 2 + 16;  // smem W row stride: 528 B, ldmatrix conflict-free
-constexpr int kRow1BlocksPerSM = 4;
+constexpr int kRow1MaxStages = 16;
+constexpr int kRow1BarBytes = 8 * kRow1MaxStages;  // the mbarriers, then the ring (128 B: aligned)
+constexpr int kRow1BlocksPerSM = 3;
+// A stage's piece of each W row is kchunk elements; its smem row stride is kchunk * 2 + 16
+// bytes (the 16 spread the 8 rows of an ldmatrix phase over distinct banks).
+__host__ __device__ constexpr int row1_row_bytes(int kchunk) { return kchunk * 2 + 16; }
 
-template <bool SWIGLU>
+// NT: n-tiles (8 output columns each) per unit; a SwiGLU unit also holds the NT matching up
+// tiles. Each n-tile is its own fp32 accumulator chain, so a warp runs 2 NT (SwiGLU) or NT
+// mma chains side by side.
+template <bool SWIGLU, int NT>
 struct Row1Cfg {
-  static constexpr int NT = SWIGLU ? 2 : 1;  // n-tiles (independent accumulators) per unit
-  static constexpr int kWRows = NT * 8;      // W rows per unit
-  static constexpr int kStageBytes = kWRows * kRow1RowBytes + kRow1BK * 2;  // W rows, then the A row
-  static constexpr int kStages = SWIGLU ? 6 : 11;                           // ~52 KB per block
-  static constexpr int kBarBytes = (8 * kStages + 127) & ~127;  // mbarriers, then the ring
-  static constexpr int kSmemBytes = kBarBytes + kStages * kStageBytes;
-  static_assert(kWRows + 1 <= BARO_WARP, "one copy lane per W row plus one for A");
-  static_assert(kStageBytes % 16 == 0 && kRow1RowBytes % 16 == 0, "bulk copies land 16-byte aligned");
+  static constexpr int kTiles = SWIGLU ? 2 * NT : NT;  // accumulators per lane
+  static constexpr int kWRows = 8 * kTiles;             // W rows per unit
+  static constexpr int kOutCols = 8 * NT;               // output columns per unit
+};
+
+// Runtime shape of the ring, chosen by the launcher (matmul.cu launch_row1).
+struct Row1Ring {
+  int kchunk;       // k elements per stage (a multiple of 128)
+  int stages;       // ring slots, 2..kRow1MaxStages
+  int stage_bytes;  // W rows then the A row
 };
 
 // ---- mbarrier + bulk copy (sm_90) ----
@@ -78,28 +87,30 @@ BARO_DEV void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t 
 // reads of a stage) before its later async-proxy ones (the bulk copy refilling it).
 BARO_DEV void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// Units: u = slot * tiles_per_slot + tile, tile = 8 output columns. Block b takes
-// units b, b + grid, ... of the slots that exist (*p.n_tiles for grouped calls).
-template <bool SWIGLU>
-__global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int64_t row_slots) {
-  using Cfg = Row1Cfg<SWIGLU>;
-  constexpr int ST = Cfg::kStages;
+// Units: u = slot * units_per_slot + i, unit i = output columns [8 NT i, 8 NT (i + 1)).
+// Block b takes units b, b + grid, ... of the slots that exist (*p.n_tiles when grouped).
+template <bool SWIGLU, int NT>
+__global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int64_t row_slots, Row1Ring ring) {
+  using Cfg = Row1Cfg<SWIGLU, NT>;
+  constexpr int T = Cfg::kTiles;
   extern __shared__ __align__(128) uint8_t row1_smem[];
 
   const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
-  const int64_t tps = (out_n + 7) / 8;  // units per slot
+  const int64_t ups = (out_n + Cfg::kOutCols - 1) / Cfg::kOutCols;  // units per slot
   const int64_t slots = p.tiles != nullptr ? static_cast<int64_t>(*p.n_tiles) : row_slots;
-  const int64_t units = slots * tps;
+  const int64_t units = slots * ups;
   const int64_t first = blockIdx.x, step = gridDim.x;
   if (first >= units) return;
   const int64_t my_units = (units - first + step - 1) / step;
   const int64_t K = p.K;
-  const int n_k = static_cast<int>((K + kRow1BK - 1) / kRow1BK);
+  const int kchunk = ring.kchunk, ST = ring.stages;
+  const int rowb = row1_row_bytes(kchunk);
+  const int n_k = static_cast<int>((K + kchunk - 1) / kchunk);
   const int64_t total = my_units * n_k;  // stages this warp streams
 
   const uint32_t bar0 = smem_u32(row1_smem);
-  const uint32_t stage0 = bar0 + Cfg::kBarBytes;
+  const uint32_t stage0 = bar0 + kRow1BarBytes;
   if (lane == 0)
     for (int s = 0; s < ST; ++s) mbar_init(bar0 + 8 * s, 1);
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -110,48 +121,50 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
     const uint16_t* a;  // the slot's A row
     const uint16_t* w;  // the group's W
     int64_t c0, row;    // first output column, output row
-    int nc;             // valid output columns of the unit (1..8)
+    int nc;             // valid output columns of the unit (1..8 NT)
   };
   auto unit = [&](int64_t j) {
     Unit r;
     const int64_t u = first + j * step;
-    const int64_t slot = u / tps;
-    r.c0 = (u - slot * tps) * 8;
+    const int64_t slot = u / ups;
+    r.c0 = (u - slot * ups) * Cfg::kOutCols;
     int64_t group = 0, r0 = 0, rc = 0;
     gemm_slot(p, slot, group, r0, rc);  // rc == 1: slot < slots, slot_rows == 1
     const int64_t ar = p.a_rows != nullptr ? static_cast<int64_t>(p.a_rows[r0]) : r0;
     r.a = p.A + ar * p.lda;
     r.w = p.W + group * p.w_group_stride;
     r.row = r0;
-    r.nc = out_n - r.c0 < 8 ? static_cast<int>(out_n - r.c0) : 8;
+    r.nc = out_n - r.c0 < Cfg::kOutCols ? static_cast<int>(out_n - r.c0) : Cfg::kOutCols;
     return r;
   };
 
-  // Stage s of the flat (unit, k-stage) stream into ring slot s % ST: lane i < kWRows
-  // copies W row i's BK-wide piece (rows of columns past out_n are not copied: their
-  // accumulators are never stored, and a column never mixes into another), lane kWRows
-  // the A row's piece. Lane 0 arms the barrier with the byte count first.
+  // Stage s of the flat (unit, k-stage) stream into ring slot s % ST: smem row i < kWRows
+  // gets W row i's kchunk-wide piece (rows of columns past out_n are not copied: their
+  // accumulators are never stored, and a column never mixes into another), row kWRows the
+  // A row's piece. Lane 0 arms the barrier with the byte count first.
   int64_t pj = 0;
   int pkt = 0;
   Unit pu = unit(0);
   auto issue = [&](int64_t s) {
     const int slot = static_cast<int>(s % ST);
     const uint32_t bar = bar0 + 8 * slot;
-    const uint32_t dst = stage0 + slot * Cfg::kStageBytes;
-    const int64_t k0 = static_cast<int64_t>(pkt) * kRow1BK;
-    const uint32_t kb = static_cast<uint32_t>((K - k0 < kRow1BK ? K - k0 : kRow1BK) * 2);
-    const int rows = SWIGLU ? 2 * pu.nc : pu.nc;
-    if (lane == 0) mbar_expect_tx(bar, kb * static_cast<uint32_t>(rows + 1));
+    const uint32_t dst = stage0 + slot * ring.stage_bytes;
+    const int64_t k0 = static_cast<int64_t>(pkt) * kchunk;
+    const uint32_t kb = static_cast<uint32_t>((K - k0 < kchunk ? K - k0 : kchunk) * 2);
+    const int live = SWIGLU ? 2 * pu.nc : pu.nc;  // W rows copied (the nc gate and nc up rows)
+    if (lane == 0) mbar_expect_tx(bar, kb * static_cast<uint32_t>(live + 1));
     __syncwarp();
     fence_proxy_async();
-    if (lane < Cfg::kWRows) {
-      const int col = SWIGLU ? (lane & 7) : lane;
-      if (col < pu.nc) {
-        const int64_t wrow = (SWIGLU && lane >= 8 ? p.swiglu_I : 0) + pu.c0 + col;
-        bulk_copy(dst + lane * kRow1RowBytes, pu.w + wrow * p.ldw + k0, kb, bar);
+    for (int r = lane; r <= Cfg::kWRows; r += BARO_WARP) {
+      if (r == Cfg::kWRows) {
+        bulk_copy(dst + Cfg::kWRows * rowb, pu.a + k0, kb, bar);
+      } else {
+        const int col = SWIGLU ? (r % Cfg::kOutCols) : r;  // output column of the row, from c0
+        if (col < pu.nc) {
+          const int64_t wrow = (SWIGLU && r >= Cfg::kOutCols ? p.swiglu_I : 0) + pu.c0 + col;
+          bulk_copy(dst + r * rowb, pu.w + wrow * p.ldw + k0, kb, bar);
+        }
       }
-    } else if (lane == Cfg::kWRows) {
-      bulk_copy(dst + Cfg::kWRows * kRow1RowBytes, pu.a + k0, kb, bar);
     }
     if (++pkt == n_k) {
       pkt = 0;
@@ -164,8 +177,8 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
 
   // B x4 of one n-tile: matrices (n 0-7, k 0-7), (k 8-15), (k 16-23), (k 24-31) = the B
   // fragments of two k-steps; lane l gives row l & 7, 16-byte chunk l >> 3.
-  const uint32_t b_lane = static_cast<uint32_t>((lane & 7) * kRow1RowBytes + (lane >> 3) * 16);
-  float acc[Cfg::NT][4];
+  const uint32_t b_lane = static_cast<uint32_t>((lane & 7) * rowb + (lane >> 3) * 16);
+  float acc[T][4];
   int64_t cj = 0;
   int ckt = 0;
   Unit cu = unit(0);
@@ -174,36 +187,40 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
     mbar_wait(bar0 + 8 * slot, static_cast<uint32_t>((s / ST) & 1));
     if (ckt == 0) {
 #pragma unroll
-      for (int b = 0; b < Cfg::NT; ++b)
+      for (int b = 0; b < T; ++b)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[b][i] = 0.0f;
     }
-    const uint32_t base = stage0 + slot * Cfg::kStageBytes;
-    const uint16_t* a_s = reinterpret_cast<const uint16_t*>(row1_smem + (base - bar0)) +
-                          Cfg::kWRows * kRow1RowBytes / 2;
-    const int64_t k0 = static_cast<int64_t>(ckt) * kRow1BK;
-    const int steps = static_cast<int>((K - k0 < kRow1BK ? K - k0 : kRow1BK) / 16);  // K % 16 == 0
+    const uint32_t base = stage0 + slot * ring.stage_bytes;
+    const uint16_t* a_s =
+        reinterpret_cast<const uint16_t*>(row1_smem + (base - bar0) + Cfg::kWRows * rowb);
+    const int64_t k0 = static_cast<int64_t>(ckt) * kchunk;
+    const int steps = static_cast<int>((K - k0 < kchunk ? K - k0 : kchunk) / 16);  // K % 16 == 0
+    // Groups of 8 k-steps: every load of the group is issued before its first mma, so the
+    // shared-memory latency is paid once per group and the T chains run back to back.
+    for (int k8 = 0; k8 < steps; k8 += 8) {
+      FragB fb[T][8];
 #pragma unroll
-    for (int kk2 = 0; kk2 < kRow1BK / 32; ++kk2) {  // pairs of k-steps
-      if (2 * kk2 < steps) {
-        FragB fb[Cfg::NT][2];
+      for (int h = 0; h < 4; ++h)
 #pragma unroll
-        for (int b = 0; b < Cfg::NT; ++b)
-          ldsm_x4(base + b * 8 * kRow1RowBytes + b_lane + kk2 * 64, fb[b][0].r[0], fb[b][0].r[1],
-                  fb[b][1].r[0], fb[b][1].r[1]);
+        for (int b = 0; b < T; ++b)
+          ldsm_x4(base + b * 8 * rowb + b_lane + (k8 + 2 * h) * 32, fb[b][2 * h].r[0], fb[b][2 * h].r[1],
+                  fb[b][2 * h + 1].r[0], fb[b][2 * h + 1].r[1]);
+      // load_a's words of a tile whose row 0 is the slot's row and rows 1..15 are zero
+      FragA fa[8];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (2 * kk2 + h < steps) {
-            // load_a's words of a tile whose row 0 is the slot's row and rows 1..15 are zero
-            const int k = kk2 * 32 + h * 16 + 2 * t;
-            FragA fa;
-            fa.r[0] = g == 0 ? lds32(a_s + k) : 0u;
-            fa.r[1] = 0u;
-            fa.r[2] = g == 0 ? lds32(a_s + k + 8) : 0u;
-            fa.r[3] = 0u;
+      for (int j = 0; j < 8; ++j) {
+        const int k = (k8 + j) * 16 + 2 * t;
+        fa[j].r[0] = g == 0 ? lds32(a_s + k) : 0u;
+        fa[j].r[1] = 0u;
+        fa[j].r[2] = g == 0 ? lds32(a_s + k + 8) : 0u;
+        fa[j].r[3] = 0u;
+      }
 #pragma unroll
-            for (int b = 0; b < Cfg::NT; ++b) mma_16816(acc[b], fa, fb[b][h]);
-          }
+      for (int j = 0; j < 8; ++j) {
+        if (k8 + j < steps) {  // uniform: steps past K are skipped
+#pragma unroll
+          for (int b = 0; b < T; ++b) mma_16816(acc[b], fa[j], fb[b][j]);
         }
       }
     }
@@ -212,14 +229,17 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
     if (++ckt == n_k) {  // unit done: row 0 lives in lanes 0..3 (g == 0), columns 2t, 2t + 1
       ckt = 0;
       if (g == 0) {
-        const int c = 2 * t;
         const bool out2 = p.out2 != 0;
-        const int64_t orow = cu.row * p.ldc + cu.c0 + c;
-        if (SWIGLU)
-          store_pair(p.Act + orow, f32_to_bf16(siluf_(acc[0][0]) * acc[1][0]),
-                     f32_to_bf16(siluf_(acc[0][1]) * acc[1][1]), c, cu.nc, out2);
-        else
-          store_pair(p.C + orow, acc[0][0], acc[0][1], c, cu.nc, out2);
+#pragma unroll
+        for (int b = 0; b < NT; ++b) {
+          const int c = 8 * b + 2 * t;
+          const int64_t orow = cu.row * p.ldc + cu.c0 + c;
+          if (SWIGLU)
+            store_pair(p.Act + orow, f32_to_bf16(siluf_(acc[b][0]) * acc[NT + b][0]),
+                       f32_to_bf16(siluf_(acc[b][1]) * acc[NT + b][1]), c, cu.nc, out2);
+          else
+            store_pair(p.C + orow, acc[b][0], acc[b][1], c, cu.nc, out2);
+        }
       }
       if (++cj < my_units) cu = unit(cj);
     }

@@ -152,19 +152,44 @@ static gpuError_t launch_pipe(const GemmParams& p, int64_t row_slots, gpuStream_
 }
 
 // The one-row streaming kernel (gemm_row1.cuh): a persistent grid of one-warp blocks,
-// kRow1BlocksPerSM per SM, or fewer when there are fewer 8-column units.
+// kRow1BlocksPerSM per SM (fewer when there are fewer units). A warp's mma chains run one
+// k-step per mma latency, so throughput wants many chains per SM: units of 4 or 2 n-tiles
+// when there are enough of them to give every warp one, else one n-tile (small N: more
+// warps, one chain each). The ring: the largest k piece (<= 2048) of which two stages fit.
+template <bool SWIGLU, int NT>
+static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t grid, gpuStream_t stream) {
+  using Cfg = Row1Cfg<SWIGLU, NT>;
+  constexpr int kRingBytes = 233472 / kRow1BlocksPerSM - 1024 - kRow1BarBytes;  // SM smem / blocks
+  Row1Ring ring{2048, 0, 0};
+  const int64_t k16 = (p.K + 127) / 128 * 128;
+  while (ring.kchunk > 128 && ring.kchunk / 2 >= k16) ring.kchunk /= 2;  // no wider than K
+  for (;;) {
+    ring.stage_bytes = Cfg::kWRows * row1_row_bytes(ring.kchunk) + 2 * ring.kchunk;
+    ring.stages = kRingBytes / ring.stage_bytes;
+    if (ring.stages >= 2 || ring.kchunk == 128) break;
+    ring.kchunk /= 2;
+  }
+  if (ring.stages > kRow1MaxStages) ring.stages = kRow1MaxStages;
+  if (ring.stages < 2) return gpuErrorInvalidValue;
+  const int smem = kRow1BarBytes + ring.stages * ring.stage_bytes;
+  static std::atomic<uint64_t> smem_done{0};
+  gpuError_t e = allow_smem(gemm_row1_kernel<SWIGLU, NT>, kRow1BarBytes + kRingBytes, smem_done);
+  if (e != gpuSuccess) return e;
+  gemm_row1_kernel<SWIGLU, NT><<<static_cast<unsigned>(grid), BARO_WARP, smem, stream>>>(p, row_slots, ring);
+  return gpuGetLastError();
+}
+
 template <bool SWIGLU>
 static gpuError_t launch_row1(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
-  using Cfg = Row1Cfg<SWIGLU>;
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
-  const int64_t units = row_slots * ((out_n + 7) / 8);
-  const int64_t cap = static_cast<int64_t>(kRow1BlocksPerSM) * sm_count();
-  const int64_t grid = units < cap ? units : cap;
-  static std::atomic<uint64_t> smem_done{0};
-  gpuError_t e = allow_smem(gemm_row1_kernel<SWIGLU>, Cfg::kSmemBytes, smem_done);
-  if (e != gpuSuccess) return e;
-  gemm_row1_kernel<SWIGLU><<<static_cast<unsigned>(grid), BARO_WARP, Cfg::kSmemBytes, stream>>>(p, row_slots);
-  return gpuGetLastError();
+  const int64_t warps = static_cast<int64_t>(kRow1BlocksPerSM) * sm_count();
+  auto units = [&](int nt) { return row_slots * ((out_n + 8 * nt - 1) / (8 * nt)); };
+  auto grid = [&](int nt) { return units(nt) < warps ? units(nt) : warps; };
+  const int64_t enough = warps * 9 / 10;
+  if constexpr (!SWIGLU)
+    if (units(4) >= enough) return launch_row1_nt<SWIGLU, 4>(p, row_slots, grid(4), stream);
+  if (units(2) >= enough) return launch_row1_nt<SWIGLU, 2>(p, row_slots, grid(2), stream);
+  return launch_row1_nt<SWIGLU, 1>(p, row_slots, grid(1), stream);
 }
 
 // The decode-shaped kernel (gemm_rows16.cuh) for 16-row slots with 16-byte loads.

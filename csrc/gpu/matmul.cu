@@ -152,28 +152,49 @@ static gpuError_t launch_pipe(const GemmParams& p, int64_t row_slots, gpuStream_
 }
 
 // The one-row streaming kernel (gemm_row1.cuh): a persistent grid of one-warp blocks,
-// kRow1BlocksPerSM per SM (fewer when there are fewer units). A warp's mma chains run one
-// k-step per mma latency, so throughput wants many chains per SM: units of 4 or 2 n-tiles
-// when there are enough of them to give every warp one, else one n-tile (small N: more
-// warps, one chain each). The ring: the largest k piece (<= 2048) of which two stages fit.
+// `bps` per SM (fewer when there are fewer units). A warp's mma chains run one k-step per
+// mma latency, so throughput wants many chains per SM: units of 4 or 2 n-tiles when there
+// are enough of them to give every warp one, else one n-tile (small N: more warps, one
+// chain each). The ring: the largest k piece (<= kchunk_max) of which min_stages fit.
+// Speed knobs (same bits; read per call, for benchmarks/row1_sweep.py): BARO_ROW1_BPS,
+// BARO_ROW1_KCHUNK, BARO_ROW1_STAGES, BARO_ROW1_NT.
+struct Row1Plan {
+  int bps = kRow1BlocksPerSM, kchunk_max = 2048, min_stages = 2, nt = 0;  // nt 0: by units
+};
+static int env_int(const char* name, int dflt, int lo, int hi) {
+  const char* s = std::getenv(name);
+  if (s == nullptr || *s == '\0') return dflt;
+  const int v = std::atoi(s);
+  return v >= lo && v <= hi ? v : dflt;
+}
+static Row1Plan row1_plan() {
+  Row1Plan r;
+  r.bps = env_int("BARO_ROW1_BPS", r.bps, 1, 8);
+  r.kchunk_max = env_int("BARO_ROW1_KCHUNK", r.kchunk_max, 128, 4096) / 128 * 128;
+  r.min_stages = env_int("BARO_ROW1_STAGES", r.min_stages, 2, kRow1MaxStages);
+  r.nt = env_int("BARO_ROW1_NT", 0, 1, 4);
+  return r;
+}
+
 template <bool SWIGLU, int NT>
-static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t grid, gpuStream_t stream) {
+static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t grid, const Row1Plan& plan,
+                                 gpuStream_t stream) {
   using Cfg = Row1Cfg<SWIGLU, NT>;
-  constexpr int kRingBytes = 233472 / kRow1BlocksPerSM - 1024 - kRow1BarBytes;  // SM smem / blocks
-  Row1Ring ring{2048, 0, 0};
-  const int64_t k16 = (p.K + 127) / 128 * 128;
-  while (ring.kchunk > 128 && ring.kchunk / 2 >= k16) ring.kchunk /= 2;  // no wider than K
+  const int ring_bytes = 233472 / plan.bps - 1024 - kRow1BarBytes;  // an SM's smem over its blocks
+  Row1Ring ring{plan.kchunk_max, 0, 0};
+  const int64_t k128 = (p.K + 127) / 128 * 128;
+  while (ring.kchunk > 128 && ring.kchunk / 2 >= k128) ring.kchunk /= 2;  // no wider than K
   for (;;) {
     ring.stage_bytes = Cfg::kWRows * row1_row_bytes(ring.kchunk) + 2 * ring.kchunk;
-    ring.stages = kRingBytes / ring.stage_bytes;
-    if (ring.stages >= 2 || ring.kchunk == 128) break;
-    ring.kchunk /= 2;
+    ring.stages = ring_bytes / ring.stage_bytes;
+    if (ring.stages >= plan.min_stages || ring.kchunk <= 128) break;
+    ring.kchunk = ring.kchunk / 2 / 128 * 128 > 128 ? ring.kchunk / 2 / 128 * 128 : 128;
   }
   if (ring.stages > kRow1MaxStages) ring.stages = kRow1MaxStages;
   if (ring.stages < 2) return gpuErrorInvalidValue;
   const int smem = kRow1BarBytes + ring.stages * ring.stage_bytes;
   static std::atomic<uint64_t> smem_done{0};
-  gpuError_t e = allow_smem(gemm_row1_kernel<SWIGLU, NT>, kRow1BarBytes + kRingBytes, smem_done);
+  gpuError_t e = allow_smem(gemm_row1_kernel<SWIGLU, NT>, 233472 - 1024, smem_done);  // any bps
   if (e != gpuSuccess) return e;
   gemm_row1_kernel<SWIGLU, NT><<<static_cast<unsigned>(grid), BARO_WARP, smem, stream>>>(p, row_slots, ring);
   return gpuGetLastError();
@@ -181,15 +202,18 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
 
 template <bool SWIGLU>
 static gpuError_t launch_row1(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
+  const Row1Plan plan = row1_plan();
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
-  const int64_t warps = static_cast<int64_t>(kRow1BlocksPerSM) * sm_count();
+  const int64_t warps = static_cast<int64_t>(plan.bps) * sm_count();
   auto units = [&](int nt) { return row_slots * ((out_n + 8 * nt - 1) / (8 * nt)); };
   auto grid = [&](int nt) { return units(nt) < warps ? units(nt) : warps; };
   const int64_t enough = warps * 9 / 10;
+  int nt = plan.nt;
+  if (nt == 0) nt = !SWIGLU && units(4) >= enough ? 4 : units(2) >= enough ? 2 : 1;
   if constexpr (!SWIGLU)
-    if (units(4) >= enough) return launch_row1_nt<SWIGLU, 4>(p, row_slots, grid(4), stream);
-  if (units(2) >= enough) return launch_row1_nt<SWIGLU, 2>(p, row_slots, grid(2), stream);
-  return launch_row1_nt<SWIGLU, 1>(p, row_slots, grid(1), stream);
+    if (nt >= 4) return launch_row1_nt<SWIGLU, 4>(p, row_slots, grid(4), plan, stream);
+  if (nt >= 2) return launch_row1_nt<SWIGLU, 2>(p, row_slots, grid(2), plan, stream);
+  return launch_row1_nt<SWIGLU, 1>(p, row_slots, grid(1), plan, stream);
 }
 
 // The decode-shaped kernel (gemm_rows16.cuh) for 16-row slots with 16-byte loads.

@@ -1,22 +1,30 @@
 """Decode GEMM ring sweep (GPU): time the one-row GEMM (gemm_row1) at the decode shapes of
 Qwen3.5-35B-A3B under the launcher's speed knobs (BARO_ROW1_BPS, _KCHUNK, _STAGES, _NT; every
-setting gives the same bits, checked here too), and gemm_rows16 (BARO_GEMM_ROW1=off) beside.
+setting gives the same bits, checked here too), and gemm_rows16 (BARO_GEMM_ROW1=off) and the
+one-token MoE without its fold (BARO_MOE_FOLD=0) beside. BARO_ROW1_COPY=lsu moves the stages by
+16-byte cp.async per lane instead of the copy engine's bulk copies.
 
 Each timing is one jitted graph of 32 one-row calls on 32 different rows (so none is merged),
-median of 7 runs, divided by 32: it includes a small slice per call, the same for every arm.
+median of 7 runs, divided by 32 ("us": wall, with a slice and the launch gaps per call), and
+the same graphs once under jax.profiler ("kernel_us": our kernels' time per call, the sum over
+the call's kernels; the graphs are told apart by the host's wait between them).
 
     python benchmarks/row1_sweep.py --json row1_sweep_h200.json
 """
 import argparse
 import json
 import os
+import sys
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import provenance
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.common import provenance  # noqa: E402
+from benchmarks.decode_profile import read_trace  # noqa: E402
 
 import custom_calls as cc
 
@@ -27,14 +35,16 @@ DENSE = [("in_proj", 12352, 2048), ("out_proj", 2048, 4096), ("attn_qkv", 9216, 
          ("o_proj", 2048, 4096), ("router", 256, 2048), ("shared_gate", 1, 2048), ("shared_down", 2048, 512)]
 MOE = dict(E=256, D=2048, I=512, Is=512, k=8)
 
-ARMS = [("rows16", {"BARO_GEMM_ROW1": "off"}), ("row1 default", {}),
+ARMS = [("rows16", {"BARO_GEMM_ROW1": "off"}), ("row1 default", {}), ("no fold", {"BARO_MOE_FOLD": "0"}),
         ("nt1", {"BARO_ROW1_NT": "1"}), ("nt2", {"BARO_ROW1_NT": "2"})]
-for bps in (2, 3, 4):
-    for kc in (512, 2048):
-        for st in (2, 4):
-            ARMS.append((f"bps{bps} k{kc} s{st}", {"BARO_ROW1_BPS": str(bps), "BARO_ROW1_KCHUNK": str(kc),
-                                                     "BARO_ROW1_STAGES": str(st)}))
-KNOBS = ("BARO_GEMM_ROW1", "BARO_ROW1_BPS", "BARO_ROW1_KCHUNK", "BARO_ROW1_STAGES", "BARO_ROW1_NT")
+for copy in ("bulk", "lsu"):
+    for bps in (2, 3, 4):
+        for kc in (512, 2048):
+            for st in (2, 4):
+                ARMS.append((f"{copy} bps{bps} k{kc} s{st}", {"BARO_ROW1_COPY": copy, "BARO_ROW1_BPS": str(bps),
+                                                            "BARO_ROW1_KCHUNK": str(kc), "BARO_ROW1_STAGES": str(st)}))
+KNOBS = ("BARO_GEMM_ROW1", "BARO_ROW1_BPS", "BARO_ROW1_KCHUNK", "BARO_ROW1_STAGES", "BARO_ROW1_NT", "BARO_ROW1_COPY",
+         "BARO_MOE_FOLD")
 
 
 def bf16(rng, *shape, scale=0.05):
@@ -49,6 +59,29 @@ def timed(fn, *args):
         jax.block_until_ready(fn(*args))
         ts.append(time.perf_counter() - t)
     return float(np.median(ts)) / CALLS * 1e6, out
+
+
+def kernel_us(graphs):
+    """Our kernels' time per call in each of the graphs [(fn, args)], one profiler trace:
+    the graphs run one after another with a host wait between, so a gap of > 50 us between
+    consecutive kernels starts the next graph. None where the split does not come out right."""
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for fn, args in graphs:
+            jax.block_until_ready(fn(*args))
+            time.sleep(0.002)
+        jax.profiler.stop_trace()
+        kernels, _, _ = read_trace(d)
+    ours = sorted((s, e) for n, s, e in kernels if "baro_gpu" in n)
+    groups, last = [], None
+    for s, e in ours:
+        if last is None or s - last > 50_000:
+            groups.append(0)
+        groups[-1] += e - s
+        last = e
+    if len(groups) != len(graphs):
+        return [None] * len(graphs)
+    return [round(g / CALLS / 1e3, 2) for g in groups]
 
 
 def main():
@@ -69,8 +102,10 @@ def main():
             os.environ.pop(kn, None)
         os.environ.update(env)
         row = {"arm": arm, "env": env, "us": {}}
+        graphs = []
         for name, (xs, w) in dense.items():
             f = jax.jit(lambda xs, w: [cc.matmul(xs[i], w) for i in range(CALLS)])
+            graphs.append((f, (xs, w)))
             us, out = timed(f, xs, w)
             row["us"][name] = round(us, 2)
             got = np.asarray(jnp.stack(out)).tobytes()
@@ -79,6 +114,7 @@ def main():
                 row["same_bits"] = False
             ref.setdefault(name, got)
         f = jax.jit(lambda hs, *w: [cc.moe(hs[i], *w, top_k=k) for i in range(CALLS)])
+        graphs.append((f, (moe_h, *moe_w)))
         us, out = timed(f, moe_h, *moe_w)
         row["us"]["moe"] = round(us, 2)
         got = np.asarray(jnp.stack(out)).tobytes()
@@ -86,10 +122,20 @@ def main():
             row["same_bits"] = False
         ref.setdefault("moe", got)
         row["us"]["sum"] = round(sum(row["us"].values()), 2)
+        try:
+            ku = kernel_us(graphs)
+        except Exception as e:  # noqa: BLE001  (the wall times stand without the trace)
+            ku = [None] * len(graphs)
+            row["trace_error"] = f"{type(e).__name__}: {e}"[:200]
+        row["kernel_us"] = dict(zip(list(dense) + ["moe"], ku))
+        if all(v is not None for v in ku):
+            row["kernel_us"]["sum"] = round(sum(ku), 2)
         rows.append(row)
-        print(f"{arm:>20}: " + "  ".join(f"{n} {v:7.2f}" for n, v in row["us"].items()) +
+        print(f"{arm:>22}: " + "  ".join(f"{n} {v:7.2f}" for n, v in row["us"].items()) +
               ("" if row["same_bits"] else "  BITS DIFFER"), flush=True)
-        best = min(rows, key=lambda r: r["us"]["sum"])
+        print(f"{'kernels':>22}: " + "  ".join(f"{n} {v if v is None else f'{v:7.2f}'}"
+                                              for n, v in row["kernel_us"].items()), flush=True)
+        best = min(rows, key=lambda r: r["kernel_us"].get("sum") or r["us"]["sum"])
         with open(args.json, "w") as fh:  # after every arm: a cut run keeps the arms done
             json.dump({"summary": {**provenance(), "calls_per_graph": CALLS, "moe": MOE, "shapes": DENSE,
                                    "all_same_bits": all(r["same_bits"] for r in rows), "best": best["arm"]},

@@ -1039,24 +1039,31 @@ def test_moe_tiles(platform, m, D, I, monkeypatch):
 # grouped down, shared expert, shared gate N = 1) on gemm_row1 when K % 16 == 0, against
 # BARO_GEMM_ROW1=off (gemm_rows16) and the token's row in a batched call. D = 256,
 # I = 80, Is = 48: every K a multiple of 16; Is = 40 puts the shared down (K = 40) on the
-# fallback. E = 256, top_k = 8 is the model's routing.
-@pytest.mark.parametrize("E,D,I,Is,k", [(8, 256, 80, 48, 2), (256, 256, 80, 40, 8)])
+# fallback. E = 256, top_k = 8 is the model's routing. I == Is: the one-token fold (the
+# shared gate as the router's row E, the shared expert as one more grouped row, top-k and
+# grouping in one warp) against BARO_MOE_FOLD=0, the separate launches.
+KNOBS_ONE_ROW = [{}, {"BARO_GEMM_ROW1": "off"}, {"BARO_MOE_FOLD": "0"}]
+
+
+@pytest.mark.parametrize("E,D,I,Is,k", [(8, 256, 80, 48, 2), (256, 256, 80, 40, 8), (8, 256, 64, 64, 3),
+                                        (256, 256, 80, 80, 8)])
 def test_moe_row1(platform, E, D, I, Is, k, monkeypatch):
     rng = np.random.default_rng(1400 + E + Is)
     h = bf16(rng, 9, D)
     wd = put(platform, *moe_weights_sized(rng, E, D, I, Is))
     full = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h), *wd))
     for i in (0, 8):
-        for knob in (None, "off"):
-            if knob is None:
-                monkeypatch.delenv("BARO_GEMM_ROW1", raising=False)
-            else:
-                monkeypatch.setenv("BARO_GEMM_ROW1", knob)
+        for knobs in KNOBS_ONE_ROW:
+            for kn in ("BARO_GEMM_ROW1", "BARO_MOE_FOLD"):
+                monkeypatch.delenv(kn, raising=False)
+            for kn, v in knobs.items():
+                monkeypatch.setenv(kn, v)
             poison(platform, (1, D))  # a fresh jit: the launcher reads the knob when the graph is built
             one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h[i:i + 1]), *wd))
-            assert np.all(np.isfinite(one)), f"moe E={E} one row left elements unwritten"
-            assert_same_bits(one[0], full[i], f"moe E={E} D={D} row {i} one-row call (ROW1={knob})")
-    monkeypatch.delenv("BARO_GEMM_ROW1", raising=False)
+            assert np.all(np.isfinite(one)), f"moe E={E} one row left elements unwritten ({knobs})"
+            assert_same_bits(one[0], full[i], f"moe E={E} D={D} I={I} Is={Is} row {i} one-row call ({knobs})")
+    for kn in ("BARO_GEMM_ROW1", "BARO_MOE_FOLD"):
+        monkeypatch.delenv(kn, raising=False)
 
 
 @pytest.mark.parametrize("E", [512, 600])

@@ -22,7 +22,8 @@
 // fragments are ldmatrix of the W rows (== load_b_nk). So the row gets the bits
 // of the 16-row and 64/128-row tiles; the kernel tests compare them.
 //
-// Requires (launcher): p.vec, K % 16 == 0, slot_rows == 1.
+// Requires (launcher): p.vec, K % 16 == 0, slot_rows == 1. Reads p.W_tail / p.W_last
+// (gemm.cuh) where set: the one-token MoE's shared gate and shared expert.
 #pragma once
 
 #include <cstdint>
@@ -56,6 +57,7 @@ struct Row1Ring {
   int kchunk;       // k elements per stage (a multiple of 128)
   int stages;       // ring slots, 2..kRow1MaxStages
   int stage_bytes;  // W rows then the A row
+  int lsu;          // 1: 16-byte cp.async per lane (the load/store path) instead of bulk copies
 };
 
 // ---- mbarrier + bulk copy (sm_90) ----
@@ -82,6 +84,11 @@ BARO_DEV void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t 
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
       "l"(src), "r"(bytes), "r"(bar)
       : "memory");
+}
+// The stage's mbarrier counts this lane's arrival once its earlier cp.async copies have landed
+// (the barrier is initialised with one arrival per lane).
+BARO_DEV void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 // Orders this thread's earlier generic-proxy accesses of shared memory (the ldmatrix
 // reads of a stage) before its later async-proxy ones (the bulk copy refilling it).
@@ -112,7 +119,7 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
   const uint32_t bar0 = smem_u32(row1_smem);
   const uint32_t stage0 = bar0 + kRow1BarBytes;
   if (lane == 0)
-    for (int s = 0; s < ST; ++s) mbar_init(bar0 + 8 * s, 1);
+    for (int s = 0; s < ST; ++s) mbar_init(bar0 + 8 * s, ring.lsu ? BARO_WARP : 1);
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   __syncwarp();
 
@@ -132,7 +139,7 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
     gemm_slot(p, slot, group, r0, rc);  // rc == 1: slot < slots, slot_rows == 1
     const int64_t ar = p.a_rows != nullptr ? static_cast<int64_t>(p.a_rows[r0]) : r0;
     r.a = p.A + ar * p.lda;
-    r.w = p.W + group * p.w_group_stride;
+    r.w = p.W_last != nullptr && group == p.last_group ? p.W_last : p.W + group * p.w_group_stride;
     r.row = r0;
     r.nc = out_n - r.c0 < Cfg::kOutCols ? static_cast<int>(out_n - r.c0) : Cfg::kOutCols;
     return r;
@@ -152,19 +159,35 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
     const int64_t k0 = static_cast<int64_t>(pkt) * kchunk;
     const uint32_t kb = static_cast<uint32_t>((K - k0 < kchunk ? K - k0 : kchunk) * 2);
     const int live = SWIGLU ? 2 * pu.nc : pu.nc;  // W rows copied (the nc gate and nc up rows)
+    auto src_row = [&](int r) -> const uint16_t* {  // global start of smem row r's piece, or null
+      if (r == Cfg::kWRows) return pu.a + k0;
+      const int col = SWIGLU ? (r % Cfg::kOutCols) : r;  // output column of the row, from c0
+      if (col >= pu.nc) return nullptr;
+      const int64_t wrow = (SWIGLU && r >= Cfg::kOutCols ? p.swiglu_I : 0) + pu.c0 + col;
+      const uint16_t* w = p.W_tail != nullptr && wrow >= p.n_split ? p.W_tail + (wrow - p.n_split) * p.ldw
+                                                                   : pu.w + wrow * p.ldw;
+      return w + k0;
+    };
+    if (ring.lsu) {  // every lane copies 16-byte chunks of the stage's rows, then arrives
+      const int per_row = static_cast<int>(kb / 16);
+      for (int c = lane; c < (Cfg::kWRows + 1) * per_row; c += BARO_WARP) {
+        const int r = c / per_row, q = c - r * per_row;
+        const uint16_t* src = src_row(r);
+        if (src != nullptr) cp_async16(dst + r * rowb + 16 * q, src + 8 * q, true);
+      }
+      cp_async_arrive(bar);
+      if (++pkt == n_k) {
+        pkt = 0;
+        if (++pj < my_units) pu = unit(pj);
+      }
+      return;
+    }
     if (lane == 0) mbar_expect_tx(bar, kb * static_cast<uint32_t>(live + 1));
     __syncwarp();
     fence_proxy_async();
     for (int r = lane; r <= Cfg::kWRows; r += BARO_WARP) {
-      if (r == Cfg::kWRows) {
-        bulk_copy(dst + Cfg::kWRows * rowb, pu.a + k0, kb, bar);
-      } else {
-        const int col = SWIGLU ? (r % Cfg::kOutCols) : r;  // output column of the row, from c0
-        if (col < pu.nc) {
-          const int64_t wrow = (SWIGLU && r >= Cfg::kOutCols ? p.swiglu_I : 0) + pu.c0 + col;
-          bulk_copy(dst + r * rowb, pu.w + wrow * p.ldw + k0, kb, bar);
-        }
-      }
+      const uint16_t* src = src_row(r);
+      if (src != nullptr) bulk_copy(dst + r * rowb, src, kb, bar);
     }
     if (++pkt == n_k) {
       pkt = 0;

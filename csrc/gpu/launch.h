@@ -28,6 +28,9 @@ GemmConfig gemm_pick(int64_t m, int64_t N);
 GemmConfig gemm_pick_grouped(int64_t pairs, int64_t groups, int64_t rows);
 // 16-byte loads possible (the pipelined kernel; otherwise the simple one runs).
 bool gemm_vec_ok(const GemmParams& p);
+// kRow1 runs gemm_row1 on these operands (not its kSmall fallback): CUDA, the knob on,
+// 16-byte loads, K % 16 == 0. The only kernel that reads p.W_tail / p.W_last.
+bool gemm_row1_runs(const GemmParams& p);
 // The config can run the fused SwiGLU epilogue (p.Act != nullptr) when gemm_vec_ok.
 bool gemm_fused_swiglu_ok(GemmConfig cfg);
 // Enqueues the config's kernel over grid (row_slots, N tiles). Fills

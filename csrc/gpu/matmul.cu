@@ -157,9 +157,11 @@ static gpuError_t launch_pipe(const GemmParams& p, int64_t row_slots, gpuStream_
 // are enough of them to give every warp one, else one n-tile (small N: more warps, one
 // chain each). The ring: the largest k piece (<= kchunk_max) of which min_stages fit.
 // Speed knobs (same bits; read per call, for benchmarks/row1_sweep.py): BARO_ROW1_BPS,
-// BARO_ROW1_KCHUNK, BARO_ROW1_STAGES, BARO_ROW1_NT.
+// BARO_ROW1_KCHUNK, BARO_ROW1_STAGES, BARO_ROW1_NT, BARO_ROW1_COPY=lsu (16-byte cp.async
+// per lane instead of the copy engine's bulk copies).
 struct Row1Plan {
   int bps = kRow1BlocksPerSM, kchunk_max = 2048, min_stages = 2, nt = 0;  // nt 0: by units
+  int lsu = 0;
 };
 static int env_int(const char* name, int dflt, int lo, int hi) {
   const char* s = std::getenv(name);
@@ -173,6 +175,8 @@ static Row1Plan row1_plan() {
   r.kchunk_max = env_int("BARO_ROW1_KCHUNK", r.kchunk_max, 128, 4096) / 128 * 128;
   r.min_stages = env_int("BARO_ROW1_STAGES", r.min_stages, 2, kRow1MaxStages);
   r.nt = env_int("BARO_ROW1_NT", 0, 1, 4);
+  const char* c = std::getenv("BARO_ROW1_COPY");
+  r.lsu = c != nullptr && !std::strcmp(c, "lsu") ? 1 : 0;
   return r;
 }
 
@@ -181,7 +185,7 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
                                  gpuStream_t stream) {
   using Cfg = Row1Cfg<SWIGLU, NT>;
   const int ring_bytes = 233472 / plan.bps - 1024 - kRow1BarBytes;  // an SM's smem over its blocks
-  Row1Ring ring{plan.kchunk_max, 0, 0};
+  Row1Ring ring{plan.kchunk_max, 0, 0, plan.lsu};
   const int64_t k128 = (p.K + 127) / 128 * 128;
   while (ring.kchunk > 128 && ring.kchunk / 2 >= k128) ring.kchunk /= 2;  // no wider than K
   for (;;) {
@@ -234,9 +238,21 @@ bool gemm_fused_swiglu_ok(GemmConfig cfg) {
 #endif
 }
 
+bool gemm_row1_runs(const GemmParams& p) {
+#if BARO_HIP
+  (void)p;
+  return false;
+#else
+  return row1_enabled() && gemm_vec_ok(p) && p.K % 16 == 0;
+#endif
+}
+
 gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStream_t stream) {
   const bool swiglu = p.Act != nullptr;
   if (row_slots <= 0 || p.N <= 0) return gpuSuccess;  // nothing to compute
+  const bool split_w = p.W_tail != nullptr || p.W_last != nullptr;  // gemm_row1 alone reads them
+  if (split_w && (cfg != GemmConfig::kRow1 || !gemm_row1_runs(p) || (p.W_last != nullptr && p.last_group >= 0)))
+    return gpuErrorInvalidValue;
   if (swiglu && (!gemm_fused_swiglu_ok(cfg) || p.N != 2 * p.swiglu_I)) return gpuErrorInvalidValue;
   p.slot_rows = gemm_bm(cfg);
   p.vec = (p.K % 8 == 0 && p.lda % 8 == 0 && p.ldw % 8 == 0 && p.w_group_stride % 8 == 0 &&

@@ -14,6 +14,8 @@
 // Weights are read once per (expert tile, N tile): an expert used by r pairs
 // of the call is read ceil(r / BM) times, not once per token.
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <string>
 
@@ -39,14 +41,10 @@ constexpr int kCombineAhead = 8;       // slots whose values moe_combine_kernel 
 // (a decode row is latency-bound: one load wave instead of one per pass);
 // kPer = 0: any E, in memory. Both run the same arithmetic in the same order:
 // per lane e = lane, lane + 32, ... ascending, then the warp butterflies.
+// One row by one warp: p = the row's E logits, ids / wts = its k outputs.
 template <int kPer>
-__global__ void __launch_bounds__(kTopkWarps * BARO_WARP)
-    moe_topk_kernel(float* __restrict__ probs, int32_t* __restrict__ ids, float* __restrict__ wts,
-                    int64_t m, int E, int k) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kTopkWarps + warp_id();
-  if (row >= m) return;
-  const int lane = lane_id();
-  float* p = probs + row * E;  // lane l only ever touches p[l + 32q]
+BARO_DEV void topk_row(float* __restrict__ p, int32_t* __restrict__ ids, float* __restrict__ wts, int E, int k) {
+  const int lane = lane_id();  // lane l only ever touches p[l + 32q]
   constexpr int kR = kPer > 0 ? kPer : 1;
   float v[kR];
   if constexpr (kPer > 0) {
@@ -127,13 +125,13 @@ __global__ void __launch_bounds__(kTopkWarps * BARO_WARP)
       }
     }
     if (lane == 0) {
-      ids[row * k + s] = be;
-      wts[row * k + s] = bp;
+      ids[s] = be;
+      wts[s] = bp;
     }
     wsum = wsum + bp;
   }
   if (lane == 0)
-    for (int s = 0; s < k; ++s) wts[row * k + s] = wts[row * k + s] / wsum;
+    for (int s = 0; s < k; ++s) wts[s] = wts[s] / wsum;
   if constexpr (kPer > 0) {
 #pragma unroll
     for (int q = 0; q < kPer; ++q) {
@@ -141,6 +139,15 @@ __global__ void __launch_bounds__(kTopkWarps * BARO_WARP)
       if (e < E) p[e] = v[q];
     }
   }
+}
+
+template <int kPer>
+__global__ void __launch_bounds__(kTopkWarps * BARO_WARP)
+    moe_topk_kernel(float* __restrict__ probs, int32_t* __restrict__ ids, float* __restrict__ wts,
+                    int64_t m, int E, int k) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kTopkWarps + warp_id();
+  if (row >= m) return;
+  topk_row<kPer>(probs + row * E, ids + row * k, wts + row * k, E, k);
 }
 constexpr int kTopkRegPer = 16;  // E <= 512 in registers
 
@@ -329,6 +336,78 @@ __global__ void __launch_bounds__(kScanThreads)
   if (tid < BARO_WARP) group_place(sid, pos, P, 0, k, srow, inv);
 }
 
+// One token (m == 1, k <= 32, E <= 32 kTopkRegPer): top-k and grouping in one warp, one
+// launch instead of two (the grouping block's scan was 3.4 us of a decode layer). The same
+// top-k (topk_row) and the same result as moe_group_one_kernel: sorted position of pair s =
+// pairs of lower experts + earlier pairs of its own expert (stable by pair), tiles of <= bm
+// pairs per expert in expert order. fold_group < 0: one more tile (fold_group, k, 1) with
+// srow[k] = 0, the shared expert as a k+1-th row of the grouped GEMMs (launch_moe).
+__global__ void __launch_bounds__(BARO_WARP)
+    moe_route_one_kernel(float* __restrict__ probs, int32_t* __restrict__ ids, float* __restrict__ wts,
+                         int E, int k, int bm, int32_t* __restrict__ srow, int32_t* __restrict__ inv,
+                         int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles, int64_t max_tiles,
+                         const int32_t* __restrict__ slots, int S, int skip, int fold_group) {
+  topk_row<kTopkRegPer>(probs, ids, wts, E, k);
+  warp_sync();  // lane 0's ids are visible to the warp
+  const int lane = lane_id();
+  auto expert = [&](int j) { return clamp_expert(ids[j], E); };
+  auto tiled = [&](int e) { return !(skip && slots != nullptr && slots[e] < 0); };
+  auto first_of = [&](int j) {  // pair j is its expert's first pair
+    for (int i = 0; i < j; ++i)
+      if (expert(i) == expert(j)) return false;
+    return true;
+  };
+  auto count = [&](int e) {
+    int c = 0;
+    for (int j = 0; j < k; ++j) c += expert(j) == e;
+    return c;
+  };
+  auto tiles_below = [&](int e) {  // tiles of the experts below e
+    int64_t t = 0;
+    for (int j = 0; j < k; ++j) {
+      const int ej = expert(j);
+      if (ej < e && first_of(j) && tiled(ej)) t += (count(ej) + bm - 1) / bm;
+    }
+    return t;
+  };
+  if (lane < k) {
+    const int e = expert(lane);
+    int below = 0, before = 0;
+    for (int j = 0; j < k; ++j) {
+      const int ej = expert(j);
+      below += ej < e;
+      before += ej == e && j < lane;
+    }
+    const int at = below + before;
+    srow[at] = 0;
+    inv[lane] = at;
+    if (before == 0 && tiled(e)) {
+      const int c = count(e);
+      int64_t nt = tiles_below(e);
+      for (int st = 0; st < c; st += bm, ++nt) {
+        if (nt < max_tiles) {
+          tiles[3 * nt + 0] = weight_group(e, slots, S);
+          tiles[3 * nt + 1] = below + st;
+          tiles[3 * nt + 2] = c - st < bm ? c - st : bm;
+        }
+      }
+    }
+  }
+  if (lane == 0) {
+    int64_t nt = tiles_below(E);  // every tiled expert
+    if (fold_group < 0) {
+      if (nt < max_tiles) {
+        tiles[3 * nt + 0] = fold_group;
+        tiles[3 * nt + 1] = k;
+        tiles[3 * nt + 2] = 1;
+      }
+      srow[k] = 0;
+      ++nt;
+    }
+    *n_tiles = static_cast<int32_t>(nt < max_tiles ? nt : max_tiles);
+  }
+}
+
 // act[s][n] = bf16(silu(gu[s][n]) * gu[s][I + n])
 __global__ void __launch_bounds__(kElemThreads)
     swiglu_kernel(const float* __restrict__ gu, uint16_t* __restrict__ act, int64_t rows,
@@ -450,10 +529,16 @@ static int64_t moe_chunks(const MoeArgs& a) {
 // The grouped GEMM config, and whether gate/up runs with the fused SwiGLU
 // epilogue (then the fp32 gu buffer is not needed). Depends only on the
 // shapes and the operand pointers, so scratch sizing and launch agree.
+// fold (one token, I == Is, every GEMM on gemm_row1): the router and the shared gate in one
+// GEMM (N = E + 1), the shared expert as one more row of the grouped gate/up and down GEMMs,
+// top-k and grouping in one warp: 5 launches instead of 9, same bits (every output is the
+// same dot in the same order; only which launch computes it changes). BARO_MOE_FOLD=0: off.
 struct MoePlan {
   GemmConfig cfg;
   bool fused;
+  bool fold;
 };
+constexpr int32_t kSharedGroup = -2;  // the tile group of the folded shared expert (GemmParams::last_group)
 
 static GemmParams moe_gate_up_params(const MoeArgs& a) {
   GemmParams p;
@@ -467,10 +552,27 @@ static GemmParams moe_gate_up_params(const MoeArgs& a) {
   return p;
 }
 
+static bool fold_enabled() {
+  const char* s = std::getenv("BARO_MOE_FOLD");
+  return !(s != nullptr && !std::strcmp(s, "0"));
+}
+
+static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
 static MoePlan moe_plan(const MoeArgs& a) {
   MoePlan pl;
   pl.cfg = gemm_pick_grouped(a.m * a.top_k, a.E, a.m);
-  pl.fused = gemm_fused_swiglu_ok(pl.cfg) && gemm_vec_ok(moe_gate_up_params(a));
+  const GemmParams gu = moe_gate_up_params(a);
+  pl.fused = gemm_fused_swiglu_ok(pl.cfg) && gemm_vec_ok(gu);
+  GemmParams down = gu;  // the down GEMM's operand shape (its A is 256-byte aligned scratch)
+  down.lda = down.ldw = a.I;
+  down.K = a.I;
+  down.W = a.w_down;
+  down.w_group_stride = a.D * a.I;
+  pl.fold = a.m == 1 && pl.cfg == GemmConfig::kRow1 && pl.fused && a.I == a.Is && !a.skip_unslotted &&
+            a.top_k <= BARO_WARP && a.E <= BARO_WARP * kTopkRegPer && a.E < 0x7fffffff && fold_enabled() &&
+            gemm_row1_runs(gu) && gemm_row1_runs(down) && aligned16(a.router) && aligned16(a.s_gate) &&
+            aligned16(a.s_gate_up) && aligned16(a.s_down);
   return pl;
 }
 
@@ -485,7 +587,8 @@ static size_t moe_layout(const MoeArgs& a, char* base, MoeScratch* s) {
     return p;
   };
   MoeScratch t;
-  t.logits = reinterpret_cast<float*>(take(sizeof(float) * m * a.E));
+  const int64_t R = P + (pl.fold ? 1 : 0);  // grouped rows: the pairs, and the folded shared expert
+  t.logits = reinterpret_cast<float*>(take(sizeof(float) * (m * a.E + (pl.fold ? 1 : 0))));
   t.ids = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * P));
   t.wts = reinterpret_cast<float*>(take(sizeof(float) * P));
   t.srow = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * P));
@@ -494,8 +597,8 @@ static size_t moe_layout(const MoeArgs& a, char* base, MoeScratch* s) {
   t.n_tiles = reinterpret_cast<int32_t*>(take(sizeof(int32_t)));
   t.cnt = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * moe_chunks(a) * a.E));
   t.gu = pl.fused ? nullptr : reinterpret_cast<float*>(take(sizeof(float) * P * 2 * a.I));
-  t.act = reinterpret_cast<uint16_t*>(take(sizeof(uint16_t) * P * a.I));
-  t.ys = reinterpret_cast<float*>(take(sizeof(float) * P * a.D));
+  t.act = reinterpret_cast<uint16_t*>(take(sizeof(uint16_t) * R * a.I));
+  t.ys = reinterpret_cast<float*>(take(sizeof(float) * R * a.D));
   t.sgu = reinterpret_cast<float*>(take(sizeof(float) * m * 2 * a.Is));
   t.sact = reinterpret_cast<uint16_t*>(take(sizeof(uint16_t) * m * a.Is));
   t.sout = reinterpret_cast<float*>(take(sizeof(float) * m * a.D));
@@ -555,16 +658,37 @@ static gpuError_t shared_swiglu(const MoeArgs& a, const MoeScratch& s, gpuStream
 static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const MoePlan& pl,
                                  gpuStream_t stream) {
   const int64_t m = a.m, P = a.m * a.top_k, D = a.D, E = a.E, I = a.I;
-  // 1. router logits [m, E]
-  BARO_MOE_TRY(launch_matmul(a.h, a.router, s.logits, m, E, D, stream));
-  // 2. softmax + top-k per row
-  BARO_MOE_TRY(launch_topk(s.logits, s.ids, s.wts, m, static_cast<int>(E), a.top_k, stream));
-  // 3. group pairs by expert (tiles of bm pairs)
   const int bm = gemm_bm(pl.cfg);
   const int64_t max_tiles = moe_max_tiles(a, bm);
   const int64_t n_chunks = moe_chunks(a);
   if (n_chunks > 0x7fffffffLL) return gpuErrorInvalidValue;
   const size_t cnt_smem = sizeof(int32_t) * static_cast<size_t>(E);
+  if (pl.fold) {
+    // 1. router logits [E] and the shared gate's logit after them, one GEMM
+    GemmParams p;
+    p.A = a.h;
+    p.lda = D;
+    p.W = a.router;
+    p.ldw = D;
+    p.W_tail = a.s_gate;
+    p.n_split = E;
+    p.M = 1;
+    p.N = E + 1;
+    p.K = D;
+    p.C = s.logits;
+    p.ldc = E + 1;
+    BARO_MOE_TRY(launch_gemm(p, GemmConfig::kRow1, 1, stream));
+    // 2-3. top-k and grouping, the shared expert's tile last
+    moe_route_one_kernel<<<1, BARO_WARP, 0, stream>>>(s.logits, s.ids, s.wts, static_cast<int>(E), a.top_k, bm,
+                                                     s.srow, s.inv, s.tiles, s.n_tiles, max_tiles, a.slots,
+                                                     static_cast<int>(a.S), 0, kSharedGroup);
+    BARO_MOE_TRY(gpuGetLastError());
+  } else {
+  // 1. router logits [m, E]
+  BARO_MOE_TRY(launch_matmul(a.h, a.router, s.logits, m, E, D, stream));
+  // 2. softmax + top-k per row
+  BARO_MOE_TRY(launch_topk(s.logits, s.ids, s.wts, m, static_cast<int>(E), a.top_k, stream));
+  // 3. group pairs by expert (tiles of bm pairs)
   if (n_chunks == 1) {
     moe_group_one_kernel<<<1, kScanThreads, cnt_smem, stream>>>(
         s.ids, static_cast<int>(P), a.top_k, static_cast<int>(E), bm, s.srow, s.inv, s.tiles,
@@ -583,12 +707,17 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
         s.ids, P, a.top_k, static_cast<int>(E), s.cnt, s.srow, s.inv);
   }
   BARO_MOE_TRY(gpuGetLastError());
+  }
   // 4. grouped gate/up: act[pos] = swiglu(h[srow[pos]] . w_gate_up[e]^T)   [P, I]
   {
     GemmParams p = moe_gate_up_params(a);
     p.a_rows = s.srow;
     p.tiles = s.tiles;
     p.n_tiles = s.n_tiles;
+    if (pl.fold) {  // the shared expert's gate/up rows for the last tile
+      p.W_last = a.s_gate_up;
+      p.last_group = kSharedGroup;
+    }
     if (pl.fused) {
       p.Act = s.act;
       p.swiglu_I = I;
@@ -617,6 +746,10 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     p.ldc = D;
     p.tiles = s.tiles;
     p.n_tiles = s.n_tiles;
+    if (pl.fold) {
+      p.W_last = a.s_down;
+      p.last_group = kSharedGroup;
+    }
     BARO_MOE_TRY(launch_gemm(p, pl.cfg, max_tiles, stream));
   }
   return gpuSuccess;
@@ -654,8 +787,10 @@ gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream) {
   MoeScratch s;
   moe_layout(a, static_cast<char*>(scratch), &s);
   const MoePlan pl = moe_plan(a);
-  BARO_MOE_TRY(routed_experts(a, s, pl, stream));  // 1-5
-  BARO_MOE_TRY(shared_expert(a, s, stream));       // 6
+  BARO_MOE_TRY(routed_experts(a, s, pl, stream));  // 1-5 (fold: and 6)
+  if (pl.fold)  // the shared expert's output is grouped row P, its gate logit after the router's
+    return combine(a, s.ys, s.inv, s.wts, s.ys + a.top_k * a.D, s.logits + a.E, s.ids, stream);
+  BARO_MOE_TRY(shared_expert(a, s, stream));  // 6
   return combine(a, s.ys, s.inv, s.wts, s.sout, s.sgl, s.ids, stream);  // 7
 }
 

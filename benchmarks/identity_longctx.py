@@ -9,10 +9,17 @@ then replay (the decode step once per prompt token, the reference) runs, unless 
 decode rate says it would end after --deadline-s: then the length is recorded as skipped with
 that estimate (the reason a 10-minute device call cannot hold it). Every comparison is bytes.
 Peak device memory (memory_stats) is reported per length. Exit status 1 on any difference.
+
+A replay longer than one device call (128k tokens at today's decode rate) runs in two:
+    --replay-stop N --replay-save DIR    replays the first N tokens, saves the state to DIR, stops
+    --replay-resume DIR                  loads it, replays the rest, then compares as above
+(one length; the saved file records model, seed, length, state length and commit, and a
+resume that does not match them is refused). The machine keeps DIR only while it is warm.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -33,6 +40,37 @@ def peak_gb():
     return None if v is None else v / 1e9
 
 
+def save_replay(path, state, meta):
+    """The state's leaves as raw bytes with their dtypes and shapes, and meta, in one .npz."""
+    leaves = host_leaves(state)
+    meta = {**meta, "leaves": [{"dtype": str(a.dtype), "shape": list(a.shape)} for a in leaves]}
+    np.savez(path, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+             **{f"leaf{i}": np.frombuffer(a.tobytes(), np.uint8) for i, a in enumerate(leaves)})
+
+
+def load_replay(path, like, expect):
+    """The state saved by save_replay, on the devices of `like` (a fresh state of the same
+    shape), after checking that its meta matches `expect`; returns (state, meta)."""
+    import jax.numpy as jnp
+
+    with np.load(path) as f:
+        meta = json.loads(f["meta"].tobytes().decode())
+        for k, v in expect.items():
+            if meta.get(k) != v:
+                raise SystemExit(f"identity_longctx: {path} was saved with {k}={meta.get(k)!r}, this run has {v!r}")
+        ref, treedef = jax.tree_util.tree_flatten(like)
+        if len(meta["leaves"]) != len(ref):
+            raise SystemExit(f"identity_longctx: {path} holds {len(meta['leaves'])} state leaves, expected {len(ref)}")
+        leaves = []
+        for i, (info, r) in enumerate(zip(meta["leaves"], ref)):
+            a = np.frombuffer(f[f"leaf{i}"].tobytes(), jnp.dtype(info["dtype"])).reshape(info["shape"])
+            if a.shape != r.shape or a.dtype != r.dtype:
+                raise SystemExit(f"identity_longctx: {path} leaf {i} is {a.dtype}{list(a.shape)}, "
+                                 f"expected {r.dtype}{list(r.shape)}")
+            leaves.append(jax.device_put(a, r.sharding))
+    return jax.tree_util.tree_unflatten(treedef, leaves), meta
+
+
 def log(msg, t0=[time.perf_counter()]):
     print(f"[longctx {time.perf_counter() - t0[0]:7.1f}s] {msg}", flush=True)
 
@@ -46,11 +84,26 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline-s", type=float, default=540.0,
                     help="skip a replay that would end after this many seconds from the start")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replay-stop", type=int, default=None,
+                    help="replay only the first N tokens, save the state to --replay-save and stop")
+    ap.add_argument("--replay-save", default=None, help="directory for --replay-stop's state")
+    ap.add_argument("--replay-resume", default=None, help="directory of a --replay-stop run to continue")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    split = args.replay_stop is not None or args.replay_resume is not None
+    if (args.replay_stop is None) != (args.replay_save is None):
+        ap.error("--replay-stop and --replay-save go together")
+    if args.replay_stop is not None and args.replay_resume is not None:
+        ap.error("--replay-stop saves a first part, --replay-resume continues one: give one of them")
+    if split and len([x for x in args.lengths.split(",") if x.strip()]) != 1:
+        ap.error("a replay in two calls takes one --lengths value")
+    if args.replay_resume is not None:
+        n1 = int(args.lengths.split(",")[0])
+        if not os.path.isfile(os.path.join(args.replay_resume, f"replay_{n1}.npz")):
+            ap.error(f"--replay-resume: no replay_{n1}.npz in {args.replay_resume} (run --replay-stop first)")
 
     import baro_jax
-    from baro_jax.engine import state_length
+    from baro_jax.engine import PrefillResult, state_length
     from baro_jax.sampling import greedy
 
     T0 = time.perf_counter()
@@ -71,6 +124,27 @@ def main(argv=None) -> int:
         ids = [int(x) for x in np.random.default_rng(args.seed + n).integers(0, eng.cfg.vocab_size, n)]
         L = state_length(n + args.new_tokens, eng.cfg.max_context)
         row["state_length"] = L
+        meta = {"model": args.model, "seed": args.seed, "prompt_tokens": n, "state_length": L}
+        if args.replay_stop is not None:  # the first part of a two-call replay
+            stop = args.replay_stop
+            if not 1 <= stop < n:
+                raise SystemExit(f"identity_longctx: --replay-stop must be in 1..{n - 1}, got {stop}")
+            t = time.perf_counter()
+            st = eng.new_state(L)
+            for p_ in range(stop):
+                _, st = eng.decode_step(ids[p_], st, p_)
+                if (p_ + 1) % 8192 == 0:
+                    log(f"n={n} replay {p_ + 1}/{stop} (of {n})")
+            jax.block_until_ready(st)
+            rsecs = time.perf_counter() - t
+            os.makedirs(args.replay_save, exist_ok=True)
+            path = os.path.join(args.replay_save, f"replay_{n}.npz")
+            save_replay(path, st, {**meta, "replayed": stop, "seconds": rsecs, "commit": provenance().get("commit")})
+            log(f"n={n} replayed {stop} tokens in {rsecs:.1f}s ({stop / rsecs:.0f} tok/s); state saved to {path}")
+            summary = {**provenance(), "model": args.model, "lengths": lengths, "pass": None,
+                       "replay_part": {"replayed": stop, "of": n, "seconds": rsecs, "saved": path}}
+            write_json(args.json, {"summary": summary, "rows": [row]})
+            return 0
         batched = []
         for c in args.chunks.split(","):
             c = c.strip()
@@ -92,6 +166,9 @@ def main(argv=None) -> int:
         rate = 32 / (time.perf_counter() - t)
         del probe, st
         est = n / rate
+        if args.replay_resume is not None:  # only the part after the saved state is left to run
+            with np.load(os.path.join(args.replay_resume, f"replay_{n}.npz")) as f:
+                est = (n - json.loads(f["meta"].tobytes().decode())["replayed"]) / rate
         row["replay_rate_estimate_tok_s"] = rate
         left = args.deadline_s - (time.perf_counter() - T0)
         if est > left:
@@ -110,8 +187,25 @@ def main(argv=None) -> int:
                 log(f"n={n} replay {done}/{total}")
 
         t = time.perf_counter()
-        ref = eng.prefill(ids, "replay", state=eng.new_state(L), progress=progress)
-        rsecs = time.perf_counter() - t
+        if args.replay_resume is not None:  # the second part: continue the saved replay
+            path = os.path.join(args.replay_resume, f"replay_{n}.npz")
+            st, saved = load_replay(path, eng.new_state(L), meta)
+            start = saved["replayed"]
+            log(f"n={n} resuming the replay at {start} from {path} (first part {saved['seconds']:.0f}s, "
+                f"commit {saved.get('commit')})")
+            lg = None
+            for p_ in range(start, n):
+                lg, st = eng.decode_step(ids[p_], st, p_)
+                if (p_ + 1) % 8192 == 0:
+                    log(f"n={n} replay {p_ + 1}/{n}")
+            ref = PrefillResult(jax.block_until_ready(lg), st, time.perf_counter() - t, n)
+            prior = saved["seconds"]
+            row["replay_parts"] = {"first": {"tokens": start, "seconds": prior, "commit": saved.get("commit")},
+                                   "second": {"tokens": n - start}}
+        else:
+            ref = eng.prefill(ids, "replay", state=eng.new_state(L), progress=progress)
+            prior = 0.0
+        rsecs = time.perf_counter() - t + prior
         ref_state = host_leaves(ref.state)
         ref_logits = np.asarray(ref.logits)
         ref_tokens = greedy_after(ref, n)

@@ -44,10 +44,13 @@ stage_full() {
 # Long-context identity (issue 10): a 64k (then 128k) prompt, batched at the default chunk and 4096
 # vs replay, bytes of every state leaf, last logits, 32 greedy tokens; a replay that would end past
 # LONGCTX_DEADLINE_S is recorded as skipped with its estimate. $OUT/identity_longctx_h200.json.
+# 128k in two calls on a warm machine: LONGCTX_LENGTHS=131072 LONGCTX_ARGS="--replay-stop 65536
+# --replay-save /tmp/lc" for the first, LONGCTX_ARGS="--replay-resume /tmp/lc" for the second.
 stage_longctx() {
   timeout "${LONGCTX_TIMEOUT:-590}" python benchmarks/identity_longctx.py --model qwen3.5-35b-a3b \
     --lengths "${LONGCTX_LENGTHS:-65536,131072}" --chunks "${LONGCTX_CHUNKS:-default,4096}" --new-tokens 32 \
-    --deadline-s "${LONGCTX_DEADLINE_S:-540}" --json "$OUT/identity_longctx_h200.json" 2>&1 | tee "$OUT/longctx.log" | tail -14
+    --deadline-s "${LONGCTX_DEADLINE_S:-540}" ${LONGCTX_ARGS:-} --json "$OUT/identity_longctx_h200.json" 2>&1 \
+    | tee "$OUT/longctx.log" | tail -14
 }
 # Tier mode (issue 11) as a 24 GB card: a resident run writes replay digests (no limit), then under
 # XLA_PYTHON_CLIENT_MEM_FRACTION (TIER_MEM_FRACTION, 0.17) the tier identity gate (batched == replay,

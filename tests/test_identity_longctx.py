@@ -25,3 +25,27 @@ def test_longctx_script_passes_and_skips_past_deadline(tmp_path):
     res2 = json.loads(out2.read_text())
     assert rc2 == 1 and not res2["summary"]["pass"]  # nothing compared is not a pass
     assert res2["rows"][0]["replay"]["skipped"] and "needs" in res2["rows"][0]["replay"]["reason"]
+
+
+def test_longctx_replay_in_two_calls_matches(tmp_path):
+    """--replay-stop saves the replay's first part, --replay-resume finishes it and compares:
+    the same verdict and bytes as one call; a resume for another length is refused."""
+    part = tmp_path / "part"
+    first = tmp_path / "first.json"
+    rc = identity_longctx.main(["--model", "tiny", "--lengths", "150", "--chunks", "default,48", "--new-tokens", "4",
+                                "--replay-stop", "61", "--replay-save", str(part), "--json", str(first)])
+    res = json.loads(first.read_text())
+    assert rc == 0 and res["summary"]["pass"] is None and res["summary"]["replay_part"]["replayed"] == 61
+    assert (part / "replay_150.npz").is_file()
+    out = tmp_path / "second.json"
+    rc = identity_longctx.main(["--model", "tiny", "--lengths", "150", "--chunks", "default,48", "--new-tokens", "4",
+                                "--replay-resume", str(part), "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["summary"]["pass"] and res["summary"]["arms_compared"] == 2
+    row = res["rows"][0]
+    assert row["replay_parts"]["first"]["tokens"] == 61 and row["replay_parts"]["second"]["tokens"] == 89
+    assert all(a["identical"] and a["state_leaves_differing"] == 0 for a in row["arms"])
+    import pytest
+
+    with pytest.raises(SystemExit):  # no saved part for this length
+        identity_longctx.main(["--model", "tiny", "--lengths", "151", "--replay-resume", str(part)])

@@ -26,11 +26,14 @@ TARGETS = {
     "baro_rmsnorm": "BaroRmsnorm",
     "baro_gated_norm": "BaroGatedNorm",
     "baro_attention": "BaroAttention",
+    "baro_attention_small": "BaroAttentionSmall",  # m <= 16 with its scratch as a result (command buffers)
     "baro_conv": "BaroConv",
     "baro_delta": "BaroDelta",
     "baro_delta_blocked": "BaroDeltaBlocked",
     "baro_moe": "BaroMoe",
+    "baro_moe_small": "BaroMoeSmall",  # m <= 16 with its scratch as a result (command buffers)
     "baro_moe_slots": "BaroMoeSlots",  # baro_moe through a slot table (tier decode cache)
+    "baro_moe_slots_small": "BaroMoeSlotsSmall",
     "baro_moe_route": "BaroMoeRoute",  # baro_moe's routing alone: expert ids [m, top_k]
     "baro_moe_pairs": "BaroMoePairs",  # expert parallel: routing + this shard's per-pair outputs
     "baro_moe_combine": "BaroMoeCombine",  # expert parallel: baro_moe's combine of given pairs

@@ -4,11 +4,28 @@ online-softmax attention over 64-blocks aligned to absolute positions, gate."""
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from . import _check as C
 from ._lib import check_runnable
+from .moe import _r256, small_call
 
 OP = "baro_attention"
+OP_SMALL = "baro_attention_small"
+SPLIT = 1024  # KV positions per split (csrc/gpu/attention.cu kAttnSplit)
+
+
+def small_scratch_bytes(m: int, S: int, H: int, Hkv: int, hd: int) -> int:
+    """An upper bound of the GPU split partials of one call of m <= 16 rows: the larger of the
+    CUDA layout (attention_fa.cuh fa_scratch_bytes: kv heads x splits x rows padded to the
+    16- or 64-row tile) and the HIP one (attention.cu: q heads x splits x 16 rows). The handler
+    checks it is enough."""
+    splits = -(-S // SPLIT)
+    rows = m * (H // Hkv)
+    tile = 16 if rows <= 16 else 64
+    cuda = Hkv * splits * (-(-rows // tile) * tile)
+    hip = H * splits * 16
+    return max(_r256(4 * n * hd) + 8 * n for n in (cuda, hip))
 
 
 def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, eps=1e-6):
@@ -52,10 +69,12 @@ def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, eps
     n_valid = C.int_scalar(OP, "n_valid", n_valid)
     eps = C.f32_attr(OP, "eps", eps)
     args = (qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid)
-    check_runnable(OP, args)
     cache_t = jax.ShapeDtypeStruct((S, Hkv, hd), C.BF16)
-    return tuple(jax.ffi.ffi_call(
-        OP,
-        (jax.ShapeDtypeStruct((m, H * hd), C.BF16), cache_t, cache_t),
-        input_output_aliases={5: 1, 6: 2},
-    )(*args, eps=eps))
+    outs = (jax.ShapeDtypeStruct((m, H * hd), C.BF16), cache_t, cache_t)
+    if small_call(m):  # decode: the split partials as a result, so the GPU handler allocates nothing
+        check_runnable(OP_SMALL, args)
+        scratch = jax.ShapeDtypeStruct((small_scratch_bytes(m, S, H, Hkv, hd),), np.uint8)
+        return tuple(jax.ffi.ffi_call(OP_SMALL, outs + (scratch,), input_output_aliases={5: 1, 6: 2})(
+            *args, eps=eps)[:3])
+    check_runnable(OP, args)
+    return tuple(jax.ffi.ffi_call(OP, outs, input_output_aliases={5: 1, 6: 2})(*args, eps=eps))

@@ -1066,6 +1066,43 @@ def test_moe_row1(platform, E, D, I, Is, k, monkeypatch):
         monkeypatch.delenv(kn, raising=False)
 
 
+# Calls of <= 16 rows (decode) go through the _small ops (their GPU scratch is a result
+# buffer, so the handlers allocate nothing and may run inside XLA's command buffers);
+# BARO_CMDBUF_OPS=0 puts them on the allocator ops. Same kernels, so the same bytes.
+@pytest.mark.parametrize("m", [1, 2, 16])
+def test_small_ops_equal_allocator_ops(platform, m, monkeypatch):
+    rng = np.random.default_rng(1500 + m)
+    E, D, I, Is, k = 8, 256, 64, 64, 3
+    h = bf16(rng, m, D)
+    wd = put(platform, *moe_weights_sized(rng, E, D, I, Is))
+    outs = {}
+    for knob in ("1", "0"):
+        monkeypatch.setenv("BARO_CMDBUF_OPS", knob)
+        poison(platform, (m, D))  # a fresh jit per setting: the wrapper picks the op when traced
+        outs[knob] = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h), *wd))
+        hlo = jax.jit(lambda *a: cc.moe(*a, top_k=k)).lower(put(platform, h), *wd).as_text()
+        assert ("baro_moe_small" in hlo) == (knob == "1"), f"m={m} BARO_CMDBUF_OPS={knob}: wrong op in the HLO"
+    assert np.all(np.isfinite(outs["1"]))
+    assert_same_bits(outs["1"], outs["0"], f"moe m={m}: small op vs allocator op")
+    # attention: a decode-shaped call at a position past several 1024-position splits
+    H, Hkv, hd, S = 4, 2, 64, 3000
+    qkv = (rng.standard_normal((m, (2 * H + 2 * Hkv) * hd)) * 0.5).astype(np.float32)
+    qn, kn = (rng.standard_normal(hd) * 0.1).astype(np.float32), (rng.standard_normal(hd) * 0.1).astype(np.float32)
+    cos = rng.standard_normal((m, hd // 4)).astype(np.float32)
+    sin = rng.standard_normal((m, hd // 4)).astype(np.float32)
+    kc, vc = bf16(rng, S, Hkv, hd), bf16(rng, S, Hkv, hd)
+    pos = np.int32(2500)
+    got = {}
+    for knob in ("1", "0"):
+        monkeypatch.setenv("BARO_CMDBUF_OPS", knob)
+        f = jax.jit(lambda *a: cc.attention(*a))
+        o, k2, v2 = f(*put(platform, qkv, qn, kn, cos, sin, kc, vc), pos, np.int32(m))
+        got[knob] = [np.asarray(x) for x in (o, k2, v2)]
+    for a, b, what in zip(got["1"], got["0"], ("o", "k_cache", "v_cache")):
+        assert_same_bits(a, b, f"attention m={m} {what}: small op vs allocator op")
+    monkeypatch.delenv("BARO_CMDBUF_OPS", raising=False)
+
+
 @pytest.mark.parametrize("E", [512, 600])
 def test_moe_many_experts(platform, E):
     """E = 512 is the largest router row kept in registers by the GPU top-k,

@@ -138,6 +138,17 @@ ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> q_norm
   return ffi::Error::Success();
 }
 
+// baro_attention_small (m <= 16, custom_calls/attention.py): the scratch result is the GPU
+// kernels' split partials; the CPU kernel needs none and leaves it unwritten.
+ffi::Error AttentionSmallImpl(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> q_norm, ffi::Buffer<ffi::F32> k_norm,
+                              ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::BF16> k_cache,
+                              ffi::Buffer<ffi::BF16> v_cache, ffi::Buffer<ffi::S32> pos_buf,
+                              ffi::Buffer<ffi::S32> n_valid_buf, float eps, ffi::ResultBuffer<ffi::BF16> o,
+                              ffi::ResultBuffer<ffi::BF16> k_out, ffi::ResultBuffer<ffi::BF16> v_out,
+                              ffi::ResultBuffer<ffi::U8>) {
+  return AttentionImpl(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos_buf, n_valid_buf, eps, o, k_out, v_out);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionCpu, AttentionImpl,
@@ -155,4 +166,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionCpu, AttentionImpl,
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // o
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // k_cache
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // v_cache
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionSmallCpu, AttentionSmallImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // k_cache
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // n_valid
+                                  .Attr<float>("eps")
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // o
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // k_cache
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // v_cache
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // scratch (GPU only)
 );

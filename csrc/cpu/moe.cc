@@ -165,6 +165,23 @@ ffi::Error MoeSlotsImpl(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> router,
                   shared_down.typed_data(), shared_gate.typed_data(), top_k, out->typed_data());
 }
 
+// The _small variants (m <= 16, custom_calls/moe.py) carry a scratch result for the GPU
+// kernels; the CPU kernels need none and leave it unwritten.
+ffi::Error MoeSmallImpl(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> router, ffi::Buffer<ffi::BF16> w_gate_up,
+                        ffi::Buffer<ffi::BF16> w_down, ffi::Buffer<ffi::BF16> shared_gate_up,
+                        ffi::Buffer<ffi::BF16> shared_down, ffi::Buffer<ffi::BF16> shared_gate, int32_t top_k,
+                        ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::U8>) {
+  return MoeImpl(h, router, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate, top_k, out);
+}
+ffi::Error MoeSlotsSmallImpl(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> router,
+                             ffi::Buffer<ffi::BF16> w_gate_up_pool, ffi::Buffer<ffi::BF16> w_down_pool,
+                             ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::BF16> shared_gate_up,
+                             ffi::Buffer<ffi::BF16> shared_down, ffi::Buffer<ffi::BF16> shared_gate, int32_t top_k,
+                             ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::U8>) {
+  return MoeSlotsImpl(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate,
+                      top_k, out);
+}
+
 // baro_moe_route: the expert ids [m, top_k] (slot order) baro_moe routes each row to.
 ffi::Error MoeRouteImpl(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> router, int32_t top_k,
                         ffi::ResultBuffer<ffi::S32> ids) {
@@ -311,6 +328,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsCpu, MoeSlotsImpl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
                                   .Attr<int32_t>("top_k")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSmallCpu, MoeSmallImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // router
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_gate_up
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_down
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate_up
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_down
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
+                                  .Attr<int32_t>("top_k")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // scratch (GPU only)
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsSmallCpu, MoeSlotsSmallImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // router
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_gate_up_pool [S, 2I, D]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_down_pool [S, D, I]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [E]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate_up
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_down
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
+                                  .Attr<int32_t>("top_k")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // scratch (GPU only)
 );
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeRouteCpu, MoeRouteImpl,

@@ -556,8 +556,11 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-ffi::Error AttentionGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch,
-                            ffi::Buffer<ffi::F32> qkv,
+// given == nullptr: the split partials come from XLA's scratch allocator (baro_attention);
+// else from the caller's result buffer, checked to be large enough (baro_attention_small,
+// which allocates nothing and so may run inside a command buffer).
+ffi::Error attention_common(const char* op, gpuStream_t stream, ffi::ScratchAllocator* scratch,
+                            ffi::Result<ffi::Buffer<ffi::U8>>* given, ffi::Buffer<ffi::F32> qkv,
                             ffi::Buffer<ffi::F32> q_norm, ffi::Buffer<ffi::F32> k_norm,
                             ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
                             ffi::Buffer<ffi::BF16> k_cache, ffi::Buffer<ffi::BF16> v_cache,
@@ -565,7 +568,6 @@ ffi::Error AttentionGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch,
                             float eps, ffi::ResultBuffer<ffi::BF16> o,
                             ffi::ResultBuffer<ffi::BF16> k_out,
                             ffi::ResultBuffer<ffi::BF16> v_out) {
-  const char* op = "baro_attention";
   baro::AttentionDims dims;
   if (auto err = baro::check_attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos_buf, n_valid_buf,
                                        *o, *k_out, *v_out, dims);
@@ -601,8 +603,15 @@ ffi::Error AttentionGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch,
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::copy_if_not_aliased_async(v_cache, v_out, stream));
   void* scratch_mem = nullptr;
   const size_t scratch_bytes = baro_gpu::attention_scratch_bytes(a);
-  if (scratch_bytes > 0) {
-    std::optional<void*> mem = scratch.Allocate(scratch_bytes, 16);  // XLA accepts alignment <= 16
+  if (given != nullptr) {
+    const size_t have = (*given)->element_count();
+    if (have < scratch_bytes)
+      return ffi::Error::InvalidArgument(std::string(op) + ": the scratch result holds " + std::to_string(have) +
+                                         " bytes, the call needs " + std::to_string(scratch_bytes) +
+                                         " (custom_calls sizes it; a stale wrapper?)");
+    scratch_mem = (*given)->untyped_data();
+  } else if (scratch_bytes > 0) {
+    std::optional<void*> mem = scratch->Allocate(scratch_bytes, 16);  // XLA accepts alignment <= 16
     if (!mem.has_value() || *mem == nullptr)
       return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                         std::string(op) + ": could not allocate " + std::to_string(scratch_bytes) +
@@ -611,6 +620,26 @@ ffi::Error AttentionGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch,
   }
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_attention(a, scratch_mem, stream));
   return ffi::Error::Success();
+}
+
+ffi::Error AttentionGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::F32> qkv,
+                            ffi::Buffer<ffi::F32> q_norm, ffi::Buffer<ffi::F32> k_norm, ffi::Buffer<ffi::F32> cos,
+                            ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::BF16> k_cache,
+                            ffi::Buffer<ffi::BF16> v_cache, ffi::Buffer<ffi::S32> pos_buf,
+                            ffi::Buffer<ffi::S32> n_valid_buf, float eps, ffi::ResultBuffer<ffi::BF16> o,
+                            ffi::ResultBuffer<ffi::BF16> k_out, ffi::ResultBuffer<ffi::BF16> v_out) {
+  return attention_common("baro_attention", stream, &scratch, nullptr, qkv, q_norm, k_norm, cos, sin, k_cache,
+                          v_cache, pos_buf, n_valid_buf, eps, o, k_out, v_out);
+}
+
+ffi::Error AttentionSmallGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> q_norm,
+                                 ffi::Buffer<ffi::F32> k_norm, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                                 ffi::Buffer<ffi::BF16> k_cache, ffi::Buffer<ffi::BF16> v_cache,
+                                 ffi::Buffer<ffi::S32> pos_buf, ffi::Buffer<ffi::S32> n_valid_buf, float eps,
+                                 ffi::ResultBuffer<ffi::BF16> o, ffi::ResultBuffer<ffi::BF16> k_out,
+                                 ffi::ResultBuffer<ffi::BF16> v_out, ffi::ResultBuffer<ffi::U8> scratch) {
+  return attention_common("baro_attention_small", stream, nullptr, &scratch, qkv, q_norm, k_norm, cos, sin,
+                          k_cache, v_cache, pos_buf, n_valid_buf, eps, o, k_out, v_out);
 }
 
 }  // namespace
@@ -633,3 +662,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionGpu, AttentionGpuImpl,
                                   .Ret<ffi::Buffer<ffi::BF16>>()   // k_cache
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // v_cache
 );
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionSmallGpu, AttentionSmallGpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // k_cache
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // n_valid
+                                  .Attr<float>("eps")
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // o
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // k_cache
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // v_cache
+                                  .Ret<ffi::Buffer<ffi::U8>>(),   // scratch (split partials)
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -591,7 +591,7 @@ static size_t moe_layout(const MoeArgs& a, char* base, MoeScratch* s) {
   t.logits = reinterpret_cast<float*>(take(sizeof(float) * (m * a.E + (pl.fold ? 1 : 0))));
   t.ids = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * P));
   t.wts = reinterpret_cast<float*>(take(sizeof(float) * P));
-  t.srow = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * P));
+  t.srow = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * R));
   t.inv = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * P));
   t.tiles = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * 3 * moe_max_tiles(a, a.m == 1 ? 1 : kMinGroupBM)));
   t.n_tiles = reinterpret_cast<int32_t*>(take(sizeof(int32_t)));
@@ -909,14 +909,42 @@ gpuError_t launch_moe_route(const uint16_t* h, const uint16_t* router, int32_t* 
 
 // ---------------------------------------------------------------------------
 // FFI handler (same operands/attrs/results as BaroMoeCpu, see BUILD.md).
-// Uses the XLA scratch allocator, so it is not command-buffer compatible.
+// baro_moe / baro_moe_slots use the XLA scratch allocator, so they are not
+// command-buffer compatible. The _small variants (decode: m <= 16) take their
+// scratch as one more result buffer sized by the wrapper (custom_calls/moe.py),
+// allocate nothing, and declare the command-buffer trait, so a decode step's
+// MoE stays inside XLA's command buffers.
 // ---------------------------------------------------------------------------
 namespace {
 
 namespace ffi = xla::ffi;
 
+// Device scratch of `bytes`: the caller's buffer (checked to be large enough), or else
+// from XLA's scratch allocator.
+struct ScratchSource {
+  ffi::ScratchAllocator* alloc = nullptr;
+  ffi::Result<ffi::Buffer<ffi::U8>>* given = nullptr;
+};
+ffi::Error take_scratch(const char* op, ScratchSource src, size_t bytes, void** mem) {
+  if (src.given != nullptr) {
+    const size_t have = (*src.given)->element_count();
+    if (have < bytes)
+      return ffi::Error::InvalidArgument(std::string(op) + ": the scratch result holds " + std::to_string(have) +
+                                         " bytes, the call needs " + std::to_string(bytes) +
+                                         " (custom_calls sizes it; a stale wrapper?)");
+    *mem = (*src.given)->untyped_data();
+    return ffi::Error::Success();
+  }
+  std::optional<void*> m = src.alloc->Allocate(bytes, 16);  // XLA accepts alignment <= 16
+  if (!m.has_value() || *m == nullptr)
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      std::string(op) + ": could not allocate " + std::to_string(bytes) + " bytes of GPU scratch");
+  *mem = *m;
+  return ffi::Error::Success();
+}
+
 // The launch shared by baro_moe and baro_moe_slots (slots == nullptr: baro_moe).
-ffi::Error run_moe(const char* op, gpuStream_t stream, ffi::ScratchAllocator& scratch,
+ffi::Error run_moe(const char* op, gpuStream_t stream, ScratchSource scratch,
                    const baro::MoeDims& dims, int32_t top_k, ffi::Buffer<ffi::BF16>& h,
                    ffi::Buffer<ffi::BF16>& router, ffi::Buffer<ffi::BF16>& w_gate_up,
                    ffi::Buffer<ffi::BF16>& w_down, const int32_t* slots, int64_t S,
@@ -947,17 +975,13 @@ ffi::Error run_moe(const char* op, gpuStream_t stream, ffi::ScratchAllocator& sc
   a.top_k = top_k;
   a.slots = slots;
   a.S = S;
-  const size_t bytes = baro_gpu::moe_scratch_bytes(a);
-  std::optional<void*> mem = scratch.Allocate(bytes, 16);  // XLA accepts alignment <= 16
-  if (!mem.has_value() || *mem == nullptr)
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      std::string(op) + ": could not allocate " + std::to_string(bytes) +
-                          " bytes of GPU scratch");
-  BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_moe(a, *mem, stream));
+  void* mem = nullptr;
+  if (auto err = take_scratch(op, scratch, baro_gpu::moe_scratch_bytes(a), &mem); err.failure()) return err;
+  BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_moe(a, mem, stream));
   return ffi::Error::Success();
 }
 
-ffi::Error MoeGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> h,
+ffi::Error moe_common(const char* op, gpuStream_t stream, ScratchSource scratch, ffi::Buffer<ffi::BF16> h,
                       ffi::Buffer<ffi::BF16> router, ffi::Buffer<ffi::BF16> w_gate_up,
                       ffi::Buffer<ffi::BF16> w_down, ffi::Buffer<ffi::BF16> shared_gate_up,
                       ffi::Buffer<ffi::BF16> shared_down, ffi::Buffer<ffi::BF16> shared_gate,
@@ -967,26 +991,64 @@ ffi::Error MoeGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ffi::Bu
                                  top_k, *out, dims);
       err.failure())
     return err;
-  return run_moe("baro_moe", stream, scratch, dims, top_k, h, router, w_gate_up, w_down, nullptr, 0,
+  return run_moe(op, stream, scratch, dims, top_k, h, router, w_gate_up, w_down, nullptr, 0,
                  shared_gate_up, shared_down, shared_gate, out);
+}
+
+ffi::Error MoeGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> h,
+                      ffi::Buffer<ffi::BF16> router, ffi::Buffer<ffi::BF16> w_gate_up,
+                      ffi::Buffer<ffi::BF16> w_down, ffi::Buffer<ffi::BF16> shared_gate_up,
+                      ffi::Buffer<ffi::BF16> shared_down, ffi::Buffer<ffi::BF16> shared_gate,
+                      int32_t top_k, ffi::ResultBuffer<ffi::F32> out) {
+  return moe_common("baro_moe", stream, ScratchSource{&scratch, nullptr}, h, router, w_gate_up, w_down,
+                    shared_gate_up, shared_down, shared_gate, top_k, out);
+}
+
+ffi::Error MoeSmallGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> router,
+                           ffi::Buffer<ffi::BF16> w_gate_up, ffi::Buffer<ffi::BF16> w_down,
+                           ffi::Buffer<ffi::BF16> shared_gate_up, ffi::Buffer<ffi::BF16> shared_down,
+                           ffi::Buffer<ffi::BF16> shared_gate, int32_t top_k, ffi::ResultBuffer<ffi::F32> out,
+                           ffi::ResultBuffer<ffi::U8> scratch) {
+  return moe_common("baro_moe_small", stream, ScratchSource{nullptr, &scratch}, h, router, w_gate_up, w_down,
+                    shared_gate_up, shared_down, shared_gate, top_k, out);
 }
 
 // baro_moe_slots: the grouped GEMMs' weight group is the expert's slot (slots[e]) in the
 // pool instead of e; everything else, so every bit, is baro_moe's.
-ffi::Error MoeSlotsGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> h,
-                           ffi::Buffer<ffi::BF16> router, ffi::Buffer<ffi::BF16> w_gate_up_pool,
-                           ffi::Buffer<ffi::BF16> w_down_pool, ffi::Buffer<ffi::S32> slots,
-                           ffi::Buffer<ffi::BF16> shared_gate_up, ffi::Buffer<ffi::BF16> shared_down,
-                           ffi::Buffer<ffi::BF16> shared_gate, int32_t top_k,
-                           ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error moe_slots_common(const char* op, gpuStream_t stream, ScratchSource scratch, ffi::Buffer<ffi::BF16> h,
+                            ffi::Buffer<ffi::BF16> router, ffi::Buffer<ffi::BF16> w_gate_up_pool,
+                            ffi::Buffer<ffi::BF16> w_down_pool, ffi::Buffer<ffi::S32> slots,
+                            ffi::Buffer<ffi::BF16> shared_gate_up, ffi::Buffer<ffi::BF16> shared_down,
+                            ffi::Buffer<ffi::BF16> shared_gate, int32_t top_k,
+                            ffi::ResultBuffer<ffi::F32> out) {
   baro::MoeDims dims;
   int64_t S = 0;
   if (auto err = baro::check_moe_slots(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up,
                                        shared_down, shared_gate, top_k, *out, dims, S);
       err.failure())
     return err;
-  return run_moe("baro_moe_slots", stream, scratch, dims, top_k, h, router, w_gate_up_pool, w_down_pool,
+  return run_moe(op, stream, scratch, dims, top_k, h, router, w_gate_up_pool, w_down_pool,
                  slots.typed_data(), S, shared_gate_up, shared_down, shared_gate, out);
+}
+
+ffi::Error MoeSlotsGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> h,
+                           ffi::Buffer<ffi::BF16> router, ffi::Buffer<ffi::BF16> w_gate_up_pool,
+                           ffi::Buffer<ffi::BF16> w_down_pool, ffi::Buffer<ffi::S32> slots,
+                           ffi::Buffer<ffi::BF16> shared_gate_up, ffi::Buffer<ffi::BF16> shared_down,
+                           ffi::Buffer<ffi::BF16> shared_gate, int32_t top_k,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  return moe_slots_common("baro_moe_slots", stream, ScratchSource{&scratch, nullptr}, h, router, w_gate_up_pool,
+                          w_down_pool, slots, shared_gate_up, shared_down, shared_gate, top_k, out);
+}
+
+ffi::Error MoeSlotsSmallGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> router,
+                                ffi::Buffer<ffi::BF16> w_gate_up_pool, ffi::Buffer<ffi::BF16> w_down_pool,
+                                ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::BF16> shared_gate_up,
+                                ffi::Buffer<ffi::BF16> shared_down, ffi::Buffer<ffi::BF16> shared_gate,
+                                int32_t top_k, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::U8> scratch) {
+  return moe_slots_common("baro_moe_slots_small", stream, ScratchSource{nullptr, &scratch}, h, router,
+                          w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate, top_k,
+                          out);
 }
 
 ffi::Error MoeRouteGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> h,
@@ -1140,6 +1202,37 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsGpu, MoeSlotsGpuImpl,
                                   .Attr<int32_t>("top_k")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
 );
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSmallGpu, MoeSmallGpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // router
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_gate_up
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_down
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate_up
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_down
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
+                                  .Attr<int32_t>("top_k")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::U8>>(),  // scratch
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsSmallGpu, MoeSlotsSmallGpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // router
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_gate_up_pool [S, 2I, D]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_down_pool [S, D, I]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [E]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate_up
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_down
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
+                                  .Attr<int32_t>("top_k")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::U8>>(),  // scratch
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeRouteGpu, MoeRouteGpuImpl,
                               ffi::Ffi::Bind()

@@ -49,18 +49,26 @@ def env_engine_mode(default: str = "resident") -> str:
     return "tier" if v == "1" else "resident"
 
 
-def env_chunk(default: int | None = None) -> int | None:
-    """BARO_PREFILL_C, or `default` (None: pick per prompt, see default_chunk)."""
-    v = os.environ.get("BARO_PREFILL_C")
+def env_int(name: str, default, hi: int | None = None):
+    """A positive integer from env var `name` (<= hi when given), or `default` when unset or
+    empty; anything else is a ValueError naming the variable."""
+    v = os.environ.get(name, "").strip()
     if not v:
         return default
     try:
         c = int(v)
     except ValueError:
-        raise ValueError(f"BARO_PREFILL_C must be a positive integer, got {v!r}") from None
+        raise ValueError(f"{name} must be a positive integer, got {v!r}") from None
     if c < 1:
-        raise ValueError(f"BARO_PREFILL_C must be a positive integer, got {v!r}")
+        raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if hi is not None and c > hi:
+        raise ValueError(f"{name} must be in 1..{hi}, got {v!r}")
     return c
+
+
+def env_chunk(default: int | None = None) -> int | None:
+    """BARO_PREFILL_C, or `default` (None: pick per prompt, see default_chunk)."""
+    return env_int("BARO_PREFILL_C", default)
 
 
 @dataclasses.dataclass
@@ -137,16 +145,7 @@ DECODE_BLOCK = 16
 
 def env_decode_block(default: int = DECODE_BLOCK) -> int:
     """BARO_DECODE_BLOCK: greedy decode steps per device call (1: one call per token)."""
-    v = os.environ.get("BARO_DECODE_BLOCK", "").strip()
-    if not v:
-        return default
-    try:
-        b = int(v)
-    except ValueError:
-        raise ValueError(f"BARO_DECODE_BLOCK must be a positive integer, got {v!r}") from None
-    if not 1 <= b <= 4096:
-        raise ValueError(f"BARO_DECODE_BLOCK must be in 1..4096, got {v!r}")
-    return b
+    return env_int("BARO_DECODE_BLOCK", default, hi=4096)
 
 
 def greedy_steps(params, state, token, pos, n, rope, *, cfg: Config, ops, block: int):

@@ -48,13 +48,29 @@ def save_replay(path, state, meta):
              **{f"leaf{i}": np.frombuffer(a.tobytes(), np.uint8) for i, a in enumerate(leaves)})
 
 
+def saved_meta(f):
+    """The meta dict of an open save_replay file."""
+    return json.loads(f["meta"].tobytes().decode())
+
+
+def replay_range(eng, ids, st, start, stop, n):
+    """The decode step once per token of ids[start:stop] on state st (holding ids[:start]);
+    returns (the last step's logits, the state)."""
+    lg = None
+    for p in range(start, stop):
+        lg, st = eng.decode_step(ids[p], st, p)
+        if (p + 1) % 8192 == 0:
+            log(f"n={n} replay {p + 1}/{stop}" + (f" (of {n})" if stop != n else ""))
+    return lg, jax.block_until_ready(st)
+
+
 def load_replay(path, like, expect):
     """The state saved by save_replay, on the devices of `like` (a fresh state of the same
     shape), after checking that its meta matches `expect`; returns (state, meta)."""
     import jax.numpy as jnp
 
     with np.load(path) as f:
-        meta = json.loads(f["meta"].tobytes().decode())
+        meta = saved_meta(f)
         for k, v in expect.items():
             if meta.get(k) != v:
                 raise SystemExit(f"identity_longctx: {path} was saved with {k}={meta.get(k)!r}, this run has {v!r}")
@@ -130,12 +146,7 @@ def main(argv=None) -> int:
             if not 1 <= stop < n:
                 raise SystemExit(f"identity_longctx: --replay-stop must be in 1..{n - 1}, got {stop}")
             t = time.perf_counter()
-            st = eng.new_state(L)
-            for p_ in range(stop):
-                _, st = eng.decode_step(ids[p_], st, p_)
-                if (p_ + 1) % 8192 == 0:
-                    log(f"n={n} replay {p_ + 1}/{stop} (of {n})")
-            jax.block_until_ready(st)
+            _, st = replay_range(eng, ids, eng.new_state(L), 0, stop, n)
             rsecs = time.perf_counter() - t
             os.makedirs(args.replay_save, exist_ok=True)
             path = os.path.join(args.replay_save, f"replay_{n}.npz")
@@ -168,7 +179,7 @@ def main(argv=None) -> int:
         est = n / rate
         if args.replay_resume is not None:  # only the part after the saved state is left to run
             with np.load(os.path.join(args.replay_resume, f"replay_{n}.npz")) as f:
-                est = (n - json.loads(f["meta"].tobytes().decode())["replayed"]) / rate
+                est = (n - saved_meta(f)["replayed"]) / rate
         row["replay_rate_estimate_tok_s"] = rate
         left = args.deadline_s - (time.perf_counter() - T0)
         if est > left:
@@ -193,12 +204,8 @@ def main(argv=None) -> int:
             start = saved["replayed"]
             log(f"n={n} resuming the replay at {start} from {path} (first part {saved['seconds']:.0f}s, "
                 f"commit {saved.get('commit')})")
-            lg = None
-            for p_ in range(start, n):
-                lg, st = eng.decode_step(ids[p_], st, p_)
-                if (p_ + 1) % 8192 == 0:
-                    log(f"n={n} replay {p_ + 1}/{n}")
-            ref = PrefillResult(jax.block_until_ready(lg), st, time.perf_counter() - t, n)
+            lg, st = replay_range(eng, ids, st, start, n, n)
+            ref = PrefillResult(lg, st, time.perf_counter() - t, n)
             prior = saved["seconds"]
             row["replay_parts"] = {"first": {"tokens": start, "seconds": prior, "commit": saved.get("commit")},
                                    "second": {"tokens": n - start}}

@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 import jax
+import numpy as np
 
 # FFI target name -> symbol stem (symbol = stem + "Cpu" / "Gpu").
 TARGETS = {
@@ -236,3 +237,27 @@ def check_runnable(target: str, args) -> None:
             why = _errors.get(p, "")
             raise RuntimeError(f"{target}: cannot run on {p}: {BUILD_HINT[p]}"
                                + (f" [{why.strip()}]" if why else ""))
+
+
+# ---- the _small twins (BUILD.md "Handlers, scratch, limits") ----
+SMALL_ROWS = 16  # calls of <= 16 rows (decode) take their GPU scratch as a result
+
+
+def small_call(m: int) -> bool:
+    """m rows go through the op's _small twin: its GPU handler allocates nothing, so it may run
+    inside XLA's command buffers (a decode step's graph). BARO_CMDBUF_OPS=0 keeps every call on
+    the ops that take scratch from XLA's allocator."""
+    return m <= SMALL_ROWS and os.environ.get("BARO_CMDBUF_OPS", "1") != "0"
+
+
+def round256(n: int) -> int:
+    """n bytes rounded up as the GPU scratch layouts round each piece."""
+    return (n + 255) // 256 * 256
+
+
+def ffi_call_small(target: str, results, scratch_bytes: int, args, aliases=None, **attrs) -> tuple:
+    """ffi_call of a _small twin: `results` plus its last u8 [scratch_bytes] scratch result,
+    which is dropped from what comes back."""
+    scratch = jax.ShapeDtypeStruct((scratch_bytes,), np.uint8)
+    out = jax.ffi.ffi_call(target, tuple(results) + (scratch,), input_output_aliases=aliases or {})(*args, **attrs)
+    return tuple(out[:-1])

@@ -4,11 +4,9 @@ online-softmax attention over 64-blocks aligned to absolute positions, gate."""
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 from . import _check as C
-from ._lib import check_runnable
-from .moe import _r256, small_call
+from ._lib import check_runnable, ffi_call_small, round256, small_call
 
 OP = "baro_attention"
 OP_SMALL = "baro_attention_small"
@@ -25,7 +23,7 @@ def small_scratch_bytes(m: int, S: int, H: int, Hkv: int, hd: int) -> int:
     tile = 16 if rows <= 16 else 64
     cuda = Hkv * splits * (-(-rows // tile) * tile)
     hip = H * splits * 16
-    return max(_r256(4 * n * hd) + 8 * n for n in (cuda, hip))
+    return max(round256(4 * n * hd) + 8 * n for n in (cuda, hip))
 
 
 def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, eps=1e-6):
@@ -73,8 +71,6 @@ def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, eps
     outs = (jax.ShapeDtypeStruct((m, H * hd), C.BF16), cache_t, cache_t)
     if small_call(m):  # decode: the split partials as a result, so the GPU handler allocates nothing
         check_runnable(OP_SMALL, args)
-        scratch = jax.ShapeDtypeStruct((small_scratch_bytes(m, S, H, Hkv, hd),), np.uint8)
-        return tuple(jax.ffi.ffi_call(OP_SMALL, outs + (scratch,), input_output_aliases={5: 1, 6: 2})(
-            *args, eps=eps)[:3])
+        return ffi_call_small(OP_SMALL, outs, small_scratch_bytes(m, S, H, Hkv, hd), args, {5: 1, 6: 2}, eps=eps)
     check_runnable(OP, args)
     return tuple(jax.ffi.ffi_call(OP, outs, input_output_aliases={5: 1, 6: 2})(*args, eps=eps))

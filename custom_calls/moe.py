@@ -3,29 +3,15 @@ SwiGLU experts combined in slot order, plus the sigmoid-gated shared expert."""
 
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 
 from . import _check as C
-from ._lib import check_runnable
+from ._lib import check_runnable, ffi_call_small, round256, small_call
 
 OP = "baro_moe"
 OP_SMALL = "baro_moe_small"
 OP_SLOTS_SMALL = "baro_moe_slots_small"
-SMALL_ROWS = 16  # calls of <= 16 rows (decode) take their GPU scratch as a result
-
-
-def small_call(m: int) -> bool:
-    """m rows go through the _small op: its GPU handler allocates nothing, so it may run inside
-    XLA's command buffers (a decode step's graph). BARO_CMDBUF_OPS=0 keeps every call on the
-    ops that take scratch from XLA's allocator."""
-    return m <= SMALL_ROWS and os.environ.get("BARO_CMDBUF_OPS", "1") != "0"
-
-
-def _r256(n: int) -> int:
-    return (n + 255) // 256 * 256
 
 
 def small_scratch_bytes(m: int, D: int, E: int, I: int, Is: int, k: int) -> int:
@@ -39,7 +25,7 @@ def small_scratch_bytes(m: int, D: int, E: int, I: int, Is: int, k: int) -> int:
     chunks = (P + 511) // 512
     pieces = [4 * (m * E + 1), 4 * P, 4 * P, 4 * R, 4 * P, 12 * max_tiles, 4, 4 * chunks * E,
               4 * P * 2 * I, 2 * R * I, 4 * R * D, 4 * m * 2 * Is, 2 * m * Is, 4 * m * D, 4 * m]
-    return sum(_r256(b) for b in pieces)
+    return sum(round256(b) for b in pieces)
 
 
 def _check_h_router(op, h, router):
@@ -105,14 +91,20 @@ def moe(h, router, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate, 
     top_k (static int) -> out[m,D] f32."""
     m, D, k = _check_moe(OP, h, router, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate, top_k)
     args = (h, router, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate)
+    return _moe_call(OP, OP_SMALL, args, router, w_gate_up, shared_down, k)
+
+
+def _moe_call(op, op_small, args, router, w_gate_up, shared_down, k):
+    """out [m, D] f32 of baro_moe or baro_moe_slots (args checked), through the _small twin for
+    decode-sized calls."""
+    m, D = args[0].shape
     out_t = jax.ShapeDtypeStruct((m, D), C.F32)
     if small_call(m):
-        check_runnable(OP_SMALL, args)
+        check_runnable(op_small, args)
         nbytes = small_scratch_bytes(m, D, router.shape[0], w_gate_up.shape[1] // 2, shared_down.shape[1], k)
-        return jax.ffi.ffi_call(OP_SMALL, (out_t, jax.ShapeDtypeStruct((nbytes,), np.uint8)))(
-            *args, top_k=np.int32(k))[0]
-    check_runnable(OP, args)
-    return jax.ffi.ffi_call(OP, out_t)(*args, top_k=np.int32(k))
+        return ffi_call_small(op_small, [out_t], nbytes, args, top_k=np.int32(k))[0]
+    check_runnable(op, args)
+    return jax.ffi.ffi_call(op, out_t)(*args, top_k=np.int32(k))
 
 
 OP_SLOTS = "baro_moe_slots"
@@ -132,14 +124,7 @@ def moe_slots(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, sha
                          f"{list(w_gate_up_pool.shape)}")
     C.array(OP_SLOTS, "slots", slots, (router.shape[0],), np.int32)
     args = (h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate)
-    out_t = jax.ShapeDtypeStruct((m, D), C.F32)
-    if small_call(m):
-        check_runnable(OP_SLOTS_SMALL, args)
-        nbytes = small_scratch_bytes(m, D, router.shape[0], w_gate_up_pool.shape[1] // 2, shared_down.shape[1], k)
-        return jax.ffi.ffi_call(OP_SLOTS_SMALL, (out_t, jax.ShapeDtypeStruct((nbytes,), np.uint8)))(
-            *args, top_k=np.int32(k))[0]
-    check_runnable(OP_SLOTS, args)
-    return jax.ffi.ffi_call(OP_SLOTS, out_t)(*args, top_k=np.int32(k))
+    return _moe_call(OP_SLOTS, OP_SLOTS_SMALL, args, router, w_gate_up_pool, shared_down, k)
 
 
 def moe_route(h, router, top_k):

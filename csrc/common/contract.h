@@ -9,6 +9,50 @@
 #include "ffi_util.h"
 #include "xla/ffi/api/ffi.h"
 
+// The operands, attributes and results of the targets that have a _small twin (the same
+// call plus a last `scratch` u8 result, BUILD.md), appended to a binding that already holds
+// its platform's contexts: the CPU and GPU handlers and both variants bind one list.
+#define BARO_BIND_MOE_ARGS(bind)                                                                    \
+  (bind)                                                                                            \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* h */                                          \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* router [E, D] */                              \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* w_gate_up [E, 2I, D] */                       \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* w_down [E, D, I] */                           \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* shared_gate_up */                             \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* shared_down */                                \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* shared_gate */                                \
+      .Attr<int32_t>("top_k")                                                                       \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>() /* out */
+#define BARO_BIND_MOE_SLOTS_ARGS(bind)                                                              \
+  (bind)                                                                                            \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* h */                                          \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* router */                                     \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* w_gate_up_pool [S, 2I, D] */                  \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* w_down_pool [S, D, I] */                      \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* slots [E] */                                   \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* shared_gate_up */                             \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* shared_down */                                \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* shared_gate */                                \
+      .Attr<int32_t>("top_k")                                                                       \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>() /* out */
+#define BARO_BIND_ATTENTION_ARGS(bind)                                                              \
+  (bind)                                                                                            \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>() /* qkv */                                         \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>() /* q_norm */                                      \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>() /* k_norm */                                      \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>() /* cos */                                         \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>() /* sin */                                         \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* k_cache */                                    \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* v_cache */                                    \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* pos */                                         \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* n_valid */                                     \
+      .Attr<float>("eps")                                                                           \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* o */                                          \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* k_cache */                                    \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* v_cache */
+// The _small variants' last result.
+#define BARO_BIND_SCRATCH(bind) (bind).Ret<::xla::ffi::Buffer<::xla::ffi::U8>>() /* scratch */
+
 namespace baro {
 
 struct MatmulDims {

@@ -151,37 +151,7 @@ ffi::Error AttentionSmallImpl(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> q
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionCpu, AttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_norm
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_norm
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // k_cache
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // v_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // pos
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // n_valid
-                                  .Attr<float>("eps")
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // o
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // k_cache
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // v_cache
-);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionCpu, AttentionImpl, BARO_BIND_ATTENTION_ARGS(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionSmallCpu, AttentionSmallImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_norm
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_norm
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // k_cache
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // v_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // pos
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // n_valid
-                                  .Attr<float>("eps")
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // o
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // k_cache
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // v_cache
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // scratch (GPU only)
-);
+                              BARO_BIND_SCRATCH(BARO_BIND_ATTENTION_ARGS(ffi::Ffi::Bind())));

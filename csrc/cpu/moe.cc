@@ -303,61 +303,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeCombineCpu, MoeCombineImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [m, D]
 );
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeCpu, MoeImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // router
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_gate_up
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_down
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate_up
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_down
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
-                                  .Attr<int32_t>("top_k")
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeCpu, MoeImpl, BARO_BIND_MOE_ARGS(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsCpu, MoeSlotsImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // router
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_gate_up_pool [S, 2I, D]
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_down_pool [S, D, I]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [E]
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate_up
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_down
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
-                                  .Attr<int32_t>("top_k")
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsCpu, MoeSlotsImpl, BARO_BIND_MOE_SLOTS_ARGS(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSmallCpu, MoeSmallImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // router
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_gate_up
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_down
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate_up
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_down
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
-                                  .Attr<int32_t>("top_k")
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Ret<ffi::Buffer<ffi::U8>>()   // scratch (GPU only)
-);
+                              BARO_BIND_SCRATCH(BARO_BIND_MOE_ARGS(ffi::Ffi::Bind())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsSmallCpu, MoeSlotsSmallImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // router
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_gate_up_pool [S, 2I, D]
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_down_pool [S, D, I]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [E]
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate_up
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_down
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
-                                  .Attr<int32_t>("top_k")
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Ret<ffi::Buffer<ffi::U8>>()   // scratch (GPU only)
-);
+                              BARO_BIND_SCRATCH(BARO_BIND_MOE_SLOTS_ARGS(ffi::Ffi::Bind())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeRouteCpu, MoeRouteImpl,
                               ffi::Ffi::Bind()

@@ -33,7 +33,6 @@
 // leak in through 0 * NaN.
 #include <cmath>
 #include <cstdint>
-#include <optional>
 #include <string>
 
 #include "contract.h"
@@ -602,22 +601,10 @@ ffi::Error attention_common(const char* op, gpuStream_t stream, ffi::ScratchAllo
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::copy_if_not_aliased_async(k_cache, k_out, stream));
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::copy_if_not_aliased_async(v_cache, v_out, stream));
   void* scratch_mem = nullptr;
-  const size_t scratch_bytes = baro_gpu::attention_scratch_bytes(a);
-  if (given != nullptr) {
-    const size_t have = (*given)->element_count();
-    if (have < scratch_bytes)
-      return ffi::Error::InvalidArgument(std::string(op) + ": the scratch result holds " + std::to_string(have) +
-                                         " bytes, the call needs " + std::to_string(scratch_bytes) +
-                                         " (custom_calls sizes it; a stale wrapper?)");
-    scratch_mem = (*given)->untyped_data();
-  } else if (scratch_bytes > 0) {
-    std::optional<void*> mem = scratch->Allocate(scratch_bytes, 16);  // XLA accepts alignment <= 16
-    if (!mem.has_value() || *mem == nullptr)
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        std::string(op) + ": could not allocate " + std::to_string(scratch_bytes) +
-                            " bytes of GPU scratch");
-    scratch_mem = *mem;
-  }
+  if (auto err = baro_gpu::take_scratch(op, baro_gpu::ScratchSource{scratch, given},
+                                        baro_gpu::attention_scratch_bytes(a), &scratch_mem);
+      err.failure())
+    return err;
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_attention(a, scratch_mem, stream));
   return ffi::Error::Success();
 }
@@ -645,39 +632,11 @@ ffi::Error AttentionSmallGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> qkv, 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionGpu, AttentionGpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()  // split partials (m <= 16)
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_norm
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_norm
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // k_cache
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // v_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // pos
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // n_valid
-                                  .Attr<float>("eps")
-                                  .Ret<ffi::Buffer<ffi::BF16>>()   // o
-                                  .Ret<ffi::Buffer<ffi::BF16>>()   // k_cache
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // v_cache
-);
+                              BARO_BIND_ATTENTION_ARGS(ffi::Ffi::Bind()
+                                                           .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                                           .Ctx<ffi::ScratchAllocator>()));  // split partials (m <= 16)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionSmallGpu, AttentionSmallGpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_norm
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_norm
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // k_cache
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // v_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // pos
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // n_valid
-                                  .Attr<float>("eps")
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // o
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // k_cache
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // v_cache
-                                  .Ret<ffi::Buffer<ffi::U8>>(),   // scratch (split partials)
+                              BARO_BIND_SCRATCH(BARO_BIND_ATTENTION_ARGS(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>())),  // split partials
                               {ffi::Traits::kCmdBufferCompatible});

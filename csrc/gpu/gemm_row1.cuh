@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
   // Stage s of the flat (unit, k-stage) stream into ring slot s % ST: smem row i < kWRows
   // gets W row i's kchunk-wide piece (rows of columns past out_n are not copied: their
   // accumulators are never stored, and a column never mixes into another), row kWRows the
-  // A row's piece. Lane 0 arms the barrier with the byte count first.
+  // A row's piece.
   int64_t pj = 0;
   int pkt = 0;
   Unit pu = unit(0);
@@ -176,18 +176,14 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
         if (src != nullptr) cp_async16(dst + r * rowb + 16 * q, src + 8 * q, true);
       }
       cp_async_arrive(bar);
-      if (++pkt == n_k) {
-        pkt = 0;
-        if (++pj < my_units) pu = unit(pj);
+    } else {  // lane 0 arms the barrier with the byte count, then one bulk copy per row
+      if (lane == 0) mbar_expect_tx(bar, kb * static_cast<uint32_t>(live + 1));
+      __syncwarp();
+      fence_proxy_async();
+      for (int r = lane; r <= Cfg::kWRows; r += BARO_WARP) {
+        const uint16_t* src = src_row(r);
+        if (src != nullptr) bulk_copy(dst + r * rowb, src, kb, bar);
       }
-      return;
-    }
-    if (lane == 0) mbar_expect_tx(bar, kb * static_cast<uint32_t>(live + 1));
-    __syncwarp();
-    fence_proxy_async();
-    for (int r = lane; r <= Cfg::kWRows; r += BARO_WARP) {
-      const uint16_t* src = src_row(r);
-      if (src != nullptr) bulk_copy(dst + r * rowb, src, kb, bar);
     }
     if (++pkt == n_k) {
       pkt = 0;

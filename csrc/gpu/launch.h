@@ -6,11 +6,21 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "gemm.cuh"
 #include "portability.h"
 
 namespace baro_gpu {
+
+// Host helpers of the launchers.
+inline bool is_aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
+// The speed/test knob `name` is set to exactly `value` (read per call, so a test can switch it).
+inline bool env_is(const char* name, const char* value) {
+  const char* s = std::getenv(name);
+  return s != nullptr && !std::strcmp(s, value);
+}
 
 // ---- GEMM (matmul.cu) ----
 // kSmall 16 x 32 and kLarge 64 x 64: the simple synchronous kernel (decode,

@@ -50,10 +50,7 @@ static bool forced_config(GemmConfig& cfg) {
 // Test knob: BARO_GEMM_SMALL=simple runs 16-row slots on the simple synchronous
 // kernel instead of gemm_rows16 (both give the same bits; tests compare them);
 // one-row calls then run there too.
-[[maybe_unused]] static bool small_simple() {
-  const char* s = std::getenv("BARO_GEMM_SMALL");
-  return s != nullptr && !std::strcmp(s, "simple");
-}
+[[maybe_unused]] static bool small_simple() { return env_is("BARO_GEMM_SMALL", "simple"); }
 
 // Test knob: BARO_GEMM_ROW1=off runs one-row calls on gemm_rows16 instead of
 // gemm_row1 (same bits; the tests compare the two). Read per call.
@@ -61,8 +58,7 @@ static bool row1_enabled() {
 #if BARO_HIP
   return false;
 #else
-  const char* s = std::getenv("BARO_GEMM_ROW1");
-  return !small_simple() && !(s != nullptr && !std::strcmp(s, "off"));
+  return !small_simple() && !env_is("BARO_GEMM_ROW1", "off");
 #endif
 }
 
@@ -109,8 +105,6 @@ GemmConfig gemm_pick_grouped(int64_t pairs, int64_t groups, int64_t rows) {
   return GemmConfig::kPipe128;
 }
 
-
-static bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
 
 #if !BARO_HIP
 // >48 KB of dynamic shared memory must be opted into per kernel and device;
@@ -175,8 +169,7 @@ static Row1Plan row1_plan() {
   r.kchunk_max = env_int("BARO_ROW1_KCHUNK", r.kchunk_max, 128, 4096) / 128 * 128;
   r.min_stages = env_int("BARO_ROW1_STAGES", r.min_stages, 2, kRow1MaxStages);
   r.nt = env_int("BARO_ROW1_NT", 0, 1, 4);
-  const char* c = std::getenv("BARO_ROW1_COPY");
-  r.lsu = c != nullptr && !std::strcmp(c, "lsu") ? 1 : 0;
+  r.lsu = env_is("BARO_ROW1_COPY", "lsu") ? 1 : 0;
   return r;
 }
 
@@ -255,11 +248,8 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
     return gpuErrorInvalidValue;
   if (swiglu && (!gemm_fused_swiglu_ok(cfg) || p.N != 2 * p.swiglu_I)) return gpuErrorInvalidValue;
   p.slot_rows = gemm_bm(cfg);
-  p.vec = (p.K % 8 == 0 && p.lda % 8 == 0 && p.ldw % 8 == 0 && p.w_group_stride % 8 == 0 &&
-           aligned(p.A, 16) && aligned(p.W, 16))
-              ? 1
-              : 0;
-  p.out2 = swiglu ? (p.ldc % 2 == 0 && aligned(p.Act, 4)) : (p.ldc % 2 == 0 && aligned(p.C, 8));
+  p.vec = gemm_vec_ok(p) ? 1 : 0;
+  p.out2 = swiglu ? (p.ldc % 2 == 0 && is_aligned(p.Act, 4)) : (p.ldc % 2 == 0 && is_aligned(p.C, 8));
   if (cfg == GemmConfig::kRow1) {
 #if !BARO_HIP
     if (p.vec && p.K % 16 == 0)
@@ -304,7 +294,7 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
 
 bool gemm_vec_ok(const GemmParams& p) {
   return p.K % 8 == 0 && p.lda % 8 == 0 && p.ldw % 8 == 0 && p.w_group_stride % 8 == 0 &&
-         aligned(p.A, 16) && aligned(p.W, 16);
+         is_aligned(p.A, 16) && is_aligned(p.W, 16);
 }
 
 gpuError_t launch_matmul(const uint16_t* x, const uint16_t* w, float* y, int64_t m, int64_t N,

@@ -14,9 +14,6 @@
 // Weights are read once per (expert tile, N tile): an expert used by r pairs
 // of the call is read ceil(r / BM) times, not once per token.
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <optional>
 #include <string>
 
 #include "contract.h"
@@ -552,25 +549,29 @@ static GemmParams moe_gate_up_params(const MoeArgs& a) {
   return p;
 }
 
-static bool fold_enabled() {
-  const char* s = std::getenv("BARO_MOE_FOLD");
-  return !(s != nullptr && !std::strcmp(s, "0"));
+// The grouped down GEMM over act [rows, I] (rows in sorted-pair order).
+static GemmParams moe_down_params(const MoeArgs& a, const uint16_t* act) {
+  GemmParams p;
+  p.A = act;
+  p.lda = a.I;
+  p.W = a.w_down;
+  p.ldw = a.I;
+  p.w_group_stride = a.D * a.I;
+  p.N = a.D;
+  p.K = a.I;
+  return p;
 }
 
-static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+static bool aligned16(const void* p) { return is_aligned(p, 16); }
 
 static MoePlan moe_plan(const MoeArgs& a) {
   MoePlan pl;
   pl.cfg = gemm_pick_grouped(a.m * a.top_k, a.E, a.m);
   const GemmParams gu = moe_gate_up_params(a);
   pl.fused = gemm_fused_swiglu_ok(pl.cfg) && gemm_vec_ok(gu);
-  GemmParams down = gu;  // the down GEMM's operand shape (its A is 256-byte aligned scratch)
-  down.lda = down.ldw = a.I;
-  down.K = a.I;
-  down.W = a.w_down;
-  down.w_group_stride = a.D * a.I;
+  const GemmParams down = moe_down_params(a, a.h);  // (its real A, the act scratch, is 256-byte aligned)
   pl.fold = a.m == 1 && pl.cfg == GemmConfig::kRow1 && pl.fused && a.I == a.Is && !a.skip_unslotted &&
-            a.top_k <= BARO_WARP && a.E <= BARO_WARP * kTopkRegPer && a.E < 0x7fffffff && fold_enabled() &&
+            a.top_k <= BARO_WARP && a.E <= BARO_WARP * kTopkRegPer && !env_is("BARO_MOE_FOLD", "0") &&
             gemm_row1_runs(gu) && gemm_row1_runs(down) && aligned16(a.router) && aligned16(a.s_gate) &&
             aligned16(a.s_gate_up) && aligned16(a.s_down);
   return pl;
@@ -733,15 +734,7 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
   }
   // 5. grouped down: ys[pos] = act[pos] . w_down[e]^T   [P, D]
   {
-    GemmParams p;
-    p.A = s.act;
-    p.lda = I;
-    p.a_rows = nullptr;
-    p.W = a.w_down;
-    p.ldw = I;
-    p.w_group_stride = D * I;
-    p.N = D;
-    p.K = I;
+    GemmParams p = moe_down_params(a, s.act);
     p.C = s.ys;
     p.ldc = D;
     p.tiles = s.tiles;
@@ -760,8 +753,7 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
 static gpuError_t combine(const MoeArgs& a, const float* ys, const int32_t* inv, const float* wts,
                           const float* sout, const float* sgl, const int32_t* ids, gpuStream_t stream) {
   const int64_t m = a.m, D = a.D;
-  const bool v4 = D % 4 == 0 && (reinterpret_cast<uintptr_t>(a.out) & 15u) == 0 &&
-                  (reinterpret_cast<uintptr_t>(ys) & 15u) == 0;
+  const bool v4 = D % 4 == 0 && aligned16(a.out) && aligned16(ys);
   if (v4) {
     moe_combine_kernel<4><<<elem_blocks(m * D / 4), kElemThreads, 0, stream>>>(
         ys, inv, wts, sout, sgl, a.out, m, D, a.top_k, ids, a.slots, static_cast<int>(a.S));
@@ -919,29 +911,8 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-// Device scratch of `bytes`: the caller's buffer (checked to be large enough), or else
-// from XLA's scratch allocator.
-struct ScratchSource {
-  ffi::ScratchAllocator* alloc = nullptr;
-  ffi::Result<ffi::Buffer<ffi::U8>>* given = nullptr;
-};
-ffi::Error take_scratch(const char* op, ScratchSource src, size_t bytes, void** mem) {
-  if (src.given != nullptr) {
-    const size_t have = (*src.given)->element_count();
-    if (have < bytes)
-      return ffi::Error::InvalidArgument(std::string(op) + ": the scratch result holds " + std::to_string(have) +
-                                         " bytes, the call needs " + std::to_string(bytes) +
-                                         " (custom_calls sizes it; a stale wrapper?)");
-    *mem = (*src.given)->untyped_data();
-    return ffi::Error::Success();
-  }
-  std::optional<void*> m = src.alloc->Allocate(bytes, 16);  // XLA accepts alignment <= 16
-  if (!m.has_value() || *m == nullptr)
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      std::string(op) + ": could not allocate " + std::to_string(bytes) + " bytes of GPU scratch");
-  *mem = *m;
-  return ffi::Error::Success();
-}
+using baro_gpu::ScratchSource;
+using baro_gpu::take_scratch;
 
 // The launch shared by baro_moe and baro_moe_slots (slots == nullptr: baro_moe).
 ffi::Error run_moe(const char* op, gpuStream_t stream, ScratchSource scratch,
@@ -1059,23 +1030,12 @@ ffi::Error MoeRouteGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ff
   BARO_CHECK(E <= baro_gpu::kMoeMaxExperts, op,
              "the GPU kernel supports at most " << baro_gpu::kMoeMaxExperts << " experts, got E=" << E);
   if (m == 0) return ffi::Error::Success();
-  const size_t bytes = baro_gpu::moe_route_scratch_bytes(m, E, top_k);
-  std::optional<void*> mem = scratch.Allocate(bytes, 16);
-  if (!mem.has_value() || *mem == nullptr)
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      std::string(op) + ": could not allocate " + std::to_string(bytes) +
-                          " bytes of GPU scratch");
+  void* mem = nullptr;
+  if (auto err = take_scratch(op, ScratchSource{&scratch, nullptr}, baro_gpu::moe_route_scratch_bytes(m, E, top_k), &mem);
+      err.failure())
+    return err;
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_moe_route(h.typed_data(), router.typed_data(),
-                                                       ids->typed_data(), m, D, E, top_k, *mem, stream));
-  return ffi::Error::Success();
-}
-
-ffi::Error alloc_scratch(const char* op, ffi::ScratchAllocator& scratch, size_t bytes, void** mem) {
-  std::optional<void*> m = scratch.Allocate(bytes, 16);
-  if (!m.has_value() || *m == nullptr)
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      std::string(op) + ": could not allocate " + std::to_string(bytes) + " bytes of GPU scratch");
-  *mem = *m;
+                                                       ids->typed_data(), m, D, E, top_k, mem, stream));
   return ffi::Error::Success();
 }
 
@@ -1106,7 +1066,7 @@ ffi::Error MoePairsGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ff
   a.Is = 0;  // no shared expert here (baro_moe_combine runs it)
   a.top_k = top_k;
   void* mem = nullptr;
-  if (auto err = alloc_scratch(op, scratch, baro_gpu::moe_pairs_scratch_bytes(a), &mem); err.failure()) return err;
+  if (auto err = take_scratch(op, ScratchSource{&scratch, nullptr}, baro_gpu::moe_pairs_scratch_bytes(a), &mem); err.failure()) return err;
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_moe_pairs(a, d.El, expert_base.typed_data(), y->typed_data(),
                                                        w->typed_data(), ids->typed_data(), mem, stream));
   return ffi::Error::Success();
@@ -1137,7 +1097,7 @@ ffi::Error MoeCombineGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, 
   a.Is = d.Is;
   a.top_k = static_cast<int>(d.K);
   void* mem = nullptr;
-  if (auto err = alloc_scratch(op, scratch, baro_gpu::moe_combine_scratch_bytes(a), &mem); err.failure()) return err;
+  if (auto err = take_scratch(op, ScratchSource{&scratch, nullptr}, baro_gpu::moe_combine_scratch_bytes(a), &mem); err.failure()) return err;
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_moe_combine(a, y.typed_data(), w.typed_data(), mem, stream));
   return ffi::Error::Success();
 }
@@ -1173,65 +1133,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeCombineGpu, MoeCombineGpuImpl,
 );
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeGpu, MoeGpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // router
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_gate_up
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_down
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate_up
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_down
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
-                                  .Attr<int32_t>("top_k")
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-);
+                              BARO_BIND_MOE_ARGS(ffi::Ffi::Bind()
+                                                     .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                                     .Ctx<ffi::ScratchAllocator>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsGpu, MoeSlotsGpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // router
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_gate_up_pool [S, 2I, D]
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_down_pool [S, D, I]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [E]
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate_up
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_down
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
-                                  .Attr<int32_t>("top_k")
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-);
+                              BARO_BIND_MOE_SLOTS_ARGS(ffi::Ffi::Bind()
+                                                           .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                                           .Ctx<ffi::ScratchAllocator>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSmallGpu, MoeSmallGpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // router
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_gate_up
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_down
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate_up
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_down
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
-                                  .Attr<int32_t>("top_k")
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Ret<ffi::Buffer<ffi::U8>>(),  // scratch
+                              BARO_BIND_SCRATCH(BARO_BIND_MOE_ARGS(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>())),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsSmallGpu, MoeSlotsSmallGpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // h
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // router
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_gate_up_pool [S, 2I, D]
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_down_pool [S, D, I]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [E]
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate_up
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_down
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // shared_gate
-                                  .Attr<int32_t>("top_k")
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Ret<ffi::Buffer<ffi::U8>>(),  // scratch
+                              BARO_BIND_SCRATCH(BARO_BIND_MOE_SLOTS_ARGS(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>())),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeRouteGpu, MoeRouteGpuImpl,

@@ -214,6 +214,10 @@ def main(argv=None) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.speed_length > eng.cfg.max_context:
+        print(f"error: --speed-length {args.speed_length} is longer than the context of {eng.cfg.max_context} "
+              f"positions (raise --max-context)", file=sys.stderr)
+        return 2
     arms = {"control": eng}
     arms.update({c: variants.engine_with(eng, c) for c in cands})
     prompts = load_prompts(args.prompts, eng.tokenizer)
@@ -233,6 +237,15 @@ def main(argv=None) -> int:
     per_arm = {a: [] for a in arms}
     seconds = {a: 0.0 for a in arms}
     t_start = time.time()
+    # the speeds first: a run cut short by its time limit keeps them beside the prompts it scored
+    speed = prefill_speeds(arms, args) if args.speed_length else None
+
+    def written(partial: bool) -> dict:
+        out = report(args, cands, arms, prompts, rows, per_arm, seconds, t_start, partial=partial)
+        if speed is not None:
+            out["speed"] = speed
+        return out
+
     for p in prompts:
         ids = p["ids"]
         t0 = time.perf_counter()
@@ -253,11 +266,9 @@ def main(argv=None) -> int:
                   f"{r['max_abs_logit_diff']:>9.2e} {fd:>9}", flush=True)
         rows.append(row)
         # written after every prompt so a run cut short still leaves its evidence
-        write_json(args.json, report(args, cands, arms, prompts, rows, per_arm, seconds, t_start, partial=True))
+        write_json(args.json, written(partial=True))
 
-    out = report(args, cands, arms, prompts, rows, per_arm, seconds, t_start, partial=False)
-    if args.speed_length:
-        out["speed"] = prefill_speeds(arms, args)
+    out = written(partial=False)
     write_json(args.json, out)
     ctrl, summ = out["control"], out["candidates"]
     harness_ok = out["harness_ok"]

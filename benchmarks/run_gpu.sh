@@ -73,8 +73,9 @@ stage_tier() {
 }
 # Decode (issue 10): where a token's time goes at 1k and 32k context (benchmarks/decode_profile.py),
 # then decode tok/s at 1k, 32k and 128k context (speed.py, batch-ordered prefill first) with its PNG.
+# DECODE_PROFILE=0: the speeds only.
 stage_decode() {
-  for c in ${DECODE_CONTEXTS:-1024 32768}; do
+  [ "${DECODE_PROFILE:-1}" = 1 ] && for c in ${DECODE_CONTEXTS:-1024 32768}; do
     timeout 200 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --context "$c" --steps 32 --top 16 \
       --json "$OUT/decode_profile_${c}_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -24
   done
@@ -131,11 +132,12 @@ stage_vs_peer() {
   return "$rc"
 }
 # Teacher-forced agreement of the opt-in variants (bar 99%, benchmarks/agreement.py): $OUT/agreement_h200.json,
-# written after every prompt. Env: AGREE_CANDIDATES, AGREE_MAX_LEN (2049), AGREE_CHUNK (1024), AGREE_TIMEOUT (560).
+# written after every prompt (the 8k prefill speeds first). Env: AGREE_CANDIDATES, AGREE_MAX_LEN (2049), AGREE_LIMIT
+# (0: every prompt; 23 prompts take ~280 s on the H200), AGREE_CHUNK (1024), AGREE_TIMEOUT (560).
 stage_agreement() {
   timeout "${AGREE_TIMEOUT:-560}" python benchmarks/agreement.py --model qwen3.5-35b-a3b \
     --candidate "${AGREE_CANDIDATES:-xla,attn-fast,delta-chunk}" --prompts benchmarks/prompts/identity_gpu.jsonl \
-    --max-len "${AGREE_MAX_LEN:-2049}" --new-tokens 64 --chunk "${AGREE_CHUNK:-1024}" --max-context 4096 \
+    --max-len "${AGREE_MAX_LEN:-2049}" --limit "${AGREE_LIMIT:-0}" --new-tokens 64 --chunk "${AGREE_CHUNK:-1024}" --max-context "${AGREE_MAX_CONTEXT:-8192}" \
     --speed-length "${AGREE_SPEED_LEN:-8192}" --json "$OUT/agreement_h200.json" 2>&1 | tee "$OUT/agreement.log" | tail -16
 }
 for s in "$@"; do log "$s"; "stage_$s" || log "stage $s FAILED"; done

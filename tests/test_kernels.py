@@ -1295,6 +1295,50 @@ def test_moe_slots_same_bytes(platform, m):
         assert_same_bits(got, want, f"moe_slots m={m} S={S}")
 
 
+# top_k > 32: one warp routes a row, so slot s >= 32's weight is written (and renormalised)
+# by lane s % 32; one row of a batch, a row alone and the float64 reference agree.
+def test_moe_top_k_past_a_warp(platform):
+    rng = np.random.default_rng(1600)
+    E, D, I, Is, k = 64, 64, 32, 32, 40
+    h = bf16(rng, 7, D)
+    w = moe_weights_sized(rng, E, D, I, Is)
+    wd = put(platform, *w)
+    f = jax.jit(lambda *a: cc.moe(*a, top_k=k))
+    poison(platform, (7, D))
+    full = np.asarray(f(put(platform, h), *wd))
+    assert np.all(np.isfinite(full))
+    for i in (0, 3, 6):
+        assert_same_bits(np.asarray(f(put(platform, h[i:i + 1]), *wd))[0], full[i], f"moe top_k={k} row {i}")
+    assert_close(full, ref_moe(h, *w, k), 1e-3, f"moe top_k={k} vs float64")
+
+
+# One token through a slot table with I == Is: the fold (top-k and grouping in one warp,
+# the shared expert as one more grouped row) reading experts at their pool slots gives the
+# bytes of moe, folded or not (BARO_MOE_FOLD=0).
+def test_moe_slots_one_token_fold(platform, monkeypatch):
+    rng = np.random.default_rng(1601)
+    E, D, I, Is, k = 16, 256, 64, 64, 4
+    router, gu, down, sgu, sdown, sgate = moe_weights_sized(rng, E, D, I, Is)
+    for row in range(3):
+        h = bf16(rng, 1, D)
+        want = {}
+        for knob in ("1", "0"):
+            monkeypatch.setenv("BARO_MOE_FOLD", knob)
+            want[knob] = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(
+                *put(platform, h, router, gu, down, sgu, sdown, sgate)))
+        assert_same_bits(want["1"], want["0"], f"moe one token row {row}: fold vs BARO_MOE_FOLD=0")
+        ids = np.asarray(J_ROUTE(*put(platform, h, router), top_k=k))
+        for S in (k, E + 3):
+            pgu, pdn, slots = pool_for(gu, down, ids[0].tolist() if S < E else range(E), S, rng)
+            for knob in ("1", "0"):
+                monkeypatch.setenv("BARO_MOE_FOLD", knob)
+                poison(platform, (1, D))
+                got = np.asarray(jax.jit(lambda *a: cc.moe_slots(*a, top_k=k))(
+                    *put(platform, h, router, pgu, pdn, slots, sgu, sdown, sgate)))
+                assert_same_bits(got, want["0"], f"moe_slots one token row {row} S={S} BARO_MOE_FOLD={knob}")
+    monkeypatch.delenv("BARO_MOE_FOLD", raising=False)
+
+
 def test_moe_route_is_moes_routing(platform):
     """moe_route's ids: descending probability, ties to the lower id (the float64 reference's order)."""
     rng = np.random.default_rng(13)

@@ -593,25 +593,35 @@ __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
 // arithmetic), gate, write. One warp per (token i < m, q head h); lane handles
 // d = lane + 32t.
 constexpr int kFaCombineWarps = 4;
-constexpr int kFaCombinePerLane = kAttnMaxHeadDim / BARO_WARP;
-constexpr int kFaCombineAhead = 4;  // splits read before they are merged
+// Warps per (row, q head), each merging its own quarter of the head dims (lane l, slice c:
+// dims l + 32 (c + 4t)). Every warp computes the same M and L from the same values in the
+// same order, so an element's bits do not depend on which warp merges it; four times the
+// warps and a quarter of the loads per lane (a decode call has only m * H = 16 rows).
+constexpr int kFaCombineSlices = 4;
+constexpr int kFaCombinePerLane = kAttnMaxHeadDim / BARO_WARP / kFaCombineSlices;
+constexpr int kFaCombineAhead = 16;  // splits read before they are merged
+static_assert(kAttnMaxHeadDim % (BARO_WARP * kFaCombineSlices) == 0, "whole lanes per slice");
 
 __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
     attn_fa_combine_kernel(AttentionArgs a, const float* __restrict__ part_o,
                            const float* __restrict__ part_ml, int max_splits, int64_t rows_pad) {
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kFaCombineWarps + warp_id();
-  if (item >= a.m * a.H) return;
-  const int64_t i = item / a.H;
-  const int h = static_cast<int>(item % a.H);
+  if (item >= a.m * a.H * kFaCombineSlices) return;
+  const int slice = static_cast<int>(item % kFaCombineSlices);
+  const int64_t i = item / kFaCombineSlices / a.H;
+  const int h = static_cast<int>(item / kFaCombineSlices % a.H);
   const int G = a.H / a.Hkv;
   const int kh = h / G;
   const int64_t R = i * G + (h - kh * G);
   const int hd = a.hd, lane = lane_id();
+  auto dim = [&](int t) { return lane + BARO_WARP * (slice + kFaCombineSlices * t); };
   const int64_t out_ld = static_cast<int64_t>(a.H) * hd;
   uint16_t* orow = a.out + i * out_ld + static_cast<int64_t>(h) * hd;
   const int64_t nvld = clamp_nvalid(a.n_valid, a.m);
   if (i >= nvld) {
-    for (int d = lane; d < hd; d += BARO_WARP) orow[d] = 0;
+#pragma unroll
+    for (int t = 0; t < kFaCombinePerLane; ++t)
+      if (dim(t) < hd) orow[dim(t)] = 0;
     return;
   }
   int64_t lim = static_cast<int64_t>(*a.pos) + i;  // same row limit as attn_fa_kernel
@@ -635,10 +645,8 @@ __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
         ms[u] = part_ml[slot * 2 + 0];
         ls[u] = part_ml[slot * 2 + 1];
 #pragma unroll
-        for (int t = 0; t < kFaCombinePerLane; ++t) {
-          const int d = lane + BARO_WARP * t;
-          po[u][t] = d < hd ? part_o[slot * hd + d] : 0.0f;
-        }
+        for (int t = 0; t < kFaCombinePerLane; ++t)
+          po[u][t] = dim(t) < hd ? part_o[slot * hd + dim(t)] : 0.0f;
       }
     }
 #pragma unroll
@@ -648,10 +656,8 @@ __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
         fa_merge_scale(M, ms[u], Mn, ea, eb);
         Lsum = Lsum * ea + ls[u] * eb;
 #pragma unroll
-        for (int t = 0; t < kFaCombinePerLane; ++t) {
-          const int d = lane + BARO_WARP * t;
-          if (d < hd) O[t] = O[t] * ea + po[u][t] * eb;
-        }
+        for (int t = 0; t < kFaCombinePerLane; ++t)
+          if (dim(t) < hd) O[t] = O[t] * ea + po[u][t] * eb;
         M = Mn;
       }
     }
@@ -659,7 +665,7 @@ __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
   const float* xr = a.qkv + i * static_cast<int64_t>(2 * a.H + 2 * a.Hkv) * hd;
 #pragma unroll
   for (int t = 0; t < kFaCombinePerLane; ++t) {
-    const int d = lane + BARO_WARP * t;
+    const int d = dim(t);
     if (d < hd) {
       const float gate = xr[static_cast<int64_t>(h) * 2 * hd + hd + d];
       orow[d] = f32_to_bf16((O[t] / Lsum) * sigmoidf_(gate));
@@ -735,7 +741,7 @@ inline gpuError_t fa_launch(const AttentionArgs& a, void* scratch, gpuStream_t s
                      ? fa_launch_one<kFaSmallPairs, true>(a, grid, part_o, part_ml, ms, p.rows_pad, stream)
                      : fa_launch_one<kFaBigPairs, true>(a, grid, part_o, part_ml, ms, p.rows_pad, stream);
   if (e != gpuSuccess) return e;
-  const int64_t blocks3 = (a.m * a.H + kFaCombineWarps - 1) / kFaCombineWarps;
+  const int64_t blocks3 = (a.m * a.H * kFaCombineSlices + kFaCombineWarps - 1) / kFaCombineWarps;
   attn_fa_combine_kernel<<<static_cast<unsigned>(blocks3), kFaCombineWarps * BARO_WARP, 0, stream>>>(
       a, part_o, part_ml, ms, p.rows_pad);
   return gpuGetLastError();

@@ -77,6 +77,15 @@ BARO_DEV int shfl_xor(int v, int mask) {
 #endif
 }
 
+// Lane src's v, to every lane of the logical warp.
+BARO_DEV int shfl_idx(int v, int src) {
+#if BARO_HIP
+  return __shfl(v, src, BARO_WARP);
+#else
+  return __shfl_sync(0xffffffffu, v, src, BARO_WARP);
+#endif
+}
+
 // Orders shared-memory accesses among the lanes of one warp. AMD wavefronts
 // execute in lockstep, so only CUDA (independent thread scheduling) needs it.
 BARO_DEV void warp_sync() {

@@ -150,23 +150,31 @@ def env_decode_block(default: int = DECODE_BLOCK) -> int:
 
 def greedy_steps(params, state, token, pos, n, rope, *, cfg: Config, ops, block: int):
     """Up to `block` greedy decode steps in one device graph: token at pos, then each step's
-    argmax fed back, for n (traced, 1..block) steps. Each iteration is forward() on one row,
-    the decode step's graph, so the bits are the per-token loop's. Returns (tokens [block],
-    last token, state): tokens[i] is the argmax after step i (entries past n are -1), last the
-    final one, a device scalar the next block starts from."""
+    argmax fed back, for n steps. Each iteration is forward() on one row, the decode step's
+    graph, so the bits are the per-token loop's. Returns (tokens [block], last token, state):
+    tokens[i] is the argmax after step i (entries past n are -1), last the final one, a device
+    scalar the next block starts from.
+
+    n = None: exactly `block` steps, a loop whose trip count XLA knows, so the GPU runtime runs
+    it without reading a predicate back to the host every step (a copy and a host wait per
+    token: with a traced n the loop is a while whose condition lives on the device). A traced
+    n (1..block) serves the shorter last block of a request, one graph for every length."""
     def body(i, carry):
         st, tok, toks = carry
         logits, st = M.forward(params, st, tok[None], pos + i, jnp.int32(1), rope, cfg=cfg, ops=ops)
         nxt = greedy(logits)
         return st, nxt, toks.at[i].set(nxt)
 
-    st, last, toks = jax.lax.fori_loop(0, n, body, (state, token, jnp.full((block,), -1, jnp.int32)))
+    steps = block if n is None else n
+    st, last, toks = jax.lax.fori_loop(0, steps, body, (state, token, jnp.full((block,), -1, jnp.int32)))
     return toks, last, st
 
 
 # Module-level jits keyed on (cfg, ops): engines of the same model share compiled graphs.
 _STEP = jax.jit(M.forward, static_argnames=("cfg", "ops", "all_logits"), donate_argnums=(1,))
 _GREEDY = jax.jit(greedy_steps, static_argnames=("cfg", "ops", "block"), donate_argnums=(1,))
+_GREEDY_FULL = jax.jit(partial(greedy_steps, n=None), static_argnames=("cfg", "ops", "block"),
+                       donate_argnums=(1,))
 _ALL_LOGITS = jax.jit(partial(M.forward, all_logits=True), static_argnames=("cfg", "ops"))
 
 
@@ -331,8 +339,12 @@ class Engine:
             queued = None
             if done < n:
                 k = min(block, n - done)
-                dev, tok, state = _GREEDY(self.params, state, tok, jnp.int32(pos + done), jnp.int32(k),
-                                          self.rope, cfg=self.cfg, ops=self.ops, block=block)
+                if k == block:
+                    dev, tok, state = _GREEDY_FULL(self.params, state, tok, jnp.int32(pos + done),
+                                                   rope=self.rope, cfg=self.cfg, ops=self.ops, block=block)
+                else:
+                    dev, tok, state = _GREEDY(self.params, state, tok, jnp.int32(pos + done), jnp.int32(k),
+                                              self.rope, cfg=self.cfg, ops=self.ops, block=block)
                 queued = (dev, k)
                 done += k
             if pending is not None:

@@ -66,3 +66,21 @@ def test_generate_greedy_blocks_match_step_loop(monkeypatch):
 
     with pytest.raises(ValueError, match="BARO_DECODE_BLOCK"):
         eng.generate("the cat", 4, stop_at_eos=False)
+
+
+def test_full_greedy_block_has_a_known_trip_count():
+    """A full block is a loop of exactly `block` steps whose trip count XLA knows (its GPU
+    runtime then runs the body without reading a predicate back to the host each step); the
+    shorter last block's loop has a traced length, so its count is unknown."""
+    import re
+
+    import jax.numpy as jnp
+
+    eng = baro_jax.load("tiny", backend="ordered", progress=False)
+    st = eng.new_state(64)
+    kw = dict(cfg=eng.cfg, ops=eng.ops, block=4)
+    full = engine._GREEDY_FULL.lower(eng.params, st, jnp.int32(3), jnp.int32(0), rope=eng.rope, **kw)
+    part = engine._GREEDY.lower(eng.params, st, jnp.int32(3), jnp.int32(0), jnp.int32(4), eng.rope, **kw)
+    counts = lambda lowered: re.findall(r'known_trip_count":\{"n":"(\d+)"', lowered.compile().as_text())  # noqa: E731
+    assert counts(full) == ["4"], counts(full)
+    assert counts(part) == []

@@ -1,22 +1,58 @@
 """Device and host memory budgeting: the one place that counts bytes.
 
 Both modes refuse a request before any work when its footprint cannot fit:
-resident mode counts every weight, tier mode the non-expert weights plus two
-staged expert layers; both add the KV/state of the request's context and the
-activations of one layer at the prefill chunk. The activation count is an
-estimate of the largest set of buffers alive at once inside one layer (the
-MoE's scratch usually), with a margin for XLA's own temporaries.
+resident mode counts every weight, tier mode the non-expert weights, two
+staged expert layers and the decode expert cache; both add the KV/state of the
+request's context, the activations of one layer at the prefill chunk, and a
+runtime reserve for what the count does not see (RUNTIME_RESERVE_*).
+
+Tier mode splits its budget on purpose: the decode expert cache is sized
+only after room is kept for a prefill at PREFILL_RESERVE_CHUNK rows with its
+KV/state (a prefill pass moves every routed expert over the host link whatever
+the chunk, so a small chunk multiplies the passes), and the prefill chunk is
+then the largest that fits beside the cache (largest_tier_chunk).
 """
 from __future__ import annotations
 
+import math
 import os
+from typing import NamedTuple
 
 import numpy as np
 import jax
 
 from .config import DELTA_BLOCK, FULL, Config
 
-ACTIVATION_MARGIN = 1.25  # XLA temporaries beside the buffers counted below
+ACTIVATION_MARGIN = 1.25  # XLA temporaries beside the XLA-side activation buffers counted below
+
+# Held back from every budget (both modes) for device memory the count below does not see.
+# Why: on the H200 run as a 24 GB card (issue 11) a tier request the count put at <= 22 GiB ran
+# out of memory under a 23.6 GiB allocator limit, so at least 1.6 GiB went uncounted. It covers
+# XLA's own workspace and the executables' constants; allocator fragmentation (a staged 1 GiB
+# gate_up needs one contiguous free block); buffers whose release waits on the device (a staged
+# layer's experts are freed only once its compute has run, so a third staged layer can be alive:
+# 1.5 GiB at full size, less than the 1.76 GiB this keeps at 22 GiB); and a caller's own extra
+# arrays (a benchmark's copy of a state for its checks). benchmarks/tier_overlap.py and speed.py
+# record the device's peak beside the count, to measure this rather than guess it.
+RUNTIME_RESERVE_MIN = 1 << 30
+RUNTIME_RESERVE_FRACTION = 0.08
+
+# The prefill the decode expert cache leaves room for: a prompt of this many tokens in one pass
+# (clipped to max_context), with the KV/state of that prompt going on to decode. 8192 rows: an 8k
+# prompt in one pass of the host link, a 32k one in four to eight, not one pass per 1k tokens.
+PREFILL_RESERVE_CHUNK = 8192
+
+# csrc/gpu/moe.cu: pairs per block of the grouping kernels (kGroupChunk), the smallest BM of an
+# m > 1 grouped GEMM, which sizes the tile list (kMinGroupBM).
+MOE_GROUP_CHUNK = 512
+MOE_MIN_GROUP_BM = 16
+
+
+class Part(NamedTuple):
+    """One counted piece of a footprint: a key for JSON, its bytes, and how a refusal names it."""
+    name: str
+    bytes: int
+    text: str
 
 
 def itemsize(dtype) -> int:
@@ -25,6 +61,10 @@ def itemsize(dtype) -> int:
 
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def round256(n: int) -> int:
+    return (n + 255) & ~255
 
 
 # --- what a model needs -------------------------------------------------------------
@@ -59,18 +99,68 @@ def state_bytes(cfg: Config, dtype, length: int) -> int:
     return n
 
 
+def moe_scratch_bytes(cfg: Config, m: int, fused: bool = True) -> int:
+    """The GPU scratch one baro_moe call of m rows takes from the allocator: the buffers of
+    csrc/gpu/moe.cu moe_layout in its order, each rounded up to 256 bytes. Keep in step with it.
+
+    fused: gate/up runs with the SwiGLU in its epilogue (CUDA's GEMM configs at prefill sizes), so
+    there is no fp32 gu buffer; HIP never fuses (gemm_fused_swiglu_ok). m == 1 counts the
+    one-token fold's extra grouped row and logit whenever I == Is (an upper bound: moe_plan has
+    more conditions)."""
+    if m <= 0:
+        return 0
+    E, k, I, Is, D = cfg.num_experts, cfg.top_k, cfg.moe_inter, cfg.shared_inter, cfg.hidden_size
+    P = m * k
+    fold = int(m == 1 and I == Is)
+    R = P + fold  # grouped rows: the pairs, and the folded shared expert
+    max_tiles = P // (1 if m == 1 else MOE_MIN_GROUP_BM) + min(E, P) + 1
+    chunks = -(-P // MOE_GROUP_CHUNK)
+    buffers = [
+        4 * (m * E + fold),      # logits (router, and the folded shared gate)
+        4 * P,                   # ids
+        4 * P,                   # wts
+        4 * R,                   # srow
+        4 * P,                   # inv
+        4 * 3 * max_tiles,       # tiles
+        4,                       # n_tiles
+        4 * chunks * E,          # cnt
+        0 if fused else 4 * P * 2 * I,  # gu
+        2 * R * I,               # act
+        4 * R * D,               # ys
+        4 * m * 2 * Is,          # sgu
+        2 * m * Is,              # sact
+        4 * m * D,               # sout
+        4 * m,                   # sgl
+    ]
+    return sum(round256(b) for b in buffers if b)
+
+
+def moe_fuses_swiglu() -> bool:
+    """Whether the default device's MoE kernel fuses the SwiGLU into gate/up (CUDA: yes, HIP: no)."""
+    try:
+        version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
+    except Exception:  # noqa: BLE001  (no client to ask: count CUDA's layout)
+        version = ""
+    return "rocm" not in version
+
+
 def activation_bytes(cfg: Config, dtype, chunk: int) -> int:
-    """Estimated peak of one layer's live activations at m = chunk rows (fp32 where NUMERICS says)."""
+    """Estimated peak of one layer's live activations at m = chunk rows.
+
+    XLA's own buffers (fp32 where NUMERICS says): the residual, the largest of the GDN mixer's,
+    the attention's and the MoE's operands, and the logits row, with ACTIVATION_MARGIN for XLA's
+    temporaries. Beside them the MoE kernel's GPU scratch (moe_scratch_bytes, exact), which the
+    kernel takes from the allocator on top of the layer's XLA buffers."""
     m, a, f = chunk, itemsize(dtype), 4
-    D, E, I, Is, k = cfg.hidden_size, cfg.num_experts, cfg.moe_inter, cfg.shared_inter, cfg.top_k
+    D = cfg.hidden_size
     nvdv = cfg.lin_v_heads * cfg.lin_v_dim
     residual = 2 * m * D * f  # x and x + y
     gdn = m * (cfg.gdn_in_dim * f + cfg.conv_dim * (a + f) + nvdv * (2 * f + a) + D * f)
     attn = m * (cfg.attn_qkv_dim * f + cfg.num_heads * cfg.head_dim * a + D * f)
-    P = m * k
-    moe = m * (E * f + 2 * Is * f + Is * a + 2 * D * f + a * D) + P * (16 + 2 * I * f + I * a + D * f)
+    moe_io = m * D * (a + f)  # the normed input (bf16) and the MoE's output (fp32)
     logits = cfg.vocab_size * f
-    return int(ACTIVATION_MARGIN * (residual + max(gdn, attn, moe) + logits))
+    xla = int(ACTIVATION_MARGIN * (residual + max(gdn, attn, moe_io) + logits))
+    return xla + moe_scratch_bytes(cfg, m, moe_fuses_swiglu())
 
 
 # --- what the machine has -----------------------------------------------------------
@@ -110,107 +200,163 @@ def budget_bytes(device_budget_gb: float | None) -> tuple[int | None, str]:
     return dev_limit, dev_what or "unknown device memory"
 
 
+def runtime_reserve_bytes(limit: int) -> int:
+    """What a budget of `limit` bytes holds back for the memory the count does not see."""
+    return max(RUNTIME_RESERVE_MIN, int(RUNTIME_RESERVE_FRACTION * limit))
+
+
+def budget_gb_for(need: int) -> float:
+    """The smallest device budget (GiB) that holds `need` counted bytes beside its runtime reserve."""
+    limit = max(need + RUNTIME_RESERVE_MIN, math.ceil(need / (1 - RUNTIME_RESERVE_FRACTION)))
+    return (limit + 1) / 2**30  # + 1: the budget's GiB -> bytes conversion floors
+
+
+def device_memory_stats() -> dict | None:
+    """The default device's allocator counters (bytes in use, peak since the process started,
+    limit) where the backend reports them; None where it does not (the CPU backend)."""
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001  (a backend without memory stats)
+        stats = {}
+    keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "largest_free_block_bytes")
+    out = {k: int(stats[k]) for k in keys if k in stats}
+    return out or None
+
+
 # --- the checks ---------------------------------------------------------------------
+def _refuse_unless_fits(mode: str, parts: list[Part], limit: int | None, what: str, advice: str = ""):
+    """MemoryError naming every part with its size when the parts and the runtime reserve exceed limit."""
+    if limit is None:
+        return
+    reserve = runtime_reserve_bytes(limit)
+    need = sum(p.bytes for p in parts) + reserve
+    if need > limit:
+        listed = " + ".join([p.text for p in parts] + [f"runtime reserve {gib(reserve)}"])
+        raise MemoryError(f"{mode} needs {gib(need)} of device memory: {listed}, more than {what}{advice}")
+
+
 def expert_parallel_bytes(cfg: Config, chunk: int, devices: int) -> int:
     """The expert-parallel MoE's extra live buffers at m = chunk (expert_parallel.py): the pair
     outputs [m, k, D] fp32 gathered from every device, the selected copy and this device's own."""
     return (devices + 2) * chunk * cfg.top_k * cfg.hidden_size * 4
 
 
-def check_resident(cfg: Config, dtype, device_budget_gb: float | None = None, state_len: int = 0,
-                   chunk: int = 0, devices: int = 1) -> int:
-    """Refuse up front a resident model (and request) that cannot fit; returns the bytes needed
-    per device. devices > 1: the routed experts are split over the devices (expert parallel)."""
+def resident_parts(cfg: Config, dtype, state_len: int = 0, chunk: int = 0, devices: int = 1) -> list[Part]:
+    """What resident mode counts (per device); devices > 1: the routed experts split over them."""
     w = param_bytes(cfg, dtype)
     if devices > 1:
         w -= cfg.num_layers * expert_layer_bytes(cfg, dtype) * (devices - 1) // devices
-    st = state_bytes(cfg, dtype, state_len) if state_len else 0
-    act = activation_bytes(cfg, dtype, chunk) if chunk else 0
-    if devices > 1 and chunk:
-        act += expert_parallel_bytes(cfg, chunk, devices)
-    need = w + st + act
+    parts = [Part("weights", w, f"weights {gib(w)}")]
+    if state_len:
+        st = state_bytes(cfg, dtype, state_len)
+        parts.append(Part("state", st, f"KV/state for {state_len} positions {gib(st)}"))
+    if chunk:
+        act = activation_bytes(cfg, dtype, chunk)
+        if devices > 1:
+            act += expert_parallel_bytes(cfg, chunk, devices)
+        parts.append(Part("activations", act, f"activations at chunk {chunk} {gib(act)}"))
+    return parts
+
+
+def check_resident(cfg: Config, dtype, device_budget_gb: float | None = None, state_len: int = 0,
+                   chunk: int = 0, devices: int = 1) -> int:
+    """Refuse up front a resident model (and request) that cannot fit; returns the bytes counted
+    per device (without the runtime reserve). devices > 1: the routed experts are split over the
+    devices (expert parallel)."""
+    parts = resident_parts(cfg, dtype, state_len, chunk, devices)
+    w = parts[0].bytes
     limit, what = budget_bytes(device_budget_gb)
     if limit is not None and w > limit:
         raise MemoryError(f"the weights need {w / 2**30:.1f} GiB"
                           + (f" per device over {devices} devices" if devices > 1 else "")
                           + f", more than {what}; use a larger device, more devices (--devices), "
                           "or --mode tier (routed experts in host memory)")
-    if limit is not None and need > limit:
-        parts = f"weights {gib(w)}"
-        if state_len:
-            parts += f" + KV/state for {state_len} positions {gib(st)}"
-        if chunk:
-            parts += f" + activations at chunk {chunk} {gib(act)}"
-        raise MemoryError(f"resident mode needs {gib(need)} of device memory ({parts}), more than {what}; "
-                          "use a smaller --chunk or a shorter context")
-    return need
+    _refuse_unless_fits("resident mode", parts, limit, what, "; use a smaller --chunk or a shorter context")
+    return sum(p.bytes for p in parts)
+
+
+def tier_parts(cfg: Config, dtype, state_len: int, chunk: int = 0, cache_slots: int = 0) -> list[Part]:
+    """What tier mode counts on the device: the non-expert weights, two staged expert layers, the
+    decode expert cache's pools (cache_slots per layer), the KV/state of a context of `state_len`
+    positions and (when chunk > 0) one layer's activations."""
+    exp = expert_layer_bytes(cfg, dtype)
+    resident = param_bytes(cfg, dtype) - cfg.num_layers * exp
+    parts = [Part("non_expert_weights", resident, f"non-expert weights {gib(resident)}"),
+             Part("staged_expert_layers", 2 * exp, f"two staged expert layers 2 x {gib(exp)}")]
+    if cache_slots:
+        pools = cache_bytes(cfg, dtype, cache_slots)
+        parts.append(Part("decode_expert_cache", pools,
+                          f"decode expert cache {cfg.num_layers} x {cache_slots} slots {gib(pools)}"))
+    st = state_bytes(cfg, dtype, state_len)
+    parts.append(Part("state", st, f"KV/state for {state_len} positions {gib(st)}"))
+    if chunk:
+        act = activation_bytes(cfg, dtype, chunk)
+        parts.append(Part("activations", act, f"activations at chunk {chunk} {gib(act)}"))
+    return parts
 
 
 def check_tier(cfg: Config, dtype, device_budget_gb: float | None, state_len: int, chunk: int = 0,
                cache_slots: int = 0) -> int:
-    """Refuse up front a tier-mode request whose device footprint exceeds the budget.
-
-    Counted: the non-expert weights, two staged expert layers, the decode expert cache's
-    pools (cache_slots per layer), the KV/state of a context of `state_len` positions and
-    (when chunk > 0) one layer's activations.
-    """
+    """Refuse up front a tier-mode request whose device footprint (tier_parts and the runtime
+    reserve) exceeds the budget, or whose host store exceeds the host's RAM; returns the device
+    bytes counted (without the runtime reserve)."""
+    parts = tier_parts(cfg, dtype, state_len, chunk, cache_slots)
     limit, what = budget_bytes(device_budget_gb)
-    exp = expert_layer_bytes(cfg, dtype)
-    resident = param_bytes(cfg, dtype) - cfg.num_layers * exp
-    st = state_bytes(cfg, dtype, state_len)
-    act = activation_bytes(cfg, dtype, chunk) if chunk else 0
-    pools = cache_bytes(cfg, dtype, cache_slots)
-    need = resident + 2 * exp + pools + st + act
-    if limit is not None and need > limit:
-        raise MemoryError(
-            f"tier mode needs {gib(need)} of device memory: non-expert weights {gib(resident)} + "
-            f"two staged expert layers 2 x {gib(exp)} + "
-            f"{f'decode expert cache {cfg.num_layers} x {cache_slots} slots {gib(pools)} + ' if cache_slots else ''}KV/state for {state_len} positions {gib(st)}"
-            f"{f' + activations at chunk {chunk} {gib(act)}' if chunk else ''}, more than {what}")
+    _refuse_unless_fits("tier mode", parts, limit, what)
+    need = sum(p.bytes for p in parts)
     # the expert store lives in host RAM (on the CPU backend, so does the "device" part)
+    experts = cfg.num_layers * expert_layer_bytes(cfg, dtype)
     host = host_memory_bytes()
     on_cpu = jax.devices()[0].platform == "cpu"
-    store = cfg.num_layers * exp + (need if on_cpu else 0)
+    store = experts + (need if on_cpu else 0)
     if host is not None and store > 0.95 * host:
-        raise MemoryError(f"tier mode's host store needs {gib(store)} (routed experts {gib(cfg.num_layers * exp)}"
+        raise MemoryError(f"tier mode's host store needs {gib(store)} (routed experts {gib(experts)}"
                           f"{' + the CPU device part' if on_cpu else ''}), more than "
                           f"95% of the host's {gib(host)} of RAM")
     return need
 
 
-CACHE_RESERVE = 1024  # context and chunk left for requests when the expert cache is sized
+def reserved_prefill(cfg: Config) -> tuple[int, int]:
+    """(chunk, KV/state positions) of the prefill the decode cache is sized beside: a prompt of
+    PREFILL_RESERVE_CHUNK tokens (at most max_context) in one chunk, on the state the engine
+    gives it when it goes on to decode (engine.state_length of one more position)."""
+    from .engine import state_length
+
+    chunk = min(PREFILL_RESERVE_CHUNK, cfg.max_context)
+    return chunk, state_length(chunk + 1, cfg.max_context)
 
 
 def tier_cache_slots(cfg: Config, dtype, device_budget_gb: float | None, want: int | None = None) -> tuple[int, str]:
     """(slots per layer, why) of the decode expert cache: `want` (default 64, at most E), fewer
-    when the budget leaves less room beside the non-expert weights, two staged layers and a
-    request of CACHE_RESERVE positions at chunk CACHE_RESERVE; 0 (no cache) below top_k."""
+    when the budget leaves less room beside the non-expert weights, two staged layers, the
+    reserved prefill (reserved_prefill: its KV/state and activations) and the runtime reserve;
+    0 (no cache) below top_k."""
     from .staging import DEFAULT_CACHE_SLOTS
 
-    E, k = cfg.num_experts, cfg.top_k
-    top = min(DEFAULT_CACHE_SLOTS if want is None else want, E)
     if want is not None and want < 1:
         return 0, "turned off (0 slots asked)"
+    top = min(DEFAULT_CACHE_SLOTS if want is None else want, cfg.num_experts)
     limit, what = budget_bytes(device_budget_gb)
     if limit is None:
         return top, f"{top} slots (device memory unknown)"
-    r = min(CACHE_RESERVE, cfg.max_context)
-    try:
-        base = check_tier(cfg, dtype, device_budget_gb, r, r)
-    except MemoryError:
-        return 0, f"no room for the cache in {what} beside a {r}-position request at chunk {r}"
+    chunk, L = reserved_prefill(cfg)
+    base = sum(p.bytes for p in tier_parts(cfg, dtype, L, chunk)) + runtime_reserve_bytes(limit)
     per = cache_bytes(cfg, dtype, 1)
-    fit = int((limit - base) // per)
+    fit = max(0, (limit - base) // per)
+    beside = (f"beside a prefill at chunk {chunk} with KV/state for {L} positions and the runtime reserve "
+              f"{gib(runtime_reserve_bytes(limit))}")
     S = min(top, fit)
-    if S < k:
-        return 0, f"no room for the cache ({fit} slots per layer fit in {what}, top_k is {k})"
-    return S, f"{S} slots per layer ({gib(cache_bytes(cfg, dtype, S))}){' (the budget allows no more)' if S < top else ''}"
+    if S < cfg.top_k:
+        return 0, f"no room for the cache ({fit} slots per layer fit in {what} {beside}; top_k is {cfg.top_k})"
+    return S, (f"{S} slots per layer ({gib(cache_bytes(cfg, dtype, S))}), {beside}"
+               f"{' (the budget allows no more)' if S < top else ''}")
 
 
 def largest_tier_chunk(cfg: Config, dtype, device_budget_gb: float | None, state_len: int, n_prompt: int,
                        cache_slots: int = 0) -> int:
     """The largest power-of-two chunk (16 .. the prompt's next power of two) whose tier-mode
-    footprint fits; 16 when none does (check_tier then refuses the request with the numbers)."""
+    footprint fits beside the cache; 16 when none does (check_tier then refuses the request with
+    the numbers)."""
     c = 16
     while c < n_prompt:
         c *= 2

@@ -181,9 +181,10 @@ _ALL_LOGITS = jax.jit(partial(M.forward, all_logits=True), static_argnames=("cfg
 class Engine:
     def __init__(self, cfg: Config, params, tokenizer, *, backend: str = "xla", name: str = "model",
                  mode: str = "resident", device_budget_gb: float | None = None, variant: str | None = None,
-                 delta_rule: str | None = None):
+                 delta_rule: str | None = None, cache_slots: int | None = None):
         if mode not in ENGINE_MODES:
             raise ValueError(f"unknown mode {mode!r}; choose resident or tier")
+        cache_slots = check_cache_slots(cache_slots, mode)
         if delta_rule is not None:  # "token" | "blocked" (DESIGN §9): part of cfg, a static jit argument
             from .config import check_delta_rule
 
@@ -208,7 +209,7 @@ class Engine:
             self.params = staging.tier_params(params)  # routed experts -> host memory (no-op where already)
             self._step = partial(staging.forward, cfg=cfg, ops=self.ops)
             self._all_logits = partial(staging.forward, cfg=cfg, ops=self.ops, all_logits=True)
-            self.use_expert_cache(env_cache_slots())
+            self.use_expert_cache(env_cache_slots() if cache_slots is None else cache_slots)
         else:
             self.params = params
             self._step = partial(_STEP, cfg=cfg, ops=self.ops)
@@ -530,6 +531,16 @@ class Engine:
             last_prompt_logits=last_logits, state=state if keep_state else None)
 
 
+def check_cache_slots(cache_slots, mode: str) -> int | None:
+    """cache_slots as an int >= 0 (None stays None); refused outside tier mode, which alone has the cache."""
+    if cache_slots is None:
+        return None
+    cache_slots = checks.as_int("cache_slots", cache_slots, lo=0)
+    if cache_slots and mode != "tier":
+        raise ValueError("cache_slots sizes tier mode's decode expert cache; give mode='tier' or leave it out")
+    return cache_slots
+
+
 def env_cache_slots(default: int | None = None) -> int | None:
     """BARO_CACHE_SLOTS: the decode expert cache's slots per layer (0: none); unset -> default (sized by the budget)."""
     v = os.environ.get("BARO_CACHE_SLOTS")
@@ -569,7 +580,7 @@ def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloa
          seed: int = 0, progress: bool = True, mode: str | None = None,
          device_budget_gb: float | None = None, variant: str | None = None,
          allow_nonfinite: bool | None = None, delta_rule: str | None = None,
-         devices: int | None = None) -> Engine:
+         devices: int | None = None, cache_slots: int | None = None) -> Engine:
     """Load a checkpoint directory or a preset name into an Engine.
 
     Refused with a message naming the file and field or tensor: a bad config.json, index or
@@ -588,6 +599,9 @@ def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloa
     mode: "resident" (every weight in device memory) or "tier" (routed experts in pinned host
     memory, staged per layer; see staging.py); None: env BARO_TIER, else resident.
     device_budget_gb: the device memory to plan for (default: the device's).
+    cache_slots: tier mode's decode expert cache, slots per layer (0: none, so it takes no device
+    memory: a prefill-only run); None: env BARO_CACHE_SLOTS, else sized by the budget
+    (budget.tier_cache_slots).
 
     devices: expert parallel over this many devices (routed experts sharded along E, everything
     else replicated; expert_parallel.py): the same bytes as one device. 1 runs the same sharded
@@ -602,6 +616,7 @@ def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloa
     mode = mode or env_engine_mode()
     if mode not in ENGINE_MODES:
         raise ValueError(f"unknown mode {mode!r}; choose resident or tier")
+    cache_slots = check_cache_slots(cache_slots, mode)  # before any weight is read
     variant = variants.check(variant) if variant is not None else variants.env_variant()
     if variant:
         if backend not in (None, "ordered"):
@@ -641,7 +656,7 @@ def load(model: str = "tiny", *, backend: str | None = None, dtype: str = "bfloa
     from .config import check_delta_rule
 
     kw = dict(backend=backend, mode=mode, device_budget_gb=device_budget_gb, variant=variant,
-              delta_rule=check_delta_rule(delta_rule, "delta_rule (--delta-rule)"))
+              delta_rule=check_delta_rule(delta_rule, "delta_rule (--delta-rule)"), cache_slots=cache_slots)
     if os.path.isdir(model):
         from .weights import load_params
 

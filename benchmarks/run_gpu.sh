@@ -56,9 +56,13 @@ stage_longctx() {
 # XLA_PYTHON_CLIENT_MEM_FRACTION (TIER_MEM_FRACTION, 0.17) the tier identity gate (batched == replay,
 # and replay == resident via --reference-json), the copy/compute overlap per layer and chunk pass, and
 # prefill/decode speed at the budget's chunk with the expert cache's hit rate and the host-link bound.
+# The tier identity run replays every prompt and decodes 3 x 15 tokens per prompt one row at a time,
+# at about 11 tok/s (synthetic weights route uniformly: ~25% cache hits), so TIER_MAX_LEN 255 keeps
+# it near 3 minutes: 14 prompts, 617 prompt + 630 decode one-row steps (~2 min) and 28 batched
+# passes of ~1.3 s. At 22 GiB both chunks fit beside the cache (48 slots at --max-context 4096).
 stage_tier() {
   local common=(--model qwen3.5-35b-a3b --chunks "${TIER_CHUNKS:-1024,4096}" --prompts benchmarks/prompts/identity_gpu.jsonl
-                --max-len "${TIER_MAX_LEN:-600}" --new-tokens 16 --max-context 4096)
+                --max-len "${TIER_MAX_LEN:-255}" --new-tokens 16 --max-context 4096)
   python benchmarks/identity.py "${common[@]}" --json "$OUT/identity_resident_ref_h200.json" 2>&1 | tail -2
   (
     export XLA_PYTHON_CLIENT_MEM_FRACTION=${TIER_MEM_FRACTION:-0.17} XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${TIER_HOST_GB:-110}

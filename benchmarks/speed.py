@@ -23,10 +23,19 @@ median wall time of --repeats runs, each on a fresh state):
   its weights are freed before ours are made on the same card (or --peer-json: reuse a file it
   wrote). ratio_vs_peer = batch-ordered tok/s / peer tok/s.
 Decode tokens/s is measured too (ordered, m = 1 steps after the prompt, headline chunk).
+
+--mode tier: the checks above are short by default (prefix 128, tail 32, no full replay), since
+tier mode replays at decode speed (about 11 tok/s on the H200 at full size); the tier identity
+gate proper is benchmarks/identity.py --mode tier. A length that fails (out of memory, say) is
+recorded in its row with the error, the other lengths still run, and the exit status is
+non-zero. Every row has the device's memory counters (`device_memory`: bytes in use and the
+peak since the process started, where the backend reports them); tier rows also the budget's
+count for the request (`budget_counted_bytes`).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -46,6 +55,13 @@ T0 = time.perf_counter()
 
 def log(msg: str):
     print(f"[speed {time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+# The identity checks' sizes per mode. Tier mode replays at decode speed (about 11 tok/s on the
+# H200 at full size: every layer stages its missed experts), so its checks stay short; the tier
+# identity gate proper is benchmarks/identity.py --mode tier.
+DEFAULTS = {"resident": {"replay_max": 8192, "check_prefix": 1088, "check_tail": 64},
+            "tier": {"replay_max": 0, "check_prefix": 128, "check_tail": 32}}
 
 
 def prompt_ids(n, vocab, seed=0):
@@ -198,6 +214,7 @@ def summarize(args, chunks, arms, peer, peer_run, timings, final, rows):
                    if "decode_blocks_equal_steps" in r]
         s["checks_pass"] = all(checks) if checks else None
         s["checks_run"] = len(checks)
+        s["failed_lengths"] = [row["prompt_tokens"] for row in rows if row.get("failed")]
         s.update(provenance())
     return s
 
@@ -214,10 +231,16 @@ def main(argv=None) -> int:
                     help="tier: routed experts in pinned host memory (batch-ordered arm only; decode through "
                          "the expert cache, its hit rate reported)")
     ap.add_argument("--device-budget-gb", type=float, default=None, help="tier mode: the device budget")
-    ap.add_argument("--replay-max", type=int, default=8192,
-                    help="time replay (and check against it) only at lengths <= this; above, prefix+tail checks")
-    ap.add_argument("--check-prefix", type=int, default=1088, help="prefix length P of the long-prompt check")
-    ap.add_argument("--check-tail", type=int, default=64, help="tail length K of the long-prompt check (0: off)")
+    ap.add_argument("--replay-max", type=int, default=None,
+                    help="time replay (and check against it) only at lengths <= this; above, prefix+tail checks "
+                         f"(default {DEFAULTS['resident']['replay_max']}; tier mode "
+                         f"{DEFAULTS['tier']['replay_max']}: no full replays)")
+    ap.add_argument("--check-prefix", type=int, default=None,
+                    help="prefix length P of the long-prompt check (default "
+                         f"{DEFAULTS['resident']['check_prefix']}; tier mode {DEFAULTS['tier']['check_prefix']})")
+    ap.add_argument("--check-tail", type=int, default=None,
+                    help="tail length K of the long-prompt check, 0: off (default "
+                         f"{DEFAULTS['resident']['check_tail']}; tier mode {DEFAULTS['tier']['check_tail']})")
     ap.add_argument("--arms", default="batch-ordered,replay-ordered,batch-xla")
     ap.add_argument("--xla-chunk", type=int, default=1024,
                     help="largest chunk of the batch-xla arm (its jnp MoE materialises a dense [rows, E*K] "
@@ -238,6 +261,9 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-timeout", type=float, default=None, help="seconds; the peer is killed after this")
     ap.add_argument("--peer-arg", action="append", default=[], help="extra argument for peer_hf.py (repeatable)")
     args = ap.parse_args(argv)
+    for k, v in DEFAULTS[args.mode].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
 
     lengths = ints(args.lengths)
     chunks = [c if c == "auto" else int(c) for c in (x.strip() for x in args.chunk.split(",")) if c]
@@ -256,6 +282,7 @@ def main(argv=None) -> int:
     peer_rows = {r["prompt_tokens"]: r["peer-hf"] for r in (peer or {}).get("rows", [])}
 
     import baro_jax
+    from baro_jax.budget import device_memory_stats, tier_parts
     from baro_jax.engine import state_length
 
     max_ctx = state_length(max(lengths) + args.decode_tokens, 1 << 30)
@@ -301,13 +328,8 @@ def main(argv=None) -> int:
     def late() -> bool:
         return args.deadline_s is not None and time.perf_counter() - T0 > args.deadline_s
 
-    for n in lengths:
-        tn = time.perf_counter()
-        if late():
-            log(f"n={n:>6} skipped: past --deadline-s {args.deadline_s}")
-            results.append({"prompt_tokens": n, "skipped": f"past --deadline-s {args.deadline_s}",
-                            **({"peer-hf": peer_rows[n]} if n in peer_rows else {})})
-            continue
+    def run_length(n: int) -> dict:
+        """One prompt length: every arm, timed and checked; its row."""
         asked = n
         if n + args.decode_tokens > max_ctx:  # decode at the model's full context: the prompt leaves room
             n = max_ctx - args.decode_tokens
@@ -393,6 +415,8 @@ def main(argv=None) -> int:
                     r["passes"] = passes
                     r["host_link_bound_tokens_per_s"] = n / (passes * tier_bound[0] / (tier_bound[1] * 1e9))
                     r["fraction_of_host_link_bound"] = r["tokens_per_s"] / r["host_link_bound_tokens_per_s"]
+                    r["budget_counted_bytes"] = sum(  # beside the row's device_memory peak
+                        p.bytes for p in tier_parts(eng.cfg, eng.dtype, L, c, eng.cache_slots))
                 del pre
                 pr = peer_rows.get(n, {})
                 if "tokens_per_s" in pr:
@@ -438,6 +462,24 @@ def main(argv=None) -> int:
             row["batch_over_replay"] = bo["tokens_per_s"] / ro["tokens_per_s"]
         if "tokens_per_s" in bo and "tokens_per_s" in ph:
             row["ratio_vs_peer"] = bo["tokens_per_s"] / ph["tokens_per_s"]
+        return row
+
+    for n in lengths:
+        tn = time.perf_counter()
+        if late():
+            log(f"n={n:>6} skipped: past --deadline-s {args.deadline_s}")
+            results.append({"prompt_tokens": n, "skipped": f"past --deadline-s {args.deadline_s}",
+                            **({"peer-hf": peer_rows[n]} if n in peer_rows else {})})
+            continue
+        try:
+            row = run_length(n)
+        except Exception as e:  # noqa: BLE001  (out of memory, say: recorded, the next length runs)
+            row = {"prompt_tokens": n, "failed": True, "error": f"{type(e).__name__}: {str(e).strip()[:2000]}",
+                   **({"peer-hf": peer_rows[n]} if n in peer_rows else {})}
+            log(f"n={n:>6} FAILED {row['error'].splitlines()[0][:300]}")
+        gc.collect()  # a failed length's buffers (held by its traceback until here) go before the next
+        row["device_memory"] = device_memory_stats()  # the peak is since the process started
+        n = row["prompt_tokens"]
         timings[f"length_{n}"] = time.perf_counter() - tn
         log(f"n={n:>6} done in {timings[f'length_{n}']:.1f}s"
             + (f"; batch-ordered / peer = {row['ratio_vs_peer']:.3f}" if "ratio_vs_peer" in row else ""))
@@ -447,10 +489,11 @@ def main(argv=None) -> int:
         plot()
     timings["total"] = time.perf_counter() - T0
     out = {"summary": summarize(args, chunks, arms, peer, peer_run, timings, True, results), "rows": results}
-    ok = out["summary"]["checks_pass"] is not False
+    failed = out["summary"]["failed_lengths"]
+    ok = out["summary"]["checks_pass"] is not False and not failed
     write_json(args.json, out)
     plot()
-    print("checks", "PASS" if ok else "FAIL", flush=True)
+    print("checks", "PASS" if ok else "FAIL", *([f"(lengths failed: {failed})"] if failed else []), flush=True)
     return 0 if ok else 1
 
 

@@ -69,7 +69,7 @@ def test_budget_refuses_a_request_too_long():
     import jax.numpy as jnp
 
     need_1k = budget.check_tier(cfg, jnp.bfloat16, None, 1024, chunk=16)  # 10 tokens: chunk 16
-    gb = (need_1k + (1 << 16)) / 2**30  # fits a 1024-position state, not a 2048 one
+    gb = budget.budget_gb_for(need_1k + (1 << 16))  # fits a 1024-position state, not a 2048 one
     eng = baro_jax.load("tiny-random", mode="tier", device_budget_gb=gb, progress=False, backend="ordered")
     eng.prefill(list(range(10)), n_new=10)
     with pytest.raises(MemoryError, match="KV/state for 2048 positions"):
@@ -84,7 +84,8 @@ def test_activations_counted_in_resident_requests():
     cfg = baro_jax.preset("tiny-random")
     base = budget.check_resident(cfg, jnp.bfloat16, None, 1024, chunk=16)
     assert budget.activation_bytes(cfg, jnp.bfloat16, 4096) > 100 * budget.activation_bytes(cfg, jnp.bfloat16, 16)
-    eng = baro_jax.load("tiny-random", device_budget_gb=(base + (1 << 16)) / 2**30, progress=False, backend="xla")
+    eng = baro_jax.load("tiny-random", device_budget_gb=budget.budget_gb_for(base + (1 << 16)), progress=False,
+                        backend="xla")
     eng.prefill(list(range(10)))
     with pytest.raises(MemoryError, match="resident mode needs .* activations at chunk 4096"):
         eng.prefill(list(range(10)), chunk=4096)
@@ -124,7 +125,7 @@ def test_tier_default_chunk_is_the_largest_that_fits():
     need_64 = budget.check_tier(cfg, jnp.bfloat16, None, 1024, chunk=64)
     need_128 = budget.check_tier(cfg, jnp.bfloat16, None, 1024, chunk=128)
     assert need_128 > need_64
-    gb = (need_64 + need_128) / 2 / 2**30  # chunk 64 fits, 128 does not
+    gb = budget.budget_gb_for((need_64 + need_128) // 2)  # chunk 64 fits, 128 does not
     eng = baro_jax.load("tiny-random", mode="tier", device_budget_gb=gb, progress=False, backend="ordered")
     assert eng.pick_chunk(300) == 64
     assert eng.pick_chunk(40) == 64  # the whole prompt in one pass
@@ -220,28 +221,30 @@ def test_expert_cache_lru():
 
 
 def test_cache_sized_by_budget():
-    """64 slots (at most E) by default; fewer when the budget says so; none below top_k."""
+    """64 slots (at most E) by default; fewer when the budget says so; none below top_k. The room
+    is what is left beside the reserved prefill (its chunk, its KV/state) and the runtime reserve."""
     import jax.numpy as jnp
 
     cfg = baro_jax.preset("tiny-random")
     S, note = budget.tier_cache_slots(cfg, jnp.bfloat16, None)
     assert S == min(64, cfg.num_experts), note
-    r = min(budget.CACHE_RESERVE, cfg.max_context)
-    base = budget.check_tier(cfg, jnp.bfloat16, None, r, r)
+    chunk, L = budget.reserved_prefill(cfg)
+    assert chunk == min(budget.PREFILL_RESERVE_CHUNK, cfg.max_context)
+    base = budget.check_tier(cfg, jnp.bfloat16, None, L, chunk)
     per = budget.cache_bytes(cfg, jnp.bfloat16, 1)
     for want in (cfg.top_k, cfg.top_k + 1):
-        gb = (base + want * per + 100) / 2**30
+        gb = budget.budget_gb_for(base + want * per + 100)
         S, note = budget.tier_cache_slots(cfg, jnp.bfloat16, gb)
         assert S == want, note
         assert "the budget allows no more" in note
-    gb = (base + (cfg.top_k - 1) * per + 100) / 2**30
+    gb = budget.budget_gb_for(base + (cfg.top_k - 1) * per + 100)
     S, note = budget.tier_cache_slots(cfg, jnp.bfloat16, gb)
     assert S == 0 and "no room for the cache" in note
     eng = baro_jax.load("tiny-random", mode="tier", backend="ordered", progress=False,
-                        device_budget_gb=(base + 3 * per + 100) / 2**30)
+                        device_budget_gb=budget.budget_gb_for(base + 3 * per + 100))
     assert eng.cache_slots == 3
     with pytest.raises(MemoryError, match="decode expert cache 4 x 3 slots"):  # counted in every check
-        eng.prefill(list(range(10)), chunk=4096)
+        eng.prefill(list(range(10)), chunk=8192)
 
 
 def test_state_bytes_match_the_allocated_state():

@@ -246,6 +246,9 @@ def main(argv=None) -> int:
             out["speed"] = speed
         return out
 
+    if speed is not None:  # on disk before the first prompt (an H200 run was cut inside it)
+        write_json(args.json, written(partial=True))
+
     for p in prompts:
         ids = p["ids"]
         t0 = time.perf_counter()

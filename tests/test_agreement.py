@@ -189,3 +189,20 @@ def test_attn_fast_cache_semantics():
     one = (qkv[:1], qn, kn, cos[:1], sin[:1], kc, vc, jnp.int32(pos), jnp.int32(1))
     for x, y in zip(variants.get_ops("attn-fast").attention(*one, **kw), ops_ordered.attention(*one, **kw)):
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+def test_speeds_are_on_disk_before_the_first_prompt(tmp_path, monkeypatch):
+    """A run cut short inside its first prompt (a device call's time limit) still leaves the
+    speeds, which run first, in the JSON, marked partial."""
+    out = tmp_path / "cut.json"
+
+    def cut(*a, **k):
+        raise KeyboardInterrupt("cut")  # what a time limit's signal looks like to the script
+
+    monkeypatch.setattr(agreement, "reference", cut)
+    with pytest.raises(KeyboardInterrupt):
+        agreement.main(["--model", "tiny", "--limit", "1", "--new-tokens", "2", "--candidate", "xla",
+                        "--speed-length", "20", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert res["partial"] is True and res["config"]["prompts_done"] == 0
+    assert set(res["speed"]["arms"]) == {"control", "xla"}

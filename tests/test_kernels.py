@@ -1259,6 +1259,37 @@ def test_vs_ops_xla(platform, op):
         assert_close(cc.moe(h, *w, MO_K), X.moe(h, *w, top_k=MO_K), 1e-3, "moe vs ops_xla")
 
 
+# The decode tile (m <= 16 rows of one kv group) runs two copies of its warp pair on CUDA, each
+# accumulating P V for its half of the pair's head dims from the same S, maxima and sums
+# (BARO_ATTN_DUP=1: one copy): the same bytes, for the compiled-in head dim (256) and a run-time
+# one (64), inside the first split and past several, with a padded row (n_valid < m).
+@pytest.mark.parametrize("hd", [64, 256])
+def test_attention_decode_copies_same_bytes(platform, hd, monkeypatch):
+    if platform.platform == "cpu":
+        pytest.skip("BARO_ATTN_DUP picks between two CUDA launch shapes")
+    rng = np.random.default_rng(1700 + hd)
+    H, Hkv, S = 4, 2, 3000
+    for m, nv in ((1, 1), (2, 2), (3, 2)):
+        qkv = (rng.standard_normal((m, (2 * H + 2 * Hkv) * hd)) * 0.5).astype(np.float32)
+        qn = (rng.standard_normal(hd) * 0.1).astype(np.float32)
+        kn = (rng.standard_normal(hd) * 0.1).astype(np.float32)
+        cos = rng.standard_normal((m, hd // 4)).astype(np.float32)
+        sin = rng.standard_normal((m, hd // 4)).astype(np.float32)
+        kc, vc = bf16(rng, S, Hkv, hd), bf16(rng, S, Hkv, hd)
+        for pos in (0, 700, 2500):
+            got = {}
+            for knob in ("0", "1"):
+                monkeypatch.setenv("BARO_ATTN_DUP", knob)
+                poison(platform, (m, H * hd), jnp.bfloat16)
+                f = jax.jit(lambda *a: cc.attention(*a))  # a fresh jit: the launcher reads the knob
+                o, k2, v2 = f(*put(platform, qkv, qn, kn, cos, sin, kc, vc), np.int32(pos), np.int32(nv))
+                got[knob] = [np.asarray(x) for x in (o, k2, v2)]
+            assert np.all(np.isfinite(np.asarray(got["0"][0], np.float32))), f"hd={hd} m={m} pos={pos}"
+            for a, b, what in zip(got["0"], got["1"], ("out", "k_cache", "v_cache")):
+                assert_same_bits(a, b, f"attention hd={hd} m={m} n_valid={nv} pos={pos} {what}: two copies vs one")
+    monkeypatch.delenv("BARO_ATTN_DUP", raising=False)
+
+
 # ---------------------------------------------------------------------------
 # moe_slots / moe_route (the tier-mode decode expert cache, staging.ExpertCache)
 # ---------------------------------------------------------------------------

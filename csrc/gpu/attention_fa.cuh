@@ -23,7 +23,9 @@
 // k-steps of 16 keys ascending). None of this depends on m, on the row's place
 // in the tile, on the tile size or on the other rows: a row's bits depend only
 // on its own q, its own position and the cache, so decode (16-row tiles) and
-// prefill (64-row tiles) agree. The split structure is attention.cu's; the
+// prefill (64-row tiles) agree. The decode tile runs two copies of its pair
+// (kDup, fa_block_step): same S and sums, each copy P V for half of its dims,
+// so twice the warps stream a block and each does half the P V mmas. The split structure is attention.cu's; the
 // scores, maxima and merge scales are in base 2 (s * scale * log2 e, p and
 // merge scales from ex2.approx: fa_ex2, fa_merge_scale), shared by both modes.
 // Blocks wholly before every row of the tile skip the mask tests
@@ -60,8 +62,15 @@ BARO_DEV void fa_cp_async_commit() { asm volatile("cp.async.commit_group;\n" :::
 // Wait until at most N committed groups are still in flight.
 template <int N>
 BARO_DEV void fa_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-// Barrier of the two warps of one pair (ids 1..4; 0 is __syncthreads).
-BARO_DEV void fa_pair_barrier(int id) { asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory"); }
+// Barrier of the warps of one pair and its kDup copies (ids 1..4; 0 is __syncthreads).
+template <int kDup>
+BARO_DEV void fa_pair_barrier(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(64 * kDup) : "memory");
+}
+// The head dims a warp accumulates P V for: warp `half` of a pair, copy `dup` of kDup, gets
+// the (half * kDup + dup)-th of 2 kDup equal slices (hd % (16 kDup) == 0: whole n-tiles).
+template <int kDup>
+BARO_DEV int fa_dim_base(int hd, int half, int dup) { return (half * kDup + dup) * (hd / (2 * kDup)); }
 
 BARO_DEV void fa_ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -198,18 +207,22 @@ BARO_DEV void fa_merge_scale(float M, float ms, float& Mn, float& ea, float& eb)
 // this warp's head dims. kMasked = false is only called when every row of the
 // tile is real and its limit is >= j0 + 63: then each mask test below is true,
 // so the unmasked path is the masked path's arithmetic with the tests removed.
-template <bool kMasked, int kHd>
+// kDup > 1 (the decode tile): kDup copies of the pair compute the same S, maxima and sums (the
+// same instructions on the same operands: the same bits), copy 0 alone publishes them, and each
+// copy accumulates P V for its own slice of the head dims: an output element's mma sequence is
+// the same whichever warp runs it, and a block step does 1 / kDup of the P V work per warp.
+template <bool kMasked, int kHd, int kDup>
 BARO_DEV void fa_block_step(const uint16_t* __restrict__ Qp, const uint16_t* __restrict__ Kt,
                             const uint16_t* __restrict__ Vt, uint16_t* __restrict__ Ps,
-                            float* __restrict__ red, int ld_rt, int hd_rt, int half, int pair,
+                            float* __restrict__ red, int ld_rt, int hd_rt, int half, int dup, int pair,
                             int j0, const int (&lim)[2], float sl2, float (&o)[kFaMaxNt][4],
                             float (&ms)[2], float (&ls)[2]) {
   const int hd = kHd > 0 ? kHd : hd_rt;
   const int ld = kHd > 0 ? kHd + 8 : ld_rt;
   const int lane = lane_id();
   const int g = lane >> 2, t = lane & 3;
-  const int nnt = hd >> 4;             // PV n-tiles of this warp
-  const int dbase = half * (hd >> 1);  // this warp's head dims
+  const int nnt = hd / (16 * kDup);                  // PV n-tiles of this warp
+  const int dbase = fa_dim_base<kDup>(hd, half, dup);  // this warp's head dims
   const int nbase = half * 32;         // this warp's S columns
 
   // a. S for this warp's 32 columns: 4 n-tiles, K ascending into one accumulator.
@@ -249,9 +262,9 @@ BARO_DEV void fa_block_step(const uint16_t* __restrict__ Qp, const uint16_t* __r
   for (int e = 0; e < 2; ++e) {
     mx[e] = fmaxf(mx[e], shfl_xor(mx[e], 1));
     mx[e] = fmaxf(mx[e], shfl_xor(mx[e], 2));
-    if (t == 0) red[half * kFaPairRows + g + 8 * e] = mx[e];
+    if (t == 0 && dup == 0) red[half * kFaPairRows + g + 8 * e] = mx[e];
   }
-  fa_pair_barrier(1 + pair);
+  fa_pair_barrier<kDup>(1 + pair);
   // c. p = 2^(s - m'), in-thread sum in a fixed order, quad butterfly, P -> smem.
   float alpha[2], mnew[2], psum[2];
   bool active[2];
@@ -281,17 +294,19 @@ BARO_DEV void fa_block_step(const uint16_t* __restrict__ Qp, const uint16_t* __r
   for (int e = 0; e < 2; ++e) {
     psum[e] = psum[e] + shfl_xor(psum[e], 1);
     psum[e] = psum[e] + shfl_xor(psum[e], 2);
-    if (t == 0) red[2 * kFaPairRows + half * kFaPairRows + g + 8 * e] = psum[e];
+    if (t == 0 && dup == 0) red[2 * kFaPairRows + half * kFaPairRows + g + 8 * e] = psum[e];
   }
+  if (dup == 0) {
 #pragma unroll
-  for (int u = 0; u < 4; ++u)
+    for (int u = 0; u < 4; ++u)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int c = nbase + 8 * u + 2 * t;
-      *reinterpret_cast<uint32_t*>(Ps + (g + 8 * e) * kFaPld + c) =
-          fa_pack_bf16x2(sacc[u][2 * e], sacc[u][2 * e + 1]);
-    }
-  fa_pair_barrier(1 + pair);
+      for (int e = 0; e < 2; ++e) {
+        const int c = nbase + 8 * u + 2 * t;
+        *reinterpret_cast<uint32_t*>(Ps + (g + 8 * e) * kFaPld + c) =
+            fa_pack_bf16x2(sacc[u][2 * e], sacc[u][2 * e + 1]);
+      }
+  }
+  fa_pair_barrier<kDup>(1 + pair);
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     if (active[e]) {
@@ -361,12 +376,14 @@ BARO_DEV void fa_block_step(const uint16_t* __restrict__ Qp, const uint16_t* __r
 // kHd: the head dim as a compile-time constant (the model's 256: every loop
 // unrolls, so the independent PV chains of a warp interleave), or 0 for any
 // other head dim read at run time. A given hd always runs one instantiation.
-template <int kPairs, bool kParallel, int kHd>
-__global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
+// kDup: copies of each warp pair (fa_block_step), decode tiles only.
+template <int kPairs, bool kParallel, int kHd, int kDup>
+__global__ void __launch_bounds__(kPairs * 2 * kDup * BARO_WARP, 1)
     attn_fa_kernel(AttentionArgs a, float* __restrict__ part_o, float* __restrict__ part_ml,
                    int max_splits, int64_t rows_pad) {
   constexpr int kRows = kPairs * kFaPairRows;
-  constexpr int kWarps = 2 * kPairs;
+  static_assert(kDup == 1 || kParallel, "the serial merge keeps one copy of each pair");
+  constexpr int kWarps = 2 * kPairs * kDup;
   constexpr int kThreads = kWarps * BARO_WARP;
   extern __shared__ uint4 fa_smem4[];
   char* smem = reinterpret_cast<char*>(fa_smem4);
@@ -378,7 +395,9 @@ __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
   const int tile_el = kFaKB * ld;  // elements per K or V tile
 
   const int lane = lane_id(), warp = warp_id();
-  const int pair = warp >> 1, half = warp & 1;
+  // kDup == 1 (every prefill tile): dup is the constant 0, so that code is the one-copy kernel's
+  const int dup = kDup == 1 ? 0 : warp / (2 * kPairs);
+  const int pair = kDup == 1 ? warp >> 1 : (warp >> 1) % kPairs, half = warp & 1;
   const int g = lane >> 2, t = lane & 3;
   uint16_t* Ps = reinterpret_cast<uint16_t*>(smem + L.p) + pair * kFaPairRows * kFaPld;
   float* red = reinterpret_cast<float*>(smem + L.red) + pair * 4 * kFaPairRows;
@@ -470,8 +489,8 @@ __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
     lim_min = static_cast<int>(l < -1 ? -1 : l);
   }
   const float sl2 = a.scale * 1.44269504088896340736f;  // scores in base 2
-  const int nnt = hd >> 4;             // n-tiles of this warp's head dims
-  const int dbase = half * (hd >> 1);  // this warp's head dims
+  const int nnt = hd / (16 * kDup);                  // n-tiles of this warp's head dims
+  const int dbase = fa_dim_base<kDup>(hd, half, dup);  // this warp's head dims
   const uint16_t* Qp = Qs + pair * kFaPairRows * ld;
 
   float o[kFaMaxNt][4];  // this split's O (reset when a split starts: b_begin % 16 == 0)
@@ -520,9 +539,9 @@ __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
     // a-d for this warp's rows. Only blocks that cross a row's position (the
     // diagonal, or any block of a tile with padding rows) need the masks.
     if (j0 + kFaKB - 1 > lim_min)
-      fa_block_step<true, kHd>(Qp, Kt, Vt, Ps, red, ld, hd, half, pair, j0, lim, sl2, o, ms, ls);
+      fa_block_step<true, kHd, kDup>(Qp, Kt, Vt, Ps, red, ld, hd, half, dup, pair, j0, lim, sl2, o, ms, ls);
     else
-      fa_block_step<false, kHd>(Qp, Kt, Vt, Ps, red, ld, hd, half, pair, j0, lim, sl2, o, ms, ls);
+      fa_block_step<false, kHd, kDup>(Qp, Kt, Vt, Ps, red, ld, hd, half, dup, pair, j0, lim, sl2, o, ms, ls);
 
     // e. split done: partials out (parallel) or in-order merge (serial).
     if ((b + 1) % kAttnSplitBlocks == 0 || b + 1 == b_end) {
@@ -537,7 +556,7 @@ __global__ void __launch_bounds__(kPairs * 2 * BARO_WARP, 1)
           for (int q = 0; q < kFaMaxNt; ++q)
             if (q < nnt)
               *reinterpret_cast<float2*>(po + q * 8) = make_float2(o[q][2 * e], o[q][2 * e + 1]);
-          if (half == 0 && t == 0) {
+          if (half == 0 && dup == 0 && t == 0) {
             part_ml[slot * 2 + 0] = ms[e];
             part_ml[slot * 2 + 1] = ls[e];
           }
@@ -700,26 +719,43 @@ inline size_t fa_scratch_bytes(const AttentionArgs& a) {
   return o_bytes + sizeof(float) * slots * 2;
 }
 
-template <int kPairs, bool kParallel, int kHd>
+template <int kPairs, bool kParallel, int kHd, int kDup>
 gpuError_t fa_launch_one_hd(const AttentionArgs& a, dim3 grid, float* part_o, float* part_ml,
                          int max_splits, int64_t rows_pad, gpuStream_t stream) {
   const size_t smem = fa_smem(a.hd, kPairs).total;  // <= ~179 KB for hd = 256
-  gpuError_t e = cudaFuncSetAttribute(attn_fa_kernel<kPairs, kParallel, kHd>,
+  gpuError_t e = cudaFuncSetAttribute(attn_fa_kernel<kPairs, kParallel, kHd, kDup>,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem));
   if (e != gpuSuccess) return e;
-  attn_fa_kernel<kPairs, kParallel, kHd><<<grid, kPairs * 2 * BARO_WARP, smem, stream>>>(
+  attn_fa_kernel<kPairs, kParallel, kHd, kDup><<<grid, kPairs * 2 * kDup * BARO_WARP, smem, stream>>>(
       a, part_o, part_ml, max_splits, rows_pad);
   return gpuGetLastError();
+}
+
+// The decode tile (one pair, one block per kv head and split: a few blocks per GPU at short
+// context) runs kFaDecodeDup copies of its pair when the head dims split into whole n-tiles;
+// BARO_ATTN_DUP=1 keeps one (the kernel tests compare the two).
+constexpr int kFaDecodeDup = 2;
+inline bool fa_decode_dup(const AttentionArgs& a) {
+  return a.hd % (16 * kFaDecodeDup) == 0 && !env_is("BARO_ATTN_DUP", "1");
 }
 
 template <int kPairs, bool kParallel>
 gpuError_t fa_launch_one(const AttentionArgs& a, dim3 grid, float* part_o, float* part_ml,
                          int max_splits, int64_t rows_pad, gpuStream_t stream) {
+  if constexpr (kParallel && kPairs == kFaSmallPairs) {
+    if (fa_decode_dup(a)) {
+      if (a.hd == kAttnMaxHeadDim)
+        return fa_launch_one_hd<kPairs, kParallel, kAttnMaxHeadDim, kFaDecodeDup>(a, grid, part_o, part_ml,
+                                                                                   max_splits, rows_pad, stream);
+      return fa_launch_one_hd<kPairs, kParallel, 0, kFaDecodeDup>(a, grid, part_o, part_ml, max_splits, rows_pad,
+                                                                   stream);
+    }
+  }
   if (a.hd == kAttnMaxHeadDim)
-    return fa_launch_one_hd<kPairs, kParallel, kAttnMaxHeadDim>(a, grid, part_o, part_ml, max_splits,
-                                                                 rows_pad, stream);
-  return fa_launch_one_hd<kPairs, kParallel, 0>(a, grid, part_o, part_ml, max_splits, rows_pad, stream);
+    return fa_launch_one_hd<kPairs, kParallel, kAttnMaxHeadDim, 1>(a, grid, part_o, part_ml, max_splits,
+                                                                    rows_pad, stream);
+  return fa_launch_one_hd<kPairs, kParallel, 0, 1>(a, grid, part_o, part_ml, max_splits, rows_pad, stream);
 }
 
 // Kernels 2 (and 3) of launch_attention on CUDA; the cache writes are enqueued before.

@@ -92,8 +92,8 @@ def layer_mixer(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid):
         y, st = attention_block(h, lp["attn"], st, cfg, ops, cos, sin, pos, n_valid)
     else:
         y, st = gdn_block(h, lp["gdn"], st, cfg, ops, pos, n_valid)
-    x = x + y
-    return x, ops.rmsnorm(x, lp["post_norm"], cfg.rms_eps, A), st
+    x, h2 = ops.add_rmsnorm(x, y, lp["post_norm"], cfg.rms_eps, A)  # x + y, and its norm
+    return x, h2, st
 
 
 def layer_forward(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid):

@@ -26,6 +26,11 @@ def rmsnorm(x, w, eps, dtype=_BF16):
     return cc.rmsnorm(x, w, eps)
 
 
+def add_rmsnorm(x, y, w, eps, dtype=_BF16):
+    _bf16_only(dtype)
+    return cc.add_rmsnorm(x, y, w, eps)
+
+
 def gated_norm(o, z, w, eps, dtype=_BF16):
     _bf16_only(dtype)
     return cc.gated_norm(o, z, w, eps)

@@ -30,6 +30,12 @@ def rmsnorm(x, w, eps, dtype=jnp.bfloat16):
     return ((x * _rms_scale(x, eps)) * (1.0 + w.astype(f32))).astype(dtype)
 
 
+def add_rmsnorm(x, y, w, eps, dtype=jnp.bfloat16):
+    """(x + y, rmsnorm(x + y)): the residual add and the norm after it."""
+    s = x + y
+    return s, rmsnorm(s, w, eps, dtype)
+
+
 def head_rmsnorm(x, w, eps):
     """Zero-centred RMSNorm over the last axis, fp32 out (q/k norms)."""
     return (x * _rms_scale(x, eps)) * (1.0 + w.astype(f32))

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from . import ops_xla
 
 VARIANTS = ("xla", "attn-fast", "delta-chunk")
-OP_NAMES = ("matmul", "rmsnorm", "gated_norm", "attention", "conv", "delta", "delta_blocked", "moe")
+OP_NAMES = ("matmul", "rmsnorm", "add_rmsnorm", "gated_norm", "attention", "conv", "delta", "delta_blocked", "moe")
 DELTA_CHUNK = 64  # rows per WY block of the delta-chunk variant (the training script's chunk)
 f32 = jnp.float32
 

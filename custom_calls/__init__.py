@@ -10,7 +10,7 @@ from .attention import attention
 from .deltanet import conv, delta, delta_blocked
 from .matmul import matmul
 from .moe import moe, moe_combine, moe_pairs, moe_route, moe_slots
-from .norm import gated_norm, rmsnorm
+from .norm import add_rmsnorm, gated_norm, rmsnorm
 
 load()
 if "cpu" not in available_platforms():
@@ -18,6 +18,6 @@ if "cpu" not in available_platforms():
 
 __all__ = [
     "available_platforms", "library_paths", "load_errors",
-    "matmul", "rmsnorm", "gated_norm", "attention", "conv", "delta", "delta_blocked", "moe",
+    "matmul", "rmsnorm", "add_rmsnorm", "gated_norm", "attention", "conv", "delta", "delta_blocked", "moe",
     "moe_slots", "moe_route", "moe_pairs", "moe_combine",
 ]

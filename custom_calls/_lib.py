@@ -25,6 +25,7 @@ import numpy as np
 TARGETS = {
     "baro_matmul": "BaroMatmul",
     "baro_rmsnorm": "BaroRmsnorm",
+    "baro_add_rmsnorm": "BaroAddRmsnorm",  # the residual add before a norm, one call
     "baro_gated_norm": "BaroGatedNorm",
     "baro_attention": "BaroAttention",
     "baro_attention_small": "BaroAttentionSmall",  # m <= 16 with its scratch as a result (command buffers)

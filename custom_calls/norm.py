@@ -1,4 +1,5 @@
-"""baro_rmsnorm (zero-centred, 1 + w) and baro_gated_norm (plain w, silu(z) gate)."""
+"""baro_rmsnorm (zero-centred, 1 + w), baro_add_rmsnorm (a residual add, then that norm) and
+baro_gated_norm (plain w, silu(z) gate)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,22 @@ def rmsnorm(x, w, eps):
     eps = C.f32_attr(op, "eps", eps)
     check_runnable(op, (x, w))
     return jax.ffi.ffi_call(op, jax.ShapeDtypeStruct((m, D), C.BF16))(x, w, eps=eps)
+
+
+def add_rmsnorm(x, y, w, eps):
+    """x[m,D] f32, y[m,D] f32, w[D] f32 -> (s = x + y [m,D] f32, rmsnorm(s, w) [m,D] bf16): the
+    bytes of `x + y` and rmsnorm of it, in one call (a decode step had 40 such adds, each its own
+    kernel)."""
+    op = "baro_add_rmsnorm"
+    C.rank(op, "x", x, 2)
+    m, D = x.shape
+    C.array(op, "x", x, (m, D), C.F32)
+    C.array(op, "y", y, (m, D), C.F32)
+    C.array(op, "w", w, (D,), C.F32)
+    eps = C.f32_attr(op, "eps", eps)
+    check_runnable(op, (x, y, w))
+    return tuple(jax.ffi.ffi_call(op, (jax.ShapeDtypeStruct((m, D), C.F32), jax.ShapeDtypeStruct((m, D), C.BF16)))(
+        x, y, w, eps=eps))
 
 
 def gated_norm(o, z, w, eps):

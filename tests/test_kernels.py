@@ -424,6 +424,41 @@ def test_rmsnorm_model_widths(platform, D, monkeypatch):
     assert_close(full, ref_rmsnorm(x, w, EPS), 2 ** -8, f"rmsnorm D={D} vs float64")
 
 
+# baro_add_rmsnorm: the residual add and the norm after it in one call gives the bytes of XLA's
+# fp32 add and baro_rmsnorm of its result (so the model's fused add keeps every bit), at the
+# model widths (the GPU's register rows) and a runtime D, for one row and many, and through
+# the runtime-D kernel (BARO_NORM_GENERIC=1).
+@pytest.mark.parametrize("m,D", [(1, 2048), (37, 2048), (5, 1024), (3, 2080), (1, 8)])
+def test_add_rmsnorm_equals_add_then_rmsnorm(platform, m, D, monkeypatch):
+    rng = np.random.default_rng(260 + m + D)
+    x = f32(rng, m, D, scale=3.0)
+    y = f32(rng, m, D, scale=2.0)
+    w = f32(rng, D, scale=0.2)
+    add = jax.jit(lambda a, b: a + b)
+    want_s = np.asarray(add(*put(platform, x, y)))
+    want_h = np.asarray(J_RMSNORM(put(platform, want_s), put(platform, w), eps=EPS))
+    for knob in ("0", "1"):
+        monkeypatch.setenv("BARO_NORM_GENERIC", knob)
+        poison(platform, (m, D))
+        s, h = jax.jit(lambda a, b, c: cc.add_rmsnorm(a, b, c, EPS))(*put(platform, x, y, w))
+        assert_same_bits(np.asarray(s), want_s, f"add_rmsnorm m={m} D={D} sum (BARO_NORM_GENERIC={knob})")
+        assert_same_bits(np.asarray(h), want_h, f"add_rmsnorm m={m} D={D} norm (BARO_NORM_GENERIC={knob})")
+    monkeypatch.delenv("BARO_NORM_GENERIC")
+    if m > 1:
+        s1, h1 = jax.jit(lambda a, b, c: cc.add_rmsnorm(a, b, c, EPS))(*put(platform, x[1:2], y[1:2], w))
+        assert_same_bits(np.asarray(h1)[0], want_h[1], f"add_rmsnorm D={D}: row 1 alone vs in a batch")
+
+
+def test_add_rmsnorm_errors(platform):
+    x, w = jnp.zeros((2, 8), jnp.float32), jnp.zeros((8,), jnp.float32)
+    with pytest.raises(ValueError, match=r"baro_add_rmsnorm: y must have shape \[2, 8\], got shape \[2, 7\]"):
+        cc.add_rmsnorm(x, jnp.zeros((2, 7), jnp.float32), w, EPS)
+    with pytest.raises(ValueError, match=r"baro_add_rmsnorm: y must have dtype float32"):
+        cc.add_rmsnorm(x, x.astype(jnp.bfloat16), w, EPS)
+    with pytest.raises(ValueError, match=r"baro_add_rmsnorm: w must have shape \[8\]"):
+        cc.add_rmsnorm(x, x, w[:7], EPS)
+
+
 @pytest.mark.parametrize("m", M_LIST)
 def test_gated_norm(platform, m):
     rng = np.random.default_rng(300 + m)

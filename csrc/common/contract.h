@@ -371,6 +371,22 @@ inline ::xla::ffi::Error check_rmsnorm(const ::xla::ffi::Buffer<::xla::ffi::F32>
   return ::xla::ffi::Error::Success();
 }
 
+// baro_add_rmsnorm: s = x + y, h = rmsnorm(s) (the residual add before a norm, one call).
+inline ::xla::ffi::Error check_add_rmsnorm(const ::xla::ffi::Buffer<::xla::ffi::F32>& x,
+                                           const ::xla::ffi::Buffer<::xla::ffi::F32>& y,
+                                           const ::xla::ffi::Buffer<::xla::ffi::F32>& w,
+                                           const ::xla::ffi::Buffer<::xla::ffi::F32>& s,
+                                           const ::xla::ffi::Buffer<::xla::ffi::BF16>& h, RmsnormDims& d) {
+  const char* op = "baro_add_rmsnorm";
+  BARO_RETURN_IF(expect_rank(op, "x", x, 2));
+  d = RmsnormDims{x.dimensions()[0], x.dimensions()[1]};
+  BARO_RETURN_IF(expect_shape(op, "y", y, {d.m, d.D}));
+  BARO_RETURN_IF(expect_shape(op, "w", w, {d.D}));
+  BARO_RETURN_IF(expect_shape(op, "s (result)", s, {d.m, d.D}));
+  BARO_RETURN_IF(expect_shape(op, "h (result)", h, {d.m, d.D}));
+  return ::xla::ffi::Error::Success();
+}
+
 struct GatedNormDims {
   int64_t m, nv, dv;
 };

@@ -1,4 +1,4 @@
-// baro_rmsnorm, baro_gated_norm (CPU).
+// baro_rmsnorm, baro_add_rmsnorm, baro_gated_norm (CPU).
 #include "contract.h"
 #include "dot.h"
 #include "ffi_util.h"
@@ -24,6 +24,30 @@ ffi::Error RmsnormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
       for (int64_t d = 0; d < D; ++d) {
         yp[i * D + d] = baro::f32_to_bf16((xr[d] * r) * (1.0f + wp[d]));
       }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// s = x + y (fp32), h = rmsnorm(s): the residual add and the norm after it, one call; h is
+// RmsnormImpl's arithmetic on s.
+ffi::Error AddRmsnormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> y, ffi::Buffer<ffi::F32> w,
+                          float eps, ffi::ResultBuffer<ffi::F32> s, ffi::ResultBuffer<ffi::BF16> h) {
+  baro::RmsnormDims dims;
+  if (auto err = baro::check_add_rmsnorm(x, y, w, *s, *h, dims); err.failure()) return err;
+  const int64_t m = dims.m, D = dims.D;
+  const float* xp = x.typed_data();
+  const float* yp = y.typed_data();
+  const float* wp = w.typed_data();
+  float* sp = s->typed_data();
+  uint16_t* hp = h->typed_data();
+  const float fD = static_cast<float>(D);
+  baro::parallel_for(m, 3.0 * D, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      float* sr = sp + i * D;
+      for (int64_t d = 0; d < D; ++d) sr[d] = xp[i * D + d] + yp[i * D + d];
+      const float r = baro::inv_rms(baro::dot(sr, sr, D), fD, eps);
+      for (int64_t d = 0; d < D; ++d) hp[i * D + d] = baro::f32_to_bf16((sr[d] * r) * (1.0f + wp[d]));
     }
   });
   return ffi::Error::Success();
@@ -63,6 +87,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroRmsnormCpu, RmsnormImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w
                                   .Attr<float>("eps")
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // y
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAddRmsnormCpu, AddRmsnormImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // y
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w
+                                  .Attr<float>("eps")
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // s = x + y
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // h = rmsnorm(s)
 );
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroGatedNormCpu, GatedNormImpl,

@@ -53,6 +53,9 @@ gpuError_t launch_matmul(const uint16_t* x, const uint16_t* w, float* y, int64_t
 // ---- norms (norm.cu) ----
 gpuError_t launch_rmsnorm(const float* x, const float* w, uint16_t* y, int64_t m, int64_t D,
                           float eps, gpuStream_t stream);
+// s = x + r (fp32), y = rmsnorm(s): baro_add_rmsnorm
+gpuError_t launch_add_rmsnorm(const float* x, const float* r, const float* w, float* s, uint16_t* y,
+                              int64_t m, int64_t D, float eps, gpuStream_t stream);
 // o: [rows, dv] with rows = m*nv; z, y: [rows, dv]
 gpuError_t launch_gated_norm(const float* o, const float* z, const float* w, uint16_t* y,
                              int64_t rows, int64_t dv, float eps, gpuStream_t stream);

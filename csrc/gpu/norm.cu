@@ -1,4 +1,4 @@
-// baro_rmsnorm, baro_gated_norm (GPU). One warp per row (per (row, head) for
+// baro_rmsnorm, baro_add_rmsnorm, baro_gated_norm (GPU). One warp per row (per (row, head) for
 // gated_norm); the sum of squares uses common.cuh's fixed lane order and
 // butterfly, so a row's bits never depend on m or on its neighbours.
 #include <cstdint>
@@ -18,10 +18,13 @@ constexpr int kNormWarps = 4;  // rows per block
 // costs a few memory latencies. A decode row is one warp on one SM, so that latency was the
 // whole cost (the runtime-D loop waited on each 4-element step: ~9 us for 2048). kPer = 0:
 // any D. Both sum x^2 in warp_sumsq's order (per lane ascending, then the butterfly).
-template <int kPer>
+// kAdd (baro_add_rmsnorm): the row normed is s = x + r (fp32 add), written to s_out first; the
+// norm is then the same code on s.
+template <int kPer, bool kAdd = false>
 __global__ void __launch_bounds__(kNormWarps * BARO_WARP)
     rmsnorm_kernel(const float* __restrict__ x, const float* __restrict__ w,
-                   uint16_t* __restrict__ y, int64_t m, int D, float eps) {
+                   uint16_t* __restrict__ y, int64_t m, int D, float eps,
+                   const float* __restrict__ r_in = nullptr, float* __restrict__ s_out = nullptr) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kNormWarps + warp_id();
   if (row >= m) return;
   const float* xr = x + row * D;
@@ -32,6 +35,14 @@ __global__ void __launch_bounds__(kNormWarps * BARO_WARP)
     float v[kPer];
 #pragma unroll
     for (int q = 0; q < kPer; ++q) v[q] = xr[lane + BARO_WARP * q];
+    if constexpr (kAdd) {
+      const float* rr = r_in + row * D;
+      float* sr = s_out + row * D;
+#pragma unroll
+      for (int q = 0; q < kPer; ++q) v[q] = v[q] + rr[lane + BARO_WARP * q];
+#pragma unroll
+      for (int q = 0; q < kPer; ++q) sr[lane + BARO_WARP * q] = v[q];
+    }
     float acc = 0.0f;
 #pragma unroll
     for (int q = 0; q < kPer; ++q) acc = fmaf(v[q], v[q], acc);
@@ -46,6 +57,12 @@ __global__ void __launch_bounds__(kNormWarps * BARO_WARP)
         yr[lane + BARO_WARP * (q0 + j)] = f32_to_bf16((v[q0 + j] * r) * (1.0f + wv[j]));
     }
   } else {
+    if constexpr (kAdd) {  // s first; each lane reads back only the elements it wrote
+      const float* rr = r_in + row * D;
+      float* sr = s_out + row * D;
+      for (int d = lane; d < D; d += BARO_WARP) sr[d] = xr[d] + rr[d];
+      xr = sr;
+    }
     const float r = inv_rms(warp_sumsq(xr, D), static_cast<float>(D), eps);
     for (int d = lane; d < D; d += BARO_WARP) yr[d] = f32_to_bf16((xr[d] * r) * (1.0f + w[d]));
   }
@@ -70,25 +87,38 @@ static unsigned norm_blocks(int64_t rows) {
   return static_cast<unsigned>((rows + kNormWarps - 1) / kNormWarps);
 }
 
-gpuError_t launch_rmsnorm(const float* x, const float* w, uint16_t* y, int64_t m, int64_t D,
-                          float eps, gpuStream_t stream) {
+template <bool kAdd>
+static gpuError_t launch_rmsnorm_rows(const float* x, const float* w, uint16_t* y, int64_t m, int64_t D,
+                                      float eps, const float* r_in, float* s_out, gpuStream_t stream) {
   (void)gpuGetLastError();
   if (m <= 0 || D <= 0) return gpuSuccess;
   if (D > 0x7fffffffLL || (m + kNormWarps - 1) / kNormWarps > 0x7fffffffLL)
     return gpuErrorInvalidValue;
   const unsigned blocks = norm_blocks(m);
   const int d = static_cast<int>(D);
+  constexpr int T = kNormWarps * BARO_WARP;
   // Test knob: BARO_NORM_GENERIC=1 runs every D on the runtime-D kernel (same bits; the
   // kernel tests compare the two at the model widths).
   if (env_is("BARO_NORM_GENERIC", "1"))
-    rmsnorm_kernel<0><<<blocks, kNormWarps * BARO_WARP, 0, stream>>>(x, w, y, m, d, eps);
+    rmsnorm_kernel<0, kAdd><<<blocks, T, 0, stream>>>(x, w, y, m, d, eps, r_in, s_out);
   else if (D == BARO_WARP * 64)
-    rmsnorm_kernel<64><<<blocks, kNormWarps * BARO_WARP, 0, stream>>>(x, w, y, m, d, eps);
+    rmsnorm_kernel<64, kAdd><<<blocks, T, 0, stream>>>(x, w, y, m, d, eps, r_in, s_out);
   else if (D == BARO_WARP * 32)
-    rmsnorm_kernel<32><<<blocks, kNormWarps * BARO_WARP, 0, stream>>>(x, w, y, m, d, eps);
+    rmsnorm_kernel<32, kAdd><<<blocks, T, 0, stream>>>(x, w, y, m, d, eps, r_in, s_out);
   else
-    rmsnorm_kernel<0><<<blocks, kNormWarps * BARO_WARP, 0, stream>>>(x, w, y, m, d, eps);
+    rmsnorm_kernel<0, kAdd><<<blocks, T, 0, stream>>>(x, w, y, m, d, eps, r_in, s_out);
   return gpuGetLastError();
+}
+
+gpuError_t launch_rmsnorm(const float* x, const float* w, uint16_t* y, int64_t m, int64_t D,
+                          float eps, gpuStream_t stream) {
+  return launch_rmsnorm_rows<false>(x, w, y, m, D, eps, nullptr, nullptr, stream);
+}
+
+// s = x + r, y = rmsnorm(s)
+gpuError_t launch_add_rmsnorm(const float* x, const float* r, const float* w, float* s, uint16_t* y,
+                              int64_t m, int64_t D, float eps, gpuStream_t stream) {
+  return launch_rmsnorm_rows<true>(x, w, y, m, D, eps, r, s, stream);
 }
 
 gpuError_t launch_gated_norm(const float* o, const float* z, const float* w, uint16_t* y,
@@ -122,6 +152,18 @@ ffi::Error RmsnormGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buff
   return ffi::Error::Success();
 }
 
+ffi::Error AddRmsnormGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> y,
+                             ffi::Buffer<ffi::F32> w, float eps, ffi::ResultBuffer<ffi::F32> s,
+                             ffi::ResultBuffer<ffi::BF16> h) {
+  const char* op = "baro_add_rmsnorm";
+  baro::RmsnormDims dims;
+  if (auto err = baro::check_add_rmsnorm(x, y, w, *s, *h, dims); err.failure()) return err;
+  BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_add_rmsnorm(x.typed_data(), y.typed_data(), w.typed_data(),
+                                                         s->typed_data(), h->typed_data(), dims.m, dims.D,
+                                                         eps, stream));
+  return ffi::Error::Success();
+}
+
 ffi::Error GatedNormGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> z,
                             ffi::Buffer<ffi::F32> w, float eps, ffi::ResultBuffer<ffi::BF16> y) {
   const char* op = "baro_gated_norm";
@@ -143,6 +185,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroRmsnormGpu, RmsnormGpuImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w
                                   .Attr<float>("eps")
                                   .Ret<ffi::Buffer<ffi::BF16>>(),  // y
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAddRmsnormGpu, AddRmsnormGpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // y
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w
+                                  .Attr<float>("eps")
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // s = x + y
+                                  .Ret<ffi::Buffer<ffi::BF16>>(),  // h = rmsnorm(s)
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroGatedNormGpu, GatedNormGpuImpl,

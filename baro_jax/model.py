@@ -84,10 +84,10 @@ def gdn_block(h, p, st, cfg, ops, pos, n_valid):
     return ops.matmul(g, p["out"]), new
 
 
-def layer_mixer(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid):
-    """The first half of a layer: (x + mixer(norm1(x)), norm2 of that (the MoE's input), new state)."""
+def layer_mixer(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid):
+    """The first half of a layer, from x and h = norm1(x): (x + mixer(h), norm2 of that (the
+    MoE's input), new state)."""
     A = lp["moe"]["router"].dtype
-    h = ops.rmsnorm(x, lp["in_norm"], cfg.rms_eps, A)
     if kind == FULL:
         y, st = attention_block(h, lp["attn"], st, cfg, ops, cos, sin, pos, n_valid)
     else:
@@ -96,14 +96,29 @@ def layer_mixer(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid):
     return x, h2, st
 
 
-def layer_forward(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid):
-    """x += mixer(norm1(x)); x += moe(norm2(x)). (Tier decode runs layer_mixer, then the MoE
-    through its expert cache: staging.py.)"""
-    x, h2, st = layer_mixer(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid)
+def layer_forward(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid, next_norm):
+    """x += mixer(h); x += moe(norm2(x)), from x and h = norm1(x); returns (x, next_norm(x),
+    state): every residual add is fused with the norm after it (the next layer's norm1, or the
+    final norm), one call instead of two. (Tier decode runs layer_mixer, then the MoE through
+    its expert cache: staging.py.)"""
+    x, h2, st = layer_mixer(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid)
     m = lp["moe"]
-    x = x + ops.moe(h2, m["router"], m["gate_up"], m["down"], m["shared_gate_up"], m["shared_down"],
-                    m["shared_gate"], top_k=cfg.top_k)
-    return x, st
+    y = ops.moe(h2, m["router"], m["gate_up"], m["down"], m["shared_gate_up"], m["shared_down"],
+                m["shared_gate"], top_k=cfg.top_k)
+    x, h = ops.add_rmsnorm(x, y, next_norm, cfg.rms_eps, m["router"].dtype)
+    return x, h, st
+
+
+def first_norm(params, x, cfg, ops):
+    """norm1 of layer 0 (every later norm comes out of the residual add before it)."""
+    lp = params["layers"][0]
+    return ops.rmsnorm(x, lp["in_norm"], cfg.rms_eps, lp["moe"]["router"].dtype)
+
+
+def next_norms(params):
+    """The norm after each layer's last residual add: the next layer's norm1, then the final norm."""
+    layers = params["layers"]
+    return tuple(lp["in_norm"] for lp in layers[1:]) + (params["final_norm"],)
 
 
 def embed(params, tokens):
@@ -117,9 +132,6 @@ def rope_rows(rope, pos, m):
     return cos[idx], sin[idx]
 
 
-def head(params, x, cfg, ops):
-    A = params["lm_head"].dtype
-    return ops.matmul(ops.rmsnorm(x, params["final_norm"], cfg.rms_eps, A), params["lm_head"])
 
 
 def prologue(params, tokens, pos, rope):
@@ -129,12 +141,13 @@ def prologue(params, tokens, pos, rope):
     return x, cos, sin
 
 
-def epilogue(params, x, n_valid, *, cfg: Config, ops, all_logits: bool = False):
-    """Logits of the last valid row [V] fp32, or of every row [m, V] when all_logits."""
+def epilogue(params, h, n_valid, *, cfg: Config, ops, all_logits: bool = False):
+    """From the final-normed rows h: logits of the last valid row [V] fp32, or of every row
+    [m, V] when all_logits."""
     if all_logits:
-        return head(params, x, cfg, ops)
-    last = jax.lax.dynamic_slice_in_dim(x, n_valid - 1, 1, axis=0)
-    return head(params, last, cfg, ops)[0]
+        return ops.matmul(h, params["lm_head"])
+    last = jax.lax.dynamic_slice_in_dim(h, n_valid - 1, 1, axis=0)
+    return ops.matmul(last, params["lm_head"])[0]
 
 
 def forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, all_logits: bool = False):
@@ -145,8 +158,9 @@ def forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, all_
     prologue, layer_forward and epilogue from a Python loop.
     """
     x, cos, sin = prologue(params, tokens, pos, rope)
+    h = first_norm(params, x, cfg, ops)
     new_state = []
-    for lp, st, kind in zip(params["layers"], state, cfg.layer_types):
-        x, st = layer_forward(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid)
+    for lp, st, kind, nn in zip(params["layers"], state, cfg.layer_types, next_norms(params)):
+        x, h, st = layer_forward(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid, nn)
         new_state.append(st)
-    return epilogue(params, x, n_valid, cfg=cfg, ops=ops, all_logits=all_logits), tuple(new_state)
+    return epilogue(params, h, n_valid, cfg=cfg, ops=ops, all_logits=all_logits), tuple(new_state)

@@ -113,15 +113,24 @@ def layer_expert_bytes(layer: dict) -> int:
 
 
 # --- the per-layer forward --------------------------------------------------------
-def _layer(x, lp, experts, st, cos, sin, pos, n_valid, *, kind, cfg, ops):
+def _layer(x, h, lp, experts, st, cos, sin, pos, n_valid, next_norm, *, kind, cfg, ops):
     lp = {**lp, "moe": {**lp["moe"], **experts}}
-    return M.layer_forward(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid)
+    return M.layer_forward(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid, next_norm)
+
+
+def _first_norm(layer0, x, *, cfg, ops):
+    return M.first_norm({"layers": (layer0,)}, x, cfg, ops)
 
 
 # Module-level jits keyed on the static (kind, cfg, ops): one compile per layer kind, shared by engines.
 _PROLOGUE = jax.jit(M.prologue)
-_LAYER = jax.jit(_layer, static_argnames=("kind", "cfg", "ops"), donate_argnums=(0, 3))
+_FIRST_NORM = jax.jit(_first_norm, static_argnames=("cfg", "ops"))
+_LAYER = jax.jit(_layer, static_argnames=("kind", "cfg", "ops"), donate_argnums=(0, 1, 4))
 _EPILOGUE = jax.jit(M.epilogue, static_argnames=("cfg", "ops", "all_logits"))
+
+
+def _head_params(params):
+    return {"lm_head": params["lm_head"]}
 
 
 def forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, all_logits: bool = False,
@@ -141,16 +150,17 @@ def forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, all_
         return jax.device_put(split_layer(layers[i])[1], on_dev)
 
     x, cos, sin = _PROLOGUE({"embed": params["embed"]}, tokens, pos, rope)
+    h = _FIRST_NORM(split_layer(layers[0])[0], x, cfg=cfg, ops=ops)
     nxt = stage(0)
     new_state = []
-    for i, (lp, st, kind) in enumerate(zip(layers, state, cfg.layer_types)):
+    for i, (lp, st, kind, nn) in enumerate(zip(layers, state, cfg.layer_types, M.next_norms(params))):
         # issue layer i+1's copy before layer i's compute: at most two staged layers alive
         cur, nxt = nxt, (stage(i + 1) if i + 1 < n else None)
-        x, st = _LAYER(x, split_layer(lp)[0], cur, st, cos, sin, pos, n_valid, kind=kind, cfg=cfg, ops=ops)
+        x, h, st = _LAYER(x, h, split_layer(lp)[0], cur, st, cos, sin, pos, n_valid, nn, kind=kind, cfg=cfg,
+                          ops=ops)
         del cur
         new_state.append(st)
-    logits = _EPILOGUE({"final_norm": params["final_norm"], "lm_head": params["lm_head"]}, x, n_valid,
-                       cfg=cfg, ops=ops, all_logits=all_logits)
+    logits = _EPILOGUE(_head_params(params), h, n_valid, cfg=cfg, ops=ops, all_logits=all_logits)
     return logits, tuple(new_state)
 
 
@@ -178,18 +188,19 @@ def _fetch(pool_gu, pool_dn, store_gu, store_dn, experts, slots, *, dev):
 _FETCH = jax.jit(_fetch, donate_argnums=(0, 1), static_argnames=("dev",))
 
 
-def _mixer_route(x, lp, st, cos, sin, pos, n_valid, *, kind, cfg, ops):
-    x, h2, st = M.layer_mixer(x, lp, st, kind, cfg, ops, cos, sin, pos, n_valid)
+def _mixer_route(x, h, lp, st, cos, sin, pos, n_valid, *, kind, cfg, ops):
+    x, h2, st = M.layer_mixer(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid)
     return x, h2, ops.moe_route(h2, lp["moe"]["router"], top_k=cfg.top_k), st
 
 
-def _cached_moe(x, h2, moe, pool_gu, pool_dn, slots, *, cfg, ops):
+def _cached_moe(x, h2, moe, pool_gu, pool_dn, slots, next_norm, *, cfg, ops):
+    """layer_forward's MoE half with the experts from the pools: (x + moe(h2), next_norm of it)."""
     y = ops.moe_slots(h2, moe["router"], pool_gu, pool_dn, slots, moe["shared_gate_up"], moe["shared_down"],
                       moe["shared_gate"], top_k=cfg.top_k)
-    return x + y
+    return ops.add_rmsnorm(x, y, next_norm, cfg.rms_eps, moe["router"].dtype)
 
 
-_MIXER_ROUTE = jax.jit(_mixer_route, static_argnames=("kind", "cfg", "ops"), donate_argnums=(0, 2))
+_MIXER_ROUTE = jax.jit(_mixer_route, static_argnames=("kind", "cfg", "ops"), donate_argnums=(0, 1, 3))
 _CACHED_MOE = jax.jit(_cached_moe, static_argnames=("cfg", "ops"), donate_argnums=(0,))
 
 
@@ -284,19 +295,19 @@ def cached_forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, op
     mixer and the routing, the ids to the host, the misses copied, the MoE through the slots."""
     layers = params["layers"]
     x, cos, sin = _PROLOGUE({"embed": params["embed"]}, tokens, pos, rope)
+    h = _FIRST_NORM(split_layer(layers[0])[0], x, cfg=cfg, ops=ops)
     new_state = []
-    for i, (lp, st, kind) in enumerate(zip(layers, state, cfg.layer_types)):
+    for i, (lp, st, kind, nn) in enumerate(zip(layers, state, cfg.layer_types, M.next_norms(params))):
         res = split_layer(lp)[0]
-        x, h2, ids, st = _MIXER_ROUTE(x, res, st, cos, sin, pos, n_valid, kind=kind, cfg=cfg, ops=ops)
+        x, h2, ids, st = _MIXER_ROUTE(x, h, res, st, cos, sin, pos, n_valid, kind=kind, cfg=cfg, ops=ops)
         t0 = time.perf_counter()
         ids = np.asarray(ids)  # waits for this layer's mixer: the per-layer host round trip
         cache.route_seconds += time.perf_counter() - t0
         slots = cache.ensure(i, ids)
         gu, dn = cache.pools[i]
-        x = _CACHED_MOE(x, h2, res["moe"], gu, dn, slots, cfg=cfg, ops=ops)
+        x, h = _CACHED_MOE(x, h2, res["moe"], gu, dn, slots, nn, cfg=cfg, ops=ops)
         new_state.append(st)
-    logits = _EPILOGUE({"final_norm": params["final_norm"], "lm_head": params["lm_head"]}, x, n_valid,
-                       cfg=cfg, ops=ops, all_logits=False)
+    logits = _EPILOGUE(_head_params(params), h, n_valid, cfg=cfg, ops=ops, all_logits=False)
     return logits, tuple(new_state)
 
 

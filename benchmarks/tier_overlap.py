@@ -56,7 +56,7 @@ def budget_row(eng, C: int) -> dict:
 
 def measure_chunk(eng, C: int, args) -> dict:
     """Copy alone, compute alone and both, for one pass at chunk C (see the module docstring)."""
-    from baro_jax import staging
+    from baro_jax import model as M, staging
 
     cfg, params = eng.cfg, eng.params
     layers = params["layers"]
@@ -93,17 +93,18 @@ def measure_chunk(eng, C: int, args) -> dict:
     # compute alone, per layer, on the pass's own activations (experts staged first, untimed)
     st_all = eng.new_state(C + STATE_PAD)
     x, cos, sin = staging._PROLOGUE({"embed": params["embed"]}, toks, pos, eng.rope)
+    h = staging._FIRST_NORM(staging.split_layer(layers[0])[0], x, cfg=cfg, ops=eng.ops)
     compute = []
-    for lp, st, k in zip(layers, st_all, cfg.layer_types):
+    for lp, st, k, nn in zip(layers, st_all, cfg.layer_types, M.next_norms(params)):
         ex = jax.device_put(staging.split_layer(lp)[1], on_dev)
-        jax.block_until_ready((ex, x))
+        jax.block_until_ready((ex, x, h))
         t = time.perf_counter()
-        x, st = staging._LAYER(x, staging.split_layer(lp)[0], ex, st, cos, sin, pos, nv, kind=k, cfg=cfg, ops=eng.ops)
-        jax.block_until_ready((x, st))
+        x, h, st = staging._LAYER(x, h, staging.split_layer(lp)[0], ex, st, cos, sin, pos, nv, nn, kind=k,
+                                  cfg=cfg, ops=eng.ops)
+        jax.block_until_ready((x, h, st))
         compute.append(time.perf_counter() - t)
         del ex, st
-    logits = staging._EPILOGUE({"final_norm": params["final_norm"], "lm_head": params["lm_head"]}, x, nv,
-                               cfg=cfg, ops=eng.ops)
+    logits = staging._EPILOGUE(staging._head_params(params), h, nv, cfg=cfg, ops=eng.ops)
     same = np.asarray(logits).tobytes() == ref_logits.tobytes()  # the split run is the same computation
     sc, sk = float(sum(copy)), float(sum(compute))
     bound = max(sc, sk)

@@ -188,6 +188,17 @@ def _fetch(pool_gu, pool_dn, store_gu, store_dn, experts, slots, *, dev):
 _FETCH = jax.jit(_fetch, donate_argnums=(0, 1), static_argnames=("dev",))
 
 
+def fetch_length(n_misses: int) -> int:
+    """Copies one _FETCH call makes for n misses: the next power of two, so a layer's misses
+    compile a few graphs (1, 2, 4, 8, ... copies) and copy at most twice what they need. (Padding
+    every call to top_k copied up to top_k experts for a single miss: at a real model's ~77%
+    hits, about 4x the bytes the misses need.)"""
+    p = 1
+    while p < n_misses:
+        p *= 2
+    return p
+
+
 def _mixer_route(x, h, lp, st, cos, sin, pos, n_valid, *, kind, cfg, ops):
     x, h2, st = M.layer_mixer(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid)
     return x, h2, ops.moe_route(h2, lp["moe"]["router"], top_k=cfg.top_k), st
@@ -279,8 +290,7 @@ class ExpertCache:
                 self.events.append((layer, e, s, old))
         if todo_e:
             t0 = time.perf_counter()
-            k = self.cfg.top_k  # a fixed length (one compile): pad with the first copy again
-            pad = max(k, len(todo_e))
+            pad = fetch_length(len(todo_e))  # pad with the first copy again (the same copy twice)
             ee = np.asarray(todo_e + todo_e[:1] * (pad - len(todo_e)), np.int32)
             ss = np.asarray(todo_s + todo_s[:1] * (pad - len(todo_s)), np.int32)
             moe = self._layers[layer]["moe"]

@@ -259,3 +259,15 @@ def test_state_bytes_match_the_allocated_state():
         st = M.init_state(cfg, jnp.bfloat16, 256)
         real = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(st))
         assert budget.state_bytes(cfg, jnp.bfloat16, 256) == real, rule
+
+
+def test_fetch_length_pads_to_a_power_of_two():
+    """A layer's misses are copied in one call of a power-of-two length: never fewer copies than
+    misses, never more than twice as many (the padding repeats a copy)."""
+    from baro_jax.staging import fetch_length
+
+    for n in range(1, 40):
+        p = fetch_length(n)
+        assert n <= p < 2 * n or p == n == 1, (n, p)
+        assert p & (p - 1) == 0, (n, p)
+    assert [fetch_length(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]

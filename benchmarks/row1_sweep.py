@@ -37,12 +37,19 @@ MOE = dict(E=256, D=2048, I=512, Is=512, k=8)
 
 ARMS = [("rows16", {"BARO_GEMM_ROW1": "off"}), ("row1 default", {}), ("no fold", {"BARO_MOE_FOLD": "0"}),
         ("nt1", {"BARO_ROW1_NT": "1"}), ("nt2", {"BARO_ROW1_NT": "2"})]
-for copy in ("bulk", "lsu"):
-    for bps in (2, 3, 4):
-        for kc in (512, 2048):
-            for st in (2, 4):
-                ARMS.append((f"{copy} bps{bps} k{kc} s{st}", {"BARO_ROW1_COPY": copy, "BARO_ROW1_BPS": str(bps),
-                                                            "BARO_ROW1_KCHUNK": str(kc), "BARO_ROW1_STAGES": str(st)}))
+# The ring's shape (bulk copies; 16-byte cp.async, BARO_ROW1_COPY=lsu, was 2.5x slower in every
+# arm at 6d18423: results/row1_sweep_h200.json, so it is no longer swept).
+for bps in (2, 3, 4):
+    for kc in (512, 2048):
+        for st in (2, 4):
+            ARMS.append((f"bulk bps{bps} k{kc} s{st}", {"BARO_ROW1_COPY": "bulk", "BARO_ROW1_BPS": str(bps),
+                                                      "BARO_ROW1_KCHUNK": str(kc), "BARO_ROW1_STAGES": str(st)}))
+# Warps in flight: a warp streams one unit at about the same rate whatever else runs (NOTES,
+# fifth session), so more, smaller units in one round (the one-token MoE's 9 experts x 512 gate/up
+# outputs are 576 one-n-tile units) should move the grouped GEMMs.
+for nt in (1, 2):
+    for bps in (4, 5, 6):
+        ARMS.append((f"nt{nt} bps{bps}", {"BARO_ROW1_NT": str(nt), "BARO_ROW1_BPS": str(bps)}))
 KNOBS = ("BARO_GEMM_ROW1", "BARO_ROW1_BPS", "BARO_ROW1_KCHUNK", "BARO_ROW1_STAGES", "BARO_ROW1_NT", "BARO_ROW1_COPY",
          "BARO_MOE_FOLD")
 

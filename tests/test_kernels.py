@@ -476,6 +476,28 @@ def test_gated_norm(platform, m):
     assert_close(full, ref_gated_norm(o, z, w, EPS), 2 ** -7, "gated_norm vs float64")
 
 
+# The model's gated norm width (dv = 128) takes the GPU's register-row kernel; 48 the runtime-dv
+# one. Rows are independent, and BARO_NORM_GENERIC=1 (every width on the runtime-dv kernel)
+# gives the same bits.
+@pytest.mark.parametrize("dv", [128, 48])
+def test_gated_norm_model_width(platform, dv, monkeypatch):
+    rng = np.random.default_rng(350 + dv)
+    m, nv = 5, 32
+    o = f32(rng, m, nv, dv, scale=0.5)
+    z = f32(rng, m, nv * dv, scale=2.0)
+    w = f32(rng, dv, scale=1.0)
+    poison(platform, (m, nv * dv), jnp.bfloat16)
+    full = np.asarray(J_GATED(*put(platform, o, z, w), eps=EPS))
+    for i in (0, m - 1):
+        one = np.asarray(J_GATED(*put(platform, o[i:i + 1], z[i:i + 1], w), eps=EPS))
+        assert_same_bits(one[0], full[i], f"gated_norm dv={dv} row {i} vs one-row call")
+    monkeypatch.setenv("BARO_NORM_GENERIC", "1")
+    got = np.asarray(jax.jit(lambda a, b, c: cc.gated_norm(a, b, c, EPS))(*put(platform, o, z, w)))
+    monkeypatch.delenv("BARO_NORM_GENERIC")
+    assert_same_bits(got, full, f"gated_norm dv={dv}: runtime-dv kernel vs the register-row kernel")
+    assert_close(full, ref_gated_norm(o, z, w, EPS), 2 ** -7, f"gated_norm dv={dv} vs float64")
+
+
 def test_norm_errors(platform):
     rng = np.random.default_rng(2)
     x, w = put(platform, f32(rng, 3, 8), f32(rng, 8))

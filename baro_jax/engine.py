@@ -359,8 +359,9 @@ class Engine:
         chunk = checks.as_int("chunk", chunk, lo=1)
         if not 1 <= len(ids) <= chunk:
             raise ValueError(f"prefill_chunk: {len(ids)} ids for a chunk of {chunk} rows (give 1..chunk ids)")
-        pos = checks.positions(pos, len(ids), self.check_state(state, "prefill_chunk"), self.cfg.max_context,
-                               "prefill_chunk")
+        L = self.check_state(state, "prefill_chunk")
+        pos = checks.positions(pos, len(ids), L, self.cfg.max_context, "prefill_chunk")
+        self.check_device(L or 0, chunk)
         return self._chunk(ids, state, pos, chunk)
 
     def _chunk(self, ids: Sequence[int], state, pos: int, chunk: int):  # unchecked: the engine's own loops
@@ -382,7 +383,9 @@ class Engine:
             self.check_device(L, chunk if mode == "batch" else 1)
             state = self.new_state(L)
         else:  # a caller's state: donated (see decode_step), and it must hold the whole prompt
-            checks.positions(0, len(ids), self.check_state(state, "prefill"), self.cfg.max_context, "prefill")
+            L = self.check_state(state, "prefill")
+            checks.positions(0, len(ids), L, self.cfg.max_context, "prefill")
+            self.check_device(L or 0, chunk if mode == "batch" else 1)  # its activations must fit beside it
         t0 = time.perf_counter()
         # progress(done, total) is called once the tokens so far have been computed, so a caller
         # can show true tokens/s. The batched loop waits for chunk k only after chunk k+1 is

@@ -167,3 +167,20 @@ def test_speed_records_a_failed_length_and_goes_on(tmp_path, monkeypatch):
     s = res["summary"]
     assert s["failed_lengths"] == [1500] and s["checks_pass"]
     assert (s["check_prefix"], s["check_tail"], s["replay_max"]) == (128, 8, 0)  # tier defaults, tail as given
+
+
+def test_a_callers_state_does_not_skip_the_budget():
+    """prefill / prefill_chunk with a state the caller made still count the activations at the
+    chunk beside the weights and that state, and refuse up front (they used to run unchecked)."""
+    cfg = preset("tiny-random")
+    need64 = budget.check_resident(cfg, BF16, None, 64, 64)
+    eng = baro_jax.load("tiny-random", backend="ordered", progress=False,
+                        device_budget_gb=budget.budget_gb_for(need64))
+    ids = list(range(1, 40))
+    eng.prefill(ids, chunk=64, state=eng.new_state(64))  # fits: the count it was sized for
+    big = 4096  # a chunk whose activations cannot fit this budget
+    assert budget.check_resident(cfg, BF16, None, 64, big) > need64
+    with pytest.raises(MemoryError, match=f"activations at chunk {big}"):
+        eng.prefill(ids, chunk=big, state=eng.new_state(64))
+    with pytest.raises(MemoryError, match=f"activations at chunk {big}"):
+        eng.prefill_chunk(ids, eng.new_state(64), 0, big)

@@ -14,6 +14,7 @@ then the largest that fits beside the cache (largest_tier_chunk).
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import NamedTuple
@@ -68,6 +69,7 @@ def round256(n: int) -> int:
 
 
 # --- what a model needs -------------------------------------------------------------
+@functools.lru_cache(maxsize=64)  # every prefill checks the budget: walk the shape tree once per model
 def param_bytes(cfg: Config, dtype) -> int:
     from .weights import param_shapes
 

@@ -380,12 +380,12 @@ class Engine:
         chunk = self.pick_chunk(len(ids), n_new) if chunk is None else checks.as_int("chunk (--chunk)", chunk, lo=1)
         if state is None:
             L = state_length(len(ids) + n_new, self.cfg.max_context)
-            self.check_device(L, chunk if mode == "batch" else 1)
-            state = self.new_state(L)
         else:  # a caller's state: donated (see decode_step), and it must hold the whole prompt
             L = self.check_state(state, "prefill")
             checks.positions(0, len(ids), L, self.cfg.max_context, "prefill")
-            self.check_device(L or 0, chunk if mode == "batch" else 1)  # its activations must fit beside it
+        self.check_device(L or 0, chunk if mode == "batch" else 1)  # before any work, either state
+        if state is None:
+            state = self.new_state(L)
         t0 = time.perf_counter()
         # progress(done, total) is called once the tokens so far have been computed, so a caller
         # can show true tokens/s. The batched loop waits for chunk k only after chunk k+1 is

@@ -109,9 +109,8 @@ def layer_forward(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid, next_nor
     return x, h, st
 
 
-def first_norm(params, x, cfg, ops):
-    """norm1 of layer 0 (every later norm comes out of the residual add before it)."""
-    lp = params["layers"][0]
+def first_norm(lp, x, cfg, ops):
+    """norm1 of layer 0, lp its params (every later norm comes out of the residual add before it)."""
     return ops.rmsnorm(x, lp["in_norm"], cfg.rms_eps, lp["moe"]["router"].dtype)
 
 
@@ -158,7 +157,7 @@ def forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, all_
     prologue, layer_forward and epilogue from a Python loop.
     """
     x, cos, sin = prologue(params, tokens, pos, rope)
-    h = first_norm(params, x, cfg, ops)
+    h = first_norm(params["layers"][0], x, cfg, ops)
     new_state = []
     for lp, st, kind, nn in zip(params["layers"], state, cfg.layer_types, next_norms(params)):
         x, h, st = layer_forward(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid, nn)

@@ -118,13 +118,9 @@ def _layer(x, h, lp, experts, st, cos, sin, pos, n_valid, next_norm, *, kind, cf
     return M.layer_forward(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid, next_norm)
 
 
-def _first_norm(layer0, x, *, cfg, ops):
-    return M.first_norm({"layers": (layer0,)}, x, cfg, ops)
-
-
 # Module-level jits keyed on the static (kind, cfg, ops): one compile per layer kind, shared by engines.
 _PROLOGUE = jax.jit(M.prologue)
-_FIRST_NORM = jax.jit(_first_norm, static_argnames=("cfg", "ops"))
+_FIRST_NORM = jax.jit(M.first_norm, static_argnames=("cfg", "ops"))
 _LAYER = jax.jit(_layer, static_argnames=("kind", "cfg", "ops"), donate_argnums=(0, 1, 4))
 _EPILOGUE = jax.jit(M.epilogue, static_argnames=("cfg", "ops", "all_logits"))
 

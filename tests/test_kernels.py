@@ -403,24 +403,27 @@ def test_rmsnorm(platform, m):
     assert_close(full, ref_rmsnorm(x, w, EPS), 2 ** -8, "rmsnorm vs float64")
 
 
+@pytest.mark.parametrize("m", [1, 37, 70])
 @pytest.mark.parametrize("D", [1024, 2048, 2080])
-def test_rmsnorm_model_widths(platform, D, monkeypatch):
-    """The model widths take the GPU's register-resident rows (D = 1024, 2048); 2080 the
-    runtime-D kernel. Rows are independent, and BARO_NORM_GENERIC=1 (every D on the runtime-D
-    kernel) gives the same bits."""
-    rng = np.random.default_rng(250 + D)
-    m = 37
+def test_rmsnorm_model_widths(platform, D, m, monkeypatch):
+    """The model widths take the GPU's register-resident rows (D = 1024, 2048), and up to 64
+    rows the block-per-row kernel; 2080 the runtime-D kernel. Rows are independent, and
+    BARO_NORM_GENERIC=1 (every D on the runtime-D kernel) and BARO_NORM_ROW_BLOCK=0 (few rows
+    on the warp kernel) give the same bits."""
+    rng = np.random.default_rng(250 + D + m)
     x = f32(rng, m, D, scale=3.0)
     w = f32(rng, D, scale=0.2)
     poison(platform, (m, D), jnp.bfloat16)
     full = np.asarray(J_RMSNORM(*put(platform, x, w), eps=EPS))
-    for i in (0, 1, 17, m - 1):
+    for i in sorted({0, 1 % m, 17 % m, m - 1}):
         one = np.asarray(J_RMSNORM(*put(platform, x[i:i + 1], w), eps=EPS))
         assert_same_bits(one[0], full[i], f"rmsnorm D={D} row {i} vs one-row call")
-    monkeypatch.setenv("BARO_NORM_GENERIC", "1")
-    got = np.asarray(jax.jit(lambda a, b: cc.rmsnorm(a, b, EPS))(*put(platform, x, w)))
-    monkeypatch.delenv("BARO_NORM_GENERIC")
-    assert_same_bits(got, full, f"rmsnorm D={D}: runtime-D kernel vs the register-row kernel")
+    for knob, value in (("BARO_NORM_GENERIC", "1"), ("BARO_NORM_ROW_BLOCK", "0")):
+        monkeypatch.setenv(knob, value)
+        poison(platform, (m, D), jnp.bfloat16)
+        got = np.asarray(jax.jit(lambda a, b: cc.rmsnorm(a, b, EPS))(*put(platform, x, w)))
+        monkeypatch.delenv(knob)
+        assert_same_bits(got, full, f"rmsnorm m={m} D={D}: {knob}={value} vs the default kernel")
     assert_close(full, ref_rmsnorm(x, w, EPS), 2 ** -8, f"rmsnorm D={D} vs float64")
 
 
@@ -428,7 +431,8 @@ def test_rmsnorm_model_widths(platform, D, monkeypatch):
 # fp32 add and baro_rmsnorm of its result (so the model's fused add keeps every bit), at the
 # model widths (the GPU's register rows) and a runtime D, for one row and many, and through
 # the runtime-D kernel (BARO_NORM_GENERIC=1).
-@pytest.mark.parametrize("m,D", [(1, 2048), (37, 2048), (5, 1024), (3, 2080), (1, 8)])
+@pytest.mark.parametrize("m,D", [(1, 2048), (2, 2048), (37, 2048), (65, 2048), (5, 1024), (64, 1024),
+                                 (3, 2080), (1, 8)])
 def test_add_rmsnorm_equals_add_then_rmsnorm(platform, m, D, monkeypatch):
     rng = np.random.default_rng(260 + m + D)
     x = f32(rng, m, D, scale=3.0)
@@ -437,13 +441,13 @@ def test_add_rmsnorm_equals_add_then_rmsnorm(platform, m, D, monkeypatch):
     add = jax.jit(lambda a, b: a + b)
     want_s = np.asarray(add(*put(platform, x, y)))
     want_h = np.asarray(J_RMSNORM(put(platform, want_s), put(platform, w), eps=EPS))
-    for knob in ("0", "1"):
-        monkeypatch.setenv("BARO_NORM_GENERIC", knob)
+    for knob, value in (("BARO_NORM_GENERIC", "0"), ("BARO_NORM_GENERIC", "1"), ("BARO_NORM_ROW_BLOCK", "0")):
+        monkeypatch.setenv(knob, value)
         poison(platform, (m, D))
         s, h = jax.jit(lambda a, b, c: cc.add_rmsnorm(a, b, c, EPS))(*put(platform, x, y, w))
-        assert_same_bits(np.asarray(s), want_s, f"add_rmsnorm m={m} D={D} sum (BARO_NORM_GENERIC={knob})")
-        assert_same_bits(np.asarray(h), want_h, f"add_rmsnorm m={m} D={D} norm (BARO_NORM_GENERIC={knob})")
-    monkeypatch.delenv("BARO_NORM_GENERIC")
+        monkeypatch.delenv(knob)
+        assert_same_bits(np.asarray(s), want_s, f"add_rmsnorm m={m} D={D} sum ({knob}={value})")
+        assert_same_bits(np.asarray(h), want_h, f"add_rmsnorm m={m} D={D} norm ({knob}={value})")
     if m > 1:
         s1, h1 = jax.jit(lambda a, b, c: cc.add_rmsnorm(a, b, c, EPS))(*put(platform, x[1:2], y[1:2], w))
         assert_same_bits(np.asarray(h1)[0], want_h[1], f"add_rmsnorm D={D}: row 1 alone vs in a batch")

@@ -68,6 +68,76 @@ __global__ void __launch_bounds__(kNormWarps * BARO_WARP)
   }
 }
 
+// Few rows (decode: m = 1): one block per row, the same arithmetic as rmsnorm_kernel<kPer>.
+// A decode row on one warp is bound by what one warp keeps in flight (a row of 2048 with its
+// residual: 36 KB through one warp, ~6 us on the H200); here kRowBlockThreads threads load it
+// with 16-byte loads, stage s in shared memory, and warp 0 sums s^2 in rmsnorm_kernel's order
+// (lane's elements lane + BARO_WARP * q for q ascending, one fmaf chain, then warp_sum), so a
+// row's bits are those of the warp kernel, whatever the m. Needs D % (4 * threads) == 0 and
+// 16-byte aligned f32 pointers (the launcher checks both, else the warp kernel).
+constexpr int kRowBlockThreads = 256;
+constexpr int64_t kRowBlockMaxRows = 64;  // past this the warp kernel fills the card anyway
+
+template <int kPer, bool kAdd>
+__global__ void __launch_bounds__(kRowBlockThreads)
+    rmsnorm_row_block_kernel(const float* __restrict__ x, const float* __restrict__ w,
+                             uint16_t* __restrict__ y, float eps, const float* __restrict__ r_in,
+                             float* __restrict__ s_out) {
+  constexpr int D = BARO_WARP * kPer;
+  static_assert(D % (4 * kRowBlockThreads) == 0, "a thread holds whole float4s");
+  constexpr int kVec = D / (4 * kRowBlockThreads);
+  __shared__ float4 s_row[D / 4];
+  __shared__ float s_inv;
+  const int64_t row = blockIdx.x;
+  const int t = threadIdx.x;
+  const float4* x4 = reinterpret_cast<const float4*>(x + row * D);
+  const float4* w4 = reinterpret_cast<const float4*>(w);
+  float4 v[kVec], wv[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) v[j] = x4[t + kRowBlockThreads * j];
+  if constexpr (kAdd) {
+    const float4* r4 = reinterpret_cast<const float4*>(r_in + row * D);
+    float4* s4 = reinterpret_cast<float4*>(s_out + row * D);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float4 r = r4[t + kRowBlockThreads * j];
+      v[j].x = v[j].x + r.x;
+      v[j].y = v[j].y + r.y;
+      v[j].z = v[j].z + r.z;
+      v[j].w = v[j].w + r.w;
+      s4[t + kRowBlockThreads * j] = v[j];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    wv[j] = w4[t + kRowBlockThreads * j];
+    s_row[t + kRowBlockThreads * j] = v[j];
+  }
+  __syncthreads();
+  if (t < BARO_WARP) {
+    const float* sr = reinterpret_cast<const float*>(s_row);
+    float acc = 0.0f;
+#pragma unroll 16
+    for (int q = 0; q < kPer; ++q) {
+      const float a = sr[t + BARO_WARP * q];
+      acc = fmaf(a, a, acc);
+    }
+    const float r = inv_rms(warp_sum(acc), static_cast<float>(D), eps);
+    if (t == 0) s_inv = r;
+  }
+  __syncthreads();
+  const float r = s_inv;
+  uint2* y4 = reinterpret_cast<uint2*>(y + row * D);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    const uint32_t lo = static_cast<uint32_t>(f32_to_bf16((v[j].x * r) * (1.0f + wv[j].x))) |
+                        (static_cast<uint32_t>(f32_to_bf16((v[j].y * r) * (1.0f + wv[j].y))) << 16);
+    const uint32_t hi = static_cast<uint32_t>(f32_to_bf16((v[j].z * r) * (1.0f + wv[j].z))) |
+                        (static_cast<uint32_t>(f32_to_bf16((v[j].w * r) * (1.0f + wv[j].w))) << 16);
+    y4[t + kRowBlockThreads * j] = make_uint2(lo, hi);
+  }
+}
+
 // per (row, head): y = bf16(((o * r) * w) * silu(z)), r = 1/sqrt(ss/dv + eps)
 // kPer > 0: dv == 32 * kPer exactly (the models' 128): o, z and w are read once into registers,
 // all loads in flight together (the runtime-dv loop waited on its loads element by element:
@@ -122,7 +192,18 @@ static gpuError_t launch_rmsnorm_rows(const float* x, const float* w, uint16_t* 
   constexpr int T = kNormWarps * BARO_WARP;
   // Test knob: BARO_NORM_GENERIC=1 runs every D on the runtime-D kernel (same bits; the
   // kernel tests compare the two at the model widths).
-  if (env_is("BARO_NORM_GENERIC", "1"))
+  const bool generic = env_is("BARO_NORM_GENERIC", "1");
+  // Test knob: BARO_NORM_ROW_BLOCK=0 keeps few rows on the warp kernel (same bits; tested).
+  const bool row_block = !generic && m <= kRowBlockMaxRows && !env_is("BARO_NORM_ROW_BLOCK", "0") &&
+                         is_aligned(x, 16) && is_aligned(w, 16) && is_aligned(y, 8) &&
+                         (!kAdd || (is_aligned(r_in, 16) && is_aligned(s_out, 16)));
+  if (row_block && D == BARO_WARP * 64 && D % (4 * kRowBlockThreads) == 0)
+    rmsnorm_row_block_kernel<64, kAdd><<<static_cast<unsigned>(m), kRowBlockThreads, 0, stream>>>(
+        x, w, y, eps, r_in, s_out);
+  else if (row_block && D == BARO_WARP * 32 && D % (4 * kRowBlockThreads) == 0)
+    rmsnorm_row_block_kernel<32, kAdd><<<static_cast<unsigned>(m), kRowBlockThreads, 0, stream>>>(
+        x, w, y, eps, r_in, s_out);
+  else if (generic)
     rmsnorm_kernel<0, kAdd><<<blocks, T, 0, stream>>>(x, w, y, m, d, eps, r_in, s_out);
   else if (D == BARO_WARP * 64)
     rmsnorm_kernel<64, kAdd><<<blocks, T, 0, stream>>>(x, w, y, m, d, eps, r_in, s_out);

@@ -10,7 +10,7 @@ from ._lib import check_runnable, ffi_call_small, round256, small_call
 
 OP = "baro_attention"
 OP_SMALL = "baro_attention_small"
-SPLIT = 1024  # KV positions per split (csrc/gpu/attention.cu kAttnSplit)
+SPLIT = 512  # KV positions per split (csrc/gpu/attention.cu kAttnSplit)
 
 
 def small_scratch_bytes(m: int, S: int, H: int, Hkv: int, hd: int) -> int:

@@ -522,7 +522,7 @@ def test_norm_errors(platform):
 
 AT_H, AT_HKV, AT_HD, AT_R2 = 4, 2, 32, 8
 AT_POS = 37
-AT_S = 1100  # room for rows that cross the GPU kernels' 1024-position KV split
+AT_S = 1100  # room for rows that cross the GPU kernels' 512-position KV splits
 AT_W = (2 * AT_H + 2 * AT_HKV) * AT_HD
 COS, SIN = rope_tables(AT_S + 64, AT_R2)
 TABLES = (COS, SIN)
@@ -674,7 +674,7 @@ def test_attention_gqa(platform, cfg, m, pos0):
 
 
 def test_attention_long_context(platform):
-    """Decode at 128k context (128 KV splits in parallel blocks) equals the rows
+    """Decode at 128k context (256 KV splits in parallel blocks) equals the rows
     of one serial prefill call over the same positions (GPU only: on CPU a 128k
     float64 reference and caches of 2 x 128 MB are too slow for CI)."""
     if platform.platform == "cpu":
@@ -1145,7 +1145,7 @@ def test_small_ops_equal_allocator_ops(platform, m, monkeypatch):
         assert ("baro_moe_small" in hlo) == (knob == "1"), f"m={m} BARO_CMDBUF_OPS={knob}: wrong op in the HLO"
     assert np.all(np.isfinite(outs["1"]))
     assert_same_bits(outs["1"], outs["0"], f"moe m={m}: small op vs allocator op")
-    # attention: a decode-shaped call at a position past several 1024-position splits
+    # attention: a decode-shaped call at a position past several 512-position splits
     H, Hkv, hd, S = 4, 2, 64, 3000
     qkv = (rng.standard_normal((m, (2 * H + 2 * Hkv) * hd)) * 0.5).astype(np.float32)
     qn, kn = (rng.standard_normal(hd) * 0.1).astype(np.float32), (rng.standard_normal(hd) * 0.1).astype(np.float32)

@@ -3,7 +3,7 @@
 // positions, output gate. Launches on one stream:
 //   1. attn_kv_write_kernel: k (normed, rotated) and v rounded to bf16 and
 //      stored at cache rows pos+i for i < n_valid;
-//   2. the attention kernel. KV positions are cut into splits of 1024 (16
+//   2. the attention kernel. KV positions are cut into splits of 512 (8
 //      blocks of 64, aligned to absolute positions); each split is an online
 //      softmax over its blocks in order, and a row's result is the in-order
 //      merge of its splits (see below). CUDA: attn_fa_kernel
@@ -24,7 +24,7 @@
 // - a KV block (or a whole split) that lies wholly past a row's position
 //   (possible when other rows of the tile are later) is skipped for that row
 //   by a select, so the row sees exactly the blocks 0 .. pos_i/64 and the
-//   splits 0 .. pos_i/1024, as in decode;
+//   splits 0 .. pos_i/512, as in decode;
 // - the split boundaries are absolute, and both modes run the same split code
 //   and the same merge arithmetic (attn_merge_scale, then L*ea + l*eb,
 //   O*ea + o*eb, in split order).
@@ -45,8 +45,14 @@ namespace baro_gpu {
 
 constexpr int kAttnKB = 64;                   // KV block, aligned to absolute positions
 constexpr int kKvWarps = 4;                   // (row, kv head) items per block in kernel 1
-constexpr int kAttnSplitBlocks = 16;          // KV blocks per split
-constexpr int64_t kAttnSplit = kAttnKB * kAttnSplitBlocks;  // 1024 positions
+// KV blocks per split. A split is the unit of decode parallelism (one block per kv head and
+// split) and its blocks run one after another, so a decode call costs one split's time: at 16
+// blocks (1024 positions) that was ~39 us at any context (64 blocks on 132 SMs at 32k). At 8 a
+// 32k decode fills the card and each split takes half as long; prefill only merges twice as
+// often (a few fmas per register per split). The split is part of the arithmetic: prefill and
+// decode share it, so changing it changes every GPU attention bit but never the identity.
+constexpr int kAttnSplitBlocks = 8;
+constexpr int64_t kAttnSplit = kAttnKB * kAttnSplitBlocks;  // 512 positions
 
 // Element d of the head-RMSNormed (fp32, (x*r)*(1+w)) and rotated vector;
 // rotate-half pairs (j, j+R2) for j < R2, computed as written (no fusion).
@@ -172,9 +178,9 @@ BARO_DEV void attn_load_kv(uint16_t* __restrict__ dst, const uint16_t* __restric
 }
 
 // ---- kernel 2: attention ----
-// The KV positions are cut into splits of kAttnSplit = 1024 positions
-// (16 blocks of 64), aligned to absolute positions. A row's result is, by
-// definition, the in-order merge (attn_merge) over its splits s = 0 .. pos_i/1024
+// The KV positions are cut into splits of kAttnSplit = 512 positions
+// (8 blocks of 64), aligned to absolute positions. A row's result is, by
+// definition, the in-order merge (attn_merge) over its splits s = 0 .. pos_i/512
 // of the split's own online softmax (m_s, l_s, O_s) started fresh. Two modes
 // compute exactly that:
 //  - serial (part_o == nullptr): grid (ceil(m/16), H, 1); a block walks its

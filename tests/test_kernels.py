@@ -1102,12 +1102,13 @@ def test_moe_tiles(platform, m, D, I, monkeypatch):
 # I = 80, Is = 48: every K a multiple of 16; Is = 40 puts the shared down (K = 40) on the
 # fallback. E = 256, top_k = 8 is the model's routing. I == Is: the one-token fold (the
 # shared gate as the router's row E, the shared expert as one more grouped row, top-k and
-# grouping in one warp) against BARO_MOE_FOLD=0, the separate launches.
+# grouping in one warp) against BARO_MOE_FOLD=0, the separate launches; E = 300 takes the
+# one-token route's 16-per-lane registers (E <= 256: 8 per lane).
 KNOBS_ONE_ROW = [{}, {"BARO_GEMM_ROW1": "off"}, {"BARO_MOE_FOLD": "0"}]
 
 
 @pytest.mark.parametrize("E,D,I,Is,k", [(8, 256, 80, 48, 2), (256, 256, 80, 40, 8), (8, 256, 64, 64, 3),
-                                        (256, 256, 80, 80, 8)])
+                                        (256, 256, 80, 80, 8), (300, 256, 80, 80, 8)])
 def test_moe_row1(platform, E, D, I, Is, k, monkeypatch):
     rng = np.random.default_rng(1400 + E + Is)
     h = bf16(rng, 9, D)

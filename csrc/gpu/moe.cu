@@ -87,6 +87,7 @@ BARO_DEV int topk_row(float* __restrict__ p, int32_t* __restrict__ ids, float* _
   // top-k: descending p, ties to the lower id; taken entries become -2.
   float wsum = 0.0f;
   int picked = 0;
+  float own_p = 0.0f;  // k <= BARO_WARP: lane s keeps slot s's p (no store and read-back)
   for (int s = 0; s < k; ++s) {
     float bp = -1.0f;
     int be = 0x7fffffff;
@@ -125,11 +126,18 @@ BARO_DEV int topk_row(float* __restrict__ p, int32_t* __restrict__ ids, float* _
     }
     // be, bp and wsum are the same in every lane after the butterfly
     if (lane == 0) ids[s] = be;
-    if (lane == (s & (BARO_WARP - 1))) wts[s] = bp;
-    if (lane == s) picked = be;
+    if (k > BARO_WARP && lane == (s & (BARO_WARP - 1))) wts[s] = bp;
+    if (lane == s) {
+      picked = be;
+      own_p = bp;
+    }
     wsum = wsum + bp;
   }
-  for (int s = lane; s < k; s += BARO_WARP) wts[s] = wts[s] / wsum;  // a lane reads back its own stores
+  if (k <= BARO_WARP) {
+    if (lane < k) wts[lane] = own_p / wsum;
+  } else {
+    for (int s = lane; s < k; s += BARO_WARP) wts[s] = wts[s] / wsum;  // a lane reads back its own stores
+  }
   if constexpr (kPer > 0) {
 #pragma unroll
     for (int q = 0; q < kPer; ++q) {
@@ -149,6 +157,9 @@ __global__ void __launch_bounds__(kTopkWarps * BARO_WARP)
   topk_row<kPer>(probs + row * E, ids + row * k, wts + row * k, E, k);
 }
 constexpr int kTopkRegPer = 16;  // E <= 512 in registers
+// The one-token route at E <= 256 (Qwen3.5's 256 experts) holds 8 per lane: the entries past E
+// are skipped by the e < E tests anyway, so the bits are kTopkRegPer's, in half the scan.
+constexpr int kTopkRegPerSmall = 8;
 
 static gpuError_t launch_topk(float* probs, int32_t* ids, float* wts, int64_t m, int E, int k,
                               gpuStream_t stream) {
@@ -341,6 +352,7 @@ __global__ void __launch_bounds__(kScanThreads)
 // pairs of lower experts + earlier pairs of its own expert (stable by pair), tiles of <= bm
 // pairs per expert in expert order. fold_group < 0: one more tile (fold_group, k, 1) with
 // srow[k] = 0, the shared expert as a k+1-th row of the grouped GEMMs (launch_moe).
+template <int kPer>
 __global__ void __launch_bounds__(BARO_WARP)
     moe_route_one_kernel(float* __restrict__ probs, int32_t* __restrict__ ids, float* __restrict__ wts,
                          int E, int k, int bm, int32_t* __restrict__ srow, int32_t* __restrict__ inv,
@@ -350,7 +362,7 @@ __global__ void __launch_bounds__(BARO_WARP)
   // pair j's expert): the first version re-read ids from global memory inside O(k^3) loops,
   // hundreds of dependent round trips (13.6 us of a 1-warp kernel, 0.54 ms per decode token).
   const int lane = lane_id();
-  const int picked = topk_row<kTopkRegPer>(probs, ids, wts, E, k);  // every lane takes part
+  const int picked = topk_row<kPer>(probs, ids, wts, E, k);  // every lane takes part
   const int e = lane < k ? clamp_expert(picked, E) : E;
   const bool tiled = lane < k && !(skip && slots != nullptr && slots[e] < 0);
   int below = 0, before = 0, count = 0;  // pairs of lower experts; earlier pairs of e; pairs of e
@@ -671,9 +683,14 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     p.ldc = E + 1;
     BARO_MOE_TRY(launch_gemm(p, GemmConfig::kRow1, 1, stream));
     // 2-3. top-k and grouping, the shared expert's tile last
-    moe_route_one_kernel<<<1, BARO_WARP, 0, stream>>>(s.logits, s.ids, s.wts, static_cast<int>(E), a.top_k, bm,
-                                                     s.srow, s.inv, s.tiles, s.n_tiles, max_tiles, a.slots,
-                                                     static_cast<int>(a.S), 0, kSharedGroup);
+    if (E <= BARO_WARP * kTopkRegPerSmall)
+      moe_route_one_kernel<kTopkRegPerSmall><<<1, BARO_WARP, 0, stream>>>(
+          s.logits, s.ids, s.wts, static_cast<int>(E), a.top_k, bm, s.srow, s.inv, s.tiles, s.n_tiles,
+          max_tiles, a.slots, static_cast<int>(a.S), 0, kSharedGroup);
+    else
+      moe_route_one_kernel<kTopkRegPer><<<1, BARO_WARP, 0, stream>>>(
+          s.logits, s.ids, s.wts, static_cast<int>(E), a.top_k, bm, s.srow, s.inv, s.tiles, s.n_tiles,
+          max_tiles, a.slots, static_cast<int>(a.S), 0, kSharedGroup);
     BARO_MOE_TRY(gpuGetLastError());
   } else {
   // 1. router logits [m, E]

@@ -612,13 +612,15 @@ __global__ void __launch_bounds__(kPairs * 2 * kDup * BARO_WARP, 1)
 // arithmetic), gate, write. One warp per (token i < m, q head h); lane handles
 // d = lane + 32t.
 constexpr int kFaCombineWarps = 4;
-// Warps per (row, q head), each merging its own quarter of the head dims (lane l, slice c:
-// dims l + 32 (c + 4t)). Every warp computes the same M and L from the same values in the
-// same order, so an element's bits do not depend on which warp merges it; four times the
-// warps and a quarter of the loads per lane (a decode call has only m * H = 16 rows).
-constexpr int kFaCombineSlices = 4;
+// Warps per (row, q head), each merging its own slice of the head dims (lane l, slice c: dims
+// l + 32 (c + 8t)). Every warp computes the same M and L from the same values in the same
+// order, so an element's bits do not depend on which warp merges it. A decode call has only
+// m * H = 16 rows, and the merge waits on one group of loads per kFaCombineAhead splits: at
+// 512-position splits a 32k row has 64 of them (10.9 us with 4 slices and groups of 16), so 8
+// slices (one dim per lane at hd 256) and groups of 32.
+constexpr int kFaCombineSlices = 8;
 constexpr int kFaCombinePerLane = kAttnMaxHeadDim / BARO_WARP / kFaCombineSlices;
-constexpr int kFaCombineAhead = 16;  // splits read before they are merged
+constexpr int kFaCombineAhead = 32;  // splits read before they are merged
 static_assert(kAttnMaxHeadDim % (BARO_WARP * kFaCombineSlices) == 0, "whole lanes per slice");
 
 __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
@@ -654,18 +656,24 @@ __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
   // splits is read first, then merged in split order (a 128k row has 128 splits, and one
   // memory latency per split was the whole cost).
   const int64_t n_sp = n_act < max_splits ? n_act : max_splits;
+  // split sp's partials: (m, l) at ml0 + sp * ml_step, O at o0 + sp * o_step (then + dim)
+  const int64_t slot0 = static_cast<int64_t>(kh) * max_splits * rows_pad + R;
+  const float2* ml0 = reinterpret_cast<const float2*>(part_ml) + slot0;
+  const float* o0 = part_o + slot0 * hd;
+  const int64_t o_step = rows_pad * hd;
   for (int64_t sp0 = 0; sp0 < n_sp; sp0 += kFaCombineAhead) {
     float ms[kFaCombineAhead], ls[kFaCombineAhead], po[kFaCombineAhead][kFaCombinePerLane];
+    const float2* mlp = ml0 + sp0 * rows_pad;
+    const float* op = o0 + sp0 * o_step;
 #pragma unroll
     for (int u = 0; u < kFaCombineAhead; ++u) {
-      const int64_t sp = sp0 + u;
-      if (sp < n_sp) {
-        const int64_t slot = (static_cast<int64_t>(kh) * max_splits + sp) * rows_pad + R;
-        ms[u] = part_ml[slot * 2 + 0];
-        ls[u] = part_ml[slot * 2 + 1];
+      if (sp0 + u < n_sp) {
+        const float2 ml = mlp[u * rows_pad];
+        ms[u] = ml.x;
+        ls[u] = ml.y;
 #pragma unroll
         for (int t = 0; t < kFaCombinePerLane; ++t)
-          po[u][t] = dim(t) < hd ? part_o[slot * hd + dim(t)] : 0.0f;
+          po[u][t] = dim(t) < hd ? op[u * o_step + dim(t)] : 0.0f;
       }
     }
 #pragma unroll

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full longctx decode tier speed peer vs_peer agreement)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full longctx decode decode_knobs tier speed peer vs_peer agreement)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -86,6 +86,20 @@ stage_decode() {
   timeout 300 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
     --lengths "${DECODE_LENGTHS:-1024,32768,131072}" --chunk auto --decode-tokens 64 --check-tail 32 \
     --json "$OUT/speed_decode_h200.json" --decode-png "$OUT/decode_vs_context_h200.png" 2>&1 | tail -8
+}
+# Decode knobs (issue 10), speed only, one speed.py per setting at KNOBS_LENGTH (1024) context,
+# each identity-checked: the baseline; BARO_DELTA_COLS=16 (twice the delta blocks: 256 for one
+# token); XLA's dynamic slice fusion (the in_proj slices z, b, a handed to the custom calls as
+# offsets instead of copied: two memcpy kernels per DeltaNet layer in the 32k profile); both.
+stage_decode_knobs() {
+  local n=0 dsf="--xla_gpu_enable_dynamic_slice_fusion=true"
+  for knob in "" "BARO_DELTA_COLS=16" "XLA_FLAGS=$dsf" "BARO_DELTA_COLS=16 XLA_FLAGS=$dsf"; do
+    echo "--- knobs: ${knob:-none}"
+    env $knob timeout 120 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
+      --lengths "${KNOBS_LENGTH:-1024}" --chunk auto --decode-tokens 64 --check-tail 32 \
+      --json "$OUT/speed_decode_knobs${n}_h200.json" 2>&1 | grep -E "decode|identity|Error|error" | tail -3
+    n=$((n + 1))
+  done
 }
 stage_speed() {
   python benchmarks/speed.py --model qwen3.5-35b-a3b --lengths "${SPEED_LENGTHS:-1024,8192}" --chunk 1024 \

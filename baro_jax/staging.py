@@ -184,11 +184,19 @@ def _fetch(pool_gu, pool_dn, store_gu, store_dn, experts, slots, *, dev):
 _FETCH = jax.jit(_fetch, donate_argnums=(0, 1), static_argnames=("dev",))
 
 
+EXACT_FETCH_MAX = 16  # up to this many misses a call copies exactly its misses
+
+
 def fetch_length(n_misses: int) -> int:
-    """Copies one _FETCH call makes for n misses: the next power of two, so a layer's misses
-    compile a few graphs (1, 2, 4, 8, ... copies) and copy at most twice what they need. (Padding
-    every call to top_k copied up to top_k experts for a single miss: at a real model's ~77%
-    hits, about 4x the bytes the misses need.)"""
+    """Copies one _FETCH call makes for n misses: n itself up to EXACT_FETCH_MAX (a decode
+    token's misses are at most top_k, 8 or 10: at most 16 small graphs, each compiled once), then
+    the next power of two, so a long replay row set compiles a few graphs and copies at most
+    twice what it needs. A padded copy moves its expert over the host link again: at the
+    synthetic weights' 5.76 misses per layer (of 8, binomial) the power of two copied ~7.35
+    experts per layer, ~28% more bytes than the misses (padding to top_k, before it, ~4x at
+    a real model's ~77% hits)."""
+    if n_misses <= EXACT_FETCH_MAX:
+        return max(n_misses, 1)
     p = 1
     while p < n_misses:
         p *= 2

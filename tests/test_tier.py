@@ -261,13 +261,17 @@ def test_state_bytes_match_the_allocated_state():
         assert budget.state_bytes(cfg, jnp.bfloat16, 256) == real, rule
 
 
-def test_fetch_length_pads_to_a_power_of_two():
-    """A layer's misses are copied in one call of a power-of-two length: never fewer copies than
-    misses, never more than twice as many (the padding repeats a copy)."""
-    from baro_jax.staging import fetch_length
+def test_fetch_length_exact_then_powers_of_two():
+    """A layer's misses are copied in one call: exactly the misses up to EXACT_FETCH_MAX (a
+    decode token's, at most top_k), then a power-of-two length; never fewer copies than misses,
+    never more than twice as many (the padding repeats a copy)."""
+    from baro_jax.staging import EXACT_FETCH_MAX, fetch_length
 
-    for n in range(1, 40):
+    for n in range(1, 70):
         p = fetch_length(n)
         assert n <= p < 2 * n or p == n == 1, (n, p)
-        assert p & (p - 1) == 0, (n, p)
-    assert [fetch_length(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+        if n <= EXACT_FETCH_MAX:
+            assert p == n, (n, p)
+        else:
+            assert p & (p - 1) == 0, (n, p)
+    assert [fetch_length(n) for n in (1, 3, 8, 10, 16, 17, 33)] == [1, 3, 8, 10, 16, 32, 64]

@@ -35,6 +35,7 @@ def cases(cfg, m, S, pos, key):
     R = cfg.rotary_dim
     ang = (pos + jnp.arange(m, dtype=f32))[:, None] * (1e-3 * jnp.arange(R // 2, dtype=f32))[None]
     yield "matmul gdn_in_proj", "matmul", (r((m, D)), r((cfg.gdn_in_dim, D), scale=D ** -0.5)), {}
+    yield "matmul gdn_out_proj", "matmul", (r((m, nv * dv)), r((D, nv * dv), scale=(nv * dv) ** -0.5)), {}
     yield "matmul lm_head", "matmul", (r((m, D)), r((cfg.vocab_size, D), scale=D ** -0.5)), {}
     yield "rmsnorm", "rmsnorm", (r((m, D), f32), r((D,), f32, 0.1)), dict(eps=1e-6)
     yield "attention", "attention", (r((m, cfg.attn_qkv_dim), f32), r((hd,), f32, 0.1), r((hd,), f32, 0.1),

@@ -13,10 +13,14 @@ prof() {  # prof <label> <kernel regex> <ops> <count>
   grep -E "^  [a-z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Issue Slots Busy|Executed Ipc A" "$OUT/ncu_$1.txt" | head -40
 }
 if [ "$M" = 1 ]; then  # decode shapes: the kernels a decode token spends its time in (NOTES.md)
-  echo "--- ncu rmsnorm m=1"; prof rmsnorm_m1 "rmsnorm_kernel" rmsnorm 1
-  echo "--- ncu gemm_rows16 m=1 (gdn in_proj)"; prof in_proj_m1 "gemm_rows16" "matmul gdn_in_proj" 1
-  echo "--- ncu attention m=1"; prof attention_m1 "attn_fa" attention 2
-  echo "--- ncu moe m=1"; prof moe_m1 "gemm_rows16|moe_" moe 9
+  # gemm_row1 on a K = 4096 GEMM (out_proj: 256 one-n-tile units, 1.5 TB/s in the decode
+  # profile) and on in_proj (K = 2048, 3.1 TB/s): stall reasons of the short GEMMs
+  echo "--- ncu gemm_row1 m=1 (gdn out_proj, K=4096)"; prof out_proj_m1 "gemm_row1" "matmul gdn_out_proj" 1
+  echo "--- ncu gemm_row1 m=1 (gdn in_proj)"; prof in_proj_m1 "gemm_row1" "matmul gdn_in_proj" 1
+  echo "--- ncu moe m=1 (route, grouped gate/up, grouped down, combine)"; prof moe_m1 "gemm_row1|moe_" moe 4
+  echo "--- ncu delta m=1"; prof delta_m1 "delta_kernel" delta 1
+  echo "--- ncu conv m=1"; prof conv_m1 "conv" conv 1
+  echo "--- ncu rmsnorm m=1"; prof rmsnorm_m1 "rmsnorm" rmsnorm 1
   exit 0
 fi
 echo "--- ncu delta"; prof delta "delta_kernel" delta 1

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full longctx decode decode_knobs tier speed peer vs_peer agreement)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full longctx decode decode_knobs ncu_decode tier speed peer vs_peer agreement)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -26,6 +26,8 @@ stage_tiny() {
 stage_ops() { timeout "${OPS_TIMEOUT:-240}" python benchmarks/op_times.py --m "${OPS_M:-1,256,1024}" --backends "${OPS_BACKENDS:-ordered,xla}" --json "$OUT/op_times_h200.json" 2>&1 | tail -30; }
 # The decode GEMM's ring knobs at the model's decode shapes (benchmarks/row1_sweep.py).
 stage_row1() { timeout "${ROW1_TIMEOUT:-300}" python benchmarks/row1_sweep.py --json "$OUT/row1_sweep_h200.json" 2>&1 | tail -24; }
+# ncu stall reasons of the decode kernels at m = 1 (benchmarks/profile_gpu.sh 1): ~3 min.
+stage_ncu_decode() { timeout "${NCU_TIMEOUT:-300}" bash benchmarks/profile_gpu.sh 1 2>&1 | tail -80; }
 stage_probe() {
   python - <<'PY' 2>&1 | tee "$OUT/probe.txt"
 import time, numpy as np, jax, baro_jax

@@ -65,9 +65,8 @@ def gdn_block(h, p, st, cfg, ops, pos, n_valid):
     C = cfg.conv_dim
     nvdv = cfg.lin_v_heads * cfg.lin_v_dim
     nv = cfg.lin_v_heads
-    proj = ops.matmul(h, p["in_proj"])
+    proj = ops.matmul(h, p["in_proj"])  # [mixed (C) | z (nv*dv) | b (nv) | a (nv)]
     mixed = proj[:, :C].astype(h.dtype)
-    z = proj[:, C:C + nvdv]
     b = proj[:, C + nvdv:C + nvdv + nv]
     a = proj[:, C + nvdv + nv:]
     y, window = ops.conv(mixed, p["conv"], st["conv"], n_valid)
@@ -80,7 +79,7 @@ def gdn_block(h, p, st, cfg, ops, pos, n_valid):
         o, ssm = ops.delta(y, b, a, p["A_log"], p["dt_bias"], st["ssm"], n_valid,
                            nk=cfg.lin_k_heads, dk=cfg.lin_k_dim)
         new = {"conv": window, "ssm": ssm}
-    g = ops.gated_norm(o, z, p["norm"], cfg.rms_eps, h.dtype)
+    g = ops.gated_norm(o, proj, p["norm"], cfg.rms_eps, h.dtype, z_col=C)  # z read in place
     return ops.matmul(g, p["out"]), new
 
 

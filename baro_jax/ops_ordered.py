@@ -31,9 +31,9 @@ def add_rmsnorm(x, y, w, eps, dtype=_BF16):
     return cc.add_rmsnorm(x, y, w, eps)
 
 
-def gated_norm(o, z, w, eps, dtype=_BF16):
+def gated_norm(o, z, w, eps, dtype=_BF16, z_col=0):
     _bf16_only(dtype)
-    return cc.gated_norm(o, z, w, eps)
+    return cc.gated_norm(o, z, w, eps, z_col)
 
 
 def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, *, num_heads, num_kv_heads, eps):

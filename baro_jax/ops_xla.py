@@ -41,10 +41,11 @@ def head_rmsnorm(x, w, eps):
     return (x * _rms_scale(x, eps)) * (1.0 + w.astype(f32))
 
 
-def gated_norm(o, z, w, eps, dtype=jnp.bfloat16):
-    """o[m,nv,dv] fp32, z[m,nv*dv] fp32 -> A((o*r) * w * silu(z)) [m, nv*dv]."""
+def gated_norm(o, z, w, eps, dtype=jnp.bfloat16, z_col=0):
+    """o[m,nv,dv] fp32, z[m, W] fp32 (the gates at columns z_col .. z_col + nv*dv)
+    -> A((o*r) * w * silu(gates)) [m, nv*dv]."""
     m, nv, dv = o.shape
-    zz = z.reshape(m, nv, dv).astype(f32)
+    zz = z[:, z_col:z_col + nv * dv].reshape(m, nv, dv).astype(f32)
     y = (o * _rms_scale(o, eps)) * w.astype(f32) * jax.nn.silu(zz)
     return y.astype(dtype).reshape(m, nv * dv)
 

@@ -69,6 +69,15 @@ def positive_int(op: str, name: str, v) -> int:
     return iv
 
 
+def column(op: str, name: str, v) -> np.int64:
+    """A static column offset: a Python int >= 0."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{op}: {name} must be a static Python int >= 0, got {type(v).__name__}")
+    if v < 0:
+        raise ValueError(f"{op}: {name} must be >= 0, got {v}")
+    return np.int64(v)
+
+
 def f32_attr(op: str, name: str, v) -> np.float32:
     if isinstance(v, jax.core.Tracer):
         raise ValueError(f"{op}: {name} must be a static Python float, got a traced value")

@@ -37,14 +37,23 @@ def add_rmsnorm(x, y, w, eps):
         x, y, w, eps=eps))
 
 
-def gated_norm(o, z, w, eps):
-    """o[m,nv,dv] f32, z[m,nv*dv] f32, w[dv] f32 -> bf16((o*r) * w * silu(z)) [m,nv*dv]."""
+def gated_norm(o, z, w, eps, z_col=0):
+    """o[m,nv,dv] f32, z[m,W] f32 with z_col + nv*dv <= W, w[dv] f32
+    -> bf16((o*r) * w * silu(g)) [m,nv*dv], g = z[:, z_col:z_col + nv*dv].
+
+    z may be a wider array holding the gates at column z_col (the model passes the GDN input
+    projection whole: a slice would be a copy before the call)."""
     op = "baro_gated_norm"
     C.rank(op, "o", o, 3)
     m, nv, dv = o.shape
     C.array(op, "o", o, (m, nv, dv), C.F32)
-    C.array(op, "z", z, (m, nv * dv), C.F32)
+    z_col = C.column(op, "z_col", z_col)
+    C.rank(op, "z", z, 2)
+    if z.shape[0] != m or z_col + nv * dv > z.shape[1]:
+        raise ValueError(f"{op}: z must have shape [{m}, W] with z_col + nv*dv <= W (z_col={int(z_col)}, "
+                         f"nv*dv={nv * dv}), got shape {list(z.shape)}")
+    C.array(op, "z", z, tuple(z.shape), C.F32)
     C.array(op, "w", w, (dv,), C.F32)
     eps = C.f32_attr(op, "eps", eps)
     check_runnable(op, (o, z, w))
-    return jax.ffi.ffi_call(op, jax.ShapeDtypeStruct((m, nv * dv), C.BF16))(o, z, w, eps=eps)
+    return jax.ffi.ffi_call(op, jax.ShapeDtypeStruct((m, nv * dv), C.BF16))(o, z, w, eps=eps, z_col=z_col)

@@ -502,6 +502,28 @@ def test_gated_norm_model_width(platform, dv, monkeypatch):
     assert_close(full, ref_gated_norm(o, z, w, EPS), 2 ** -7, f"gated_norm dv={dv} vs float64")
 
 
+# z_col: the gates read in place from a wider array (the model passes the GDN projection
+# whole, gates at column C) give the bytes of the contiguous gates, for one row and many,
+# at the model width and a runtime one; the columns around the gates are never read (NaN).
+@pytest.mark.parametrize("m,nv,dv", [(1, 32, 128), (7, 32, 128), (3, 4, 48), (20, 4, 16)])
+def test_gated_norm_z_in_place(platform, m, nv, dv):
+    rng = np.random.default_rng(370 + m + dv)
+    o = f32(rng, m, nv, dv, scale=0.5)
+    z = f32(rng, m, nv * dv, scale=2.0)
+    w = f32(rng, dv, scale=1.0)
+    left, right = 40, 9  # columns before and after the gates
+    wide = np.full((m, left + nv * dv + right), np.nan, np.float32)
+    wide[:, left:left + nv * dv] = z
+    want = np.asarray(J_GATED(*put(platform, o, z, w), eps=EPS))
+    poison(platform, (m, nv * dv), jnp.bfloat16)
+    got = np.asarray(jax.jit(lambda a, b, c: cc.gated_norm(a, b, c, EPS, z_col=left))(*put(platform, o, wide, w)))
+    assert_same_bits(got, want, f"gated_norm m={m} nv={nv} dv={dv}: gates at column {left} of a wider z")
+    if platform.platform == "cpu":  # ops_xla slices the same columns (on CPU only: XLA's own kernels)
+        import baro_jax.ops_xla as X
+        assert_same_bits(np.asarray(X.gated_norm(*put(platform, o, wide, w), EPS, z_col=left)),
+                         np.asarray(X.gated_norm(*put(platform, o, z, w), EPS)), "ops_xla gated_norm z_col")
+
+
 def test_norm_errors(platform):
     rng = np.random.default_rng(2)
     x, w = put(platform, f32(rng, 3, 8), f32(rng, 8))
@@ -510,8 +532,15 @@ def test_norm_errors(platform):
     with pytest.raises(ValueError, match=r"baro_rmsnorm: x must have dtype float32, got dtype bfloat16"):
         cc.rmsnorm(x.astype(jnp.bfloat16), w, EPS)
     o, z, gw = put(platform, f32(rng, 3, 2, 4), f32(rng, 3, 8), f32(rng, 4))
-    with pytest.raises(ValueError, match=r"baro_gated_norm: z must have shape \[3, 8\], got shape \[3, 6\]"):
+    with pytest.raises(ValueError, match=r"baro_gated_norm: z must have shape \[3, W\] with z_col \+ nv\*dv <= W "
+                                         r"\(z_col=0, nv\*dv=8\), got shape \[3, 6\]"):
         cc.gated_norm(o, z[:, :6], gw, EPS)
+    with pytest.raises(ValueError, match=r"\(z_col=3, nv\*dv=8\), got shape \[3, 8\]"):
+        cc.gated_norm(o, z, gw, EPS, z_col=3)  # the gates would run past z's last column
+    with pytest.raises(ValueError, match=r"baro_gated_norm: z_col must be >= 0, got -1"):
+        cc.gated_norm(o, z, gw, EPS, z_col=-1)
+    with pytest.raises(ValueError, match=r"baro_gated_norm: z_col must be a static Python int"):
+        cc.gated_norm(o, z, gw, EPS, z_col=1.0)
     with pytest.raises(ValueError, match=r"baro_gated_norm: o must have rank 3"):
         cc.gated_norm(z, z, gw, EPS)
 

@@ -389,14 +389,20 @@ inline ::xla::ffi::Error check_add_rmsnorm(const ::xla::ffi::Buffer<::xla::ffi::
 
 struct GatedNormDims {
   int64_t m, nv, dv;
+  int64_t z_ld;  // z's row stride (its width); the gate of row i is z[i][z_col .. z_col + nv*dv)
 };
 
 inline ::xla::ffi::Error check_gated_norm(const ::xla::ffi::Buffer<::xla::ffi::F32>& o, const ::xla::ffi::Buffer<::xla::ffi::F32>& z, const ::xla::ffi::Buffer<::xla::ffi::F32>& w,
-                                          const ::xla::ffi::Buffer<::xla::ffi::BF16>& y, GatedNormDims& d) {
+                                          int64_t z_col, const ::xla::ffi::Buffer<::xla::ffi::BF16>& y, GatedNormDims& d) {
   const char* op = "baro_gated_norm";
   BARO_RETURN_IF(expect_rank(op, "o", o, 3));
-  d = GatedNormDims{o.dimensions()[0], o.dimensions()[1], o.dimensions()[2]};
-  BARO_RETURN_IF(expect_shape(op, "z", z, {d.m, d.nv * d.dv}));
+  d = GatedNormDims{o.dimensions()[0], o.dimensions()[1], o.dimensions()[2], 0};
+  BARO_RETURN_IF(expect_rank(op, "z", z, 2));
+  d.z_ld = z.dimensions()[1];
+  BARO_CHECK(z_col >= 0 && z.dimensions()[0] == d.m && z_col + d.nv * d.dv <= d.z_ld, op,
+             "z must have shape [" << d.m << ", W] with z_col + nv*dv <= W (z_col=" << z_col
+                                   << ", nv*dv=" << d.nv * d.dv << "), got shape "
+                                   << dims_str(z.dimensions()));
   BARO_RETURN_IF(expect_shape(op, "w", w, {d.dv}));
   BARO_RETURN_IF(expect_shape(op, "y (result)", y, {d.m, d.nv * d.dv}));
   return ::xla::ffi::Error::Success();

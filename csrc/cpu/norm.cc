@@ -55,20 +55,21 @@ ffi::Error AddRmsnormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> y, ffi:
 
 // per head: y = bf16(((o * r) * w) * silu(z)), r = 1/sqrt(dot(o,o)/dv + eps)
 ffi::Error GatedNormImpl(ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> z,
-                         ffi::Buffer<ffi::F32> w, float eps,
+                         ffi::Buffer<ffi::F32> w, float eps, int64_t z_col,
                          ffi::ResultBuffer<ffi::BF16> y) {
   baro::GatedNormDims dims;
-  if (auto err = baro::check_gated_norm(o, z, w, *y, dims); err.failure()) return err;
+  if (auto err = baro::check_gated_norm(o, z, w, z_col, *y, dims); err.failure()) return err;
   const int64_t m = dims.m, nv = dims.nv, dv = dims.dv;
   const float* op_ = o.typed_data();
-  const float* zp = z.typed_data();
+  const float* zp = z.typed_data() + z_col;
+  const int64_t z_ld = dims.z_ld;
   const float* wp = w.typed_data();
   uint16_t* yp = y->typed_data();
   const float fdv = static_cast<float>(dv);
   baro::parallel_for(m * nv, 3.0 * dv, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {  // r = i * nv + head
       const float* orow = op_ + r * dv;
-      const float* zrow = zp + r * dv;
+      const float* zrow = zp + (r / nv) * z_ld + (r % nv) * dv;
       const float rr = baro::inv_rms(baro::dot(orow, orow, dv), fdv, eps);
       for (int64_t d = 0; d < dv; ++d) {
         yp[r * dv + d] =
@@ -105,5 +106,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroGatedNormCpu, GatedNormImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // z
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w
                                   .Attr<float>("eps")
+                                  .Attr<int64_t>("z_col")  // z's first gate column
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // y
 );

@@ -57,8 +57,10 @@ gpuError_t launch_rmsnorm(const float* x, const float* w, uint16_t* y, int64_t m
 gpuError_t launch_add_rmsnorm(const float* x, const float* r, const float* w, float* s, uint16_t* y,
                               int64_t m, int64_t D, float eps, gpuStream_t stream);
 // o: [rows, dv] with rows = m*nv; z, y: [rows, dv]
+// rows = m * nv (token, head) rows; z points at token 0's first gate, row i's gates at z + i * z_ld
 gpuError_t launch_gated_norm(const float* o, const float* z, const float* w, uint16_t* y,
-                             int64_t rows, int64_t dv, float eps, gpuStream_t stream);
+                             int64_t rows, int64_t nv, int64_t dv, int64_t z_ld, float eps,
+                             gpuStream_t stream);
 
 // ---- attention (attention.cu) ----
 struct AttentionArgs {

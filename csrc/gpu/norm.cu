@@ -146,12 +146,12 @@ __global__ void __launch_bounds__(kRowBlockThreads)
 template <int kPer>
 __global__ void __launch_bounds__(kNormWarps * BARO_WARP)
     gated_norm_kernel(const float* __restrict__ o, const float* __restrict__ z,
-                      const float* __restrict__ w, uint16_t* __restrict__ y, int64_t rows, int dv,
-                      float eps) {
+                      const float* __restrict__ w, uint16_t* __restrict__ y, int64_t rows, int nv, int dv,
+                      int64_t z_ld, float eps) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kNormWarps + warp_id();
   if (row >= rows) return;
   const float* orow = o + row * dv;
-  const float* zrow = z + row * dv;
+  const float* zrow = z + (row / nv) * z_ld + (row % nv) * dv;  // z: row i's gates at z[i * z_ld]
   uint16_t* yr = y + row * dv;
   if constexpr (kPer > 0) {
     const int lane = lane_id();
@@ -226,17 +226,18 @@ gpuError_t launch_add_rmsnorm(const float* x, const float* r, const float* w, fl
 }
 
 gpuError_t launch_gated_norm(const float* o, const float* z, const float* w, uint16_t* y,
-                             int64_t rows, int64_t dv, float eps, gpuStream_t stream) {
+                             int64_t rows, int64_t nv, int64_t dv, int64_t z_ld, float eps,
+                             gpuStream_t stream) {
   (void)gpuGetLastError();
   if (rows <= 0 || dv <= 0) return gpuSuccess;
-  if (dv > 0x7fffffffLL || (rows + kNormWarps - 1) / kNormWarps > 0x7fffffffLL)
+  if (dv > 0x7fffffffLL || nv <= 0 || nv > 0x7fffffffLL || (rows + kNormWarps - 1) / kNormWarps > 0x7fffffffLL)
     return gpuErrorInvalidValue;
-  const int d = static_cast<int>(dv);
+  const int d = static_cast<int>(dv), n = static_cast<int>(nv);
   // BARO_NORM_GENERIC=1: the runtime-dv kernel for every width (same bits; tested)
   if (dv == BARO_WARP * 4 && !env_is("BARO_NORM_GENERIC", "1"))
-    gated_norm_kernel<4><<<norm_blocks(rows), kNormWarps * BARO_WARP, 0, stream>>>(o, z, w, y, rows, d, eps);
+    gated_norm_kernel<4><<<norm_blocks(rows), kNormWarps * BARO_WARP, 0, stream>>>(o, z, w, y, rows, n, d, z_ld, eps);
   else
-    gated_norm_kernel<0><<<norm_blocks(rows), kNormWarps * BARO_WARP, 0, stream>>>(o, z, w, y, rows, d, eps);
+    gated_norm_kernel<0><<<norm_blocks(rows), kNormWarps * BARO_WARP, 0, stream>>>(o, z, w, y, rows, n, d, z_ld, eps);
   return gpuGetLastError();
 }
 
@@ -273,14 +274,14 @@ ffi::Error AddRmsnormGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> x, ffi::B
 }
 
 ffi::Error GatedNormGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> z,
-                            ffi::Buffer<ffi::F32> w, float eps, ffi::ResultBuffer<ffi::BF16> y) {
+                            ffi::Buffer<ffi::F32> w, float eps, int64_t z_col, ffi::ResultBuffer<ffi::BF16> y) {
   const char* op = "baro_gated_norm";
   baro::GatedNormDims dims;
-  if (auto err = baro::check_gated_norm(o, z, w, *y, dims); err.failure()) return err;
+  if (auto err = baro::check_gated_norm(o, z, w, z_col, *y, dims); err.failure()) return err;
   const int64_t m = dims.m, nv = dims.nv, dv = dims.dv;
-  BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_gated_norm(o.typed_data(), z.typed_data(),
+  BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_gated_norm(o.typed_data(), z.typed_data() + z_col,
                                                         w.typed_data(), y->typed_data(), m * nv,
-                                                        dv, eps, stream));
+                                                        nv, dv, dims.z_ld, eps, stream));
   return ffi::Error::Success();
 }
 
@@ -313,5 +314,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroGatedNormGpu, GatedNormGpuImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // z
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w
                                   .Attr<float>("eps")
+                                  .Attr<int64_t>("z_col")  // z's first gate column
                                   .Ret<ffi::Buffer<ffi::BF16>>(),  // y
                               {ffi::Traits::kCmdBufferCompatible});

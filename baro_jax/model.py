@@ -65,21 +65,23 @@ def gdn_block(h, p, st, cfg, ops, pos, n_valid):
     C = cfg.conv_dim
     nvdv = cfg.lin_v_heads * cfg.lin_v_dim
     nv = cfg.lin_v_heads
-    proj = ops.matmul(h, p["in_proj"])  # [mixed (C) | z (nv*dv) | b (nv) | a (nv)]
+    # proj = [mixed (C) | z (nv*dv) | b (nv) | a (nv)]; delta and gated_norm read b, a and z in
+    # place (a column offset each), since a slice handed to a custom call is a copy.
+    proj = ops.matmul(h, p["in_proj"])
+    z_col, b_col, a_col = C, C + nvdv, C + nvdv + nv
     mixed = proj[:, :C].astype(h.dtype)
-    b = proj[:, C + nvdv:C + nvdv + nv]
-    a = proj[:, C + nvdv + nv:]
     y, window = ops.conv(mixed, p["conv"], st["conv"], n_valid)
     if cfg.delta_rule == "blocked":
+        b, a = proj[:, b_col:b_col + nv], proj[:, a_col:]
         o, ssm, bk, bu, bc = ops.delta_blocked(y, b, a, p["A_log"], p["dt_bias"], st["ssm"], st["blk_k"],
                                                st["blk_u"], st["blk_c"], pos, n_valid,
                                                nk=cfg.lin_k_heads, dk=cfg.lin_k_dim)
         new = {"conv": window, "ssm": ssm, "blk_k": bk, "blk_u": bu, "blk_c": bc}
     else:
-        o, ssm = ops.delta(y, b, a, p["A_log"], p["dt_bias"], st["ssm"], n_valid,
-                           nk=cfg.lin_k_heads, dk=cfg.lin_k_dim)
+        o, ssm = ops.delta(y, proj, proj, p["A_log"], p["dt_bias"], st["ssm"], n_valid,
+                           nk=cfg.lin_k_heads, dk=cfg.lin_k_dim, b_col=b_col, a_col=a_col)
         new = {"conv": window, "ssm": ssm}
-    g = ops.gated_norm(o, proj, p["norm"], cfg.rms_eps, h.dtype, z_col=C)  # z read in place
+    g = ops.gated_norm(o, proj, p["norm"], cfg.rms_eps, h.dtype, z_col=z_col)
     return ops.matmul(g, p["out"]), new
 
 

@@ -45,8 +45,8 @@ def conv(x, w, window, n_valid):
     return cc.conv(x, w, window, n_valid)
 
 
-def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk):
-    return cc.delta(y, b, a, A_log, dt_bias, state, n_valid)
+def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk, b_col=0, a_col=0):
+    return cc.delta(y, b, a, A_log, dt_bias, state, n_valid, b_col, a_col)
 
 
 def moe(h, router, gate_up, down, shared_gate_up, shared_down, shared_gate, *, top_k):

@@ -125,9 +125,11 @@ def delta_inputs(y, b, a, A_log, dt_bias, *, nk, dk, nv, dv):
     return q, k, v, beta, g
 
 
-def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk):
-    """Gated delta rule over m rows, carrying the fp32 state [nv, dk, dv]."""
+def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk, b_col=0, a_col=0):
+    """Gated delta rule over m rows, carrying the fp32 state [nv, dk, dv]; b and a hold a
+    row's nv gates at columns b_col / a_col."""
     nv, _, dv = state.shape
+    b, a = b[:, b_col:b_col + nv], a[:, a_col:a_col + nv]
     q, k, v, beta, g = delta_inputs(y, b, a, A_log, dt_bias, nk=nk, dk=dk, nv=nv, dv=dv)
 
     def step(S, inp):

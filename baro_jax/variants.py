@@ -142,11 +142,12 @@ def _fast_attention(ordered_attention):
 def _chunked_delta(ordered_delta):
     from .train_model import chunked_delta
 
-    def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk):
+    def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk, b_col=0, a_col=0):
         m = y.shape[0]
         if m == 1:  # decode stays on the ordered kernel
-            return ordered_delta(y, b, a, A_log, dt_bias, state, n_valid, nk=nk, dk=dk)
+            return ordered_delta(y, b, a, A_log, dt_bias, state, n_valid, nk=nk, dk=dk, b_col=b_col, a_col=a_col)
         nv, _, dv = state.shape
+        b, a = b[:, b_col:b_col + nv], a[:, a_col:a_col + nv]
         q, k, v, beta, g = ops_xla.delta_inputs(y, b, a, A_log, dt_bias, nk=nk, dk=dk, nv=nv, dv=dv)
         # Padded rows (i >= n_valid) get k = v = beta = 0 and g = 0 (decay 1): they leave the state as it
         # is (where, not a product, so a non-finite padded input cannot leak).

@@ -32,8 +32,9 @@ def conv(x, w, window, n_valid):
     )(*args))
 
 
-def _check_delta_operands(op, y, b, a, A_log, dt_bias, state):
-    """The operands baro_delta and baro_delta_blocked share; returns (m, nv, dk, dv)."""
+def _check_delta_operands(op, y, b, a, A_log, dt_bias, state, b_col=None, a_col=None):
+    """The operands baro_delta and baro_delta_blocked share; returns (m, nv, dk, dv).
+    b_col / a_col None: b and a are exactly [m, nv]; an int: [m, W], the gates at that column."""
     C.rank(op, "y", y, 2)
     m, Cc = y.shape
     C.array(op, "y", y, (m, Cc), C.F32)
@@ -47,18 +48,28 @@ def _check_delta_operands(op, y, b, a, A_log, dt_bias, state):
     if nv % nk:
         raise ValueError(f"{op}: nv={nv} value heads must be a multiple of nk={nk} key heads "
                          f"(nk from y width {Cc})")
-    C.array(op, "b", b, (m, nv), C.F32)
-    C.array(op, "a", a, (m, nv), C.F32)
+    for name, g, col in (("b", b, b_col), ("a", a, a_col)):
+        if col is None:
+            C.array(op, name, g, (m, nv), C.F32)
+            continue
+        C.rank(op, name, g, 2)
+        if g.shape[0] != m or col + nv > g.shape[1]:
+            raise ValueError(f"{op}: {name} must have shape [{m}, W] with {name}_col + nv <= W "
+                             f"({name}_col={int(col)}, nv={nv}), got shape {list(g.shape)}")
+        C.array(op, name, g, tuple(g.shape), C.F32)
     C.array(op, "A_log", A_log, (nv,), C.F32)
     C.array(op, "dt_bias", dt_bias, (nv,), C.F32)
     return m, nv, dk, dv
 
 
-def delta(y, b, a, A_log, dt_bias, state, n_valid):
-    """y[m, 2*nk*dk + nv*dv] f32 (q, k, v), b/a[m,nv] f32, A_log/dt_bias[nv] f32,
-    state[nv,dk,dv] f32, n_valid int32 -> (o[m,nv,dv] f32, state updated in place)."""
+def delta(y, b, a, A_log, dt_bias, state, n_valid, b_col=0, a_col=0):
+    """y[m, 2*nk*dk + nv*dv] f32 (q, k, v), b/a f32 with row i's nv gates at columns
+    b_col.. / a_col.. (b/a may be wider than [m, nv]: the model passes the GDN projection whole,
+    as a slice would be copied before the call), A_log/dt_bias[nv] f32, state[nv,dk,dv] f32,
+    n_valid int32 -> (o[m,nv,dv] f32, state updated in place)."""
     op = "baro_delta"
-    m, nv, dk, dv = _check_delta_operands(op, y, b, a, A_log, dt_bias, state)
+    b_col, a_col = C.column(op, "b_col", b_col), C.column(op, "a_col", a_col)
+    m, nv, dk, dv = _check_delta_operands(op, y, b, a, A_log, dt_bias, state, b_col, a_col)
     n_valid = C.int_scalar(op, "n_valid", n_valid)
     args = (y, b, a, A_log, dt_bias, state, n_valid)
     check_runnable(op, args)
@@ -67,7 +78,7 @@ def delta(y, b, a, A_log, dt_bias, state, n_valid):
         (jax.ShapeDtypeStruct((m, nv, dv), C.F32),
          jax.ShapeDtypeStruct((nv, dk, dv), C.F32)),
         input_output_aliases={5: 1},
-    )(*args))
+    )(*args, b_col=b_col, a_col=a_col))
 
 
 def delta_blocked(y, b, a, A_log, dt_bias, state, pending_k, pending_u, pending_c, pos, n_valid):

@@ -983,8 +983,14 @@ def test_delta_errors(platform):
         cc.delta(y, b, a, A_log[:3], dt_bias, state, 3)
     with pytest.raises(ValueError, match=r"baro_delta: state must have dtype float32, got dtype bfloat16"):
         cc.delta(y, b, a, A_log, dt_bias, state.astype(jnp.bfloat16), 3)
-    with pytest.raises(ValueError, match=r"baro_delta: b must have shape \[3, 4\]"):
+    with pytest.raises(ValueError, match=r"baro_delta: b must have shape \[3, W\] with b_col \+ nv <= W "
+                                         r"\(b_col=0, nv=4\), got shape \[2, 4\]"):
         cc.delta(y, b[:2], a, A_log, dt_bias, state, 3)
+    with pytest.raises(ValueError, match=r"baro_delta: a must have shape \[3, W\] with a_col \+ nv <= W "
+                                         r"\(a_col=1, nv=4\), got shape \[3, 4\]"):
+        cc.delta(y, b, a, A_log, dt_bias, state, 3, a_col=1)  # the gates would run past a's last column
+    with pytest.raises(ValueError, match=r"baro_delta: b_col must be >= 0, got -2"):
+        cc.delta(y, b, a, A_log, dt_bias, state, 3, b_col=-2)
 
 
 # The GPU delta kernel: blocks of 32 state columns of one value head, 8 lanes
@@ -995,6 +1001,36 @@ def test_delta_errors(platform):
 DELTA_GPU_SHAPES = [(2, 4, 128, 80), (1, 2, 64, 36), (2, 2, 32, 48)]
 DELTA_GPU_M = [1, 2, 37, 75, pytest.param(300, marks=pytest.mark.gpu)]
 J_DELTA_DONATE = jax.jit(cc.delta, donate_argnums=(5,))
+
+
+# b and a read in place (b_col, a_col): the model passes the GDN projection whole, as both
+# b and a; the bytes are those of contiguous gates, for one row, several, more than one
+# 32-token batch of the GPU kernel, and the model's head count; the other columns are NaN.
+@pytest.mark.parametrize("m,shape", [(1, (2, 4, 16, 16)), (7, (2, 4, 16, 16)), (40, (2, 4, 16, 16)),
+                                     (1, (16, 32, 128, 128)), (3, (16, 32, 128, 128))])
+def test_delta_gates_in_place(platform, m, shape):
+    nk, nv, dk, dv = shape
+    rng = np.random.default_rng(660 + m + dk)
+    y, b, a, A_log, dt_bias, state = delta_model_inputs(rng, m, nk, nv, dk, dv)
+    b_col, a_col = 5, 5 + nv + 3
+    proj = np.full((m, a_col + nv + 2), np.nan, np.float32)
+    proj[:, b_col:b_col + nv], proj[:, a_col:a_col + nv] = b, a
+    consts = put(platform, A_log, dt_bias)
+    o_want, s_want = J_DELTA(*put(platform, y, b, a), *consts, put(platform, state), i32(m))
+    poison(platform, (m, nv, dv))
+    f = jax.jit(lambda *x: cc.delta(*x, b_col=b_col, a_col=a_col))
+    pj = put(platform, proj)
+    o, s2 = f(put(platform, y), pj, pj, *consts, put(platform, state), i32(m))
+    assert_same_bits(np.asarray(o), np.asarray(o_want), f"delta {shape} m={m} o: gates in place")
+    assert_same_bits(np.asarray(s2), np.asarray(s_want), f"delta {shape} m={m} state: gates in place")
+    if platform.platform == "cpu":  # ops_xla takes the same columns (on CPU only: XLA's own kernels)
+        import baro_jax.ops_xla as X
+        want = X.delta(*put(platform, y, b, a), *consts, put(platform, state), i32(m), nk=nk, dk=dk)
+        got = X.delta(put(platform, y), pj, pj, *consts, put(platform, state), i32(m), nk=nk, dk=dk,
+                      b_col=b_col, a_col=a_col)
+        for g, w_, what in zip(got, want, ("o", "state")):
+            assert_same_bits(np.asarray(g), np.asarray(w_), f"ops_xla delta {what}: gates in place")
+
 
 
 def delta_model_inputs(rng, m, nk, nv, dk, dv):

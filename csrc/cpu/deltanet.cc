@@ -62,9 +62,10 @@ ffi::Error ConvImpl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
 // baro_delta and baro_delta_blocked: q = l2norm(q) * dk^-0.5, k = l2norm(k) (into q, k),
 // beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), v the row's value slice.
 struct DeltaInputs {
-  const float *y, *b, *a, *A_log, *dt_bias;
+  const float *y, *b, *a, *A_log, *dt_bias;  // b, a: row i's gates at b[i * b_ld], a[i * a_ld]
   int64_t C, nk, nv, dk, dv;
   float scale;
+  int64_t b_ld, a_ld;
 };
 struct DeltaRow {
   const float* v;
@@ -83,18 +84,19 @@ inline DeltaRow delta_row(const DeltaInputs& in, int64_t i, int64_t j, int64_t k
     q[d] = (qs[d] * rq) * in.scale;
     k[d] = ks[d] * rk;
   }
-  return DeltaRow{yr + 2 * in.nk * dk + j * in.dv, baro::sigmoid(in.b[i * in.nv + j]),
-                  -std::exp(in.A_log[j]) * baro::softplus(in.a[i * in.nv + j] + in.dt_bias[j])};
+  return DeltaRow{yr + 2 * in.nk * dk + j * in.dv, baro::sigmoid(in.b[i * in.b_ld + j]),
+                  -std::exp(in.A_log[j]) * baro::softplus(in.a[i * in.a_ld + j] + in.dt_bias[j])};
 }
 
 ffi::Error DeltaImpl(ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
                      ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> A_log,
                      ffi::Buffer<ffi::F32> dt_bias, ffi::Buffer<ffi::F32> state,
-                     ffi::Buffer<ffi::S32> n_valid_buf, ffi::ResultBuffer<ffi::F32> o,
-                     ffi::ResultBuffer<ffi::F32> state_out) {
+                     ffi::Buffer<ffi::S32> n_valid_buf, int64_t b_col, int64_t a_col,
+                     ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> state_out) {
   const char* op = "baro_delta";
   baro::DeltaDims dims;
-  if (auto err = baro::check_delta(yb, b, a, A_log, dt_bias, state, n_valid_buf, *o, *state_out, dims);
+  if (auto err = baro::check_delta(yb, b, a, A_log, dt_bias, state, n_valid_buf, *o, *state_out, dims, op,
+                                   b_col, a_col);
       err.failure())
     return err;
   const int64_t m = dims.m, C = dims.C, nv = dims.nv, dk = dims.dk, dv = dims.dv, nk = dims.nk;
@@ -105,8 +107,9 @@ ffi::Error DeltaImpl(ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
   baro::copy_if_not_aliased(state, state_out);
   float* S_all = state_out->typed_data();
   float* op_ = o->typed_data();
-  const DeltaInputs in{yb.typed_data(), b.typed_data(), a.typed_data(), A_log.typed_data(),
-                       dt_bias.typed_data(), C, nk, nv, dk, dv, baro::inv_sqrt_scale(dk)};
+  const DeltaInputs in{yb.typed_data(), b.typed_data() + (b_col > 0 ? b_col : 0),
+                       a.typed_data() + (a_col > 0 ? a_col : 0), A_log.typed_data(),
+                       dt_bias.typed_data(), C, nk, nv, dk, dv, baro::inv_sqrt_scale(dk), dims.b_ld, dims.a_ld};
   const int64_t ratio = nv / nk;
 
   for (int64_t i = n_valid; i < m; ++i)
@@ -243,7 +246,7 @@ ffi::Error DeltaBlockedImpl(ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
   baro::copy_if_not_aliased(pc, pc_out);
   float* op_ = o->typed_data();
   const DeltaInputs in{yb.typed_data(), b.typed_data(), a.typed_data(), A_log.typed_data(),
-                       dt_bias.typed_data(), C, nk, nv, dk, dv, baro::inv_sqrt_scale(dk)};
+                       dt_bias.typed_data(), C, nk, nv, dk, dv, baro::inv_sqrt_scale(dk), nv, nv};
   const int64_t ratio = nv / nk;
 
   for (int64_t i = n_valid; i < m; ++i)
@@ -288,6 +291,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroDeltaCpu, DeltaImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // dt_bias
                                   .Arg<ffi::Buffer<ffi::F32>>()  // state
                                   .Arg<ffi::Buffer<ffi::S32>>()  // n_valid
+                                  .Attr<int64_t>("b_col")  // b's first gate column (-1: b is [m, nv])
+                                  .Attr<int64_t>("a_col")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o
                                   .Ret<ffi::Buffer<ffi::F32>>()  // state
 );

@@ -154,8 +154,8 @@ __global__ void __launch_bounds__(DeltaCfg<DK, COLS>::kThreads) delta_kernel(Del
       }
     }
     for (int i = tid; i < 2 * nt; i += NT) {
-      const float* src = (i & 1) ? a.a : a.b;
-      cp_async4(buf + Cf::kG + i, src + (t0 + (i >> 1)) * nv + j);
+      const float* src = (i & 1) ? a.a + (t0 + (i >> 1)) * a.a_ld : a.b + (t0 + (i >> 1)) * a.b_ld;
+      cp_async4(buf + Cf::kG + i, src + j);
     }
     cp_async_commit();
   };
@@ -441,8 +441,8 @@ __global__ void __launch_bounds__(kDeltaColsPerBlock) delta_kernel(DeltaArgs a) 
       const float rk = 1.0f / sqrtf(warp_sumsq(k, DK) + 1e-6f);
       for (int r = lane; r < DK; r += BARO_WARP) kn[r] = k[r] * rk;
       if (lane == 0) {
-        const float beta = sigmoidf_(a.b[t * nv + j]);
-        const float g = -expf(A_log) * softplusf_(a.a[t * nv + j] + dt_bias);
+        const float beta = sigmoidf_(a.b[t * a.b_ld + j]);
+        const float g = -expf(A_log) * softplusf_(a.a[t * a.a_ld + j] + dt_bias);
         gates[0] = expf(g);
         gates[1] = beta;
       }
@@ -515,11 +515,12 @@ namespace ffi = xla::ffi;
 ffi::Error DeltaGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
                         ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> A_log,
                         ffi::Buffer<ffi::F32> dt_bias, ffi::Buffer<ffi::F32> state,
-                        ffi::Buffer<ffi::S32> n_valid_buf, ffi::ResultBuffer<ffi::F32> o,
-                        ffi::ResultBuffer<ffi::F32> state_out) {
+                        ffi::Buffer<ffi::S32> n_valid_buf, int64_t b_col, int64_t a_col,
+                        ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> state_out) {
   const char* op = "baro_delta";
   baro::DeltaDims dims;
-  if (auto err = baro::check_delta(yb, b, a, A_log, dt_bias, state, n_valid_buf, *o, *state_out, dims);
+  if (auto err = baro::check_delta(yb, b, a, A_log, dt_bias, state, n_valid_buf, *o, *state_out, dims, op,
+                                   b_col, a_col);
       err.failure())
     return err;
   const int64_t m = dims.m, nv = dims.nv, dk = dims.dk, dv = dims.dv, nk = dims.nk;
@@ -531,8 +532,10 @@ ffi::Error DeltaGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> yb, ffi::Buffe
 
   baro_gpu::DeltaArgs args;
   args.y = yb.typed_data();
-  args.b = b.typed_data();
-  args.a = a.typed_data();
+  args.b = b.typed_data() + (b_col > 0 ? b_col : 0);
+  args.a = a.typed_data() + (a_col > 0 ? a_col : 0);
+  args.b_ld = dims.b_ld;
+  args.a_ld = dims.a_ld;
   args.A_log = A_log.typed_data();
   args.dt_bias = dt_bias.typed_data();
   // Each block reads its whole (head, column block) state tile before it
@@ -563,6 +566,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroDeltaGpu, DeltaGpuImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // dt_bias
                                   .Arg<ffi::Buffer<ffi::F32>>()   // state
                                   .Arg<ffi::Buffer<ffi::S32>>()   // n_valid
+                                  .Attr<int64_t>("b_col")  // b's first gate column (-1: b is [m, nv])
+                                  .Attr<int64_t>("a_col")
                                   .Ret<ffi::Buffer<ffi::F32>>()   // o
                                   .Ret<ffi::Buffer<ffi::F32>>(),  // state
                               {ffi::Traits::kCmdBufferCompatible});

@@ -92,8 +92,8 @@ gpuError_t launch_conv(const uint16_t* x, const uint16_t* w, const uint16_t* win
                        int64_t C, gpuStream_t stream);
 struct DeltaArgs {
   const float* y;  // [m, 2*nk*dk + nv*dv]
-  const float* b;  // [m, nv]
-  const float* a;  // [m, nv]
+  const float* b;  // row t's nv gates at b + t * b_ld
+  const float* a;  // row t's at a + t * a_ld
   const float* A_log;
   const float* dt_bias;
   const float* state_in;  // [nv, dk, dv]
@@ -103,6 +103,7 @@ struct DeltaArgs {
   int64_t m;
   int nk, nv, dk, dv;
   float scale;
+  int64_t b_ld, a_ld;
 };
 // State columns per delta block (grid: nv x ceil(dv / this)).
 constexpr int kDeltaColsPerBlock = BARO_HIP ? 64 : 32;

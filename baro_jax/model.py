@@ -65,12 +65,12 @@ def gdn_block(h, p, st, cfg, ops, pos, n_valid):
     C = cfg.conv_dim
     nvdv = cfg.lin_v_heads * cfg.lin_v_dim
     nv = cfg.lin_v_heads
-    # proj = [mixed (C) | z (nv*dv) | b (nv) | a (nv)]; delta and gated_norm read b, a and z in
-    # place (a column offset each), since a slice handed to a custom call is a copy.
+    # proj = [mixed (C) | z (nv*dv) | b (nv) | a (nv)]. Every op reads its columns in place (conv
+    # the first C, rounded to the state's dtype; the others from a column offset), since a slice
+    # handed to a custom call is a copy.
     proj = ops.matmul(h, p["in_proj"])
     z_col, b_col, a_col = C, C + nvdv, C + nvdv + nv
-    mixed = proj[:, :C].astype(h.dtype)
-    y, window = ops.conv(mixed, p["conv"], st["conv"], n_valid)
+    y, window = ops.conv(proj, p["conv"], st["conv"], n_valid)
     if cfg.delta_rule == "blocked":
         b, a = proj[:, b_col:b_col + nv], proj[:, a_col:]
         o, ssm, bk, bu, bc = ops.delta_blocked(y, b, a, p["A_log"], p["dt_bias"], st["ssm"], st["blk_k"],

@@ -98,7 +98,10 @@ def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, *, 
 
 
 def conv(x, w, window, n_valid):
-    """Depthwise causal conv (window 4) + SiLU; returns fp32 y and the new window."""
+    """Depthwise causal conv (window 4) + SiLU; returns fp32 y and the new window. x wider
+    than w's C channels is the GDN projection: its first C columns in the window's dtype."""
+    if x.shape[1] != w.shape[0]:
+        x = x[:, :w.shape[0]].astype(window.dtype)
     m = x.shape[0]
     u = jnp.concatenate([window.astype(x.dtype), x], axis=0).astype(f32)
     wf = w.astype(f32)

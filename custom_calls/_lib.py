@@ -30,6 +30,7 @@ TARGETS = {
     "baro_attention": "BaroAttention",
     "baro_attention_small": "BaroAttentionSmall",  # m <= 16 with its scratch as a result (command buffers)
     "baro_conv": "BaroConv",
+    "baro_conv_proj": "BaroConvProj",  # baro_conv reading its input from the f32 GDN projection
     "baro_delta": "BaroDelta",
     "baro_delta_blocked": "BaroDeltaBlocked",
     "baro_moe": "BaroMoe",

@@ -5,6 +5,7 @@ its chunk-aligned form, DESIGN §9; its CUDA kernel compiles but has not run on 
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from . import _check as C
 from ._lib import check_runnable
@@ -14,11 +15,37 @@ CONV_K = 4
 
 def conv(x, w, window, n_valid):
     """x[m,C] bf16, w[C,4] bf16, window[3,C] bf16 (oldest first), n_valid int32
-    -> (y[m,C] f32 = silu(causal conv), new window[3,C] bf16, updated in place)."""
+    -> (y[m,C] f32 = silu(causal conv), new window[3,C] bf16, updated in place).
+
+    x may instead be f32 [m, W] with W >= C (C from w): the GDN input projection whole, whose
+    first C columns rounded to bf16 are the conv input (baro_conv_proj: the slice and the
+    convert XLA would run before baro_conv, done on load)."""
     op = "baro_conv"
     C.rank(op, "x", x, 2)
+    if np.dtype(x.dtype) == np.float32:
+        return _conv_proj(x, w, window, n_valid)
     m, Cc = x.shape
     C.array(op, "x", x, (m, Cc), C.BF16, dtype_note=C.BF16_NOTE)
+    C.array(op, "w", w, (Cc, CONV_K), C.BF16, dtype_note=C.BF16_NOTE)
+    C.array(op, "window", window, (CONV_K - 1, Cc), C.BF16, dtype_note=C.BF16_NOTE)
+    n_valid = C.int_scalar(op, "n_valid", n_valid)
+    args = (x, w, window, n_valid)
+    check_runnable(op, args)
+    return tuple(jax.ffi.ffi_call(
+        op,
+        (jax.ShapeDtypeStruct((m, Cc), C.F32),
+         jax.ShapeDtypeStruct((CONV_K - 1, Cc), C.BF16)),
+        input_output_aliases={2: 1},
+    )(*args))
+
+
+def _conv_proj(x, w, window, n_valid):
+    op = "baro_conv_proj"
+    m, W = x.shape
+    C.rank(op, "w", w, 2)
+    Cc = w.shape[0]
+    if Cc > W:
+        raise ValueError(f"{op}: x must have at least C={Cc} columns (C from w), got shape {list(x.shape)}")
     C.array(op, "w", w, (Cc, CONV_K), C.BF16, dtype_note=C.BF16_NOTE)
     C.array(op, "window", window, (CONV_K - 1, Cc), C.BF16, dtype_note=C.BF16_NOTE)
     n_valid = C.int_scalar(op, "n_valid", n_valid)

@@ -877,8 +877,8 @@ def test_conv_errors(platform):
         cc.conv(x, w[:, :3], win, 3)
     with pytest.raises(ValueError, match=r"baro_conv: window must have shape \[3, 8\], got shape \[2, 8\]"):
         cc.conv(x, w, win[:2], 3)
-    with pytest.raises(ValueError, match=r"baro_conv: x must have dtype bfloat16.*got dtype float32"):
-        cc.conv(x.astype(jnp.float32), w, win, 3)
+    with pytest.raises(ValueError, match=r"baro_conv: x must have dtype bfloat16.*got dtype float16"):
+        cc.conv(x.astype(jnp.float16), w, win, 3)  # (float32 x is the projection: baro_conv_proj)
 
 
 def test_conv_runtime_checks():
@@ -926,6 +926,43 @@ def test_conv_blocks(platform, m, C):
             assert_same_bits(wn, win_want, f"conv C={C} m={m} n_valid={nvld} window ({what})")
             assert_same_bits(np.asarray(y)[:nvld], y_full[:nvld],
                              f"conv C={C} m={m} n_valid={nvld} y ({what})")
+
+
+# baro_conv_proj: conv fed the f32 projection whole (x [m, W], W >= C) rounds its first C
+# columns to bf16 on load, and gives the bytes of baro_conv on XLA's bf16 convert of the
+# slice (what the model ran before), y and window, for one row and many, padded calls, the
+# vector path (C % 8 == 0, W % 4 == 0) and the scalar one (C = 44 or W odd); the columns past
+# C are NaN and never read.
+@pytest.mark.parametrize("C,W", [(4104, 4104 + 60), (4104, 4104 + 61), (44, 44 + 9)])
+@pytest.mark.parametrize("m", [1, 2, 9, 37])
+def test_conv_reads_the_projection(platform, m, C, W):
+    rng = np.random.default_rng(540 + m + W)
+    proj = np.full((m, W), np.nan, np.float32)
+    proj[:, :C] = f32(rng, m, C, scale=2.0)
+    w, win = bf16(rng, C, 4, scale=0.5), bf16(rng, 3, C)
+    wd = put(platform, w)
+    x = np.asarray(jax.jit(lambda p: p[:, :C].astype(jnp.bfloat16))(put(platform, proj)))  # XLA's convert
+    for nvld in sorted({0, 1, m // 2, m}):
+        y_want, win_want = (np.asarray(r) for r in J_CONV(put(platform, x), wd, put(platform, win), i32(nvld)))
+        poison(platform, (m, C))
+        y, wn = (np.asarray(r) for r in J_CONV(put(platform, proj), wd, put(platform, win), i32(nvld)))
+        assert_same_bits(wn, win_want, f"conv_proj C={C} W={W} m={m} n_valid={nvld} window")
+        assert_same_bits(y[:nvld], y_want[:nvld], f"conv_proj C={C} W={W} m={m} n_valid={nvld} y")
+    if platform.platform == "cpu":  # ops_xla takes the same columns (on CPU only: XLA's own kernels)
+        import baro_jax.ops_xla as X
+        for g, w_, what in zip(X.conv(put(platform, proj), wd, put(platform, win), i32(m)),
+                               X.conv(put(platform, x), wd, put(platform, win), i32(m)), ("y", "window")):
+            assert_same_bits(np.asarray(g), np.asarray(w_), f"ops_xla conv of the projection: {what}")
+
+
+def test_conv_proj_errors(platform):
+    rng = np.random.default_rng(9)
+    w, win = put(platform, bf16(rng, 8, 4), bf16(rng, 3, 8))
+    with pytest.raises(ValueError, match=r"baro_conv_proj: x must have at least C=8 columns \(C from w\), "
+                                         r"got shape \[2, 6\]"):
+        cc.conv(put(platform, f32(rng, 2, 6)), w, win, 2)
+    with pytest.raises(ValueError, match=r"baro_conv_proj: window must have shape \[3, 8\]"):
+        cc.conv(put(platform, f32(rng, 2, 12)), w, win[:, :7], 2)
 
 
 # ---------------------------------------------------------------------------

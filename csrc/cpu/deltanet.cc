@@ -1,4 +1,4 @@
-// baro_conv, baro_delta, baro_delta_blocked (CPU): Gated DeltaNet causal conv
+// baro_conv (and baro_conv_proj), baro_delta, baro_delta_blocked (CPU): Gated DeltaNet causal conv
 // (window 4, SiLU), the gated delta-rule recurrence with fp32 state, and the
 // chunk-aligned (blocked) form of the same rule (DESIGN §9, docs/NUMERICS.md).
 #include <vector>
@@ -13,13 +13,12 @@ namespace {
 
 constexpr int64_t kConvK = 4;  // kernel width; the window holds kConvK-1 rows
 
-ffi::Error ConvImpl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                    ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf,
-                    ffi::ResultBuffer<ffi::F32> y,
-                    ffi::ResultBuffer<ffi::BF16> window_out) {
-  const char* op = "baro_conv";
-  BARO_RETURN_IF(baro::expect_rank(op, "x", x, 2));
-  const int64_t m = x.dimensions()[0], C = x.dimensions()[1];
+// The conv over m rows whose input x(t, c) (bf16 bits) is row t, channel c < C: shared by
+// baro_conv (x bf16 [m, C]) and baro_conv_proj (x the f32 projection [m, W], rounded here).
+template <class X>
+ffi::Error conv_rows(const char* op, X x_at, int64_t m, int64_t C, ffi::Buffer<ffi::BF16> w,
+                     ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf,
+                     ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::BF16> window_out) {
   BARO_RETURN_IF(baro::expect_shape(op, "w", w, {C, kConvK}));
   BARO_RETURN_IF(baro::expect_shape(op, "window", window, {kConvK - 1, C}));
   BARO_RETURN_IF(baro::expect_shape(op, "n_valid", n_valid_buf, {}));
@@ -31,13 +30,12 @@ ffi::Error ConvImpl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
 
   baro::copy_if_not_aliased(window, window_out);
   uint16_t* win = window_out->typed_data();
-  const uint16_t* xp = x.typed_data();
   const uint16_t* wp = w.typed_data();
   float* yp = y->typed_data();
 
   // u[t] for t in [-3, m): window rows then x rows.
   auto u = [&](int64_t t, int64_t c) -> uint16_t {
-    return t < 0 ? win[(t + kConvK - 1) * C + c] : xp[t * C + c];
+    return t < 0 ? win[(t + kConvK - 1) * C + c] : x_at(t, c);
   };
   baro::parallel_for(C, 8.0 * m, [&](int64_t c0, int64_t c1) {
     uint16_t tap[kConvK];
@@ -56,6 +54,34 @@ ffi::Error ConvImpl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
   }
   std::copy(nw.begin(), nw.end(), win);
   return ffi::Error::Success();
+}
+
+ffi::Error ConvImpl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                    ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf,
+                    ffi::ResultBuffer<ffi::F32> y,
+                    ffi::ResultBuffer<ffi::BF16> window_out) {
+  const char* op = "baro_conv";
+  BARO_RETURN_IF(baro::expect_rank(op, "x", x, 2));
+  const int64_t m = x.dimensions()[0], C = x.dimensions()[1];
+  const uint16_t* xp = x.typed_data();
+  return conv_rows(op, [&](int64_t t, int64_t c) { return xp[t * C + c]; }, m, C, w, window, n_valid_buf, y,
+                   window_out);
+}
+
+// baro_conv_proj: x is the GDN input projection, f32 [m, W]; the conv input is its first C
+// columns rounded to bf16 (C from w), the rounding XLA's convert does before baro_conv.
+ffi::Error ConvProjImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                        ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf,
+                        ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::BF16> window_out) {
+  const char* op = "baro_conv_proj";
+  BARO_RETURN_IF(baro::expect_rank(op, "x", x, 2));
+  BARO_RETURN_IF(baro::expect_rank(op, "w", w, 2));
+  const int64_t m = x.dimensions()[0], W = x.dimensions()[1], C = w.dimensions()[0];
+  BARO_CHECK(C <= W, op, "x must have at least C=" << C << " columns (C from w), got shape "
+                                                    << baro::dims_str(x.dimensions()));
+  const float* xp = x.typed_data();
+  return conv_rows(op, [&](int64_t t, int64_t c) { return baro::f32_to_bf16(xp[t * W + c]); }, m, C, w,
+                   window, n_valid_buf, y, window_out);
 }
 
 // One delta-rule row's inputs for value head j (key head kh) of row i, the same for
@@ -275,6 +301,16 @@ ffi::Error DeltaBlockedImpl(ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvCpu, ConvImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // x
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // window
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // n_valid
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // window
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvProjCpu, ConvProjImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x: the projection [m, W]
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // window
                                   .Arg<ffi::Buffer<ffi::S32>>()   // n_valid

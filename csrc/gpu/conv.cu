@@ -57,6 +57,24 @@ BARO_DEV Raw<V> load_raw(const uint16_t* p) {
   return r;
 }
 
+// V f32 values rounded to bf16 (baro_conv_proj's input: the projection, rounded as XLA's
+// convert does before baro_conv), in the layout load_raw gives.
+template <int V>
+BARO_DEV Raw<V> load_raw(const float* p) {
+  Raw<V> r;
+  if constexpr (V == 8) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    auto pack = [](float lo, float hi) {
+      return static_cast<uint32_t>(f32_to_bf16(lo)) | (static_cast<uint32_t>(f32_to_bf16(hi)) << 16);
+    };
+    r.u = make_uint4(pack(a.x, a.y), pack(a.z, a.w), pack(b.x, b.y), pack(b.z, b.w));
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) r.h[i] = f32_to_bf16(p[i]);
+  }
+  return r;
+}
+
 template <int V>
 BARO_DEV void store_raw(uint16_t* p, const Raw<V>& r) {
   if constexpr (V == 8) {
@@ -80,11 +98,12 @@ BARO_DEV void store_f32(float* p, const float (&v)[V]) {
 
 // grid: (token blocks, channel blocks); block: kConvThreads channel groups.
 // Two blocks per SM: 16 warps keep enough 16-byte loads in flight.
-template <int V>
+// TX: uint16_t (bf16 x [m, C]) or float (baro_conv_proj: x [m, ldx], rounded on load).
+template <int V, class TX>
 __global__ void __launch_bounds__(kConvThreads, 2)
-    conv_kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
+    conv_kernel(const TX* __restrict__ x, const uint16_t* __restrict__ w,
                 const uint16_t* win_in, uint16_t* win_out, const int32_t* __restrict__ n_valid,
-                float* __restrict__ y, int64_t m, int64_t C) {
+                float* __restrict__ y, int64_t m, int64_t C, int64_t ldx) {
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * kConvThreads + threadIdx.x) * V;
   if (c >= C) return;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kConvRows;
@@ -97,17 +116,17 @@ __global__ void __launch_bounds__(kConvThreads, 2)
     for (int i = 0; i < V; ++i) wf[(q * V + i) / kConvK][(q * V + i) % kConvK] = r.f(i);
   }
   // u row q = t + 3: the window for q < 3, else x row q - 3.
-  auto u_ptr = [&](int64_t q) -> const uint16_t* {
-    return q < kConvK - 1 ? win_in + q * C + c : x + (q - (kConvK - 1)) * C + c;
+  auto load_u = [&](int64_t q) -> Raw<V> {
+    return q < kConvK - 1 ? load_raw<V>(win_in + q * C + c) : load_raw<V>(x + (q - (kConvK - 1)) * ldx + c);
   };
   Raw<V> hist[kConvK - 1];
 #pragma unroll
-  for (int i = 0; i < kConvK - 1; ++i) hist[i] = load_raw<V>(u_ptr(t0 + i));
+  for (int i = 0; i < kConvK - 1; ++i) hist[i] = load_u(t0 + i);
   // All rows' loads first: independent, so they are in flight together.
   Raw<V> xr[kConvRows];
 #pragma unroll
   for (int r = 0; r < kConvRows; ++r)
-    if (t0 + r < m) xr[r] = load_raw<V>(x + (t0 + r) * C + c);
+    if (t0 + r < m) xr[r] = load_raw<V>(x + (t0 + r) * ldx + c);
 #pragma unroll
   for (int r = 0; r < kConvRows; ++r) {
     if (t0 + r >= m) break;
@@ -132,23 +151,23 @@ __global__ void __launch_bounds__(kConvThreads, 2)
     const int64_t nvld = nv < 0 ? 0 : (nv > m ? m : nv);
     Raw<V> nw[kConvK - 1];
 #pragma unroll
-    for (int i = 0; i < kConvK - 1; ++i) nw[i] = load_raw<V>(u_ptr(nvld + i));
+    for (int i = 0; i < kConvK - 1; ++i) nw[i] = load_u(nvld + i);
 #pragma unroll
     for (int i = 0; i < kConvK - 1; ++i) store_raw<V>(win_out + i * C + c, nw[i]);
   }
 }
 
-template <int V>
-gpuError_t launch_conv_v(const uint16_t* x, const uint16_t* w, const uint16_t* win_in,
+template <int V, class TX>
+gpuError_t launch_conv_v(const TX* x, const uint16_t* w, const uint16_t* win_in,
                          uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m,
-                         int64_t C, gpuStream_t stream) {
+                         int64_t C, int64_t ldx, gpuStream_t stream) {
   const int64_t groups = (C + V - 1) / V;
   const int64_t cblocks = (groups + kConvThreads - 1) / kConvThreads;
   // Block row 0 exists even for m = 0: it writes the window.
   const int64_t tblocks = m > 0 ? (m + kConvRows - 1) / kConvRows : 1;
   if (cblocks > 65535 || tblocks > 0x7fffffffLL) return gpuErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(tblocks), static_cast<unsigned>(cblocks));
-  conv_kernel<V><<<grid, kConvThreads, 0, stream>>>(x, w, win_in, win_out, n_valid, y, m, C);
+  conv_kernel<V, TX><<<grid, kConvThreads, 0, stream>>>(x, w, win_in, win_out, n_valid, y, m, C, ldx);
   return gpuGetLastError();
 }
 
@@ -163,8 +182,19 @@ gpuError_t launch_conv(const uint16_t* x, const uint16_t* w, const uint16_t* win
   if (C <= 0) return gpuSuccess;
   const bool vec = C % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(win_in) &&
                    aligned16(win_out) && aligned16(y);
-  return vec ? launch_conv_v<8>(x, w, win_in, win_out, n_valid, y, m, C, stream)
-             : launch_conv_v<1>(x, w, win_in, win_out, n_valid, y, m, C, stream);
+  return vec ? launch_conv_v<8>(x, w, win_in, win_out, n_valid, y, m, C, C, stream)
+             : launch_conv_v<1>(x, w, win_in, win_out, n_valid, y, m, C, C, stream);
+}
+
+gpuError_t launch_conv_proj(const float* x, int64_t ldx, const uint16_t* w, const uint16_t* win_in,
+                            uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m, int64_t C,
+                            gpuStream_t stream) {
+  (void)gpuGetLastError();
+  if (C <= 0) return gpuSuccess;
+  const bool vec = C % 8 == 0 && ldx % 4 == 0 && aligned16(x) && aligned16(w) && aligned16(win_in) &&
+                   aligned16(win_out) && aligned16(y);
+  return vec ? launch_conv_v<8>(x, w, win_in, win_out, n_valid, y, m, C, ldx, stream)
+             : launch_conv_v<1>(x, w, win_in, win_out, n_valid, y, m, C, ldx, stream);
 }
 
 }  // namespace baro_gpu
@@ -198,7 +228,42 @@ ffi::Error ConvGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// baro_conv_proj: x is the GDN projection f32 [m, W]; its first C columns (C from w), rounded
+// to bf16 on load, are the conv input (the rounding XLA's convert does before baro_conv).
+ffi::Error ConvProjGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                           ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf,
+                           ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::BF16> window_out) {
+  const char* op = "baro_conv_proj";
+  constexpr int64_t K = 4;
+  BARO_RETURN_IF(baro::expect_rank(op, "x", x, 2));
+  BARO_RETURN_IF(baro::expect_rank(op, "w", w, 2));
+  const int64_t m = x.dimensions()[0], W = x.dimensions()[1], C = w.dimensions()[0];
+  BARO_CHECK(C <= W, op, "x must have at least C=" << C << " columns (C from w), got shape "
+                                                    << baro::dims_str(x.dimensions()));
+  BARO_RETURN_IF(baro::expect_shape(op, "w", w, {C, K}));
+  BARO_RETURN_IF(baro::expect_shape(op, "window", window, {K - 1, C}));
+  BARO_RETURN_IF(baro::expect_shape(op, "n_valid", n_valid_buf, {}));
+  BARO_RETURN_IF(baro::expect_shape(op, "y (result)", *y, {m, C}));
+  BARO_RETURN_IF(baro::expect_shape(op, "window (result)", *window_out, {K - 1, C}));
+  BARO_CHECK(C <= 65535LL * 256, op, "w has " << C << " channels, too many for the GPU grid");
+  BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_conv_proj(x.typed_data(), W, w.typed_data(), window.typed_data(),
+                                                       window_out->typed_data(), n_valid_buf.typed_data(),
+                                                       y->typed_data(), m, C, stream));
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvProjGpu, ConvProjGpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<gpuStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // x: the projection [m, W]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()   // w
+                                  .Arg<ffi::Buffer<ffi::BF16>>()   // window
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // n_valid
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // y
+                                  .Ret<ffi::Buffer<ffi::BF16>>(),  // window
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvGpu, ConvGpuImpl,
                               ffi::Ffi::Bind()

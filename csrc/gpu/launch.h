@@ -90,6 +90,10 @@ gpuError_t launch_attention(const AttentionArgs& a, void* scratch, gpuStream_t s
 gpuError_t launch_conv(const uint16_t* x, const uint16_t* w, const uint16_t* win_in,
                        uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m,
                        int64_t C, gpuStream_t stream);
+// x: f32 rows of width ldx >= C, rounded to bf16 on load (baro_conv_proj)
+gpuError_t launch_conv_proj(const float* x, int64_t ldx, const uint16_t* w, const uint16_t* win_in,
+                            uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m, int64_t C,
+                            gpuStream_t stream);
 struct DeltaArgs {
   const float* y;  // [m, 2*nk*dk + nv*dv]
   const float* b;  // row t's nv gates at b + t * b_ld

@@ -90,12 +90,12 @@ stage_decode() {
     --json "$OUT/speed_decode_h200.json" --decode-png "$OUT/decode_vs_context_h200.png" 2>&1 | tail -8
 }
 # Decode knobs (issue 10), speed only, one speed.py per setting at KNOBS_LENGTH (1024) context,
-# each identity-checked: the baseline; BARO_DELTA_COLS=16 (twice the delta blocks: 256 for one
-# token); XLA's dynamic slice fusion (the in_proj slices z, b, a handed to the custom calls as
-# offsets instead of copied: two memcpy kernels per DeltaNet layer in the 32k profile); both.
+# each identity-checked: the baseline and BARO_DELTA_COLS=16 (twice the delta blocks: 256 for
+# one token). (XLA's dynamic slice fusion was an arm here; the GDN ops now read the projection
+# in place, so a decode step has no slice left for it.)
 stage_decode_knobs() {
-  local n=0 dsf="--xla_gpu_enable_dynamic_slice_fusion=true"
-  for knob in "" "BARO_DELTA_COLS=16" "XLA_FLAGS=$dsf" "BARO_DELTA_COLS=16 XLA_FLAGS=$dsf"; do
+  local n=0
+  for knob in "" "BARO_DELTA_COLS=16"; do
     echo "--- knobs: ${knob:-none}"
     env $knob timeout 120 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
       --lengths "${KNOBS_LENGTH:-1024}" --chunk auto --decode-tokens 64 --check-tail 32 \

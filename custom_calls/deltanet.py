@@ -23,29 +23,15 @@ def conv(x, w, window, n_valid):
     op = "baro_conv"
     C.rank(op, "x", x, 2)
     if np.dtype(x.dtype) == np.float32:
-        return _conv_proj(x, w, window, n_valid)
-    m, Cc = x.shape
-    C.array(op, "x", x, (m, Cc), C.BF16, dtype_note=C.BF16_NOTE)
-    C.array(op, "w", w, (Cc, CONV_K), C.BF16, dtype_note=C.BF16_NOTE)
-    C.array(op, "window", window, (CONV_K - 1, Cc), C.BF16, dtype_note=C.BF16_NOTE)
-    n_valid = C.int_scalar(op, "n_valid", n_valid)
-    args = (x, w, window, n_valid)
-    check_runnable(op, args)
-    return tuple(jax.ffi.ffi_call(
-        op,
-        (jax.ShapeDtypeStruct((m, Cc), C.F32),
-         jax.ShapeDtypeStruct((CONV_K - 1, Cc), C.BF16)),
-        input_output_aliases={2: 1},
-    )(*args))
-
-
-def _conv_proj(x, w, window, n_valid):
-    op = "baro_conv_proj"
-    m, W = x.shape
-    C.rank(op, "w", w, 2)
-    Cc = w.shape[0]
-    if Cc > W:
-        raise ValueError(f"{op}: x must have at least C={Cc} columns (C from w), got shape {list(x.shape)}")
+        op = "baro_conv_proj"
+        m, W = x.shape
+        C.rank(op, "w", w, 2)
+        Cc = w.shape[0]
+        if Cc > W:
+            raise ValueError(f"{op}: x must have at least C={Cc} columns (C from w), got shape {list(x.shape)}")
+    else:
+        m, Cc = x.shape
+        C.array(op, "x", x, (m, Cc), C.BF16, dtype_note=C.BF16_NOTE)
     C.array(op, "w", w, (Cc, CONV_K), C.BF16, dtype_note=C.BF16_NOTE)
     C.array(op, "window", window, (CONV_K - 1, Cc), C.BF16, dtype_note=C.BF16_NOTE)
     n_valid = C.int_scalar(op, "n_valid", n_valid)

@@ -408,6 +408,19 @@ inline ::xla::ffi::Error check_add_rmsnorm(const ::xla::ffi::Buffer<::xla::ffi::
   return ::xla::ffi::Error::Success();
 }
 
+// baro_conv_proj's x: the f32 projection [m, W] with at least C = w's rows columns.
+inline ::xla::ffi::Error check_conv_proj_x(const char* op, const ::xla::ffi::Buffer<::xla::ffi::F32>& x,
+                                           const ::xla::ffi::Buffer<::xla::ffi::BF16>& w, int64_t& m, int64_t& W,
+                                           int64_t& C) {
+  BARO_RETURN_IF(expect_rank(op, "x", x, 2));
+  BARO_RETURN_IF(expect_rank(op, "w", w, 2));
+  m = x.dimensions()[0];
+  W = x.dimensions()[1];
+  C = w.dimensions()[0];
+  BARO_CHECK(C <= W, op, "x must have at least C=" << C << " columns (C from w), got shape " << dims_str(x.dimensions()));
+  return ::xla::ffi::Error::Success();
+}
+
 struct GatedNormDims {
   int64_t m, nv, dv;
   int64_t z_ld;  // z's row stride (its width); the gate of row i is z[i][z_col .. z_col + nv*dv)

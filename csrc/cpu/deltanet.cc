@@ -74,11 +74,8 @@ ffi::Error ConvProjImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
                         ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf,
                         ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::BF16> window_out) {
   const char* op = "baro_conv_proj";
-  BARO_RETURN_IF(baro::expect_rank(op, "x", x, 2));
-  BARO_RETURN_IF(baro::expect_rank(op, "w", w, 2));
-  const int64_t m = x.dimensions()[0], W = x.dimensions()[1], C = w.dimensions()[0];
-  BARO_CHECK(C <= W, op, "x must have at least C=" << C << " columns (C from w), got shape "
-                                                    << baro::dims_str(x.dimensions()));
+  int64_t m = 0, W = 0, C = 0;
+  if (auto err = baro::check_conv_proj_x(op, x, w, m, W, C); err.failure()) return err;
   const float* xp = x.typed_data();
   return conv_rows(op, [&](int64_t t, int64_t c) { return baro::f32_to_bf16(xp[t * W + c]); }, m, C, w,
                    window, n_valid_buf, y, window_out);

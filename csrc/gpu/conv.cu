@@ -206,19 +206,27 @@ namespace {
 
 namespace ffi = xla::ffi;
 
+// The operands after x and the results, for m rows of C channels (both ops).
+ffi::Error check_conv_rest(const char* op, int64_t m, int64_t C, const ffi::Buffer<ffi::BF16>& w,
+                           const ffi::Buffer<ffi::BF16>& window, const ffi::Buffer<ffi::S32>& n_valid_buf,
+                           const ffi::Buffer<ffi::F32>& y, const ffi::Buffer<ffi::BF16>& window_out) {
+  constexpr int64_t K = 4;
+  BARO_RETURN_IF(baro::expect_shape(op, "w", w, {C, K}));
+  BARO_RETURN_IF(baro::expect_shape(op, "window", window, {K - 1, C}));
+  BARO_RETURN_IF(baro::expect_shape(op, "n_valid", n_valid_buf, {}));
+  BARO_RETURN_IF(baro::expect_shape(op, "y (result)", y, {m, C}));
+  BARO_RETURN_IF(baro::expect_shape(op, "window (result)", window_out, {K - 1, C}));
+  BARO_CHECK(C <= 65535LL * 256, op, C << " channels, too many for the GPU grid");
+  return ffi::Error::Success();
+}
+
 ffi::Error ConvGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                        ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf,
                        ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::BF16> window_out) {
   const char* op = "baro_conv";
-  constexpr int64_t K = 4;
   BARO_RETURN_IF(baro::expect_rank(op, "x", x, 2));
   const int64_t m = x.dimensions()[0], C = x.dimensions()[1];
-  BARO_RETURN_IF(baro::expect_shape(op, "w", w, {C, K}));
-  BARO_RETURN_IF(baro::expect_shape(op, "window", window, {K - 1, C}));
-  BARO_RETURN_IF(baro::expect_shape(op, "n_valid", n_valid_buf, {}));
-  BARO_RETURN_IF(baro::expect_shape(op, "y (result)", *y, {m, C}));
-  BARO_RETURN_IF(baro::expect_shape(op, "window (result)", *window_out, {K - 1, C}));
-  BARO_CHECK(C <= 65535LL * 256, op, "x has " << C << " channels, too many for the GPU grid");
+  if (auto err = check_conv_rest(op, m, C, w, window, n_valid_buf, *y, *window_out); err.failure()) return err;
   // The kernel reads every old window value before the same thread replaces
   // it (see the top of this file): correct aliased or not, no copy needed.
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_conv(x.typed_data(), w.typed_data(),
@@ -234,18 +242,9 @@ ffi::Error ConvProjGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buf
                            ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf,
                            ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::BF16> window_out) {
   const char* op = "baro_conv_proj";
-  constexpr int64_t K = 4;
-  BARO_RETURN_IF(baro::expect_rank(op, "x", x, 2));
-  BARO_RETURN_IF(baro::expect_rank(op, "w", w, 2));
-  const int64_t m = x.dimensions()[0], W = x.dimensions()[1], C = w.dimensions()[0];
-  BARO_CHECK(C <= W, op, "x must have at least C=" << C << " columns (C from w), got shape "
-                                                    << baro::dims_str(x.dimensions()));
-  BARO_RETURN_IF(baro::expect_shape(op, "w", w, {C, K}));
-  BARO_RETURN_IF(baro::expect_shape(op, "window", window, {K - 1, C}));
-  BARO_RETURN_IF(baro::expect_shape(op, "n_valid", n_valid_buf, {}));
-  BARO_RETURN_IF(baro::expect_shape(op, "y (result)", *y, {m, C}));
-  BARO_RETURN_IF(baro::expect_shape(op, "window (result)", *window_out, {K - 1, C}));
-  BARO_CHECK(C <= 65535LL * 256, op, "w has " << C << " channels, too many for the GPU grid");
+  int64_t m = 0, W = 0, C = 0;
+  if (auto err = baro::check_conv_proj_x(op, x, w, m, W, C); err.failure()) return err;
+  if (auto err = check_conv_rest(op, m, C, w, window, n_valid_buf, *y, *window_out); err.failure()) return err;
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_conv_proj(x.typed_data(), W, w.typed_data(), window.typed_data(),
                                                        window_out->typed_data(), n_valid_buf.typed_data(),
                                                        y->typed_data(), m, C, stream));

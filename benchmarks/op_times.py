@@ -42,6 +42,8 @@ def cases(cfg, m, S, pos, key):
                                      jnp.cos(ang), jnp.sin(ang), r((S, Hkv, hd)), r((S, Hkv, hd)),
                                      jnp.int32(pos), jnp.int32(m)), dict(num_heads=H, num_kv_heads=Hkv, eps=1e-6)
     yield "conv", "conv", (r((m, C)), r((C, 4), scale=0.5), r((3, C)), jnp.int32(m)), {}
+    # the model's call: conv of the f32 projection whole (baro_conv_proj)
+    yield "conv proj", "conv", (r((m, cfg.gdn_in_dim), f32), r((C, 4), scale=0.5), r((3, C)), jnp.int32(m)), {}
     yield "delta", "delta", (r((m, C), f32), r((m, nv), f32), r((m, nv), f32), r((nv,), f32, 0.5),
                              r((nv,), f32, 0.5), r((nv, dk, dv), f32, 0.1), jnp.int32(m)), dict(nk=cfg.lin_k_heads, dk=dk)
     yield "gated_norm", "gated_norm", (r((m, nv, dv), f32), r((m, nv * dv), f32), r((dv,), f32)), dict(eps=1e-6)

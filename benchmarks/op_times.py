@@ -24,7 +24,7 @@ from common import provenance, write_json  # noqa: E402
 
 def cases(cfg, m, S, pos, key):
     bf, f32 = jnp.bfloat16, jnp.float32
-    ks = iter(jax.random.split(key, 32))
+    ks = iter(jax.random.split(key, 64))
 
     def r(shape, dt=bf, scale=1.0):
         return (jax.random.normal(next(ks), shape, f32) * scale).astype(dt)

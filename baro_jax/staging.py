@@ -249,6 +249,19 @@ class ExpertCache:
         self.route_seconds = self.copy_seconds = 0.0
         self.events = []  # (layer, expert, slot, evicted expert or -1) per miss: for tests
         self.keep_events = False
+        self._warm_fetches(min(cfg.top_k, EXACT_FETCH_MAX, slots))
+
+    def _warm_fetches(self, n_max: int):
+        """Compile the copy graph of every miss count a decode token can have (1 .. top_k) now,
+        so no compilation lands inside a timed decode (a count first seen at step 20 compiled
+        there). The pools hold no expert yet, so the warm copies (expert 0 into slot 0 of layer
+        0) overwrite nothing a table points at; layers share the graphs (same shapes)."""
+        if not self.pools:
+            return
+        moe, pool = self._layers[0]["moe"], self.pools[0]
+        for n in range(1, n_max + 1):
+            zeros = np.zeros(fetch_length(n), np.int32)
+            pool[0], pool[1] = _FETCH(pool[0], pool[1], moe["gate_up"], moe["down"], zeros, zeros, dev=self._on_dev)
 
     @property
     def hit_rate(self) -> float | None:

@@ -809,8 +809,26 @@ def _handler_validates_shapes():
     st = jnp.zeros((4, 16, 16), jnp.float32)
     call = jax.ffi.ffi_call("baro_delta", (jax.ShapeDtypeStruct((2, 4, 16), jnp.float32), st))
     y = jnp.zeros((2, 100), jnp.float32)
+    cols = dict(b_col=np.int64(0), a_col=np.int64(0))
     with pytest.raises(Exception, match=r"baro_delta: y width 100 must be 2\*nk\*dk \+ nv\*dv"):
         call(y, jnp.zeros((2, 4)), jnp.zeros((2, 4)), jnp.zeros(4), jnp.zeros(4), st,
+             jnp.int32(2), **cols)[0].block_until_ready()
+    # the gate columns, past the Python checks: b's nv = 4 gates from column 3 of a [2, 6] array
+    y = jnp.zeros((2, 2 * 1 * 16 + 4 * 16), jnp.float32)
+    with pytest.raises(Exception, match=r"baro_delta: b must have shape \[2, W\] with b_col \+ nv <= W "
+                                        r"\(b_col=3, nv=4\), got \[2, 6\]"):
+        call(y, jnp.zeros((2, 6)), jnp.zeros((2, 4)), jnp.zeros(4), jnp.zeros(4), st,
+             jnp.int32(2), b_col=np.int64(3), a_col=np.int64(0))[0].block_until_ready()
+    call = jax.ffi.ffi_call("baro_gated_norm", jax.ShapeDtypeStruct((2, 8), jnp.bfloat16))
+    with pytest.raises(Exception, match=r"baro_gated_norm: z must have shape \[2, W\] with z_col \+ nv\*dv <= W "
+                                        r"\(z_col=5, nv\*dv=8\), got shape \[2, 12\]"):
+        call(jnp.zeros((2, 2, 4)), jnp.zeros((2, 12)), jnp.zeros(4), eps=np.float32(1e-6),
+             z_col=np.int64(5)).block_until_ready()
+    call = jax.ffi.ffi_call("baro_conv_proj", (jax.ShapeDtypeStruct((2, 8), jnp.float32),
+                                               jax.ShapeDtypeStruct((3, 8), jnp.bfloat16)))
+    with pytest.raises(Exception, match=r"baro_conv_proj: x must have at least C=8 columns \(C from w\), "
+                                        r"got shape \[2, 6\]"):
+        call(jnp.zeros((2, 6)), jnp.zeros((8, 4), jnp.bfloat16), jnp.zeros((3, 8), jnp.bfloat16),
              jnp.int32(2))[0].block_until_ready()
 
 

@@ -132,8 +132,6 @@ def rope_rows(rope, pos, m):
     return cos[idx], sin[idx]
 
 
-
-
 def prologue(params, tokens, pos, rope):
     """Embedded rows and their rope rows: what every layer of a forward over `tokens` takes."""
     x = embed(params, tokens)

@@ -78,6 +78,16 @@ def column(op: str, name: str, v) -> np.int64:
     return np.int64(v)
 
 
+def columns(op: str, name: str, x, m: int, col, width: int, col_name: str, width_name: str, dtype):
+    """x [m, W] of dtype with columns col .. col + width inside it (an operand read in place
+    from a wider array, e.g. the GDN projection); returns x."""
+    rank(op, name, x, 2)
+    if x.shape[0] != m or col + width > x.shape[1]:
+        raise ValueError(f"{op}: {name} must have shape [{m}, W] with {col_name} + {width_name} <= W "
+                         f"({col_name}={int(col)}, {width_name}={width}), got shape {list(x.shape)}")
+    return array(op, name, x, tuple(x.shape), dtype)
+
+
 def f32_attr(op: str, name: str, v) -> np.float32:
     if isinstance(v, jax.core.Tracer):
         raise ValueError(f"{op}: {name} must be a static Python float, got a traced value")

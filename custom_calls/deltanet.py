@@ -64,12 +64,8 @@ def _check_delta_operands(op, y, b, a, A_log, dt_bias, state, b_col=None, a_col=
     for name, g, col in (("b", b, b_col), ("a", a, a_col)):
         if col is None:
             C.array(op, name, g, (m, nv), C.F32)
-            continue
-        C.rank(op, name, g, 2)
-        if g.shape[0] != m or col + nv > g.shape[1]:
-            raise ValueError(f"{op}: {name} must have shape [{m}, W] with {name}_col + nv <= W "
-                             f"({name}_col={int(col)}, nv={nv}), got shape {list(g.shape)}")
-        C.array(op, name, g, tuple(g.shape), C.F32)
+        else:
+            C.columns(op, name, g, m, col, nv, f"{name}_col", "nv", C.F32)
     C.array(op, "A_log", A_log, (nv,), C.F32)
     C.array(op, "dt_bias", dt_bias, (nv,), C.F32)
     return m, nv, dk, dv

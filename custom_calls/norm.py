@@ -48,11 +48,7 @@ def gated_norm(o, z, w, eps, z_col=0):
     m, nv, dv = o.shape
     C.array(op, "o", o, (m, nv, dv), C.F32)
     z_col = C.column(op, "z_col", z_col)
-    C.rank(op, "z", z, 2)
-    if z.shape[0] != m or z_col + nv * dv > z.shape[1]:
-        raise ValueError(f"{op}: z must have shape [{m}, W] with z_col + nv*dv <= W (z_col={int(z_col)}, "
-                         f"nv*dv={nv * dv}), got shape {list(z.shape)}")
-    C.array(op, "z", z, tuple(z.shape), C.F32)
+    C.columns(op, "z", z, m, z_col, nv * dv, "z_col", "nv*dv", C.F32)
     C.array(op, "w", w, (dv,), C.F32)
     eps = C.f32_attr(op, "eps", eps)
     check_runnable(op, (o, z, w))

@@ -77,20 +77,24 @@ inline ::xla::ffi::Error check_matmul(const ::xla::ffi::Buffer<::xla::ffi::BF16>
 
 struct DeltaDims {
   int64_t m, C, nv, dk, dv, nk;
-  int64_t b_ld = 0, a_ld = 0;  // row strides of b and a (their widths)
+  int64_t b_ld = 0, a_ld = 0;    // row strides of b and a (their widths)
+  int64_t b_off = 0, a_off = 0;  // the first gate column of b and a
 };
 
 // b or a of baro_delta: col < 0, exactly [m, nv]; col >= 0, [m, W] with the nv gates of a row at
-// columns col .. col + nv (the model passes the GDN projection whole). Sets *ld to the width.
+// columns col .. col + nv (the model passes the GDN projection whole). Sets *ld to the width and
+// *off to the first gate column.
 inline std::string expect_gate_columns(const char* op, const char* name, const ::xla::ffi::Buffer<::xla::ffi::F32>& g,
-                                       int64_t m, int64_t nv, int64_t col, int64_t* ld) {
+                                       int64_t m, int64_t nv, int64_t col, int64_t* ld, int64_t* off) {
   if (col < 0) {
     *ld = nv;
+    *off = 0;
     return expect_shape(op, name, g, {m, nv});
   }
   auto d = g.dimensions();
   if (d.size() == 2 && d[0] == m && col + nv <= d[1]) {
     *ld = d[1];
+    *off = col;
     return "";
   }
   std::ostringstream s;
@@ -125,8 +129,8 @@ inline ::xla::ffi::Error check_delta(const ::xla::ffi::Buffer<::xla::ffi::F32>& 
   d.nk = (d.C - d.nv * d.dv) / (2 * d.dk);
   BARO_CHECK(d.nv % d.nk == 0, op,
              "nv=" << d.nv << " value heads must be a multiple of nk=" << d.nk << " key heads");
-  BARO_RETURN_IF(expect_gate_columns(op, "b", b, d.m, d.nv, b_col, &d.b_ld));
-  BARO_RETURN_IF(expect_gate_columns(op, "a", a, d.m, d.nv, a_col, &d.a_ld));
+  BARO_RETURN_IF(expect_gate_columns(op, "b", b, d.m, d.nv, b_col, &d.b_ld, &d.b_off));
+  BARO_RETURN_IF(expect_gate_columns(op, "a", a, d.m, d.nv, a_col, &d.a_ld, &d.a_off));
   BARO_RETURN_IF(expect_shape(op, "A_log", A_log, {d.nv}));
   BARO_RETURN_IF(expect_shape(op, "dt_bias", dt_bias, {d.nv}));
   BARO_RETURN_IF(expect_shape(op, "n_valid", n_valid, {}));

@@ -130,8 +130,7 @@ ffi::Error DeltaImpl(ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
   baro::copy_if_not_aliased(state, state_out);
   float* S_all = state_out->typed_data();
   float* op_ = o->typed_data();
-  const DeltaInputs in{yb.typed_data(), b.typed_data() + (b_col > 0 ? b_col : 0),
-                       a.typed_data() + (a_col > 0 ? a_col : 0), A_log.typed_data(),
+  const DeltaInputs in{yb.typed_data(), b.typed_data() + dims.b_off, a.typed_data() + dims.a_off, A_log.typed_data(),
                        dt_bias.typed_data(), C, nk, nv, dk, dv, baro::inv_sqrt_scale(dk), dims.b_ld, dims.a_ld};
   const int64_t ratio = nv / nk;
 

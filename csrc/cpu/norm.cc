@@ -7,7 +7,12 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// y = bf16((x * r) * (1 + w)), r = 1/sqrt(dot(x,x)/D + eps)
+// One row: y = bf16((x * r) * (1 + w)), r = 1/sqrt(dot(x,x)/D + eps).
+inline void rmsnorm_row(const float* xr, const float* wp, uint16_t* yr, int64_t D, float eps) {
+  const float r = baro::inv_rms(baro::dot(xr, xr, D), static_cast<float>(D), eps);
+  for (int64_t d = 0; d < D; ++d) yr[d] = baro::f32_to_bf16((xr[d] * r) * (1.0f + wp[d]));
+}
+
 ffi::Error RmsnormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        float eps, ffi::ResultBuffer<ffi::BF16> y) {
   baro::RmsnormDims dims;
@@ -16,15 +21,8 @@ ffi::Error RmsnormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   uint16_t* yp = y->typed_data();
-  const float fD = static_cast<float>(D);
   baro::parallel_for(m, 2.0 * D, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* xr = xp + i * D;
-      const float r = baro::inv_rms(baro::dot(xr, xr, D), fD, eps);
-      for (int64_t d = 0; d < D; ++d) {
-        yp[i * D + d] = baro::f32_to_bf16((xr[d] * r) * (1.0f + wp[d]));
-      }
-    }
+    for (int64_t i = i0; i < i1; ++i) rmsnorm_row(xp + i * D, wp, yp + i * D, D, eps);
   });
   return ffi::Error::Success();
 }
@@ -41,13 +39,11 @@ ffi::Error AddRmsnormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> y, ffi:
   const float* wp = w.typed_data();
   float* sp = s->typed_data();
   uint16_t* hp = h->typed_data();
-  const float fD = static_cast<float>(D);
   baro::parallel_for(m, 3.0 * D, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       float* sr = sp + i * D;
       for (int64_t d = 0; d < D; ++d) sr[d] = xp[i * D + d] + yp[i * D + d];
-      const float r = baro::inv_rms(baro::dot(sr, sr, D), fD, eps);
-      for (int64_t d = 0; d < D; ++d) hp[i * D + d] = baro::f32_to_bf16((sr[d] * r) * (1.0f + wp[d]));
+      rmsnorm_row(sr, wp, hp + i * D, D, eps);
     }
   });
   return ffi::Error::Success();

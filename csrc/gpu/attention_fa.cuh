@@ -25,8 +25,8 @@
 // on its own q, its own position and the cache, so decode (16-row tiles) and
 // prefill (64-row tiles) agree. The decode tile runs two copies of its pair
 // (kDup, fa_block_step): same S and sums, each copy P V for half of its dims,
-// so twice the warps stream a block and each does half the P V mmas. The split structure is attention.cu's; the
-// scores, maxima and merge scales are in base 2 (s * scale * log2 e, p and
+// so twice the warps stream a block and each does half the P V mmas. The
+// split structure is attention.cu's; the scores, maxima and merge scales are in base 2 (s * scale * log2 e, p and
 // merge scales from ex2.approx: fa_ex2, fa_merge_scale), shared by both modes.
 // Blocks wholly before every row of the tile skip the mask tests
 // (fa_block_step<false>), with the same arithmetic.
@@ -493,7 +493,7 @@ __global__ void __launch_bounds__(kPairs * 2 * kDup * BARO_WARP, 1)
   const int dbase = fa_dim_base<kDup>(hd, half, dup);  // this warp's head dims
   const uint16_t* Qp = Qs + pair * kFaPairRows * ld;
 
-  float o[kFaMaxNt][4];  // this split's O (reset when a split starts: b_begin % 16 == 0)
+  float o[kFaMaxNt][4];  // this split's O (reset when a split starts: b % kAttnSplitBlocks == 0)
 #pragma unroll
   for (int q = 0; q < kFaMaxNt; ++q)
 #pragma unroll
@@ -653,10 +653,10 @@ __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
 #pragma unroll
   for (int t = 0; t < kFaCombinePerLane; ++t) O[t] = 0.0f;
   // The merge is sequential over splits; its loads are not: a group of kFaCombineAhead
-  // splits is read first, then merged in split order (a 128k row has 128 splits, and one
+  // splits is read first, then merged in split order (a 128k row has 256 splits, and one
   // memory latency per split was the whole cost).
   const int64_t n_sp = n_act < max_splits ? n_act : max_splits;
-  // split sp's partials: (m, l) at ml0 + sp * ml_step, O at o0 + sp * o_step (then + dim)
+  // split sp's partials: (m, l) at ml0 + sp * rows_pad, O at o0 + sp * o_step (then + dim)
   const int64_t slot0 = static_cast<int64_t>(kh) * max_splits * rows_pad + R;
   const float2* ml0 = reinterpret_cast<const float2*>(part_ml) + slot0;
   const float* o0 = part_o + slot0 * hd;

@@ -532,8 +532,8 @@ ffi::Error DeltaGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> yb, ffi::Buffe
 
   baro_gpu::DeltaArgs args;
   args.y = yb.typed_data();
-  args.b = b.typed_data() + (b_col > 0 ? b_col : 0);
-  args.a = a.typed_data() + (a_col > 0 ? a_col : 0);
+  args.b = b.typed_data() + dims.b_off;
+  args.a = a.typed_data() + dims.a_off;
   args.b_ld = dims.b_ld;
   args.a_ld = dims.a_ld;
   args.A_log = A_log.typed_data();

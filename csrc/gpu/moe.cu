@@ -157,17 +157,17 @@ __global__ void __launch_bounds__(kTopkWarps * BARO_WARP)
   topk_row<kPer>(probs + row * E, ids + row * k, wts + row * k, E, k);
 }
 constexpr int kTopkRegPer = 16;  // E <= 512 in registers
-// The one-token route at E <= 256 (Qwen3.5's 256 experts) holds 8 per lane: the entries past E
-// are skipped by the e < E tests anyway, so the bits are kTopkRegPer's, in half the scan.
+// E <= 256 (Qwen3.5's 256 experts) holds 8 per lane: the entries past E are skipped by the
+// e < E tests anyway, so the bits are kTopkRegPer's, in half the scan.
 constexpr int kTopkRegPerSmall = 8;
 
 static gpuError_t launch_topk(float* probs, int32_t* ids, float* wts, int64_t m, int E, int k,
                               gpuStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((m + kTopkWarps - 1) / kTopkWarps);
-  if (E <= BARO_WARP * kTopkRegPer)
-    moe_topk_kernel<kTopkRegPer><<<blocks, kTopkWarps * BARO_WARP, 0, stream>>>(probs, ids, wts, m, E, k);
-  else
-    moe_topk_kernel<0><<<blocks, kTopkWarps * BARO_WARP, 0, stream>>>(probs, ids, wts, m, E, k);
+  const auto topk = E <= BARO_WARP * kTopkRegPerSmall ? moe_topk_kernel<kTopkRegPerSmall>
+                    : E <= BARO_WARP * kTopkRegPer    ? moe_topk_kernel<kTopkRegPer>
+                                                      : moe_topk_kernel<0>;
+  topk<<<blocks, kTopkWarps * BARO_WARP, 0, stream>>>(probs, ids, wts, m, E, k);
   return gpuGetLastError();
 }
 
@@ -683,14 +683,11 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     p.ldc = E + 1;
     BARO_MOE_TRY(launch_gemm(p, GemmConfig::kRow1, 1, stream));
     // 2-3. top-k and grouping, the shared expert's tile last
-    if (E <= BARO_WARP * kTopkRegPerSmall)
-      moe_route_one_kernel<kTopkRegPerSmall><<<1, BARO_WARP, 0, stream>>>(
-          s.logits, s.ids, s.wts, static_cast<int>(E), a.top_k, bm, s.srow, s.inv, s.tiles, s.n_tiles,
-          max_tiles, a.slots, static_cast<int>(a.S), 0, kSharedGroup);
-    else
-      moe_route_one_kernel<kTopkRegPer><<<1, BARO_WARP, 0, stream>>>(
-          s.logits, s.ids, s.wts, static_cast<int>(E), a.top_k, bm, s.srow, s.inv, s.tiles, s.n_tiles,
-          max_tiles, a.slots, static_cast<int>(a.S), 0, kSharedGroup);
+    const auto route = E <= BARO_WARP * kTopkRegPerSmall ? moe_route_one_kernel<kTopkRegPerSmall>
+                                                         : moe_route_one_kernel<kTopkRegPer>;
+    route<<<1, BARO_WARP, 0, stream>>>(s.logits, s.ids, s.wts, static_cast<int>(E), a.top_k, bm, s.srow, s.inv,
+                                       s.tiles, s.n_tiles, max_tiles, a.slots, static_cast<int>(a.S), 0,
+                                       kSharedGroup);
     BARO_MOE_TRY(gpuGetLastError());
   } else {
   // 1. router logits [m, E]

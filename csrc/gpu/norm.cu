@@ -73,8 +73,8 @@ __global__ void __launch_bounds__(kNormWarps * BARO_WARP)
 // residual: 36 KB through one warp, ~6 us on the H200); here kRowBlockThreads threads load it
 // with 16-byte loads, stage s in shared memory, and warp 0 sums s^2 in rmsnorm_kernel's order
 // (lane's elements lane + BARO_WARP * q for q ascending, one fmaf chain, then warp_sum), so a
-// row's bits are those of the warp kernel, whatever the m. Needs D % (4 * threads) == 0 and
-// 16-byte aligned f32 pointers (the launcher checks both, else the warp kernel).
+// row's bits are those of the warp kernel, whatever the m. Needs 16-byte aligned f32 pointers
+// (the launcher checks, else the warp kernel); D % (4 * threads) == 0 holds at both widths.
 constexpr int kRowBlockThreads = 256;
 constexpr int64_t kRowBlockMaxRows = 64;  // past this the warp kernel fills the card anyway
 
@@ -197,10 +197,10 @@ static gpuError_t launch_rmsnorm_rows(const float* x, const float* w, uint16_t* 
   const bool row_block = !generic && m <= kRowBlockMaxRows && !env_is("BARO_NORM_ROW_BLOCK", "0") &&
                          is_aligned(x, 16) && is_aligned(w, 16) && is_aligned(y, 8) &&
                          (!kAdd || (is_aligned(r_in, 16) && is_aligned(s_out, 16)));
-  if (row_block && D == BARO_WARP * 64 && D % (4 * kRowBlockThreads) == 0)
+  if (row_block && D == BARO_WARP * 64)
     rmsnorm_row_block_kernel<64, kAdd><<<static_cast<unsigned>(m), kRowBlockThreads, 0, stream>>>(
         x, w, y, eps, r_in, s_out);
-  else if (row_block && D == BARO_WARP * 32 && D % (4 * kRowBlockThreads) == 0)
+  else if (row_block && D == BARO_WARP * 32)
     rmsnorm_row_block_kernel<32, kAdd><<<static_cast<unsigned>(m), kRowBlockThreads, 0, stream>>>(
         x, w, y, eps, r_in, s_out);
   else if (generic)

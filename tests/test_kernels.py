@@ -1223,8 +1223,11 @@ def test_moe_tiles(platform, m, D, I, monkeypatch):
 # fallback. E = 256, top_k = 8 is the model's routing. I == Is: the one-token fold (the
 # shared gate as the router's row E, the shared expert as one more grouped row, top-k and
 # grouping in one warp) against BARO_MOE_FOLD=0, the separate launches; E = 300 takes the
-# one-token route's 16-per-lane registers (E <= 256: 8 per lane).
-KNOBS_ONE_ROW = [{}, {"BARO_GEMM_ROW1": "off"}, {"BARO_MOE_FOLD": "0"}]
+# one-token route's 16-per-lane registers (E <= 256: 8 per lane). The fold's default (CUDA)
+# routes inside the gate/up GEMM and combines inside the down GEMM (3 launches); against
+# BARO_MOE_TAIL=0, the route and combine kernels.
+KNOBS_ONE_ROW = [{}, {"BARO_GEMM_ROW1": "off"}, {"BARO_MOE_FOLD": "0"}, {"BARO_MOE_TAIL": "0"}]
+KNOB_NAMES_ONE_ROW = ("BARO_GEMM_ROW1", "BARO_MOE_FOLD", "BARO_MOE_TAIL")
 
 
 @pytest.mark.parametrize("E,D,I,Is,k", [(8, 256, 80, 48, 2), (256, 256, 80, 40, 8), (8, 256, 64, 64, 3),
@@ -1236,7 +1239,7 @@ def test_moe_row1(platform, E, D, I, Is, k, monkeypatch):
     full = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h), *wd))
     for i in (0, 8):
         for knobs in KNOBS_ONE_ROW:
-            for kn in ("BARO_GEMM_ROW1", "BARO_MOE_FOLD"):
+            for kn in KNOB_NAMES_ONE_ROW:
                 monkeypatch.delenv(kn, raising=False)
             for kn, v in knobs.items():
                 monkeypatch.setenv(kn, v)
@@ -1244,7 +1247,7 @@ def test_moe_row1(platform, E, D, I, Is, k, monkeypatch):
             one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h[i:i + 1]), *wd))
             assert np.all(np.isfinite(one)), f"moe E={E} one row left elements unwritten ({knobs})"
             assert_same_bits(one[0], full[i], f"moe E={E} D={D} I={I} Is={Is} row {i} one-row call ({knobs})")
-    for kn in ("BARO_GEMM_ROW1", "BARO_MOE_FOLD"):
+    for kn in KNOB_NAMES_ONE_ROW:
         monkeypatch.delenv(kn, raising=False)
 
 
@@ -1527,7 +1530,8 @@ def test_moe_top_k_past_a_warp(platform):
 
 # One token through a slot table with I == Is: the fold (top-k and grouping in one warp,
 # the shared expert as one more grouped row) reading experts at their pool slots gives the
-# bytes of moe, folded or not (BARO_MOE_FOLD=0).
+# bytes of moe, folded or not (BARO_MOE_FOLD=0), with the route and combine inside the
+# grouped GEMMs or not (BARO_MOE_TAIL=0).
 def test_moe_slots_one_token_fold(platform, monkeypatch):
     rng = np.random.default_rng(1601)
     E, D, I, Is, k = 16, 256, 64, 64, 4
@@ -1535,21 +1539,41 @@ def test_moe_slots_one_token_fold(platform, monkeypatch):
     for row in range(3):
         h = bf16(rng, 1, D)
         want = {}
-        for knob in ("1", "0"):
-            monkeypatch.setenv("BARO_MOE_FOLD", knob)
-            want[knob] = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(
+        for name, knobs in SLOT_FOLD_ARMS:
+            set_knobs(monkeypatch, knobs)
+            want[name] = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(
                 *put(platform, h, router, gu, down, sgu, sdown, sgate)))
-        assert_same_bits(want["1"], want["0"], f"moe one token row {row}: fold vs BARO_MOE_FOLD=0")
+        for name in ("fold", "fold, BARO_MOE_TAIL=0"):
+            assert_same_bits(want[name], want["BARO_MOE_FOLD=0"], f"moe one token row {row}: {name} vs BARO_MOE_FOLD=0")
         ids = np.asarray(J_ROUTE(*put(platform, h, router), top_k=k))
         for S in (k, E + 3):
             pgu, pdn, slots = pool_for(gu, down, ids[0].tolist() if S < E else range(E), S, rng)
-            for knob in ("1", "0"):
-                monkeypatch.setenv("BARO_MOE_FOLD", knob)
+            for name, knobs in SLOT_FOLD_ARMS:
+                set_knobs(monkeypatch, knobs)
                 poison(platform, (1, D))
                 got = np.asarray(jax.jit(lambda *a: cc.moe_slots(*a, top_k=k))(
                     *put(platform, h, router, pgu, pdn, slots, sgu, sdown, sgate)))
-                assert_same_bits(got, want["0"], f"moe_slots one token row {row} S={S} BARO_MOE_FOLD={knob}")
-    monkeypatch.delenv("BARO_MOE_FOLD", raising=False)
+                assert_same_bits(got, want["BARO_MOE_FOLD=0"], f"moe_slots one token row {row} S={S} ({name})")
+        if platform.platform != "cpu":  # a routed expert without a slot: NaN on every path (CPU refuses)
+            pgu, pdn, slots = pool_for(gu, down, range(E), E + 3, rng)
+            slots[ids[0, 0]] = -1
+            for name, knobs in SLOT_FOLD_ARMS:
+                set_knobs(monkeypatch, knobs)
+                got = np.asarray(jax.jit(lambda *a: cc.moe_slots(*a, top_k=k))(
+                    *put(platform, h, router, pgu, pdn, slots, sgu, sdown, sgate)))
+                assert np.all(np.isnan(got)), f"moe_slots one token row {row}, expert {ids[0, 0]} unslotted ({name})"
+    set_knobs(monkeypatch, {})
+
+
+SLOT_FOLD_ARMS = [("fold", {}), ("fold, BARO_MOE_TAIL=0", {"BARO_MOE_TAIL": "0"}),
+                  ("BARO_MOE_FOLD=0", {"BARO_MOE_FOLD": "0"})]
+
+
+def set_knobs(monkeypatch, knobs):
+    for kn in KNOB_NAMES_ONE_ROW:
+        monkeypatch.delenv(kn, raising=False)
+    for kn, v in knobs.items():
+        monkeypatch.setenv(kn, v)
 
 
 def test_moe_route_is_moes_routing(platform):
@@ -1582,6 +1606,8 @@ def test_moe_slots_not_resident(platform):
     else:
         got = np.asarray(J_MOE_SLOTS(*args, top_k=MO_K))
         assert np.all(np.isnan(got[1])), "a row with a missing expert must be NaN"
+        one = np.asarray(J_MOE_SLOTS(*put(platform, h[1:2]), *args[1:], top_k=MO_K))  # the one-token path
+        assert np.all(np.isnan(one)), "a one-token row with a missing expert must be NaN"
 
 
 def test_moe_slots_errors(platform):

@@ -638,6 +638,13 @@ __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
   auto dim = [&](int t) { return lane + BARO_WARP * (slice + kFaCombineSlices * t); };
   const int64_t out_ld = static_cast<int64_t>(a.H) * hd;
   uint16_t* orow = a.out + i * out_ld + static_cast<int64_t>(h) * hd;
+  // The scalars and the gate first (row i < m exists): their latencies overlap the partials'.
+  const int32_t pos_raw = *a.pos;
+  const float* xr = a.qkv + i * static_cast<int64_t>(2 * a.H + 2 * a.Hkv) * hd;
+  float gate[kFaCombinePerLane];
+#pragma unroll
+  for (int t = 0; t < kFaCombinePerLane; ++t)
+    gate[t] = dim(t) < hd ? xr[static_cast<int64_t>(h) * 2 * hd + hd + dim(t)] : 0.0f;
   const int64_t nvld = clamp_nvalid(a.n_valid, a.m);
   if (i >= nvld) {
 #pragma unroll
@@ -645,7 +652,7 @@ __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
       if (dim(t) < hd) orow[dim(t)] = 0;
     return;
   }
-  int64_t lim = static_cast<int64_t>(*a.pos) + i;  // same row limit as attn_fa_kernel
+  int64_t lim = static_cast<int64_t>(pos_raw) + i;  // same row limit as attn_fa_kernel
   if (lim > a.S - 1) lim = a.S - 1;
   const int64_t n_act = lim < 0 ? 0 : lim / kAttnSplit + 1;  // splits active for this row
   float M = -INFINITY, Lsum = 0.0f;
@@ -689,14 +696,10 @@ __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
       }
     }
   }
-  const float* xr = a.qkv + i * static_cast<int64_t>(2 * a.H + 2 * a.Hkv) * hd;
 #pragma unroll
   for (int t = 0; t < kFaCombinePerLane; ++t) {
     const int d = dim(t);
-    if (d < hd) {
-      const float gate = xr[static_cast<int64_t>(h) * 2 * hd + hd + d];
-      orow[d] = f32_to_bf16((O[t] / Lsum) * sigmoidf_(gate));
-    }
+    if (d < hd) orow[d] = f32_to_bf16((O[t] / Lsum) * sigmoidf_(gate[t]));
   }
 }
 

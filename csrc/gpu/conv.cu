@@ -107,6 +107,7 @@ __global__ void __launch_bounds__(kConvThreads, 2)
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * kConvThreads + threadIdx.x) * V;
   if (c >= C) return;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kConvRows;
+  const int64_t nv = blockIdx.x == 0 ? static_cast<int64_t>(*n_valid) : 0;  // early: its latency overlaps the rows'
 
   float wf[V][kConvK];  // w[c + i][j]: the V channels' taps are V*4 contiguous bf16
 #pragma unroll
@@ -147,7 +148,6 @@ __global__ void __launch_bounds__(kConvThreads, 2)
   }
   if (blockIdx.x == 0) {
     // New window = u[nvld .. nvld + 2]: read all three, then write.
-    const int64_t nv = *n_valid;
     const int64_t nvld = nv < 0 ? 0 : (nv > m ? m : nv);
     Raw<V> nw[kConvK - 1];
 #pragma unroll

@@ -33,6 +33,31 @@
 
 namespace baro_gpu {
 
+// gemm_row1's share of the one-token MoE (moe.cu, the fold): kind kRoute on the grouped
+// gate/up GEMM, kCombine on the grouped down GEMM; kNone everywhere else.
+struct Row1Moe {
+  enum Kind { kNone = 0, kRoute = 1, kCombine = 2 };
+  int kind = kNone;
+  // kRoute: every warp runs the one-token top-k and grouping (route_one_row) on the router
+  // logits itself, into its shared memory, and reads its tiles from there; block 0 also
+  // stores ids / wts / srow / inv / tiles / n_tiles for the down GEMM and zeroes counters.
+  float* logits = nullptr;
+  int E = 0, k = 0, fold_group = 0, S = 0;
+  int32_t *ids = nullptr, *srow = nullptr, *inv = nullptr, *tiles = nullptr, *n_tiles = nullptr;
+  float* wts = nullptr;
+  int64_t max_tiles = 0;
+  const int32_t* slots = nullptr;
+  // kCombine: counters[u] counts the slots done of output column unit u (n_counters of
+  // them, zero on entry: the kRoute GEMM zeroes them); the warp that completes a unit's
+  // last slot writes out[c] = the slot-order sum over the k pairs + sigmoid(sgl) * the
+  // shared expert's row (moe_combine_kernel's arithmetic).
+  uint32_t* counters = nullptr;
+  int n_counters = 0;
+  const float* sout = nullptr;
+  const float* sgl = nullptr;
+  float* out = nullptr;
+};
+
 struct GemmParams {
   const uint16_t* A = nullptr;  // rows of length >= K, stride lda
   int64_t lda = 0;
@@ -58,6 +83,7 @@ struct GemmParams {
   int64_t n_split = 0;
   const uint16_t* W_last = nullptr;
   int64_t last_group = -1;
+  Row1Moe moe;  // gemm_row1 only
   // Filled by launch_gemm:
   int slot_rows = 0;  // rows per plain-matmul slot / max rows per grouped tile
   int vec = 0;        // 16-byte global loads allowed

@@ -31,6 +31,7 @@
 #include "common.cuh"
 #include "dot.cuh"
 #include "gemm.cuh"
+#include "moe_route.cuh"
 
 #if !BARO_HIP
 namespace baro_gpu {
@@ -51,6 +52,12 @@ struct Row1Cfg {
   static constexpr int kWRows = 8 * kTiles;             // W rows per unit
   static constexpr int kOutCols = 8 * NT;               // output columns per unit
 };
+
+// The one-token MoE's route (Row1Moe::kRoute) in a warp's shared memory, after its ring:
+// ids [32], wts [32], inv [32], srow [33], n_tiles, pad, tiles [3 max_tiles].
+constexpr int kRow1RouteInts = 132;
+constexpr int kRow1RouteBytes = 1536;
+__host__ __device__ constexpr int64_t row1_route_max_tiles() { return (kRow1RouteBytes / 4 - kRow1RouteInts) / 3; }
 
 // Runtime shape of the ring, chosen by the launcher (matmul.cu launch_row1).
 struct Row1Ring {
@@ -96,16 +103,68 @@ BARO_DEV void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;
 
 // Units: u = slot * units_per_slot + i, unit i = output columns [8 NT i, 8 NT (i + 1)).
 // Block b takes units b, b + grid, ... of the slots that exist (*p.n_tiles when grouped).
-template <bool SWIGLU, int NT>
+//
+// MOE (p.moe.kind, the one-token MoE of moe.cu; launch shapes and stream order unchanged):
+//   kRoute (gate/up): before streaming, the warp runs route_one_row on the router logits,
+//     the code of moe_route_one_kernel, into its shared memory, and takes its tiles from
+//     there: the top-k costs each warp about what the route kernel did, minus a launch and
+//     its gap. Block 0 routes into global memory instead, for the down GEMM and combine.
+//   kCombine (down): a unit's stores are fenced and counted per output column unit; the
+//     warp that counts a unit's last slot computes out for those columns: the slot-order
+//     fmaf over the pairs from 0, then + sigmoid(sgl) * the shared row, moe_combine_kernel's
+//     expressions (the kernel tests compare the two), so the combine launch goes.
+template <bool SWIGLU, int NT, int MOE = Row1Moe::kNone>
 __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int64_t row_slots, Row1Ring ring) {
   using Cfg = Row1Cfg<SWIGLU, NT>;
   constexpr int T = Cfg::kTiles;
+  static_assert(MOE == Row1Moe::kNone || (MOE == Row1Moe::kRoute) == SWIGLU, "route on gate/up, combine on down");
   extern __shared__ __align__(128) uint8_t row1_smem[];
 
   const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t ups = (out_n + Cfg::kOutCols - 1) / Cfg::kOutCols;  // units per slot
-  const int64_t slots = p.tiles != nullptr ? static_cast<int64_t>(*p.n_tiles) : row_slots;
+  const int32_t* tiles = p.tiles;
+  const int32_t* n_tiles = p.n_tiles;
+  const int32_t* a_rows = p.a_rows;
+  if constexpr (MOE == Row1Moe::kRoute) {
+    const Row1Moe& mo = p.moe;
+    int32_t* sm = reinterpret_cast<int32_t*>(row1_smem + kRow1BarBytes + ring.stages * ring.stage_bytes);
+    const bool pub = blockIdx.x == 0;
+    int32_t* r_ids = pub ? mo.ids : sm;
+    float* r_wts = pub ? mo.wts : reinterpret_cast<float*>(sm + 32);
+    int32_t* r_inv = pub ? mo.inv : sm + 64;
+    int32_t* r_srow = pub ? mo.srow : sm + 96;
+    int32_t* r_nt = pub ? mo.n_tiles : sm + 129;
+    int32_t* r_tiles = pub ? mo.tiles : sm + kRow1RouteInts;
+    if (mo.E <= BARO_WARP * kTopkRegPerSmall)
+      route_one_row<kTopkRegPerSmall, false>(mo.logits, r_ids, r_wts, mo.E, mo.k, 1, r_srow, r_inv, r_tiles, r_nt,
+                                             mo.max_tiles, mo.slots, mo.S, 0, mo.fold_group);
+    else
+      route_one_row<kTopkRegPer, false>(mo.logits, r_ids, r_wts, mo.E, mo.k, 1, r_srow, r_inv, r_tiles, r_nt,
+                                        mo.max_tiles, mo.slots, mo.S, 0, mo.fold_group);
+    if (pub)
+      for (int i = lane; i < mo.n_counters; i += BARO_WARP) mo.counters[i] = 0u;
+    __syncwarp();  // the lanes' route stores, before any lane reads them
+    tiles = r_tiles;
+    n_tiles = r_nt;
+    a_rows = r_srow;
+  }
+  // kCombine: lane s < k holds pair s's weight (NaN when its expert has no slot) and sorted row
+  float c_w = 0.0f, c_sg = 0.0f;
+  int c_inv = 0;
+  if constexpr (MOE == Row1Moe::kCombine) {
+    const Row1Moe& mo = p.moe;
+    if (lane < mo.k) {
+      c_w = mo.wts[lane];
+      if (mo.slots != nullptr) {
+        const int sl = mo.slots[mo.ids[lane]];
+        if (sl < 0 || sl >= mo.S) c_w = __int_as_float(0x7fc00000);
+      }
+      c_inv = mo.inv[lane];
+    }
+    c_sg = sigmoidf_(*mo.sgl);
+  }
+  const int64_t slots = tiles != nullptr ? static_cast<int64_t>(*n_tiles) : row_slots;
   const int64_t units = slots * ups;
   const int64_t first = blockIdx.x, step = gridDim.x;
   if (first >= units) return;
@@ -128,16 +187,22 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
     const uint16_t* a;  // the slot's A row
     const uint16_t* w;  // the group's W
     int64_t c0, row;    // first output column, output row
+    int64_t cu;         // column unit within the slot
     int nc;             // valid output columns of the unit (1..8 NT)
   };
   auto unit = [&](int64_t j) {
     Unit r;
     const int64_t u = first + j * step;
     const int64_t slot = u / ups;
-    r.c0 = (u - slot * ups) * Cfg::kOutCols;
-    int64_t group = 0, r0 = 0, rc = 0;
-    gemm_slot(p, slot, group, r0, rc);  // rc == 1: slot < slots, slot_rows == 1
-    const int64_t ar = p.a_rows != nullptr ? static_cast<int64_t>(p.a_rows[r0]) : r0;
+    r.cu = u - slot * ups;
+    r.c0 = r.cu * Cfg::kOutCols;
+    // gemm_slot's (group, r0) of slot < slots with slot_rows == 1 (one row per tile)
+    int64_t group = 0, r0 = slot;
+    if (tiles != nullptr) {
+      group = tiles[3 * slot + 0];
+      r0 = tiles[3 * slot + 1];
+    }
+    const int64_t ar = a_rows != nullptr ? static_cast<int64_t>(a_rows[r0]) : r0;
     r.a = p.A + ar * p.lda;
     r.w = p.W_last != nullptr && group == p.last_group ? p.W_last : p.W + group * p.w_group_stride;
     r.row = r0;
@@ -258,6 +323,35 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
                        f32_to_bf16(siluf_(acc[b][1]) * acc[NT + b][1]), c, cu.nc, out2);
           else
             store_pair(p.C + orow, acc[b][0], acc[b][1], c, cu.nc, out2);
+        }
+      }
+      if constexpr (MOE == Row1Moe::kCombine) {
+        // threadFenceReduction's pattern: every lane fences its stores, one lane counts
+        __threadfence();
+        __syncwarp();
+        uint32_t done = 0;
+        if (lane == 0) done = atomicAdd(p.moe.counters + cu.cu, 1u) + 1u;
+        done = __shfl_sync(0xffffffffu, done, 0);
+        if (done == static_cast<uint32_t>(slots)) {  // this unit's columns are complete in every slot
+          __threadfence();
+          const int k = p.moe.k;
+          const int64_t col = cu.c0 + lane;  // nc <= 8 NT <= 32 columns, one per lane
+          const bool live = lane < cu.nc;
+          float routed = 0.0f;
+          for (int s0 = 0; s0 < k; s0 += 8) {  // 8 slots' values in flight, then their fmas in order
+            float wv[8], yv[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+              const int s = s0 + u < k ? s0 + u : 0;
+              wv[u] = __shfl_sync(0xffffffffu, c_w, s);
+              const int r = __shfl_sync(0xffffffffu, c_inv, s);
+              yv[u] = live && s0 + u < k ? __ldcg(p.C + r * p.ldc + col) : 0.0f;  // L2: other SMs wrote them
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u)
+              if (s0 + u < k) routed = fmaf(wv[u], yv[u], routed);
+          }
+          if (live) p.moe.out[col] = routed + c_sg * __ldcg(p.moe.sout + col);
         }
       }
       if (++cj < my_units) cu = unit(cj);

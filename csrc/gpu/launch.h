@@ -41,6 +41,11 @@ bool gemm_vec_ok(const GemmParams& p);
 // kRow1 runs gemm_row1 on these operands (not its kSmall fallback): CUDA, the knob on,
 // 16-byte loads, K % 16 == 0. The only kernel that reads p.W_tail / p.W_last.
 bool gemm_row1_runs(const GemmParams& p);
+// p.moe (the one-token MoE's route on gate/up, combine on down) can run: kRow1 on gemm_row1,
+// grouped, k <= 32, the pointers its kind needs, the route's tiles within its shared memory.
+bool gemm_row1_moe_ok(const GemmParams& p, GemmConfig cfg);
+// The most tiles the route in gemm_row1's shared memory holds (0 where gemm_row1 is not built).
+int64_t row1_moe_route_max_tiles();
 // The config can run the fused SwiGLU epilogue (p.Act != nullptr) when gemm_vec_ok.
 bool gemm_fused_swiglu_ok(GemmConfig cfg);
 // Enqueues the config's kernel over grid (row_slots, N tiles). Fills

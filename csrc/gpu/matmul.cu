@@ -173,11 +173,12 @@ static Row1Plan row1_plan() {
   return r;
 }
 
-template <bool SWIGLU, int NT>
+template <bool SWIGLU, int NT, int MOE>
 static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t grid, const Row1Plan& plan,
                                  gpuStream_t stream) {
   using Cfg = Row1Cfg<SWIGLU, NT>;
-  const int ring_bytes = 233472 / plan.bps - 1024 - kRow1BarBytes;  // an SM's smem over its blocks
+  constexpr int extra = MOE == Row1Moe::kRoute ? kRow1RouteBytes : 0;  // the route after the ring
+  const int ring_bytes = 233472 / plan.bps - 1024 - kRow1BarBytes - extra;  // an SM's smem over its blocks
   Row1Ring ring{plan.kchunk_max, 0, 0, plan.lsu};
   const int64_t k128 = (p.K + 127) / 128 * 128;
   while (ring.kchunk > 128 && ring.kchunk / 2 >= k128) ring.kchunk /= 2;  // no wider than K
@@ -189,16 +190,16 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
   }
   if (ring.stages > kRow1MaxStages) ring.stages = kRow1MaxStages;
   if (ring.stages < 2) return gpuErrorInvalidValue;
-  const int smem = kRow1BarBytes + ring.stages * ring.stage_bytes;
+  const int smem = kRow1BarBytes + ring.stages * ring.stage_bytes + extra;
   static std::atomic<uint64_t> smem_done{0};
-  gpuError_t e = allow_smem(gemm_row1_kernel<SWIGLU, NT>, 233472 - 1024, smem_done);  // any bps
+  gpuError_t e = allow_smem(gemm_row1_kernel<SWIGLU, NT, MOE>, 233472 - 1024, smem_done);  // any bps
   if (e != gpuSuccess) return e;
-  gemm_row1_kernel<SWIGLU, NT><<<static_cast<unsigned>(grid), BARO_WARP, smem, stream>>>(p, row_slots, ring);
+  gemm_row1_kernel<SWIGLU, NT, MOE><<<static_cast<unsigned>(grid), BARO_WARP, smem, stream>>>(p, row_slots, ring);
   return gpuGetLastError();
 }
 
-template <bool SWIGLU>
-static gpuError_t launch_row1(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
+template <bool SWIGLU, int MOE>
+static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
   const Row1Plan plan = row1_plan();
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t warps = static_cast<int64_t>(plan.bps) * sm_count();
@@ -208,9 +209,20 @@ static gpuError_t launch_row1(const GemmParams& p, int64_t row_slots, gpuStream_
   int nt = plan.nt;
   if (nt == 0) nt = !SWIGLU && units(4) >= enough ? 4 : units(2) >= enough ? 2 : 1;
   if constexpr (!SWIGLU)
-    if (nt >= 4) return launch_row1_nt<SWIGLU, 4>(p, row_slots, grid(4), plan, stream);
-  if (nt >= 2) return launch_row1_nt<SWIGLU, 2>(p, row_slots, grid(2), plan, stream);
-  return launch_row1_nt<SWIGLU, 1>(p, row_slots, grid(1), plan, stream);
+    if (nt >= 4) return launch_row1_nt<SWIGLU, 4, MOE>(p, row_slots, grid(4), plan, stream);
+  if (nt >= 2) return launch_row1_nt<SWIGLU, 2, MOE>(p, row_slots, grid(2), plan, stream);
+  return launch_row1_nt<SWIGLU, 1, MOE>(p, row_slots, grid(1), plan, stream);
+}
+
+// The one-token MoE's route rides on the SwiGLU (gate/up) GEMM, its combine on the plain
+// (down) one; the launcher checked which.
+template <bool SWIGLU>
+static gpuError_t launch_row1(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
+  if (p.moe.kind == Row1Moe::kNone) return launch_row1_moe<SWIGLU, Row1Moe::kNone>(p, row_slots, stream);
+  if constexpr (SWIGLU)
+    return launch_row1_moe<SWIGLU, Row1Moe::kRoute>(p, row_slots, stream);
+  else
+    return launch_row1_moe<SWIGLU, Row1Moe::kCombine>(p, row_slots, stream);
 }
 
 // The decode-shaped kernel (gemm_rows16.cuh) for 16-row slots with 16-byte loads.
@@ -240,12 +252,42 @@ bool gemm_row1_runs(const GemmParams& p) {
 #endif
 }
 
+int64_t row1_moe_route_max_tiles() {
+#if BARO_HIP
+  return 0;
+#else
+  return row1_route_max_tiles();
+#endif
+}
+
+bool gemm_row1_moe_ok(const GemmParams& p, GemmConfig cfg) {
+#if BARO_HIP
+  (void)p;
+  (void)cfg;
+  return false;
+#else
+  const Row1Moe& mo = p.moe;
+  const bool swiglu = p.Act != nullptr;
+  if (cfg != GemmConfig::kRow1 || !gemm_row1_runs(p) || p.tiles == nullptr || mo.k < 1 || mo.k > BARO_WARP)
+    return false;
+  if (mo.kind == Row1Moe::kRoute)
+    return swiglu && mo.logits != nullptr && mo.E >= mo.k && mo.E <= BARO_WARP * kTopkRegPer &&
+           mo.max_tiles <= row1_route_max_tiles() && mo.ids && mo.wts && mo.srow && mo.inv && mo.tiles &&
+           mo.n_tiles && (mo.n_counters == 0 || mo.counters != nullptr);
+  if (mo.kind == Row1Moe::kCombine)  // one counter per 8-column unit covers any NT
+    return !swiglu && mo.counters != nullptr && mo.n_counters >= (p.N + 7) / 8 && mo.wts && mo.inv &&
+           mo.sout && mo.sgl && mo.out && (mo.slots == nullptr || mo.ids != nullptr);
+  return false;
+#endif
+}
+
 gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStream_t stream) {
   const bool swiglu = p.Act != nullptr;
   if (row_slots <= 0 || p.N <= 0) return gpuSuccess;  // nothing to compute
   const bool split_w = p.W_tail != nullptr || p.W_last != nullptr;  // gemm_row1 alone reads them
   if (split_w && (cfg != GemmConfig::kRow1 || !gemm_row1_runs(p) || (p.W_last != nullptr && p.last_group >= 0)))
     return gpuErrorInvalidValue;
+  if (p.moe.kind != Row1Moe::kNone && !gemm_row1_moe_ok(p, cfg)) return gpuErrorInvalidValue;
   if (swiglu && (!gemm_fused_swiglu_ok(cfg) || p.N != 2 * p.swiglu_I)) return gpuErrorInvalidValue;
   p.slot_rows = gemm_bm(cfg);
   p.vec = gemm_vec_ok(p) ? 1 : 0;

@@ -21,6 +21,7 @@
 #include "ffi_gpu.h"
 #include "gemm.cuh"
 #include "launch.h"
+#include "moe_route.cuh"
 
 namespace baro_gpu {
 
@@ -33,121 +34,6 @@ constexpr int kElemThreads = 256;
 constexpr int kMinGroupBM = 16;        // smallest GEMM BM of m > 1 calls: sizes the tile list
 constexpr int kCombineAhead = 8;       // slots whose values moe_combine_kernel reads before it adds
 
-// probs[m][E] holds the logits on entry and the softmax probabilities after
-// (taken entries -2). kPer > 0: E <= 32 * kPer, the row lives in registers
-// (a decode row is latency-bound: one load wave instead of one per pass);
-// kPer = 0: any E, in memory. Both run the same arithmetic in the same order:
-// per lane e = lane, lane + 32, ... ascending, then the warp butterflies.
-// One row by one warp: p = the row's E logits, ids / wts = its k outputs. Returns, in lane
-// s < k, the expert of slot s (what ids[s] holds), so a caller need not read ids back.
-template <int kPer>
-BARO_DEV int topk_row(float* __restrict__ p, int32_t* __restrict__ ids, float* __restrict__ wts, int E, int k) {
-  const int lane = lane_id();  // lane l only ever touches p[l + 32q]
-  constexpr int kR = kPer > 0 ? kPer : 1;
-  float v[kR];
-  if constexpr (kPer > 0) {
-#pragma unroll
-    for (int q = 0; q < kPer; ++q) {
-      const int e = lane + BARO_WARP * q;
-      v[q] = e < E ? p[e] : -INFINITY;
-    }
-  }
-  auto val = [&](int q, int e) -> float {
-    if constexpr (kPer > 0) return v[q]; else return p[e];
-  };
-  auto set = [&](int q, int e, float x) {
-    if constexpr (kPer > 0) v[q] = x; else p[e] = x;
-  };
-  const int n_q = kPer > 0 ? kPer : (E + BARO_WARP - 1) / BARO_WARP;
-
-  float mx = -INFINITY;
-#pragma unroll
-  for (int q = 0; q < n_q; ++q) {
-    const int e = lane + BARO_WARP * q;
-    if (e < E) mx = fmaxf(mx, val(q, e));
-  }
-  mx = warp_max(mx);
-  float sum = 0.0f;
-#pragma unroll
-  for (int q = 0; q < n_q; ++q) {
-    const int e = lane + BARO_WARP * q;
-    if (e < E) {
-      const float ex = expf(val(q, e) - mx);
-      set(q, e, ex);
-      sum = sum + ex;
-    }
-  }
-  sum = warp_sum(sum);
-#pragma unroll
-  for (int q = 0; q < n_q; ++q) {
-    const int e = lane + BARO_WARP * q;
-    if (e < E) set(q, e, val(q, e) / sum);
-  }
-
-  // top-k: descending p, ties to the lower id; taken entries become -2.
-  float wsum = 0.0f;
-  int picked = 0;
-  float own_p = 0.0f;  // k <= BARO_WARP: lane s keeps slot s's p (no store and read-back)
-  for (int s = 0; s < k; ++s) {
-    float bp = -1.0f;
-    int be = 0x7fffffff;
-#pragma unroll
-    for (int q = 0; q < n_q; ++q) {
-      const int e = lane + BARO_WARP * q;
-      if (e < E) {
-        const float x = val(q, e);
-        if (x > bp) {  // strict: the first (lowest) id of this lane wins ties
-          bp = x;
-          be = e;
-        }
-      }
-    }
-#pragma unroll
-    for (int o = BARO_WARP / 2; o >= 1; o >>= 1) {
-      const float op = shfl_xor(bp, o);
-      const int oe = shfl_xor(be, o);
-      if (op > bp || (op == bp && oe < be)) {
-        bp = op;
-        be = oe;
-      }
-    }
-    if (be < 0 || be >= E) {  // only with NaN probabilities: stay in bounds
-      be = 0;
-      bp = 0.0f;
-    }
-    if ((be & (BARO_WARP - 1)) == lane) {
-      if constexpr (kPer > 0) {
-#pragma unroll
-        for (int q = 0; q < kPer; ++q)
-          if (lane + BARO_WARP * q == be) v[q] = -2.0f;
-      } else {
-        p[be] = -2.0f;
-      }
-    }
-    // be, bp and wsum are the same in every lane after the butterfly
-    if (lane == 0) ids[s] = be;
-    if (k > BARO_WARP && lane == (s & (BARO_WARP - 1))) wts[s] = bp;
-    if (lane == s) {
-      picked = be;
-      own_p = bp;
-    }
-    wsum = wsum + bp;
-  }
-  if (k <= BARO_WARP) {
-    if (lane < k) wts[lane] = own_p / wsum;
-  } else {
-    for (int s = lane; s < k; s += BARO_WARP) wts[s] = wts[s] / wsum;  // a lane reads back its own stores
-  }
-  if constexpr (kPer > 0) {
-#pragma unroll
-    for (int q = 0; q < kPer; ++q) {
-      const int e = lane + BARO_WARP * q;
-      if (e < E) p[e] = v[q];
-    }
-  }
-  return picked;
-}
-
 template <int kPer>
 __global__ void __launch_bounds__(kTopkWarps * BARO_WARP)
     moe_topk_kernel(float* __restrict__ probs, int32_t* __restrict__ ids, float* __restrict__ wts,
@@ -156,11 +42,6 @@ __global__ void __launch_bounds__(kTopkWarps * BARO_WARP)
   if (row >= m) return;
   topk_row<kPer>(probs + row * E, ids + row * k, wts + row * k, E, k);
 }
-constexpr int kTopkRegPer = 16;  // E <= 512 in registers
-// E <= 256 (Qwen3.5's 256 experts) holds 8 per lane: the entries past E are skipped by the
-// e < E tests anyway, so the bits are kTopkRegPer's, in half the scan.
-constexpr int kTopkRegPerSmall = 8;
-
 static gpuError_t launch_topk(float* probs, int32_t* ids, float* wts, int64_t m, int E, int k,
                               gpuStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((m + kTopkWarps - 1) / kTopkWarps);
@@ -182,17 +63,6 @@ static gpuError_t launch_topk(float* probs, int32_t* ids, float* wts, int64_t m,
 //  3. place: per chunk, pairs in ascending p take consecutive positions.
 // A call with one chunk (P <= kGroupChunk: decode, short chunks) runs the
 // same three steps in one block (moe_group_one_kernel), saving two launches.
-
-BARO_DEV int clamp_expert(int e, int E) { return e < 0 ? 0 : (e >= E ? E - 1 : e); }
-
-// The weight group of expert e: e itself, or its slot in the pool (baro_moe_slots), clamped
-// into the pool so a non-resident expert (-1) never reads outside it; its rows are made NaN
-// by the combine (moe_combine_kernel), so nothing reads another expert's weights silently.
-BARO_DEV int weight_group(int e, const int32_t* slots, int S) {
-  if (slots == nullptr) return e;
-  const int s = slots[e];
-  return s < 0 ? 0 : (s >= S ? S - 1 : s);
-}
 
 __global__ void __launch_bounds__(kGroupThreads)
     moe_count_kernel(const int32_t* __restrict__ ids, int64_t P, int E, int32_t* __restrict__ cnt) {
@@ -346,66 +216,13 @@ __global__ void __launch_bounds__(kScanThreads)
   if (tid < BARO_WARP) group_place(sid, pos, P, 0, k, srow, inv);
 }
 
-// One token (m == 1, k <= 32, E <= 32 kTopkRegPer): top-k and grouping in one warp, one
-// launch instead of two (the grouping block's scan was 3.4 us of a decode layer). The same
-// top-k (topk_row) and the same result as moe_group_one_kernel: sorted position of pair s =
-// pairs of lower experts + earlier pairs of its own expert (stable by pair), tiles of <= bm
-// pairs per expert in expert order. fold_group < 0: one more tile (fold_group, k, 1) with
-// srow[k] = 0, the shared expert as a k+1-th row of the grouped GEMMs (launch_moe).
 template <int kPer>
 __global__ void __launch_bounds__(BARO_WARP)
     moe_route_one_kernel(float* __restrict__ probs, int32_t* __restrict__ ids, float* __restrict__ wts,
                          int E, int k, int bm, int32_t* __restrict__ srow, int32_t* __restrict__ inv,
                          int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles, int64_t max_tiles,
                          const int32_t* __restrict__ slots, int S, int skip, int fold_group) {
-  // Every count below comes from the lanes' registers through shuffles (k <= 32: lane j holds
-  // pair j's expert): the first version re-read ids from global memory inside O(k^3) loops,
-  // hundreds of dependent round trips (13.6 us of a 1-warp kernel, 0.54 ms per decode token).
-  const int lane = lane_id();
-  const int picked = topk_row<kPer>(probs, ids, wts, E, k);  // every lane takes part
-  const int e = lane < k ? clamp_expert(picked, E) : E;
-  const bool tiled = lane < k && !(skip && slots != nullptr && slots[e] < 0);
-  int below = 0, before = 0, count = 0;  // pairs of lower experts; earlier pairs of e; pairs of e
-  for (int j = 0; j < k; ++j) {
-    const int ej = shfl_idx(e, j);
-    below += ej < e;
-    before += ej == e && j < lane;
-    count += ej == e;
-  }
-  // tiles of this pair's expert when the pair is its expert's first (stable by pair)
-  const int own = before == 0 && tiled ? (count + bm - 1) / bm : 0;
-  int64_t tiles_below = 0, total = 0;  // tiles of the experts below e; of every expert
-  for (int j = 0; j < k; ++j) {
-    const int tj = shfl_idx(own, j);
-    tiles_below += shfl_idx(e, j) < e ? tj : 0;
-    total += tj;
-  }
-  if (lane < k) {
-    const int at = below + before;
-    srow[at] = 0;
-    inv[lane] = at;
-    int64_t nt = tiles_below;
-    for (int st = 0; st < count && own > 0; st += bm, ++nt) {
-      if (nt < max_tiles) {
-        tiles[3 * nt + 0] = weight_group(e, slots, S);
-        tiles[3 * nt + 1] = below + st;
-        tiles[3 * nt + 2] = count - st < bm ? count - st : bm;
-      }
-    }
-  }
-  if (lane == 0) {
-    int64_t nt = total;
-    if (fold_group < 0) {
-      if (nt < max_tiles) {
-        tiles[3 * nt + 0] = fold_group;
-        tiles[3 * nt + 1] = k;
-        tiles[3 * nt + 2] = 1;
-      }
-      srow[k] = 0;
-      ++nt;
-    }
-    *n_tiles = static_cast<int32_t>(nt < max_tiles ? nt : max_tiles);
-  }
+  route_one_row<kPer>(probs, ids, wts, E, k, bm, srow, inv, tiles, n_tiles, max_tiles, slots, S, skip, fold_group);
 }
 
 // act[s][n] = bf16(silu(gu[s][n]) * gu[s][I + n])
@@ -513,7 +330,11 @@ struct MoeScratch {
   uint16_t* sact;    // [m, Is]
   float* sout;       // [m, D]
   float* sgl;        // [m]
+  uint32_t* tail_cnt;  // [moe_tail_counters] (plan.tail): the down GEMM's column-unit counts
 };
+
+// One counter per 8 output columns of the down GEMM (its smallest column unit).
+static int64_t moe_tail_counters(const MoeArgs& a) { return (a.D + 7) / 8; }
 
 // Sizes the tile list for the smallest BM, so it holds any config's tiles (one-row
 // tiles only when m == 1: gemm_pick_grouped picks kRow1 for one token only).
@@ -533,10 +354,15 @@ static int64_t moe_chunks(const MoeArgs& a) {
 // GEMM (N = E + 1), the shared expert as one more row of the grouped gate/up and down GEMMs,
 // top-k and grouping in one warp: 5 launches instead of 9, same bits (every output is the
 // same dot in the same order; only which launch computes it changes). BARO_MOE_FOLD=0: off.
+// tail (fold, CUDA): the route runs inside the gate/up GEMM (every warp routes for itself)
+// and the combine inside the down GEMM (the warp finishing a column unit's last slot):
+// 3 launches, same bits (route_one_row and the combine's expressions are moe_route_one_kernel's
+// and moe_combine_kernel's; the kernel tests compare). BARO_MOE_TAIL=0: the 5 launches.
 struct MoePlan {
   GemmConfig cfg;
   bool fused;
   bool fold;
+  bool tail;
 };
 constexpr int32_t kSharedGroup = -2;  // the tile group of the folded shared expert (GemmParams::last_group)
 
@@ -577,6 +403,7 @@ static MoePlan moe_plan(const MoeArgs& a) {
             a.top_k <= BARO_WARP && a.E <= BARO_WARP * kTopkRegPer && !env_is("BARO_MOE_FOLD", "0") &&
             gemm_row1_runs(gu) && gemm_row1_runs(down) && aligned16(a.router) && aligned16(a.s_gate) &&
             aligned16(a.s_gate_up) && aligned16(a.s_down);
+  pl.tail = pl.fold && !env_is("BARO_MOE_TAIL", "0") && moe_max_tiles(a, 1) <= row1_moe_route_max_tiles();
   return pl;
 }
 
@@ -607,6 +434,7 @@ static size_t moe_layout(const MoeArgs& a, char* base, MoeScratch* s) {
   t.sact = reinterpret_cast<uint16_t*>(take(sizeof(uint16_t) * m * a.Is));
   t.sout = reinterpret_cast<float*>(take(sizeof(float) * m * a.D));
   t.sgl = reinterpret_cast<float*>(take(sizeof(float) * m));
+  t.tail_cnt = pl.tail ? reinterpret_cast<uint32_t*>(take(sizeof(uint32_t) * moe_tail_counters(a))) : nullptr;
   if (s) *s = t;
   return off;
 }
@@ -682,13 +510,15 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     p.C = s.logits;
     p.ldc = E + 1;
     BARO_MOE_TRY(launch_gemm(p, GemmConfig::kRow1, 1, stream));
-    // 2-3. top-k and grouping, the shared expert's tile last
-    const auto route = E <= BARO_WARP * kTopkRegPerSmall ? moe_route_one_kernel<kTopkRegPerSmall>
-                                                         : moe_route_one_kernel<kTopkRegPer>;
-    route<<<1, BARO_WARP, 0, stream>>>(s.logits, s.ids, s.wts, static_cast<int>(E), a.top_k, bm, s.srow, s.inv,
-                                       s.tiles, s.n_tiles, max_tiles, a.slots, static_cast<int>(a.S), 0,
-                                       kSharedGroup);
-    BARO_MOE_TRY(gpuGetLastError());
+    // 2-3. top-k and grouping, the shared expert's tile last (tail: in the gate/up GEMM)
+    if (!pl.tail) {
+      const auto route = E <= BARO_WARP * kTopkRegPerSmall ? moe_route_one_kernel<kTopkRegPerSmall>
+                                                           : moe_route_one_kernel<kTopkRegPer>;
+      route<<<1, BARO_WARP, 0, stream>>>(s.logits, s.ids, s.wts, static_cast<int>(E), a.top_k, bm, s.srow,
+                                         s.inv, s.tiles, s.n_tiles, max_tiles, a.slots, static_cast<int>(a.S), 0,
+                                         kSharedGroup);
+      BARO_MOE_TRY(gpuGetLastError());
+    }
   } else {
   // 1. router logits [m, E]
   BARO_MOE_TRY(launch_matmul(a.h, a.router, s.logits, m, E, D, stream));
@@ -724,6 +554,25 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
       p.W_last = a.s_gate_up;
       p.last_group = kSharedGroup;
     }
+    if (pl.tail) {  // 2-3 in every warp of this GEMM (block 0 stores them for step 5)
+      Row1Moe& mo = p.moe;
+      mo.kind = Row1Moe::kRoute;
+      mo.logits = s.logits;
+      mo.E = static_cast<int>(E);
+      mo.k = a.top_k;
+      mo.fold_group = kSharedGroup;
+      mo.S = static_cast<int>(a.S);
+      mo.slots = a.slots;
+      mo.ids = s.ids;
+      mo.wts = s.wts;
+      mo.srow = s.srow;
+      mo.inv = s.inv;
+      mo.tiles = s.tiles;
+      mo.n_tiles = s.n_tiles;
+      mo.max_tiles = max_tiles;
+      mo.counters = s.tail_cnt;
+      mo.n_counters = static_cast<int>(moe_tail_counters(a));
+    }
     if (pl.fused) {
       p.Act = s.act;
       p.swiglu_I = I;
@@ -747,6 +596,21 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     if (pl.fold) {
       p.W_last = a.s_down;
       p.last_group = kSharedGroup;
+    }
+    if (pl.tail) {  // 7 as the last slot of each column unit lands
+      Row1Moe& mo = p.moe;
+      mo.kind = Row1Moe::kCombine;
+      mo.k = a.top_k;
+      mo.S = static_cast<int>(a.S);
+      mo.slots = a.slots;
+      mo.ids = s.ids;
+      mo.wts = s.wts;
+      mo.inv = s.inv;
+      mo.counters = s.tail_cnt;
+      mo.n_counters = static_cast<int>(moe_tail_counters(a));
+      mo.sout = s.ys + a.top_k * D;  // the shared expert is grouped row k
+      mo.sgl = s.logits + E;         // its gate logit after the router's
+      mo.out = a.out;
     }
     BARO_MOE_TRY(launch_gemm(p, pl.cfg, max_tiles, stream));
   }
@@ -784,7 +648,8 @@ gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream) {
   MoeScratch s;
   moe_layout(a, static_cast<char*>(scratch), &s);
   const MoePlan pl = moe_plan(a);
-  BARO_MOE_TRY(routed_experts(a, s, pl, stream));  // 1-5 (fold: and 6)
+  BARO_MOE_TRY(routed_experts(a, s, pl, stream));  // 1-5 (fold: and 6; tail: and 7)
+  if (pl.tail) return gpuSuccess;
   if (pl.fold)  // the shared expert's output is grouped row P, its gate logit after the router's
     return combine(a, s.ys, s.inv, s.wts, s.ys + a.top_k * a.D, s.logits + a.E, s.ids, stream);
   BARO_MOE_TRY(shared_expert(a, s, stream));  // 6

@@ -1606,7 +1606,7 @@ def test_moe_slots_not_resident(platform):
     else:
         got = np.asarray(J_MOE_SLOTS(*args, top_k=MO_K))
         assert np.all(np.isnan(got[1])), "a row with a missing expert must be NaN"
-        one = np.asarray(J_MOE_SLOTS(*put(platform, h[1:2]), *args[1:], top_k=MO_K))  # the one-token path
+        one = np.asarray(J_MOE_SLOTS(put(platform, h[1:2]), *args[1:], top_k=MO_K))  # the one-token path
         assert np.all(np.isnan(one)), "a one-token row with a missing expert must be NaN"
 
 

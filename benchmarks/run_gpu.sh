@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full longctx decode decode_knobs ncu_decode tier speed peer vs_peer agreement)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full ep1 longctx decode decode_knobs ncu_decode tier speed peer vs_peer agreement)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -42,6 +42,12 @@ PY
 stage_full() {
   python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks "${GATE_CHUNKS:-256,1024,2048,8192}" --prompts benchmarks/prompts/identity_gpu.jsonl \
     --max-context "${GATE_MAX_CONTEXT:-16384}" --json "$OUT/identity_qwen35_h200.json" 2>&1 | tail -40
+}
+# Expert parallel with N = 1 (issue 14): the sharded path (baro_moe_pairs per shard, the all-gather,
+# owner select, baro_moe_combine) through the identity gate at full size, batched == replay.
+stage_ep1() {
+  python benchmarks/identity.py --model qwen3.5-35b-a3b --devices 1 --chunks "${EP_CHUNKS:-1024,8192}" \
+    --prompts benchmarks/prompts/identity_gpu.jsonl --max-context 16384 --json "$OUT/identity_ep1_h200.json" 2>&1 | tail -6
 }
 # Long-context identity (issue 10): a 64k (then 128k) prompt, batched at the default chunk and 4096
 # vs replay, bytes of every state leaf, last logits, 32 greedy tokens; a replay that would end past

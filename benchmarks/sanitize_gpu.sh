@@ -68,7 +68,7 @@ def sh(cmd):
         return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=60).stdout.strip()
     except Exception as e:
         return f"unavailable: {e}"
-res = {"script": "benchmarks/sanitize_gpu.sh", "git": sh("git rev-parse HEAD"),
+res = {"script": "benchmarks/sanitize_gpu.sh", "git": os.environ.get("BARO_COMMIT") or sh("git rev-parse HEAD"),  # the device's git metadata can be stale
        "gpu": sh("nvidia-smi --query-gpu=name,driver_version --format=csv,noheader"),
        "sanitizer": sh(f"{os.environ.get('COMPUTE_SANITIZER', 'compute-sanitizer')} --version | tail -1"),
        "env": {k: v for k, v in os.environ.items() if k.startswith(("XLA_", "BARO_"))}, "tools": {}}

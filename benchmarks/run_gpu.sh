@@ -48,6 +48,13 @@ stage_full() {
 stage_ep1() {
   python benchmarks/identity.py --model qwen3.5-35b-a3b --devices 1 --chunks "${EP_CHUNKS:-1024,8192}" \
     --prompts benchmarks/prompts/identity_gpu.jsonl --max-context 16384 --json "$OUT/identity_ep1_h200.json" 2>&1 | tail -6
+  # speed beside the one-device engine, each identity-checked (EP_SPEED=0: the gate only)
+  [ "${EP_SPEED:-1}" = 1 ] && for arm in one ep1; do
+    local dv=(); [ "$arm" = ep1 ] && dv=(--devices 1)
+    timeout 200 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered ${dv[@]+"${dv[@]}"} \
+      --lengths "${EP_LENGTHS:-1024,8192}" --chunk auto --decode-tokens 32 --check-tail 32 \
+      --json "$OUT/speed_${arm}_device_h200.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3
+  done
 }
 # Long-context identity (issue 10): a 64k (then 128k) prompt, batched at the default chunk and 4096
 # vs replay, bytes of every state leaf, last logits, 32 greedy tokens; a replay that would end past

@@ -191,7 +191,7 @@ def ints(s: str) -> list[int]:
 
 def summarize(args, chunks, arms, peer, peer_run, timings, final, rows):
     s = {"model": args.model, "chunks": chunks, "arms": arms, "repeats": args.repeats,
-         "mode": args.mode, "device_budget_gb": args.device_budget_gb,
+         "mode": args.mode, "device_budget_gb": args.device_budget_gb, "devices": args.devices,
          "replay_max": args.replay_max, "check_prefix": args.check_prefix, "check_tail": args.check_tail,
          "identity_method": ("lengths <= replay_max: batch-ordered's last logits bytes == replay-ordered's "
                              "(whole prompt). Longer: prefix = batched prefill of ids[:check_prefix] vs replay "
@@ -231,6 +231,8 @@ def main(argv=None) -> int:
                     help="tier: routed experts in pinned host memory (batch-ordered arm only; decode through "
                          "the expert cache, its hit rate reported)")
     ap.add_argument("--device-budget-gb", type=float, default=None, help="tier mode: the device budget")
+    ap.add_argument("--devices", type=int, default=None,
+                    help="expert parallel over N devices (baro_jax.load(devices=N)) for the ordered arms")
     ap.add_argument("--replay-max", type=int, default=None,
                     help="time replay (and check against it) only at lengths <= this; above, prefix+tail checks "
                          f"(default {DEFAULTS['resident']['replay_max']}; tier mode "
@@ -268,6 +270,8 @@ def main(argv=None) -> int:
     lengths = ints(args.lengths)
     chunks = [c if c == "auto" else int(c) for c in (x.strip() for x in args.chunk.split(",")) if c]
     arms = [a for a in args.arms.split(",") if a]
+    if args.devices is not None and "batch-xla" in arms:
+        ap.error("--devices runs the ordered arms (expert parallel is an ordered-kernel path); drop batch-xla")
     if args.mode == "tier" and set(arms) - {"batch-ordered"}:
         ap.error("--mode tier runs the batch-ordered arm only (--arms batch-ordered)")
     bad = set(arms) - {"batch-ordered", "replay-ordered", "batch-xla"}
@@ -293,7 +297,8 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     if any(a.endswith("ordered") for a in arms):
         engines["ordered"] = baro_jax.load(args.model, backend="ordered", max_context=max_ctx, seed=args.seed,
-                                           mode=args.mode, device_budget_gb=args.device_budget_gb)
+                                           mode=args.mode, device_budget_gb=args.device_budget_gb,
+                                           devices=args.devices)
         jax.block_until_ready(engines["ordered"].params)
     if "batch-xla" in arms:
         base = engines.get("ordered")

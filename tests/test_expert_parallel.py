@@ -2,6 +2,7 @@
 devices gives the bytes of one device, batched and replay, states, logits and greedy tokens; the
 MoE lowers to the per-pair kernels with one all-gather of fp32 pair outputs and no reduction.
 Each N runs in a child process because XLA_FLAGS must be set before jax initialises."""
+import json
 import os
 import subprocess
 import sys
@@ -49,3 +50,19 @@ def test_budget_counts_a_device_share_of_the_experts():
     big = preset("qwen3-next-80b-a3b")  # 148 GiB of weights: 2 devices hold about 74 each
     with pytest.raises(MemoryError, match="per device over 2 devices"):
         budget.check_resident(big, jnp.bfloat16, 24.0, devices=2)
+
+
+def test_speed_bench_runs_the_expert_parallel_path(tmp_path, capsys):
+    """speed.py --devices N times the sharded engine (issue 14's speed row) and checks its identity;
+    the xla arm is refused with a message (expert parallel runs the ordered kernels)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import speed
+
+    out = tmp_path / "s.json"
+    rc = speed.main(["--model", "tiny", "--arms", "batch-ordered", "--devices", "1", "--lengths", "40",
+                     "--chunk", "16", "--decode-tokens", "4", "--check-tail", "8", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["summary"]["devices"] == 1 and res["summary"]["checks_pass"]
+    with pytest.raises(SystemExit):
+        speed.main(["--model", "tiny", "--arms", "batch-ordered,batch-xla", "--devices", "1", "--lengths", "40"])
+    assert "--devices runs the ordered arms" in capsys.readouterr().err

@@ -1225,9 +1225,11 @@ def test_moe_tiles(platform, m, D, I, monkeypatch):
 # grouping in one warp) against BARO_MOE_FOLD=0, the separate launches; E = 300 takes the
 # one-token route's 16-per-lane registers (E <= 256: 8 per lane). The fold's default (CUDA)
 # routes inside the gate/up GEMM and combines inside the down GEMM (3 launches); against
-# BARO_MOE_TAIL=0, the route and combine kernels.
-KNOBS_ONE_ROW = [{}, {"BARO_GEMM_ROW1": "off"}, {"BARO_MOE_FOLD": "0"}, {"BARO_MOE_TAIL": "0"}]
-KNOB_NAMES_ONE_ROW = ("BARO_GEMM_ROW1", "BARO_MOE_FOLD", "BARO_MOE_TAIL")
+# BARO_MOE_TAIL=0, the route and combine kernels; BARO_PDL=1 launches the fold's later kernels
+# as programmatic dependents (sm_90).
+KNOBS_ONE_ROW = [{}, {"BARO_GEMM_ROW1": "off"}, {"BARO_MOE_FOLD": "0"}, {"BARO_MOE_TAIL": "0"},
+                 {"BARO_PDL": "1"}, {"BARO_PDL": "1", "BARO_MOE_TAIL": "0"}]
+KNOB_NAMES_ONE_ROW = ("BARO_GEMM_ROW1", "BARO_MOE_FOLD", "BARO_MOE_TAIL", "BARO_PDL")
 
 
 @pytest.mark.parametrize("E,D,I,Is,k", [(8, 256, 80, 48, 2), (256, 256, 80, 40, 8), (8, 256, 64, 64, 3),
@@ -1447,7 +1449,8 @@ def test_vs_ops_xla(platform, op):
 # The decode tile (m <= 16 rows of one kv group) runs two copies of its warp pair on CUDA, each
 # accumulating P V for its half of the pair's head dims from the same S, maxima and sums
 # (BARO_ATTN_DUP=1: one copy): the same bytes, for the compiled-in head dim (256) and a run-time
-# one (64), inside the first split and past several, with a padded row (n_valid < m).
+# one (64), inside the first split and past several, with a padded row (n_valid < m); and with
+# the split kernel and merge launched as programmatic dependents (BARO_PDL=1).
 @pytest.mark.parametrize("hd", [64, 256])
 def test_attention_decode_copies_same_bytes(platform, hd, monkeypatch):
     if platform.platform == "cpu":
@@ -1463,16 +1466,19 @@ def test_attention_decode_copies_same_bytes(platform, hd, monkeypatch):
         kc, vc = bf16(rng, S, Hkv, hd), bf16(rng, S, Hkv, hd)
         for pos in (0, 700, 2500):
             got = {}
-            for knob in ("0", "1"):
-                monkeypatch.setenv("BARO_ATTN_DUP", knob)
+            for knob in ("0", "1", "pdl"):  # pdl: two copies, the split kernel and merge as dependent launches
+                monkeypatch.setenv("BARO_ATTN_DUP", "0" if knob == "pdl" else knob)
+                monkeypatch.setenv("BARO_PDL", "1" if knob == "pdl" else "0")
                 poison(platform, (m, H * hd), jnp.bfloat16)
                 f = jax.jit(lambda *a: cc.attention(*a))  # a fresh jit: the launcher reads the knob
                 o, k2, v2 = f(*put(platform, qkv, qn, kn, cos, sin, kc, vc), np.int32(pos), np.int32(nv))
                 got[knob] = [np.asarray(x) for x in (o, k2, v2)]
             assert np.all(np.isfinite(np.asarray(got["0"][0], np.float32))), f"hd={hd} m={m} pos={pos}"
-            for a, b, what in zip(got["0"], got["1"], ("out", "k_cache", "v_cache")):
-                assert_same_bits(a, b, f"attention hd={hd} m={m} n_valid={nv} pos={pos} {what}: two copies vs one")
+            for other, name in (("1", "two copies vs one"), ("pdl", "BARO_PDL=1 vs plain launches")):
+                for a, b, what in zip(got["0"], got[other], ("out", "k_cache", "v_cache")):
+                    assert_same_bits(a, b, f"attention hd={hd} m={m} n_valid={nv} pos={pos} {what}: {name}")
     monkeypatch.delenv("BARO_ATTN_DUP", raising=False)
+    monkeypatch.delenv("BARO_PDL", raising=False)
 
 
 # ---------------------------------------------------------------------------

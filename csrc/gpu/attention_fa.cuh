@@ -386,6 +386,7 @@ __global__ void __launch_bounds__(kPairs * 2 * kDup * BARO_WARP, 1)
   constexpr int kWarps = 2 * kPairs * kDup;
   constexpr int kThreads = kWarps * BARO_WARP;
   extern __shared__ uint4 fa_smem4[];
+  grid_dependency_wait();  // launch_dependent: the cache write first
   char* smem = reinterpret_cast<char*>(fa_smem4);
   const int hd = kHd > 0 ? kHd : a.hd;
   const FaSmem L = fa_smem(hd, kPairs);
@@ -626,6 +627,7 @@ static_assert(kAttnMaxHeadDim % (BARO_WARP * kFaCombineSlices) == 0, "whole lane
 __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
     attn_fa_combine_kernel(AttentionArgs a, const float* __restrict__ part_o,
                            const float* __restrict__ part_ml, int max_splits, int64_t rows_pad) {
+  grid_dependency_wait();  // launch_dependent: the splits' partials first
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kFaCombineWarps + warp_id();
   if (item >= a.m * a.H * kFaCombineSlices) return;
   const int slice = static_cast<int>(item % kFaCombineSlices);
@@ -738,9 +740,8 @@ gpuError_t fa_launch_one_hd(const AttentionArgs& a, dim3 grid, float* part_o, fl
                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem));
   if (e != gpuSuccess) return e;
-  attn_fa_kernel<kPairs, kParallel, kHd, kDup><<<grid, kPairs * 2 * kDup * BARO_WARP, smem, stream>>>(
-      a, part_o, part_ml, max_splits, rows_pad);
-  return gpuGetLastError();
+  return launch_dependent(attn_fa_kernel<kPairs, kParallel, kHd, kDup>, grid, dim3(kPairs * 2 * kDup * BARO_WARP),
+                          smem, stream, a, part_o, part_ml, max_splits, rows_pad);  // after the cache write
 }
 
 // The decode tile (one pair, one block per kv head and split: a few blocks per GPU at short
@@ -789,9 +790,8 @@ inline gpuError_t fa_launch(const AttentionArgs& a, void* scratch, gpuStream_t s
                      : fa_launch_one<kFaBigPairs, true>(a, grid, part_o, part_ml, ms, p.rows_pad, stream);
   if (e != gpuSuccess) return e;
   const int64_t blocks3 = (a.m * a.H * kFaCombineSlices + kFaCombineWarps - 1) / kFaCombineWarps;
-  attn_fa_combine_kernel<<<static_cast<unsigned>(blocks3), kFaCombineWarps * BARO_WARP, 0, stream>>>(
-      a, part_o, part_ml, ms, p.rows_pad);
-  return gpuGetLastError();
+  return launch_dependent(attn_fa_combine_kernel, dim3(static_cast<unsigned>(blocks3)),
+                          dim3(kFaCombineWarps * BARO_WARP), 0, stream, a, part_o, part_ml, ms, p.rows_pad);
 }
 
 }  // namespace baro_gpu

@@ -84,6 +84,7 @@ struct GemmParams {
   const uint16_t* W_last = nullptr;
   int64_t last_group = -1;
   Row1Moe moe;  // gemm_row1 only
+  int pdl = 0;  // gemm_row1 only: launch_dependent (not the first kernel of its handler)
   // Filled by launch_gemm:
   int slot_rows = 0;  // rows per plain-matmul slot / max rows per grouped tile
   int vec = 0;        // 16-byte global loads allowed

@@ -119,6 +119,7 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
   constexpr int T = Cfg::kTiles;
   static_assert(MOE == Row1Moe::kNone || (MOE == Row1Moe::kRoute) == SWIGLU, "route on gate/up, combine on down");
   extern __shared__ __align__(128) uint8_t row1_smem[];
+  grid_dependency_wait();  // p.pdl launches: the previous kernel's results first
 
   const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;

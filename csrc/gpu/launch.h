@@ -22,6 +22,34 @@ inline bool env_is(const char* name, const char* value) {
   return s != nullptr && !std::strcmp(s, value);
 }
 
+// kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch on sm_90
+// (portability.h grid_dependency_wait; the kernel must call it first): for the second and later
+// kernels of one handler, whose launch latency then overlaps the previous kernel's drain.
+// Opt-in, BARO_PDL=1 (read per call), until its speed is measured; otherwise, and on HIP and
+// GPUs before sm_90, a plain launch.
+bool pdl_enabled();
+template <typename... K, typename... A>
+gpuError_t launch_dependent(void (*kernel)(K...), dim3 grid, dim3 block, size_t smem, gpuStream_t stream,
+                            A&&... args) {
+#if !BARO_HIP
+  if (pdl_enabled()) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kernel, static_cast<A&&>(args)...);
+  }
+#endif
+  kernel<<<grid, block, smem, stream>>>(static_cast<A&&>(args)...);
+  return gpuGetLastError();
+}
+
 // ---- GEMM (matmul.cu) ----
 // kSmall 16 x 32 and kLarge 64 x 64: the simple synchronous kernel (decode,
 // no 16-byte loads, HIP). kPipe64 64 x 128 and kPipe128 128 x 128: the

@@ -62,6 +62,23 @@ static bool row1_enabled() {
 #endif
 }
 
+bool pdl_enabled() {
+#if BARO_HIP
+  return false;
+#else
+  if (!env_is("BARO_PDL", "1")) return false;  // opt-in until measured on the H200
+  static std::atomic<int> major[64];  // compute capability per device, 0: not read yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  int v = major[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+    major[dev].store(v, std::memory_order_relaxed);
+  }
+  return v >= 9;
+#endif
+}
+
 static int sm_count() {
 #if BARO_HIP
   return 0;  // unused on HIP
@@ -194,6 +211,9 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
   static std::atomic<uint64_t> smem_done{0};
   gpuError_t e = allow_smem(gemm_row1_kernel<SWIGLU, NT, MOE>, 233472 - 1024, smem_done);  // any bps
   if (e != gpuSuccess) return e;
+  if (p.pdl)
+    return launch_dependent(gemm_row1_kernel<SWIGLU, NT, MOE>, dim3(static_cast<unsigned>(grid)), dim3(BARO_WARP),
+                            static_cast<size_t>(smem), stream, p, row_slots, ring);
   gemm_row1_kernel<SWIGLU, NT, MOE><<<static_cast<unsigned>(grid), BARO_WARP, smem, stream>>>(p, row_slots, ring);
   return gpuGetLastError();
 }

@@ -222,6 +222,7 @@ __global__ void __launch_bounds__(BARO_WARP)
                          int E, int k, int bm, int32_t* __restrict__ srow, int32_t* __restrict__ inv,
                          int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles, int64_t max_tiles,
                          const int32_t* __restrict__ slots, int S, int skip, int fold_group) {
+  grid_dependency_wait();  // launch_dependent after the router GEMM
   route_one_row<kPer>(probs, ids, wts, E, k, bm, srow, inv, tiles, n_tiles, max_tiles, slots, S, skip, fold_group);
 }
 
@@ -251,6 +252,7 @@ __global__ void __launch_bounds__(kElemThreads)
                        const float* __restrict__ sgl, float* __restrict__ out, int64_t m,
                        int64_t D, int k, const int32_t* __restrict__ ids,
                        const int32_t* __restrict__ slots, int S) {
+  grid_dependency_wait();  // launch_dependent in the one-token fold
   const int64_t DV = D / V;
   const int64_t total = m * DV;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kElemThreads + threadIdx.x; idx < total;
@@ -514,10 +516,9 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     if (!pl.tail) {
       const auto route = E <= BARO_WARP * kTopkRegPerSmall ? moe_route_one_kernel<kTopkRegPerSmall>
                                                            : moe_route_one_kernel<kTopkRegPer>;
-      route<<<1, BARO_WARP, 0, stream>>>(s.logits, s.ids, s.wts, static_cast<int>(E), a.top_k, bm, s.srow,
-                                         s.inv, s.tiles, s.n_tiles, max_tiles, a.slots, static_cast<int>(a.S), 0,
-                                         kSharedGroup);
-      BARO_MOE_TRY(gpuGetLastError());
+      BARO_MOE_TRY(launch_dependent(route, dim3(1), dim3(BARO_WARP), 0, stream, s.logits, s.ids, s.wts,
+                                    static_cast<int>(E), a.top_k, bm, s.srow, s.inv, s.tiles, s.n_tiles, max_tiles,
+                                    a.slots, static_cast<int>(a.S), 0, kSharedGroup));
     }
   } else {
   // 1. router logits [m, E]
@@ -553,6 +554,7 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     if (pl.fold) {  // the shared expert's gate/up rows for the last tile
       p.W_last = a.s_gate_up;
       p.last_group = kSharedGroup;
+      p.pdl = 1;  // after the router GEMM (and the route kernel)
     }
     if (pl.tail) {  // 2-3 in every warp of this GEMM (block 0 stores them for step 5)
       Row1Moe& mo = p.moe;
@@ -596,6 +598,7 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     if (pl.fold) {
       p.W_last = a.s_down;
       p.last_group = kSharedGroup;
+      p.pdl = 1;
     }
     if (pl.tail) {  // 7 as the last slot of each column unit lands
       Row1Moe& mo = p.moe;
@@ -623,14 +626,12 @@ static gpuError_t combine(const MoeArgs& a, const float* ys, const int32_t* inv,
                           const float* sout, const float* sgl, const int32_t* ids, gpuStream_t stream) {
   const int64_t m = a.m, D = a.D;
   const bool v4 = D % 4 == 0 && aligned16(a.out) && aligned16(ys);
-  if (v4) {
-    moe_combine_kernel<4><<<elem_blocks(m * D / 4), kElemThreads, 0, stream>>>(
-        ys, inv, wts, sout, sgl, a.out, m, D, a.top_k, ids, a.slots, static_cast<int>(a.S));
-  } else {
-    moe_combine_kernel<1><<<elem_blocks(m * D), kElemThreads, 0, stream>>>(
-        ys, inv, wts, sout, sgl, a.out, m, D, a.top_k, ids, a.slots, static_cast<int>(a.S));
-  }
-  return gpuGetLastError();
+  // always after the kernels that made ys in this handler
+  if (v4)
+    return launch_dependent(moe_combine_kernel<4>, dim3(elem_blocks(m * D / 4)), dim3(kElemThreads), 0, stream, ys,
+                            inv, wts, sout, sgl, a.out, m, D, a.top_k, ids, a.slots, static_cast<int>(a.S));
+  return launch_dependent(moe_combine_kernel<1>, dim3(elem_blocks(m * D)), dim3(kElemThreads), 0, stream, ys, inv,
+                          wts, sout, sgl, a.out, m, D, a.top_k, ids, a.slots, static_cast<int>(a.S));
 }
 
 // Step 6: the shared expert's output sout [m, D] and its gate logit sgl [m].

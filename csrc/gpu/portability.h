@@ -86,6 +86,18 @@ BARO_DEV int shfl_idx(int v, int src) {
 #endif
 }
 
+// Programmatic dependent launch (sm_90): a kernel enqueued by launch_dependent (launch.h) may
+// be scheduled while the kernel before it on the stream is still draining; grid_dependency_wait
+// holds it until that kernel has completed and its memory is visible. The kernels that may be
+// launched so call it first, before any memory access, so only the launch latency overlaps and
+// the arithmetic is the same as a plain launch's. A plain launch returns from it at once; HIP
+// and sm_80 compile it to nothing.
+BARO_DEV void grid_dependency_wait() {
+#if !BARO_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // Orders shared-memory accesses among the lanes of one warp. AMD wavefronts
 // execute in lockstep, so only CUDA (independent thread scheduling) needs it.
 BARO_DEV void warp_sync() {

@@ -104,12 +104,13 @@ stage_decode() {
 }
 # Decode knobs (issue 10), speed only, one speed.py per setting at KNOBS_LENGTH (1024) context,
 # each identity-checked: the baseline, then each of KNOBS (default: BARO_MOE_TAIL=0, the
-# one-token MoE's route and combine as their own kernels; BARO_PDL=1, the later kernels of a
+# one-token MoE's route and combine as their own kernels; BARO_MOE_TAIL=combine, the route
+# kernel and the combine inside the down GEMM; BARO_PDL=1, the later kernels of a
 # handler as programmatic dependent launches). BARO_DELTA_COLS=16 (twice the delta blocks)
 # measured the same as the baseline (255.8 tok/s at 1k, f3ee9ae).
 stage_decode_knobs() {
   local n=0
-  for knob in "" ${KNOBS:-BARO_MOE_TAIL=0 BARO_PDL=1}; do
+  for knob in "" ${KNOBS:-BARO_MOE_TAIL=0 BARO_MOE_TAIL=combine BARO_PDL=1}; do
     echo "--- knobs: ${knob:-none}"
     env $knob timeout 120 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
       --lengths "${KNOBS_LENGTH:-1024}" --chunk auto --decode-tokens 64 --check-tail 32 \

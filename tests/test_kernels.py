@@ -1225,10 +1225,12 @@ def test_moe_tiles(platform, m, D, I, monkeypatch):
 # grouping in one warp) against BARO_MOE_FOLD=0, the separate launches; E = 300 takes the
 # one-token route's 16-per-lane registers (E <= 256: 8 per lane). The fold's default (CUDA)
 # routes inside the gate/up GEMM and combines inside the down GEMM (3 launches); against
-# BARO_MOE_TAIL=0, the route and combine kernels; BARO_PDL=1 launches the fold's later kernels
+# BARO_MOE_TAIL=0, the route and combine kernels (=combine: the route kernel, the combine inside
+# the down GEMM); BARO_PDL=1 launches the fold's later kernels
 # as programmatic dependents (sm_90).
 KNOBS_ONE_ROW = [{}, {"BARO_GEMM_ROW1": "off"}, {"BARO_MOE_FOLD": "0"}, {"BARO_MOE_TAIL": "0"},
-                 {"BARO_PDL": "1"}, {"BARO_PDL": "1", "BARO_MOE_TAIL": "0"}]
+                 {"BARO_MOE_TAIL": "combine"}, {"BARO_PDL": "1"}, {"BARO_PDL": "1", "BARO_MOE_TAIL": "0"},
+                 {"BARO_PDL": "1", "BARO_MOE_TAIL": "combine"}]
 KNOB_NAMES_ONE_ROW = ("BARO_GEMM_ROW1", "BARO_MOE_FOLD", "BARO_MOE_TAIL", "BARO_PDL")
 
 
@@ -1549,7 +1551,7 @@ def test_moe_slots_one_token_fold(platform, monkeypatch):
             set_knobs(monkeypatch, knobs)
             want[name] = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(
                 *put(platform, h, router, gu, down, sgu, sdown, sgate)))
-        for name in ("fold", "fold, BARO_MOE_TAIL=0"):
+        for name in ("fold", "fold, BARO_MOE_TAIL=0", "fold, BARO_MOE_TAIL=combine"):
             assert_same_bits(want[name], want["BARO_MOE_FOLD=0"], f"moe one token row {row}: {name} vs BARO_MOE_FOLD=0")
         ids = np.asarray(J_ROUTE(*put(platform, h, router), top_k=k))
         for S in (k, E + 3):
@@ -1572,6 +1574,7 @@ def test_moe_slots_one_token_fold(platform, monkeypatch):
 
 
 SLOT_FOLD_ARMS = [("fold", {}), ("fold, BARO_MOE_TAIL=0", {"BARO_MOE_TAIL": "0"}),
+                  ("fold, BARO_MOE_TAIL=combine", {"BARO_MOE_TAIL": "combine"}),
                   ("BARO_MOE_FOLD=0", {"BARO_MOE_FOLD": "0"})]
 
 

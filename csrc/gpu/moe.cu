@@ -221,9 +221,11 @@ __global__ void __launch_bounds__(BARO_WARP)
     moe_route_one_kernel(float* __restrict__ probs, int32_t* __restrict__ ids, float* __restrict__ wts,
                          int E, int k, int bm, int32_t* __restrict__ srow, int32_t* __restrict__ inv,
                          int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles, int64_t max_tiles,
-                         const int32_t* __restrict__ slots, int S, int skip, int fold_group) {
+                         const int32_t* __restrict__ slots, int S, int skip, int fold_group,
+                         uint32_t* __restrict__ counters = nullptr, int n_counters = 0) {
   grid_dependency_wait();  // launch_dependent after the router GEMM
   route_one_row<kPer>(probs, ids, wts, E, k, bm, srow, inv, tiles, n_tiles, max_tiles, slots, S, skip, fold_group);
+  for (int i = lane_id(); i < n_counters; i += BARO_WARP) counters[i] = 0u;  // the down GEMM's combine
 }
 
 // act[s][n] = bf16(silu(gu[s][n]) * gu[s][I + n])
@@ -359,12 +361,16 @@ static int64_t moe_chunks(const MoeArgs& a) {
 // tail (fold, CUDA): the route runs inside the gate/up GEMM (every warp routes for itself)
 // and the combine inside the down GEMM (the warp finishing a column unit's last slot):
 // 3 launches, same bits (route_one_row and the combine's expressions are moe_route_one_kernel's
-// and moe_combine_kernel's; the kernel tests compare). BARO_MOE_TAIL=0: the 5 launches.
+// and moe_combine_kernel's; the kernel tests compare). BARO_MOE_TAIL=0: the 5 launches;
+// BARO_MOE_TAIL=combine: 4, the route kernel (which zeroes the counters) and the combine inside
+// the down GEMM (on the H200 the per-warp route cost the gate/up GEMM ~6 us, the route kernel
+// 4.6 us plus a gap: NOTES.md).
 struct MoePlan {
   GemmConfig cfg;
   bool fused;
   bool fold;
-  bool tail;
+  bool tail;        // the combine inside the down GEMM
+  bool tail_route;  // and the route inside the gate/up GEMM
 };
 constexpr int32_t kSharedGroup = -2;  // the tile group of the folded shared expert (GemmParams::last_group)
 
@@ -406,6 +412,7 @@ static MoePlan moe_plan(const MoeArgs& a) {
             gemm_row1_runs(gu) && gemm_row1_runs(down) && aligned16(a.router) && aligned16(a.s_gate) &&
             aligned16(a.s_gate_up) && aligned16(a.s_down);
   pl.tail = pl.fold && !env_is("BARO_MOE_TAIL", "0") && moe_max_tiles(a, 1) <= row1_moe_route_max_tiles();
+  pl.tail_route = pl.tail && !env_is("BARO_MOE_TAIL", "combine");
   return pl;
 }
 
@@ -513,12 +520,13 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     p.ldc = E + 1;
     BARO_MOE_TRY(launch_gemm(p, GemmConfig::kRow1, 1, stream));
     // 2-3. top-k and grouping, the shared expert's tile last (tail: in the gate/up GEMM)
-    if (!pl.tail) {
+    if (!pl.tail_route) {
       const auto route = E <= BARO_WARP * kTopkRegPerSmall ? moe_route_one_kernel<kTopkRegPerSmall>
                                                            : moe_route_one_kernel<kTopkRegPer>;
       BARO_MOE_TRY(launch_dependent(route, dim3(1), dim3(BARO_WARP), 0, stream, s.logits, s.ids, s.wts,
                                     static_cast<int>(E), a.top_k, bm, s.srow, s.inv, s.tiles, s.n_tiles, max_tiles,
-                                    a.slots, static_cast<int>(a.S), 0, kSharedGroup));
+                                    a.slots, static_cast<int>(a.S), 0, kSharedGroup, s.tail_cnt,
+                                    pl.tail ? static_cast<int>(moe_tail_counters(a)) : 0));
     }
   } else {
   // 1. router logits [m, E]
@@ -556,7 +564,7 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
       p.last_group = kSharedGroup;
       p.pdl = 1;  // after the router GEMM (and the route kernel)
     }
-    if (pl.tail) {  // 2-3 in every warp of this GEMM (block 0 stores them for step 5)
+    if (pl.tail_route) {  // 2-3 in every warp of this GEMM (block 0 stores them for step 5)
       Row1Moe& mo = p.moe;
       mo.kind = Row1Moe::kRoute;
       mo.logits = s.logits;

@@ -1234,6 +1234,14 @@ KNOBS_ONE_ROW = [{}, {"BARO_GEMM_ROW1": "off"}, {"BARO_MOE_FOLD": "0"}, {"BARO_M
 KNOB_NAMES_ONE_ROW = ("BARO_GEMM_ROW1", "BARO_MOE_FOLD", "BARO_MOE_TAIL", "BARO_PDL")
 
 
+def set_knobs(monkeypatch, knobs):
+    """Exactly `knobs` of the one-token MoE's knobs set (the others unset)."""
+    for kn in KNOB_NAMES_ONE_ROW:
+        monkeypatch.delenv(kn, raising=False)
+    for kn, v in knobs.items():
+        monkeypatch.setenv(kn, v)
+
+
 @pytest.mark.parametrize("E,D,I,Is,k", [(8, 256, 80, 48, 2), (256, 256, 80, 40, 8), (8, 256, 64, 64, 3),
                                         (256, 256, 80, 80, 8), (300, 256, 80, 80, 8)])
 def test_moe_row1(platform, E, D, I, Is, k, monkeypatch):
@@ -1243,16 +1251,12 @@ def test_moe_row1(platform, E, D, I, Is, k, monkeypatch):
     full = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h), *wd))
     for i in (0, 8):
         for knobs in KNOBS_ONE_ROW:
-            for kn in KNOB_NAMES_ONE_ROW:
-                monkeypatch.delenv(kn, raising=False)
-            for kn, v in knobs.items():
-                monkeypatch.setenv(kn, v)
+            set_knobs(monkeypatch, knobs)
             poison(platform, (1, D))  # a fresh jit: the launcher reads the knob when the graph is built
             one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h[i:i + 1]), *wd))
             assert np.all(np.isfinite(one)), f"moe E={E} one row left elements unwritten ({knobs})"
             assert_same_bits(one[0], full[i], f"moe E={E} D={D} I={I} Is={Is} row {i} one-row call ({knobs})")
-    for kn in KNOB_NAMES_ONE_ROW:
-        monkeypatch.delenv(kn, raising=False)
+    set_knobs(monkeypatch, {})
 
 
 # Calls of <= 16 rows (decode) go through the _small ops (their GPU scratch is a result
@@ -1576,13 +1580,6 @@ def test_moe_slots_one_token_fold(platform, monkeypatch):
 SLOT_FOLD_ARMS = [("fold", {}), ("fold, BARO_MOE_TAIL=0", {"BARO_MOE_TAIL": "0"}),
                   ("fold, BARO_MOE_TAIL=combine", {"BARO_MOE_TAIL": "combine"}),
                   ("BARO_MOE_FOLD=0", {"BARO_MOE_FOLD": "0"})]
-
-
-def set_knobs(monkeypatch, knobs):
-    for kn in KNOB_NAMES_ONE_ROW:
-        monkeypatch.delenv(kn, raising=False)
-    for kn, v in knobs.items():
-        monkeypatch.setenv(kn, v)
 
 
 def test_moe_route_is_moes_routing(platform):

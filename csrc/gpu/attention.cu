@@ -54,23 +54,23 @@ constexpr int kKvWarps = 4;                   // (row, kv head) items per block 
 constexpr int kAttnSplitBlocks = 8;
 constexpr int64_t kAttnSplit = kAttnKB * kAttnSplitBlocks;  // 512 positions
 
-// Element d of the head-RMSNormed (fp32, (x*r)*(1+w)) and rotated vector;
-// rotate-half pairs (j, j+R2) for j < R2, computed as written (no fusion).
+// Element d of the head-RMSNormed (fp32, (x*r)*(1+w)) and rotated vector, from its own x and
+// w (xd, wd), its rotate-half partner's (xp, wp: element d + R2 for d < R2, d - R2 for
+// d < 2 R2) and the pair's cos / sin (c, s at j = d mod R2); computed as written (no fusion).
+BARO_DEV float norm_rope_vals(float xd, float wd, float xp, float wp, float c, float s, float r, int R2, int d) {
+  const float own = (xd * r) * (1.0f + wd);
+  if (d >= 2 * R2) return own;
+  const float partner = (xp * r) * (1.0f + wp);
+  return d < R2 ? own * c - partner * s : own * c + partner * s;
+}
+// The same from the head's rows in memory.
+BARO_DEV int norm_rope_partner(int d, int R2) { return d < R2 ? d + R2 : (d < 2 * R2 ? d - R2 : d); }
 BARO_DEV float norm_rope_elem(const float* __restrict__ x, const float* __restrict__ w, float r,
                               const float* __restrict__ c, const float* __restrict__ s, int R2,
                               int d) {
-  if (d < R2) {
-    const float a = (x[d] * r) * (1.0f + w[d]);
-    const float b = (x[d + R2] * r) * (1.0f + w[d + R2]);
-    return a * c[d] - b * s[d];
-  }
-  if (d < 2 * R2) {
-    const int j = d - R2;
-    const float a = (x[j] * r) * (1.0f + w[j]);
-    const float b = (x[d] * r) * (1.0f + w[d]);
-    return b * c[j] + a * s[j];
-  }
-  return (x[d] * r) * (1.0f + w[d]);
+  const int pd = norm_rope_partner(d, R2), j = d < R2 ? d : d - R2;
+  const bool rot = d < 2 * R2;
+  return norm_rope_vals(x[d], w[d], x[pd], w[pd], rot ? c[j] : 0.0f, rot ? s[j] : 0.0f, r, R2, d);
 }
 
 BARO_DEV int64_t clamp_nvalid(const int32_t* p, int64_t m) {
@@ -81,8 +81,8 @@ BARO_DEV int64_t clamp_nvalid(const int32_t* p, int64_t m) {
 // ---- kernel 1: k/v -> cache rows pos+i (i < n_valid), one warp per (i, kv head) ----
 // A decode call is 2 warps of dependent latencies, so every load is issued first, unguarded
 // by the row checks (row i < m exists), and the element arithmetic runs on registers:
-// norm_rope_elem's expressions on the same values, and warp_sumsq's fmaf order (ascending d
-// per lane, then the butterfly), so the bytes are the same. With loads inside the checks
+// norm_rope_vals on the same values, and warp_sumsq's fmaf order (ascending d per lane, then
+// the butterfly), so the bytes are the same. With loads inside the checks
 // and the per-element branches a call took 5.9 us (7.6 under ncu) for 2 KB of stores.
 __global__ void __launch_bounds__(kKvWarps * BARO_WARP) attn_kv_write_kernel(AttentionArgs a) {
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kKvWarps + warp_id();
@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kKvWarps * BARO_WARP) attn_kv_write_kernel(Att
   for (int t = 0; t < kPer; ++t) {
     const int d = lane + BARO_WARP * t;
     const bool live = d < hd, rot = live && d < 2 * R2;
-    const int pd = d < R2 ? d + R2 : (d < 2 * R2 ? d - R2 : d);
+    const int pd = norm_rope_partner(d, R2);
     const int j = d < R2 ? d : d - R2;
     xd[t] = live ? xk[d] : 0.0f;
     wd[t] = live ? a.k_norm[d] : 0.0f;
@@ -130,19 +130,7 @@ __global__ void __launch_bounds__(kKvWarps * BARO_WARP) attn_kv_write_kernel(Att
   for (int t = 0; t < kPer; ++t) {
     const int d = lane + BARO_WARP * t;
     if (d >= hd) continue;
-    float k;
-    if (d < R2) {
-      const float a0 = (xd[t] * r) * (1.0f + wd[t]);
-      const float b0 = (xp[t] * r) * (1.0f + wp[t]);
-      k = a0 * cs[t] - b0 * sn[t];
-    } else if (d < 2 * R2) {
-      const float a0 = (xp[t] * r) * (1.0f + wp[t]);
-      const float b0 = (xd[t] * r) * (1.0f + wd[t]);
-      k = b0 * cs[t] + a0 * sn[t];
-    } else {
-      k = (xd[t] * r) * (1.0f + wd[t]);
-    }
-    kd[d] = f32_to_bf16(k);
+    kd[d] = f32_to_bf16(norm_rope_vals(xd[t], wd[t], xp[t], wp[t], cs[t], sn[t], r, R2, d));
     vd[d] = f32_to_bf16(vv[t]);
   }
 }

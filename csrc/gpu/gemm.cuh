@@ -162,20 +162,24 @@ struct GemmShape {
 };
 
 // Which rows / group a slot owns; false when the slot is empty.
-BARO_DEV bool gemm_slot(const GemmParams& p, int64_t slot, int64_t& group, int64_t& r0,
-                        int64_t& rc) {
+// tiles / n_tiles: p's, or a copy of them elsewhere (gemm_row1's route in shared memory).
+BARO_DEV bool gemm_slot(const GemmParams& p, const int32_t* tiles, const int32_t* n_tiles, int64_t slot,
+                        int64_t& group, int64_t& r0, int64_t& rc) {
   group = 0;
-  if (p.tiles != nullptr) {
-    if (slot >= static_cast<int64_t>(*p.n_tiles)) return false;
-    group = p.tiles[3 * slot + 0];
-    r0 = p.tiles[3 * slot + 1];
-    rc = p.tiles[3 * slot + 2];
+  if (tiles != nullptr) {
+    if (slot >= static_cast<int64_t>(*n_tiles)) return false;
+    group = tiles[3 * slot + 0];
+    r0 = tiles[3 * slot + 1];
+    rc = tiles[3 * slot + 2];
   } else {
     r0 = slot * p.slot_rows;
     rc = p.M - r0;
   }
   if (rc > p.slot_rows) rc = p.slot_rows;
   return rc > 0;
+}
+BARO_DEV bool gemm_slot(const GemmParams& p, int64_t slot, int64_t& group, int64_t& r0, int64_t& rc) {
+  return gemm_slot(p, p.tiles, p.n_tiles, slot, group, r0, rc);
 }
 
 // A slot may hold more rows than BM (a grouped tile sized for a larger

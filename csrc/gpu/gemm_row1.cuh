@@ -197,12 +197,8 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
     const int64_t slot = u / ups;
     r.cu = u - slot * ups;
     r.c0 = r.cu * Cfg::kOutCols;
-    // gemm_slot's (group, r0) of slot < slots with slot_rows == 1 (one row per tile)
-    int64_t group = 0, r0 = slot;
-    if (tiles != nullptr) {
-      group = tiles[3 * slot + 0];
-      r0 = tiles[3 * slot + 1];
-    }
+    int64_t group = 0, r0 = 0, rc = 0;
+    gemm_slot(p, tiles, n_tiles, slot, group, r0, rc);  // rc == 1: slot < slots, slot_rows == 1
     const int64_t ar = a_rows != nullptr ? static_cast<int64_t>(a_rows[r0]) : r0;
     r.a = p.A + ar * p.lda;
     r.w = p.W_last != nullptr && group == p.last_group ? p.W_last : p.W + group * p.w_group_stride;

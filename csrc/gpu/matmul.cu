@@ -62,20 +62,30 @@ static bool row1_enabled() {
 #endif
 }
 
+#if !BARO_HIP
+// The current device's attribute, read once per device (64 of them) into `cache`; `fallback`
+// when it cannot be read or is not positive.
+static int device_attr(cudaDeviceAttr attr, std::atomic<int> (&cache)[64], int fallback) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return fallback;
+  if (dev >= 0 && dev < 64) {
+    const int v = cache[dev].load(std::memory_order_relaxed);
+    if (v > 0) return v;
+  }
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, attr, dev) != cudaSuccess || n <= 0) return fallback;
+  if (dev >= 0 && dev < 64) cache[dev].store(n, std::memory_order_relaxed);
+  return n;
+}
+#endif
+
 bool pdl_enabled() {
 #if BARO_HIP
   return false;
 #else
   if (!env_is("BARO_PDL", "1")) return false;  // opt-in until measured on the H200
-  static std::atomic<int> major[64];  // compute capability per device, 0: not read yet
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  int v = major[dev].load(std::memory_order_relaxed);
-  if (v == 0) {
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
-    major[dev].store(v, std::memory_order_relaxed);
-  }
-  return v >= 9;
+  static std::atomic<int> major[64];
+  return device_attr(cudaDevAttrComputeCapabilityMajor, major, 0) >= 9;
 #endif
 }
 
@@ -83,18 +93,8 @@ static int sm_count() {
 #if BARO_HIP
   return 0;  // unused on HIP
 #else
-  static std::atomic<int> cache[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 132;
-  if (dev >= 0 && dev < 64) {
-    int v = cache[dev].load(std::memory_order_relaxed);
-    if (v > 0) return v;
-  }
-  int n = 0;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0)
-    n = 132;
-  if (dev >= 0 && dev < 64) cache[dev].store(n, std::memory_order_relaxed);
-  return n;
+  static std::atomic<int> count[64];
+  return device_attr(cudaDevAttrMultiProcessorCount, count, 132);
 #endif
 }
 

@@ -340,6 +340,22 @@ struct MoeScratch {
 // One counter per 8 output columns of the down GEMM (its smallest column unit).
 static int64_t moe_tail_counters(const MoeArgs& a) { return (a.D + 7) / 8; }
 
+// What both of gemm_row1's MoE kinds read: the routing (ids, weights, sorted rows, the slot
+// table) and the combine's counters.
+static Row1Moe moe_row1_tail(const MoeArgs& a, const MoeScratch& s, int kind) {
+  Row1Moe mo;
+  mo.kind = kind;
+  mo.k = a.top_k;
+  mo.S = static_cast<int>(a.S);
+  mo.slots = a.slots;
+  mo.ids = s.ids;
+  mo.wts = s.wts;
+  mo.inv = s.inv;
+  mo.counters = s.tail_cnt;
+  mo.n_counters = static_cast<int>(moe_tail_counters(a));
+  return mo;
+}
+
 // Sizes the tile list for the smallest BM, so it holds any config's tiles (one-row
 // tiles only when m == 1: gemm_pick_grouped picks kRow1 for one token only).
 static int64_t moe_max_tiles(const MoeArgs& a, int bm) {
@@ -566,22 +582,14 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     }
     if (pl.tail_route) {  // 2-3 in every warp of this GEMM (block 0 stores them for step 5)
       Row1Moe& mo = p.moe;
-      mo.kind = Row1Moe::kRoute;
+      mo = moe_row1_tail(a, s, Row1Moe::kRoute);
       mo.logits = s.logits;
       mo.E = static_cast<int>(E);
-      mo.k = a.top_k;
       mo.fold_group = kSharedGroup;
-      mo.S = static_cast<int>(a.S);
-      mo.slots = a.slots;
-      mo.ids = s.ids;
-      mo.wts = s.wts;
       mo.srow = s.srow;
-      mo.inv = s.inv;
       mo.tiles = s.tiles;
       mo.n_tiles = s.n_tiles;
       mo.max_tiles = max_tiles;
-      mo.counters = s.tail_cnt;
-      mo.n_counters = static_cast<int>(moe_tail_counters(a));
     }
     if (pl.fused) {
       p.Act = s.act;
@@ -610,15 +618,7 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     }
     if (pl.tail) {  // 7 as the last slot of each column unit lands
       Row1Moe& mo = p.moe;
-      mo.kind = Row1Moe::kCombine;
-      mo.k = a.top_k;
-      mo.S = static_cast<int>(a.S);
-      mo.slots = a.slots;
-      mo.ids = s.ids;
-      mo.wts = s.wts;
-      mo.inv = s.inv;
-      mo.counters = s.tail_cnt;
-      mo.n_counters = static_cast<int>(moe_tail_counters(a));
+      mo = moe_row1_tail(a, s, Row1Moe::kCombine);
       mo.sout = s.ys + a.top_k * D;  // the shared expert is grouped row k
       mo.sgl = s.logits + E;         // its gate logit after the router's
       mo.out = a.out;

@@ -65,6 +65,24 @@ struct Row1Ring {
   int stages;       // ring slots, 2..kRow1MaxStages
   int stage_bytes;  // W rows then the A row
   int lsu;          // 1: 16-byte cp.async per lane (the load/store path) instead of bulk copies
+  int n_k;          // k stages per unit: ceil(K / kchunk), from the launcher
+};
+
+// Where a warp is in its unit list: unit u = slot * ups + cu, advanced by the grid stride
+// with adds only. The 64-bit divisions this replaces (u / ups per unit, s % stages and
+// s / stages per ring stage) are software routines of ~100 dependent instructions each, and
+// the ones before a warp's first copy delayed every GEMM's first byte. 32-bit is enough: the
+// launcher keeps slots * ups below 2^31.
+struct Row1Cursor {
+  uint32_t slot, cu;
+  BARO_DEV void advance(uint32_t d_slot, uint32_t d_cu, uint32_t ups) {
+    slot += d_slot;
+    cu += d_cu;
+    if (cu >= ups) {
+      cu -= ups;
+      ++slot;
+    }
+  }
 };
 
 // ---- mbarrier + bulk copy (sm_90) ----
@@ -165,16 +183,19 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
     }
     c_sg = sigmoidf_(*mo.sgl);
   }
-  const int64_t slots = tiles != nullptr ? static_cast<int64_t>(*n_tiles) : row_slots;
-  const int64_t units = slots * ups;
-  const int64_t first = blockIdx.x, step = gridDim.x;
+  int64_t slots = tiles != nullptr ? static_cast<int64_t>(*n_tiles) : row_slots;
+  if (slots > row_slots) slots = row_slots;  // the tile list's capacity (what the grid was sized for)
+  const uint32_t units = static_cast<uint32_t>(slots * ups);  // < 2^31 (launcher)
+  const uint32_t first = blockIdx.x, step = gridDim.x, ups32 = static_cast<uint32_t>(ups);
   if (first >= units) return;
-  const int64_t my_units = (units - first + step - 1) / step;
+  const uint32_t my_units = (units - first + step - 1) / step;
   const int64_t K = p.K;
   const int kchunk = ring.kchunk, ST = ring.stages;
   const int rowb = row1_row_bytes(kchunk);
-  const int n_k = static_cast<int>((K + kchunk - 1) / kchunk);
-  const int64_t total = my_units * n_k;  // stages this warp streams
+  const int n_k = ring.n_k;
+  const int64_t total = static_cast<int64_t>(my_units) * n_k;  // stages this warp streams
+  const uint32_t d_slot = step / ups32, d_cu = step - d_slot * ups32;  // the grid stride in (slot, cu)
+  const Row1Cursor start{first / ups32, first - (first / ups32) * ups32};
 
   const uint32_t bar0 = smem_u32(row1_smem);
   const uint32_t stage0 = bar0 + kRow1BarBytes;
@@ -191,11 +212,10 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
     int64_t cu;         // column unit within the slot
     int nc;             // valid output columns of the unit (1..8 NT)
   };
-  auto unit = [&](int64_t j) {
+  auto unit = [&](const Row1Cursor& at) {
     Unit r;
-    const int64_t u = first + j * step;
-    const int64_t slot = u / ups;
-    r.cu = u - slot * ups;
+    const int64_t slot = at.slot;
+    r.cu = at.cu;
     r.c0 = r.cu * Cfg::kOutCols;
     int64_t group = 0, r0 = 0, rc = 0;
     gemm_slot(p, tiles, n_tiles, slot, group, r0, rc);  // rc == 1: slot < slots, slot_rows == 1
@@ -211,11 +231,13 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
   // gets W row i's kchunk-wide piece (rows of columns past out_n are not copied: their
   // accumulators are never stored, and a column never mixes into another), row kWRows the
   // A row's piece.
-  int64_t pj = 0;
-  int pkt = 0;
-  Unit pu = unit(0);
-  auto issue = [&](int64_t s) {
-    const int slot = static_cast<int>(s % ST);
+  uint32_t pj = 0;
+  int pkt = 0, pslot = 0;  // the producer's unit, k stage and ring slot
+  Row1Cursor pat = start;
+  Unit pu = unit(pat);
+  auto issue = [&]() {
+    const int slot = pslot;
+    pslot = pslot + 1 == ST ? 0 : pslot + 1;
     const uint32_t bar = bar0 + 8 * slot;
     const uint32_t dst = stage0 + slot * ring.stage_bytes;
     const int64_t k0 = static_cast<int64_t>(pkt) * kchunk;
@@ -249,23 +271,27 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
     }
     if (++pkt == n_k) {
       pkt = 0;
-      if (++pj < my_units) pu = unit(pj);
+      if (++pj < my_units) {
+        pat.advance(d_slot, d_cu, ups32);
+        pu = unit(pat);
+      }
     }
   };
 
   const int64_t pre = total < ST ? total : ST;
-  for (int64_t s = 0; s < pre; ++s) issue(s);
+  for (int64_t s = 0; s < pre; ++s) issue();
 
   // B x4 of one n-tile: matrices (n 0-7, k 0-7), (k 8-15), (k 16-23), (k 24-31) = the B
   // fragments of two k-steps; lane l gives row l & 7, 16-byte chunk l >> 3.
   const uint32_t b_lane = static_cast<uint32_t>((lane & 7) * rowb + (lane >> 3) * 16);
   float acc[T][4];
-  int64_t cj = 0;
-  int ckt = 0;
-  Unit cu = unit(0);
+  uint32_t cj = 0;
+  int ckt = 0, slot = 0;  // the consumer's k stage and ring slot
+  uint32_t phase = 0;     // the slot's mbarrier parity: flips each pass over the ring
+  Row1Cursor cat = start;
+  Unit cu = unit(cat);
   for (int64_t s = 0; s < total; ++s) {
-    const int slot = static_cast<int>(s % ST);
-    mbar_wait(bar0 + 8 * slot, static_cast<uint32_t>((s / ST) & 1));
+    mbar_wait(bar0 + 8 * slot, phase);
     if (ckt == 0) {
 #pragma unroll
       for (int b = 0; b < T; ++b)
@@ -306,7 +332,11 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
       }
     }
     __syncwarp();  // every lane's reads of this ring slot are done
-    if (s + ST < total) issue(s + ST);
+    if (s + ST < total) issue();  // stage s + ST, into the slot just read
+    if (++slot == ST) {
+      slot = 0;
+      phase ^= 1u;
+    }
     if (++ckt == n_k) {  // unit done: row 0 lives in lanes 0..3 (g == 0), columns 2t, 2t + 1
       ckt = 0;
       if (g == 0) {
@@ -351,7 +381,10 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
           if (live) p.moe.out[col] = routed + c_sg * __ldcg(p.moe.sout + col);
         }
       }
-      if (++cj < my_units) cu = unit(cj);
+      if (++cj < my_units) {
+        cat.advance(d_slot, d_cu, ups32);
+        cu = unit(cat);
+      }
     }
   }
 }

@@ -196,7 +196,10 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
   using Cfg = Row1Cfg<SWIGLU, NT>;
   constexpr int extra = MOE == Row1Moe::kRoute ? kRow1RouteBytes : 0;  // the route after the ring
   const int ring_bytes = 233472 / plan.bps - 1024 - kRow1BarBytes - extra;  // an SM's smem over its blocks
-  Row1Ring ring{plan.kchunk_max, 0, 0, plan.lsu};
+  // the kernel walks its units in 32-bit (slot, column unit) cursors
+  const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
+  if (row_slots * ((out_n + Cfg::kOutCols - 1) / Cfg::kOutCols) > 0x7fffffffLL) return gpuErrorInvalidValue;
+  Row1Ring ring{plan.kchunk_max, 0, 0, plan.lsu, 0};
   const int64_t k128 = (p.K + 127) / 128 * 128;
   while (ring.kchunk > 128 && ring.kchunk / 2 >= k128) ring.kchunk /= 2;  // no wider than K
   for (;;) {
@@ -207,6 +210,7 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
   }
   if (ring.stages > kRow1MaxStages) ring.stages = kRow1MaxStages;
   if (ring.stages < 2) return gpuErrorInvalidValue;
+  ring.n_k = static_cast<int>((p.K + ring.kchunk - 1) / ring.kchunk);
   const int smem = kRow1BarBytes + ring.stages * ring.stage_bytes + extra;
   static std::atomic<uint64_t> smem_done{0};
   gpuError_t e = allow_smem(gemm_row1_kernel<SWIGLU, NT, MOE>, 233472 - 1024, smem_done);  // any bps

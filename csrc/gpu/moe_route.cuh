@@ -16,6 +16,30 @@ constexpr int kTopkRegPer = 16;  // E <= 512 in registers
 // e < E tests anyway, so the bits are kTopkRegPer's, in half the scan.
 constexpr int kTopkRegPerSmall = 8;
 
+// The largest bp of the warp, ties to the lowest be; every lane ends with the same pair. bp is
+// a probability (>= 0, never NaN: the lane scan's > skips NaN) or the -1 of a lane with
+// nothing left, so on CUDA the pair is two warp reductions of integers (redux.sync): the bits
+// of a non-negative float order as signed ints do, and -1's are negative. A selection, not
+// arithmetic, so both forms give the same pair; the route ran its k rounds of a 5-level
+// butterfly of two shuffles on the critical path of every decode MoE layer.
+BARO_DEV void warp_argmax(float& bp, int& be) {
+#if !BARO_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const int key = __reduce_max_sync(0xffffffffu, __float_as_int(bp));
+  be = __reduce_min_sync(0xffffffffu, __float_as_int(bp) == key ? be : 0x7fffffff);
+  bp = __int_as_float(key);
+#else
+#pragma unroll
+  for (int o = BARO_WARP / 2; o >= 1; o >>= 1) {
+    const float op = shfl_xor(bp, o);
+    const int oe = shfl_xor(be, o);
+    if (op > bp || (op == bp && oe < be)) {
+      bp = op;
+      be = oe;
+    }
+  }
+#endif
+}
+
 // probs[m][E] holds the logits on entry and the softmax probabilities after
 // (taken entries -2). kPer > 0: E <= 32 * kPer, the row lives in registers
 // (a decode row is latency-bound: one load wave instead of one per pass);
@@ -89,15 +113,7 @@ BARO_DEV int topk_row(float* __restrict__ p, int32_t* __restrict__ ids, float* _
         }
       }
     }
-#pragma unroll
-    for (int o = BARO_WARP / 2; o >= 1; o >>= 1) {
-      const float op = shfl_xor(bp, o);
-      const int oe = shfl_xor(be, o);
-      if (op > bp || (op == bp && oe < be)) {
-        bp = op;
-        be = oe;
-      }
-    }
+    warp_argmax(bp, be);
     if (be < 0 || be >= E) {  // only with NaN probabilities: stay in bounds
       be = 0;
       bp = 0.0f;
@@ -166,7 +182,8 @@ BARO_DEV void route_one_row(float* __restrict__ probs, int32_t* __restrict__ ids
   const int e = lane < k ? clamp_expert(picked, E) : E;
   const bool tiled = lane < k && !(skip && slots != nullptr && slots[e] < 0);
   int below = 0, before = 0, count = 0;  // pairs of lower experts; earlier pairs of e; pairs of e
-  for (int j = 0; j < k; ++j) {
+#pragma unroll 8
+  for (int j = 0; j < k; ++j) {  // unrolled: the shuffles are independent, issued back to back
     const int ej = shfl_idx(e, j);
     below += ej < e;
     before += ej == e && j < lane;
@@ -175,6 +192,7 @@ BARO_DEV void route_one_row(float* __restrict__ probs, int32_t* __restrict__ ids
   // tiles of this pair's expert when the pair is its expert's first (stable by pair)
   const int own = before == 0 && tiled ? (count + bm - 1) / bm : 0;
   int64_t tiles_below = 0, total = 0;  // tiles of the experts below e; of every expert
+#pragma unroll 8
   for (int j = 0; j < k; ++j) {
     const int tj = shfl_idx(own, j);
     tiles_below += shfl_idx(e, j) < e ? tj : 0;

@@ -202,6 +202,7 @@ class Engine:
         self.dtype = params["embed"].dtype
         self.rope = M.rope_tables(cfg, cfg.max_context)
         self.cache, self.cache_note = None, "resident mode: every expert on the device"
+        self.direct = None  # tier mode with BARO_TIER_DECODE=direct: staging.DirectDecode
         if mode == "tier":
             from . import staging
 
@@ -222,14 +223,19 @@ class Engine:
 
         if self.mode != "tier":
             raise ValueError("the decode expert cache is for tier mode (mode='tier')")
-        self.cache = None
+        self.cache = self.direct = None
         if not staging.has_cache_ops(self.ops):
             self.cache_note = f"off: the {self.variant or self.backend} ops have no slot-table MoE"
         else:
             S, self.cache_note = budget.tier_cache_slots(self.cfg, self.dtype, self.device_budget_gb, slots)
             if S:
                 self.cache = staging.ExpertCache(self.cfg, self.params["layers"], S)
-        self._step = partial(staging.forward, cfg=self.cfg, ops=self.ops, cache=self.cache)
+                if staging.env_decode_path() == "direct":
+                    if not staging.has_host_ops(self.ops):
+                        raise ValueError(f"BARO_TIER_DECODE=direct: the {self.variant or self.backend} ops "
+                                         "cannot read experts from the host store (use the ordered backend)")
+                    self.direct = staging.DirectDecode(self.params, self.cache)
+        self._step = partial(staging.forward, cfg=self.cfg, ops=self.ops, cache=self.cache, direct=self.direct)
         return self.cache
 
     def expert_cache_report(self) -> dict | None:
@@ -238,7 +244,9 @@ class Engine:
             return None
         if self.cache is None:
             return {"slots_per_layer": 0, "note": self.cache_note}
-        return {**self.cache.stats(), "note": self.cache_note}
+        if self.direct is not None:  # the pools as they stood, the misses read from the host store
+            return {**self.cache.stats(), **self.direct.stats(), "note": self.cache_note}
+        return {**self.cache.stats(), "decode_path": "cache", "note": self.cache_note}
 
     @property
     def cache_slots(self) -> int:

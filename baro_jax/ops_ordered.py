@@ -62,6 +62,13 @@ def moe_slots(h, router, gate_up_pool, down_pool, slots, shared_gate_up, shared_
     return cc.moe_slots(h, router, gate_up_pool, down_pool, slots, shared_gate_up, shared_down, shared_gate, top_k)
 
 
+def moe_host(h, router, gate_up_pool, down_pool, slots, shared_gate_up, shared_down, shared_gate, *, top_k, host):
+    """moe_slots whose experts with no slot are read from the host store `host` (a
+    custom_calls.HostStore) inside the call: moe's bytes, no host round trip."""
+    return cc.moe_host(h, router, gate_up_pool, down_pool, slots, shared_gate_up, shared_down, shared_gate, top_k,
+                       host)
+
+
 def moe_route(h, router, *, top_k):
     """The expert ids [m, top_k] moe routes each row to (its own routing code)."""
     return cc.moe_route(h, router, top_k)

@@ -130,12 +130,15 @@ def _head_params(params):
 
 
 def forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, all_logits: bool = False,
-            cache: "ExpertCache | None" = None):
+            cache: "ExpertCache | None" = None, direct: "DirectDecode | None" = None):
     """model.forward's contract, run layer by layer with routed experts staged from the host store.
 
     The state's per-layer leaves are donated (as the resident step donates the state). With a
-    cache, a one-row call (decode) takes its experts from the cache instead (cached_forward).
+    cache, a one-row call (decode) takes its experts from the cache instead (cached_forward);
+    with `direct`, from the cache's pools and the host store in one graph (DirectDecode).
     """
+    if direct is not None and tokens.shape[0] == 1 and not all_logits:
+        return direct(state, tokens, pos, n_valid, rope, cfg=cfg, ops=ops)
     if cache is not None and tokens.shape[0] == 1 and not all_logits:
         return cached_forward(params, state, tokens, pos, n_valid, rope, cfg=cfg, ops=ops, cache=cache)
     on_dev = device_sharding(next(iter(params["embed"].devices())))
@@ -336,6 +339,93 @@ def cached_forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, op
         new_state.append(st)
     logits = _EPILOGUE(_head_params(params), h, n_valid, cfg=cfg, ops=ops, all_logits=False)
     return logits, tuple(new_state)
+
+
+# --- direct tier decode: misses read from the host store inside the MoE call ------------------
+DECODE_PATHS = ("cache", "direct")
+
+
+def env_decode_path() -> str:
+    """BARO_TIER_DECODE: "cache" (default: per layer the ids to the host, LRU copies, then the MoE)
+    or "direct" (one graph per token; an expert with no pool slot is read from the host store by
+    the MoE kernels themselves, baro_moe_host)."""
+    import os
+
+    v = os.environ.get("BARO_TIER_DECODE", "cache").strip() or "cache"
+    if v not in DECODE_PATHS:
+        raise ValueError(f"BARO_TIER_DECODE must be one of {', '.join(DECODE_PATHS)}, got {v!r}")
+    return v
+
+
+def has_host_ops(ops) -> bool:
+    """Whether a backend's MoE can read experts from the host store (the ordered kernels can)."""
+    return hasattr(ops, "moe_host")
+
+
+def host_stores(layers) -> tuple:
+    """One custom_calls.HostStore per layer over its routed experts in the host store: the
+    addresses baro_moe_host reads the misses from (the stores stay alive inside them)."""
+    import custom_calls as cc
+
+    out = []
+    for lp in layers:
+        gu, dn = (lp["moe"][k] for k in EXPERT_KEYS)
+        if isinstance(gu, np.ndarray):  # no host memory kind (CPU without one): the same bytes as an array
+            gu, dn = jax.device_put(gu), jax.device_put(dn)
+        out.append(cc.host_store(gu, dn))
+    return tuple(out)
+
+
+def _direct_forward(params, state, tokens, pos, n_valid, rope, pools, tables, *, cfg: Config, ops, hosts):
+    """model.forward for one row, the routed experts from the pools where tables[i] gives a slot
+    and from the host store hosts[i] where it gives none (ops.moe_host): one graph, no host work
+    between layers. params holds no routed expert (split_layer's resident parts)."""
+    x, cos, sin = M.prologue(params, tokens, pos, rope)
+    layers = params["layers"]
+    h = M.first_norm(layers[0], x, cfg, ops)
+    new_state = []
+    for i, (lp, st, kind, nn) in enumerate(zip(layers, state, cfg.layer_types, M.next_norms(params))):
+        x, h2, st = M.layer_mixer(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid)
+        m = lp["moe"]
+        y = ops.moe_host(h2, m["router"], pools[i][0], pools[i][1], tables[i], m["shared_gate_up"],
+                         m["shared_down"], m["shared_gate"], top_k=cfg.top_k, host=hosts[i])
+        x, h = ops.add_rmsnorm(x, y, nn, cfg.rms_eps, m["router"].dtype)
+        new_state.append(st)
+    return M.epilogue(params, h, n_valid, cfg=cfg, ops=ops), tuple(new_state)
+
+
+_DIRECT = jax.jit(_direct_forward, static_argnames=("cfg", "ops", "hosts"), donate_argnums=(1,))
+
+
+class DirectDecode:
+    """Tier decode in one graph per token: the cache's pools as they stand (no LRU traffic while
+    it runs), every other routed expert read from the host store by the MoE kernels. The same
+    bytes as resident decode (the same weights in the same order); what it saves is the per-layer
+    round trip of the ids (route_seconds) and the copy dispatch (copy_seconds). Its hit rate is
+    the share of routed experts that are resident, which this path does not observe on the host:
+    `resident_share` reports slots / E."""
+
+    def __init__(self, params, cache: ExpertCache):
+        self.cache = cache
+        layers = params["layers"]
+        self.hosts = host_stores(layers)
+        self.params = {**{k: v for k, v in params.items() if k != "layers"},
+                       "layers": tuple(split_layer(lp)[0] for lp in layers)}
+        self.refresh()
+
+    def refresh(self):
+        """Take the cache's current slot tables (after an LRU step elsewhere changed them)."""
+        dev = self.cache._on_dev
+        self.tables = tuple(jax.device_put(np.asarray(t, np.int32), dev) for t in self.cache.slot_of)
+
+    def stats(self) -> dict:
+        E = self.cache.cfg.num_experts
+        return {"decode_path": "direct", "resident_share": self.cache.slots / E}
+
+    def __call__(self, state, tokens, pos, n_valid, rope, *, cfg: Config, ops):
+        pools = tuple(tuple(p) for p in self.cache.pools)
+        return _DIRECT(self.params, state, tokens, pos, n_valid, rope, pools, self.tables, cfg=cfg, ops=ops,
+                       hosts=self.hosts)
 
 
 def memory_kinds(params) -> dict[str, Any]:

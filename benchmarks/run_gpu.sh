@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full ep1 longctx decode decode_knobs ncu_decode tier speed peer vs_peer agreement)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full ep1 longctx decode decode_knobs ncu_decode tier tier_direct speed peer vs_peer agreement)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -88,6 +88,24 @@ stage_tier() {
     python benchmarks/speed.py --model qwen3.5-35b-a3b --mode tier --device-budget-gb "${TIER_BUDGET_GB:-22}" \
       --arms batch-ordered --lengths "${TIER_LENGTHS:-1024,8192,32768}" --chunk auto --decode-tokens 32 \
       --json "$OUT/speed_tier_h200.json" 2>&1 | tail -6
+  )
+}
+# Tier decode with BARO_TIER_DECODE=direct (issue 11): one graph per token, the misses read from
+# pinned host memory by the MoE kernels (baro_moe_host). The tier identity gate against the
+# resident reference (made first when the tier stage has not), then tier speed at TIER_DIRECT_LENGTHS.
+stage_tier_direct() {
+  local common=(--model qwen3.5-35b-a3b --chunks "${TIER_CHUNKS:-1024,4096}" --prompts benchmarks/prompts/identity_gpu.jsonl
+                --max-len "${TIER_MAX_LEN:-255}" --new-tokens 16 --max-context 4096)
+  [ -f "$OUT/identity_resident_ref_h200.json" ] || \
+    python benchmarks/identity.py "${common[@]}" --json "$OUT/identity_resident_ref_h200.json" 2>&1 | tail -2
+  (
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=${TIER_MEM_FRACTION:-0.17} XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${TIER_HOST_GB:-110}
+    export BARO_TIER_DECODE=direct
+    python benchmarks/identity.py "${common[@]}" --mode tier --device-budget-gb "${TIER_BUDGET_GB:-22}" \
+      --reference-json "$OUT/identity_resident_ref_h200.json" --json "$OUT/identity_tier_direct_h200.json" 2>&1 | tail -4
+    python benchmarks/speed.py --model qwen3.5-35b-a3b --mode tier --device-budget-gb "${TIER_BUDGET_GB:-22}" \
+      --arms batch-ordered --lengths "${TIER_DIRECT_LENGTHS:-1024}" --chunk auto --decode-tokens 32 \
+      --json "$OUT/speed_tier_direct_h200.json" 2>&1 | tail -6
   )
 }
 # Decode (issue 10): where a token's time goes at 1k and 32k context (benchmarks/decode_profile.py),

@@ -37,6 +37,7 @@ TARGETS = {
     "baro_moe_small": "BaroMoeSmall",  # m <= 16 with its scratch as a result (command buffers)
     "baro_moe_slots": "BaroMoeSlots",  # baro_moe through a slot table (tier decode cache)
     "baro_moe_slots_small": "BaroMoeSlotsSmall",
+    "baro_moe_host_small": "BaroMoeHostSmall",  # tier decode: experts with no slot read from the host store
     "baro_moe_route": "BaroMoeRoute",  # baro_moe's routing alone: expert ids [m, top_k]
     "baro_moe_pairs": "BaroMoePairs",  # expert parallel: routing + this shard's per-pair outputs
     "baro_moe_combine": "BaroMoeCombine",  # expert parallel: baro_moe's combine of given pairs

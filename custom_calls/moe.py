@@ -3,6 +3,8 @@ SwiGLU experts combined in slot order, plus the sigmoid-gated shared expert."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -109,6 +111,70 @@ def _moe_call(op, op_small, args, router, w_gate_up, shared_down, k):
 
 OP_SLOTS = "baro_moe_slots"
 OP_ROUTE = "baro_moe_route"
+OP_HOST_SMALL = "baro_moe_host_small"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HostStore:
+    """The routed experts of one layer where baro_moe_host reads the ones with no pool slot:
+    gate_up [E, 2I, D] and down [E, D, I] bf16, kept alive here, and their addresses, which go
+    into the call as attributes (a compiled graph holds them: the store must not move or be
+    freed while it runs, so keep this object as long as the graph). On a GPU the arrays must be
+    in pinned host memory (staging.to_store); the handler checks the device can read them.
+    Hashable by identity, so it can be a static argument of a jit."""
+    gate_up: jax.Array
+    down: jax.Array
+    gate_up_addr: int
+    down_addr: int
+
+
+def _address(op, name, x) -> int:
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+        raise TypeError(f"{op}: {name} must be a concrete jax array (the store is addressed by the "
+                        f"compiled call), got {type(x).__name__}")
+    if len(x.addressable_shards) != 1:
+        raise ValueError(f"{op}: {name} must live on one device, got {len(x.addressable_shards)} shards")
+    return int(x.addressable_data(0).unsafe_buffer_pointer())
+
+
+def host_store(gate_up, down) -> HostStore:
+    """A HostStore of one layer's routed experts (see HostStore), checked: bf16 [E, 2I, D] and
+    [E, D, I]."""
+    op = "baro_moe_host"
+    C.rank(op, "host gate_up", gate_up, 3)
+    D = gate_up.shape[2]
+    _check_experts(op, gate_up, down, D, "host gate_up", "host down")
+    return HostStore(gate_up, down, _address(op, "host gate_up", gate_up), _address(op, "host down", down))
+
+
+def moe_host(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate, top_k,
+             host: HostStore):
+    """moe_slots whose routed experts with no slot (slots[e] < 0) are read from the host store
+    instead of failing: the same bytes as moe() over the store's experts, whichever are resident.
+    Decode-sized calls only (m <= 16; the GPU kernels read the store in the one-token path, m = 1).
+    On a GPU a miss costs its expert's bytes over the host link inside the call, with no host
+    round trip: tier decode's whole step stays one graph."""
+    op = OP_HOST_SMALL
+    if not isinstance(host, HostStore):
+        raise TypeError(f"baro_moe_host: host must be a HostStore (custom_calls.moe.host_store), got "
+                        f"{type(host).__name__}")
+    C.rank("baro_moe_host", "w_gate_up_pool", w_gate_up_pool, 3)
+    m, D, k = _check_moe("baro_moe_host", h, router, w_gate_up_pool, w_down_pool, shared_gate_up, shared_down,
+                         shared_gate, top_k, "w_gate_up_pool", "w_down_pool", n_w="pool")
+    E = router.shape[0]
+    if tuple(host.gate_up.shape) != (E,) + tuple(w_gate_up_pool.shape[1:]) or \
+            tuple(host.down.shape) != (E,) + tuple(w_down_pool.shape[1:]):
+        raise ValueError(f"baro_moe_host: the host store must hold all E={E} experts at the pool's shapes: "
+                         f"gate_up {list(host.gate_up.shape)} vs pool {list(w_gate_up_pool.shape)}, "
+                         f"down {list(host.down.shape)} vs pool {list(w_down_pool.shape)}")
+    if not small_call(m):
+        raise ValueError(f"baro_moe_host: serves decode-sized calls (m <= 16 rows, BARO_CMDBUF_OPS unset), got m={m}")
+    C.array("baro_moe_host", "slots", slots, (E,), np.int32)
+    args = (h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate)
+    check_runnable(op, args)
+    nbytes = small_scratch_bytes(m, D, E, w_gate_up_pool.shape[1] // 2, shared_down.shape[1], k)
+    return ffi_call_small(op, [jax.ShapeDtypeStruct((m, D), C.F32)], nbytes, args, top_k=np.int32(k),
+                          host_gate_up=np.int64(host.gate_up_addr), host_down=np.int64(host.down_addr))[0]
 
 
 def moe_slots(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate, top_k):

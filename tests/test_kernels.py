@@ -1577,6 +1577,67 @@ def test_moe_slots_one_token_fold(platform, monkeypatch):
     set_knobs(monkeypatch, {})
 
 
+def store_put(dev, a):
+    """a into the host store as tier mode keeps it: pinned host memory on a GPU, else the device."""
+    from jax.sharding import SingleDeviceSharding
+    if dev.platform == "cpu":
+        return jax.device_put(a, dev)
+    return jax.device_put(a, SingleDeviceSharding(dev, memory_kind="pinned_host"))
+
+
+# baro_moe_host: the routed experts with no pool slot are read from the host store inside the
+# call. None, some or all of a token's experts resident, every launch mode of the one-token
+# path: moe's bytes (and on CPU, rows m > 1 too). On a GPU only the one-token path reads the
+# store: more rows are refused with a message saying so.
+def test_moe_host_reads_misses_from_the_store(platform, monkeypatch):
+    rng = np.random.default_rng(1700)
+    E, D, I, Is, k = 16, 256, 64, 64, 4
+    router, gu, down, sgu, sdown, sgate = moe_weights_sized(rng, E, D, I, Is)
+    host = cc.host_store(store_put(platform, gu), store_put(platform, down))
+    f = jax.jit(lambda *a: cc.moe_host(*a, top_k=k, host=host))
+    for row in range(3):
+        h = bf16(rng, 1, D)
+        set_knobs(monkeypatch, {"BARO_MOE_FOLD": "0"})
+        want = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(*put(platform, h, router, gu, down, sgu, sdown, sgate)))
+        ids = np.asarray(J_ROUTE(*put(platform, h, router), top_k=k))[0].tolist()
+        others = [e for e in range(E) if e not in ids]
+        for what, resident, S in (("no routed expert resident", others[:k], k), ("half resident", ids[:k // 2], k),
+                                  ("all resident", range(E), E + 3)):
+            pgu, pdn, slots = pool_for(gu, down, list(resident), S, rng)
+            for name, knobs in SLOT_FOLD_ARMS[:3]:
+                set_knobs(monkeypatch, knobs)
+                poison(platform, (1, D))
+                got = np.asarray(f(*put(platform, h, router, pgu, pdn, slots, sgu, sdown, sgate)))
+                assert_same_bits(got, want, f"moe_host row {row}, {what} ({name})")
+    set_knobs(monkeypatch, {})
+    h = bf16(rng, 3, D)
+    pgu, pdn, slots = pool_for(gu, down, [0, 5], k, rng)
+    args = put(platform, h, router, pgu, pdn, slots, sgu, sdown, sgate)
+    if platform.platform == "cpu":
+        want = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(*put(platform, h, router, gu, down, sgu, sdown, sgate)))
+        assert_same_bits(np.asarray(f(*args)), want, "moe_host m=3 (CPU)")
+    else:
+        with pytest.raises(Exception, match="one-token path"):
+            np.asarray(f(*args))
+
+
+def test_moe_host_checks_its_store():
+    rng = np.random.default_rng(1701)
+    E, D, I, Is, k = 16, 64, 32, 32, 4
+    router, gu, down, sgu, sdown, sgate = moe_weights_sized(rng, E, D, I, Is)
+    h = bf16(rng, 1, D)
+    pgu, pdn, slots = pool_for(gu, down, [1, 2], k, rng)
+    with pytest.raises(ValueError, match="host store must hold all E=16 experts"):
+        small = cc.host_store(jnp.asarray(gu[:8]), jnp.asarray(down[:8]))
+        cc.moe_host(h, router, pgu, pdn, slots, sgu, sdown, sgate, top_k=k, host=small)
+    with pytest.raises(TypeError, match="host must be a HostStore"):
+        cc.moe_host(h, router, pgu, pdn, slots, sgu, sdown, sgate, top_k=k, host=(0, 0))
+    with pytest.raises(TypeError, match="must be a concrete jax array"):
+        cc.host_store(np.asarray(gu), np.asarray(down))
+    with pytest.raises(ValueError, match=r"host down must have shape"):
+        cc.host_store(jnp.asarray(gu), jnp.asarray(down[:, :, :16]))
+
+
 SLOT_FOLD_ARMS = [("fold", {}), ("fold, BARO_MOE_TAIL=0", {"BARO_MOE_TAIL": "0"}),
                   ("fold, BARO_MOE_TAIL=combine", {"BARO_MOE_TAIL": "combine"}),
                   ("BARO_MOE_FOLD=0", {"BARO_MOE_FOLD": "0"})]

@@ -176,6 +176,45 @@ def test_cached_decode_bytes_equal_resident(engines):
         tier.use_expert_cache(None)
 
 
+def test_direct_decode_bytes_equal_resident(engines, monkeypatch):
+    """BARO_TIER_DECODE=direct: the pools as the cache left them (here: after LRU steps, so a mix
+    of resident experts and misses), every miss read from the host store inside the MoE call,
+    one graph per token: resident decode's bytes, every step's logits and every state leaf."""
+    res, tier = engines
+    ids = res.encode(PROMPT)[:24]
+    S = tier.cfg.top_k + 1
+    monkeypatch.setenv("BARO_TIER_DECODE", "direct")
+    try:
+        cache = tier.use_expert_cache(S)
+        assert tier.direct is not None and cache is not None
+        # fill some slots through the LRU path first, so the direct pools hold real experts
+        for e in range(S):
+            cache.ensure(e % tier.cfg.num_layers, [e])
+        tier.direct.refresh()
+        assert any((t >= 0).any() for t in cache.slot_of)
+        want_logits, want_state = decode_run(res, ids, 12)
+        got_logits, got_state = decode_run(tier, ids, 12)
+        for i, (a, b) in enumerate(zip(want_logits, got_logits)):
+            assert a.tobytes() == b.tobytes(), f"decode step {i}"
+        names = identity.state_names(res.cfg)
+        assert identity.first_diff(want_state, got_state, names) is None
+        ec = tier.generate(ids, 4, prefill="batch", chunk=16).to_json()["expert_cache"]
+        assert ec["decode_path"] == "direct" and ec["resident_share"] == S / tier.cfg.num_experts
+    finally:
+        monkeypatch.delenv("BARO_TIER_DECODE")
+        tier.use_expert_cache(None)
+        assert tier.direct is None
+
+
+def test_direct_decode_refuses_a_bad_setting(engines, monkeypatch):
+    _, tier = engines
+    monkeypatch.setenv("BARO_TIER_DECODE", "fast")
+    with pytest.raises(ValueError, match="BARO_TIER_DECODE must be one of cache, direct"):
+        tier.use_expert_cache(tier.cfg.top_k + 1)
+    monkeypatch.delenv("BARO_TIER_DECODE")
+    tier.use_expert_cache(None)
+
+
 def test_expert_cache_lru():
     """Hits, misses, eviction order (least recently used, never an expert the call needs), slot reuse,
     and the pool's slots holding exactly the store's experts (checked against a plain reference LRU)."""

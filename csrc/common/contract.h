@@ -35,6 +35,23 @@
       .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* shared_gate */                                \
       .Attr<int32_t>("top_k")                                                                       \
       .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>() /* out */
+// baro_moe_host_small: baro_moe_slots' list, then the host store's addresses (the routed
+// experts with no slot are read there: [E, 2I, D] and [E, D, I] bf16), then the scratch.
+#define BARO_BIND_MOE_HOST_ARGS(bind)                                                               \
+  (bind)                                                                                            \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* h */                                          \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* router */                                     \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* w_gate_up_pool [S, 2I, D] */                  \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* w_down_pool [S, D, I] */                      \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* slots [E] */                                   \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* shared_gate_up */                             \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* shared_down */                                \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* shared_gate */                                \
+      .Attr<int32_t>("top_k")                                                                       \
+      .Attr<int64_t>("host_gate_up") /* address of the store's gate_up [E, 2I, D] */                \
+      .Attr<int64_t>("host_down")    /* address of the store's down [E, D, I] */                    \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>() /* out */                                         \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::U8>>() /* scratch */
 #define BARO_BIND_ATTENTION_ARGS(bind)                                                              \
   (bind)                                                                                            \
       .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>() /* qkv */                                         \
@@ -285,8 +302,8 @@ inline ::xla::ffi::Error check_moe_slots(const ::xla::ffi::Buffer<::xla::ffi::BF
                                          const ::xla::ffi::Buffer<::xla::ffi::BF16>& w_gate_up_pool, const ::xla::ffi::Buffer<::xla::ffi::BF16>& w_down_pool,
                                          const ::xla::ffi::Buffer<::xla::ffi::S32>& slots, const ::xla::ffi::Buffer<::xla::ffi::BF16>& shared_gate_up,
                                          const ::xla::ffi::Buffer<::xla::ffi::BF16>& shared_down, const ::xla::ffi::Buffer<::xla::ffi::BF16>& shared_gate, int32_t top_k,
-                                         const ::xla::ffi::Buffer<::xla::ffi::F32>& out, MoeDims& d, int64_t& S) {
-  const char* op = "baro_moe_slots";
+                                         const ::xla::ffi::Buffer<::xla::ffi::F32>& out, MoeDims& d, int64_t& S,
+                                         const char* op = "baro_moe_slots") {
   BARO_RETURN_IF(expect_rank(op, "h", h, 2));
   BARO_RETURN_IF(expect_rank(op, "router", router, 2));
   BARO_RETURN_IF(expect_rank(op, "w_gate_up_pool", w_gate_up_pool, 3));

@@ -74,11 +74,13 @@ inline void finish_row(const uint16_t* hr, const float* routed, const uint16_t* 
 }
 
 // The MoE over m rows. slots == nullptr: expert e's weights are w_gate_up[e] / w_down[e];
-// else they are the pool's slot slots[e] (S slots); a routed expert with no slot is an error.
+// else they are the pool's slot slots[e] (S slots); a routed expert with no slot is an error,
+// unless a host store is given (host_gu / host_dn, [E, ...]): then its weights are read there.
 ffi::Error moe_rows(const baro::MoeDims& dims, const uint16_t* hp, const uint16_t* rp,
                     const uint16_t* gup, const uint16_t* dnp, const int32_t* slots, int64_t S,
                     const uint16_t* sgup, const uint16_t* sdnp, const uint16_t* sgp, int32_t top_k,
-                    float* outp) {
+                    float* outp, const uint16_t* host_gu = nullptr, const uint16_t* host_dn = nullptr) {
+  const bool host = host_gu != nullptr && host_dn != nullptr;
   const int64_t m = dims.m, D = dims.D, E = dims.E, I = dims.I, Is = dims.Is;
   const int64_t K = top_k;
   std::mutex bad_mu;  // the first (row, expert) routed to an expert with no slot
@@ -93,7 +95,7 @@ ffi::Error moe_rows(const baro::MoeDims& dims, const uint16_t* hp, const uint16_
       const uint16_t* hr = hp + i * D;
       float wsum;
       route_row(hr, rp, D, E, K, p.data(), taken.data(), sel.data(), &wsum);
-      if (slots != nullptr) {  // every routed expert must be resident
+      if (slots != nullptr && !host) {  // every routed expert must be resident
         bool ok = true;
         for (int64_t s = 0; s < K && ok; ++s) {
           const int32_t sl = slots[sel[s]];
@@ -113,8 +115,11 @@ ffi::Error moe_rows(const baro::MoeDims& dims, const uint16_t* hp, const uint16_
       for (int64_t s = 0; s < K; ++s) {
         const int64_t e = sel[s];
         const int64_t w = slots != nullptr ? slots[e] : e;
+        const bool from_host = host && (w < 0 || w >= S);  // not resident: the store's copy
+        const uint16_t* gu = from_host ? host_gu + e * 2 * I * D : gup + w * 2 * I * D;
+        const uint16_t* dn = from_host ? host_dn + e * D * I : dnp + w * D * I;
         const float wk = p[e] / wsum;
-        swiglu(hr, gup + w * 2 * I * D, dnp + w * D * I, D, I, act.data(), y.data());
+        swiglu(hr, gu, dn, D, I, act.data(), y.data());
         accumulate_pair(wk, y.data(), D, routed.data());
       }
       // 5. shared expert, gated
@@ -180,6 +185,30 @@ ffi::Error MoeSlotsSmallImpl(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> ro
                              ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::U8>) {
   return MoeSlotsImpl(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate,
                       top_k, out);
+}
+
+// baro_moe_host_small: baro_moe_slots whose routed experts with no slot are read from the
+// host store at the given addresses (the whole [E, ...] arrays; custom_calls/moe.py takes them
+// from live arrays it checked). Same bytes as baro_moe: the same weights in the same order.
+ffi::Error MoeHostSmallImpl(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> router,
+                            ffi::Buffer<ffi::BF16> w_gate_up_pool, ffi::Buffer<ffi::BF16> w_down_pool,
+                            ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::BF16> shared_gate_up,
+                            ffi::Buffer<ffi::BF16> shared_down, ffi::Buffer<ffi::BF16> shared_gate, int32_t top_k,
+                            int64_t host_gate_up, int64_t host_down, ffi::ResultBuffer<ffi::F32> out,
+                            ffi::ResultBuffer<ffi::U8>) {
+  const char* op = "baro_moe_host";
+  baro::MoeDims dims;
+  int64_t S = 0;
+  if (auto err = baro::check_moe_slots(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up,
+                                       shared_down, shared_gate, top_k, *out, dims, S, op);
+      err.failure())
+    return err;
+  if (host_gate_up == 0 || host_down == 0)
+    return ffi::Error::InvalidArgument(std::string(op) + ": host_gate_up and host_down must be the store's addresses, got 0");
+  return moe_rows(dims, h.typed_data(), router.typed_data(), w_gate_up_pool.typed_data(),
+                  w_down_pool.typed_data(), slots.typed_data(), S, shared_gate_up.typed_data(),
+                  shared_down.typed_data(), shared_gate.typed_data(), top_k, out->typed_data(),
+                  reinterpret_cast<const uint16_t*>(host_gate_up), reinterpret_cast<const uint16_t*>(host_down));
 }
 
 // baro_moe_route: the expert ids [m, top_k] (slot order) baro_moe routes each row to.
@@ -312,6 +341,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSmallCpu, MoeSmallImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsSmallCpu, MoeSlotsSmallImpl,
                               BARO_BIND_SCRATCH(BARO_BIND_MOE_SLOTS_ARGS(ffi::Ffi::Bind())));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeHostSmallCpu, MoeHostSmallImpl, BARO_BIND_MOE_HOST_ARGS(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeRouteCpu, MoeRouteImpl,
                               ffi::Ffi::Bind()

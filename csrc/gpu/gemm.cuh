@@ -47,6 +47,7 @@ struct Row1Moe {
   float* wts = nullptr;
   int64_t max_tiles = 0;
   const int32_t* slots = nullptr;
+  int host = 0;  // the routed experts with no slot are read from GemmParams::W_host (host_group)
   // kCombine: counters[u] counts the slots done of output column unit u (n_counters of
   // them, zero on entry: the kRoute GEMM zeroes them); the warp that completes a unit's
   // last slot writes out[c] = the slot-order sum over the k pairs + sigmoid(sgl) * the
@@ -83,6 +84,10 @@ struct GemmParams {
   int64_t n_split = 0;
   const uint16_t* W_last = nullptr;
   int64_t last_group = -1;
+  // A tile of group g <= kHostGroup0 reads expert kHostGroup0 - g of W_host ([E][N][ldw], the
+  // same group stride): tier decode's experts with no pool slot, read from pinned host memory
+  // over the host link (baro_moe_host; 16-byte cp.async, not the copy engine).
+  const uint16_t* W_host = nullptr;
   Row1Moe moe;  // gemm_row1 only
   int pdl = 0;  // gemm_row1 only: launch_dependent (not the first kernel of its handler)
   // Filled by launch_gemm:

@@ -157,10 +157,10 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
     int32_t* r_tiles = pub ? mo.tiles : sm + kRow1RouteInts;
     if (mo.E <= BARO_WARP * kTopkRegPerSmall)
       route_one_row<kTopkRegPerSmall, false>(mo.logits, r_ids, r_wts, mo.E, mo.k, 1, r_srow, r_inv, r_tiles, r_nt,
-                                             mo.max_tiles, mo.slots, mo.S, 0, mo.fold_group);
+                                             mo.max_tiles, mo.slots, mo.S, 0, mo.fold_group, mo.host);
     else
       route_one_row<kTopkRegPer, false>(mo.logits, r_ids, r_wts, mo.E, mo.k, 1, r_srow, r_inv, r_tiles, r_nt,
-                                        mo.max_tiles, mo.slots, mo.S, 0, mo.fold_group);
+                                        mo.max_tiles, mo.slots, mo.S, 0, mo.fold_group, mo.host);
     if (pub)
       for (int i = lane; i < mo.n_counters; i += BARO_WARP) mo.counters[i] = 0u;
     __syncwarp();  // the lanes' route stores, before any lane reads them
@@ -221,7 +221,12 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
     gemm_slot(p, tiles, n_tiles, slot, group, r0, rc);  // rc == 1: slot < slots, slot_rows == 1
     const int64_t ar = a_rows != nullptr ? static_cast<int64_t>(a_rows[r0]) : r0;
     r.a = p.A + ar * p.lda;
-    r.w = p.W_last != nullptr && group == p.last_group ? p.W_last : p.W + group * p.w_group_stride;
+    if (p.W_last != nullptr && group == p.last_group)
+      r.w = p.W_last;
+    else if (p.W_host != nullptr && group <= kHostGroup0)
+      r.w = p.W_host + (kHostGroup0 - group) * p.w_group_stride;
+    else
+      r.w = p.W + group * p.w_group_stride;
     r.row = r0;
     r.nc = out_n - r.c0 < Cfg::kOutCols ? static_cast<int>(out_n - r.c0) : Cfg::kOutCols;
     return r;

@@ -191,7 +191,13 @@ struct MoeArgs {
   int64_t S = 0;
   // Grouping only: experts with no slot get no GEMM tiles (baro_moe_pairs: another shard's).
   bool skip_unslotted = false;
+  // baro_moe_host (one token, the fold path only): an expert with no slot is read from the host
+  // store ([E, 2I, D] / [E, D, I], device-accessible pinned host memory) instead of NaN rows.
+  const uint16_t* host_gu = nullptr;
+  const uint16_t* host_dn = nullptr;
 };
+// Whether launch_moe runs a's one-token fold path (the only one that reads a host store).
+bool moe_runs_fold(const MoeArgs& a);
 constexpr int kMoeMaxExperts = 8192;
 // Bytes of device scratch launch_moe needs (256-byte aligned pieces).
 size_t moe_scratch_bytes(const MoeArgs& a);

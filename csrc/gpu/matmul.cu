@@ -199,7 +199,9 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
   // the kernel walks its units in 32-bit (slot, column unit) cursors
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   if (row_slots * ((out_n + Cfg::kOutCols - 1) / Cfg::kOutCols) > 0x7fffffffLL) return gpuErrorInvalidValue;
-  Row1Ring ring{plan.kchunk_max, 0, 0, plan.lsu, 0};
+  // host-store experts (W_host) come over the host link through 16-byte cp.async: the bulk
+  // copies are not relied on for pinned host memory
+  Row1Ring ring{plan.kchunk_max, 0, 0, plan.lsu || p.W_host != nullptr ? 1 : 0, 0};
   const int64_t k128 = (p.K + 127) / 128 * 128;
   while (ring.kchunk > 128 && ring.kchunk / 2 >= k128) ring.kchunk /= 2;  // no wider than K
   for (;;) {
@@ -308,7 +310,7 @@ bool gemm_row1_moe_ok(const GemmParams& p, GemmConfig cfg) {
 gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStream_t stream) {
   const bool swiglu = p.Act != nullptr;
   if (row_slots <= 0 || p.N <= 0) return gpuSuccess;  // nothing to compute
-  const bool split_w = p.W_tail != nullptr || p.W_last != nullptr;  // gemm_row1 alone reads them
+  const bool split_w = p.W_tail != nullptr || p.W_last != nullptr || p.W_host != nullptr;  // gemm_row1 alone reads them
   if (split_w && (cfg != GemmConfig::kRow1 || !gemm_row1_runs(p) || (p.W_last != nullptr && p.last_group >= 0)))
     return gpuErrorInvalidValue;
   if (p.moe.kind != Row1Moe::kNone && !gemm_row1_moe_ok(p, cfg)) return gpuErrorInvalidValue;

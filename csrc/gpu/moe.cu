@@ -222,9 +222,10 @@ __global__ void __launch_bounds__(BARO_WARP)
                          int E, int k, int bm, int32_t* __restrict__ srow, int32_t* __restrict__ inv,
                          int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles, int64_t max_tiles,
                          const int32_t* __restrict__ slots, int S, int skip, int fold_group,
-                         uint32_t* __restrict__ counters = nullptr, int n_counters = 0) {
+                         uint32_t* __restrict__ counters = nullptr, int n_counters = 0, int host = 0) {
   grid_dependency_wait();  // launch_dependent after the router GEMM
-  route_one_row<kPer>(probs, ids, wts, E, k, bm, srow, inv, tiles, n_tiles, max_tiles, slots, S, skip, fold_group);
+  route_one_row<kPer>(probs, ids, wts, E, k, bm, srow, inv, tiles, n_tiles, max_tiles, slots, S, skip, fold_group,
+                      host);
   for (int i = lane_id(); i < n_counters; i += BARO_WARP) counters[i] = 0u;  // the down GEMM's combine
 }
 
@@ -464,6 +465,8 @@ static size_t moe_layout(const MoeArgs& a, char* base, MoeScratch* s) {
   return off;
 }
 
+bool moe_runs_fold(const MoeArgs& a) { return a.m >= 1 && moe_plan(a).fold; }
+
 size_t moe_scratch_bytes(const MoeArgs& a) {
   if (a.m <= 0) return 0;
   return moe_layout(a, nullptr, nullptr);
@@ -542,7 +545,7 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
       BARO_MOE_TRY(launch_dependent(route, dim3(1), dim3(BARO_WARP), 0, stream, s.logits, s.ids, s.wts,
                                     static_cast<int>(E), a.top_k, bm, s.srow, s.inv, s.tiles, s.n_tiles, max_tiles,
                                     a.slots, static_cast<int>(a.S), 0, kSharedGroup, s.tail_cnt,
-                                    pl.tail ? static_cast<int>(moe_tail_counters(a)) : 0));
+                                    pl.tail ? static_cast<int>(moe_tail_counters(a)) : 0, a.host_gu ? 1 : 0));
     }
   } else {
   // 1. router logits [m, E]
@@ -578,6 +581,7 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     if (pl.fold) {  // the shared expert's gate/up rows for the last tile
       p.W_last = a.s_gate_up;
       p.last_group = kSharedGroup;
+      p.W_host = a.host_gu;
       p.pdl = 1;  // after the router GEMM (and the route kernel)
     }
     if (pl.tail_route) {  // 2-3 in every warp of this GEMM (block 0 stores them for step 5)
@@ -586,6 +590,7 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
       mo.logits = s.logits;
       mo.E = static_cast<int>(E);
       mo.fold_group = kSharedGroup;
+      mo.host = a.host_gu ? 1 : 0;
       mo.srow = s.srow;
       mo.tiles = s.tiles;
       mo.n_tiles = s.n_tiles;
@@ -614,11 +619,13 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     if (pl.fold) {
       p.W_last = a.s_down;
       p.last_group = kSharedGroup;
+      p.W_host = a.host_dn;
       p.pdl = 1;
     }
     if (pl.tail) {  // 7 as the last slot of each column unit lands
       Row1Moe& mo = p.moe;
       mo = moe_row1_tail(a, s, Row1Moe::kCombine);
+      if (a.host_gu) mo.slots = nullptr;  // no NaN rows: an expert with no slot came from the host store
       mo.sout = s.ys + a.top_k * D;  // the shared expert is grouped row k
       mo.sgl = s.logits + E;         // its gate logit after the router's
       mo.out = a.out;
@@ -634,12 +641,13 @@ static gpuError_t combine(const MoeArgs& a, const float* ys, const int32_t* inv,
                           const float* sout, const float* sgl, const int32_t* ids, gpuStream_t stream) {
   const int64_t m = a.m, D = a.D;
   const bool v4 = D % 4 == 0 && aligned16(a.out) && aligned16(ys);
+  const int32_t* slots = a.host_gu ? nullptr : a.slots;  // host store: no expert lacks its weights
   // always after the kernels that made ys in this handler
   if (v4)
     return launch_dependent(moe_combine_kernel<4>, dim3(elem_blocks(m * D / 4)), dim3(kElemThreads), 0, stream, ys,
-                            inv, wts, sout, sgl, a.out, m, D, a.top_k, ids, a.slots, static_cast<int>(a.S));
+                            inv, wts, sout, sgl, a.out, m, D, a.top_k, ids, slots, static_cast<int>(a.S));
   return launch_dependent(moe_combine_kernel<1>, dim3(elem_blocks(m * D)), dim3(kElemThreads), 0, stream, ys, inv,
-                          wts, sout, sgl, a.out, m, D, a.top_k, ids, a.slots, static_cast<int>(a.S));
+                          wts, sout, sgl, a.out, m, D, a.top_k, ids, slots, static_cast<int>(a.S));
 }
 
 // Step 6: the shared expert's output sout [m, D] and its gate logit sgl [m].
@@ -657,6 +665,8 @@ gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream) {
   MoeScratch s;
   moe_layout(a, static_cast<char*>(scratch), &s);
   const MoePlan pl = moe_plan(a);
+  if ((a.host_gu != nullptr || a.host_dn != nullptr) && (!pl.fold || !a.host_gu || !a.host_dn))
+    return gpuErrorInvalidValue;  // the handler says why first (moe_runs_fold)
   BARO_MOE_TRY(routed_experts(a, s, pl, stream));  // 1-5 (fold: and 6; tail: and 7)
   if (pl.tail) return gpuSuccess;
   if (pl.fold)  // the shared expert's output is grouped row P, its gate logit after the router's
@@ -799,7 +809,8 @@ ffi::Error run_moe(const char* op, gpuStream_t stream, ScratchSource scratch,
                    ffi::Buffer<ffi::BF16>& router, ffi::Buffer<ffi::BF16>& w_gate_up,
                    ffi::Buffer<ffi::BF16>& w_down, const int32_t* slots, int64_t S,
                    ffi::Buffer<ffi::BF16>& shared_gate_up, ffi::Buffer<ffi::BF16>& shared_down,
-                   ffi::Buffer<ffi::BF16>& shared_gate, ffi::Result<ffi::Buffer<ffi::F32>>& out) {
+                   ffi::Buffer<ffi::BF16>& shared_gate, ffi::Result<ffi::Buffer<ffi::F32>>& out,
+                   const uint16_t* host_gu = nullptr, const uint16_t* host_dn = nullptr) {
   const int64_t m = dims.m, D = dims.D, E = dims.E, I = dims.I, Is = dims.Is;
   BARO_CHECK(E <= baro_gpu::kMoeMaxExperts, op,
              "the GPU kernel supports at most " << baro_gpu::kMoeMaxExperts << " experts, got E=" << E);
@@ -825,6 +836,13 @@ ffi::Error run_moe(const char* op, gpuStream_t stream, ScratchSource scratch,
   a.top_k = top_k;
   a.slots = slots;
   a.S = S;
+  a.host_gu = host_gu;
+  a.host_dn = host_dn;
+  if (host_gu != nullptr)
+    BARO_CHECK(baro_gpu::moe_runs_fold(a), op,
+               "the GPU reads experts from the host store only in the one-token path (m = 1, the shared "
+               "expert as wide as a routed one, top_k <= 32, BARO_MOE_FOLD unset); got m="
+                   << m << ", I=" << I << ", Is=" << Is << ", top_k=" << top_k);
   void* mem = nullptr;
   if (auto err = take_scratch(op, scratch, baro_gpu::moe_scratch_bytes(a), &mem); err.failure()) return err;
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_moe(a, mem, stream));
@@ -879,6 +897,50 @@ ffi::Error moe_slots_common(const char* op, gpuStream_t stream, ScratchSource sc
     return err;
   return run_moe(op, stream, scratch, dims, top_k, h, router, w_gate_up_pool, w_down_pool,
                  slots.typed_data(), S, shared_gate_up, shared_down, shared_gate, out);
+}
+
+// A host-store address the kernels may read: pinned host memory the device maps (on a 64-bit
+// CUDA host with unified addressing, the same address). Returns the device-side address.
+static ffi::Error host_store_pointer(const char* op, const char* name, int64_t addr, const uint16_t** out) {
+  BARO_CHECK(addr != 0, op, name << " must be the host store's address, got 0");
+#if BARO_HIP
+  (void)out;
+  return ffi::Error::InvalidArgument(std::string(op) + ": reading experts from the host store is CUDA-only so far");
+#else
+  cudaPointerAttributes attr{};
+  const cudaError_t e = cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(addr));
+  (void)cudaGetLastError();
+  BARO_CHECK(e == cudaSuccess && attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, op,
+             name << " is not pinned host memory the device can read (cudaPointerGetAttributes: "
+                  << (e == cudaSuccess ? "type " + std::to_string(static_cast<int>(attr.type)) : cudaGetErrorString(e))
+                  << ")");
+  *out = static_cast<const uint16_t*>(attr.devicePointer);
+  return ffi::Error::Success();
+#endif
+}
+
+// baro_moe_host_small: baro_moe_slots whose routed experts with no slot are read from the host
+// store at host_gate_up / host_down ([E, 2I, D] / [E, D, I] bf16) by the one-token kernels
+// (16-byte loads over the host link) instead of coming out NaN. The same weights in the same
+// order, so baro_moe's bytes.
+ffi::Error MoeHostSmallGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> router,
+                               ffi::Buffer<ffi::BF16> w_gate_up_pool, ffi::Buffer<ffi::BF16> w_down_pool,
+                               ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::BF16> shared_gate_up,
+                               ffi::Buffer<ffi::BF16> shared_down, ffi::Buffer<ffi::BF16> shared_gate, int32_t top_k,
+                               int64_t host_gate_up, int64_t host_down, ffi::ResultBuffer<ffi::F32> out,
+                               ffi::ResultBuffer<ffi::U8> scratch) {
+  const char* op = "baro_moe_host";
+  baro::MoeDims dims;
+  int64_t S = 0;
+  if (auto err = baro::check_moe_slots(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up,
+                                       shared_down, shared_gate, top_k, *out, dims, S, op);
+      err.failure())
+    return err;
+  const uint16_t *gu = nullptr, *dn = nullptr;
+  if (auto err = host_store_pointer(op, "host_gate_up", host_gate_up, &gu); err.failure()) return err;
+  if (auto err = host_store_pointer(op, "host_down", host_down, &dn); err.failure()) return err;
+  return run_moe(op, stream, ScratchSource{nullptr, &scratch}, dims, top_k, h, router, w_gate_up_pool, w_down_pool,
+                 slots.typed_data(), S, shared_gate_up, shared_down, shared_gate, out, gu, dn);
 }
 
 ffi::Error MoeSlotsGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::BF16> h,
@@ -1029,6 +1091,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSmallGpu, MoeSmallGpuImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsSmallGpu, MoeSlotsSmallGpuImpl,
                               BARO_BIND_SCRATCH(BARO_BIND_MOE_SLOTS_ARGS(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>())),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeHostSmallGpu, MoeHostSmallGpuImpl,
+                              BARO_BIND_MOE_HOST_ARGS(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeRouteGpu, MoeRouteGpuImpl,

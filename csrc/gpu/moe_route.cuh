@@ -162,6 +162,14 @@ BARO_DEV int weight_group(int e, const int32_t* slots, int S) {
   return s < 0 ? 0 : (s >= S ? S - 1 : s);
 }
 
+// host (baro_moe_host): an expert with no slot is read from the host store, group
+// kHostGroup0 - e (below the folded shared expert's -2), instead of clamped into the pool.
+constexpr int kHostGroup0 = -3;
+BARO_DEV int tile_group(int e, const int32_t* slots, int S, int host) {
+  if (host && slots != nullptr && (slots[e] < 0 || slots[e] >= S)) return kHostGroup0 - e;
+  return weight_group(e, slots, S);
+}
+
 // One token (m == 1, k <= 32, E <= 32 kTopkRegPer): top-k and grouping in one warp, one
 // launch instead of two (the grouping block's scan was 3.4 us of a decode layer). The same
 // top-k (topk_row) and the same result as moe_group_one_kernel: sorted position of pair s =
@@ -173,7 +181,8 @@ template <int kPer, bool kWriteBack = true>
 BARO_DEV void route_one_row(float* __restrict__ probs, int32_t* __restrict__ ids, float* __restrict__ wts,
                             int E, int k, int bm, int32_t* __restrict__ srow, int32_t* __restrict__ inv,
                             int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles, int64_t max_tiles,
-                            const int32_t* __restrict__ slots, int S, int skip, int fold_group) {
+                            const int32_t* __restrict__ slots, int S, int skip, int fold_group,
+                            int host = 0) {
   // Every count below comes from the lanes' registers through shuffles (k <= 32: lane j holds
   // pair j's expert): the first version re-read ids from global memory inside O(k^3) loops,
   // hundreds of dependent round trips (13.6 us of a 1-warp kernel, 0.54 ms per decode token).
@@ -205,7 +214,7 @@ BARO_DEV void route_one_row(float* __restrict__ probs, int32_t* __restrict__ ids
     int64_t nt = tiles_below;
     for (int st = 0; st < count && own > 0; st += bm, ++nt) {
       if (nt < max_tiles) {
-        tiles[3 * nt + 0] = weight_group(e, slots, S);
+        tiles[3 * nt + 0] = tile_group(e, slots, S, host);
         tiles[3 * nt + 1] = below + st;
         tiles[3 * nt + 2] = count - st < bm ? count - st : bm;
       }

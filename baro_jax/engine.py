@@ -330,7 +330,7 @@ class Engine:
         this block's tokens are read back, so the device never waits on the host between blocks.
         The state yielded is the newest one (after the block in flight; after the last block at
         the end). A caller that stops early abandons at most one block of work."""
-        if self.mode == "tier":  # tier decode stages experts from Python per layer: one step per call
+        if self.mode == "tier" and self.direct is None:  # the cache's steps stage experts from Python per layer
             block = 1
         else:
             block = env_decode_block()
@@ -348,7 +348,11 @@ class Engine:
             queued = None
             if done < n:
                 k = min(block, n - done)
-                if k == block:
+                if self.direct is not None:  # tier, one graph per block (staging.DirectDecode)
+                    dev, tok, state = self.direct.greedy(state, tok, jnp.int32(pos + done), None if k == block else
+                                                         jnp.int32(k), self.rope, cfg=self.cfg, ops=self.ops,
+                                                         block=block)
+                elif k == block:
                     dev, tok, state = _GREEDY_FULL(self.params, state, tok, jnp.int32(pos + done),
                                                    rope=self.rope, cfg=self.cfg, ops=self.ops, block=block)
                 else:

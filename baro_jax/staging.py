@@ -397,6 +397,30 @@ def _direct_forward(params, state, tokens, pos, n_valid, rope, pools, tables, *,
 _DIRECT = jax.jit(_direct_forward, static_argnames=("cfg", "ops", "hosts"), donate_argnums=(1,))
 
 
+def _direct_greedy(params, state, token, pos, n, rope, pools, tables, *, cfg: Config, ops, hosts, block: int):
+    """engine.greedy_steps through _direct_forward: up to `block` greedy steps in one graph (n
+    None: exactly block, a loop of known trip count). Returns (tokens [block], last, state)."""
+    from .sampling import greedy
+
+    def body(i, carry):
+        st, tok, toks = carry
+        logits, st = _direct_forward(params, st, tok[None], pos + i, jax.numpy.int32(1), rope, pools, tables,
+                                     cfg=cfg, ops=ops, hosts=hosts)
+        nxt = greedy(logits)
+        return st, nxt, toks.at[i].set(nxt)
+
+    steps = block if n is None else n
+    st, last, toks = jax.lax.fori_loop(0, steps, body, (state, token, jax.numpy.full((block,), -1, jax.numpy.int32)))
+    return toks, last, st
+
+
+_DIRECT_GREEDY = jax.jit(_direct_greedy, static_argnames=("cfg", "ops", "hosts", "block"), donate_argnums=(1,))
+_DIRECT_GREEDY_FULL = jax.jit(lambda params, state, token, pos, rope, pools, tables, *, cfg, ops, hosts, block:
+                              _direct_greedy(params, state, token, pos, None, rope, pools, tables, cfg=cfg, ops=ops,
+                                             hosts=hosts, block=block),
+                              static_argnames=("cfg", "ops", "hosts", "block"), donate_argnums=(1,))
+
+
 class DirectDecode:
     """Tier decode in one graph per token: the cache's pools as they stand (no LRU traffic while
     it runs), every other routed expert read from the host store by the MoE kernels. The same
@@ -426,6 +450,15 @@ class DirectDecode:
         pools = tuple(tuple(p) for p in self.cache.pools)
         return _DIRECT(self.params, state, tokens, pos, n_valid, rope, pools, self.tables, cfg=cfg, ops=ops,
                        hosts=self.hosts)
+
+    def greedy(self, state, token, pos, n, rope, *, cfg: Config, ops, block: int):
+        """engine.greedy_steps' contract (n None: exactly block steps) in one graph per block."""
+        pools = tuple(tuple(p) for p in self.cache.pools)
+        if n is None:
+            return _DIRECT_GREEDY_FULL(self.params, state, token, pos, rope, pools, self.tables, cfg=cfg, ops=ops,
+                                       hosts=self.hosts, block=block)
+        return _DIRECT_GREEDY(self.params, state, token, pos, n, rope, pools, self.tables, cfg=cfg, ops=ops,
+                              hosts=self.hosts, block=block)
 
 
 def memory_kinds(params) -> dict[str, Any]:

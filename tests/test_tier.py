@@ -198,7 +198,21 @@ def test_direct_decode_bytes_equal_resident(engines, monkeypatch):
             assert a.tobytes() == b.tobytes(), f"decode step {i}"
         names = identity.state_names(res.cfg)
         assert identity.first_diff(want_state, got_state, names) is None
-        ec = tier.generate(ids, 4, prefill="batch", chunk=16).to_json()["expert_cache"]
+        # greedy blocks (one graph per 16 steps, then a shorter block): resident's tokens and state
+        import jax
+
+        n = 20
+        want = res.prefill(ids, "batch", 16, n_new=n + 1)
+        got = tier.prefill(ids, "batch", 16, n_new=n + 1)
+        first = int(np.argmax(np.asarray(want.logits)))
+        wt, ws = res.greedy_decode(first, want.state, len(ids), n)
+        gt, gs = tier.greedy_decode(first, got.state, len(ids), n)
+        assert wt == gt
+        assert identity.first_diff([np.asarray(x) for x in jax.tree_util.tree_leaves(ws)],
+                                   [np.asarray(x) for x in jax.tree_util.tree_leaves(gs)], names) is None
+        r = tier.generate(ids, 4, prefill="batch", chunk=16)
+        assert r.generated_ids == res.generate(ids, 4, prefill="batch", chunk=16).generated_ids
+        ec = r.to_json()["expert_cache"]
         assert ec["decode_path"] == "direct" and ec["resident_share"] == S / tier.cfg.num_experts
     finally:
         monkeypatch.delenv("BARO_TIER_DECODE")

@@ -435,6 +435,13 @@ class DirectDecode:
         self.hosts = host_stores(layers)
         self.params = {**{k: v for k, v in params.items() if k != "layers"},
                        "layers": tuple(split_layer(lp)[0] for lp in layers)}
+        # An empty pool would send every routed expert over the host link: fill each layer's
+        # empty pool with its first `slots` experts once (with no routing statistics yet, any
+        # choice is as good under uniform routing: slots / E of the routed experts resident).
+        for i, table in enumerate(cache.slot_of):
+            if not (table >= 0).any():
+                cache.ensure(i, np.arange(cache.slots))
+        cache.reset_stats()
         self.refresh()
 
     def refresh(self):

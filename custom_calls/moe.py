@@ -134,6 +134,11 @@ def _address(op, name, x) -> int:
                         f"compiled call), got {type(x).__name__}")
     if len(x.addressable_shards) != 1:
         raise ValueError(f"{op}: {name} must live on one device, got {len(x.addressable_shards)} shards")
+    dev = next(iter(x.devices()))
+    kind = getattr(x.sharding, "memory_kind", None)
+    if dev.platform != "cpu" and kind not in (None, "device", "pinned_host"):
+        raise ValueError(f"{op}: {name} is in {kind} memory, which the {dev.platform} kernels cannot read; "
+                         f"put the store in pinned_host memory (baro_jax.staging.to_store does)")
     return int(x.addressable_data(0).unsafe_buffer_pointer())
 
 

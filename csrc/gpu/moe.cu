@@ -899,19 +899,32 @@ ffi::Error moe_slots_common(const char* op, gpuStream_t stream, ScratchSource sc
                  slots.typed_data(), S, shared_gate_up, shared_down, shared_gate, out);
 }
 
-// A host-store address the kernels may read: pinned host memory the device maps (on a 64-bit
-// CUDA host with unified addressing, the same address). Returns the device-side address.
-static ffi::Error host_store_pointer(const char* op, const char* name, int64_t addr, const uint16_t** out) {
+// A host-store address the kernels may read: pinned host memory the device maps, or device
+// memory (on a 64-bit CUDA host with unified addressing, the same address). Returns the
+// device-side address. While the stream is being captured into a graph no query is made (it
+// is not a stream operation XLA's capture allows for certain): the address is used as given,
+// which unified addressing makes the device's; XLA runs a command buffer's handlers once
+// uncaptured first, and the Python side hands over only live pinned-host or device arrays.
+static ffi::Error host_store_pointer(const char* op, const char* name, int64_t addr, gpuStream_t stream,
+                                     const uint16_t** out) {
   BARO_CHECK(addr != 0, op, name << " must be the host store's address, got 0");
 #if BARO_HIP
   (void)out;
+  (void)stream;
   return ffi::Error::InvalidArgument(std::string(op) + ": reading experts from the host store is CUDA-only so far");
 #else
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &cap) != cudaSuccess || cap != cudaStreamCaptureStatusNone) {
+    (void)cudaGetLastError();
+    *out = reinterpret_cast<const uint16_t*>(addr);
+    return ffi::Error::Success();
+  }
   cudaPointerAttributes attr{};
   const cudaError_t e = cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(addr));
   (void)cudaGetLastError();
-  BARO_CHECK(e == cudaSuccess && attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, op,
-             name << " is not pinned host memory the device can read (cudaPointerGetAttributes: "
+  BARO_CHECK(e == cudaSuccess && (attr.type == cudaMemoryTypeHost || attr.type == cudaMemoryTypeDevice) &&
+                 attr.devicePointer != nullptr, op,
+             name << " is not pinned host or device memory the device can read (cudaPointerGetAttributes: "
                   << (e == cudaSuccess ? "type " + std::to_string(static_cast<int>(attr.type)) : cudaGetErrorString(e))
                   << ")");
   *out = static_cast<const uint16_t*>(attr.devicePointer);
@@ -937,8 +950,8 @@ ffi::Error MoeHostSmallGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi
       err.failure())
     return err;
   const uint16_t *gu = nullptr, *dn = nullptr;
-  if (auto err = host_store_pointer(op, "host_gate_up", host_gate_up, &gu); err.failure()) return err;
-  if (auto err = host_store_pointer(op, "host_down", host_down, &dn); err.failure()) return err;
+  if (auto err = host_store_pointer(op, "host_gate_up", host_gate_up, stream, &gu); err.failure()) return err;
+  if (auto err = host_store_pointer(op, "host_down", host_down, stream, &dn); err.failure()) return err;
   return run_moe(op, stream, ScratchSource{nullptr, &scratch}, dims, top_k, h, router, w_gate_up_pool, w_down_pool,
                  slots.typed_data(), S, shared_gate_up, shared_down, shared_gate, out, gu, dn);
 }

@@ -11,6 +11,14 @@
 
 namespace baro_gpu {
 
+// A runtime-trip loop unrolled by 8 where the compiler does it (nvcc); hipcc warns that it
+// cannot, so there it is a plain loop.
+#if BARO_HIP
+#define BARO_UNROLL_BY_8
+#else
+#define BARO_UNROLL_BY_8 _Pragma("unroll 8")
+#endif
+
 constexpr int kTopkRegPer = 16;  // E <= 512 in registers
 // E <= 256 (Qwen3.5's 256 experts) holds 8 per lane: the entries past E are skipped by the
 // e < E tests anyway, so the bits are kTopkRegPer's, in half the scan.
@@ -191,8 +199,8 @@ BARO_DEV void route_one_row(float* __restrict__ probs, int32_t* __restrict__ ids
   const int e = lane < k ? clamp_expert(picked, E) : E;
   const bool tiled = lane < k && !(skip && slots != nullptr && slots[e] < 0);
   int below = 0, before = 0, count = 0;  // pairs of lower experts; earlier pairs of e; pairs of e
-#pragma unroll 8
-  for (int j = 0; j < k; ++j) {  // unrolled: the shuffles are independent, issued back to back
+BARO_UNROLL_BY_8
+  for (int j = 0; j < k; ++j) {  // unrolled on CUDA: the shuffles are independent, issued back to back
     const int ej = shfl_idx(e, j);
     below += ej < e;
     before += ej == e && j < lane;
@@ -201,7 +209,7 @@ BARO_DEV void route_one_row(float* __restrict__ probs, int32_t* __restrict__ ids
   // tiles of this pair's expert when the pair is its expert's first (stable by pair)
   const int own = before == 0 && tiled ? (count + bm - 1) / bm : 0;
   int64_t tiles_below = 0, total = 0;  // tiles of the experts below e; of every expert
-#pragma unroll 8
+BARO_UNROLL_BY_8
   for (int j = 0; j < k; ++j) {
     const int tj = shfl_idx(own, j);
     tiles_below += shfl_idx(e, j) < e ? tj : 0;

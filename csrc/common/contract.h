@@ -23,7 +23,7 @@
       .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* shared_gate */                                \
       .Attr<int32_t>("top_k")                                                                       \
       .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>() /* out */
-#define BARO_BIND_MOE_SLOTS_ARGS(bind)                                                              \
+#define BARO_BIND_MOE_SLOTS_OPERANDS(bind)                                                          \
   (bind)                                                                                            \
       .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* h */                                          \
       .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* router */                                     \
@@ -33,21 +33,13 @@
       .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* shared_gate_up */                             \
       .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* shared_down */                                \
       .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* shared_gate */                                \
-      .Attr<int32_t>("top_k")                                                                       \
-      .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>() /* out */
-// baro_moe_host_small: baro_moe_slots' list, then the host store's addresses (the routed
-// experts with no slot are read there: [E, 2I, D] and [E, D, I] bf16), then the scratch.
+      .Attr<int32_t>("top_k")
+#define BARO_BIND_MOE_SLOTS_ARGS(bind) \
+  BARO_BIND_MOE_SLOTS_OPERANDS(bind).Ret<::xla::ffi::Buffer<::xla::ffi::F32>>() /* out */
+// baro_moe_host_small: baro_moe_slots' operands, then the host store's addresses (the routed
+// experts with no slot are read there: [E, 2I, D] and [E, D, I] bf16), out and the scratch.
 #define BARO_BIND_MOE_HOST_ARGS(bind)                                                               \
-  (bind)                                                                                            \
-      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* h */                                          \
-      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* router */                                     \
-      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* w_gate_up_pool [S, 2I, D] */                  \
-      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* w_down_pool [S, D, I] */                      \
-      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* slots [E] */                                   \
-      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* shared_gate_up */                             \
-      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* shared_down */                                \
-      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* shared_gate */                                \
-      .Attr<int32_t>("top_k")                                                                       \
+  BARO_BIND_MOE_SLOTS_OPERANDS(bind)                                                                \
       .Attr<int64_t>("host_gate_up") /* address of the store's gate_up [E, 2I, D] */                \
       .Attr<int64_t>("host_down")    /* address of the store's down [E, D, I] */                    \
       .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>() /* out */                                         \
@@ -320,6 +312,24 @@ inline ::xla::ffi::Error check_moe_slots(const ::xla::ffi::Buffer<::xla::ffi::BF
   BARO_CHECK(top_k >= 1 && top_k <= E, op, "top_k must be in [1, E=" << E << "], got " << top_k);
   BARO_RETURN_IF(expect_shape(op, "out (result)", out, {m, D}));
   d = MoeDims{m, D, E, I, Is};
+  return ::xla::ffi::Error::Success();
+}
+
+// baro_moe_host: baro_moe_slots' operands, and the host store's two addresses, which must be set
+// (what they point at is the caller's contract: custom_calls/moe.py hands over live arrays).
+inline ::xla::ffi::Error check_moe_host(const ::xla::ffi::Buffer<::xla::ffi::BF16>& h, const ::xla::ffi::Buffer<::xla::ffi::BF16>& router,
+                                        const ::xla::ffi::Buffer<::xla::ffi::BF16>& w_gate_up_pool, const ::xla::ffi::Buffer<::xla::ffi::BF16>& w_down_pool,
+                                        const ::xla::ffi::Buffer<::xla::ffi::S32>& slots, const ::xla::ffi::Buffer<::xla::ffi::BF16>& shared_gate_up,
+                                        const ::xla::ffi::Buffer<::xla::ffi::BF16>& shared_down, const ::xla::ffi::Buffer<::xla::ffi::BF16>& shared_gate, int32_t top_k,
+                                        int64_t host_gate_up, int64_t host_down, const ::xla::ffi::Buffer<::xla::ffi::F32>& out,
+                                        MoeDims& d, int64_t& S) {
+  const char* op = "baro_moe_host";
+  if (auto err = check_moe_slots(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate,
+                                 top_k, out, d, S, op);
+      err.failure())
+    return err;
+  BARO_CHECK(host_gate_up != 0 && host_down != 0, op,
+             "host_gate_up and host_down must be the store's addresses, got " << host_gate_up << " and " << host_down);
   return ::xla::ffi::Error::Success();
 }
 

@@ -196,15 +196,12 @@ ffi::Error MoeHostSmallImpl(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> rou
                             ffi::Buffer<ffi::BF16> shared_down, ffi::Buffer<ffi::BF16> shared_gate, int32_t top_k,
                             int64_t host_gate_up, int64_t host_down, ffi::ResultBuffer<ffi::F32> out,
                             ffi::ResultBuffer<ffi::U8>) {
-  const char* op = "baro_moe_host";
   baro::MoeDims dims;
   int64_t S = 0;
-  if (auto err = baro::check_moe_slots(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up,
-                                       shared_down, shared_gate, top_k, *out, dims, S, op);
+  if (auto err = baro::check_moe_host(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down,
+                                      shared_gate, top_k, host_gate_up, host_down, *out, dims, S);
       err.failure())
     return err;
-  if (host_gate_up == 0 || host_down == 0)
-    return ffi::Error::InvalidArgument(std::string(op) + ": host_gate_up and host_down must be the store's addresses, got 0");
   return moe_rows(dims, h.typed_data(), router.typed_data(), w_gate_up_pool.typed_data(),
                   w_down_pool.typed_data(), slots.typed_data(), S, shared_gate_up.typed_data(),
                   shared_down.typed_data(), shared_gate.typed_data(), top_k, out->typed_data(),

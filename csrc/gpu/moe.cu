@@ -907,7 +907,6 @@ ffi::Error moe_slots_common(const char* op, gpuStream_t stream, ScratchSource sc
 // uncaptured first, and the Python side hands over only live pinned-host or device arrays.
 static ffi::Error host_store_pointer(const char* op, const char* name, int64_t addr, gpuStream_t stream,
                                      const uint16_t** out) {
-  BARO_CHECK(addr != 0, op, name << " must be the host store's address, got 0");
 #if BARO_HIP
   (void)out;
   (void)stream;
@@ -945,8 +944,8 @@ ffi::Error MoeHostSmallGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::BF16> h, ffi
   const char* op = "baro_moe_host";
   baro::MoeDims dims;
   int64_t S = 0;
-  if (auto err = baro::check_moe_slots(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up,
-                                       shared_down, shared_gate, top_k, *out, dims, S, op);
+  if (auto err = baro::check_moe_host(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down,
+                                      shared_gate, top_k, host_gate_up, host_down, *out, dims, S);
       err.failure())
     return err;
   const uint16_t *gu = nullptr, *dn = nullptr;

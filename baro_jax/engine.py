@@ -245,7 +245,7 @@ class Engine:
         if self.cache is None:
             return {"slots_per_layer": 0, "note": self.cache_note}
         if self.direct is not None:  # the pools as they stood, the misses read from the host store
-            return {**self.cache.stats(), **self.direct.stats(), "note": self.cache_note}
+            return {**self.cache.stats(), **self.direct.stats(), "note": self.cache_note}  # direct's counts win
         return {**self.cache.stats(), "decode_path": "cache", "note": self.cache_note}
 
     @property
@@ -489,6 +489,8 @@ class Engine:
         eos = getattr(self.tokenizer, "eos_id", None) if stop_at_eos else None
         if self.cache is not None:
             self.cache.reset_stats()  # the hit rate of this request's decode steps
+            if self.direct is not None:
+                self.direct.reset_stats()
         t0 = time.perf_counter()
         t1 = None  # when the first decode call's tokens were in hand: that call may have compiled
         n1 = 0     # tokens in hand at t1

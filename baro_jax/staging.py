@@ -379,19 +379,24 @@ def host_stores(layers) -> tuple:
 def _direct_forward(params, state, tokens, pos, n_valid, rope, pools, tables, *, cfg: Config, ops, hosts):
     """model.forward for one row, the routed experts from the pools where tables[i] gives a slot
     and from the host store hosts[i] where it gives none (ops.moe_host): one graph, no host work
-    between layers. params holds no routed expert (split_layer's resident parts)."""
+    between layers. params holds no routed expert (split_layer's resident parts). Returns
+    (logits, state, hits): hits counts the routed (layer, expert) pairs that were resident, from
+    the MoE's own routing (ops.moe_route, the same ids), so the hit rate costs no host work."""
     x, cos, sin = M.prologue(params, tokens, pos, rope)
     layers = params["layers"]
     h = M.first_norm(layers[0], x, cfg, ops)
+    hits = jax.numpy.int32(0)
     new_state = []
     for i, (lp, st, kind, nn) in enumerate(zip(layers, state, cfg.layer_types, M.next_norms(params))):
         x, h2, st = M.layer_mixer(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid)
         m = lp["moe"]
         y = ops.moe_host(h2, m["router"], pools[i][0], pools[i][1], tables[i], m["shared_gate_up"],
                          m["shared_down"], m["shared_gate"], top_k=cfg.top_k, host=hosts[i])
+        ids = ops.moe_route(h2, m["router"], top_k=cfg.top_k)
+        hits = hits + jax.numpy.sum(tables[i][ids] >= 0, dtype=jax.numpy.int32)
         x, h = ops.add_rmsnorm(x, y, nn, cfg.rms_eps, m["router"].dtype)
         new_state.append(st)
-    return M.epilogue(params, h, n_valid, cfg=cfg, ops=ops), tuple(new_state)
+    return M.epilogue(params, h, n_valid, cfg=cfg, ops=ops), tuple(new_state), hits
 
 
 _DIRECT = jax.jit(_direct_forward, static_argnames=("cfg", "ops", "hosts"), donate_argnums=(1,))
@@ -399,19 +404,20 @@ _DIRECT = jax.jit(_direct_forward, static_argnames=("cfg", "ops", "hosts"), dona
 
 def _direct_greedy(params, state, token, pos, n, rope, pools, tables, *, cfg: Config, ops, hosts, block: int):
     """engine.greedy_steps through _direct_forward: up to `block` greedy steps in one graph (n
-    None: exactly block, a loop of known trip count). Returns (tokens [block], last, state)."""
+    None: exactly block, a loop of known trip count). Returns (tokens [block], last, state, hits)."""
     from .sampling import greedy
 
     def body(i, carry):
-        st, tok, toks = carry
-        logits, st = _direct_forward(params, st, tok[None], pos + i, jax.numpy.int32(1), rope, pools, tables,
-                                     cfg=cfg, ops=ops, hosts=hosts)
+        st, tok, toks, hits = carry
+        logits, st, h = _direct_forward(params, st, tok[None], pos + i, jax.numpy.int32(1), rope, pools, tables,
+                                        cfg=cfg, ops=ops, hosts=hosts)
         nxt = greedy(logits)
-        return st, nxt, toks.at[i].set(nxt)
+        return st, nxt, toks.at[i].set(nxt), hits + h
 
     steps = block if n is None else n
-    st, last, toks = jax.lax.fori_loop(0, steps, body, (state, token, jax.numpy.full((block,), -1, jax.numpy.int32)))
-    return toks, last, st
+    init = (state, token, jax.numpy.full((block,), -1, jax.numpy.int32), jax.numpy.int32(0))
+    st, last, toks, hits = jax.lax.fori_loop(0, steps, body, init)
+    return toks, last, st, hits
 
 
 _DIRECT_GREEDY = jax.jit(_direct_greedy, static_argnames=("cfg", "ops", "hosts", "block"), donate_argnums=(1,))
@@ -425,9 +431,8 @@ class DirectDecode:
     """Tier decode in one graph per token: the cache's pools as they stand (no LRU traffic while
     it runs), every other routed expert read from the host store by the MoE kernels. The same
     bytes as resident decode (the same weights in the same order); what it saves is the per-layer
-    round trip of the ids (route_seconds) and the copy dispatch (copy_seconds). Its hit rate is
-    the share of routed experts that are resident, which this path does not observe on the host:
-    `resident_share` reports slots / E."""
+    round trip of the ids (route_seconds) and the copy dispatch (copy_seconds). Its hits (routed
+    experts that were resident) are counted on the device and read only by stats()."""
 
     def __init__(self, params, cache: ExpertCache):
         self.cache = cache
@@ -443,6 +448,11 @@ class DirectDecode:
                 cache.ensure(i, np.arange(cache.slots))
         cache.reset_stats()
         self.refresh()
+        self.reset_stats()
+
+    def reset_stats(self):
+        self._hits = []  # device int32 scalars, one per call
+        self.pairs = 0   # routed (token, layer, expert) pairs since the reset
 
     def refresh(self):
         """Take the cache's current slot tables (after an LRU step elsewhere changed them)."""
@@ -450,22 +460,37 @@ class DirectDecode:
         self.tables = tuple(jax.device_put(np.asarray(t, np.int32), dev) for t in self.cache.slot_of)
 
     def stats(self) -> dict:
-        E = self.cache.cfg.num_experts
-        return {"decode_path": "direct", "resident_share": self.cache.slots / E}
+        """The cache's size with this path's counts: hits / misses over routed (token, layer,
+        expert) pairs since the last reset (an expert routed twice by one token counts twice)."""
+        hits = int(sum(int(h) for h in self._hits))
+        self._hits = [hits]
+        return {"decode_path": "direct", "resident_share": self.cache.slots / self.cache.cfg.num_experts,
+                "hits": hits, "misses": self.pairs - hits, "hit_rate": hits / self.pairs if self.pairs else None,
+                "route_seconds": 0.0, "copy_seconds": 0.0}
+
+    def _routed(self, steps: int) -> int:
+        return steps * len(self.cache.pools) * self.cache.cfg.top_k
 
     def __call__(self, state, tokens, pos, n_valid, rope, *, cfg: Config, ops):
         pools = tuple(tuple(p) for p in self.cache.pools)
-        return _DIRECT(self.params, state, tokens, pos, n_valid, rope, pools, self.tables, cfg=cfg, ops=ops,
-                       hosts=self.hosts)
+        logits, state, hits = _DIRECT(self.params, state, tokens, pos, n_valid, rope, pools, self.tables, cfg=cfg,
+                                      ops=ops, hosts=self.hosts)
+        self._hits.append(hits)
+        self.pairs += self._routed(1)
+        return logits, state
 
     def greedy(self, state, token, pos, n, rope, *, cfg: Config, ops, block: int):
         """engine.greedy_steps' contract (n None: exactly block steps) in one graph per block."""
         pools = tuple(tuple(p) for p in self.cache.pools)
         if n is None:
-            return _DIRECT_GREEDY_FULL(self.params, state, token, pos, rope, pools, self.tables, cfg=cfg, ops=ops,
-                                       hosts=self.hosts, block=block)
-        return _DIRECT_GREEDY(self.params, state, token, pos, n, rope, pools, self.tables, cfg=cfg, ops=ops,
-                              hosts=self.hosts, block=block)
+            toks, last, state, hits = _DIRECT_GREEDY_FULL(self.params, state, token, pos, rope, pools, self.tables,
+                                                          cfg=cfg, ops=ops, hosts=self.hosts, block=block)
+        else:
+            toks, last, state, hits = _DIRECT_GREEDY(self.params, state, token, pos, n, rope, pools, self.tables,
+                                                     cfg=cfg, ops=ops, hosts=self.hosts, block=block)
+        self._hits.append(hits)
+        self.pairs += self._routed(block if n is None else int(n))
+        return toks, last, state
 
 
 def memory_kinds(params) -> dict[str, Any]:

@@ -214,6 +214,12 @@ def test_direct_decode_bytes_equal_resident(engines, monkeypatch):
         assert r.generated_ids == res.generate(ids, 4, prefill="batch", chunk=16).generated_ids
         ec = r.to_json()["expert_cache"]
         assert ec["decode_path"] == "direct" and ec["resident_share"] == S / tier.cfg.num_experts
+        # 3 decode steps after the prefill's token; hits counted on the device from the MoE's own routing
+        assert ec["hits"] + ec["misses"] == 3 * tier.cfg.num_layers * tier.cfg.top_k, ec
+        assert ec["misses"] > 0 and 0.0 <= ec["hit_rate"] <= 1.0, ec
+        tier.use_expert_cache(tier.cfg.num_experts)  # every expert resident: every routed one hits
+        ec = tier.generate(ids, 4, prefill="batch", chunk=16).to_json()["expert_cache"]
+        assert ec["hits"] == 3 * tier.cfg.num_layers * tier.cfg.top_k and ec["misses"] == 0, ec
     finally:
         monkeypatch.delenv("BARO_TIER_DECODE")
         tier.use_expert_cache(None)

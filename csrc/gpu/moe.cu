@@ -14,7 +14,9 @@
 // Weights are read once per (expert tile, N tile): an expert used by r pairs
 // of the call is read ceil(r / BM) times, not once per token.
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "contract.h"
 #include "common.cuh"
@@ -912,10 +914,15 @@ static ffi::Error host_store_pointer(const char* op, const char* name, int64_t a
   (void)stream;
   return ffi::Error::InvalidArgument(std::string(op) + ": reading experts from the host store is CUDA-only so far");
 #else
+  // device addresses of the stores checked so far (a store's address is stable while it lives)
+  static std::mutex mu;
+  static std::unordered_map<int64_t, const uint16_t*> checked;
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &cap) != cudaSuccess || cap != cudaStreamCaptureStatusNone) {
     (void)cudaGetLastError();
-    *out = reinterpret_cast<const uint16_t*>(addr);
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = checked.find(addr);
+    *out = it != checked.end() ? it->second : reinterpret_cast<const uint16_t*>(addr);
     return ffi::Error::Success();
   }
   cudaPointerAttributes attr{};
@@ -927,6 +934,8 @@ static ffi::Error host_store_pointer(const char* op, const char* name, int64_t a
                   << (e == cudaSuccess ? "type " + std::to_string(static_cast<int>(attr.type)) : cudaGetErrorString(e))
                   << ")");
   *out = static_cast<const uint16_t*>(attr.devicePointer);
+  std::lock_guard<std::mutex> lock(mu);
+  checked[addr] = *out;
   return ffi::Error::Success();
 #endif
 }

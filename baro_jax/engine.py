@@ -248,6 +248,13 @@ class Engine:
             return {**self.cache.stats(), **self.direct.stats(), "note": self.cache_note}  # direct's counts win
         return {**self.cache.stats(), "decode_path": "cache", "note": self.cache_note}
 
+    def reset_expert_cache_stats(self):
+        """Zero the tier decode cache's counters (and the direct path's), e.g. before timed steps."""
+        if self.cache is not None:
+            self.cache.reset_stats()
+        if self.direct is not None:
+            self.direct.reset_stats()
+
     @property
     def cache_slots(self) -> int:
         return self.cache.slots if self.cache is not None else 0
@@ -487,10 +494,7 @@ class Engine:
         last_logits = np.asarray(logits)
         out = []
         eos = getattr(self.tokenizer, "eos_id", None) if stop_at_eos else None
-        if self.cache is not None:
-            self.cache.reset_stats()  # the hit rate of this request's decode steps
-            if self.direct is not None:
-                self.direct.reset_stats()
+        self.reset_expert_cache_stats()  # the hit rate of this request's decode steps
         t0 = time.perf_counter()
         t1 = None  # when the first decode call's tokens were in hand: that call may have compiled
         n1 = 0     # tokens in hand at t1

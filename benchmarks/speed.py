@@ -111,8 +111,7 @@ def time_decode(eng, logits, state, pos, n):
         t = int(greedy(lg))
         ref.append(t)
     del st, lg
-    if eng.cache is not None:
-        eng.cache.reset_stats()  # the hit rate of the timed tokens only
+    eng.reset_expert_cache_stats()  # the hit rate of the timed tokens only
     t0 = time.perf_counter()
     toks, state = eng.greedy_decode(tok, state, pos, n)
     jax.block_until_ready(state)

@@ -223,6 +223,10 @@ class Engine:
 
         if self.mode != "tier":
             raise ValueError("the decode expert cache is for tier mode (mode='tier')")
+        path = staging.env_decode_path()  # a bad BARO_TIER_DECODE is refused before anything changes
+        if path == "direct" and staging.has_cache_ops(self.ops) and not staging.has_host_ops(self.ops):
+            raise ValueError(f"BARO_TIER_DECODE=direct: the {self.variant or self.backend} ops "
+                             "cannot read experts from the host store (use the ordered backend)")
         self.cache = self.direct = None
         if not staging.has_cache_ops(self.ops):
             self.cache_note = f"off: the {self.variant or self.backend} ops have no slot-table MoE"
@@ -230,10 +234,7 @@ class Engine:
             S, self.cache_note = budget.tier_cache_slots(self.cfg, self.dtype, self.device_budget_gb, slots)
             if S:
                 self.cache = staging.ExpertCache(self.cfg, self.params["layers"], S)
-                if staging.env_decode_path() == "direct":
-                    if not staging.has_host_ops(self.ops):
-                        raise ValueError(f"BARO_TIER_DECODE=direct: the {self.variant or self.backend} ops "
-                                         "cannot read experts from the host store (use the ordered backend)")
+                if path == "direct":
                     self.direct = staging.DirectDecode(self.params, self.cache)
         self._step = partial(staging.forward, cfg=self.cfg, ops=self.ops, cache=self.cache, direct=self.direct)
         return self.cache

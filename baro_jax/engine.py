@@ -19,7 +19,7 @@ from . import model as M
 from . import budget, checks, variants
 from .config import Config
 from .ops import get_ops
-from .sampling import Sampler, Sampling, greedy
+from .sampling import Sampler, Sampling, greedy, greedy_loop
 
 PREFILL_MODES = ("batch", "replay")
 ENGINE_MODES = ("resident", "tier")  # where the routed experts live: device memory, or host (staging.py)
@@ -159,14 +159,11 @@ def greedy_steps(params, state, token, pos, n, rope, *, cfg: Config, ops, block:
     it without reading a predicate back to the host every step (a copy and a host wait per
     token: with a traced n the loop is a while whose condition lives on the device). A traced
     n (1..block) serves the shorter last block of a request, one graph for every length."""
-    def body(i, carry):
-        st, tok, toks = carry
+    def step(i, st, tok, acc):
         logits, st = M.forward(params, st, tok[None], pos + i, jnp.int32(1), rope, cfg=cfg, ops=ops)
-        nxt = greedy(logits)
-        return st, nxt, toks.at[i].set(nxt)
+        return logits, st, acc
 
-    steps = block if n is None else n
-    st, last, toks = jax.lax.fori_loop(0, steps, body, (state, token, jnp.full((block,), -1, jnp.int32)))
+    toks, last, st, _ = greedy_loop(step, state, token, block=block, n=n)
     return toks, last, st
 
 
@@ -357,9 +354,8 @@ class Engine:
             if done < n:
                 k = min(block, n - done)
                 if self.direct is not None:  # tier, one graph per block (staging.DirectDecode)
-                    dev, tok, state = self.direct.greedy(state, tok, jnp.int32(pos + done), None if k == block else
-                                                         jnp.int32(k), self.rope, cfg=self.cfg, ops=self.ops,
-                                                         block=block)
+                    dev, tok, state = self.direct.greedy(state, tok, jnp.int32(pos + done), k, self.rope,
+                                                         cfg=self.cfg, ops=self.ops, block=block)
                 elif k == block:
                     dev, tok, state = _GREEDY_FULL(self.params, state, tok, jnp.int32(pos + done),
                                                    rope=self.rope, cfg=self.cfg, ops=self.ops, block=block)

@@ -22,6 +22,23 @@ def check_seed(seed) -> int:
     return int(seed)
 
 
+def greedy_loop(step, state, token, *, block: int, n=None, acc=None):
+    """Up to `block` greedy steps in one graph: step(i, state, token, acc) -> (logits, state, acc)
+    runs one decode step at offset i, its argmax is fed back. Returns (tokens [block], last token,
+    state, acc): tokens past n are -1. n None: exactly `block` steps, a loop whose trip count XLA
+    knows (the GPU runtime then reads no predicate back per step); a traced n serves a shorter
+    last block with the same graph. acc: what the steps accumulate (None: nothing)."""
+    def body(i, carry):
+        st, tok, toks, a = carry
+        logits, st, a = step(i, st, tok, a)
+        nxt = greedy(logits)
+        return st, nxt, toks.at[i].set(nxt), a
+
+    steps = block if n is None else n
+    st, last, toks, acc = jax.lax.fori_loop(0, steps, body, (state, token, jnp.full((block,), -1, jnp.int32), acc))
+    return toks, last, st, acc
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0  # 0 = greedy

@@ -30,6 +30,7 @@ measured on a GPU yet.
 from __future__ import annotations
 
 import collections
+import functools
 import sys
 import time
 from typing import Any
@@ -40,6 +41,7 @@ from jax.sharding import SingleDeviceSharding
 
 from . import model as M
 from .config import Config
+from .sampling import greedy_loop
 
 EXPERT_KEYS = ("gate_up", "down")
 HOST_KINDS = ("pinned_host", "unpinned_host")
@@ -403,28 +405,19 @@ _DIRECT = jax.jit(_direct_forward, static_argnames=("cfg", "ops", "hosts"), dona
 
 
 def _direct_greedy(params, state, token, pos, n, rope, pools, tables, *, cfg: Config, ops, hosts, block: int):
-    """engine.greedy_steps through _direct_forward: up to `block` greedy steps in one graph (n
-    None: exactly block, a loop of known trip count). Returns (tokens [block], last, state, hits)."""
-    from .sampling import greedy
-
-    def body(i, carry):
-        st, tok, toks, hits = carry
+    """engine.greedy_steps through _direct_forward (sampling.greedy_loop): up to `block` greedy
+    steps in one graph. Returns (tokens [block], last, state, hits)."""
+    def step(i, st, tok, hits):
         logits, st, h = _direct_forward(params, st, tok[None], pos + i, jax.numpy.int32(1), rope, pools, tables,
                                         cfg=cfg, ops=ops, hosts=hosts)
-        nxt = greedy(logits)
-        return st, nxt, toks.at[i].set(nxt), hits + h
+        return logits, st, hits + h
 
-    steps = block if n is None else n
-    init = (state, token, jax.numpy.full((block,), -1, jax.numpy.int32), jax.numpy.int32(0))
-    st, last, toks, hits = jax.lax.fori_loop(0, steps, body, init)
-    return toks, last, st, hits
+    return greedy_loop(step, state, token, block=block, n=n, acc=jax.numpy.int32(0))
 
 
 _DIRECT_GREEDY = jax.jit(_direct_greedy, static_argnames=("cfg", "ops", "hosts", "block"), donate_argnums=(1,))
-_DIRECT_GREEDY_FULL = jax.jit(lambda params, state, token, pos, rope, pools, tables, *, cfg, ops, hosts, block:
-                              _direct_greedy(params, state, token, pos, None, rope, pools, tables, cfg=cfg, ops=ops,
-                                             hosts=hosts, block=block),
-                              static_argnames=("cfg", "ops", "hosts", "block"), donate_argnums=(1,))
+_DIRECT_GREEDY_FULL = jax.jit(functools.partial(_direct_greedy, n=None), static_argnames=("cfg", "ops", "hosts", "block"),
+                              donate_argnums=(1,))
 
 
 class DirectDecode:
@@ -479,17 +472,19 @@ class DirectDecode:
         self.pairs += self._routed(1)
         return logits, state
 
-    def greedy(self, state, token, pos, n, rope, *, cfg: Config, ops, block: int):
-        """engine.greedy_steps' contract (n None: exactly block steps) in one graph per block."""
+    def greedy(self, state, token, pos, n: int, rope, *, cfg: Config, ops, block: int):
+        """engine.greedy_steps' contract for n (1..block, a Python int) steps, one graph per block:
+        n == block runs the known-trip-count loop."""
         pools = tuple(tuple(p) for p in self.cache.pools)
-        if n is None:
-            toks, last, state, hits = _DIRECT_GREEDY_FULL(self.params, state, token, pos, rope, pools, self.tables,
-                                                          cfg=cfg, ops=ops, hosts=self.hosts, block=block)
+        if n == block:
+            toks, last, state, hits = _DIRECT_GREEDY_FULL(self.params, state, token, pos, rope=rope, pools=pools,
+                                                          tables=self.tables, cfg=cfg, ops=ops, hosts=self.hosts,
+                                                          block=block)
         else:
-            toks, last, state, hits = _DIRECT_GREEDY(self.params, state, token, pos, n, rope, pools, self.tables,
-                                                     cfg=cfg, ops=ops, hosts=self.hosts, block=block)
+            toks, last, state, hits = _DIRECT_GREEDY(self.params, state, token, pos, jax.numpy.int32(n), rope, pools,
+                                                     self.tables, cfg=cfg, ops=ops, hosts=self.hosts, block=block)
         self._hits.append(hits)
-        self.pairs += self._routed(block if n is None else int(n))
+        self.pairs += self._routed(n)
         return toks, last, state
 
 

@@ -163,9 +163,8 @@ def moe_host(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shar
     if not isinstance(host, HostStore):
         raise TypeError(f"baro_moe_host: host must be a HostStore (custom_calls.moe.host_store), got "
                         f"{type(host).__name__}")
-    C.rank("baro_moe_host", "w_gate_up_pool", w_gate_up_pool, 3)
-    m, D, k = _check_moe("baro_moe_host", h, router, w_gate_up_pool, w_down_pool, shared_gate_up, shared_down,
-                         shared_gate, top_k, "w_gate_up_pool", "w_down_pool", n_w="pool")
+    m, D, k = _check_slots_call("baro_moe_host", h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up,
+                                shared_down, shared_gate, top_k)
     E = router.shape[0]
     if tuple(host.gate_up.shape) != (E,) + tuple(w_gate_up_pool.shape[1:]) or \
             tuple(host.down.shape) != (E,) + tuple(w_down_pool.shape[1:]):
@@ -174,7 +173,6 @@ def moe_host(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shar
                          f"down {list(host.down.shape)} vs pool {list(w_down_pool.shape)}")
     if not small_call(m):
         raise ValueError(f"baro_moe_host: serves decode-sized calls (m <= 16 rows, BARO_CMDBUF_OPS unset), got m={m}")
-    C.array("baro_moe_host", "slots", slots, (E,), np.int32)
     args = (h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate)
     check_runnable(op, args)
     nbytes = small_scratch_bytes(m, D, E, w_gate_up_pool.shape[1] // 2, shared_down.shape[1], k)
@@ -187,15 +185,23 @@ def moe_slots(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, sha
     w_down_pool[S,D,I] (bf16), slots[E] int32 (expert id -> slot, -1 = not resident).
     The same bytes as moe() when every routed expert's slot holds that expert; a routed
     expert with no slot fails the call (CPU: an error; GPU: NaN rows)."""
-    C.rank(OP_SLOTS, "w_gate_up_pool", w_gate_up_pool, 3)
-    m, D, k = _check_moe(OP_SLOTS, h, router, w_gate_up_pool, w_down_pool, shared_gate_up, shared_down,
-                         shared_gate, top_k, "w_gate_up_pool", "w_down_pool", n_w="pool")
-    if w_gate_up_pool.shape[0] < 1:
-        raise ValueError(f"{OP_SLOTS}: w_gate_up_pool must hold at least one slot, got shape "
-                         f"{list(w_gate_up_pool.shape)}")
-    C.array(OP_SLOTS, "slots", slots, (router.shape[0],), np.int32)
+    _, _, k = _check_slots_call(OP_SLOTS, h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down,
+                                shared_gate, top_k)
     args = (h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate)
     return _moe_call(OP_SLOTS, OP_SLOTS_SMALL, args, router, w_gate_up_pool, shared_down, k)
+
+
+def _check_slots_call(op, h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate,
+                      top_k):
+    """baro_moe_slots' operands (and baro_moe_host's): the pools [S >= 1, ...] and slots [E] int32
+    beside baro_moe's; returns (m, D, k)."""
+    C.rank(op, "w_gate_up_pool", w_gate_up_pool, 3)
+    m, D, k = _check_moe(op, h, router, w_gate_up_pool, w_down_pool, shared_gate_up, shared_down,
+                         shared_gate, top_k, "w_gate_up_pool", "w_down_pool", n_w="pool")
+    if w_gate_up_pool.shape[0] < 1:
+        raise ValueError(f"{op}: w_gate_up_pool must hold at least one slot, got shape {list(w_gate_up_pool.shape)}")
+    C.array(op, "slots", slots, (router.shape[0],), np.int32)
+    return m, D, k
 
 
 def moe_route(h, router, top_k):

@@ -343,6 +343,10 @@ struct MoeScratch {
 // One counter per 8 output columns of the down GEMM (its smallest column unit).
 static int64_t moe_tail_counters(const MoeArgs& a) { return (a.D + 7) / 8; }
 
+// The slot table the combine checks to make an unslotted expert's rows NaN: none when the
+// host store supplies those experts (baro_moe_host).
+static const int32_t* nan_row_slots(const MoeArgs& a) { return a.host_gu != nullptr ? nullptr : a.slots; }
+
 // What both of gemm_row1's MoE kinds read: the routing (ids, weights, sorted rows, the slot
 // table) and the combine's counters.
 static Row1Moe moe_row1_tail(const MoeArgs& a, const MoeScratch& s, int kind) {
@@ -627,7 +631,7 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     if (pl.tail) {  // 7 as the last slot of each column unit lands
       Row1Moe& mo = p.moe;
       mo = moe_row1_tail(a, s, Row1Moe::kCombine);
-      if (a.host_gu) mo.slots = nullptr;  // no NaN rows: an expert with no slot came from the host store
+      mo.slots = nan_row_slots(a);
       mo.sout = s.ys + a.top_k * D;  // the shared expert is grouped row k
       mo.sgl = s.logits + E;         // its gate logit after the router's
       mo.out = a.out;
@@ -643,7 +647,7 @@ static gpuError_t combine(const MoeArgs& a, const float* ys, const int32_t* inv,
                           const float* sout, const float* sgl, const int32_t* ids, gpuStream_t stream) {
   const int64_t m = a.m, D = a.D;
   const bool v4 = D % 4 == 0 && aligned16(a.out) && aligned16(ys);
-  const int32_t* slots = a.host_gu ? nullptr : a.slots;  // host store: no expert lacks its weights
+  const int32_t* slots = nan_row_slots(a);
   // always after the kernels that made ys in this handler
   if (v4)
     return launch_dependent(moe_combine_kernel<4>, dim3(elem_blocks(m * D / 4)), dim3(kElemThreads), 0, stream, ys,

@@ -4,6 +4,7 @@ SwiGLU experts combined in slot order, plus the sigmoid-gated shared expert."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -173,11 +174,36 @@ def moe_host(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shar
                          f"down {list(host.down.shape)} vs pool {list(w_down_pool.shape)}")
     if not small_call(m):
         raise ValueError(f"baro_moe_host: serves decode-sized calls (m <= 16 rows, BARO_CMDBUF_OPS unset), got m={m}")
+    if next(iter(host.gate_up.devices())).platform != "cpu":
+        _check_host_gpu(m, D, E, w_gate_up_pool.shape[1] // 2, shared_down.shape[1], k)
     args = (h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate)
     check_runnable(op, args)
     nbytes = small_scratch_bytes(m, D, E, w_gate_up_pool.shape[1] // 2, shared_down.shape[1], k)
     return ffi_call_small(op, [jax.ShapeDtypeStruct((m, D), C.F32)], nbytes, args, top_k=np.int32(k),
                           host_gate_up=np.int64(host.gate_up_addr), host_down=np.int64(host.down_addr))[0]
+
+
+# The GPU kernels read the store in the one-token fold path only (csrc/gpu/moe.cu, moe_plan).
+# Its conditions are checked here too because a _small handler's error, returned while XLA
+# captures it into a command buffer, crashes the process (jax 0.11.2: a segfault in the
+# command buffer's destructor), so nothing that handler would refuse may reach it.
+def _check_host_gpu(m, D, E, I, Is, k):
+    why = []
+    if m != 1:
+        why.append(f"m={m} rows (one is read)")
+    if I != Is:
+        why.append(f"a shared expert {Is} wide beside routed ones {I} wide")
+    if k > 32 or E > 512:
+        why.append(f"top_k={k} / E={E} (at most 32 / 512)")
+    if D % 16 or I % 16:
+        why.append(f"D={D} and I={I} must be multiples of 16")
+    for knob, off in (("BARO_MOE_FOLD", "0"), ("BARO_GEMM_ROW1", "off"), ("BARO_GEMM_SMALL", "simple")):
+        if os.environ.get(knob) == off:
+            why.append(f"{knob}={off}")
+    if why:
+        raise ValueError("baro_moe_host: on a GPU the host store is read only in the one-token path (m = 1, "
+                         "the shared expert as wide as a routed one, top_k <= 32, the fold and one-row GEMM "
+                         "knobs unset); got " + ", ".join(why))
 
 
 def moe_slots(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate, top_k):

@@ -1616,9 +1616,27 @@ def test_moe_host_reads_misses_from_the_store(platform, monkeypatch):
     if platform.platform == "cpu":
         want = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(*put(platform, h, router, gu, down, sgu, sdown, sgate)))
         assert_same_bits(np.asarray(f(*args)), want, "moe_host m=3 (CPU)")
-    else:
-        with pytest.raises(Exception, match="one-token path"):
+    else:  # refused before the call: a _small handler's error inside command-buffer capture crashes XLA
+        with pytest.raises(ValueError, match=r"one-token path .*got m=3 rows"):
             np.asarray(f(*args))
+        set_knobs(monkeypatch, {"BARO_MOE_FOLD": "0"})
+        with pytest.raises(ValueError, match=r"one-token path .*got BARO_MOE_FOLD=0"):
+            one = put(platform, bf16(rng, 1, D), router, pgu, pdn, slots, sgu, sdown, sgate)
+            np.asarray(jax.jit(lambda *a: cc.moe_host(*a, top_k=k, host=host))(*one))
+        set_knobs(monkeypatch, {})
+
+
+def test_moe_host_gpu_conditions_name_what_is_wrong(monkeypatch):
+    """What the GPU's one-token path cannot serve is refused in Python, each reason named."""
+    from custom_calls.moe import _check_host_gpu
+    _check_host_gpu(1, 2048, 256, 512, 512, 8)
+    for args, why in (((2, 2048, 256, 512, 512, 8), "m=2 rows"), ((1, 2048, 256, 512, 256, 8), "shared expert 256 wide"),
+                      ((1, 2048, 256, 512, 512, 33), "top_k=33"), ((1, 2040, 256, 512, 512, 8), "D=2040")):
+        with pytest.raises(ValueError, match=why):
+            _check_host_gpu(*args)
+    monkeypatch.setenv("BARO_GEMM_ROW1", "off")
+    with pytest.raises(ValueError, match="BARO_GEMM_ROW1=off"):
+        _check_host_gpu(1, 2048, 256, 512, 512, 8)
 
 
 def test_moe_host_checks_its_store():

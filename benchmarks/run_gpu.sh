@@ -93,15 +93,18 @@ stage_tier() {
 # Tier decode with BARO_TIER_DECODE=direct (issue 11): one graph per token, the misses read from
 # pinned host memory by the MoE kernels (baro_moe_host). The tier identity gate against the
 # resident reference (made first when the tier stage has not), then tier speed at TIER_DIRECT_LENGTHS.
+# TIER_DIRECT_GATE=0: the speed only. BARO_MOE_HOST=direct: the GEMMs read the store themselves
+# instead of the misses being staged in the call's scratch first.
 stage_tier_direct() {
   local common=(--model qwen3.5-35b-a3b --chunks "${TIER_CHUNKS:-1024,4096}" --prompts benchmarks/prompts/identity_gpu.jsonl
                 --max-len "${TIER_MAX_LEN:-255}" --new-tokens 16 --max-context 4096)
-  [ -f "$OUT/identity_resident_ref_h200.json" ] || \
+  local gate=${TIER_DIRECT_GATE:-1}  # 0: the speed only
+  [ "$gate" = 0 ] || [ -f "$OUT/identity_resident_ref_h200.json" ] || \
     python benchmarks/identity.py "${common[@]}" --json "$OUT/identity_resident_ref_h200.json" 2>&1 | tail -2
   (
     export XLA_PYTHON_CLIENT_MEM_FRACTION=${TIER_MEM_FRACTION:-0.17} XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${TIER_HOST_GB:-110}
     export BARO_TIER_DECODE=direct
-    python benchmarks/identity.py "${common[@]}" --mode tier --device-budget-gb "${TIER_BUDGET_GB:-22}" \
+    [ "$gate" = 0 ] || python benchmarks/identity.py "${common[@]}" --mode tier --device-budget-gb "${TIER_BUDGET_GB:-22}" \
       --reference-json "$OUT/identity_resident_ref_h200.json" --json "$OUT/identity_tier_direct_h200.json" 2>&1 | tail -4
     python benchmarks/speed.py --model qwen3.5-35b-a3b --mode tier --device-budget-gb "${TIER_BUDGET_GB:-22}" \
       --arms batch-ordered --lengths "${TIER_DIRECT_LENGTHS:-1024}" --chunk auto --decode-tokens 32 \

@@ -178,7 +178,10 @@ def moe_host(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shar
         _check_host_gpu(m, D, E, w_gate_up_pool.shape[1] // 2, shared_down.shape[1], k)
     args = (h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate)
     check_runnable(op, args)
-    nbytes = small_scratch_bytes(m, D, E, w_gate_up_pool.shape[1] // 2, shared_down.shape[1], k)
+    I = w_gate_up_pool.shape[1] // 2
+    # with the GPU's staging slots for the misses: one [2I, D] and one [D, I] per pair
+    nbytes = small_scratch_bytes(m, D, E, I, shared_down.shape[1], k) + round256(2 * k * 2 * I * D) + \
+        round256(2 * k * D * I)
     return ffi_call_small(op, [jax.ShapeDtypeStruct((m, D), C.F32)], nbytes, args, top_k=np.int32(k),
                           host_gate_up=np.int64(host.gate_up_addr), host_down=np.int64(host.down_addr))[0]
 

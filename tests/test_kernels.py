@@ -1231,7 +1231,7 @@ def test_moe_tiles(platform, m, D, I, monkeypatch):
 KNOBS_ONE_ROW = [{}, {"BARO_GEMM_ROW1": "off"}, {"BARO_MOE_FOLD": "0"}, {"BARO_MOE_TAIL": "0"},
                  {"BARO_MOE_TAIL": "combine"}, {"BARO_PDL": "1"}, {"BARO_PDL": "1", "BARO_MOE_TAIL": "0"},
                  {"BARO_PDL": "1", "BARO_MOE_TAIL": "combine"}]
-KNOB_NAMES_ONE_ROW = ("BARO_GEMM_ROW1", "BARO_MOE_FOLD", "BARO_MOE_TAIL", "BARO_PDL")
+KNOB_NAMES_ONE_ROW = ("BARO_GEMM_ROW1", "BARO_MOE_FOLD", "BARO_MOE_TAIL", "BARO_PDL", "BARO_MOE_HOST")
 
 
 def set_knobs(monkeypatch, knobs):
@@ -1604,7 +1604,7 @@ def test_moe_host_reads_misses_from_the_store(platform, monkeypatch):
         for what, resident, S in (("no routed expert resident", others[:k], k), ("half resident", ids[:k // 2], k),
                                   ("all resident", range(E), E + 3)):
             pgu, pdn, slots = pool_for(gu, down, list(resident), S, rng)
-            for name, knobs in SLOT_FOLD_ARMS[:3]:
+            for name, knobs in HOST_ARMS:
                 set_knobs(monkeypatch, knobs)
                 poison(platform, (1, D))
                 got = np.asarray(f(*put(platform, h, router, pgu, pdn, slots, sgu, sdown, sgate)))
@@ -1656,6 +1656,11 @@ def test_moe_host_checks_its_store():
         cc.host_store(jnp.asarray(gu), jnp.asarray(down[:, :, :16]))
 
 
+# baro_moe_host's one-token launch modes, with the misses staged in the call's scratch (the
+# default) and read by the GEMMs from the store itself (BARO_MOE_HOST=direct)
+HOST_ARMS = [("staged", {}), ("staged, BARO_MOE_TAIL=0", {"BARO_MOE_TAIL": "0"}),
+             ("direct", {"BARO_MOE_HOST": "direct"}), ("direct, BARO_MOE_TAIL=0", {"BARO_MOE_HOST": "direct", "BARO_MOE_TAIL": "0"}),
+             ("direct, BARO_MOE_TAIL=combine", {"BARO_MOE_HOST": "direct", "BARO_MOE_TAIL": "combine"})]
 SLOT_FOLD_ARMS = [("fold", {}), ("fold, BARO_MOE_TAIL=0", {"BARO_MOE_TAIL": "0"}),
                   ("fold, BARO_MOE_TAIL=combine", {"BARO_MOE_TAIL": "combine"}),
                   ("BARO_MOE_FOLD=0", {"BARO_MOE_FOLD": "0"})]

@@ -84,10 +84,12 @@ struct GemmParams {
   int64_t n_split = 0;
   const uint16_t* W_last = nullptr;
   int64_t last_group = -1;
-  // A tile of group g <= kHostGroup0 reads expert kHostGroup0 - g of W_host ([E][N][ldw], the
-  // same group stride): tier decode's experts with no pool slot, read from pinned host memory
-  // over the host link (baro_moe_host; 16-byte cp.async, not the copy engine).
+  // A tile of group g <= kHostGroup0 reads group kHostGroup0 - g of W_host ([.][N][ldw], the
+  // same group stride): tier decode's experts with no pool slot (baro_moe_host), in the pinned
+  // host store itself (w_host_mapped: read over the host link with 16-byte cp.async, the bulk
+  // copies are not relied on for host memory) or staged in the call's device scratch.
   const uint16_t* W_host = nullptr;
+  int w_host_mapped = 0;
   Row1Moe moe;  // gemm_row1 only
   int pdl = 0;  // gemm_row1 only: launch_dependent (not the first kernel of its handler)
   // Filled by launch_gemm:

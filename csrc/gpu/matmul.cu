@@ -199,9 +199,9 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
   // the kernel walks its units in 32-bit (slot, column unit) cursors
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   if (row_slots * ((out_n + Cfg::kOutCols - 1) / Cfg::kOutCols) > 0x7fffffffLL) return gpuErrorInvalidValue;
-  // host-store experts (W_host) come over the host link through 16-byte cp.async: the bulk
-  // copies are not relied on for pinned host memory
-  Row1Ring ring{plan.kchunk_max, 0, 0, plan.lsu || p.W_host != nullptr ? 1 : 0, 0};
+  // host-store experts (W_host in pinned host memory) come over the host link through 16-byte
+  // cp.async: the bulk copies are not relied on for it
+  Row1Ring ring{plan.kchunk_max, 0, 0, plan.lsu || (p.W_host != nullptr && p.w_host_mapped) ? 1 : 0, 0};
   const int64_t k128 = (p.K + 127) / 128 * 128;
   while (ring.kchunk > 128 && ring.kchunk / 2 >= k128) ring.kchunk /= 2;  // no wider than K
   for (;;) {

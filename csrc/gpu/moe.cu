@@ -338,6 +338,8 @@ struct MoeScratch {
   float* sout;       // [m, D]
   float* sgl;        // [m]
   uint32_t* tail_cnt;  // [moe_tail_counters] (plan.tail): the down GEMM's column-unit counts
+  uint16_t* stage_gu;  // [top_k, 2I, D] (plan.stage): pair j's expert from the host store
+  uint16_t* stage_dn;  // [top_k, D, I]
 };
 
 // One counter per 8 output columns of the down GEMM (its smallest column unit).
@@ -394,6 +396,10 @@ struct MoePlan {
   bool fold;
   bool tail;        // the combine inside the down GEMM
   bool tail_route;  // and the route inside the gate/up GEMM
+  // baro_moe_host: the routed experts with no slot are copied from the host store into the
+  // call's scratch (one slot per pair) by moe_stage_misses_kernel before the gate/up GEMM,
+  // which then reads them as device memory. BARO_MOE_HOST=direct: the GEMMs read the store.
+  bool stage;
 };
 constexpr int32_t kSharedGroup = -2;  // the tile group of the folded shared expert (GemmParams::last_group)
 
@@ -435,7 +441,8 @@ static MoePlan moe_plan(const MoeArgs& a) {
             gemm_row1_runs(gu) && gemm_row1_runs(down) && aligned16(a.router) && aligned16(a.s_gate) &&
             aligned16(a.s_gate_up) && aligned16(a.s_down);
   pl.tail = pl.fold && !env_is("BARO_MOE_TAIL", "0") && moe_max_tiles(a, 1) <= row1_moe_route_max_tiles();
-  pl.tail_route = pl.tail && !env_is("BARO_MOE_TAIL", "combine");
+  pl.stage = pl.fold && a.host_gu != nullptr && !env_is("BARO_MOE_HOST", "direct");
+  pl.tail_route = pl.tail && !env_is("BARO_MOE_TAIL", "combine") && !pl.stage;  // the copies need the ids first
   return pl;
 }
 
@@ -467,6 +474,8 @@ static size_t moe_layout(const MoeArgs& a, char* base, MoeScratch* s) {
   t.sout = reinterpret_cast<float*>(take(sizeof(float) * m * a.D));
   t.sgl = reinterpret_cast<float*>(take(sizeof(float) * m));
   t.tail_cnt = pl.tail ? reinterpret_cast<uint32_t*>(take(sizeof(uint32_t) * moe_tail_counters(a))) : nullptr;
+  t.stage_gu = pl.stage ? reinterpret_cast<uint16_t*>(take(sizeof(uint16_t) * a.top_k * 2 * a.I * a.D)) : nullptr;
+  t.stage_dn = pl.stage ? reinterpret_cast<uint16_t*>(take(sizeof(uint16_t) * a.top_k * a.D * a.I)) : nullptr;
   if (s) *s = t;
   return off;
 }
@@ -518,6 +527,55 @@ static gpuError_t shared_swiglu(const MoeArgs& a, const MoeScratch& s, gpuStream
   return gpuGetLastError();
 }
 
+// baro_moe_host's staging: for each pair j whose expert e has no pool slot, the store's
+// gate_up[e] and down[e] into scratch slot j, so the GEMMs read device memory. Over the host
+// link a read takes a microsecond or two, so the link is full only with many reads in flight:
+// every block of the grid copies its share of every missing pair, each thread keeping
+// kStageVec 16-byte loads outstanding before it stores them. (The GEMMs reading the store
+// themselves, BARO_MOE_HOST=direct, moved ~18 GB/s of the link's ~52 on the H200.)
+constexpr int kStageThreads = 256, kStageVec = 8;
+constexpr int64_t kStageMaxBlocks = 1024;
+BARO_DEV void stage_copy(const uint4* __restrict__ src, uint4* __restrict__ dst, int64_t n) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kStageThreads * kStageVec;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kStageThreads * kStageVec + threadIdx.x; base < n;
+       base += step) {
+    uint4 v[kStageVec];
+#pragma unroll
+    for (int u = 0; u < kStageVec; ++u)  // every load issued before the first store
+      if (base + u * kStageThreads < n) v[u] = src[base + u * kStageThreads];
+#pragma unroll
+    for (int u = 0; u < kStageVec; ++u)
+      if (base + u * kStageThreads < n) dst[base + u * kStageThreads] = v[u];
+  }
+}
+
+__global__ void __launch_bounds__(kStageThreads)
+    moe_stage_misses_kernel(const int32_t* __restrict__ ids, const int32_t* __restrict__ slots, int S, int k,
+                            const uint4* __restrict__ host_gu, const uint4* __restrict__ host_dn,
+                            int64_t gu_vecs, int64_t dn_vecs, uint4* __restrict__ stage_gu,
+                            uint4* __restrict__ stage_dn) {
+  for (int j = 0; j < k; ++j) {
+    const int e = ids[j];
+    const int sl = slots[e];
+    if (sl >= 0 && sl < S) continue;  // resident: the GEMMs read its pool slot
+    stage_copy(host_gu + static_cast<int64_t>(e) * gu_vecs, stage_gu + static_cast<int64_t>(j) * gu_vecs, gu_vecs);
+    stage_copy(host_dn + static_cast<int64_t>(e) * dn_vecs, stage_dn + static_cast<int64_t>(j) * dn_vecs, dn_vecs);
+  }
+}
+
+static gpuError_t stage_misses(const MoeArgs& a, const MoeScratch& s, gpuStream_t stream) {
+  const int64_t gu_vecs = 2 * a.I * a.D / 8, dn_vecs = a.D * a.I / 8;  // D, I multiples of 16 (the fold)
+  const int64_t want = (gu_vecs + dn_vecs + kStageThreads * kStageVec - 1) / (kStageThreads * kStageVec);
+  // an expert of the model's shape is 192 blocks' worth (6 MB in flight: far past what the link
+  // needs to stay full); bigger ones loop
+  const unsigned grid = static_cast<unsigned>(want < kStageMaxBlocks ? want : kStageMaxBlocks);
+  moe_stage_misses_kernel<<<grid, kStageThreads, 0, stream>>>(
+      s.ids, a.slots, static_cast<int>(a.S), a.top_k, reinterpret_cast<const uint4*>(a.host_gu),
+      reinterpret_cast<const uint4*>(a.host_dn), gu_vecs, dn_vecs, reinterpret_cast<uint4*>(s.stage_gu),
+      reinterpret_cast<uint4*>(s.stage_dn));
+  return gpuGetLastError();
+}
+
 // Steps 1-5 of launch_moe: routing, grouping, grouped gate/up + SwiGLU and down, so that
 // s.ys[s.inv[pair]] is each (row, slot) pair's expert output (pairs of experts without tiles,
 // a.skip_unslotted, are left unwritten).
@@ -551,7 +609,9 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
       BARO_MOE_TRY(launch_dependent(route, dim3(1), dim3(BARO_WARP), 0, stream, s.logits, s.ids, s.wts,
                                     static_cast<int>(E), a.top_k, bm, s.srow, s.inv, s.tiles, s.n_tiles, max_tiles,
                                     a.slots, static_cast<int>(a.S), 0, kSharedGroup, s.tail_cnt,
-                                    pl.tail ? static_cast<int>(moe_tail_counters(a)) : 0, a.host_gu ? 1 : 0));
+                                    pl.tail ? static_cast<int>(moe_tail_counters(a)) : 0,
+                                    pl.stage ? kHostByPair : a.host_gu ? kHostByExpert : 0));
+      if (pl.stage) BARO_MOE_TRY(stage_misses(a, s, stream));
     }
   } else {
   // 1. router logits [m, E]
@@ -587,8 +647,9 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     if (pl.fold) {  // the shared expert's gate/up rows for the last tile
       p.W_last = a.s_gate_up;
       p.last_group = kSharedGroup;
-      p.W_host = a.host_gu;
-      p.pdl = 1;  // after the router GEMM (and the route kernel)
+      p.W_host = pl.stage ? s.stage_gu : a.host_gu;
+      p.w_host_mapped = pl.stage ? 0 : 1;
+      p.pdl = 1;  // after the router GEMM (and the route kernel, and the staging copies)
     }
     if (pl.tail_route) {  // 2-3 in every warp of this GEMM (block 0 stores them for step 5)
       Row1Moe& mo = p.moe;
@@ -596,7 +657,7 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
       mo.logits = s.logits;
       mo.E = static_cast<int>(E);
       mo.fold_group = kSharedGroup;
-      mo.host = a.host_gu ? 1 : 0;
+      mo.host = a.host_gu ? kHostByExpert : 0;  // (stage: the route kernel, not here)
       mo.srow = s.srow;
       mo.tiles = s.tiles;
       mo.n_tiles = s.n_tiles;
@@ -625,7 +686,8 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     if (pl.fold) {
       p.W_last = a.s_down;
       p.last_group = kSharedGroup;
-      p.W_host = a.host_dn;
+      p.W_host = pl.stage ? s.stage_dn : a.host_dn;
+      p.w_host_mapped = pl.stage ? 0 : 1;
       p.pdl = 1;
     }
     if (pl.tail) {  // 7 as the last slot of each column unit lands

@@ -170,11 +170,15 @@ BARO_DEV int weight_group(int e, const int32_t* slots, int S) {
   return s < 0 ? 0 : (s >= S ? S - 1 : s);
 }
 
-// host (baro_moe_host): an expert with no slot is read from the host store, group
-// kHostGroup0 - e (below the folded shared expert's -2), instead of clamped into the pool.
+// host (baro_moe_host): an expert with no slot is read from outside the pool, group
+// kHostGroup0 - x (below the folded shared expert's -2) instead of clamped into it. x is the
+// expert (kHostByExpert: the GEMM reads the host store itself) or the pair's position
+// (kHostByPair: the call staged pair j's expert in its scratch slot j first; one token, so a
+// pair is its expert's only one).
 constexpr int kHostGroup0 = -3;
-BARO_DEV int tile_group(int e, const int32_t* slots, int S, int host) {
-  if (host && slots != nullptr && (slots[e] < 0 || slots[e] >= S)) return kHostGroup0 - e;
+constexpr int kHostByExpert = 1, kHostByPair = 2;
+BARO_DEV int tile_group(int e, const int32_t* slots, int S, int host, int pair) {
+  if (host && slots != nullptr && (slots[e] < 0 || slots[e] >= S)) return kHostGroup0 - (host == kHostByPair ? pair : e);
   return weight_group(e, slots, S);
 }
 
@@ -222,7 +226,7 @@ BARO_UNROLL_BY_8
     int64_t nt = tiles_below;
     for (int st = 0; st < count && own > 0; st += bm, ++nt) {
       if (nt < max_tiles) {
-        tiles[3 * nt + 0] = tile_group(e, slots, S, host);
+        tiles[3 * nt + 0] = tile_group(e, slots, S, host, lane);
         tiles[3 * nt + 1] = below + st;
         tiles[3 * nt + 2] = count - st < bm ? count - st : bm;
       }

@@ -97,15 +97,22 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=25, help="kernel groups to print")
     ap.add_argument("--per-token", action="store_true",
                     help="one device call per token (decode_step + host argmax) instead of greedy blocks")
+    ap.add_argument("--mode", default="resident", choices=["resident", "tier"],
+                    help="tier: routed experts in pinned host memory, decode through the expert cache (or "
+                         "BARO_TIER_DECODE=direct); the trace then shows the host-link copies and the MoE's misses")
+    ap.add_argument("--device-budget-gb", type=float, default=None, help="tier mode: the device budget")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.mode == "tier" and args.device_budget_gb is None:
+        ap.error("--mode tier needs --device-budget-gb")
 
     import jax
 
     import baro_jax
     from baro_jax.engine import state_length
 
-    eng = baro_jax.load(args.model, backend="ordered", max_context=max(args.context + args.warmup + 2 * args.steps + 8, 64))
+    eng = baro_jax.load(args.model, backend="ordered", max_context=max(args.context + args.warmup + 2 * args.steps + 8, 64),
+                        mode=args.mode, device_budget_gb=args.device_budget_gb)
     ids = [int(x) for x in np.random.default_rng(args.seed).integers(0, eng.cfg.vocab_size, args.context)]
     pre = eng.prefill(ids, state=eng.new_state(state_length(args.context + args.warmup + 2 * args.steps + 8, eng.cfg.max_context)))
     logits, state = pre.logits, pre.state
@@ -134,6 +141,9 @@ def main(argv=None):
     print(f"[decode_profile] {args.model} context {args.context}: median step {wall_ms:.3f} ms "
           f"({1e3 / wall_ms:.1f} tok/s) over {args.steps} steps", flush=True)
 
+    cache_report = eng.expert_cache_report() if args.mode == "tier" else None  # over the timed steps and warm-up
+    if args.mode == "tier":
+        print(f"[decode_profile] tier: {cache_report}", flush=True)
     trace_dir = tempfile.mkdtemp(prefix="baro_trace_")
     with jax.profiler.trace(trace_dir):
         t0 = time.perf_counter()
@@ -189,7 +199,8 @@ def main(argv=None):
                     "median_step_ms": wall_ms, "tok_per_s": 1e3 / wall_ms,
                     "traced_step_ms": traced_s * 1e3 / n, "device_busy_ms_per_step": busy,
                     "kernel_span_ms_per_step": span, "kernels_per_step": len(kernels) / n,
-                    "planes": planes},
+                    "planes": planes, "mode": args.mode, "device_budget_gb": args.device_budget_gb,
+                    "expert_cache": cache_report},
         "kernels": rows,
         "idle_ms_per_step_by_gap": buckets,
         "largest_gaps": top_gaps,

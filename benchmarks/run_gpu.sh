@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full ep1 longctx decode decode_knobs ncu_decode tier tier_direct speed peer vs_peer agreement)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full ep1 longctx decode decode_knobs ncu_decode tier tier_direct tier_profile speed peer vs_peer agreement)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -110,6 +110,19 @@ stage_tier_direct() {
       --arms batch-ordered --lengths "${TIER_DIRECT_LENGTHS:-1024}" --chunk auto --decode-tokens 32 \
       --json "$OUT/speed_tier_direct_h200.json" 2>&1 | tail -6
   )
+}
+# Where a tier decode token's time goes (issue 11), per decode path (TIER_PROFILE_PATHS: cache
+# direct): decode_profile.py --mode tier under the 24 GB-class limit at 1k context, with the
+# expert cache's hit rate. The direct path's moe_stage_misses_kernel time over its misses' bytes
+# is the rate the kernels read pinned memory at; the cache path's MemcpyH2D rows are the copy
+# engines'. $OUT/decode_profile_tier_{cache,direct}_h200.json.
+stage_tier_profile() {
+  for path in ${TIER_PROFILE_PATHS:-cache direct}; do
+    XLA_PYTHON_CLIENT_MEM_FRACTION=${TIER_MEM_FRACTION:-0.17} XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${TIER_HOST_GB:-110} \
+      BARO_TIER_DECODE=$path timeout 240 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --mode tier \
+      --device-budget-gb "${TIER_BUDGET_GB:-22}" --context 1024 --steps 8 --top 16 \
+      --json "$OUT/decode_profile_tier_${path}_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -24
+  done
 }
 # Decode (issue 10): where a token's time goes at 1k and 32k context (benchmarks/decode_profile.py),
 # then decode tok/s at 1k, 32k and 128k context (speed.py, batch-ordered prefill first) with its PNG.

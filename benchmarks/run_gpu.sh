@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full ep1 longctx decode decode_knobs ncu_decode tier tier_direct tier_profile speed peer vs_peer agreement)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full ep1 longctx decode decode_knobs ncu_decode tier tier_direct tier_profile host_probe speed peer vs_peer agreement)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -110,6 +110,13 @@ stage_tier_direct() {
       --arms batch-ordered --lengths "${TIER_DIRECT_LENGTHS:-1024}" --chunk auto --decode-tokens 32 \
       --json "$OUT/speed_tier_direct_h200.json" 2>&1 | tail -6
   )
+}
+# The host link by both ways tier decode can use (issue 11): copy engines vs the SMs' own loads
+# of pinned memory, from cudaHostAlloc'd and from huge-page-advised registered memory
+# (benchmarks/host_read_probe.cu, ~15 s): $OUT/host_read_probe_h200.jsonl.
+stage_host_probe() {
+  nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/host_read_probe.cu -o /tmp/host_read_probe 2>&1 | tail -5
+  timeout 120 /tmp/host_read_probe "${HOST_PROBE_MIB:-1024}" 5 | tee "$OUT/host_read_probe_h200.jsonl"
 }
 # Where a tier decode token's time goes (issue 11), per decode path (TIER_PROFILE_PATHS: cache
 # direct): decode_profile.py --mode tier under the 24 GB-class limit at 1k context, with the

@@ -213,6 +213,29 @@ def _xla_platform(device) -> str:
     return p
 
 
+def gpu_platform(args) -> str | None:
+    """The GPU platform ("CUDA" or "ROCM") a call on these args runs on, None for the CPU: the
+    concrete arrays' platform, or inside jit (tracers only) the default device's."""
+    plats = _array_platforms(args)
+    if not plats:
+        try:
+            plats = {_xla_platform(jax.devices()[0])}
+        except Exception:  # noqa: BLE001
+            return None
+    gpus = sorted(p for p in plats if p in ("CUDA", "ROCM"))
+    return gpus[0] if gpus else None
+
+
+def check_gpu_limits(target: str, args, limits) -> None:
+    """Refuses, before lowering, a call the GPU kernels cannot run: limits is a list of
+    (ok, what) pairs, checked when the call runs on a GPU. The GPU handlers check the same
+    things, but an error a handler returns while XLA captures it into a command buffer crashes
+    the process (jax 0.11.2: a segfault), so nothing they would refuse may reach them."""
+    why = [what for ok, what in limits if not ok]
+    if why and gpu_platform(args):
+        raise ValueError(f"{target}: the GPU kernel cannot run this call: " + "; ".join(why))
+
+
 def check_runnable(target: str, args) -> None:
     """Raises a clear error before lowering when the op cannot run.
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 
 from . import _check as C
-from ._lib import check_runnable, ffi_call_small, round256, small_call
+from ._lib import check_gpu_limits, check_runnable, ffi_call_small, round256, small_call
 
 OP = "baro_attention"
 OP_SMALL = "baro_attention_small"
@@ -67,6 +67,9 @@ def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, eps
     n_valid = C.int_scalar(OP, "n_valid", n_valid)
     eps = C.f32_attr(OP, "eps", eps)
     args = (qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid)
+    check_gpu_limits(OP, args, [(hd % 16 == 0 and hd <= 256, f"head_dim={hd} (a multiple of 16, at most 256)"),
+                                (H <= 65535, f"H={H} q heads (at most 65535)"),
+                                (S < 2 ** 31, f"a cache of {S} rows (fewer than 2^31)")])
     cache_t = jax.ShapeDtypeStruct((S, Hkv, hd), C.BF16)
     outs = (jax.ShapeDtypeStruct((m, H * hd), C.BF16), cache_t, cache_t)
     if small_call(m):  # decode: the split partials as a result, so the GPU handler allocates nothing

@@ -8,9 +8,10 @@ import jax
 import numpy as np
 
 from . import _check as C
-from ._lib import check_runnable
+from ._lib import check_gpu_limits, check_runnable
 
 CONV_K = 4
+GPU_DK = (16, 32, 64, 128)  # the key head dims the GPU delta kernels are built for
 
 
 def conv(x, w, window, n_valid):
@@ -36,6 +37,7 @@ def conv(x, w, window, n_valid):
     C.array(op, "window", window, (CONV_K - 1, Cc), C.BF16, dtype_note=C.BF16_NOTE)
     n_valid = C.int_scalar(op, "n_valid", n_valid)
     args = (x, w, window, n_valid)
+    check_gpu_limits(op, args, [(Cc <= 65535 * 256, f"C={Cc} channels (at most {65535 * 256})")])
     check_runnable(op, args)
     return tuple(jax.ffi.ffi_call(
         op,
@@ -81,6 +83,8 @@ def delta(y, b, a, A_log, dt_bias, state, n_valid, b_col=0, a_col=0):
     m, nv, dk, dv = _check_delta_operands(op, y, b, a, A_log, dt_bias, state, b_col, a_col)
     n_valid = C.int_scalar(op, "n_valid", n_valid)
     args = (y, b, a, A_log, dt_bias, state, n_valid)
+    check_gpu_limits(op, args, [(dk in GPU_DK, f"dk={dk} (key head dims {', '.join(map(str, GPU_DK))})"),
+                                (dv <= 65535 * 32, f"dv={dv} (at most {65535 * 32})")])
     check_runnable(op, args)
     return tuple(jax.ffi.ffi_call(
         op,
@@ -109,6 +113,9 @@ def delta_blocked(y, b, a, A_log, dt_bias, state, pending_k, pending_u, pending_
     pos = C.int_scalar(op, "pos", pos)
     n_valid = C.int_scalar(op, "n_valid", n_valid)
     args = (y, b, a, A_log, dt_bias, state, pending_k, pending_u, pending_c, pos, n_valid)
+    check_gpu_limits(op, args, [(dk in GPU_DK, f"dk={dk} (key head dims {', '.join(map(str, GPU_DK))})"),
+                                (dv <= 128, f"dv={dv} (value head dims up to 128)"),
+                                (B <= 64, f"B={B} (blocks of at most 64 rows)")])
     check_runnable(op, args)
     return tuple(jax.ffi.ffi_call(
         op,

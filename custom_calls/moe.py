@@ -10,7 +10,9 @@ import jax
 import numpy as np
 
 from . import _check as C
-from ._lib import check_runnable, ffi_call_small, round256, small_call
+from ._lib import _xla_platform, check_gpu_limits, check_runnable, ffi_call_small, round256, small_call
+
+GPU_MAX_EXPERTS = 8192  # csrc/gpu/launch.h kMoeMaxExperts
 
 OP = "baro_moe"
 OP_SMALL = "baro_moe_small"
@@ -39,6 +41,7 @@ def _check_h_router(op, h, router):
     C.rank(op, "router", router, 2)
     E = router.shape[0]
     C.array(op, "router", router, (E, D), C.BF16, dtype_note=C.BF16_NOTE)
+    check_gpu_limits(op, (h, router), [(E <= GPU_MAX_EXPERTS, f"E={E} experts (at most {GPU_MAX_EXPERTS})")])
     return m, D, E
 
 
@@ -174,7 +177,11 @@ def moe_host(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shar
                          f"down {list(host.down.shape)} vs pool {list(w_down_pool.shape)}")
     if not small_call(m):
         raise ValueError(f"baro_moe_host: serves decode-sized calls (m <= 16 rows, BARO_CMDBUF_OPS unset), got m={m}")
-    if next(iter(host.gate_up.devices())).platform != "cpu":
+    plat = _xla_platform(next(iter(host.gate_up.devices())))
+    if plat == "ROCM":  # refused here, not by the handler (see _check_host_gpu)
+        raise ValueError("baro_moe_host: reading experts from the host store is CUDA-only so far (ROCm: use "
+                         "the cache path, BARO_TIER_DECODE=cache)")
+    if plat != "cpu":
         _check_host_gpu(m, D, E, w_gate_up_pool.shape[1] // 2, shared_down.shape[1], k)
     args = (h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate)
     check_runnable(op, args)

@@ -1639,6 +1639,20 @@ def test_moe_host_gpu_conditions_name_what_is_wrong(monkeypatch):
         _check_host_gpu(1, 2048, 256, 512, 512, 8)
 
 
+def test_moe_host_refuses_rocm_before_the_call(monkeypatch):
+    """On ROCm the store is not read by the kernels: refused in Python, never by the handler."""
+    import importlib
+    cm = importlib.import_module("custom_calls.moe")  # the module (custom_calls.moe is also the op's name)
+    rng = np.random.default_rng(1702)
+    E, D, I, Is, k = 16, 64, 32, 32, 4
+    router, gu, down, sgu, sdown, sgate = moe_weights_sized(rng, E, D, I, Is)
+    pgu, pdn, slots = pool_for(gu, down, [1, 2], k, rng)
+    host = cc.host_store(jnp.asarray(gu), jnp.asarray(down))
+    monkeypatch.setattr(cm, "_xla_platform", lambda dev: "ROCM")
+    with pytest.raises(ValueError, match="host store is CUDA-only"):
+        cc.moe_host(bf16(rng, 1, D), router, pgu, pdn, slots, sgu, sdown, sgate, top_k=k, host=host)
+
+
 def test_moe_host_checks_its_store():
     rng = np.random.default_rng(1701)
     E, D, I, Is, k = 16, 64, 32, 32, 4
@@ -1698,6 +1712,49 @@ def test_moe_slots_not_resident(platform):
         assert np.all(np.isnan(got[1])), "a row with a missing expert must be NaN"
         one = np.asarray(J_MOE_SLOTS(put(platform, h[1:2]), *args[1:], top_k=MO_K))  # the one-token path
         assert np.all(np.isnan(one)), "a one-token row with a missing expert must be NaN"
+
+
+def test_gpu_limits_are_refused_before_the_call(monkeypatch):
+    """What only the CPU kernels can run is refused in Python when the call goes to a GPU, each
+    limit named (a GPU handler's error inside command-buffer capture would crash the process);
+    the same shapes still trace for the CPU."""
+    import importlib
+    lib = importlib.import_module("custom_calls._lib")
+    S = jax.ShapeDtypeStruct
+    f32, b16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
+    one = S((), i32)
+    hd, H, Hkv, m = 24, 4, 2, 3  # head_dim 24: not a multiple of 16
+
+    def attention():
+        return cc.attention(S((m, (2 * H + 2 * Hkv) * hd), f32), S((hd,), f32), S((hd,), f32), S((m, 4), f32),
+                            S((m, 4), f32), S((32, Hkv, hd), b16), S((32, Hkv, hd), b16), one, one)
+
+    nv, nk, dk, dv = 4, 2, 24, 16
+    y, g = S((m, 2 * nk * dk + nv * dv), f32), S((m, nv), f32)
+
+    def delta():
+        return cc.delta(y, g, g, S((nv,), f32), S((nv,), f32), S((nv, dk, dv), f32), one)
+
+    def delta_blocked():
+        y2 = S((m, 2 * nk * 32 + nv * 130), f32)
+        return cc.delta_blocked(y2, g, g, S((nv,), f32), S((nv,), f32), S((nv, 32, 130), f32), S((nv, 65, 32), f32),
+                                S((nv, 65, 130), f32), S((nv, 65), f32), one, one)
+
+    E, D = 9000, 16
+
+    def route():
+        return cc.moe_route(S((m, D), b16), S((E, D), b16), 2)
+
+    cases = [(attention, r"baro_attention: the GPU kernel cannot run this call: head_dim=24 \(a multiple of 16"),
+             (delta, r"baro_delta: the GPU kernel cannot run this call: dk=24 \(key head dims 16, 32, 64, 128\)"),
+             (delta_blocked, r"baro_delta_blocked: .*dv=130 \(value head dims up to 128\); B=65 \(blocks"),
+             (route, r"baro_moe_route: the GPU kernel cannot run this call: E=9000 experts \(at most 8192\)")]
+    for fn, _ in cases:  # on the CPU they trace (a fresh lambda each time: eval_shape caches traces)
+        jax.eval_shape(lambda: fn())
+    monkeypatch.setattr(lib, "gpu_platform", lambda args: "CUDA")
+    for fn, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            jax.eval_shape(lambda: fn())
 
 
 def test_moe_slots_errors(platform):

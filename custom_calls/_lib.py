@@ -215,11 +215,15 @@ def _xla_platform(device) -> str:
 
 def gpu_platform(args) -> str | None:
     """The GPU platform ("CUDA" or "ROCM") a call on these args runs on, None for the CPU: the
-    concrete arrays' platform, or inside jit (tracers only) the default device's."""
+    concrete arrays' platform, or inside jit (tracers only) the default device's
+    (`jax.default_device`'s when set)."""
     plats = _array_platforms(args)
     if not plats:
         try:
-            plats = {_xla_platform(jax.devices()[0])}
+            dev = jax.config.jax_default_device
+            if isinstance(dev, str):
+                dev = jax.devices(dev)[0]
+            plats = {_xla_platform(dev if dev is not None else jax.devices()[0])}
         except Exception:  # noqa: BLE001
             return None
     gpus = sorted(p for p in plats if p in ("CUDA", "ROCM"))

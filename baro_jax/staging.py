@@ -321,6 +321,28 @@ class ExpertCache:
             self.copy_seconds += time.perf_counter() - t0
         return slot_of.copy()
 
+    def replace(self, layer: int, old, new):
+        """Put experts new[j] into the slots of residents old[j] (copied from the store, one copy
+        call for the layer): direct tier decode's adaptation. The LRU order keeps the newcomers
+        as the most recent."""
+        lru, slot_of = self.lru[layer], self.slot_of[layer]
+        slots = []
+        for o, n in zip(old, new):
+            s = int(slot_of[o])
+            if s < 0 or slot_of[n] >= 0:
+                raise ValueError(f"replace: expert {o} must be resident and {n} not (layer {layer})")
+            del lru[o]
+            slot_of[o] = -1
+            lru[n] = s
+            slot_of[n] = s
+            slots.append(s)
+        if slots:
+            pad = fetch_length(len(slots))
+            ee = np.asarray(list(new) + list(new[:1]) * (pad - len(new)), np.int32)
+            ss = np.asarray(slots + slots[:1] * (pad - len(slots)), np.int32)
+            moe, pool = self._layers[layer]["moe"], self.pools[layer]
+            pool[0], pool[1] = _FETCH(pool[0], pool[1], moe["gate_up"], moe["down"], ee, ss, dev=self._on_dev)
+
 
 def cached_forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, cache: ExpertCache):
     """A one-row forward (decode) with the routed experts from the expert cache: per layer the
@@ -382,12 +404,14 @@ def _direct_forward(params, state, tokens, pos, n_valid, rope, pools, tables, *,
     """model.forward for one row, the routed experts from the pools where tables[i] gives a slot
     and from the host store hosts[i] where it gives none (ops.moe_host): one graph, no host work
     between layers. params holds no routed expert (split_layer's resident parts). Returns
-    (logits, state, hits): hits counts the routed (layer, expert) pairs that were resident, from
-    the MoE's own routing (ops.moe_route, the same ids), so the hit rate costs no host work."""
+    (logits, state, (hits, counts)): hits counts the routed (layer, expert) pairs that were
+    resident and counts [layers, E] how often each expert was routed, from the MoE's own routing
+    (ops.moe_route, the same ids), so the hit rate and the pools' adaptation cost no host work."""
     x, cos, sin = M.prologue(params, tokens, pos, rope)
     layers = params["layers"]
     h = M.first_norm(layers[0], x, cfg, ops)
     hits = jax.numpy.int32(0)
+    counts = []
     new_state = []
     for i, (lp, st, kind, nn) in enumerate(zip(layers, state, cfg.layer_types, M.next_norms(params))):
         x, h2, st = M.layer_mixer(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid)
@@ -396,9 +420,10 @@ def _direct_forward(params, state, tokens, pos, n_valid, rope, pools, tables, *,
                          m["shared_down"], m["shared_gate"], top_k=cfg.top_k, host=hosts[i])
         ids = ops.moe_route(h2, m["router"], top_k=cfg.top_k)
         hits = hits + jax.numpy.sum(tables[i][ids] >= 0, dtype=jax.numpy.int32)
+        counts.append(jax.numpy.zeros((cfg.num_experts,), jax.numpy.int32).at[ids.reshape(-1)].add(1))
         x, h = ops.add_rmsnorm(x, y, nn, cfg.rms_eps, m["router"].dtype)
         new_state.append(st)
-    return M.epilogue(params, h, n_valid, cfg=cfg, ops=ops), tuple(new_state), hits
+    return M.epilogue(params, h, n_valid, cfg=cfg, ops=ops), tuple(new_state), (hits, jax.numpy.stack(counts))
 
 
 _DIRECT = jax.jit(_direct_forward, static_argnames=("cfg", "ops", "hosts"), donate_argnums=(1,))
@@ -406,13 +431,14 @@ _DIRECT = jax.jit(_direct_forward, static_argnames=("cfg", "ops", "hosts"), dona
 
 def _direct_greedy(params, state, token, pos, n, rope, pools, tables, *, cfg: Config, ops, hosts, block: int):
     """engine.greedy_steps through _direct_forward (sampling.greedy_loop): up to `block` greedy
-    steps in one graph. Returns (tokens [block], last, state, hits)."""
-    def step(i, st, tok, hits):
-        logits, st, h = _direct_forward(params, st, tok[None], pos + i, jax.numpy.int32(1), rope, pools, tables,
-                                        cfg=cfg, ops=ops, hosts=hosts)
-        return logits, st, hits + h
+    steps in one graph. Returns (tokens [block], last, state, (hits, counts))."""
+    def step(i, st, tok, acc):
+        logits, st, (h, c) = _direct_forward(params, st, tok[None], pos + i, jax.numpy.int32(1), rope, pools, tables,
+                                             cfg=cfg, ops=ops, hosts=hosts)
+        return logits, st, (acc[0] + h, acc[1] + c)
 
-    return greedy_loop(step, state, token, block=block, n=n, acc=jax.numpy.int32(0))
+    zero = (jax.numpy.int32(0), jax.numpy.zeros((len(pools), cfg.num_experts), jax.numpy.int32))
+    return greedy_loop(step, state, token, block=block, n=n, acc=zero)
 
 
 _DIRECT_GREEDY = jax.jit(_direct_greedy, static_argnames=("cfg", "ops", "hosts", "block"), donate_argnums=(1,))
@@ -420,12 +446,42 @@ _DIRECT_GREEDY_FULL = jax.jit(functools.partial(_direct_greedy, n=None), static_
                               donate_argnums=(1,))
 
 
+def env_adapt() -> bool:
+    """BARO_TIER_ADAPT: 1 (default) lets direct tier decode change its pools between calls toward
+    the experts routed most (DirectDecode.adapt); 0 keeps them as they were set up."""
+    import os
+
+    v = os.environ.get("BARO_TIER_ADAPT", "1").strip() or "1"
+    if v not in ("0", "1"):
+        raise ValueError(f"BARO_TIER_ADAPT must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+ADAPT_DECAY = 0.75  # per call folded in: a score halves in about 2.4 calls (~40 tokens in greedy blocks of 16)
+# A candidate replaces a resident when it scores over the resident's score by ADAPT_Z x the square
+# root of the layer's mean score (counts are Poisson-like: their spread grows as the root of
+# their mean), so chance alone rarely swaps. Simulated over 300 blocks of 16 tokens (256 experts,
+# top-8, 51 slots): under uniform routing (the synthetic weights) 0.19 swaps per layer per block
+# and no change in hits (20%); under Zipf(1) routing hits 30% -> 67%, Zipf(0.6) 19% -> 45%. A
+# margin of max(2x, x + 2) got the same hits but swapped 4 per layer per block under uniform
+# routing (1 GB of copies per 16 tokens at full size), one of 3 x the mean held E = 16 back.
+ADAPT_Z = 4.0
+
+
+def adapt_margin(scores) -> float:
+    """How far over a resident's score a candidate's must be to replace it (see ADAPT_Z)."""
+    return ADAPT_Z * float(np.sqrt(max(float(np.mean(scores)), 0.0)))
+ADAPT_MAX_SWAPS = 4  # per layer per adaptation: bounds the copies between two calls
+
+
 class DirectDecode:
-    """Tier decode in one graph per token: the cache's pools as they stand (no LRU traffic while
-    it runs), every other routed expert read from the host store by the MoE kernels. The same
-    bytes as resident decode (the same weights in the same order); what it saves is the per-layer
-    round trip of the ids (route_seconds) and the copy dispatch (copy_seconds). Its hits (routed
-    experts that were resident) are counted on the device and read only by stats()."""
+    """Tier decode in one graph per token: the cache's pools as they stand during a call (no LRU
+    traffic inside it), every other routed expert read from the host store by the MoE kernels.
+    The same bytes as resident decode (the same weights in the same order, whichever are
+    resident); what it saves is the per-layer round trip of the ids (route_seconds) and the copy
+    dispatch (copy_seconds). Its hits (routed experts that were resident) and per-expert routing
+    counts are made on the device; between calls the pools follow the counts (adapt), so a
+    model whose routing favours some experts, as real ones do, gets them resident."""
 
     def __init__(self, params, cache: ExpertCache):
         self.cache = cache
@@ -440,12 +496,18 @@ class DirectDecode:
             if not (table >= 0).any():
                 cache.ensure(i, np.arange(cache.slots))
         cache.reset_stats()
+        self.adaptive = env_adapt()
+        self.score = np.zeros((len(cache.pools), cache.cfg.num_experts), np.float64)
+        self._counts = []  # device [layers, E] routing counts of the calls not yet folded into score
+        self._last = None  # an output of the newest call (ready when it has finished)
+        self.swaps = 0
         self.refresh()
         self.reset_stats()
 
     def reset_stats(self):
         self._hits = []  # device int32 scalars, one per call
         self.pairs = 0   # routed (token, layer, expert) pairs since the reset
+        self.swaps = 0   # experts brought into the pools by adapt() since the reset
 
     def refresh(self):
         """Take the cache's current slot tables (after an LRU step elsewhere changed them)."""
@@ -459,22 +521,67 @@ class DirectDecode:
         self._hits = [hits]
         return {"decode_path": "direct", "resident_share": self.cache.slots / self.cache.cfg.num_experts,
                 "hits": hits, "misses": self.pairs - hits, "hit_rate": hits / self.pairs if self.pairs else None,
-                "route_seconds": 0.0, "copy_seconds": 0.0}
+                "route_seconds": 0.0, "copy_seconds": 0.0, "adaptive": self.adaptive, "pool_swaps": self.swaps}
+
+    def adapt(self, keep_last: bool = True):
+        """Fold the routing counts of finished calls into each layer's decayed score and swap up
+        to ADAPT_MAX_SWAPS residents per layer for experts scoring over theirs by adapt_margin
+        (copied from the store into the freed slots, one copy call per layer). keep_last: the newest call may still be
+        running, so its counts wait (reading them would stall the one-call-ahead pipeline)."""
+        ready = self._counts[:-1] if keep_last else self._counts
+        if not ready:
+            return
+        self._counts = self._counts[len(ready):]
+        for c in ready:
+            self.score = self.score * ADAPT_DECAY + np.asarray(c)
+        if not self.adaptive:
+            return
+        changed = False
+        for layer, table in enumerate(self.cache.slot_of):
+            sc = self.score[layer]
+            resident = np.flatnonzero(table >= 0)
+            others = np.flatnonzero(table < 0)
+            if not len(resident) or not len(others):
+                continue
+            cold = resident[np.argsort(sc[resident], kind="stable")]
+            hot = others[np.argsort(-sc[others], kind="stable")]
+            margin = adapt_margin(sc)
+            swap_out, swap_in = [], []
+            for out, inn in zip(cold, hot):
+                if len(swap_in) == ADAPT_MAX_SWAPS or sc[inn] <= sc[out] + margin:
+                    break
+                swap_out.append(int(out))
+                swap_in.append(int(inn))
+            if swap_in:
+                if not changed and self._last is not None:
+                    # the newest call may still be reading the pools, and the copy below writes
+                    # them in place (a donated buffer): wait for it first (a donation does not
+                    # wait for readers in flight on every backend: on CPU it raced)
+                    jax.block_until_ready(self._last)
+                self.cache.replace(layer, swap_out, swap_in)
+                self.swaps += len(swap_in)
+                changed = True
+        if changed:
+            self.refresh()
 
     def _routed(self, steps: int) -> int:
         return steps * len(self.cache.pools) * self.cache.cfg.top_k
 
     def __call__(self, state, tokens, pos, n_valid, rope, *, cfg: Config, ops):
+        self.adapt()
         pools = tuple(tuple(p) for p in self.cache.pools)
-        logits, state, hits = _DIRECT(self.params, state, tokens, pos, n_valid, rope, pools, self.tables, cfg=cfg,
-                                      ops=ops, hosts=self.hosts)
+        logits, state, (hits, counts) = _DIRECT(self.params, state, tokens, pos, n_valid, rope, pools, self.tables,
+                                                cfg=cfg, ops=ops, hosts=self.hosts)
         self._hits.append(hits)
+        self._counts.append(counts)
+        self._last = counts
         self.pairs += self._routed(1)
         return logits, state
 
     def greedy(self, state, token, pos, n: int, rope, *, cfg: Config, ops, block: int):
         """engine.greedy_steps' contract for n (1..block, a Python int) steps, one graph per block:
         n == block runs the known-trip-count loop."""
+        self.adapt()
         pools = tuple(tuple(p) for p in self.cache.pools)
         if n == block:
             toks, last, state, hits = _DIRECT_GREEDY_FULL(self.params, state, token, pos, rope=rope, pools=pools,
@@ -483,7 +590,9 @@ class DirectDecode:
         else:
             toks, last, state, hits = _DIRECT_GREEDY(self.params, state, token, pos, jax.numpy.int32(n), rope, pools,
                                                      self.tables, cfg=cfg, ops=ops, hosts=self.hosts, block=block)
-        self._hits.append(hits)
+        self._hits.append(hits[0])
+        self._counts.append(hits[1])
+        self._last = hits[1]
         self.pairs += self._routed(n)
         return toks, last, state
 

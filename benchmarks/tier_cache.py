@@ -9,6 +9,9 @@ over the decode steps, and the time spent waiting for each layer's routing ids o
 (route_seconds / layer-steps: the mixer's compute plus the device-to-host round trip, the cost
 this design adds per layer per token) and issuing the miss copies (copy_seconds). The greedy
 tokens of every tier arm must equal resident's (checked: exit 1 otherwise).
+--direct adds, for each cache size > 0, direct tier decode (BARO_TIER_DECODE=direct) with the
+pools adapting to the routing (BARO_TIER_ADAPT=1, the default) and frozen as set up (0): its hit
+rate is what a model's routing makes of each policy.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--slots", default="default,3,0", help="comma-separated cache sizes ('default' = sized by the budget)")
     ap.add_argument("--device-budget-gb", type=float, default=None)
+    ap.add_argument("--direct", action="store_true", help="also the direct decode path, pools adapting and frozen")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -43,20 +47,31 @@ def main(argv=None) -> int:
     print(f"resident: decode {ref.decode_tokens_per_s:.1f} tok/s")
     ok = True
     L = tier.cfg.num_layers
+    settings = []
     for s in args.slots.split(","):
+        settings.append((s, "cache", None))
+        if args.direct and s != "0":
+            settings += [(s, "direct", "1"), (s, "direct", "0")]
+    for s, path, adapt in settings:
+        os.environ["BARO_TIER_DECODE"] = path
+        if adapt is None:
+            os.environ.pop("BARO_TIER_ADAPT", None)
+        else:
+            os.environ["BARO_TIER_ADAPT"] = adapt
         tier.use_expert_cache(None if s == "default" else int(s))
         tier.generate(ids, 3, stop_at_eos=False)  # compile the steps of this arm
         r = tier.generate(ids, args.new_tokens, stop_at_eos=False)
         same = r.generated_ids == ref.generated_ids
         ok &= same
         ec = r.expert_cache
-        row = {"arm": f"tier slots={s}", "decode_tokens_per_s": r.decode_tokens_per_s, "tokens_equal_resident": same,
+        name = f"tier slots={s}" + ("" if path == "cache" else f" direct adapt={adapt}")
+        row = {"arm": name, "decode_tokens_per_s": r.decode_tokens_per_s, "tokens_equal_resident": same,
                "expert_cache": ec}
         steps = len(r.generated_ids) - 1
         if ec.get("hit_rate") is not None:
             row["route_ms_per_layer_step"] = 1e3 * ec["route_seconds"] / (steps * L)
             row["copy_ms_per_layer_step"] = 1e3 * ec["copy_seconds"] / (steps * L)
-            print(f"tier {ec['slots_per_layer']} slots/layer: decode {r.decode_tokens_per_s:.1f} tok/s, hit rate "
+            print(f"{name} ({ec['slots_per_layer']} slots/layer): decode {r.decode_tokens_per_s:.1f} tok/s, hit rate "
                   f"{ec['hit_rate']:.1%}, ids wait {row['route_ms_per_layer_step']:.3f} ms and copy issue "
                   f"{row['copy_ms_per_layer_step']:.3f} ms per layer-step, tokens {'same' if same else 'DIFF'}")
         else:

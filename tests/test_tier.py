@@ -226,6 +226,75 @@ def test_direct_decode_bytes_equal_resident(engines, monkeypatch):
         assert tier.direct is None
 
 
+def test_direct_pools_follow_the_routing(engines, monkeypatch):
+    """adapt(): per layer the hottest non-resident experts (decayed counts) replace the coldest
+    residents when they score over the resident's score + adapt_margin (ADAPT_Z x the root of the
+    layer's mean), at most ADAPT_MAX_SWAPS, their weights copied into the freed slots; then greedy decode with
+    swaps between every block keeps resident decode's bytes (tokens and state)."""
+    import jax
+
+    res, tier = engines
+    L, E, k = tier.cfg.num_layers, tier.cfg.num_experts, tier.cfg.top_k
+    S = k + 1
+    monkeypatch.setenv("BARO_TIER_DECODE", "direct")
+    try:
+        cache = tier.use_expert_cache(S)
+        d = tier.direct
+        assert d.adaptive and d.swaps == 0
+        before = [t.copy() for t in cache.slot_of]  # each layer: experts 0 .. S-1 resident
+        counts = np.zeros((L, E), np.int32)
+        counts[0, E - 1] = 50  # hot: replaces a resident with no count
+        counts[0, E - 2] = 1   # not over 0 + the margin: stays out
+        counts[1, :S] = 5      # residents warm ...
+        counts[1, E - 1] = 60  # ... 60 is over 5 + the margin: in
+        counts[1, E - 2] = 8   # 8 is not: out
+        for layer in (0, 1):
+            margin = staging.adapt_margin(counts[layer])
+            assert counts[layer, E - 2] <= counts[layer, 0] + margin < counts[layer, E - 1]
+        d._counts = [jax.numpy.asarray(counts)]
+        d.adapt(keep_last=False)
+        assert d.swaps == 2
+        t0, t1 = cache.slot_of[0], cache.slot_of[1]
+        assert t0[E - 1] >= 0 and t0[E - 2] < 0 and (t0 >= 0).sum() == S
+        assert t1[E - 1] >= 0 and t1[E - 2] < 0 and (t1 >= 0).sum() == S
+        for layer in range(2, L):
+            assert (cache.slot_of[layer] == before[layer]).all()
+        for layer in (0, 1):  # the slot holds the new expert's weights, bytes of the store's
+            moe = tier.params["layers"][layer]["moe"]
+            slot = cache.slot_of[layer][E - 1]
+            assert np.asarray(cache.pools[layer][0][slot]).tobytes() == np.asarray(moe["gate_up"][E - 1]).tobytes()
+            assert np.asarray(cache.pools[layer][1][slot]).tobytes() == np.asarray(moe["down"][E - 1]).tobytes()
+        assert np.asarray(d.tables[0]).tolist() == cache.slot_of[0].tolist()
+        # every block may swap (no margin): the bytes stay resident decode's
+        monkeypatch.setattr(staging, "ADAPT_Z", 0.0)
+        monkeypatch.setattr(staging, "ADAPT_MAX_SWAPS", S)
+        ids = res.encode(PROMPT)[:24]
+        n = 40
+        want = res.prefill(ids, "batch", 16, n_new=n + 1)
+        got = tier.prefill(ids, "batch", 16, n_new=n + 1)
+        first = int(np.argmax(np.asarray(want.logits)))
+        wt, ws = res.greedy_decode(first, want.state, len(ids), n)
+        d.reset_stats()
+        gt, gs = tier.greedy_decode(first, got.state, len(ids), n)
+        assert wt == gt
+        names = identity.state_names(res.cfg)
+        assert identity.first_diff([np.asarray(x) for x in jax.tree_util.tree_leaves(ws)],
+                                   [np.asarray(x) for x in jax.tree_util.tree_leaves(gs)], names) is None
+        assert d.stats()["pool_swaps"] > 0, d.stats()
+        monkeypatch.setenv("BARO_TIER_ADAPT", "0")  # off: the pools stay
+        tier.use_expert_cache(S)
+        frozen = [t.copy() for t in tier.cache.slot_of]
+        tier.greedy_decode(first, tier.prefill(ids, "batch", 16, n_new=n + 1).state, len(ids), n)
+        assert all((a == b).all() for a, b in zip(frozen, tier.cache.slot_of)) and tier.direct.swaps == 0
+        monkeypatch.setenv("BARO_TIER_ADAPT", "2")
+        with pytest.raises(ValueError, match="BARO_TIER_ADAPT must be 0 or 1"):
+            tier.use_expert_cache(S)
+    finally:
+        monkeypatch.delenv("BARO_TIER_DECODE")
+        monkeypatch.delenv("BARO_TIER_ADAPT", raising=False)
+        tier.use_expert_cache(None)
+
+
 def test_direct_decode_refuses_a_bad_setting(engines, monkeypatch):
     _, tier = engines
     monkeypatch.setenv("BARO_TIER_DECODE", "fast")

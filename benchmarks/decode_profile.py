@@ -101,20 +101,27 @@ def main(argv=None):
                     help="tier: routed experts in pinned host memory, decode through the expert cache (or "
                          "BARO_TIER_DECODE=direct); the trace then shows the host-link copies and the MoE's misses")
     ap.add_argument("--device-budget-gb", type=float, default=None, help="tier mode: the device budget")
+    ap.add_argument("--tier-paths", default=None,
+                    help="tier mode: comma-separated decode paths to profile one after the other in this process "
+                         "(cache, direct; default: BARO_TIER_DECODE's); --json may hold {path}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.mode == "tier" and args.device_budget_gb is None:
         ap.error("--mode tier needs --device-budget-gb")
+    paths = [None] if args.mode != "tier" or not args.tier_paths else args.tier_paths.split(",")
+    if len(paths) > 1 and args.json and "{path}" not in args.json:
+        ap.error("--json must hold {path} when --tier-paths names more than one path")
 
     import jax
 
     import baro_jax
     from baro_jax.engine import state_length
 
-    eng = baro_jax.load(args.model, backend="ordered", max_context=max(args.context + args.warmup + 2 * args.steps + 8, 64),
+    decode_len = len(paths) * (args.warmup + 2 * args.steps) + 8  # every arm decodes from the same state onward
+    eng = baro_jax.load(args.model, backend="ordered", max_context=max(args.context + decode_len, 64),
                         mode=args.mode, device_budget_gb=args.device_budget_gb)
     ids = [int(x) for x in np.random.default_rng(args.seed).integers(0, eng.cfg.vocab_size, args.context)]
-    pre = eng.prefill(ids, state=eng.new_state(state_length(args.context + args.warmup + 2 * args.steps + 8, eng.cfg.max_context)))
+    pre = eng.prefill(ids, state=eng.new_state(state_length(args.context + decode_len, eng.cfg.max_context)))
     logits, state = pre.logits, pre.state
     pos = len(ids)
     tok = int(np.argmax(np.asarray(logits)))
@@ -135,81 +142,89 @@ def main(argv=None):
             tok, pos = toks[-1], pos + n
         return [(time.perf_counter() - t) / n] * n
 
-    steps(args.warmup)
-    walls = steps(args.steps)
-    wall_ms = float(np.median(walls) * 1e3)
-    print(f"[decode_profile] {args.model} context {args.context}: median step {wall_ms:.3f} ms "
-          f"({1e3 / wall_ms:.1f} tok/s) over {args.steps} steps", flush=True)
+    outs = []
+    for path in paths:
+        if path is not None:  # the next tier decode path: a fresh cache, its pools as it sets them up
+            os.environ["BARO_TIER_DECODE"] = path
+            eng.use_expert_cache(None)
+            print(f"[decode_profile] tier decode path {path}", flush=True)
+        steps(args.warmup)
+        walls = steps(args.steps)
+        wall_ms = float(np.median(walls) * 1e3)
+        print(f"[decode_profile] {args.model} context {args.context}: median step {wall_ms:.3f} ms "
+              f"({1e3 / wall_ms:.1f} tok/s) over {args.steps} steps", flush=True)
 
-    cache_report = eng.expert_cache_report() if args.mode == "tier" else None  # over the timed steps and warm-up
-    if args.mode == "tier":
-        print(f"[decode_profile] tier: {cache_report}", flush=True)
-    trace_dir = tempfile.mkdtemp(prefix="baro_trace_")
-    with jax.profiler.trace(trace_dir):
-        t0 = time.perf_counter()
-        steps(args.steps)
-        traced_s = time.perf_counter() - t0
-    kernels, host, planes = read_trace(trace_dir)
-    if not kernels:
-        raise SystemExit(f"decode_profile: no kernel events in the trace (planes: {planes})")
-    n = args.steps
-    busy = union_ns([(s, e) for _, s, e in kernels]) / 1e6 / n
-    span = ((max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)) / 1e6 / n) if kernels else 0.0
-    groups = collections.defaultdict(lambda: [0, 0])
-    for name, s, e in kernels:
-        g = groups[short(name)]
-        g[0] += 1
-        g[1] += e - s
-    rows = sorted(({"kernel": k, "per_step": c / n, "ms_per_step": t / 1e6 / n, "mean_us": t / 1e3 / c}
-                   for k, (c, t) in groups.items()), key=lambda r: -r["ms_per_step"])
-    # idle gaps between consecutive kernels (device timeline): where the rest goes
-    ks = sorted(kernels, key=lambda k: k[1])
-    gaps, end, prev = [], None, None
-    for name, s0, e0 in ks:
-        if end is not None and s0 > end:
-            gaps.append((s0 - end, short(prev), short(name)))
-        if end is None or e0 > end:
-            end, prev = e0, name
-    buckets = {"<2us": 0.0, "2-10us": 0.0, "10-100us": 0.0, ">100us": 0.0}
-    for gap, _, _ in gaps:
-        key = "<2us" if gap < 2e3 else "2-10us" if gap < 1e4 else "10-100us" if gap < 1e5 else ">100us"
-        buckets[key] += gap / 1e6 / n
-    top_gaps = [{"us": g / 1e3, "after": a, "before": b} for g, a, b in sorted(gaps, reverse=True)[:12]]
-    print("[decode_profile] idle ms/step by gap size: " + ", ".join(f"{k} {v:.3f}" for k, v in buckets.items()))
-    for tg in top_gaps[:6]:
-        print(f"  gap {tg['us']:9.1f} us  after {tg['after']}  before {tg['before']}")
-    print(f"[decode_profile] traced: {traced_s * 1e3 / n:.3f} ms/step wall, device busy {busy:.3f} ms/step, "
-          f"kernel span {span:.3f} ms/step, {len(kernels) / n:.0f} kernels/step", flush=True)
-    for r in rows[:args.top]:
-        print(f"  {r['ms_per_step']:8.3f} ms  {r['per_step']:6.1f}x  {r['mean_us']:8.2f} us  {r['kernel']}")
-    for k, c in host.most_common(8):
-        print(f"  host {c / n:7.1f}/step  {k}")
-    # one token's kernels in launch order (the middle token of the traced run), so a kernel that
-    # runs many times per token (the GEMMs) can be read call by call against the layer's code
-    seq = []
-    if ks and n >= 1:
-        span_all = ks[-1][2] - ks[0][1]
-        t_a = ks[0][1] + span_all * (n // 2) / n
-        t_b = ks[0][1] + span_all * (n // 2 + 1) / n
-        seq = [{"kernel": short(k), "us": (e - s0) / 1e3, "start_us": (s0 - t_a) / 1e3}
-               for k, s0, e in ks if t_a <= s0 < t_b]
-    out = {
-        "summary": {**provenance(), "model": args.model, "context": args.context, "steps": n,
-                    "xla_flags": os.environ.get("XLA_FLAGS", ""), "per_token": args.per_token,
-                    "median_step_ms": wall_ms, "tok_per_s": 1e3 / wall_ms,
-                    "traced_step_ms": traced_s * 1e3 / n, "device_busy_ms_per_step": busy,
-                    "kernel_span_ms_per_step": span, "kernels_per_step": len(kernels) / n,
-                    "planes": planes, "mode": args.mode, "device_budget_gb": args.device_budget_gb,
-                    "expert_cache": cache_report},
-        "kernels": rows,
-        "idle_ms_per_step_by_gap": buckets,
-        "largest_gaps": top_gaps,
-        "one_token_sequence": seq,
-        "host_launch_events_per_step": {k: c / n for k, c in host.most_common()},
-    }
-    if args.json:
-        write_json(args.json, out)
-    return out
+        cache_report = eng.expert_cache_report() if args.mode == "tier" else None  # over the timed steps and warm-up
+        if args.mode == "tier":
+            print(f"[decode_profile] tier: {cache_report}", flush=True)
+        trace_dir = tempfile.mkdtemp(prefix="baro_trace_")
+        with jax.profiler.trace(trace_dir):
+            t0 = time.perf_counter()
+            steps(args.steps)
+            traced_s = time.perf_counter() - t0
+        kernels, host, planes = read_trace(trace_dir)
+        if not kernels:
+            raise SystemExit(f"decode_profile: no kernel events in the trace (planes: {planes})")
+        n = args.steps
+        busy = union_ns([(s, e) for _, s, e in kernels]) / 1e6 / n
+        span = ((max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)) / 1e6 / n) if kernels else 0.0
+        groups = collections.defaultdict(lambda: [0, 0])
+        for name, s, e in kernels:
+            g = groups[short(name)]
+            g[0] += 1
+            g[1] += e - s
+        rows = sorted(({"kernel": k, "per_step": c / n, "ms_per_step": t / 1e6 / n, "mean_us": t / 1e3 / c}
+                       for k, (c, t) in groups.items()), key=lambda r: -r["ms_per_step"])
+        # idle gaps between consecutive kernels (device timeline): where the rest goes
+        ks = sorted(kernels, key=lambda k: k[1])
+        gaps, end, prev = [], None, None
+        for name, s0, e0 in ks:
+            if end is not None and s0 > end:
+                gaps.append((s0 - end, short(prev), short(name)))
+            if end is None or e0 > end:
+                end, prev = e0, name
+        buckets = {"<2us": 0.0, "2-10us": 0.0, "10-100us": 0.0, ">100us": 0.0}
+        for gap, _, _ in gaps:
+            key = "<2us" if gap < 2e3 else "2-10us" if gap < 1e4 else "10-100us" if gap < 1e5 else ">100us"
+            buckets[key] += gap / 1e6 / n
+        top_gaps = [{"us": g / 1e3, "after": a, "before": b} for g, a, b in sorted(gaps, reverse=True)[:12]]
+        print("[decode_profile] idle ms/step by gap size: " + ", ".join(f"{k} {v:.3f}" for k, v in buckets.items()))
+        for tg in top_gaps[:6]:
+            print(f"  gap {tg['us']:9.1f} us  after {tg['after']}  before {tg['before']}")
+        print(f"[decode_profile] traced: {traced_s * 1e3 / n:.3f} ms/step wall, device busy {busy:.3f} ms/step, "
+              f"kernel span {span:.3f} ms/step, {len(kernels) / n:.0f} kernels/step", flush=True)
+        for r in rows[:args.top]:
+            print(f"  {r['ms_per_step']:8.3f} ms  {r['per_step']:6.1f}x  {r['mean_us']:8.2f} us  {r['kernel']}")
+        for k, c in host.most_common(8):
+            print(f"  host {c / n:7.1f}/step  {k}")
+        # one token's kernels in launch order (the middle token of the traced run), so a kernel that
+        # runs many times per token (the GEMMs) can be read call by call against the layer's code
+        seq = []
+        if ks and n >= 1:
+            span_all = ks[-1][2] - ks[0][1]
+            t_a = ks[0][1] + span_all * (n // 2) / n
+            t_b = ks[0][1] + span_all * (n // 2 + 1) / n
+            seq = [{"kernel": short(k), "us": (e - s0) / 1e3, "start_us": (s0 - t_a) / 1e3}
+                   for k, s0, e in ks if t_a <= s0 < t_b]
+        out = {
+            "summary": {**provenance(), "model": args.model, "context": args.context, "steps": n,
+                        "xla_flags": os.environ.get("XLA_FLAGS", ""), "per_token": args.per_token,
+                        "median_step_ms": wall_ms, "tok_per_s": 1e3 / wall_ms,
+                        "traced_step_ms": traced_s * 1e3 / n, "device_busy_ms_per_step": busy,
+                        "kernel_span_ms_per_step": span, "kernels_per_step": len(kernels) / n,
+                        "planes": planes, "mode": args.mode, "device_budget_gb": args.device_budget_gb,
+                    "tier_decode_path": path or (os.environ.get("BARO_TIER_DECODE", "cache") if args.mode == "tier" else None),
+                        "expert_cache": cache_report},
+            "kernels": rows,
+            "idle_ms_per_step_by_gap": buckets,
+            "largest_gaps": top_gaps,
+            "one_token_sequence": seq,
+            "host_launch_events_per_step": {k: c / n for k, c in host.most_common()},
+        }
+        outs.append(out)
+        if args.json:
+            write_json(args.json.replace("{path}", path or "resident"), out)
+    return outs[0] if len(outs) == 1 else outs
 
 
 if __name__ == "__main__":

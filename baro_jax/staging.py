@@ -457,7 +457,9 @@ def env_adapt() -> bool:
     return v == "1"
 
 
-ADAPT_DECAY = 0.75  # per call folded in: a score halves in about 2.4 calls (~40 tokens in greedy blocks of 16)
+ADAPT_EVERY = 16  # tokens between two adaptations (one greedy block; per-token calls wait for 16)
+ADAPT_DECAY = 0.75  # a score's decay per ADAPT_EVERY tokens: it halves in about 40 tokens
+ADAPT_MAX_SWAPS = 4  # per layer per adaptation: bounds the copies between two calls
 # A candidate replaces a resident when it scores over the resident's score by ADAPT_Z x the square
 # root of the layer's mean score (counts are Poisson-like: their spread grows as the root of
 # their mean), so chance alone rarely swaps. Simulated over 300 blocks of 16 tokens (256 experts,
@@ -471,7 +473,6 @@ ADAPT_Z = 4.0
 def adapt_margin(scores) -> float:
     """How far over a resident's score a candidate's must be to replace it (see ADAPT_Z)."""
     return ADAPT_Z * float(np.sqrt(max(float(np.mean(scores)), 0.0)))
-ADAPT_MAX_SWAPS = 4  # per layer per adaptation: bounds the copies between two calls
 
 
 class DirectDecode:
@@ -498,7 +499,8 @@ class DirectDecode:
         cache.reset_stats()
         self.adaptive = env_adapt()
         self.score = np.zeros((len(cache.pools), cache.cfg.num_experts), np.float64)
-        self._counts = []  # device [layers, E] routing counts of the calls not yet folded into score
+        self._counts = []  # (device [layers, E] routing counts, tokens) of calls not yet folded into score
+        self._since = 0  # tokens folded in since the last adaptation
         self._last = None  # an output of the newest call (ready when it has finished)
         self.swaps = 0
         self.refresh()
@@ -524,18 +526,21 @@ class DirectDecode:
                 "route_seconds": 0.0, "copy_seconds": 0.0, "adaptive": self.adaptive, "pool_swaps": self.swaps}
 
     def adapt(self, keep_last: bool = True):
-        """Fold the routing counts of finished calls into each layer's decayed score and swap up
-        to ADAPT_MAX_SWAPS residents per layer for experts scoring over theirs by adapt_margin
-        (copied from the store into the freed slots, one copy call per layer). keep_last: the newest call may still be
-        running, so its counts wait (reading them would stall the one-call-ahead pipeline)."""
+        """Fold the routing counts of finished calls into each layer's decayed score and, once
+        ADAPT_EVERY tokens are in, swap up to ADAPT_MAX_SWAPS residents per layer for experts
+        scoring over theirs by adapt_margin (copied from the store into the freed slots, one copy
+        call per layer). keep_last: the newest call may still be running, so its counts wait
+        (reading them would stall the one-call-ahead pipeline)."""
         ready = self._counts[:-1] if keep_last else self._counts
         if not ready:
             return
         self._counts = self._counts[len(ready):]
-        for c in ready:
-            self.score = self.score * ADAPT_DECAY + np.asarray(c)
-        if not self.adaptive:
+        for c, n in ready:
+            self.score = self.score * ADAPT_DECAY ** (n / ADAPT_EVERY) + np.asarray(c)
+            self._since += n
+        if not self.adaptive or self._since < ADAPT_EVERY:
             return
+        self._since = 0
         changed = False
         for layer, table in enumerate(self.cache.slot_of):
             sc = self.score[layer]
@@ -573,7 +578,7 @@ class DirectDecode:
         logits, state, (hits, counts) = _DIRECT(self.params, state, tokens, pos, n_valid, rope, pools, self.tables,
                                                 cfg=cfg, ops=ops, hosts=self.hosts)
         self._hits.append(hits)
-        self._counts.append(counts)
+        self._counts.append((counts, 1))
         self._last = counts
         self.pairs += self._routed(1)
         return logits, state
@@ -584,15 +589,15 @@ class DirectDecode:
         self.adapt()
         pools = tuple(tuple(p) for p in self.cache.pools)
         if n == block:
-            toks, last, state, hits = _DIRECT_GREEDY_FULL(self.params, state, token, pos, rope=rope, pools=pools,
-                                                          tables=self.tables, cfg=cfg, ops=ops, hosts=self.hosts,
-                                                          block=block)
+            out = _DIRECT_GREEDY_FULL(self.params, state, token, pos, rope=rope, pools=pools, tables=self.tables,
+                                      cfg=cfg, ops=ops, hosts=self.hosts, block=block)
         else:
-            toks, last, state, hits = _DIRECT_GREEDY(self.params, state, token, pos, jax.numpy.int32(n), rope, pools,
-                                                     self.tables, cfg=cfg, ops=ops, hosts=self.hosts, block=block)
-        self._hits.append(hits[0])
-        self._counts.append(hits[1])
-        self._last = hits[1]
+            out = _DIRECT_GREEDY(self.params, state, token, pos, jax.numpy.int32(n), rope, pools, self.tables, cfg=cfg,
+                                 ops=ops, hosts=self.hosts, block=block)
+        toks, last, state, (hits, counts) = out
+        self._hits.append(hits)
+        self._counts.append((counts, n))
+        self._last = counts
         self.pairs += self._routed(n)
         return toks, last, state
 

@@ -224,7 +224,10 @@ class Engine:
         if path == "direct" and staging.has_cache_ops(self.ops) and not staging.has_host_ops(self.ops):
             raise ValueError(f"BARO_TIER_DECODE=direct: the {self.variant or self.backend} ops "
                              "cannot read experts from the host store (use the ordered backend)")
+        # the old pools go before the new ones are made (both at once may not fit the device):
+        # the step function holds them too
         self.cache = self.direct = None
+        self._step = partial(staging.forward, cfg=self.cfg, ops=self.ops, cache=None, direct=None)
         if not staging.has_cache_ops(self.ops):
             self.cache_note = f"off: the {self.variant or self.backend} ops have no slot-table MoE"
         else:

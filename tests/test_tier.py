@@ -295,6 +295,32 @@ def test_direct_pools_follow_the_routing(engines, monkeypatch):
         tier.use_expert_cache(None)
 
 
+def test_rebuilding_the_cache_frees_the_old_pools_first(engines, monkeypatch):
+    """use_expert_cache drops every reference to the old cache (its pools) before it makes the
+    new one: on a card sized for one set of pools, two at once would not fit."""
+    import gc
+    import weakref
+
+    _, tier = engines
+    for path in ("cache", "direct"):
+        monkeypatch.setenv("BARO_TIER_DECODE", path)
+        old = weakref.ref(tier.use_expert_cache(tier.cfg.top_k + 1))
+        seen = []
+        real_init = staging.ExpertCache.__init__
+
+        def init(self, *a, **kw):
+            gc.collect()
+            seen.append(old() is None)
+            real_init(self, *a, **kw)
+
+        monkeypatch.setattr(staging.ExpertCache, "__init__", init)
+        tier.use_expert_cache(tier.cfg.top_k + 1)
+        monkeypatch.setattr(staging.ExpertCache, "__init__", real_init)
+        assert seen == [True], (path, seen)
+    monkeypatch.delenv("BARO_TIER_DECODE")
+    tier.use_expert_cache(None)
+
+
 def test_direct_decode_refuses_a_bad_setting(engines, monkeypatch):
     _, tier = engines
     monkeypatch.setenv("BARO_TIER_DECODE", "fast")

@@ -190,6 +190,19 @@ _FETCH = jax.jit(_fetch, donate_argnums=(0, 1), static_argnames=("dev",))
 
 
 EXACT_FETCH_MAX = 16  # up to this many misses a call copies exactly its misses
+FETCH_PATHS = ("xla", "dma")
+
+
+def env_fetch_path() -> str:
+    """BARO_TIER_FETCH: how the expert cache copies its misses into the pools. "xla" (default):
+    a jit of a dynamic slice of the pinned store (on a GPU a kernel reading over the host link);
+    "dma": custom_calls.FetchRing, copy-engine copies from host-known addresses."""
+    import os
+
+    v = os.environ.get("BARO_TIER_FETCH", "xla").strip() or "xla"
+    if v not in FETCH_PATHS:
+        raise ValueError(f"BARO_TIER_FETCH must be one of {', '.join(FETCH_PATHS)}, got {v!r}")
+    return v
 
 
 def fetch_length(n_misses: int) -> int:
@@ -254,7 +267,16 @@ class ExpertCache:
         self.route_seconds = self.copy_seconds = 0.0
         self.events = []  # (layer, expert, slot, evicted expert or -1) per miss: for tests
         self.keep_events = False
-        self._warm_fetches(min(cfg.top_k, EXACT_FETCH_MAX, slots))
+        self.fetch_path = env_fetch_path()
+        self.fetch_max = min(cfg.top_k, EXACT_FETCH_MAX, slots)  # pairs per copy call (compiled up front)
+        self._ring = self._hosts = None
+        if self.fetch_path == "dma":
+            import custom_calls as cc
+
+            self._hosts = host_stores(layers)
+            self._ring = cc.FetchRing(max(self.fetch_max, EXACT_FETCH_MAX))
+        else:
+            self._warm_fetches(self.fetch_max)
 
     def _warm_fetches(self, n_max: int):
         """Compile the copy graph of every miss count a decode token can have (1 .. top_k) now,
@@ -312,14 +334,25 @@ class ExpertCache:
                 self.events.append((layer, e, s, old))
         if todo_e:
             t0 = time.perf_counter()
-            pad = fetch_length(len(todo_e))  # pad with the first copy again (the same copy twice)
-            ee = np.asarray(todo_e + todo_e[:1] * (pad - len(todo_e)), np.int32)
-            ss = np.asarray(todo_s + todo_s[:1] * (pad - len(todo_s)), np.int32)
-            moe = self._layers[layer]["moe"]
-            pool = self.pools[layer]
-            pool[0], pool[1] = _FETCH(pool[0], pool[1], moe["gate_up"], moe["down"], ee, ss, dev=self._on_dev)
+            if self._ring is not None:
+                self._copy_dma(layer, todo_e, todo_s)
+            else:
+                pad = fetch_length(len(todo_e))  # pad with the first copy again (the same copy twice)
+                ee = np.asarray(todo_e + todo_e[:1] * (pad - len(todo_e)), np.int32)
+                ss = np.asarray(todo_s + todo_s[:1] * (pad - len(todo_s)), np.int32)
+                moe = self._layers[layer]["moe"]
+                pool = self.pools[layer]
+                pool[0], pool[1] = _FETCH(pool[0], pool[1], moe["gate_up"], moe["down"], ee, ss, dev=self._on_dev)
             self.copy_seconds += time.perf_counter() - t0
         return slot_of.copy()
+
+    def _copy_dma(self, layer: int, experts, slots):
+        """pool[slots[j]] = store[experts[j]] for layer's pools by the copy engines (FetchRing), in
+        calls of at most the ring's n_max pairs."""
+        pool, experts, slots, n = self.pools[layer], list(experts), list(slots), self._ring.n_max
+        for at in range(0, len(slots), n):
+            pool[0], pool[1] = self._ring.fetch(pool[0], pool[1], self._hosts[layer], experts[at:at + n],
+                                                slots[at:at + n])
 
     def replace(self, layer: int, old, new):
         """Put experts new[j] into the slots of residents old[j] (copied from the store, one copy
@@ -336,7 +369,9 @@ class ExpertCache:
             lru[n] = s
             slot_of[n] = s
             slots.append(s)
-        if slots:
+        if slots and self._ring is not None:
+            self._copy_dma(layer, new, slots)
+        elif slots:
             pad = fetch_length(len(slots))
             ee = np.asarray(list(new) + list(new[:1]) * (pad - len(new)), np.int32)
             ss = np.asarray(slots + slots[:1] * (pad - len(slots)), np.int32)

@@ -103,7 +103,8 @@ def main(argv=None):
     ap.add_argument("--device-budget-gb", type=float, default=None, help="tier mode: the device budget")
     ap.add_argument("--tier-paths", default=None,
                     help="tier mode: comma-separated decode paths to profile one after the other in this process "
-                         "(cache, direct; default: BARO_TIER_DECODE's); --json may hold {path}")
+                         "(cache, cache+dma: its misses by the copy engines, direct; default: BARO_TIER_DECODE's); "
+                         "--json may hold {path}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.mode == "tier" and args.device_budget_gb is None:
@@ -145,7 +146,9 @@ def main(argv=None):
     outs = []
     for path in paths:
         if path is not None:  # the next tier decode path: a fresh cache, its pools as it sets them up
-            os.environ["BARO_TIER_DECODE"] = path
+            decode_path, _, fetch = path.partition("+")  # cache+dma: the cache's copies by the copy engines
+            os.environ["BARO_TIER_DECODE"] = decode_path
+            os.environ["BARO_TIER_FETCH"] = fetch or "xla"
             eng.use_expert_cache(None)
             print(f"[decode_profile] tier decode path {path}", flush=True)
         steps(args.warmup)
@@ -223,7 +226,7 @@ def main(argv=None):
         }
         outs.append(out)
         if args.json:
-            write_json(args.json.replace("{path}", path or "resident"), out)
+            write_json(args.json.replace("{path}", (path or "resident").replace("+", "_")), out)
     return outs[0] if len(outs) == 1 else outs
 
 

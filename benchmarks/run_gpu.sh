@@ -119,14 +119,14 @@ stage_host_probe() {
   timeout 120 /tmp/host_read_probe "${HOST_PROBE_MIB:-1024}" 5 | tee "$OUT/host_read_probe_h200.jsonl"
 }
 # Where a tier decode token's time goes (issue 11), per decode path (TIER_PROFILE_PATHS: cache,
-# direct): decode_profile.py --mode tier under the 24 GB-class limit at 1k context, with the
+# cache+dma (BARO_TIER_FETCH=dma: the misses by the copy engines), direct): decode_profile.py --mode tier under the 24 GB-class limit at 1k context, with the
 # expert cache's hit rate. The direct path's moe_stage_misses_kernel time over its misses' bytes
 # is the rate the kernels read pinned memory at; the cache path's MemcpyH2D rows are the copy
-# engines'. $OUT/decode_profile_tier_{cache,direct}_h200.json.
+# engines'. $OUT/decode_profile_tier_{cache,cache_dma,direct}_h200.json.
 stage_tier_profile() {  # one process (the synthetic weights made once), the paths one after the other
   XLA_PYTHON_CLIENT_MEM_FRACTION=${TIER_MEM_FRACTION:-0.17} XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${TIER_HOST_GB:-110} \
     timeout 300 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --mode tier \
-    --device-budget-gb "${TIER_BUDGET_GB:-22}" --context 1024 --steps 8 --top 16 --tier-paths "${TIER_PROFILE_PATHS:-cache,direct}" \
+    --device-budget-gb "${TIER_BUDGET_GB:-22}" --context 1024 --steps 8 --top 16 --tier-paths "${TIER_PROFILE_PATHS:-cache,cache+dma,direct}" \
     --json "$OUT/decode_profile_tier_{path}_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -48
 }
 # Decode (issue 10): where a token's time goes at 1k and 32k context (benchmarks/decode_profile.py),

@@ -8,6 +8,7 @@ from . import _lib
 from ._lib import available_platforms, library_paths, load, load_errors
 from .attention import attention
 from .deltanet import conv, delta, delta_blocked
+from .fetch import FetchRing
 from .matmul import matmul
 from .moe import HostStore, host_store, moe, moe_combine, moe_host, moe_pairs, moe_route, moe_slots
 from .norm import add_rmsnorm, gated_norm, rmsnorm
@@ -19,5 +20,5 @@ if "cpu" not in available_platforms():
 __all__ = [
     "available_platforms", "library_paths", "load_errors",
     "matmul", "rmsnorm", "add_rmsnorm", "gated_norm", "attention", "conv", "delta", "delta_blocked", "moe",
-    "moe_slots", "moe_route", "moe_pairs", "moe_combine", "moe_host", "host_store", "HostStore",
+    "moe_slots", "moe_route", "moe_pairs", "moe_combine", "moe_host", "host_store", "HostStore", "FetchRing",
 ]

@@ -41,6 +41,7 @@ TARGETS = {
     "baro_moe_route": "BaroMoeRoute",  # baro_moe's routing alone: expert ids [m, top_k]
     "baro_moe_pairs": "BaroMoePairs",  # expert parallel: routing + this shard's per-pair outputs
     "baro_moe_combine": "BaroMoeCombine",  # expert parallel: baro_moe's combine of given pairs
+    "baro_fetch_experts": "BaroFetchExperts",  # tier decode: pool[slot] = store[expert] by the copy engines
 }
 
 # Targets with a CPU kernel only: on a GPU platform whose library does not export them, a stub

@@ -150,9 +150,12 @@ def decode_run(eng, ids, n):
     return out, [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
 
 
-def test_cached_decode_bytes_equal_resident(engines):
+@pytest.mark.parametrize("fetch", ["xla", "dma"])
+def test_cached_decode_bytes_equal_resident(engines, fetch, monkeypatch):
     """A pool smaller than the experts a prompt uses (evictions every step): resident decode's bytes,
-    every step's logits and every state leaf, 16+ greedy tokens."""
+    every step's logits and every state leaf, 16+ greedy tokens; the misses copied by XLA's
+    dynamic slice and by the copy-engine ring (BARO_TIER_FETCH=dma)."""
+    monkeypatch.setenv("BARO_TIER_FETCH", fetch)
     res, tier = engines
     ids = res.encode(PROMPT)[:24]
     S = tier.cfg.top_k + 1
@@ -172,8 +175,20 @@ def test_cached_decode_bytes_equal_resident(engines):
         ec = r.to_json()["expert_cache"]
         assert ec["slots_per_layer"] == S and ec["hits"] + ec["misses"] == 5 * tier.cfg.num_layers * tier.cfg.top_k
         assert 0.0 <= ec["hit_rate"] <= 1.0
+        if fetch == "dma":  # every copy call ran its handler, in step with the ring
+            assert cache._ring.runs == cache._ring.calls > 0
     finally:
+        monkeypatch.delenv("BARO_TIER_FETCH")
         tier.use_expert_cache(None)
+
+
+def test_fetch_setting_is_checked(engines, monkeypatch):
+    _, tier = engines
+    monkeypatch.setenv("BARO_TIER_FETCH", "copy")
+    with pytest.raises(ValueError, match="BARO_TIER_FETCH must be one of xla, dma"):
+        tier.use_expert_cache(3)
+    monkeypatch.delenv("BARO_TIER_FETCH")
+    tier.use_expert_cache(None)
 
 
 def test_direct_decode_bytes_equal_resident(engines, monkeypatch):
@@ -226,7 +241,8 @@ def test_direct_decode_bytes_equal_resident(engines, monkeypatch):
         assert tier.direct is None
 
 
-def test_direct_pools_follow_the_routing(engines, monkeypatch):
+@pytest.mark.parametrize("fetch", ["xla", "dma"])
+def test_direct_pools_follow_the_routing(engines, fetch, monkeypatch):
     """adapt(): per layer the hottest non-resident experts (decayed counts) replace the coldest
     residents when they score over the resident's score + adapt_margin (ADAPT_Z x the root of the
     layer's mean), at most ADAPT_MAX_SWAPS, their weights copied into the freed slots; then greedy decode with
@@ -236,6 +252,7 @@ def test_direct_pools_follow_the_routing(engines, monkeypatch):
     res, tier = engines
     L, E, k = tier.cfg.num_layers, tier.cfg.num_experts, tier.cfg.top_k
     S = k + 1
+    monkeypatch.setenv("BARO_TIER_FETCH", fetch)
     monkeypatch.setenv("BARO_TIER_DECODE", "direct")
     try:
         cache = tier.use_expert_cache(S)

@@ -25,6 +25,7 @@
 #include "launch.h"
 #include "moe_route.cuh"
 #include "moe_stage.cuh"
+#include "host_store.h"
 
 namespace baro_gpu {
 
@@ -930,45 +931,6 @@ ffi::Error moe_slots_common(const char* op, gpuStream_t stream, ScratchSource sc
     return err;
   return run_moe(op, stream, scratch, dims, top_k, h, router, w_gate_up_pool, w_down_pool,
                  slots.typed_data(), S, shared_gate_up, shared_down, shared_gate, out);
-}
-
-// A host-store address the kernels may read: pinned host memory the device maps, or device
-// memory (on a 64-bit CUDA host with unified addressing, the same address). Returns the
-// device-side address. While the stream is being captured into a graph no query is made (it
-// is not a stream operation XLA's capture allows for certain): the address is used as given,
-// which unified addressing makes the device's; XLA runs a command buffer's handlers once
-// uncaptured first, and the Python side hands over only live pinned-host or device arrays.
-static ffi::Error host_store_pointer(const char* op, const char* name, int64_t addr, gpuStream_t stream,
-                                     const uint16_t** out) {
-#if BARO_HIP
-  (void)out;
-  (void)stream;
-  return ffi::Error::InvalidArgument(std::string(op) + ": reading experts from the host store is CUDA-only so far");
-#else
-  // device addresses of the stores checked so far (a store's address is stable while it lives)
-  static std::mutex mu;
-  static std::unordered_map<int64_t, const uint16_t*> checked;
-  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &cap) != cudaSuccess || cap != cudaStreamCaptureStatusNone) {
-    (void)cudaGetLastError();
-    std::lock_guard<std::mutex> lock(mu);
-    const auto it = checked.find(addr);
-    *out = it != checked.end() ? it->second : reinterpret_cast<const uint16_t*>(addr);
-    return ffi::Error::Success();
-  }
-  cudaPointerAttributes attr{};
-  const cudaError_t e = cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(addr));
-  (void)cudaGetLastError();
-  BARO_CHECK(e == cudaSuccess && (attr.type == cudaMemoryTypeHost || attr.type == cudaMemoryTypeDevice) &&
-                 attr.devicePointer != nullptr, op,
-             name << " is not pinned host or device memory the device can read (cudaPointerGetAttributes: "
-                  << (e == cudaSuccess ? "type " + std::to_string(static_cast<int>(attr.type)) : cudaGetErrorString(e))
-                  << ")");
-  *out = static_cast<const uint16_t*>(attr.devicePointer);
-  std::lock_guard<std::mutex> lock(mu);
-  checked[addr] = *out;
-  return ffi::Error::Success();
-#endif
 }
 
 // baro_moe_host_small: baro_moe_slots whose routed experts with no slot are read from the host

@@ -29,6 +29,7 @@ typedef hipError_t gpuError_t;
 #define gpuMemcpyAsync hipMemcpyAsync
 #define gpuMemsetAsync hipMemsetAsync
 #define gpuMemcpyDeviceToDevice hipMemcpyDeviceToDevice
+#define gpuMemcpyDefault hipMemcpyDefault
 #define gpuErrorInvalidValue hipErrorInvalidValue
 #define BARO_PLATFORM_NAME "ROCM"
 
@@ -43,6 +44,7 @@ typedef cudaError_t gpuError_t;
 #define gpuMemcpyAsync cudaMemcpyAsync
 #define gpuMemsetAsync cudaMemsetAsync
 #define gpuMemcpyDeviceToDevice cudaMemcpyDeviceToDevice
+#define gpuMemcpyDefault cudaMemcpyDefault
 #define gpuErrorInvalidValue cudaErrorInvalidValue
 #define BARO_PLATFORM_NAME "CUDA"
 

@@ -193,16 +193,22 @@ EXACT_FETCH_MAX = 16  # up to this many misses a call copies exactly its misses
 FETCH_PATHS = ("xla", "dma")
 
 
+def env_choice(name: str, choices, say: str | None = None) -> str:
+    """Env var `name`, one of `choices` (unset or empty: the first); anything else is a
+    ValueError naming the variable and what it may be (`say`, else "one of a, b, ...")."""
+    import os
+
+    v = os.environ.get(name, "").strip() or choices[0]
+    if v not in choices:
+        raise ValueError(f"{name} must be {say or 'one of ' + ', '.join(choices)}, got {v!r}")
+    return v
+
+
 def env_fetch_path() -> str:
     """BARO_TIER_FETCH: how the expert cache copies its misses into the pools. "xla" (default):
     a jit of a dynamic slice of the pinned store (on a GPU a kernel reading over the host link);
     "dma": custom_calls.FetchRing, copy-engine copies from host-known addresses."""
-    import os
-
-    v = os.environ.get("BARO_TIER_FETCH", "xla").strip() or "xla"
-    if v not in FETCH_PATHS:
-        raise ValueError(f"BARO_TIER_FETCH must be one of {', '.join(FETCH_PATHS)}, got {v!r}")
-    return v
+    return env_choice("BARO_TIER_FETCH", FETCH_PATHS)
 
 
 def fetch_length(n_misses: int) -> int:
@@ -334,29 +340,30 @@ class ExpertCache:
                 self.events.append((layer, e, s, old))
         if todo_e:
             t0 = time.perf_counter()
-            if self._ring is not None:
-                self._copy_dma(layer, todo_e, todo_s)
-            else:
-                pad = fetch_length(len(todo_e))  # pad with the first copy again (the same copy twice)
-                ee = np.asarray(todo_e + todo_e[:1] * (pad - len(todo_e)), np.int32)
-                ss = np.asarray(todo_s + todo_s[:1] * (pad - len(todo_s)), np.int32)
-                moe = self._layers[layer]["moe"]
-                pool = self.pools[layer]
-                pool[0], pool[1] = _FETCH(pool[0], pool[1], moe["gate_up"], moe["down"], ee, ss, dev=self._on_dev)
+            self._copy(layer, todo_e, todo_s)
             self.copy_seconds += time.perf_counter() - t0
         return slot_of.copy()
 
-    def _copy_dma(self, layer: int, experts, slots):
-        """pool[slots[j]] = store[experts[j]] for layer's pools by the copy engines (FetchRing), in
-        calls of at most the ring's n_max pairs."""
-        pool, experts, slots, n = self.pools[layer], list(experts), list(slots), self._ring.n_max
-        for at in range(0, len(slots), n):
-            pool[0], pool[1] = self._ring.fetch(pool[0], pool[1], self._hosts[layer], experts[at:at + n],
-                                                slots[at:at + n])
+    def _copy(self, layer: int, experts: list, slots: list):
+        """pool[slots[j]] = store[experts[j]] for layer's pools: by the copy engines (FetchRing) in
+        calls of at most its n_max pairs, or in one _FETCH call padded to fetch_length with the
+        first copy again (the same copy twice)."""
+        pool = self.pools[layer]
+        if self._ring is not None:
+            n = self._ring.n_max
+            for at in range(0, len(slots), n):
+                pool[0], pool[1] = self._ring.fetch(pool[0], pool[1], self._hosts[layer], experts[at:at + n],
+                                                    slots[at:at + n])
+            return
+        pad = fetch_length(len(experts))
+        ee = np.asarray(experts + experts[:1] * (pad - len(experts)), np.int32)
+        ss = np.asarray(slots + slots[:1] * (pad - len(slots)), np.int32)
+        moe = self._layers[layer]["moe"]
+        pool[0], pool[1] = _FETCH(pool[0], pool[1], moe["gate_up"], moe["down"], ee, ss, dev=self._on_dev)
 
     def replace(self, layer: int, old, new):
-        """Put experts new[j] into the slots of residents old[j] (copied from the store, one copy
-        call for the layer): direct tier decode's adaptation. The LRU order keeps the newcomers
+        """Put experts new[j] into the slots of residents old[j] (copied from the store, _copy):
+        direct tier decode's adaptation. The LRU order keeps the newcomers
         as the most recent."""
         lru, slot_of = self.lru[layer], self.slot_of[layer]
         slots = []
@@ -369,14 +376,8 @@ class ExpertCache:
             lru[n] = s
             slot_of[n] = s
             slots.append(s)
-        if slots and self._ring is not None:
-            self._copy_dma(layer, new, slots)
-        elif slots:
-            pad = fetch_length(len(slots))
-            ee = np.asarray(list(new) + list(new[:1]) * (pad - len(new)), np.int32)
-            ss = np.asarray(slots + slots[:1] * (pad - len(slots)), np.int32)
-            moe, pool = self._layers[layer]["moe"], self.pools[layer]
-            pool[0], pool[1] = _FETCH(pool[0], pool[1], moe["gate_up"], moe["down"], ee, ss, dev=self._on_dev)
+        if slots:
+            self._copy(layer, [int(n) for n in new], slots)
 
 
 def cached_forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, cache: ExpertCache):
@@ -408,12 +409,7 @@ def env_decode_path() -> str:
     """BARO_TIER_DECODE: "cache" (default: per layer the ids to the host, LRU copies, then the MoE)
     or "direct" (one graph per token; an expert with no pool slot is read from the host store by
     the MoE kernels themselves, baro_moe_host)."""
-    import os
-
-    v = os.environ.get("BARO_TIER_DECODE", "cache").strip() or "cache"
-    if v not in DECODE_PATHS:
-        raise ValueError(f"BARO_TIER_DECODE must be one of {', '.join(DECODE_PATHS)}, got {v!r}")
-    return v
+    return env_choice("BARO_TIER_DECODE", DECODE_PATHS)
 
 
 def has_host_ops(ops) -> bool:
@@ -484,12 +480,7 @@ _DIRECT_GREEDY_FULL = jax.jit(functools.partial(_direct_greedy, n=None), static_
 def env_adapt() -> bool:
     """BARO_TIER_ADAPT: 1 (default) lets direct tier decode change its pools between calls toward
     the experts routed most (DirectDecode.adapt); 0 keeps them as they were set up."""
-    import os
-
-    v = os.environ.get("BARO_TIER_ADAPT", "1").strip() or "1"
-    if v not in ("0", "1"):
-        raise ValueError(f"BARO_TIER_ADAPT must be 0 or 1, got {v!r}")
-    return v == "1"
+    return env_choice("BARO_TIER_ADAPT", ("1", "0"), say="0 or 1") == "1"
 
 
 ADAPT_EVERY = 16  # tokens between two adaptations (one greedy block; per-token calls wait for 16)
@@ -522,7 +513,7 @@ class DirectDecode:
     def __init__(self, params, cache: ExpertCache):
         self.cache = cache
         layers = params["layers"]
-        self.hosts = host_stores(layers)
+        self.hosts = cache._hosts if cache._hosts is not None else host_stores(layers)  # dma: the cache's
         self.params = {**{k: v for k, v in params.items() if k != "layers"},
                        "layers": tuple(split_layer(lp)[0] for lp in layers)}
         # An empty pool would send every routed expert over the host link: fill each layer's
@@ -546,10 +537,14 @@ class DirectDecode:
         self.pairs = 0   # routed (token, layer, expert) pairs since the reset
         self.swaps = 0   # experts brought into the pools by adapt() since the reset
 
-    def refresh(self):
-        """Take the cache's current slot tables (after an LRU step elsewhere changed them)."""
+    def refresh(self, layers=None):
+        """Take the cache's current slot tables (after an LRU step elsewhere changed them): all,
+        or those of `layers`."""
         dev = self.cache._on_dev
-        self.tables = tuple(jax.device_put(np.asarray(t, np.int32), dev) for t in self.cache.slot_of)
+        old = getattr(self, "tables", None)
+        self.tables = tuple(jax.device_put(np.asarray(t, np.int32), dev)
+                            if old is None or layers is None or i in layers else old[i]
+                            for i, t in enumerate(self.cache.slot_of))
 
     def stats(self) -> dict:
         """The cache's size with this path's counts: hits / misses over routed (token, layer,
@@ -576,7 +571,7 @@ class DirectDecode:
         if not self.adaptive or self._since < ADAPT_EVERY:
             return
         self._since = 0
-        changed = False
+        changed = []
         for layer, table in enumerate(self.cache.slot_of):
             sc = self.score[layer]
             resident = np.flatnonzero(table >= 0)
@@ -600,9 +595,9 @@ class DirectDecode:
                     jax.block_until_ready(self._last)
                 self.cache.replace(layer, swap_out, swap_in)
                 self.swaps += len(swap_in)
-                changed = True
+                changed.append(layer)
         if changed:
-            self.refresh()
+            self.refresh(set(changed))
 
     def _routed(self, steps: int) -> int:
         return steps * len(self.cache.pools) * self.cache.cfg.top_k

@@ -236,9 +236,15 @@ def check_gpu_limits(target: str, args, limits) -> None:
     (ok, what) pairs, checked when the call runs on a GPU. The GPU handlers check the same
     things, but an error a handler returns while XLA captures it into a command buffer crashes
     the process (jax 0.11.2: a segfault), so nothing they would refuse may reach them."""
+    if gpu_platform(args):
+        refuse_unmet(target, limits)
+
+
+def refuse_unmet(target: str, limits, lead: str = "the GPU kernel cannot run this call:") -> None:
+    """Raises a ValueError naming every unmet limit of (ok, what) pairs, after `lead`."""
     why = [what for ok, what in limits if not ok]
-    if why and gpu_platform(args):
-        raise ValueError(f"{target}: the GPU kernel cannot run this call: " + "; ".join(why))
+    if why:
+        raise ValueError(f"{target}: {lead} " + "; ".join(why))
 
 
 def check_runnable(target: str, args) -> None:

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from . import _check as C
-from ._lib import _xla_platform, check_gpu_limits, check_runnable, ffi_call_small, round256, small_call
+from ._lib import _xla_platform, check_gpu_limits, check_runnable, ffi_call_small, refuse_unmet, round256, small_call
 
 GPU_MAX_EXPERTS = 8192  # csrc/gpu/launch.h kMoeMaxExperts
 
@@ -198,22 +198,14 @@ def moe_host(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shar
 # captures it into a command buffer, crashes the process (jax 0.11.2: a segfault in the
 # command buffer's destructor), so nothing that handler would refuse may reach it.
 def _check_host_gpu(m, D, E, I, Is, k):
-    why = []
-    if m != 1:
-        why.append(f"m={m} rows (one is read)")
-    if I != Is:
-        why.append(f"a shared expert {Is} wide beside routed ones {I} wide")
-    if k > 32 or E > 512:
-        why.append(f"top_k={k} / E={E} (at most 32 / 512)")
-    if D % 16 or I % 16:
-        why.append(f"D={D} and I={I} must be multiples of 16")
-    for knob, off in (("BARO_MOE_FOLD", "0"), ("BARO_GEMM_ROW1", "off"), ("BARO_GEMM_SMALL", "simple")):
-        if os.environ.get(knob) == off:
-            why.append(f"{knob}={off}")
-    if why:
-        raise ValueError("baro_moe_host: on a GPU the host store is read only in the one-token path (m = 1, "
-                         "the shared expert as wide as a routed one, top_k <= 32, the fold and one-row GEMM "
-                         "knobs unset); got " + ", ".join(why))
+    knobs = [(os.environ.get(knob) != off, f"{knob}={off}")
+             for knob, off in (("BARO_MOE_FOLD", "0"), ("BARO_GEMM_ROW1", "off"), ("BARO_GEMM_SMALL", "simple"))]
+    refuse_unmet("baro_moe_host", [(m == 1, f"m={m} rows (one is read)"),
+                                   (I == Is, f"a shared expert {Is} wide beside routed ones {I} wide"),
+                                   (k <= 32 and E <= 512, f"top_k={k} / E={E} (at most 32 / 512)"),
+                                   (D % 16 == 0 and I % 16 == 0, f"D={D} and I={I} must be multiples of 16")] + knobs,
+                 lead="on a GPU the host store is read only in the one-token path (m = 1, the shared expert as "
+                      "wide as a routed one, top_k <= 32, the fold and one-row GEMM knobs unset); got")
 
 
 def moe_slots(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate, top_k):

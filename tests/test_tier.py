@@ -182,15 +182,6 @@ def test_cached_decode_bytes_equal_resident(engines, fetch, monkeypatch):
         tier.use_expert_cache(None)
 
 
-def test_fetch_setting_is_checked(engines, monkeypatch):
-    _, tier = engines
-    monkeypatch.setenv("BARO_TIER_FETCH", "copy")
-    with pytest.raises(ValueError, match="BARO_TIER_FETCH must be one of xla, dma"):
-        tier.use_expert_cache(3)
-    monkeypatch.delenv("BARO_TIER_FETCH")
-    tier.use_expert_cache(None)
-
-
 def test_direct_decode_bytes_equal_resident(engines, monkeypatch):
     """BARO_TIER_DECODE=direct: the pools as the cache left them (here: after LRU steps, so a mix
     of resident experts and misses), every miss read from the host store inside the MoE call,
@@ -338,12 +329,14 @@ def test_rebuilding_the_cache_frees_the_old_pools_first(engines, monkeypatch):
     tier.use_expert_cache(None)
 
 
-def test_direct_decode_refuses_a_bad_setting(engines, monkeypatch):
+@pytest.mark.parametrize("name,value,msg", [("BARO_TIER_DECODE", "fast", "BARO_TIER_DECODE must be one of cache, direct"),
+                                            ("BARO_TIER_FETCH", "copy", "BARO_TIER_FETCH must be one of xla, dma")])
+def test_tier_settings_are_checked(engines, monkeypatch, name, value, msg):
     _, tier = engines
-    monkeypatch.setenv("BARO_TIER_DECODE", "fast")
-    with pytest.raises(ValueError, match="BARO_TIER_DECODE must be one of cache, direct"):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=msg):
         tier.use_expert_cache(tier.cfg.top_k + 1)
-    monkeypatch.delenv("BARO_TIER_DECODE")
+    monkeypatch.delenv(name)
     tier.use_expert_cache(None)
 
 

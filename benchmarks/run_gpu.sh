@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full ep1 longctx decode decode_knobs ncu_decode tier tier_direct tier_profile host_probe speed peer vs_peer agreement)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full ep1 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -83,12 +83,17 @@ stage_tier() {
     export XLA_PYTHON_CLIENT_MEM_FRACTION=${TIER_MEM_FRACTION:-0.17} XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${TIER_HOST_GB:-110}
     python benchmarks/identity.py "${common[@]}" --mode tier --device-budget-gb "${TIER_BUDGET_GB:-22}" \
       --reference-json "$OUT/identity_resident_ref_h200.json" --json "$OUT/identity_tier_h200.json" 2>&1 | tail -4
-    python benchmarks/tier_overlap.py --model qwen3.5-35b-a3b --chunks "${TIER_OVERLAP_CHUNKS:-4096,8192}" \
-      --device-budget-gb "${TIER_BUDGET_GB:-22}" --json "$OUT/tier_overlap_h200.json" 2>&1 | tail -3
+    stage_tier_overlap
     python benchmarks/speed.py --model qwen3.5-35b-a3b --mode tier --device-budget-gb "${TIER_BUDGET_GB:-22}" \
       --arms batch-ordered --lengths "${TIER_LENGTHS:-1024,8192,32768}" --chunk auto --decode-tokens 32 \
       --json "$OUT/speed_tier_h200.json" 2>&1 | tail -6
   )
+}
+# Tier prefill's copy / compute overlap per layer and chunk pass (issue 11), alone (~3 min).
+stage_tier_overlap() {
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${TIER_MEM_FRACTION:-0.17} XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${TIER_HOST_GB:-110} \
+    python benchmarks/tier_overlap.py --model qwen3.5-35b-a3b --chunks "${TIER_OVERLAP_CHUNKS:-4096,8192}" \
+    --device-budget-gb "${TIER_BUDGET_GB:-22}" --json "$OUT/tier_overlap_h200.json" 2>&1 | tail -3
 }
 # Tier decode with BARO_TIER_DECODE=direct (issue 11): one graph per token, the misses read from
 # pinned host memory by the MoE kernels (baro_moe_host). The tier identity gate against the

@@ -104,7 +104,8 @@ def main(argv=None):
     ap.add_argument("--tier-paths", default=None,
                     help="tier mode: comma-separated decode paths to profile one after the other in this process "
                          "(cache, cache+dma: its misses by the copy engines, direct; default: BARO_TIER_DECODE's); "
-                         "--json may hold {path}")
+                         "--json may hold {path}; a path may end in @N to time and trace N steps instead of "
+                         "--steps (direct@32: two full greedy blocks, direct@8: one shorter block)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.mode == "tier" and args.device_budget_gb is None:
@@ -118,7 +119,13 @@ def main(argv=None):
     import baro_jax
     from baro_jax.engine import state_length
 
-    decode_len = len(paths) * (args.warmup + 2 * args.steps) + 8  # every arm decodes from the same state onward
+    path_steps = []
+    for path in paths:
+        at = (path or "").partition("@")[2]
+        if at and (not at.isdigit() or int(at) < 1):
+            ap.error(f"--tier-paths: {path!r}: the steps after @ must be a positive integer")
+        path_steps.append(int(at) if at else args.steps)
+    decode_len = sum(args.warmup + 2 * n for n in path_steps) + 8  # every arm decodes from the same state onward
     eng = baro_jax.load(args.model, backend="ordered", max_context=max(args.context + decode_len, 64),
                         mode=args.mode, device_budget_gb=args.device_budget_gb)
     ids = [int(x) for x in np.random.default_rng(args.seed).integers(0, eng.cfg.vocab_size, args.context)]
@@ -144,18 +151,18 @@ def main(argv=None):
         return [(time.perf_counter() - t) / n] * n
 
     outs = []
-    for path in paths:
+    for path, n_steps in zip(paths, path_steps):
         if path is not None:  # the next tier decode path: a fresh cache, its pools as it sets them up
-            decode_path, _, fetch = path.partition("+")  # cache+dma: the cache's copies by the copy engines
+            decode_path, _, fetch = path.partition("@")[0].partition("+")  # cache+dma: copies by the copy engines
             os.environ["BARO_TIER_DECODE"] = decode_path
             os.environ["BARO_TIER_FETCH"] = fetch or "xla"
             eng.use_expert_cache(None)
             print(f"[decode_profile] tier decode path {path}", flush=True)
         steps(args.warmup)
-        walls = steps(args.steps)
+        walls = steps(n_steps)
         wall_ms = float(np.median(walls) * 1e3)
         print(f"[decode_profile] {args.model} context {args.context}: median step {wall_ms:.3f} ms "
-              f"({1e3 / wall_ms:.1f} tok/s) over {args.steps} steps", flush=True)
+              f"({1e3 / wall_ms:.1f} tok/s) over {n_steps} steps", flush=True)
 
         cache_report = eng.expert_cache_report() if args.mode == "tier" else None  # over the timed steps and warm-up
         if args.mode == "tier":
@@ -163,12 +170,12 @@ def main(argv=None):
         trace_dir = tempfile.mkdtemp(prefix="baro_trace_")
         with jax.profiler.trace(trace_dir):
             t0 = time.perf_counter()
-            steps(args.steps)
+            steps(n_steps)
             traced_s = time.perf_counter() - t0
         kernels, host, planes = read_trace(trace_dir)
         if not kernels:
             raise SystemExit(f"decode_profile: no kernel events in the trace (planes: {planes})")
-        n = args.steps
+        n = n_steps
         busy = union_ns([(s, e) for _, s, e in kernels]) / 1e6 / n
         span = ((max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)) / 1e6 / n) if kernels else 0.0
         groups = collections.defaultdict(lambda: [0, 0])
@@ -226,7 +233,7 @@ def main(argv=None):
         }
         outs.append(out)
         if args.json:
-            write_json(args.json.replace("{path}", (path or "resident").replace("+", "_")), out)
+            write_json(args.json.replace("{path}", (path or "resident").replace("+", "_").replace("@", "_")), out)
     return outs[0] if len(outs) == 1 else outs
 
 

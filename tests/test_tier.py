@@ -303,6 +303,32 @@ def test_direct_pools_follow_the_routing(engines, fetch, monkeypatch):
         tier.use_expert_cache(None)
 
 
+def test_direct_decode_compiles_each_block_graph_once(engines, monkeypatch):
+    """Direct tier decode's greedy graphs (a full block, a shorter last one) compile once: later
+    blocks, whose token arrives as the previous graph's output rather than from the host, and
+    later decodes reuse them. (A second compile of the full block inside every decode cost the
+    H200 more than half its decode time.)"""
+    _, tier = engines
+    monkeypatch.setenv("BARO_TIER_DECODE", "direct")
+    monkeypatch.setenv("BARO_DECODE_BLOCK", "4")
+    try:
+        tier.use_expert_cache(tier.cfg.top_k + 2)
+        ids = tier.encode(PROMPT)[:12]
+        pre = tier.prefill(ids, chunk=16, state=tier.new_state(64))
+        _, state = tier.greedy_decode(5, pre.state, len(ids), 6)  # a full block, then a short one
+        full, part = staging._DIRECT_GREEDY_FULL._cache_size(), staging._DIRECT_GREEDY._cache_size()
+        pos = len(ids) + 6
+        for n in (13, 4, 3):  # 3 full blocks and a short one; one full block; one short block
+            toks, state = tier.greedy_decode(7, state, pos, n)
+            assert len(toks) == n
+            pos += n
+        assert staging._DIRECT_GREEDY_FULL._cache_size() == full, "a full greedy block compiled again"
+        assert staging._DIRECT_GREEDY._cache_size() == part, "a short greedy block compiled again"
+    finally:
+        monkeypatch.delenv("BARO_TIER_DECODE")
+        tier.use_expert_cache(None)
+
+
 def test_rebuilding_the_cache_frees_the_old_pools_first(engines, monkeypatch):
     """use_expert_cache drops every reference to the old cache (its pools) before it makes the
     new one: on a card sized for one set of pools, two at once would not fit."""

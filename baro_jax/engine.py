@@ -199,7 +199,7 @@ class Engine:
         self.dtype = params["embed"].dtype
         self.rope = M.rope_tables(cfg, cfg.max_context)
         self.cache, self.cache_note = None, "resident mode: every expert on the device"
-        self.direct = None  # tier mode with BARO_TIER_DECODE=direct: staging.DirectDecode
+        self.direct = None  # tier decode on the direct path (staging.pick_decode_path): staging.DirectDecode
         if mode == "tier":
             from . import staging
 
@@ -221,6 +221,7 @@ class Engine:
         if self.mode != "tier":
             raise ValueError("the decode expert cache is for tier mode (mode='tier')")
         path = staging.env_decode_path()  # a bad BARO_TIER_DECODE is refused before anything changes
+        path = staging.pick_decode_path(path, self.ops)
         if path == "direct" and staging.has_cache_ops(self.ops) and not staging.has_host_ops(self.ops):
             raise ValueError(f"BARO_TIER_DECODE=direct: the {self.variant or self.backend} ops "
                              "cannot read experts from the host store (use the ordered backend)")

@@ -402,14 +402,29 @@ def cached_forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, op
 
 
 # --- direct tier decode: misses read from the host store inside the MoE call ------------------
-DECODE_PATHS = ("cache", "direct")
+DECODE_PATHS = ("auto", "cache", "direct")
 
 
 def env_decode_path() -> str:
-    """BARO_TIER_DECODE: "cache" (default: per layer the ids to the host, LRU copies, then the MoE)
-    or "direct" (one graph per token; an expert with no pool slot is read from the host store by
-    the MoE kernels themselves, baro_moe_host)."""
+    """BARO_TIER_DECODE: "cache" (per layer the ids to the host, LRU copies, then the MoE),
+    "direct" (one graph per token block; an expert with no pool slot is read from the host store
+    by the MoE kernels themselves, baro_moe_host) or "auto" (default: see pick_decode_path)."""
     return env_choice("BARO_TIER_DECODE", DECODE_PATHS)
+
+
+def pick_decode_path(path: str, ops, dev=None) -> str:
+    """What "auto" means: direct where the ops can read the host store (the ordered kernels) and
+    the device is not ROCm (whose MoE cannot yet), else the cache. Direct is the faster of the
+    two wherever it runs: on the H200 at 20% hits it matched the cache path's tokens/s with a
+    recompile inside every decode, and its graphs run a token in 37 ms against the cache path's
+    ~80 (benchmarks/NOTES.md, tenth session); both give resident decode's bytes."""
+    if path != "auto":
+        return path
+    if not has_host_ops(ops):
+        return "cache"
+    from custom_calls._lib import _xla_platform
+
+    return "cache" if _xla_platform(dev or jax.devices()[0]) == "ROCM" else "direct"
 
 
 def has_host_ops(ops) -> bool:

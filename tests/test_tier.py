@@ -156,6 +156,7 @@ def test_cached_decode_bytes_equal_resident(engines, fetch, monkeypatch):
     every step's logits and every state leaf, 16+ greedy tokens; the misses copied by XLA's
     dynamic slice and by the copy-engine ring (BARO_TIER_FETCH=dma)."""
     monkeypatch.setenv("BARO_TIER_FETCH", fetch)
+    monkeypatch.setenv("BARO_TIER_DECODE", "cache")  # auto would pick direct for the ordered ops
     res, tier = engines
     ids = res.encode(PROMPT)[:24]
     S = tier.cfg.top_k + 1
@@ -179,6 +180,7 @@ def test_cached_decode_bytes_equal_resident(engines, fetch, monkeypatch):
             assert cache._ring.runs == cache._ring.calls > 0
     finally:
         monkeypatch.delenv("BARO_TIER_FETCH")
+        monkeypatch.delenv("BARO_TIER_DECODE")
         tier.use_expert_cache(None)
 
 
@@ -227,9 +229,32 @@ def test_direct_decode_bytes_equal_resident(engines, monkeypatch):
         ec = tier.generate(ids, 4, prefill="batch", chunk=16).to_json()["expert_cache"]
         assert ec["hits"] == 3 * tier.cfg.num_layers * tier.cfg.top_k and ec["misses"] == 0, ec
     finally:
-        monkeypatch.delenv("BARO_TIER_DECODE")
+        monkeypatch.setenv("BARO_TIER_DECODE", "cache")
         tier.use_expert_cache(None)
         assert tier.direct is None
+        monkeypatch.delenv("BARO_TIER_DECODE")
+        tier.use_expert_cache(None)
+
+
+def test_auto_decode_path_is_direct_where_it_runs(engines, monkeypatch):
+    """BARO_TIER_DECODE unset (auto): the direct path with the ordered ops, the cache path where
+    the MoE cannot read the host store (ROCm; ops without moe_host)."""
+    from custom_calls import _lib
+
+    _, tier = engines
+    monkeypatch.delenv("BARO_TIER_DECODE", raising=False)
+    tier.use_expert_cache(tier.cfg.top_k + 1)
+    assert tier.direct is not None and tier.expert_cache_report()["decode_path"] == "direct"
+    assert staging.pick_decode_path("cache", tier.ops) == "cache"
+    assert staging.pick_decode_path("direct", tier.ops) == "direct"
+    no_host = type("Ops", (), {"moe_slots": None, "moe_route": None})()
+    assert staging.pick_decode_path("auto", no_host) == "cache"
+    monkeypatch.setattr(_lib, "_xla_platform", lambda dev: "ROCM")
+    assert staging.pick_decode_path("auto", tier.ops) == "cache"
+    tier.use_expert_cache(tier.cfg.top_k + 1)
+    assert tier.direct is None and tier.expert_cache_report()["decode_path"] == "cache"
+    monkeypatch.undo()
+    tier.use_expert_cache(None)
 
 
 @pytest.mark.parametrize("fetch", ["xla", "dma"])
@@ -355,7 +380,7 @@ def test_rebuilding_the_cache_frees_the_old_pools_first(engines, monkeypatch):
     tier.use_expert_cache(None)
 
 
-@pytest.mark.parametrize("name,value,msg", [("BARO_TIER_DECODE", "fast", "BARO_TIER_DECODE must be one of cache, direct"),
+@pytest.mark.parametrize("name,value,msg", [("BARO_TIER_DECODE", "fast", "BARO_TIER_DECODE must be one of auto, cache, direct"),
                                             ("BARO_TIER_FETCH", "copy", "BARO_TIER_FETCH must be one of xla, dma")])
 def test_tier_settings_are_checked(engines, monkeypatch, name, value, msg):
     _, tier = engines

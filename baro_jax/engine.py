@@ -199,6 +199,7 @@ class Engine:
         self.dtype = params["embed"].dtype
         self.rope = M.rope_tables(cfg, cfg.max_context)
         self.cache, self.cache_note = None, "resident mode: every expert on the device"
+        self.token_sharding = None  # where greedy blocks' tokens live (expert parallel: replicated on the mesh)
         self.direct = None  # tier decode on the direct path (staging.pick_decode_path): staging.DirectDecode
         if mode == "tier":
             from . import staging
@@ -352,6 +353,11 @@ class Engine:
                 yield [token], state
             return
         tok = jnp.int32(token)
+        if self.token_sharding is not None:
+            # later blocks get their token as the last graph's output, placed by the mesh; jit
+            # keys its graphs on placement too, so a host scalar here would compile every block
+            # graph twice (the second inside the first decode longer than a block)
+            tok = jax.device_put(tok, self.token_sharding)
         pending = None  # (tokens on the device, how many are real) of the block in flight
         while done < n or pending is not None:
             queued = None

@@ -154,6 +154,7 @@ def shard_engine(eng, n: int, mesh: Mesh | None = None):
     eng.params = shard_params(eng.params, mesh)
     rep = NamedSharding(mesh, P())
     eng.rope = jax.device_put(eng.rope, rep)
+    eng.token_sharding = rep
     eng._step = partial(E._STEP, cfg=eng.cfg, ops=eng.ops)
     eng._all_logits = partial(E._ALL_LOGITS, cfg=eng.cfg, ops=eng.ops)
     new_state = eng.new_state

@@ -52,6 +52,15 @@ def main():
         g1 = one.generate(PROMPT, 20, stop_at_eos=False).generated_ids
         gn = many.generate(PROMPT, 20, stop_at_eos=False).generated_ids
         assert g1 == gn and len(gn) == 20, (model, N, g1, gn)
+        # each greedy block graph compiles once: a later block's token (the last graph's output,
+        # placed on the mesh) and a first block's (from the host) take the same graph
+        from baro_jax import engine as E
+
+        st = many.prefill(ids, chunk=16, state=many.new_state(128)).state
+        _, st = many.greedy_decode(5, st, len(ids), 18)  # a full block of 16, a short one
+        sizes = (E._GREEDY_FULL._cache_size(), E._GREEDY._cache_size())
+        toks, st = many.greedy_decode(7, st, len(ids) + 18, 37)  # two full blocks, a short one
+        assert len(toks) == 37 and (E._GREEDY_FULL._cache_size(), E._GREEDY._cache_size()) == sizes, (model, N)
     # the identity gate's --devices: batched == replay on N devices, and replay == one device's
     import tempfile
 

@@ -199,7 +199,10 @@ class Engine:
         self.dtype = params["embed"].dtype
         self.rope = M.rope_tables(cfg, cfg.max_context)
         self.cache, self.cache_note = None, "resident mode: every expert on the device"
-        self.token_sharding = None  # where greedy blocks' tokens live (expert parallel: replicated on the mesh)
+        # where a decode's first greedy block takes its token: where the block graphs put their
+        # output token (None: a host scalar, which the resident graphs key the same as their
+        # output; tier's direct path and expert parallel place theirs, and set this)
+        self.token_sharding = None
         self.direct = None  # tier decode on the direct path (staging.pick_decode_path): staging.DirectDecode
         if mode == "tier":
             from . import staging
@@ -228,7 +231,7 @@ class Engine:
                              "cannot read experts from the host store (use the ordered backend)")
         # the old pools go before the new ones are made (both at once may not fit the device):
         # the step function holds them too
-        self.cache = self.direct = None
+        self.cache = self.direct = self.token_sharding = None
         self._step = partial(staging.forward, cfg=self.cfg, ops=self.ops, cache=None, direct=None)
         if not staging.has_cache_ops(self.ops):
             self.cache_note = f"off: the {self.variant or self.backend} ops have no slot-table MoE"
@@ -238,6 +241,7 @@ class Engine:
                 self.cache = staging.ExpertCache(self.cfg, self.params["layers"], S)
                 if path == "direct":
                     self.direct = staging.DirectDecode(self.params, self.cache)
+                    self.token_sharding = self.cache._on_dev  # its graphs' outputs live with the pools
         self._step = partial(staging.forward, cfg=self.cfg, ops=self.ops, cache=self.cache, direct=self.direct)
         return self.cache
 
@@ -352,12 +356,11 @@ class Engine:
                 done += 1
                 yield [token], state
             return
-        tok = jnp.int32(token)
-        if self.token_sharding is not None:
-            # later blocks get their token as the last graph's output, placed by the mesh; jit
-            # keys its graphs on placement too, so a host scalar here would compile every block
-            # graph twice (the second inside the first decode longer than a block)
-            tok = jax.device_put(tok, self.token_sharding)
+        # later blocks get their token as the last graph's output, committed to where the graph
+        # placed it; jit keys its graphs on that too, so a host scalar here compiled each block
+        # graph twice, the second inside the first decode longer than a block (tier direct on the
+        # H200: 32 tokens at 12 tok/s where the graphs run 27; expert parallel the same)
+        tok = jnp.int32(token) if self.token_sharding is None else jax.device_put(jnp.int32(token), self.token_sharding)
         pending = None  # (tokens on the device, how many are real) of the block in flight
         while done < n or pending is not None:
             queued = None

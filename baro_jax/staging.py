@@ -412,7 +412,7 @@ def env_decode_path() -> str:
     return env_choice("BARO_TIER_DECODE", DECODE_PATHS)
 
 
-def pick_decode_path(path: str, ops, dev=None) -> str:
+def pick_decode_path(path: str, ops) -> str:
     """What "auto" means: direct where the ops can read the host store (the ordered kernels) and
     the device is not ROCm (whose MoE cannot yet), else the cache. Direct is the faster of the
     two wherever it runs: on the H200 at 20% hits it matched the cache path's tokens/s with a
@@ -422,9 +422,9 @@ def pick_decode_path(path: str, ops, dev=None) -> str:
         return path
     if not has_host_ops(ops):
         return "cache"
-    from custom_calls._lib import _xla_platform
+    from custom_calls._lib import gpu_platform
 
-    return "cache" if _xla_platform(dev or jax.devices()[0]) == "ROCM" else "direct"
+    return "cache" if gpu_platform(()) == "ROCM" else "direct"  # the default device's platform
 
 
 def has_host_ops(ops) -> bool:
@@ -639,12 +639,6 @@ class DirectDecode:
         n == block runs the known-trip-count loop."""
         self.adapt()
         pools = tuple(tuple(p) for p in self.cache.pools)
-        # The first block of a decode gets the token as a fresh host scalar, the next ones as the
-        # last graph's output, a device-committed array; jit keys its compiled graphs on that
-        # commitment too, so the second block of every decode compiled the graph again (on the
-        # H200 a 16-step graph of the full model: 32 timed tokens measured 12 tok/s where the
-        # graphs run 27). Committing every token to the pools' device keeps one graph per shape.
-        token = jax.device_put(token, self.cache._on_dev)
         if n == block:
             out = _DIRECT_GREEDY_FULL(self.params, state, token, pos, rope=rope, pools=pools, tables=self.tables,
                                       cfg=cfg, ops=ops, hosts=self.hosts, block=block)

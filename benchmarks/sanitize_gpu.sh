@@ -8,6 +8,9 @@
 #   OUT=dir bash benchmarks/sanitize_gpu.sh               # both tools
 #   TOOLS=memcheck OUT=dir bash benchmarks/sanitize_gpu.sh # one tool per call when time is short
 #   SANITIZE_K="attention or moe" ...                      # narrow the tests (pytest -k)
+#   SANITIZE_SHARDS="moe_tiles;moe_row1" ...                # -k shards run side by side, one
+#     sanitizer process each: racecheck's hazard analysis is slow per launch (a grouped MoE test
+#     takes 80 s), and separate processes overlap it
 # Writes $OUT/sanitize_<tool>.txt (the full sanitizer + pytest output) and
 # $OUT/sanitize_summary.json (errors / hazards per tool, pytest's result, provenance).
 # Exit status: 0 only when every tool reports 0 errors (0 hazards) and pytest passed.
@@ -43,25 +46,38 @@ python -c "import custom_calls, sys; p = custom_calls.available_platforms(); pri
   || { echo "libbaro_cuda.so not built: BARO_GPU=cuda pip install --no-build-isolation --no-deps -e ."; exit 2; }
 
 rc_all=0
+IFS=';' read -r -a SHARDS <<< "${SANITIZE_SHARDS:-}"
+[ "${#SHARDS[@]}" -gt 0 ] || SHARDS=("")
+run_one() {  # tool log kexpr extra...
+  local tool=$1 log=$2 k=$3; shift 3
+  echo "=== $tool: pytest -m gpu tests/test_kernels.py -k '$k'" > "$log"
+  local t0; t0=$(date +%s)
+  timeout "$PER_TOOL_TIMEOUT" "$SAN" "$@" --target-processes all --print-limit 200 --error-exitcode 86 \
+    python -m pytest -q -m gpu tests/test_kernels.py -k "$k" -p no:cacheprovider >> "$log" 2>&1
+  local rc=$?
+  echo "=== $tool: exit $rc in $(( $(date +%s) - t0 ))s" >> "$log"
+  return $rc
+}
 for tool in $TOOLS; do
   case $tool in
     memcheck) extra=(--tool memcheck) ;;
     racecheck) extra=(--tool racecheck --racecheck-report all) ;;
     *) echo "unknown tool $tool"; exit 2 ;;
   esac
-  log="$OUT/sanitize_$tool.txt"
-  echo "=== $tool: pytest -m gpu tests/test_kernels.py -k '$KEXPR'" | tee "$log"
-  t0=$(date +%s)
-  timeout "$PER_TOOL_TIMEOUT" "$SAN" "${extra[@]}" --target-processes all --print-limit 200 --error-exitcode 86 \
-    python -m pytest -q -m gpu tests/test_kernels.py -k "$KEXPR" -p no:cacheprovider >> "$log" 2>&1
-  rc=$?
-  echo "=== $tool: exit $rc in $(( $(date +%s) - t0 ))s" | tee -a "$log"
-  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|error" "$log" | tail -5
-  [ "$rc" = 0 ] || rc_all=1
+  pids=()
+  for i in "${!SHARDS[@]}"; do
+    k=$KEXPR; [ -n "${SHARDS[$i]}" ] && k="(${SHARDS[$i]}) and $KEXPR"
+    suffix=""; [ "${#SHARDS[@]}" -gt 1 ] && suffix=".s$i"
+    run_one "$tool" "$OUT/sanitize_$tool$suffix.txt" "$k" "${extra[@]}" & pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || rc_all=1; done
+  for f in "$OUT"/sanitize_"$tool".txt "$OUT"/sanitize_"$tool".s*.txt; do
+    [ -f "$f" ] && { head -1 "$f"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|error|=== $tool: exit" "$f" | tail -4; }
+  done
 done
 
 python - "$OUT" $TOOLS <<'EOF'
-import json, os, re, subprocess, sys
+import glob, json, os, re, subprocess, sys
 out, tools = sys.argv[1], sys.argv[2:]
 def sh(cmd):
     try:
@@ -73,15 +89,26 @@ res = {"script": "benchmarks/sanitize_gpu.sh", "git": os.environ.get("BARO_COMMI
        "sanitizer": sh(f"{os.environ.get('COMPUTE_SANITIZER', 'compute-sanitizer')} --version | tail -1"),
        "env": {k: v for k, v in os.environ.items() if k.startswith(("XLA_", "BARO_"))}, "tools": {}}
 ok = True
-for t in tools:
-    text = open(os.path.join(out, f"sanitize_{t}.txt"), errors="replace").read()
+def parse(text, t):
     err = re.findall(r"ERROR SUMMARY: (\d+) error", text)
     haz = re.findall(r"RACECHECK SUMMARY: (\d+) hazard", text)
     py = re.findall(r"^=+ (.*(?:passed|failed|error).*) in [\d.]+s", text, re.M) or re.findall(r"^(\d+ passed.*)$", text, re.M)
     ex = re.findall(r"=== \w+: exit (\d+)", text)
-    r = {"errors": int(err[-1]) if err else None, "hazards": int(haz[-1]) if haz else None,
+    k = re.findall(r"-k '(.*)'", text)
+    r = {"k": k[0] if k else None, "errors": int(err[-1]) if err else None, "hazards": int(haz[-1]) if haz else None,
          "pytest": py[-1] if py else None, "exit": int(ex[-1]) if ex else None}
     r["clean"] = r["exit"] == 0 and (r["errors"] == 0 if t == "memcheck" else (r["hazards"] in (0, None) and r["errors"] in (0, None)))
+    return r
+for t in tools:
+    logs = sorted(glob.glob(os.path.join(out, f"sanitize_{t}.s*.txt"))) or [os.path.join(out, f"sanitize_{t}.txt")]
+    shards = [parse(open(f, errors="replace").read(), t) for f in logs]
+    if len(shards) == 1:
+        r = shards[0]
+    else:  # one entry per shard, and the tool is clean only when every shard is
+        r = {"shards": shards, "clean": all(x["clean"] for x in shards)}
+        for key in ("errors", "hazards"):
+            vals = [x[key] for x in shards]
+            r[key] = None if None in vals else sum(vals)
     ok &= r["clean"]
     res["tools"][t] = r
 res["clean"] = ok

@@ -46,9 +46,9 @@ stage_full() {
 # Expert parallel with N = 1 (issue 14): the sharded path (baro_moe_pairs per shard, the all-gather,
 # owner select, baro_moe_combine) through the identity gate at full size, batched == replay.
 stage_ep1() {
-  python benchmarks/identity.py --model qwen3.5-35b-a3b --devices 1 --chunks "${EP_CHUNKS:-1024,8192}" \
+  [ "${EP_GATE:-1}" = 0 ] || python benchmarks/identity.py --model qwen3.5-35b-a3b --devices 1 --chunks "${EP_CHUNKS:-1024,8192}" \
     --prompts benchmarks/prompts/identity_gpu.jsonl --max-context 16384 --json "$OUT/identity_ep1_h200.json" 2>&1 | tail -6
-  # speed beside the one-device engine, each identity-checked (EP_SPEED=0: the gate only)
+  # speed beside the one-device engine, each identity-checked (EP_SPEED=0: the gate only; EP_GATE=0: the speed only)
   [ "${EP_SPEED:-1}" = 1 ] && for arm in one ep1; do
     local dv=(); [ "$arm" = ep1 ] && dv=(--devices 1)
     timeout 200 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered ${dv[@]+"${dv[@]}"} \

@@ -19,10 +19,17 @@ sharded):
 The experts never move; the only collective is (2), and it reduces nothing, so no sum's order
 depends on N: N devices give one device's bytes (tests/test_expert_parallel.py).
 
+On a mesh of one device every expert is local and no pair crosses a device, so the MoE is the
+one-device kernel `ops.moe` itself: `moe_pairs` + `moe_combine` give its bytes (the kernel test
+test_moe_pairs_combine_equal_moe), but in more launches and without the one-token fold, which
+cost the H200 11% of prefill and 26% of decode at N = 1 (speed_ep1_device_h200.json at 3302a06).
+`BARO_EP_PAIRS=1` keeps the per-pair kernels at N = 1, to measure or test them on one device.
+
 Traffic per MoE call: N x m x k x D fp32 per device (decode: 64 KB x N at Qwen3.5 widths).
 """
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import jax
@@ -103,16 +110,20 @@ def owner_select(y_all, owner):
 class ExpertParallelOps:
     """The ordered ops with `moe` run expert-parallel over the mesh (module docstring).
 
-    Hashable on (base ops module, mesh), so it is a valid static jit argument like an ops module."""
+    pairs: run the per-pair kernels and the all-gather (default: on more than one device, or
+    with BARO_EP_PAIRS=1); otherwise the one-device `moe`, the same bytes.
+    Hashable on (base ops module, mesh, pairs), so it is a valid static jit argument like an ops module."""
 
-    def __init__(self, base, mesh: Mesh):
+    def __init__(self, base, mesh: Mesh, pairs: bool | None = None):
         for need in ("moe_pairs", "moe_combine"):
             if not hasattr(base, need):
                 raise ValueError(f"expert parallel needs the ordered backend's {need} kernel; "
                                  f"{getattr(base, '__name__', base)!r} has none (use backend='ordered')")
         self._base = base
         self.mesh = mesh
-        self.__name__ = f"{getattr(base, '__name__', 'ops')}+expert_parallel[{mesh.devices.size}]"
+        self.pairs = (mesh.devices.size > 1 or os.environ.get("BARO_EP_PAIRS") == "1") if pairs is None else bool(pairs)
+        self.__name__ = (f"{getattr(base, '__name__', 'ops')}+expert_parallel[{mesh.devices.size}"
+                         f"{'' if self.pairs else ', one-device moe'}]")
 
     def __getattr__(self, name):
         if name.startswith("_") or name == "moe_slots":  # a slot pool would need its own sharding design: not offered
@@ -120,13 +131,16 @@ class ExpertParallelOps:
         return getattr(self._base, name)
 
     def __hash__(self):
-        return hash((self._base, self.mesh))
+        return hash((self._base, self.mesh, self.pairs))
 
     def __eq__(self, other):
-        return isinstance(other, ExpertParallelOps) and other._base is self._base and other.mesh == self.mesh
+        return (isinstance(other, ExpertParallelOps) and other._base is self._base and other.mesh == self.mesh
+                and other.pairs == self.pairs)
 
     def moe(self, h, router, gate_up, down, shared_gate_up, shared_down, shared_gate, *, top_k):
         base = self._base
+        if not self.pairs:  # one device holds every expert (module docstring)
+            return base.moe(h, router, gate_up, down, shared_gate_up, shared_down, shared_gate, top_k=top_k)
 
         def body(h, router, gu, dn, sgu, sdn, sg):
             el = gu.shape[0]  # experts per device
@@ -142,15 +156,16 @@ class ExpertParallelOps:
         return f(h, router, gate_up, down, shared_gate_up, shared_down, shared_gate)
 
 
-def shard_engine(eng, n: int, mesh: Mesh | None = None):
+def shard_engine(eng, n: int, mesh: Mesh | None = None, pairs: bool | None = None):
     """Put a resident Engine's weights on an n-device mesh (experts sharded; weights already
-    there stay) and run its MoE expert-parallel. What load(devices=n) does after building it."""
+    there stay) and run its MoE expert-parallel. What load(devices=n) does after building it.
+    pairs: see ExpertParallelOps."""
     from . import engine as E
 
     n = check_request(n, eng.mode, eng.backend, eng.variant)
     mesh = mesh if mesh is not None else make_mesh(n)
     eng.mesh = mesh
-    eng.ops = ExpertParallelOps(eng.ops, mesh)
+    eng.ops = ExpertParallelOps(eng.ops, mesh, pairs)
     eng.params = shard_params(eng.params, mesh)
     rep = NamedSharding(mesh, P())
     eng.rope = jax.device_put(eng.rope, rep)

@@ -49,9 +49,11 @@ stage_ep1() {
   [ "${EP_GATE:-1}" = 0 ] || python benchmarks/identity.py --model qwen3.5-35b-a3b --devices 1 --chunks "${EP_CHUNKS:-1024,8192}" \
     --prompts benchmarks/prompts/identity_gpu.jsonl --max-context 16384 --json "$OUT/identity_ep1_h200.json" 2>&1 | tail -6
   # speed beside the one-device engine, each identity-checked (EP_SPEED=0: the gate only; EP_GATE=0: the speed only)
-  [ "${EP_SPEED:-1}" = 1 ] && for arm in one ep1; do
-    local dv=(); [ "$arm" = ep1 ] && dv=(--devices 1)
-    timeout 200 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered ${dv[@]+"${dv[@]}"} \
+  # ep1: the sharded engine on a one-device mesh (the one-device MoE kernel); ep1pairs: the same
+  # with BARO_EP_PAIRS=1, the per-pair kernels N > 1 runs, less their all-gather's transport
+  [ "${EP_SPEED:-1}" = 1 ] && for arm in ${EP_ARMS:-one ep1 ep1pairs}; do
+    local dv=(); [ "$arm" != one ] && dv=(--devices 1)
+    BARO_EP_PAIRS=$([ "$arm" = ep1pairs ] && echo 1 || echo 0) timeout 200 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered ${dv[@]+"${dv[@]}"} \
       --lengths "${EP_LENGTHS:-1024,8192}" --chunk auto --decode-tokens 32 --check-tail 32 \
       --json "$OUT/speed_${arm}_device_h200.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3
   done

@@ -17,6 +17,33 @@ PROMPT = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n"
 NEW = 4
 
 
+def moe_hlo(eng):
+    return jax.jit(eng.ops.moe, static_argnames="top_k").lower(
+        jnp.zeros((3, eng.cfg.hidden_size), jnp.bfloat16), *(eng.params["layers"][0]["moe"][k] for k in
+        ("router", "gate_up", "down", "shared_gate_up", "shared_down", "shared_gate")),
+        top_k=eng.cfg.top_k).as_text()
+
+
+def check_pairs_hlo(hlo):
+    """The MoE really runs expert-parallel: the per-pair kernel on each shard, ONE all-gather of
+    the fp32 pair outputs (the bf16 experts never move), no reducing collective."""
+    gathers = [ln for ln in hlo.splitlines() if "all_gather" in ln or "all-gather" in ln]
+    assert len(gathers) == 1 and "f32" in gathers[0] and "bf16" not in gathers[0], gathers
+    assert "baro_moe_pairs" in hlo and "baro_moe_combine" in hlo
+    assert "all_reduce" not in hlo and "all-reduce" not in hlo and "reduce_scatter" not in hlo
+
+
+def check_arms(one, many, model, ids, names, ref, label):
+    arms = {"batch 16": ("batch", 16), "batch 7": ("batch", 7), "replay": ("replay", None)}
+    for name, (mode, c) in arms.items():
+        got = identity.run_arm(many, ids, mode, c, NEW)
+        d = identity.first_diff(ref["state"], got["state"], names)
+        assert d is None, (model, label, name, d)
+        assert ref["logits"].tobytes() == got["logits"].tobytes(), (model, label, name)
+        assert ref["tokens"] == got["tokens"], (model, label, name)
+        print(f"OK {model} {label} {name}")
+
+
 def main():
     assert len(jax.devices()) == N, jax.devices()
     for model in sys.argv[2:]:
@@ -27,27 +54,21 @@ def main():
         E = gu.shape[0]
         assert gu.sharding.spec == jax.sharding.PartitionSpec("e"), gu.sharding
         assert {s.data.shape[0] for s in gu.addressable_shards} == {E // N}
-        # the MoE really runs expert-parallel: the per-pair kernel on each shard, ONE all-gather of
-        # the fp32 pair outputs (the bf16 experts never move), no reducing collective
-        hlo = jax.jit(many.ops.moe, static_argnames="top_k").lower(
-            jnp.zeros((3, many.cfg.hidden_size), jnp.bfloat16), *(many.params["layers"][0]["moe"][k] for k in
-            ("router", "gate_up", "down", "shared_gate_up", "shared_down", "shared_gate")),
-            top_k=many.cfg.top_k).as_text()
-        gathers = [ln for ln in hlo.splitlines() if "all_gather" in ln or "all-gather" in ln]
-        assert len(gathers) == 1 and "f32" in gathers[0] and "bf16" not in gathers[0], gathers
-        assert "baro_moe_pairs" in hlo and "baro_moe_combine" in hlo
-        assert "all_reduce" not in hlo and "all-reduce" not in hlo and "reduce_scatter" not in hlo
+        hlo = moe_hlo(many)
+        if N > 1:
+            assert many.ops.pairs
+            check_pairs_hlo(hlo)
+        else:  # one device owns every expert: the one-device kernel, no collective
+            assert not many.ops.pairs and "baro_moe_pairs" not in hlo and "all-gather" not in hlo
+            assert "baro_moe" in hlo
         ids = one.encode(PROMPT)
         names = identity.state_names(one.cfg)
         ref = identity.run_arm(one, ids, "batch", 16, NEW)
-        arms = {"batch 16": ("batch", 16), "batch 7": ("batch", 7), "replay": ("replay", None)}
-        for name, (mode, c) in arms.items():
-            got = identity.run_arm(many, ids, mode, c, NEW)
-            d = identity.first_diff(ref["state"], got["state"], names)
-            assert d is None, (model, N, name, d)
-            assert ref["logits"].tobytes() == got["logits"].tobytes(), (model, N, name)
-            assert ref["tokens"] == got["tokens"], (model, N, name)
-            print(f"OK {model} devices={N} {name}")
+        check_arms(one, many, model, ids, names, ref, f"devices={N}")
+        if N == 1:  # the per-pair kernels kept at N = 1 (BARO_EP_PAIRS=1) give the same bytes
+            forced = EP.shard_engine(baro_jax.load(model, backend="ordered", progress=False), 1, pairs=True)
+            check_pairs_hlo(moe_hlo(forced))
+            check_arms(one, forced, model, ids, names, ref, "devices=1 pairs")
         # generate(): greedy decode in device blocks (a fori_loop around the sharded MoE)
         g1 = one.generate(PROMPT, 20, stop_at_eos=False).generated_ids
         gn = many.generate(PROMPT, 20, stop_at_eos=False).generated_ids

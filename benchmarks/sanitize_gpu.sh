@@ -15,8 +15,7 @@
 # $OUT/sanitize_summary.json (errors / hazards per tool, pytest's result, provenance).
 # Exit status: 0 only when every tool reports 0 errors (0 hazards) and pytest passed.
 #
-# Not yet run: the session that wrote this had no device time left; its output is to be
-# committed as benchmarks/results/sanitize_h200.{json,txt} from the H200.
+# Results: benchmarks/results/sanitize_*_h200.{json,txt} (CAPABILITIES' "GPU memory safety" row).
 set -u
 OUT=${OUT:-/tmp/baro_out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
@@ -95,9 +94,13 @@ def parse(text, t):
     py = re.findall(r"^=+ (.*(?:passed|failed|error).*) in [\d.]+s", text, re.M) or re.findall(r"^(\d+ passed.*)$", text, re.M)
     ex = re.findall(r"=== \w+: exit (\d+)", text)
     k = re.findall(r"-k '(.*)'", text)
+    # the tool's own failures (e.g. "failed to track a kernel launch"): counted in its error total,
+    # and the launches after one may go unchecked, so they are reported apart from real findings
+    internal = re.findall(r"Internal Sanitizer Error: (.*)", text)
     r = {"k": k[0] if k else None, "errors": int(err[-1]) if err else None, "hazards": int(haz[-1]) if haz else None,
-         "pytest": py[-1] if py else None, "exit": int(ex[-1]) if ex else None}
-    r["clean"] = r["exit"] == 0 and (r["errors"] == 0 if t == "memcheck" else (r["hazards"] in (0, None) and r["errors"] in (0, None)))
+         "sanitizer_internal_errors": internal, "pytest": py[-1] if py else None, "exit": int(ex[-1]) if ex else None}
+    r["clean"] = r["exit"] == 0 and not internal and (
+        r["errors"] == 0 if t == "memcheck" else (r["hazards"] in (0, None) and r["errors"] in (0, None)))
     return r
 for t in tools:
     logs = sorted(glob.glob(os.path.join(out, f"sanitize_{t}.s*.txt"))) or [os.path.join(out, f"sanitize_{t}.txt")]

@@ -12,6 +12,9 @@ call per token with --per-token), then runs
 - host-side launch events by name (cuLaunchKernel vs graph launches: whether XLA ran the step as
   command buffers, which is what --xla_gpu_enable_command_buffer decides; XLA_FLAGS is recorded).
 On CPU the "kernels" are the XLA thunks of the host plane (for a dry run of this script).
+With --devices N (expert parallel) the main numbers are the first device's (every device runs
+the same graph on its shard) and `per_device` gives each GPU plane's busy time, kernel count and
+collective time (NCCL kernels and all-gather thunks: what the experts' sharding costs).
 """
 from __future__ import annotations
 
@@ -69,10 +72,28 @@ def read_trace(trace_dir: str):
             for e in line.events:
                 if keep:
                     if e.duration_ns > 0 and not e.name.startswith("end:") and "Execute" not in e.name:
-                        kernels.append((e.name, int(e.start_ns), int(e.start_ns + e.duration_ns)))
+                        kernels.append((e.name, int(e.start_ns), int(e.start_ns + e.duration_ns), p.name))
                 elif p.name.startswith("/host") and ("aunch" in e.name or "Graph" in e.name):
                     host[e.name] += 1
     return kernels, host, names + [f"{n} line: {ln}" for n in names if n.startswith("/device:GPU") for ln in gpu_lines]
+
+
+def is_collective(name: str) -> bool:
+    """NCCL's kernels on a GPU, XLA's all-gather thunk on the host platform."""
+    n = name.lower()
+    return "nccl" in n or "all-gather" in n or "all_gather" in n or "allgather" in n
+
+
+def per_device(kernels, n_steps: int) -> dict:
+    """Each kernel plane's busy time, kernel count and collective time per step."""
+    out = {}
+    for plane in sorted({k[3] for k in kernels}):
+        ks = [k for k in kernels if k[3] == plane]
+        out[plane] = {"busy_ms_per_step": union_ns([(s, e) for _, s, e, _ in ks]) / 1e6 / n_steps,
+                      "kernels_per_step": len(ks) / n_steps,
+                      "collective_ms_per_step": sum(e - s for nm, s, e, _ in ks if is_collective(nm)) / 1e6 / n_steps,
+                      "collectives_per_step": sum(1 for nm, *_ in ks if is_collective(nm)) / n_steps}
+    return out
 
 
 def short(name: str) -> str:
@@ -106,6 +127,8 @@ def main(argv=None):
                          "(cache, cache+dma: its misses by the copy engines, direct; default: BARO_TIER_DECODE's); "
                          "--json may hold {path}; a path may end in @N to time and trace N steps instead of "
                          "--steps (direct@32: two full greedy blocks, direct@8: one shorter block)")
+    ap.add_argument("--devices", type=int, default=None,
+                    help="expert parallel over N devices (baro_jax.load(devices=N)); per-device busy and collective time")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.mode == "tier" and args.device_budget_gb is None:
@@ -127,7 +150,7 @@ def main(argv=None):
         path_steps.append(int(at) if at else args.steps)
     decode_len = sum(args.warmup + 2 * n for n in path_steps) + 8  # every arm decodes from the same state onward
     eng = baro_jax.load(args.model, backend="ordered", max_context=max(args.context + decode_len, 64),
-                        mode=args.mode, device_budget_gb=args.device_budget_gb)
+                        mode=args.mode, device_budget_gb=args.device_budget_gb, devices=args.devices)
     ids = [int(x) for x in np.random.default_rng(args.seed).integers(0, eng.cfg.vocab_size, args.context)]
     pre = eng.prefill(ids, state=eng.new_state(state_length(args.context + decode_len, eng.cfg.max_context)))
     logits, state = pre.logits, pre.state
@@ -172,10 +195,13 @@ def main(argv=None):
             t0 = time.perf_counter()
             steps(n_steps)
             traced_s = time.perf_counter() - t0
-        kernels, host, planes = read_trace(trace_dir)
-        if not kernels:
+        all_kernels, host, planes = read_trace(trace_dir)
+        if not all_kernels:
             raise SystemExit(f"decode_profile: no kernel events in the trace (planes: {planes})")
         n = n_steps
+        devices = per_device(all_kernels, n)
+        first = min(devices)  # "/device:GPU:0" (or the host plane): the main numbers are one device's
+        kernels = [k[:3] for k in all_kernels if k[3] == first]
         busy = union_ns([(s, e) for _, s, e in kernels]) / 1e6 / n
         span = ((max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)) / 1e6 / n) if kernels else 0.0
         groups = collections.defaultdict(lambda: [0, 0])
@@ -207,6 +233,11 @@ def main(argv=None):
             print(f"  {r['ms_per_step']:8.3f} ms  {r['per_step']:6.1f}x  {r['mean_us']:8.2f} us  {r['kernel']}")
         for k, c in host.most_common(8):
             print(f"  host {c / n:7.1f}/step  {k}")
+        if len(devices) > 1 or args.devices:
+            for plane, d in devices.items():
+                print(f"[decode_profile] {plane}: busy {d['busy_ms_per_step']:.3f} ms/step, "
+                      f"{d['kernels_per_step']:.0f} kernels/step, collectives {d['collective_ms_per_step']:.3f} ms/step "
+                      f"({d['collectives_per_step']:.0f}/step)", flush=True)
         # one token's kernels in launch order (the middle token of the traced run), so a kernel that
         # runs many times per token (the GEMMs) can be read call by call against the layer's code
         seq = []
@@ -223,9 +254,11 @@ def main(argv=None):
                         "traced_step_ms": traced_s * 1e3 / n, "device_busy_ms_per_step": busy,
                         "kernel_span_ms_per_step": span, "kernels_per_step": len(kernels) / n,
                         "planes": planes, "mode": args.mode, "device_budget_gb": args.device_budget_gb,
+                        "devices": args.devices, "kernels_of_plane": first,
                     "tier_decode_path": path or (os.environ.get("BARO_TIER_DECODE", "cache") if args.mode == "tier" else None),
                         "expert_cache": cache_report},
             "kernels": rows,
+            "per_device": devices,
             "idle_ms_per_step_by_gap": buckets,
             "largest_gaps": top_gaps,
             "one_token_sequence": seq,

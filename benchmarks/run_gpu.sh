@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full ep1 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -56,6 +56,43 @@ stage_ep1() {
     BARO_EP_PAIRS=$([ "$arm" = ep1pairs ] && echo 1 || echo 0) timeout 200 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered ${dv[@]+"${dv[@]}"} \
       --lengths "${EP_LENGTHS:-1024,8192}" --chunk auto --decode-tokens 32 --check-tail 32 \
       --json "$OUT/speed_${arm}_device_h200.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3
+  done
+}
+# Expert parallel on two GPUs (issue 14; the nvidia-h200-x2 kind), in parts that each fit a call
+# (EP2_PARTS, default all, in this order):
+#   ref       the one-device identity gate at full Qwen3.5-35B-A3B (its digests are the reference)
+#   gate      the same gate on EP2_DEVICES (2) devices, checked against ref: N devices == one device
+#   speed     prefill + decode beside one device, each identity-checked
+#   big_gate  Qwen3-Next-80B-A3B (real widths, does not fit one card): identity within 2 devices
+#   big_speed its prefill + decode speed
+#   profile   decode_profile on 2 devices: per-GPU busy time and NCCL time
+# EP2_MODEL / EP2_BIG_MODEL / EP2_PROMPTS / EP2_MAX_LEN / EP2_MAX_CONTEXT exist for a CPU dry run with tiny models.
+stage_ep2() {
+  local m=${EP2_MODEL:-qwen3.5-35b-a3b} big=${EP2_BIG_MODEL:-qwen3-next-80b-a3b} n=${EP2_DEVICES:-2}
+  local gate=(--chunks "${EP_CHUNKS:-1024,8192}" --prompts "${EP2_PROMPTS:-benchmarks/prompts/identity_gpu.jsonl}"
+              --max-len "${EP2_MAX_LEN:-0}" --max-context "${EP2_MAX_CONTEXT:-16384}")
+  local ref="$OUT/identity_one_device_ref_h200.json" part
+  for part in ${EP2_PARTS:-ref gate speed big_gate big_speed profile}; do
+    log "ep2 part $part"
+    case $part in
+      ref) python benchmarks/identity.py --model "$m" "${gate[@]}" --json "$ref" 2>&1 | tail -3 ;;
+      gate) python benchmarks/identity.py --model "$m" --devices "$n" "${gate[@]}" --reference-json "$ref" \
+              --json "$OUT/identity_ep${n}_h200.json" 2>&1 | tail -4 ;;
+      speed) for arm in one ep; do
+               local dv=(); [ "$arm" = ep ] && dv=(--devices "$n")
+               timeout 240 python benchmarks/speed.py --model "$m" --arms batch-ordered ${dv[@]+"${dv[@]}"} \
+                 --lengths "${EP_LENGTHS:-1024,8192}" --chunk auto --decode-tokens 32 --check-tail 32 \
+                 --json "$OUT/speed_${arm}_x${n}_h200.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3
+             done ;;
+      big_gate) python benchmarks/identity.py --model "$big" --devices "$n" "${gate[@]}" \
+                  --json "$OUT/identity_ep${n}_qwen3next_h200.json" 2>&1 | tail -4 ;;
+      big_speed) timeout 300 python benchmarks/speed.py --model "$big" --arms batch-ordered --devices "$n" \
+                   --lengths "${EP_LENGTHS:-1024,8192}" --chunk auto --decode-tokens 32 --check-tail 32 \
+                   --json "$OUT/speed_ep${n}_qwen3next_h200.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3 ;;
+      profile) timeout 240 python benchmarks/decode_profile.py --model "$big" --devices "$n" --context "${EP2_CONTEXT:-8192}" \
+                 --steps 32 --top 16 --json "$OUT/decode_profile_ep${n}_qwen3next_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -24 ;;
+      *) echo "ep2: unknown part $part" ;;
+    esac
   done
 }
 # Long-context identity (issue 10): a 64k (then 128k) prompt, batched at the default chunk and 4096

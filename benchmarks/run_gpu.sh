@@ -52,11 +52,18 @@ stage_ep1() {
   # ep1: the sharded engine on a one-device mesh (the one-device MoE kernel); ep1pairs: the same
   # with BARO_EP_PAIRS=1, the per-pair kernels N > 1 runs, less their all-gather's transport
   [ "${EP_SPEED:-1}" = 1 ] && for arm in ${EP_ARMS:-one ep1 ep1pairs}; do
-    local dv=(); [ "$arm" != one ] && dv=(--devices 1)
-    BARO_EP_PAIRS=$([ "$arm" = ep1pairs ] && echo 1 || echo 0) timeout 200 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered ${dv[@]+"${dv[@]}"} \
-      --lengths "${EP_LENGTHS:-1024,8192}" --chunk auto --decode-tokens 32 --check-tail 32 \
-      --json "$OUT/speed_${arm}_device_h200.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3
+    local n=1; [ "$arm" = one ] && n=""
+    BARO_EP_PAIRS=$([ "$arm" = ep1pairs ] && echo 1 || echo 0) \
+      ep_speed qwen3.5-35b-a3b "$n" "$OUT/speed_${arm}_device_h200.json" 200
   done
+}
+# ep_speed MODEL N JSON TIMEOUT: prefill + decode at EP_LENGTHS on N devices (N empty: the
+# one-device engine), each length identity-checked
+ep_speed() {
+  local dv=(); [ -n "$2" ] && dv=(--devices "$2")
+  timeout "$4" python benchmarks/speed.py --model "$1" --arms batch-ordered ${dv[@]+"${dv[@]}"} \
+    --lengths "${EP_LENGTHS:-1024,8192}" --chunk auto --decode-tokens 32 --check-tail 32 \
+    --json "$3" 2>&1 | grep -E "tok/s|Error|error" | tail -3
 }
 # Expert parallel on two GPUs (issue 14; the nvidia-h200-x2 kind), in parts that each fit a call
 # (EP2_PARTS, default all, in this order):
@@ -78,17 +85,11 @@ stage_ep2() {
       ref) python benchmarks/identity.py --model "$m" "${gate[@]}" --json "$ref" 2>&1 | tail -3 ;;
       gate) python benchmarks/identity.py --model "$m" --devices "$n" "${gate[@]}" --reference-json "$ref" \
               --json "$OUT/identity_ep${n}_h200.json" 2>&1 | tail -4 ;;
-      speed) for arm in one ep; do
-               local dv=(); [ "$arm" = ep ] && dv=(--devices "$n")
-               timeout 240 python benchmarks/speed.py --model "$m" --arms batch-ordered ${dv[@]+"${dv[@]}"} \
-                 --lengths "${EP_LENGTHS:-1024,8192}" --chunk auto --decode-tokens 32 --check-tail 32 \
-                 --json "$OUT/speed_${arm}_x${n}_h200.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3
-             done ;;
+      speed) ep_speed "$m" "" "$OUT/speed_one_x${n}_h200.json" 240
+             ep_speed "$m" "$n" "$OUT/speed_ep_x${n}_h200.json" 240 ;;
       big_gate) python benchmarks/identity.py --model "$big" --devices "$n" "${gate[@]}" \
                   --json "$OUT/identity_ep${n}_qwen3next_h200.json" 2>&1 | tail -4 ;;
-      big_speed) timeout 300 python benchmarks/speed.py --model "$big" --arms batch-ordered --devices "$n" \
-                   --lengths "${EP_LENGTHS:-1024,8192}" --chunk auto --decode-tokens 32 --check-tail 32 \
-                   --json "$OUT/speed_ep${n}_qwen3next_h200.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3 ;;
+      big_speed) ep_speed "$big" "$n" "$OUT/speed_ep${n}_qwen3next_h200.json" 300 ;;
       profile) timeout 240 python benchmarks/decode_profile.py --model "$big" --devices "$n" --context "${EP2_CONTEXT:-8192}" \
                  --steps 32 --top 16 --json "$OUT/decode_profile_ep${n}_qwen3next_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -24 ;;
       *) echo "ep2: unknown part $part" ;;

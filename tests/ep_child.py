@@ -33,7 +33,7 @@ def check_pairs_hlo(hlo):
     assert "all_reduce" not in hlo and "all-reduce" not in hlo and "reduce_scatter" not in hlo
 
 
-def check_arms(one, many, model, ids, names, ref, label):
+def check_arms(many, model, ids, names, ref, label):
     arms = {"batch 16": ("batch", 16), "batch 7": ("batch", 7), "replay": ("replay", None)}
     for name, (mode, c) in arms.items():
         got = identity.run_arm(many, ids, mode, c, NEW)
@@ -65,11 +65,11 @@ def main():
         ids = one.encode(PROMPT)
         names = identity.state_names(one.cfg)
         ref = identity.run_arm(one, ids, "batch", 16, NEW)
-        check_arms(one, many, model, ids, names, ref, f"devices={N}")
+        check_arms(many, model, ids, names, ref, f"devices={N}")
         if N == 1:  # the per-pair kernels kept at N = 1 (BARO_EP_PAIRS=1) give the same bytes
             forced = EP.shard_engine(baro_jax.load(model, backend="ordered", progress=False), 1, pairs=True)
             check_pairs_hlo(moe_hlo(forced))
-            check_arms(one, forced, model, ids, names, ref, "devices=1 pairs")
+            check_arms(forced, model, ids, names, ref, "devices=1 pairs")
         # generate(): greedy decode in device blocks (a fori_loop around the sharded MoE)
         g1 = one.generate(PROMPT, 20, stop_at_eos=False).generated_ids
         gn = many.generate(PROMPT, 20, stop_at_eos=False).generated_ids

@@ -11,6 +11,10 @@
 #   SANITIZE_SHARDS="moe_tiles;moe_row1" ...                # -k shards run side by side, one
 #     sanitizer process each: racecheck's hazard analysis is slow per launch (a grouped MoE test
 #     takes 80 s), and separate processes overlap it
+#   SANITIZE_KERNELS=baro_gpu ...                           # instrument only kernels whose mangled
+#     name holds this substring (--kernel-name kns=...): ours all live in namespace baro_gpu, so
+#     XLA's own fusions and copies run uninstrumented (racecheck only reports shared-memory
+#     hazards inside a kernel, and XLA's kernels are not ours to fix)
 # Writes $OUT/sanitize_<tool>.txt (the full sanitizer + pytest output) and
 # $OUT/sanitize_summary.json (errors / hazards per tool, pytest's result, provenance).
 # Exit status: 0 only when every tool reports 0 errors (0 hazards) and pytest passed.
@@ -49,7 +53,8 @@ IFS=';' read -r -a SHARDS <<< "${SANITIZE_SHARDS:-}"
 [ "${#SHARDS[@]}" -gt 0 ] || SHARDS=("")
 run_one() {  # tool log kexpr extra...
   local tool=$1 log=$2 k=$3; shift 3
-  echo "=== $tool: pytest -m gpu tests/test_kernels.py -k '$k'" > "$log"
+  [ -n "${SANITIZE_KERNELS:-}" ] && set -- "$@" --kernel-name "kns=$SANITIZE_KERNELS"
+  echo "=== $tool: pytest -m gpu tests/test_kernels.py -k '$k'${SANITIZE_KERNELS:+ kernels matching '$SANITIZE_KERNELS'}" > "$log"
   local t0; t0=$(date +%s)
   timeout "$PER_TOOL_TIMEOUT" "$SAN" "$@" --target-processes all --print-limit 200 --error-exitcode 86 \
     python -m pytest -q -m gpu tests/test_kernels.py -k "$k" -p no:cacheprovider >> "$log" 2>&1
@@ -93,11 +98,11 @@ def parse(text, t):
     haz = re.findall(r"RACECHECK SUMMARY: (\d+) hazard", text)
     py = re.findall(r"^=+ (.*(?:passed|failed|error).*) in [\d.]+s", text, re.M) or re.findall(r"^(\d+ passed.*)$", text, re.M)
     ex = re.findall(r"=== \w+: exit (\d+)", text)
-    k = re.findall(r"-k '(.*)'", text)
+    k = re.findall(r"-k '(.*?)'(?: kernels matching '(.*)')?$", text, re.M)
     # the tool's own failures (e.g. "failed to track a kernel launch"): counted in its error total,
     # and the launches after one may go unchecked, so they are reported apart from real findings
     internal = re.findall(r"Internal Sanitizer Error: (.*)", text)
-    r = {"k": k[0] if k else None, "errors": int(err[-1]) if err else None, "hazards": int(haz[-1]) if haz else None,
+    r = {"k": k[0][0] if k else None, "kernels": (k[0][1] or "all") if k else None, "errors": int(err[-1]) if err else None, "hazards": int(haz[-1]) if haz else None,
          "sanitizer_internal_errors": internal, "pytest": py[-1] if py else None, "exit": int(ex[-1]) if ex else None}
     r["clean"] = r["exit"] == 0 and not internal and (
         r["errors"] == 0 if t == "memcheck" else (r["hazards"] in (0, None) and r["errors"] in (0, None)))

@@ -19,7 +19,8 @@
 # $OUT/sanitize_summary.json (errors / hazards per tool, pytest's result, provenance).
 # Exit status: 0 only when every tool reports 0 errors (0 hazards) and pytest passed.
 #
-# Results: benchmarks/results/sanitize_*_h200.{json,txt} (CAPABILITIES' "GPU memory safety" row).
+# Results: benchmarks/results/sanitize_*_h200.{json,txt} (CAPABILITIES' "GPU memory safety" row);
+# benchmarks/sanitize_cover.py says which tests their clean shards cover, on the head's GPU sources.
 set -u
 OUT=${OUT:-/tmp/baro_out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/.."

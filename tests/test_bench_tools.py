@@ -33,3 +33,33 @@ def test_profile_splits_devices_and_counts_their_collectives():
     assert d[g1]["busy_ms_per_step"] == 8500 / 1e6 / 2
     assert d[g1]["collective_ms_per_step"] == 6500 / 1e6 / 2 and d[g1]["collectives_per_step"] == 1.0
     assert not decode_profile.is_collective("void baro_gpu::moe_pairs_out_kernel(float const*)")
+
+
+def test_sanitize_cover_counts_only_clean_runs_of_the_same_gpu_sources(tmp_path):
+    """A shard covers its tests only when it ended clean (no hazard, no sanitizer-internal
+    error) on a commit with the GPU sources checked; the tests nobody covered are listed."""
+    import json
+    import subprocess
+    import sanitize_cover
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=sanitize_cover.ROOT).stdout.strip()
+
+    def shard(k, clean=True, internal=()):
+        return {"k": f"({k}) and not test_vs_ops_xla", "hazards": 0 if clean else 1, "exit": 0 if clean else 86,
+                "sanitizer_internal_errors": list(internal), "clean": clean and not internal}
+    runs = {"tools": {"racecheck": {"shards": [
+        shard("test_matmul[gpu"), shard("conv", clean=False), shard("norm", internal=["failure to track"])]}},
+        "git": head}
+    other = {"tools": {"racecheck": shard("small_ops")}, "git": "0" * 40}  # not a commit: not counted
+    files = []
+    for name, s in (("a", runs), ("b", other)):
+        files.append(str(tmp_path / f"sanitize_racecheck_{name}.json"))
+        json.dump(s, open(files[-1], "w"))
+    out = tmp_path / "cover.json"
+    assert sanitize_cover.main([*files, "--tools", "racecheck", "--json", str(out)]) == 1
+    cover = json.load(open(out))["tools"]["racecheck"]
+    missing = set(cover["missing"])
+    assert not any("test_matmul[gpu" in t for t in missing)
+    for k in ("conv", "norm", "small_ops"):
+        assert any(k in t for t in missing), f"{k}: an unclean or other-source run was counted"
+    assert cover["covered"] == 5  # test_matmul[gpu-1, 2, 5, 64, 300]

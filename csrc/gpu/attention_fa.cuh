@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "attention_common.cuh"
 #include "common.cuh"
 #include "dot.cuh"
 #include "launch.h"

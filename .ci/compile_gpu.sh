@@ -22,6 +22,10 @@ SRCS=(csrc/gpu/*.cu)
 SYMBOLS=(BaroMatmulGpu BaroRmsnormGpu BaroGatedNormGpu BaroAttentionGpu BaroConvGpu BaroDeltaGpu BaroDeltaBlockedGpu BaroMoeGpu BaroMoeSlotsGpu BaroMoeHostSmallGpu BaroMoeRouteGpu BaroMoePairsGpu BaroMoeCombineGpu)
 INC=(-Icsrc/gpu -Icsrc/common -isystem "$FFI")
 JOBS="$(nproc 2>/dev/null || echo 2)"
+# attention_wgmma.cu uses wgmma, which only the arch-specific sm_90a target has: with sm_90 it is
+# built for sm_90a alone (BARO_WGMMA=1), otherwise as its stub launcher with the others' flags.
+WGMMA_SRC=attention_wgmma
+WGMMA_CUDA_FLAGS=(--generate-code=arch=compute_90a,code=sm_90a -DBARO_WGMMA=1)
 
 # compile_all <label> <compiler-and-flags...>: compiles SRCS in parallel into $OUT/<label>/
 compile_all() {
@@ -30,7 +34,13 @@ compile_all() {
   local pids=() names=() fail=0 i
   for src in "${SRCS[@]}"; do
     local name; name="$(basename "$src" .cu)"
-    ( "$@" "${INC[@]}" -c "$src" -o "$OUT/$label/$name.o" > "$OUT/$label/$name.log" 2>&1 ) &
+    local cmd=("$@") f
+    if [ "$label" = cuda ] && [ "$name" = "$WGMMA_SRC" ] && [[ "$CUDA_ARCH" == 90* ]]; then
+      cmd=()
+      for f in "$@"; do case "$f" in --generate-code=*) ;; *) cmd+=("$f") ;; esac; done
+      cmd+=("${WGMMA_CUDA_FLAGS[@]}")
+    fi
+    ( "${cmd[@]}" "${INC[@]}" -c "$src" -o "$OUT/$label/$name.o" > "$OUT/$label/$name.log" 2>&1 ) &
     pids+=($!); names+=("$name")
     if [ "${#pids[@]}" -ge "$JOBS" ]; then
       if ! wait "${pids[0]}"; then echo "[$label] FAILED: ${names[0]}.cu"; cat "$OUT/$label/${names[0]}.log"; fail=1; fi
@@ -68,6 +78,9 @@ if [ "${BARO_CI_SKIP_CUDA:-0}" != "1" ]; then
     grep -h -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT"/cuda/*.log \
       | sed -E "s/ptxas info +: //; s/Compiling entry function '([^']+)'.*/\1/" \
       | paste - - - | (c++filt 2>/dev/null || cat) | sed -E 's/\(baro_gpu::[A-Za-z]+\)//' || true
+    if [[ "$CUDA_ARCH" == 90* ]] && [ -f "$OUT/cuda/$WGMMA_SRC.o" ]; then  # information: the wgmma kernel is real
+      echo "== CUDA: $WGMMA_SRC.cu for sm_90a: $(grep -c 'Compiling entry' "$OUT/cuda/$WGMMA_SRC.log") kernels"
+    fi
     echo "== CUDA: libbaro_cuda.so OK"
   else
     status=1

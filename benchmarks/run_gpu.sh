@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full attn_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -42,6 +42,29 @@ PY
 stage_full() {
   python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks "${GATE_CHUNKS:-256,1024,2048,8192}" --prompts benchmarks/prompts/identity_gpu.jsonl \
     --max-context "${GATE_MAX_CONTEXT:-16384}" --json "$OUT/identity_qwen35_h200.json" 2>&1 | tail -40
+}
+# The opt-in sm_90a prefill attention (BARO_ATTN_WGMMA=1, csrc/gpu/attention_wgmma.cu), first run:
+# its byte test against the default kernel and one-row decode calls, the other attention tests
+# (the default path unchanged), the identity gate at full size with the knob (batched prefill on
+# the wgmma kernel == replay on the decode kernel), then prefill speed at WGMMA_LENGTHS with and
+# without the knob in one call, each length identity-checked. WGMMA_PARTS picks parts.
+stage_attn_wgmma() {
+  local part
+  for part in ${WGMMA_PARTS:-tests gate speed}; do
+    log "attn_wgmma part $part"
+    case $part in
+      tests) timeout 300 python -m pytest -m gpu tests/test_kernels.py -q -k "attention" -p no:cacheprovider 2>&1 \
+               | tee "$OUT/gpu_kernel_tests_attn_wgmma_h200.txt" | tail -8 ;;
+      gate) BARO_ATTN_WGMMA=1 python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks "${WGMMA_CHUNKS:-1024,8192}" \
+              --prompts benchmarks/prompts/identity_gpu.jsonl --max-context 16384 --json "$OUT/identity_attn_wgmma_h200.json" 2>&1 | tail -4 ;;
+      speed) for knob in 0 1; do
+               BARO_ATTN_WGMMA=$knob timeout 240 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
+                 --lengths "${WGMMA_LENGTHS:-8192,32768}" --chunk auto --decode-tokens 16 --check-tail 32 \
+                 --json "$OUT/speed_attn_wgmma${knob}_h200.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3
+             done ;;
+      *) echo "attn_wgmma: unknown part $part" ;;
+    esac
+  done
 }
 # Expert parallel with N = 1 (issue 14): the sharded path (baro_moe_pairs per shard, the all-gather,
 # owner select, baro_moe_combine) through the identity gate at full size, batched == replay.

@@ -1487,6 +1487,61 @@ def test_attention_decode_copies_same_bytes(platform, hd, monkeypatch):
     monkeypatch.delenv("BARO_PDL", raising=False)
 
 
+# The opt-in Hopper prefill kernel (BARO_ATTN_WGMMA, attention_wgmma.cu: wgmma, sm_90a) must give
+# the default prefill kernel's bytes and so the decode path's, row for row: the model's G = 8 at
+# head_dim 256 and G = 4 at 128 / 64, positions from 0 to past several 512-position splits, tiles
+# with padding rows (m = 5, 300) and a padded call (n_valid < rows). m <= 16 runs the decode tiles
+# whatever the knob says; those cases only check that the knob leaves them alone.
+AT_WGMMA = {"g8_hd256": (16, 2, 256, 32), "g4_hd128": (8, 2, 128, 32), "g4_hd64": (8, 2, 64, 16)}
+AT_WGMMA_S = 2900
+
+
+@pytest.mark.parametrize("cfg", list(AT_WGMMA))
+def test_attention_wgmma_same_bytes(platform, cfg, monkeypatch):
+    if platform.platform == "cpu":
+        pytest.skip("BARO_ATTN_WGMMA picks a CUDA kernel")
+    if getattr(platform, "compute_capability", None) != "9.0":
+        pytest.skip("the wgmma kernel runs on sm_90 only (elsewhere the knob falls back)")
+    H, Hkv, hd, R2 = AT_WGMMA[cfg]
+    tables = rope_tables(AT_WGMMA_S + 64, R2)
+
+    def call(knob, rows, cos, sin, kc, vc, pos0, nv):
+        monkeypatch.setenv("BARO_ATTN_WGMMA", knob)  # require: an error where it would fall back
+        poison(platform, (rows.shape[0], H * hd), jnp.bfloat16)
+        f = jax.jit(lambda *a: cc.attention(*a, eps=EPS))  # a fresh jit: the launcher reads the knob
+        out = f(*put(platform, rows, qn, kn, cos, sin, kc, vc), i32(pos0), i32(nv))
+        return [np.asarray(x) for x in out]
+
+    for m in M_LIST:
+        for pos0 in (0, 37, 1000, 2500):
+            rng = np.random.default_rng(2100 + m + pos0 + hd)
+            qkv, qn, kn, kc, vc = att_setup(rng, m, pos0, S=AT_WGMMA_S, shape=(H, Hkv, hd))
+            cos, sin = tables[0][pos0:pos0 + m], tables[1][pos0:pos0 + m]
+            what = f"attention {cfg} m={m} pos={pos0}"
+            want = call("0", qkv, cos, sin, kc, vc, pos0, m)
+            got = call("require" if m > 16 else "1", qkv, cos, sin, kc, vc, pos0, m)
+            assert np.all(np.isfinite(got[0].astype(np.float32))), f"{what}: non-finite o"
+            for a, b, name in zip(got, want, ("out", "k_cache", "v_cache")):
+                assert_same_bits(a, b, f"{what} {name}: BARO_ATTN_WGMMA vs the default")
+            monkeypatch.delenv("BARO_ATTN_WGMMA", raising=False)
+            one = att_run(platform, qkv, qn, kn, kc, vc, pos0, [1] * m, tables=tables)
+            for a, b, name in zip(got, one, ("out", "k_cache", "v_cache")):
+                assert_same_bits(a, b, f"{what} {name}: BARO_ATTN_WGMMA vs one row per call")
+            if m > 16:  # a padded call: rows >= n_valid are garbage and come back as zeros
+                pad = 5
+                rows = np.concatenate([qkv, f32(rng, pad, qkv.shape[1], scale=5.0)])
+                cos_p = np.concatenate([cos, f32(rng, pad, R2)])
+                sin_p = np.concatenate([sin, f32(rng, pad, R2)])
+                want = call("0", rows, cos_p, sin_p, kc, vc, pos0, m)
+                got = call("require", rows, cos_p, sin_p, kc, vc, pos0, m)
+                for a, b, name in zip(got, want, ("out", "k_cache", "v_cache")):
+                    assert_same_bits(a, b, f"{what} padded {name}: BARO_ATTN_WGMMA vs the default")
+                for a, b, name in zip((got[0][:m], got[1], got[2]), one, ("out", "k_cache", "v_cache")):
+                    assert_same_bits(a, b, f"{what} padded {name}: vs one row per call")
+                assert_same_bits(got[0][m:], np.zeros_like(got[0][m:]), f"{what} padding rows")
+    monkeypatch.delenv("BARO_ATTN_WGMMA", raising=False)
+
+
 # ---------------------------------------------------------------------------
 # moe_slots / moe_route (the tier-mode decode expert cache, staging.ExpertCache)
 # ---------------------------------------------------------------------------

@@ -371,6 +371,10 @@ BARO_DEV void fa_block_step(const uint16_t* __restrict__ Qp, const uint16_t* __r
   }
 }
 
+// BARO_FA_HELPERS_ONLY: the helpers above without the kernels below, for another translation
+// unit that shares them (attention_wgmma.cu); the kernels stay in attention.cu's.
+#if !defined(BARO_FA_HELPERS_ONLY)
+
 // Grid (tiles, Hkv, 1) serial / (tiles, Hkv, max_splits) parallel. In parallel
 // mode the split partials go to part_o[((kh*max_splits + sp)*rows_pad + R)*hd]
 // and part_ml[... * 2] (m, l).
@@ -776,6 +780,15 @@ inline gpuError_t fa_launch(const AttentionArgs& a, void* scratch, gpuStream_t s
   const FaPlan p = fa_plan(a);
   if (p.tiles > 0x7fffffffLL || p.max_splits > 65535) return gpuErrorInvalidValue;
   const unsigned tiles = static_cast<unsigned>(p.tiles);
+  // BARO_ATTN_WGMMA=1: the opt-in sm_90a prefill kernel (the same bits) where the build, device and
+  // shape have it, else this one; =require (tests): an error instead of the fallback.
+  const bool wg_need = !p.parallel && env_is("BARO_ATTN_WGMMA", "require");
+  if (!p.parallel && (wg_need || env_is("BARO_ATTN_WGMMA", "1"))) {
+    bool ran = false;
+    const gpuError_t e = launch_attention_wgmma(a, scratch, stream, &ran);
+    if (ran || e != gpuSuccess) return e;
+    if (wg_need) return gpuErrorInvalidValue;
+  }
   if (!p.parallel)
     return fa_launch_one<kFaBigPairs, false>(a, dim3(tiles, a.Hkv, 1u), nullptr, nullptr, 0,
                                              p.rows_pad, stream);
@@ -794,5 +807,7 @@ inline gpuError_t fa_launch(const AttentionArgs& a, void* scratch, gpuStream_t s
   return launch_dependent(attn_fa_combine_kernel, dim3(static_cast<unsigned>(blocks3)),
                           dim3(kFaCombineWarps * BARO_WARP), 0, stream, a, part_o, part_ml, ms, p.rows_pad);
 }
+
+#endif  // !BARO_FA_HELPERS_ONLY
 
 }  // namespace baro_gpu

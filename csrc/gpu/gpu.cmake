@@ -37,7 +37,30 @@ elseif(_baro_gpu_mode STREQUAL "auto" OR _baro_gpu_mode STREQUAL "cuda")
     enable_language(CUDA)
     message(STATUS "baro_jax: building libbaro_cuda.so with ${CMAKE_CUDA_COMPILER} "
                    "(${CMAKE_CUDA_COMPILER_VERSION}) for CUDA architectures ${BARO_CUDA_ARCHS}")
-    add_library(baro_cuda SHARED ${_baro_gpu_sources})
+    # attention_wgmma.cu uses wgmma, which only the arch-specific sm_90a target has: with 90 among
+    # the architectures it is built alone for sm_90a (its own object library, the same numerics
+    # flags) and linked in; otherwise it compiles with the others as its stub launcher.
+    set(_baro_wgmma_src "${_baro_gpu_dir}/attention_wgmma.cu")
+    set(_baro_wgmma_objects "")
+    set(_baro_archs_90 ${BARO_CUDA_ARCHS})
+    list(FILTER _baro_archs_90 INCLUDE REGEX "^90")
+    if(_baro_archs_90 AND EXISTS "${_baro_wgmma_src}")
+      list(REMOVE_ITEM _baro_gpu_sources "${_baro_wgmma_src}")
+      add_library(baro_cuda_wgmma OBJECT "${_baro_wgmma_src}")
+      set_target_properties(baro_cuda_wgmma PROPERTIES
+        CUDA_ARCHITECTURES OFF
+        CUDA_STANDARD 17
+        CUDA_STANDARD_REQUIRED ON
+        POSITION_INDEPENDENT_CODE ON)
+      target_include_directories(baro_cuda_wgmma SYSTEM PRIVATE "${BARO_FFI_INCLUDE_DIR}")
+      target_include_directories(baro_cuda_wgmma PRIVATE "${_baro_gpu_dir}" "${BARO_COMMON_INCLUDE_DIR}")
+      target_compile_definitions(baro_cuda_wgmma PRIVATE BARO_WGMMA=1)
+      target_compile_options(baro_cuda_wgmma PRIVATE
+        $<$<COMPILE_LANGUAGE:CUDA>:--fmad=false -Xcompiler=-fno-fast-math
+        --generate-code=arch=compute_90a,code=sm_90a>)
+      set(_baro_wgmma_objects $<TARGET_OBJECTS:baro_cuda_wgmma>)
+    endif()
+    add_library(baro_cuda SHARED ${_baro_gpu_sources} ${_baro_wgmma_objects})
     set_target_properties(baro_cuda PROPERTIES
       PREFIX "lib"
       OUTPUT_NAME "baro_cuda"

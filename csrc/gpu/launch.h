@@ -117,6 +117,11 @@ const char* attention_unsupported(const AttentionArgs& a);
 // Device scratch launch_attention needs (0 when m > 16: no scratch).
 size_t attention_scratch_bytes(const AttentionArgs& a);
 gpuError_t launch_attention(const AttentionArgs& a, void* scratch, gpuStream_t stream);
+// The opt-in Hopper prefill kernel (attention_wgmma.cu, BARO_ATTN_WGMMA=1): kernel 2 of a serial
+// (m > 16) launch_attention call, after the cache write, giving attn_fa_kernel's bits. Enqueues
+// nothing and sets *ran = false where it is not built (no sm_90 in the architectures, HIP), the
+// device is not sm_90 or the head dim is not 32, 64, 128 or 256; the caller then runs the default.
+gpuError_t launch_attention_wgmma(const AttentionArgs& a, void* scratch, gpuStream_t stream, bool* ran);
 
 // ---- Gated DeltaNet (conv.cu, delta.cu) ----
 // y[t,c] = silu(sum_j w[c,j] u[t-3+j,c]); win_out may equal win_in.

@@ -1,0 +1,591 @@
+// baro_attention prefill on Hopper (sm_90a only), opt-in (BARO_ATTN_WGMMA=1, attention_fa.cuh's
+// fa_launch): attn_fa_kernel's serial mode (the 64-row prefill tile) with its two dots moved from
+// mma.sync to wgmma, written to give the same bits for every row, so decode (attn_fa_kernel's
+// 16-row tiles) still equals prefill.
+//
+// Why the bits are the same. attn_fa_kernel's prefill tile is 4 warp pairs; warp `half` of pair w
+// owns tile rows 16w..16w+15, S columns 32 half..32 half+31 of each KV block and head dims
+// half*hd/2.. of P V. Here warpgroup `half` (4 warps) plays warp `half` of all four pairs at once:
+// warp w of a warpgroup holds tile rows 16w..16w+15 (the wgmma accumulator layout), and within
+// every 8-column chunk a thread holds exactly the accumulator registers mma_16816 gives it. So
+//  - S: one m64n32k16 per 16 head dims, ascending, into one fp32 accumulator zeroed first (as
+//    attn_fa_kernel zeroes sacc; scale-d is always 1): the same tensor-core order (DESIGN.md 2,
+//    measured: wgmma and mma.sync agree for bf16 K walks). Q and K are the same bf16 values;
+//  - the scale, the masks (a select), the row max, p = fa_ex2(s - m'), the row sum (in-thread over
+//    n-tiles 0..3, column 2t then 2t+1, butterfly xor 1 then 2, then A + B through shared
+//    memory), P rounded by fa_pack_bf16x2 into the same padded P rows, alpha, ls and ms: the same
+//    statements as fa_block_step, on the same registers;
+//  - P V: o = o * alpha, then 4 m64n{hd/2}k16 over the 64 keys ascending, A = the P fragments
+//    from fa_load_a (the wgmma register-A layout is mma.sync's per warp), B = the V tile;
+//  - splits of kAttnSplitBlocks blocks, the per-split online softmax, the in-order merge
+//    (fa_merge_scale) and the epilogue are attn_fa_kernel's.
+// One difference of form, not of value: attn_fa_kernel keeps o unchanged on a block where a row
+// is inactive (wholly past its position) by a select after the mma; a wgmma accumulator cannot be
+// selected per row, so such a row's split is merged at the start of its first inactive block
+// (with the values the split end would have used: an inactive row's o, ms, ls never change), and
+// the split end skips it. Later blocks and splits are never merged for it (its limit is below
+// them), as in attn_fa_kernel.
+//
+// Shared memory operands (Q, K, V) are stored as 8 x 8 blocks of 128 contiguous bytes: element
+// (r, c) of a [rows][hd] tile at block (r/8, c/8) = ((r/8)*(hd/8) + c/8) * 128 B, row r%8 at
+// 16 B. wgmma reads that without swizzle: Q and K K-major (LBO 128 B to the next 8 head dims,
+// SBO hd*16 B to the next 8 rows), V N-major (trans-b; LBO hd*16 B to the next 8 keys, SBO
+// 128 B to the next 8 dims). cp.async fills a block with 8 consecutive threads (conflict-free).
+//
+// Schedule: one tile per block, 256 threads, one block per SM (170 KB of shared memory at hd
+// 256); K/V blocks stream in by cp.async two (hd 256) or three blocks deep, and each dot is waited
+// for right after it is issued (the softmax does not yet overlap a wgmma: the next speed step).
+#include <cmath>
+#include <cstdint>
+
+#include "common.cuh"
+#include "dot.cuh"
+#include "launch.h"
+
+#if !BARO_HIP && defined(BARO_WGMMA) && BARO_WGMMA
+#define BARO_WGMMA_BUILT 1
+#else
+#define BARO_WGMMA_BUILT 0
+#endif
+
+#if BARO_WGMMA_BUILT
+
+// Shared with attn_fa_kernel: the KV block and split, the norm + rotary element, the n_valid clamp.
+#include "attention_common.cuh"
+
+// fa_ex2, fa_merge_scale, fa_pack_bf16x2, fa_load_a, cp.async: attn_fa_kernel's own helpers
+// (the kernels of that header stay in attention.cu's translation unit).
+#define BARO_FA_HELPERS_ONLY 1
+#include "attention_fa.cuh"
+
+namespace baro_gpu {
+
+constexpr int kWgRows = kFaBigPairs * kFaPairRows;  // 64: attn_fa_kernel's prefill tile
+constexpr int kWgThreads = 2 * 128;                 // two warpgroups
+static_assert(kFaKB == kAttnKB && kWgRows == 64, "the tile and block of attn_fa_kernel");
+
+template <int kHd>
+struct WgLayout {
+  static constexpr int kChunks = kHd / 8;  // 8 x 8 blocks per 8 rows
+  static constexpr int kNt = kHd / 16;     // 8-dim chunks of a warpgroup's half of the head dims
+  static constexpr int kStages = kHd > 128 ? 2 : 3;  // K/V blocks in flight (hd 256: the smem is full)
+  static constexpr uint32_t kRowGroup = kChunks * 128;  // bytes from one 8-row group to the next
+  static constexpr int kTile = kFaKB * kHd * 2;         // bytes of a K or V (or Q) tile
+  static constexpr int kQ = 0;
+  static constexpr int kKV = kQ + kTile;
+  static constexpr int kP = kKV + 2 * kStages * kTile;  // K0, V0, K1, V1, ...
+  static constexpr int kRed = kP + kWgRows * kFaPld * 2;
+  static constexpr int kTotal = kRed + 4 * kWgRows * 4;  // [max|sum][half][row]
+};
+
+// Element (r, c) of a [rows][kHd] operand tile (see the header comment).
+template <int kHd>
+BARO_DEV int wg_off(int r, int c) {
+  return ((r >> 3) * (kHd / 8) + (c >> 3)) * 64 + (r & 7) * 8 + (c & 7);
+}
+
+// Rows j0..j0+63 of one kv head -> dst (blocked layout) with cp.async; rows past lim are
+// zero-filled and never read (fa_issue_tile's rule). Thread tid fills row 8k + tid%8 of 16-byte
+// column (tid/8) % (kHd/8): 8 consecutive threads write one 128-byte block.
+template <int kHd>
+BARO_DEV void wg_issue_tile(uint16_t* __restrict__ dst, const uint16_t* __restrict__ base,
+                            int64_t row_stride, int j0, int lim) {
+  constexpr int kChunks = kHd / 8;
+  constexpr int kGroups = kWgThreads / (8 * kChunks);  // 8-row groups per pass
+  static_assert(kWgThreads % (8 * kChunks) == 0 && (kFaKB / 8) % kGroups == 0, "whole passes");
+  const int tid = threadIdx.x;
+  const int rl = tid & 7, c = (tid >> 3) % kChunks, rg = (tid >> 3) / kChunks;
+#pragma unroll
+  for (int r8 = rg; r8 < kFaKB / 8; r8 += kGroups) {
+    const int r = 8 * r8 + rl;
+    const bool ok = j0 + r <= lim;
+    const uint16_t* src = base + static_cast<int64_t>(j0 + r) * row_stride + 8 * c;
+    fa_cp_async16(dst + (r8 * kChunks + c) * 64 + rl * 8, ok ? src : base, ok ? 16 : 0);
+  }
+}
+
+// ---- wgmma (PTX ISA: asynchronous warpgroup matrix multiply) ----
+// Shared-memory matrix descriptor, no swizzle, base offset 0: start address, leading and stride
+// byte offsets, each in 16-byte units.
+BARO_DEV uint64_t wg_desc(const void* p, uint32_t lbo, uint32_t sbo) {
+  const uint32_t a = fa_smem_addr(p);
+  return static_cast<uint64_t>((a & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32);
+}
+BARO_DEV void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+BARO_DEV void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+BARO_DEV void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// This thread's generic-proxy shared-memory writes (st.shared, completed cp.async) made visible
+// to the async proxy that wgmma reads through (then a barrier for the other threads').
+BARO_DEV void wg_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving accumulator reads or writes across an asynchronous wgmma.
+template <int N>
+BARO_DEV void wg_hold(float (&d)[N][4]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[j][i])::"memory");
+}
+
+// d[4][4] += A[64 x 16] B[16 x 32], A and B from shared memory (K-major both: Q and K tiles).
+BARO_DEV void wg_mma_s(float (&d)[4][4], uint64_t adesc, uint64_t bdesc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "%16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+      : "l"(adesc), "l"(bdesc), "r"(1));
+}
+// d[2][4] += A[64 x 16] B[16 x 16], A from registers (this warp's 16 rows, FragA), B from
+// shared memory N-major (trans-b: the V tile).
+BARO_DEV void wg_mma_pv(float (&d)[2][4], const FragA& a, uint64_t bdesc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, "
+      "{%8, %9, %10, %11}, %12, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+      : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(bdesc), "r"(1));
+}
+// d[4][4] += A[64 x 16] B[16 x 32], A from registers (this warp's 16 rows, FragA), B from
+// shared memory N-major (trans-b: the V tile).
+BARO_DEV void wg_mma_pv(float (&d)[4][4], const FragA& a, uint64_t bdesc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+      : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(bdesc), "r"(1));
+}
+// d[8][4] += A[64 x 16] B[16 x 64], A from registers (this warp's 16 rows, FragA), B from
+// shared memory N-major (trans-b: the V tile).
+BARO_DEV void wg_mma_pv(float (&d)[8][4], const FragA& a, uint64_t bdesc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(bdesc), "r"(1));
+}
+// d[16][4] += A[64 x 16] B[16 x 128], A from registers (this warp's 16 rows, FragA), B from
+// shared memory N-major (trans-b: the V tile).
+BARO_DEV void wg_mma_pv(float (&d)[16][4], const FragA& a, uint64_t bdesc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+        "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+        "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(bdesc), "r"(1));
+}
+
+// Steps a-d of one KV block of 64 keys (from j0) for the tile: fa_block_step's statements with
+// pair -> w (this warp in its warpgroup), half -> the warpgroup, and the two dots on wgmma.
+// kMasked = false only when every row of the tile is real and its limit is >= j0 + 63.
+template <bool kMasked, int kHd>
+BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __restrict__ Kt,
+                            const uint16_t* __restrict__ Vt, uint16_t* __restrict__ Ps,
+                            float* __restrict__ red, int half, int w, int j0, const int (&lim)[2], float sl2,
+                            float (&o)[WgLayout<kHd>::kNt][4], float (&ms)[2], float (&ls)[2]) {
+  using L = WgLayout<kHd>;
+  const int lane = lane_id();
+  const int g = lane >> 2, t = lane & 3;
+  const int nbase = half * 32;  // this warpgroup's S columns
+  const int rb = 16 * w;        // this warp's first tile row
+
+  // a. S for this warpgroup's 32 columns: K ascending into one accumulator.
+  float sacc[4][4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sacc[u][i] = 0.0f;
+  wg_hold(sacc);
+  wg_fence();
+#pragma unroll
+  for (int k0 = 0; k0 < kHd; k0 += 16)
+    wg_mma_s(sacc, wg_desc(Qs + k0 * 8, 128, L::kRowGroup),
+             wg_desc(Kt + (nbase / 8) * (kHd / 8) * 64 + k0 * 8, 128, L::kRowGroup));
+  wg_commit();
+  wg_wait_all();
+  wg_hold(sacc);
+  // b. scale (base 2), mask past each row's position, row max (exact, any order).
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int e = i >> 1;
+      float s = sacc[u][i] * sl2;
+      if (kMasked) {
+        const int c = nbase + 8 * u + 2 * t + (i & 1);
+        s = (j0 + c <= lim[e]) ? s : -INFINITY;
+      }
+      sacc[u][i] = s;
+      mx[e] = fmaxf(mx[e], s);
+    }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    mx[e] = fmaxf(mx[e], shfl_xor(mx[e], 1));
+    mx[e] = fmaxf(mx[e], shfl_xor(mx[e], 2));
+    if (t == 0) red[half * kWgRows + rb + g + 8 * e] = mx[e];
+  }
+  __syncthreads();
+  // c. p = 2^(s - m'), in-thread sum in a fixed order, quad butterfly, P -> smem.
+  float alpha[2], mnew[2], psum[2];
+  bool active[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int r = rb + g + 8 * e;
+    const float bmax = fmaxf(red[r], red[kWgRows + r]);
+    active[e] = kMasked ? j0 <= lim[e] : true;
+    mnew[e] = ms[e];
+    alpha[e] = 1.0f;
+    if (active[e]) {
+      mnew[e] = fmaxf(ms[e], bmax);
+      alpha[e] = fa_ex2(ms[e] - mnew[e]);  // 0 on the split's first block (ms = -inf)
+    }
+    psum[e] = 0.0f;
+  }
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int e = i >> 1;
+      const float p = active[e] ? fa_ex2(sacc[u][i] - mnew[e]) : 0.0f;
+      sacc[u][i] = p;
+      psum[e] = psum[e] + p;
+    }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    psum[e] = psum[e] + shfl_xor(psum[e], 1);
+    psum[e] = psum[e] + shfl_xor(psum[e], 2);
+    if (t == 0) red[2 * kWgRows + half * kWgRows + rb + g + 8 * e] = psum[e];
+  }
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = nbase + 8 * u + 2 * t;
+      *reinterpret_cast<uint32_t*>(Ps + (rb + g + 8 * e) * kFaPld + c) =
+          fa_pack_bf16x2(sacc[u][2 * e], sacc[u][2 * e + 1]);
+    }
+  __syncthreads();
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if (active[e]) {
+      const int r = rb + g + 8 * e;
+      const float lb = red[2 * kWgRows + r] + red[3 * kWgRows + r];  // A then B
+      ls[e] = ls[e] * alpha[e] + lb;
+      ms[e] = mnew[e];
+    }
+  }
+  // d. o = o * alpha + P V over this warpgroup's dims, the 4 key steps ascending. A row inactive
+  //    on this block was merged before it (attn_wgmma_kernel); its o is dead from here on.
+  FragA pa[kFaKB / 16];
+#pragma unroll
+  for (int kk = 0; kk < kFaKB / 16; ++kk) fa_load_a(pa[kk], Ps + rb * kFaPld + kk * 16, kFaPld);
+#pragma unroll
+  for (int q = 0; q < L::kNt; ++q) {
+    o[q][0] = o[q][0] * alpha[0];
+    o[q][1] = o[q][1] * alpha[0];
+    o[q][2] = o[q][2] * alpha[1];
+    o[q][3] = o[q][3] * alpha[1];
+  }
+  wg_hold(o);
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < kFaKB / 16; ++kk)
+    wg_mma_pv(o, pa[kk], wg_desc(Vt + (2 * kk * (kHd / 8) + half * (kHd / 16)) * 64, L::kRowGroup, 128));
+  wg_commit();
+  wg_wait_all();
+  wg_hold(o);
+}
+
+// Grid (tiles, Hkv): tile x of kv head y, the tiles last-first (attn_fa_kernel's serial mode).
+template <int kHd>
+__global__ void __launch_bounds__(kWgThreads, 1) attn_wgmma_kernel(AttentionArgs a) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = WgLayout<kHd>;
+  constexpr int hd = kHd;
+  constexpr int kStages = L::kStages;
+  extern __shared__ uint4 wg_smem4[];
+  grid_dependency_wait();  // launch_dependent: the cache write first
+  char* smem = reinterpret_cast<char*>(wg_smem4);
+  uint16_t* Qs = reinterpret_cast<uint16_t*>(smem + L::kQ);
+  uint16_t* KV0 = reinterpret_cast<uint16_t*>(smem + L::kKV);
+  uint16_t* Ps = reinterpret_cast<uint16_t*>(smem + L::kP);
+  float* red = reinterpret_cast<float*>(smem + L::kRed);
+  constexpr int tile_el = kFaKB * hd;  // elements per K or V tile
+
+  const int lane = lane_id(), warp = warp_id();
+  const int half = warp >> 2, w = warp & 3;  // warpgroup, warp in it (tile rows 16w..)
+  const int g = lane >> 2, t = lane & 3;
+
+  const int kh = blockIdx.y;
+  const int G = a.H / a.Hkv;
+  const int64_t m = a.m;
+  const int64_t nrows = m * G;
+  const int64_t tile = gridDim.x - 1 - blockIdx.x;
+  const int64_t R0 = tile * kWgRows;
+  if (R0 >= nrows) return;
+  const int64_t pos = *a.pos;
+  const int64_t nvld = clamp_nvalid(a.n_valid, m);
+  const int64_t R_last = (R0 + kWgRows < nrows ? R0 + kWgRows : nrows) - 1;
+
+  int64_t tile_lim = pos + R_last / G;  // last row's position
+  if (tile_lim > a.S - 1) tile_lim = a.S - 1;
+  int64_t load_lim = pos + nvld - 1;  // last cache row written so far
+  if (load_lim > tile_lim) load_lim = tile_lim;
+  const int n_blocks = tile_lim < 0 ? 0 : static_cast<int>(tile_lim / kFaKB + 1);
+  const int b_begin = 0, b_end = n_blocks;
+  const int lim_load = static_cast<int>(load_lim < -1 ? -1 : load_lim);
+
+  const int64_t row_stride = static_cast<int64_t>(a.Hkv) * hd;
+  const uint16_t* kbase = a.k_cache + static_cast<int64_t>(kh) * hd;
+  const uint16_t* vbase = a.v_cache + static_cast<int64_t>(kh) * hd;
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {  // the first blocks in flight while Q is normed
+    if (b_begin + st < b_end) {
+      uint16_t* Kd = KV0 + (2 * st) * tile_el;
+      wg_issue_tile<kHd>(Kd, kbase, row_stride, (b_begin + st) * kFaKB, lim_load);
+      wg_issue_tile<kHd>(Kd + tile_el, vbase, row_stride, (b_begin + st) * kFaKB, lim_load);
+    }
+    fa_cp_async_commit();  // always: keeps the group count uniform
+  }
+
+  // Q tile (bf16): attn_fa_kernel's per-(token, head) warp code, stored blocked.
+  const int64_t W = static_cast<int64_t>(2 * a.H + 2 * a.Hkv) * hd;
+  for (int r = warp; r < kWgRows; r += kWgThreads / BARO_WARP) {
+    const int64_t R = R0 + r;
+    if (R < nrows) {
+      const int64_t i = R / G;
+      const int h = kh * G + static_cast<int>(R - i * G);
+      const float* xq = a.qkv + i * W + static_cast<int64_t>(h) * 2 * hd;
+      const float rr = inv_rms(warp_sumsq(xq, hd), static_cast<float>(hd), a.eps);
+      const float* cr = a.cos + i * a.R2;
+      const float* sr = a.sin + i * a.R2;
+      for (int d = lane; d < hd; d += BARO_WARP)
+        Qs[wg_off<kHd>(r, d)] = f32_to_bf16(norm_rope_elem(xq, a.q_norm, rr, cr, sr, a.R2, d));
+    } else {
+      for (int d = lane; d < hd; d += BARO_WARP) Qs[wg_off<kHd>(r, d)] = 0;
+    }
+  }
+  wg_fence_proxy();  // Q for the first block's wgmma (after the loop's barrier)
+
+  // This lane's rows g and g+8 of warp w's 16: position limit (-1: padding row).
+  int lim[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int64_t R = R0 + w * kFaPairRows + g + 8 * e;
+    int64_t l = -1;
+    if (R < nrows) {
+      l = pos + R / G;
+      if (l > a.S - 1) l = a.S - 1;
+      if (l < -1) l = -1;
+    }
+    lim[e] = static_cast<int>(l);
+  }
+  // Smallest row limit of the tile (-1 when it has padding rows): blocks
+  // ending at or before it need no masks.
+  int lim_min = -1;
+  if (R_last == R0 + kWgRows - 1) {
+    int64_t l = pos + R0 / G;
+    if (l > a.S - 1) l = a.S - 1;
+    lim_min = static_cast<int>(l < -1 ? -1 : l);
+  }
+  const float sl2 = a.scale * 1.44269504088896340736f;  // scores in base 2
+  constexpr int nnt = L::kNt;                          // 8-dim chunks of this warpgroup's head dims
+  const int dbase = half * (hd / 2);                    // this warpgroup's head dims
+
+  float o[nnt][4];  // this split's O (reset when a split starts: b % kAttnSplitBlocks == 0)
+#pragma unroll
+  for (int q = 0; q < nnt; ++q)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[q][i] = 0.0f;
+  float ms[2] = {-INFINITY, -INFINITY}, ls[2] = {0.0f, 0.0f};
+  // running merge over splits
+  float O[nnt][4];
+  float Mrun[2] = {-INFINITY, -INFINITY}, Lrun[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int q = 0; q < nnt; ++q)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) O[q][i] = 0.0f;
+  // attn_fa_kernel's split merge of row e (g + 8e), when split sp is active for it.
+  auto merge_row = [&](int e, int sp) {
+    if (static_cast<int64_t>(sp) * kAttnSplit <= lim[e]) {  // split active for the row
+      float Mn, ea, eb;
+      fa_merge_scale(Mrun[e], ms[e], Mn, ea, eb);
+      Lrun[e] = Lrun[e] * ea + ls[e] * eb;
+#pragma unroll
+      for (int q = 0; q < nnt; ++q) {
+        O[q][2 * e + 0] = O[q][2 * e + 0] * ea + o[q][2 * e + 0] * eb;
+        O[q][2 * e + 1] = O[q][2 * e + 1] * ea + o[q][2 * e + 1] * eb;
+      }
+      Mrun[e] = Mn;
+    }
+  };
+
+  for (int b = b_begin; b < b_end; ++b) {
+    const int buf = (b - b_begin) % kStages;
+    const uint16_t* Kt = KV0 + (2 * buf) * tile_el;
+    const uint16_t* Vt = Kt + tile_el;
+    fa_cp_async_wait<kStages - 2>();
+    wg_fence_proxy();  // block b, as written by this thread's cp.async, for wgmma
+    __syncthreads();   // block b visible to all; every warp done with block b-1's buffers
+    if (b + kStages - 1 < b_end) {
+      uint16_t* Kn = KV0 + (2 * ((b - b_begin + kStages - 1) % kStages)) * tile_el;
+      wg_issue_tile<kHd>(Kn, kbase, row_stride, (b + kStages - 1) * kFaKB, lim_load);
+      wg_issue_tile<kHd>(Kn + tile_el, vbase, row_stride, (b + kStages - 1) * kFaKB, lim_load);
+    }
+    fa_cp_async_commit();
+
+    if (b % kAttnSplitBlocks == 0) {  // a split starts: fresh online softmax
+#pragma unroll
+      for (int q = 0; q < nnt; ++q)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[q][i] = 0.0f;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        ms[e] = -INFINITY;
+        ls[e] = 0.0f;
+      }
+    }
+    const int j0 = b * kFaKB;
+    // A row whose position is in the previous block is inactive from this block on: its split
+    // (if active for it) is merged now, with the o, ms, ls the split end would have seen.
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      if (j0 > lim[e] && j0 - kFaKB <= lim[e]) merge_row(e, b / kAttnSplitBlocks);
+
+    // a-d for the tile. Only blocks that cross a row's position (the diagonal, or any block of
+    // a tile with padding rows) need the masks.
+    if (j0 + kFaKB - 1 > lim_min)
+      wg_block_step<true, kHd>(Qs, Kt, Vt, Ps, red, half, w, j0, lim, sl2, o, ms, ls);
+    else
+      wg_block_step<false, kHd>(Qs, Kt, Vt, Ps, red, half, w, j0, lim, sl2, o, ms, ls);
+
+    // e. split done: in-order merge of the rows still active on this block.
+    if ((b + 1) % kAttnSplitBlocks == 0 || b + 1 == b_end) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (j0 <= lim[e]) merge_row(e, b / kAttnSplitBlocks);
+    }
+  }
+
+  // epilogue: o = bf16((O / L) * sigmoid(gate)); rows >= n_valid -> 0.
+  const int64_t out_ld = static_cast<int64_t>(a.H) * hd;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int64_t R = R0 + w * kFaPairRows + g + 8 * e;
+    if (R < nrows) {
+      const int64_t i = R / G;
+      const int h = kh * G + static_cast<int>(R - i * G);
+      uint16_t* orow = a.out + i * out_ld + static_cast<int64_t>(h) * hd + dbase + 2 * t;
+      const float* grow = a.qkv + i * W + static_cast<int64_t>(h) * 2 * hd + hd + dbase + 2 * t;
+#pragma unroll
+      for (int q = 0; q < nnt; ++q) {
+        uint32_t v = 0;
+        if (i < nvld) {
+          const uint16_t lo = f32_to_bf16((O[q][2 * e] / Lrun[e]) * sigmoidf_(grow[q * 8]));
+          const uint16_t hi = f32_to_bf16((O[q][2 * e + 1] / Lrun[e]) * sigmoidf_(grow[q * 8 + 1]));
+          v = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+        }
+        *reinterpret_cast<uint32_t*>(orow + q * 8) = v;
+      }
+    }
+  }
+#else
+  (void)a;  // built for sm_90a only (gpu.cmake, .ci/compile_gpu.sh)
+#endif
+}
+
+template <int kHd>
+gpuError_t wg_launch(const AttentionArgs& a, unsigned tiles, gpuStream_t stream) {
+  constexpr int smem = WgLayout<kHd>::kTotal;  // 170 KB at hd 256
+  const gpuError_t e =
+      cudaFuncSetAttribute(attn_wgmma_kernel<kHd>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != gpuSuccess) return e;
+  return launch_dependent(attn_wgmma_kernel<kHd>, dim3(tiles, static_cast<unsigned>(a.Hkv), 1u),
+                          dim3(kWgThreads), smem, stream, a);  // after the cache write
+}
+
+// The only device this file's code runs on: sm_90 (the sm_90a image; not forward compatible).
+static bool wg_device_is_sm90() {
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return major == 9 && minor == 0;
+}
+
+}  // namespace baro_gpu
+
+#endif  // BARO_WGMMA_BUILT
+
+namespace baro_gpu {
+
+gpuError_t launch_attention_wgmma(const AttentionArgs& a, void* scratch, gpuStream_t stream, bool* ran) {
+  (void)scratch;  // serial mode: no split partials
+  *ran = false;
+#if BARO_WGMMA_BUILT
+  if (a.m <= 0 || a.Hkv <= 0 || a.H % a.Hkv != 0) return gpuSuccess;
+  if (a.hd != 256 && a.hd != 128 && a.hd != 64 && a.hd != 32) return gpuSuccess;
+  const int64_t rows = a.m * (a.H / a.Hkv);
+  const int64_t tiles = (rows + kWgRows - 1) / kWgRows;
+  if (tiles > 0x7fffffffLL || (a.S + kAttnSplit - 1) / kAttnSplit > 65535) return gpuSuccess;
+  if (!wg_device_is_sm90()) return gpuSuccess;
+  *ran = true;
+  const unsigned n = static_cast<unsigned>(tiles);
+  switch (a.hd) {
+    case 256: return wg_launch<256>(a, n, stream);
+    case 128: return wg_launch<128>(a, n, stream);
+    case 64: return wg_launch<64>(a, n, stream);
+    default: return wg_launch<32>(a, n, stream);
+  }
+#else
+  (void)a;
+  (void)stream;
+  return gpuSuccess;
+#endif
+}
+
+}  // namespace baro_gpu

@@ -44,15 +44,18 @@ stage_full() {
     --max-context "${GATE_MAX_CONTEXT:-16384}" --json "$OUT/identity_qwen35_h200.json" 2>&1 | tail -40
 }
 # The opt-in sm_90a prefill attention (BARO_ATTN_WGMMA=1, csrc/gpu/attention_wgmma.cu), first run:
-# its byte test against the default kernel and one-row decode calls, the other attention tests
+# the instruction probe (benchmarks/wgmma_probe.cu: its wgmma calls vs mma.sync, bytes), its byte test against the default kernel and one-row decode calls, the other attention tests
 # (the default path unchanged), the identity gate at full size with the knob (batched prefill on
 # the wgmma kernel == replay on the decode kernel), then prefill speed at WGMMA_LENGTHS with and
 # without the knob in one call, each length identity-checked. WGMMA_PARTS picks parts.
 stage_attn_wgmma() {
   local part
-  for part in ${WGMMA_PARTS:-tests gate speed}; do
+  for part in ${WGMMA_PARTS:-probe tests gate speed}; do
     log "attn_wgmma part $part"
     case $part in
+      probe) nvcc -O3 -std=c++17 --fmad=false -DBARO_WGMMA=1 --generate-code=arch=compute_90a,code=sm_90a \
+               -Icsrc/gpu -Icsrc/common benchmarks/wgmma_probe.cu -o /tmp/wgmma_probe 2>&1 | tail -5
+             timeout 60 /tmp/wgmma_probe | tee "$OUT/wgmma_probe_h200.jsonl" ;;
       tests) timeout 300 python -m pytest -m gpu tests/test_kernels.py -q -k "attention" -p no:cacheprovider 2>&1 \
                | tee "$OUT/gpu_kernel_tests_attn_wgmma_h200.txt" | tail -8 ;;
       gate) BARO_ATTN_WGMMA=1 python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks "${WGMMA_CHUNKS:-1024,8192}" \

@@ -8,7 +8,6 @@
 #include <cstdint>
 
 #include "common.cuh"
-#include "ffi_gpu.h"
 
 namespace baro_gpu {
 

@@ -44,9 +44,10 @@ for bps in (2, 3, 4):
         for st in (2, 4):
             ARMS.append((f"bulk bps{bps} k{kc} s{st}", {"BARO_ROW1_COPY": "bulk", "BARO_ROW1_BPS": str(bps),
                                                       "BARO_ROW1_KCHUNK": str(kc), "BARO_ROW1_STAGES": str(st)}))
-# Warps in flight: a warp streams one unit at about the same rate whatever else runs (NOTES,
-# fifth session), so more, smaller units in one round (the one-token MoE's 9 experts x 512 gate/up
-# outputs are 576 one-n-tile units) should move the grouped GEMMs.
+# Warps in flight: a warp streams one unit at about the same rate whatever else runs (the 32k
+# decode profile and results/row1_sweep_h200.json, 2026-12-01, docs/PERF.md), so more, smaller
+# units in one round (the one-token MoE's 9 experts x 512 gate/up outputs are 576 one-n-tile
+# units) should move the grouped GEMMs.
 for nt in (1, 2):
     for bps in (4, 5, 6):
         ARMS.append((f"nt{nt} bps{bps}", {"BARO_ROW1_NT": str(nt), "BARO_ROW1_BPS": str(bps)}))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session: build, kernel tests, identity gates, op times, speed.
+# The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
 # Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full attn_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u

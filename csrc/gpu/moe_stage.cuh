@@ -13,10 +13,10 @@ namespace baro_gpu {
 // gate_up[e] and down[e] into scratch slot j, so the GEMMs read device memory. Over the host
 // link a read takes a microsecond or two, so the link is full only with many reads in flight:
 // every block of the grid copies its share of every missing pair, each thread keeping
-// kStageVec 16-byte loads outstanding before it stores them. On the H200 machine this moved
-// ~19.5 GB/s and the GEMMs reading the store themselves (BARO_MOE_HOST=direct) ~18, against the
-// copy engines' 52: GPU-initiated reads of pinned memory have their own ceiling there
-// (benchmarks/NOTES.md, ninth session).
+// kStageVec 16-byte loads outstanding before it stores them. On the H200 it moves the misses at
+// 51 GB/s, the link's rate for SM loads of pinned memory (copy engines 55): 790 us per layer for
+// ~6.4 misses at 856b132 (benchmarks/results/decode_profile_tier_direct_h200.json,
+// host_read_probe_h200.jsonl; docs/PERF.md, 2026-12-02).
 constexpr int kStageThreads = 256, kStageVec = 8;
 constexpr int64_t kStageMaxBlocks = 1024;
 BARO_DEV void stage_copy(const uint4* __restrict__ src, uint4* __restrict__ dst, int64_t n) {

@@ -61,7 +61,7 @@ class Config:
     max_context: int = 32768
     tie_word_embeddings: bool = False
     # Gated DeltaNet recurrence: "token" (per-token rule, the default) or "blocked" (the
-    # chunk-aligned rule of DESIGN §9, blocks of DELTA_BLOCK rows at absolute positions; opt-in,
+    # chunk-aligned rule of docs/DESIGN.md §9, blocks of DELTA_BLOCK rows at absolute positions; opt-in,
     # CPU kernel only). Set at load time (load(delta_rule=), --delta-rule, BARO_DELTA).
     delta_rule: str = "token"
 

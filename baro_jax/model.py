@@ -43,7 +43,7 @@ def init_state(cfg: Config, dtype=jnp.bfloat16, length: int | None = None):
 
 
 def blocked_delta_shapes(cfg: Config):
-    """Shapes (all fp32) of the pending rows of the current delta block (DESIGN §9): per value
+    """Shapes (all fp32) of the pending rows of the current delta block (docs/DESIGN.md §9): per value
     head the normalised k_j, the u_j and the local prefix log-decays c_j of slots j < pos % B."""
     nv, B = cfg.lin_v_heads, DELTA_BLOCK
     return {"blk_k": (nv, B, cfg.lin_k_dim), "blk_u": (nv, B, cfg.lin_v_dim), "blk_c": (nv, B)}

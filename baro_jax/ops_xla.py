@@ -150,7 +150,7 @@ def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk, b_col=0, a_col=0):
 
 
 def delta_blocked(y, b, a, A_log, dt_bias, state, pending_k, pending_u, pending_c, pos, n_valid, *, nk, dk):
-    """The chunk-aligned delta rule (DESIGN §9, NUMERICS.md "delta_blocked") over m rows.
+    """The chunk-aligned delta rule (docs/DESIGN.md §9, NUMERICS.md "delta_blocked") over m rows.
 
     state [nv, dk, dv] is S0, the state at the start of the block of position pos; pending_*
     hold the block's rows before pos (slot j = position % B, B = pending_k.shape[1]). Each row

@@ -39,7 +39,7 @@ def state_names(cfg):
     for i, t in enumerate(cfg.layer_types):
         keys = ["k", "v"] if t == "full_attention" else ["conv", "ssm"]
         if t != "full_attention" and getattr(cfg, "delta_rule", "token") == "blocked":
-            keys += ["blk_k", "blk_u", "blk_c"]  # the pending rows of the delta block (DESIGN §9)
+            keys += ["blk_k", "blk_u", "blk_c"]  # the pending rows of the delta block (docs/DESIGN.md §9)
         names += [f"L{i}.{k}" for k in sorted(keys)]  # tree_leaves orders dict keys sorted
     return names
 
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", default="none",
                     help="an opt-in order-changing variant (xla, attn-fast, delta-chunk): expected to FAIL this gate")
     ap.add_argument("--delta-rule", default=None, choices=["token", "blocked"],
-                    help="the delta rule: token (per-token, default) or blocked (chunk-aligned, DESIGN §9); "
+                    help="the delta rule: token (per-token, default) or blocked (chunk-aligned, docs/DESIGN.md §9); "
                          "default: env BARO_DELTA, else token")
     ap.add_argument("--mode", default="resident", choices=["resident", "tier"],
                     help="where the routed experts live (tier: pinned host memory, staged per layer); "

@@ -1,4 +1,4 @@
-"""Kernel tests for baro_delta_blocked, the chunk-aligned delta rule (DESIGN §9,
+"""Kernel tests for baro_delta_blocked, the chunk-aligned delta rule (docs/DESIGN.md §9,
 docs/NUMERICS.md "delta_blocked"), on CPU and (tests marked `gpu`, deselected by default, run with
 `pytest -m gpu`) on the GPU: each platform against itself (the GPU sums in its own fixed order,
 NUMERICS "delta_blocked"), and both against the same float64 and ops_xla references.
@@ -10,7 +10,7 @@ NUMERICS "delta_blocked"), and both against the same float64 and ops_xla referen
   * n_valid < m: padded rows (garbage inputs) leave no trace, their o is 0;
     outputs are poisoned (NaN) before each call so an unwritten element shows;
   * values: within tolerance of a float64 numpy run of the PER-TOKEN recurrence
-    (the blocked formulas are exact algebra, DESIGN §9: only fp32 rounding
+    (the blocked formulas are exact algebra, docs/DESIGN.md §9: only fp32 rounding
     differs) and of the jnp reference ops_xla.delta_blocked;
   * errors: bad shapes give messages naming the argument.
 
@@ -63,7 +63,7 @@ M_LIST = [1, 2, 7, 63, 64, 65, 150]
 PRE = ["boundary", "mid", "last"]
 BASE_BLOCKS = 3
 # Tolerances (assert_close: |got - ref| <= rel * (|ref| + max|ref|)). Only fp32 rounding differs:
-# the blocked form is the per-token rule in exact arithmetic (DESIGN §9). Measured on these inputs:
+# the blocked form is the per-token rule in exact arithmetic (docs/DESIGN.md §9). Measured on these inputs:
 # <= 4e-7 against float64 and against ops_xla; the bar is 1e-5. The strong-gate test (|c| in the
 # hundreds, where exp(c_i - c_j) of fp32 prefix sums loses ~|c| * 2^-24 absolute) uses 1e-4.
 TOL_F64 = 1e-5

@@ -1,4 +1,4 @@
-"""The chunk-aligned delta rule (DESIGN §9) in the model, on CPU: the opt-in switch, the identity
+"""The chunk-aligned delta rule (docs/DESIGN.md §9) in the model, on CPU: the opt-in switch, the identity
 gate with the blocked rule, and the blocked model's logits against the token model's."""
 import json
 import os

@@ -1,6 +1,6 @@
 // baro_conv (and baro_conv_proj), baro_delta, baro_delta_blocked (CPU): Gated DeltaNet causal conv
 // (window 4, SiLU), the gated delta-rule recurrence with fp32 state, and the
-// chunk-aligned (blocked) form of the same rule (DESIGN §9, docs/NUMERICS.md).
+// chunk-aligned (blocked) form of the same rule (docs/DESIGN.md §9, docs/NUMERICS.md).
 #include <vector>
 
 #include "dot.h"

@@ -1,6 +1,6 @@
 // baro_attention on HIP: kernels 2 and 3 with no NVIDIA MMA fragments (one q head per
 // 16-row tile). The same split structure and merge as attention_fa.cuh, so each platform
-// agrees with itself (DESIGN section 2). Included by attention.cu on HIP only.
+// agrees with itself (docs/DESIGN.md §2). Included by attention.cu on HIP only.
 #pragma once
 
 #include <cmath>

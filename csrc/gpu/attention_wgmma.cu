@@ -9,7 +9,7 @@
 // warp w of a warpgroup holds tile rows 16w..16w+15 (the wgmma accumulator layout), and within
 // every 8-column chunk a thread holds exactly the accumulator registers mma_16816 gives it. So
 //  - S: one m64n32k16 per 16 head dims, ascending, into one fp32 accumulator zeroed first (as
-//    attn_fa_kernel zeroes sacc; scale-d is always 1): the same tensor-core order (DESIGN.md 2,
+//    attn_fa_kernel zeroes sacc; scale-d is always 1): the same tensor-core order (docs/DESIGN.md §2,
 //    measured: wgmma and mma.sync agree for bf16 K walks). Q and K are the same bf16 values;
 //  - the scale, the masks (a select), the row max, p = fa_ex2(s - m'), the row sum (in-thread over
 //    n-tiles 0..3, column 2t then 2t+1, butterfly xor 1 then 2, then A + B through shared

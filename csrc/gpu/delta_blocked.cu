@@ -1,4 +1,4 @@
-// baro_delta_blocked (GPU): the chunk-aligned delta rule (DESIGN §9,
+// baro_delta_blocked (GPU): the chunk-aligned delta rule (docs/DESIGN.md §9,
 // docs/NUMERICS.md "delta_blocked"), CUDA cores only, fp32 throughout.
 //
 // Layout: one CTA per value head (grid nv), one thread per state column d

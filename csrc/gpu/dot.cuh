@@ -9,7 +9,7 @@
 //     c[0] = C[g][2t], c[1] = C[g][2t+1], c[2] = C[g+8][2t], c[3] = C[g+8][2t+1].
 // Callers walk K in ascending 16-wide steps into ONE fp32 accumulator
 // fragment, no split-K. Then the value of C[r][n] depends only on row r of A
-// and column n of B, never on the other rows of the tile (DESIGN.md §2:
+// and column n of B, never on the other rows of the tile (docs/DESIGN.md §2:
 // measured row- and tile-invariant on H200).
 //
 // Operand addressing:

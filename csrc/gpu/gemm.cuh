@@ -6,7 +6,7 @@
 // steps, exact zeros inside the last partial step, steps wholly past K
 // skipped, no split-K. The instruction sequence that touches an element is the
 // same whatever the tile shape, the row's position in the tile or the other
-// rows, so the kernels below give the same bits for every m (DESIGN.md §2).
+// rows, so the kernels below give the same bits for every m (docs/DESIGN.md §2).
 //
 // Two families:
 //  - gemm_kernel: the simple synchronous kernel (16x32 decode tiles, 64x64

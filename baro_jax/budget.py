@@ -22,7 +22,11 @@ from typing import NamedTuple
 import numpy as np
 import jax
 
+from .checks import as_int, budget_gb
 from .config import DELTA_BLOCK, FULL, Config
+from .settings import DEFAULT_CACHE_SLOTS
+from .shapes import state_length
+from .weights import param_shapes
 
 ACTIVATION_MARGIN = 1.25  # XLA temporaries beside the XLA-side activation buffers counted below
 
@@ -71,8 +75,6 @@ def round256(n: int) -> int:
 # --- what a model needs -------------------------------------------------------------
 @functools.lru_cache(maxsize=64)  # every prefill checks the budget: walk the shape tree once per model
 def param_bytes(cfg: Config, dtype) -> int:
-    from .weights import param_shapes
-
     is_leaf = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], bool)  # noqa: E731
     leaves = jax.tree_util.tree_leaves(param_shapes(cfg), is_leaf=is_leaf)
     return sum(int(np.prod(shape)) * (4 if is_f32 else itemsize(dtype)) for shape, is_f32 in leaves)
@@ -193,8 +195,6 @@ def budget_bytes(device_budget_gb: float | None) -> tuple[int | None, str]:
     dev_limit = None if have is None else int(0.95 * have)
     dev_what = f"95% of the {jax.devices()[0].platform} device's {have / 2**30:.1f} GiB" if have else ""
     if device_budget_gb is not None:
-        from .checks import budget_gb
-
         device_budget_gb = budget_gb(device_budget_gb)  # a finite number > 0, or a clear error
         b = int(device_budget_gb * 2**30)
         if dev_limit is None or b <= dev_limit:
@@ -328,13 +328,21 @@ def reserved_prefill(cfg: Config) -> tuple[int, int]:
     return chunk, state_length(chunk + 1, cfg.max_context)
 
 
+def check_cache_slots(cfg: Config, slots) -> int:
+    """cache_slots as asked: 0 (no cache) or top_k..E per layer (one token routes to top_k
+    experts, which must all be resident at once)."""
+    slots = as_int("cache_slots (--cache-slots, BARO_CACHE_SLOTS)", slots, lo=0)
+    if 0 < slots < cfg.top_k:
+        raise ValueError(f"cache_slots (--cache-slots, BARO_CACHE_SLOTS) must be 0 (no cache) or at least "
+                         f"top_k={cfg.top_k} (one token's experts are resident at once), got {slots}")
+    return slots
+
+
 def tier_cache_slots(cfg: Config, dtype, device_budget_gb: float | None, want: int | None = None) -> tuple[int, str]:
     """(slots per layer, why) of the decode expert cache: `want` (default 64, at most E), fewer
     when the budget leaves less room beside the non-expert weights, two staged layers, the
     reserved prefill (reserved_prefill: its KV/state and activations) and the runtime reserve;
     0 (no cache) below top_k."""
-    from .staging import DEFAULT_CACHE_SLOTS
-
     if want is not None and want < 1:
         return 0, "turned off (0 slots asked)"
     top = min(DEFAULT_CACHE_SLOTS if want is None else want, cfg.num_experts)

@@ -16,6 +16,7 @@ import numpy as np
 import jax
 
 from .config import FULL, Config
+from .model import blocked_delta_shapes
 
 
 def as_int(name: str, v, lo: int | None = None, hi: int | None = None) -> int:
@@ -121,8 +122,6 @@ def state_length(cfg: Config, dtype, state, what: str) -> int | None:
             want = {"conv": ((cfg.conv_kernel - 1, cfg.conv_dim), adt),
                     "ssm": ((cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim), np.dtype(np.float32))}
             if getattr(cfg, "delta_rule", "token") == "blocked":  # the pending rows of the delta block
-                from .model import blocked_delta_shapes
-
                 want.update({k: (shape, np.dtype(np.float32)) for k, shape in blocked_delta_shapes(cfg).items()})
         if set(st) != set(want):
             raise ValueError(f"{what}: this state does not belong to this model: layer {i} ({kind}) has entries "

@@ -1,4 +1,4 @@
-"""Expert parallel over N devices (issue 14): routed experts sharded along E, bytes of one device.
+"""Expert parallel over N devices: routed experts sharded along E, the bytes of one device.
 
 `baro_jax.load(..., devices=N)` (CLI `--devices N`) puts every layer's routed experts
 (`moe.gate_up` [E, 2I, D], `moe.down` [E, D, I]) on a 1-D mesh ("e") with
@@ -23,18 +23,20 @@ On a mesh of one device every expert is local and no pair crosses a device, so t
 one-device kernel `ops.moe` itself: `moe_pairs` + `moe_combine` give its bytes (the kernel test
 test_moe_pairs_combine_equal_moe), but in more launches and without the one-token fold, which
 cost the H200 11% of prefill and 26% of decode at N = 1 (speed_ep1_device_h200.json at 3302a06).
-`BARO_EP_PAIRS=1` keeps the per-pair kernels at N = 1, to measure or test them on one device.
+`settings.ep_pairs` (BARO_EP_PAIRS=on) keeps the per-pair kernels at N = 1, to measure or test them
+on one device.
 
 Traffic per MoE call: N x m x k x D fp32 per device (decode: 64 KB x N at Qwen3.5 widths).
 """
 from __future__ import annotations
 
-import os
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .checks import as_int
+from .runner import Runner
+from .staging import is_expert_target
 
 AXIS = "e"
 EXPERT_KEYS = ("gate_up", "down")
@@ -42,9 +44,7 @@ EXPERT_KEYS = ("gate_up", "down")
 
 def check_request(n, mode: str, backend: str, variant: str | None = None) -> int:
     """n as an int, or a clear error: a device count this host has, resident mode, the ordered
-    kernels (load() and shard_engine() both ask)."""
-    from .checks import as_int
-
+    kernels (load() and shard() both ask)."""
     n = as_int("devices (--devices)", n, lo=1)
     devs = jax.devices()
     if n > len(devs):
@@ -93,8 +93,6 @@ def place_layer_experts(layer: dict, mesh: Mesh) -> dict:
 
 def place_tensor(target: tuple, a, mesh: Mesh):
     """A checkpoint tensor (weights.py target path) straight to its place on the mesh."""
-    from .staging import is_expert_target
-
     return jax.device_put(a, NamedSharding(mesh, P(AXIS) if is_expert_target(target) else P()))
 
 
@@ -110,8 +108,8 @@ def owner_select(y_all, owner):
 class ExpertParallelOps:
     """The ordered ops with `moe` run expert-parallel over the mesh (module docstring).
 
-    pairs: run the per-pair kernels and the all-gather (default: on more than one device, or
-    with BARO_EP_PAIRS=1); otherwise the one-device `moe`, the same bytes.
+    pairs: run the per-pair kernels and the all-gather (None: on more than one device); otherwise
+    the one-device `moe`, the same bytes.
     Hashable on (base ops module, mesh, pairs), so it is a valid static jit argument like an ops module."""
 
     def __init__(self, base, mesh: Mesh, pairs: bool | None = None):
@@ -121,7 +119,7 @@ class ExpertParallelOps:
                                  f"{getattr(base, '__name__', base)!r} has none (use backend='ordered')")
         self._base = base
         self.mesh = mesh
-        self.pairs = (mesh.devices.size > 1 or os.environ.get("BARO_EP_PAIRS") == "1") if pairs is None else bool(pairs)
+        self.pairs = mesh.devices.size > 1 if pairs is None else bool(pairs)
         self.__name__ = (f"{getattr(base, '__name__', 'ops')}+expert_parallel[{mesh.devices.size}"
                          f"{'' if self.pairs else ', one-device moe'}]")
 
@@ -156,23 +154,33 @@ class ExpertParallelOps:
         return f(h, router, gate_up, down, shared_gate_up, shared_down, shared_gate)
 
 
-def shard_engine(eng, n: int, mesh: Mesh | None = None, pairs: bool | None = None):
-    """Put a resident Engine's weights on an n-device mesh (experts sharded; weights already
-    there stay) and run its MoE expert-parallel. What load(devices=n) does after building it.
-    pairs: see ExpertParallelOps."""
-    from . import engine as E
+class ExpertParallelRunner(Runner):
+    """Resident mode on a mesh: the routed experts sharded along E (shard_params), everything else
+    replicated, the MoE run by ExpertParallelOps; the same jitted graphs as ResidentRunner."""
 
-    n = check_request(n, eng.mode, eng.backend, eng.variant)
+    placement = "resident"
+
+    def __init__(self, cfg, params, ops, settings, mesh: Mesh):
+        n = mesh.devices.size
+        check_divisible(cfg.num_experts, n)
+        ep_ops = ExpertParallelOps(ops, mesh, settings.ep_pairs)
+        super().__init__(cfg, shard_params(params, mesh), ep_ops, settings)
+        self.mesh, self.devices = mesh, n
+        rep = NamedSharding(mesh, P())
+        self.rope = jax.device_put(self.rope, rep)
+        self.token_sharding = rep
+
+    def new_state(self, length: int):
+        return jax.device_put(super().new_state(length), self.token_sharding)
+
+
+def shard(engine, n: int, mesh: Mesh | None = None, pairs: bool | None = None):
+    """A new Engine on `engine`'s weights placed on an n-device mesh (experts sharded, weights
+    already there stay) with its MoE run expert-parallel: what load(devices=n) builds.
+    pairs: see ExpertParallelOps (None: settings.ep_pairs, else on above one device)."""
+    s = engine.settings
+    n = check_request(n, s.mode, engine.backend, s.variant)
     mesh = mesh if mesh is not None else make_mesh(n)
-    eng.mesh = mesh
-    eng.ops = ExpertParallelOps(eng.ops, mesh, pairs)
-    eng.params = shard_params(eng.params, mesh)
-    rep = NamedSharding(mesh, P())
-    eng.rope = jax.device_put(eng.rope, rep)
-    eng.token_sharding = rep
-    eng._step = partial(E._STEP, cfg=eng.cfg, ops=eng.ops)
-    eng._all_logits = partial(E._ALL_LOGITS, cfg=eng.cfg, ops=eng.ops)
-    new_state = eng.new_state
-    eng.new_state = lambda length=None: jax.device_put(new_state(length), rep)
-    eng.devices = n
-    return eng
+    settings = s.replace(devices=n, ep_pairs=pairs if pairs is not None else s.ep_pairs)
+    runner = ExpertParallelRunner(engine.cfg, engine.params, engine.ops, settings, mesh)
+    return engine.with_runner(runner, settings)

@@ -60,24 +60,19 @@ def parse_args(argv=None):
 def _run(argv) -> int:
     args = parse_args(argv)
     from . import load
-    from .engine import default_backend, env_chunk, env_prefill_mode
     from .ops import BackendUnavailable
     from .sampling import Sampling
     from .config import PRESETS
+    from .settings import Settings
     from .tokenizer import apply_chat_template
 
     try:
-        prefill = args.prefill or env_prefill_mode()
-        chunk = args.chunk if args.chunk is not None else env_chunk()
-        from . import variants
-
-        variant = variants.check(args.variant) if args.variant is not None else variants.env_variant()
-        backend = args.backend or ("ordered" if variant else default_backend(args.dtype))
-        eng = load(args.model, backend=backend, dtype=args.dtype, max_context=args.max_context,
-                   seed=args.seed, progress=not args.json, mode=args.mode,
-                   device_budget_gb=args.device_budget_gb, variant=variant or "none",
-                   allow_nonfinite=args.allow_nonfinite or None, delta_rule=args.delta_rule,
-                   devices=args.devices)
+        settings = Settings.resolve(backend=args.backend, dtype=args.dtype, max_context=args.max_context,
+                                    mode=args.mode, device_budget_gb=args.device_budget_gb, variant=args.variant,
+                                    allow_nonfinite=args.allow_nonfinite or None, delta_rule=args.delta_rule,
+                                    devices=args.devices, prefill=args.prefill, chunk=args.chunk)
+        prefill, chunk = settings.prefill, settings.chunk
+        eng = load(args.model, settings=settings, seed=args.seed, progress=not args.json)
         if args.prompt_ids is not None:
             try:
                 prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -214,7 +209,13 @@ def main(argv=None) -> int:
             pass
         return 141
     except Exception as e:  # a bug: still one line, with what to report
-        if os.environ.get("BARO_TRACEBACK"):
+        from .settings import Settings
+
+        try:
+            show = Settings.resolve().traceback
+        except ValueError:
+            show = False
+        if show:
             raise
         print(f"error: internal error {type(e).__name__}: {e} (please report it; "
               "BARO_TRACEBACK=1 shows the traceback)", file=sys.stderr)

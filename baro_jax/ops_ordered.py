@@ -83,3 +83,18 @@ def moe_pairs(h, router, gate_up_shard, down_shard, expert_base, *, top_k):
 def moe_combine(h, y, w, shared_gate_up, shared_down, shared_gate):
     """The MoE's combine of gathered per-pair outputs plus its gated shared expert: moe's bytes."""
     return cc.moe_combine(h, y, w, shared_gate_up, shared_down, shared_gate)
+
+
+def gpu_platform():
+    """The default device's GPU platform as the kernels name it ("CUDA", "ROCM"), or None on CPU."""
+    return cc._lib.gpu_platform(())
+
+
+def host_store(gate_up, down):
+    """The host store baro_moe_host reads one layer's routed experts from (custom_calls.HostStore)."""
+    return cc.host_store(gate_up, down)
+
+
+def fetch_ring(n_max: int):
+    """The copy-engine fetch of tier decode's cache misses (custom_calls.FetchRing)."""
+    return cc.FetchRing(n_max)

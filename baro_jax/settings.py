@@ -264,6 +264,9 @@ class Settings:
             raise SettingsError("the 'ordered' backend runs bfloat16 only; use --dtype bfloat16 or --backend xla")
         if self.variant is not None and self.dtype != "bfloat16":
             raise SettingsError(f"variant {self.variant!r} runs on the ordered backend, bfloat16 only")
+        if self.variant == "delta-chunk" and self.delta_rule == "blocked":
+            raise SettingsError("variant delta-chunk replaces the per-token delta rule; it cannot run with "
+                                "delta_rule blocked (--delta-rule blocked, BARO_DELTA=blocked): choose one")
         if self.cache_slots and self.mode != "tier":
             raise SettingsError("cache_slots (--cache-slots) sizes tier mode's decode expert cache; "
                                 "give mode='tier' (--mode tier) or leave it out")

@@ -24,8 +24,11 @@ misses are copied from the host store into LRU-evicted slots (one jitted
 dynamic-slice + device_put + dynamic_update_slice call, pools donated); then
 `ops.moe_slots` runs the MoE through the slot table (expert -> slot). Same
 bytes as resident decode. A backend without moe_slots (xla, variants) stages
-every layer's experts per token instead (correct, slow). Overlap has not been
-measured on a GPU yet.
+every layer's experts per token instead (correct, slow). On the H200 the copy
+overlaps the compute (benchmarks/tier_overlap.py: both / max(copy, compute) =
+0.96 at chunk 4096, 0.99 at 8192, benchmarks/results/tier_overlap_h200.json).
+
+The TierRunner (tier.py) drives all of this behind the runner interface.
 """
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ from jax.sharding import SingleDeviceSharding
 
 from . import model as M
 from .config import Config
-from .sampling import greedy_loop
+from .runner import greedy_steps
+from .settings import TIER_DECODE_PATHS, TIER_FETCH_PATHS
 
 EXPERT_KEYS = ("gate_up", "down")
 HOST_KINDS = ("pinned_host", "unpinned_host")
@@ -166,7 +170,6 @@ def forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, all_
 
 
 # --- the decode expert cache --------------------------------------------------------
-DEFAULT_CACHE_SLOTS = 64  # per layer (the seed system's size); fewer when the budget says so
 
 
 def has_cache_ops(ops) -> bool:
@@ -190,25 +193,6 @@ _FETCH = jax.jit(_fetch, donate_argnums=(0, 1), static_argnames=("dev",))
 
 
 EXACT_FETCH_MAX = 16  # up to this many misses a call copies exactly its misses
-FETCH_PATHS = ("xla", "dma")
-
-
-def env_choice(name: str, choices, say: str | None = None) -> str:
-    """Env var `name`, one of `choices` (unset or empty: the first); anything else is a
-    ValueError naming the variable and what it may be (`say`, else "one of a, b, ...")."""
-    import os
-
-    v = os.environ.get(name, "").strip() or choices[0]
-    if v not in choices:
-        raise ValueError(f"{name} must be {say or 'one of ' + ', '.join(choices)}, got {v!r}")
-    return v
-
-
-def env_fetch_path() -> str:
-    """BARO_TIER_FETCH: how the expert cache copies its misses into the pools. "xla" (default):
-    a jit of a dynamic slice of the pinned store (on a GPU a kernel reading over the host link);
-    "dma": custom_calls.FetchRing, copy-engine copies from host-known addresses."""
-    return env_choice("BARO_TIER_FETCH", FETCH_PATHS)
 
 
 def fetch_length(n_misses: int) -> int:
@@ -254,7 +238,9 @@ class ExpertCache:
     (route_seconds, the per-layer device-to-host round trip) and issuing the copies
     (copy_seconds)."""
 
-    def __init__(self, cfg: Config, layers, slots: int, dev=None):
+    def __init__(self, cfg: Config, layers, slots: int, dev=None, fetch_path: str = "xla", ops=None):
+        if fetch_path not in TIER_FETCH_PATHS:
+            raise ValueError(f"fetch_path must be one of {', '.join(TIER_FETCH_PATHS)}, got {fetch_path!r}")
         E = cfg.num_experts
         if not cfg.top_k <= slots <= E:
             raise ValueError(f"the decode expert cache needs top_k={cfg.top_k} <= slots <= E={E}, got {slots}")
@@ -273,16 +259,22 @@ class ExpertCache:
         self.route_seconds = self.copy_seconds = 0.0
         self.events = []  # (layer, expert, slot, evicted expert or -1) per miss: for tests
         self.keep_events = False
-        self.fetch_path = env_fetch_path()
+        self.fetch_path = fetch_path
         self.fetch_max = min(cfg.top_k, EXACT_FETCH_MAX, slots)  # pairs per copy call (compiled up front)
+        # set while the tables and the pools may disagree (a copy in flight): a call interrupted
+        # there leaves the cache broken, and intact() says so (TierRunner.recover rebuilds it)
+        self._changing = False
         self._ring = self._hosts = None
         if self.fetch_path == "dma":
-            import custom_calls as cc
-
-            self._hosts = host_stores(layers)
-            self._ring = cc.FetchRing(max(self.fetch_max, EXACT_FETCH_MAX))
+            self._hosts = host_stores(layers, ops)
+            self._ring = ops.fetch_ring(max(self.fetch_max, EXACT_FETCH_MAX))
         else:
             self._warm_fetches(self.fetch_max)
+
+    def intact(self) -> bool:
+        """Whether the slot tables describe the pools: no update was cut short and no pool buffer
+        was lost to a donation whose result never came back (an interrupt between the two)."""
+        return not self._changing and not any(a.is_deleted() for pool in self.pools for a in pool)
 
     def _warm_fetches(self, n_max: int):
         """Compile the copy graph of every miss count a decode token can have (1 .. top_k) now,
@@ -318,6 +310,7 @@ class ExpertCache:
             raise ValueError(f"one call routes to {len(need)} experts of layer {layer}, more than the "
                              f"cache's {self.slots} slots")
         todo_e, todo_s = [], []
+        self._changing = True  # until the copies are issued and the pools are back (intact)
         for e in need:  # hits first refresh their place, so no needed expert is evicted below
             if e in lru:
                 lru.move_to_end(e)
@@ -342,6 +335,7 @@ class ExpertCache:
             t0 = time.perf_counter()
             self._copy(layer, todo_e, todo_s)
             self.copy_seconds += time.perf_counter() - t0
+        self._changing = False
         return slot_of.copy()
 
     def _copy(self, layer: int, experts: list, slots: list):
@@ -367,6 +361,7 @@ class ExpertCache:
         as the most recent."""
         lru, slot_of = self.lru[layer], self.slot_of[layer]
         slots = []
+        self._changing = True
         for o, n in zip(old, new):
             s = int(slot_of[o])
             if s < 0 or slot_of[n] >= 0:
@@ -378,6 +373,7 @@ class ExpertCache:
             slots.append(s)
         if slots:
             self._copy(layer, [int(n) for n in new], slots)
+        self._changing = False
 
 
 def cached_forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, cache: ExpertCache):
@@ -402,29 +398,21 @@ def cached_forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, op
 
 
 # --- direct tier decode: misses read from the host store inside the MoE call ------------------
-DECODE_PATHS = ("auto", "cache", "direct")
-
-
-def env_decode_path() -> str:
-    """BARO_TIER_DECODE: "cache" (per layer the ids to the host, LRU copies, then the MoE),
-    "direct" (one graph per token block; an expert with no pool slot is read from the host store
-    by the MoE kernels themselves, baro_moe_host) or "auto" (default: see pick_decode_path)."""
-    return env_choice("BARO_TIER_DECODE", DECODE_PATHS)
-
-
 def pick_decode_path(path: str, ops) -> str:
-    """What "auto" means: direct where the ops can read the host store (the ordered kernels) and
-    the device is not ROCm (whose MoE cannot yet), else the cache. Direct is the faster of the
-    two wherever it runs: on the H200 at 20% hits it matched the cache path's tokens/s with a
-    recompile inside every decode, and its graphs run a token in 37 ms against the cache path's
-    ~80 (benchmarks/NOTES.md, tenth session); both give resident decode's bytes."""
+    """The tier decode path (settings.tier_decode): "cache" (per layer the ids to the host, LRU
+    copies, then the MoE), "direct" (one graph per token block; an expert with no pool slot is
+    read from the host store by the MoE kernels themselves) or "auto": direct where the ops can
+    read the host store (the ordered kernels) and the device is not ROCm (whose MoE cannot yet),
+    else the cache. Direct is the faster wherever it runs: on the H200 its graphs run a token in
+    37 ms against the cache path's ~80 (benchmarks/results/decode_profile_tier_direct_h200.json,
+    decode_profile_tier_cache_h200.json); both give resident decode's bytes."""
+    if path not in TIER_DECODE_PATHS:
+        raise ValueError(f"tier decode path must be one of {', '.join(TIER_DECODE_PATHS)}, got {path!r}")
     if path != "auto":
         return path
     if not has_host_ops(ops):
         return "cache"
-    from custom_calls._lib import gpu_platform
-
-    return "cache" if gpu_platform(()) == "ROCM" else "direct"  # the default device's platform
+    return "cache" if ops.gpu_platform() == "ROCM" else "direct"  # the default device's platform
 
 
 def has_host_ops(ops) -> bool:
@@ -432,17 +420,15 @@ def has_host_ops(ops) -> bool:
     return hasattr(ops, "moe_host")
 
 
-def host_stores(layers) -> tuple:
-    """One custom_calls.HostStore per layer over its routed experts in the host store: the
-    addresses baro_moe_host reads the misses from (the stores stay alive inside them)."""
-    import custom_calls as cc
-
+def host_stores(layers, ops) -> tuple:
+    """One host store (ops.host_store) per layer over its routed experts: the addresses
+    baro_moe_host reads the misses from (the arrays stay alive inside them)."""
     out = []
     for lp in layers:
         gu, dn = (lp["moe"][k] for k in EXPERT_KEYS)
         if isinstance(gu, np.ndarray):  # no host memory kind (CPU without one): the same bytes as an array
             gu, dn = jax.device_put(gu), jax.device_put(dn)
-        out.append(cc.host_store(gu, dn))
+        out.append(ops.host_store(gu, dn))
     return tuple(out)
 
 
@@ -476,26 +462,20 @@ _DIRECT = jax.jit(_direct_forward, static_argnames=("cfg", "ops", "hosts"), dona
 
 
 def _direct_greedy(params, state, token, pos, n, rope, pools, tables, *, cfg: Config, ops, hosts, block: int):
-    """engine.greedy_steps through _direct_forward (sampling.greedy_loop): up to `block` greedy
-    steps in one graph. Returns (tokens [block], last, state, (hits, counts))."""
-    def step(i, st, tok, acc):
-        logits, st, (h, c) = _direct_forward(params, st, tok[None], pos + i, jax.numpy.int32(1), rope, pools, tables,
+    """runner.greedy_steps (the one block loop) over _direct_forward's rows, summing their hits
+    and routing counts. Returns (tokens [block], last, state, (hits, counts))."""
+    def row(st, toks, p, acc):
+        logits, st, (h, c) = _direct_forward(params, st, toks, p, jax.numpy.int32(1), rope, pools, tables,
                                              cfg=cfg, ops=ops, hosts=hosts)
         return logits, st, (acc[0] + h, acc[1] + c)
 
     zero = (jax.numpy.int32(0), jax.numpy.zeros((len(pools), cfg.num_experts), jax.numpy.int32))
-    return greedy_loop(step, state, token, block=block, n=n, acc=zero)
+    return greedy_steps(row, state, token, pos, n, block=block, acc=zero)
 
 
 _DIRECT_GREEDY = jax.jit(_direct_greedy, static_argnames=("cfg", "ops", "hosts", "block"), donate_argnums=(1,))
 _DIRECT_GREEDY_FULL = jax.jit(functools.partial(_direct_greedy, n=None), static_argnames=("cfg", "ops", "hosts", "block"),
                               donate_argnums=(1,))
-
-
-def env_adapt() -> bool:
-    """BARO_TIER_ADAPT: 1 (default) lets direct tier decode change its pools between calls toward
-    the experts routed most (DirectDecode.adapt); 0 keeps them as they were set up."""
-    return env_choice("BARO_TIER_ADAPT", ("1", "0"), say="0 or 1") == "1"
 
 
 ADAPT_EVERY = 16  # tokens between two adaptations (one greedy block; per-token calls wait for 16)
@@ -531,10 +511,10 @@ class DirectDecode:
     counts are made on the device; between calls the pools follow the counts (adapt), so a
     model whose routing favours some experts, as real ones do, gets them resident."""
 
-    def __init__(self, params, cache: ExpertCache):
+    def __init__(self, params, cache: ExpertCache, ops, adaptive: bool = True):
         self.cache = cache
         layers = params["layers"]
-        self.hosts = cache._hosts if cache._hosts is not None else host_stores(layers)  # dma: the cache's
+        self.hosts = cache._hosts if cache._hosts is not None else host_stores(layers, ops)  # dma: the cache's
         self.params = {**{k: v for k, v in params.items() if k != "layers"},
                        "layers": tuple(split_layer(lp)[0] for lp in layers)}
         # An empty pool would send every routed expert over the host link: fill each layer's
@@ -544,7 +524,7 @@ class DirectDecode:
             if not (table >= 0).any():
                 cache.ensure(i, np.arange(cache.slots))
         cache.reset_stats()
-        self.adaptive = env_adapt()
+        self.adaptive = bool(adaptive)  # settings.tier_adapt
         self.score = np.zeros((len(cache.pools), cache.cfg.num_experts), np.float64)
         self._counts = []  # (device [layers, E] routing counts, tokens) of calls not yet folded into score
         self._since = 0  # tokens folded in since the last adaptation

@@ -4,7 +4,7 @@ A variant changes the summation order of one or more ops, so batched prefill
 is no longer byte-identical to replay: variants FAIL the identity gate by
 design and are judged by teacher-forced agreement instead
 (`benchmarks/agreement.py`, bar 99%). None is on by default; select one with
-`--variant NAME`, `baro_jax.load(..., variant=NAME)` or `BARO_VARIANT=NAME`.
+`--variant NAME`, `baro_jax.load(..., variant=NAME)` or `BARO_VARIANT=NAME` (settings.py).
 
 - ``xla``: the whole plain-jnp backend (``ops_xla``), every op.
 - ``attn-fast``: prefill attention (m > 1 rows) through
@@ -20,15 +20,16 @@ same object means the same compiled graph).
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import jax
 import jax.numpy as jnp
 
 from . import ops_xla
+from .ops import get_ops as backend_ops
+from .settings import VARIANTS
+from .train_model import chunked_delta
 
-VARIANTS = ("xla", "attn-fast", "delta-chunk")
 OP_NAMES = ("matmul", "rmsnorm", "add_rmsnorm", "gated_norm", "attention", "conv", "delta", "delta_blocked", "moe")
 DELTA_CHUNK = 64  # rows per WY block of the delta-chunk variant (the training script's chunk)
 f32 = jnp.float32
@@ -46,16 +47,6 @@ def check(name: str | None) -> str | None:
     if name not in VARIANTS:
         raise unknown(name)
     return name
-
-
-def env_variant(default: str | None = None) -> str | None:
-    """BARO_VARIANT=NAME (xla, attn-fast, delta-chunk; empty or 'none': no variant); unset -> default."""
-    v = os.environ.get("BARO_VARIANT")
-    if v is None or v == "":
-        return default
-    if v != "none" and v not in VARIANTS:
-        raise ValueError(f"BARO_VARIANT must be one of {', '.join(VARIANTS)} or none, got {v!r}")
-    return check(v)
 
 
 class VariantOps:
@@ -77,13 +68,10 @@ class VariantOps:
 
 # ----------------------------------------------------------------------------- attn-fast
 
-def attention_impl() -> str:
-    """'cudnn' on a CUDA GPU, 'xla' elsewhere; BARO_ATTN_IMPL=xla|cudnn overrides."""
-    v = os.environ.get("BARO_ATTN_IMPL", "")
-    if v:
-        if v not in ("xla", "cudnn"):
-            raise ValueError(f"BARO_ATTN_IMPL must be xla or cudnn, got {v!r}")
-        return v
+def attention_impl(setting: str = "auto") -> str:
+    """settings.attn_impl made concrete: 'cudnn' on a CUDA GPU, 'xla' elsewhere, unless set."""
+    if setting != "auto":
+        return setting
     if jax.default_backend() != "gpu":
         return "xla"
     try:
@@ -96,7 +84,7 @@ def attention_impl() -> str:
 _FALLBACKS: list = []  # (reason) when cuDNN refused the shapes and XLA ran instead
 
 
-def _fast_attention(ordered_attention):
+def _fast_attention(ordered_attention, impl_setting: str):
     def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, *, num_heads, num_kv_heads, eps):
         m = qkv.shape[0]
         if m == 1:  # decode stays on the ordered kernel
@@ -120,7 +108,7 @@ def _fast_attention(ordered_attention):
         kc = jnp.where(written, k_cache, jnp.zeros((), A))
         vc = jnp.where(written, v_cache, jnp.zeros((), A))
         mask = (jnp.arange(S)[None, :] <= (pos + jnp.arange(m))[:, None])[None, None]  # [1, 1, m, S]
-        impl = attention_impl()
+        impl = attention_impl(impl_setting)
         args = (q[None], kc[None], vc[None])
         kw = dict(mask=mask, scale=hd ** -0.5)
         try:
@@ -140,8 +128,6 @@ def _fast_attention(ordered_attention):
 # ----------------------------------------------------------------------------- delta-chunk
 
 def _chunked_delta(ordered_delta):
-    from .train_model import chunked_delta
-
     def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk, b_col=0, a_col=0):
         m = y.shape[0]
         if m == 1:  # decode stays on the ordered kernel
@@ -168,28 +154,19 @@ def _chunked_delta(ordered_delta):
 _CACHE: dict = {}
 
 
-def get_ops(name: str):
-    """The ops object of a variant (made once per name)."""
+def get_ops(name: str, attn_impl: str = "auto"):
+    """The ops object of a variant (made once per name and attention setting)."""
     name = check(name)
     if name is None:
         raise ValueError("no variant named: use baro_jax.ops.get_ops('ordered') for the default")
-    if name not in _CACHE:
+    key = (name, attn_impl if name == "attn-fast" else None)
+    if key not in _CACHE:
         if name == "xla":
-            _CACHE[name] = VariantOps(name, ops_xla, {op: getattr(ops_xla, op) for op in OP_NAMES})
+            _CACHE[key] = VariantOps(name, ops_xla, {op: getattr(ops_xla, op) for op in OP_NAMES})
         else:
-            from .ops import get_ops as backend_ops
-
             base = backend_ops("ordered")
             if name == "attn-fast":
-                _CACHE[name] = VariantOps(name, base, {"attention": _fast_attention(base.attention)})
+                _CACHE[key] = VariantOps(name, base, {"attention": _fast_attention(base.attention, attn_impl)})
             else:
-                _CACHE[name] = VariantOps(name, base, {"delta": _chunked_delta(base.delta)})
-    return _CACHE[name]
-
-
-def engine_with(eng, name: str | None):
-    """An Engine on the same weights (no second copy) with `name`'s ops; None: the product's ordered ops."""
-    from .engine import Engine
-
-    return Engine(eng.cfg, eng.params, eng.tokenizer, backend=eng.backend, name=eng.name, mode=eng.mode,
-                  device_budget_gb=eng.device_budget_gb, variant=name)
+                _CACHE[key] = VariantOps(name, base, {"delta": _chunked_delta(base.delta)})
+    return _CACHE[key]

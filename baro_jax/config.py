@@ -31,6 +31,7 @@ class ConfigError(ValueError):
 
 
 _MISSING = object()
+MAX_CONTEXT_LIMIT = 1 << 24  # a sanity bound for context lengths, presets and Configs built by hand
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,180 +84,257 @@ class Config:
         return self.conv_dim + self.lin_v_heads * self.lin_v_dim + 2 * self.lin_v_heads
 
     def validate(self, where: str = "config") -> "Config":
-        """Check ranges and divisibility; every message names the config.json field."""
-        for f, hf in _POSITIVE_INT_FIELDS.items():
+        """Check types, ranges and divisibility; every message names the config.json field."""
+        for f, (hf, lo, hi) in _INT_FIELDS.items():
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{where}: {hf} must be a positive integer, got {v!r}")
-        for f, hf in (("rms_eps", "rms_norm_eps"), ("rope_theta", "rope_theta")):
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ConfigError(f"{where}: {hf} must be an integer in [{lo}, {hi}], got {v!r}")
+        for f, (hf, lo, lo_open, hi) in _FLOAT_FIELDS.items():
             v = getattr(self, f)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ConfigError(f"{where}: {hf} must be a finite number > 0, got {v!r}")
-        if not isinstance(self.partial_rotary_factor, (int, float)) or not 0.0 <= self.partial_rotary_factor <= 1.0:
-            raise ConfigError(f"{where}: partial_rotary_factor must be in [0, 1], got {self.partial_rotary_factor!r}")
-        if not isinstance(self.max_context, int) or not 1 <= self.max_context <= MAX_CONTEXT_LIMIT:
-            raise ConfigError(f"{where}: max_context must be an integer in [1, {MAX_CONTEXT_LIMIT}], got {self.max_context!r}")
-        if len(self.layer_types) != self.num_layers:
-            raise ConfigError(f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_layers}")
-        bad = sorted(set(self.layer_types) - {FULL, LINEAR})
+            if not _in_float_range(v, lo, lo_open, hi):
+                raise ConfigError(f"{where}: {hf} must be a number {_float_range(lo, lo_open, hi)}, got {v!r}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ConfigError(f"{where}: tie_word_embeddings must be a boolean, got {self.tie_word_embeddings!r}")
+        if not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_layers:
+            n = len(self.layer_types) if isinstance(self.layer_types, (tuple, list)) else self.layer_types
+            raise ConfigError(f"{where}: layer_types must have num_hidden_layers={self.num_layers} entries, got {n!r}")
+        bad = sorted({t for t in self.layer_types if t not in (FULL, LINEAR)}, key=repr)
         if bad:
-            raise ConfigError(f"unknown layer type(s) {bad}; expected {FULL!r} or {LINEAR!r}")
+            raise ConfigError(f"{where}: unknown layer type(s) {bad} in layer_types; expected {FULL!r} or {LINEAR!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
+            raise ConfigError(f"{where}: num_attention_heads {self.num_heads} is not a multiple of "
+                              f"num_key_value_heads {self.num_kv_heads}")
         if self.lin_v_heads % self.lin_k_heads:
-            raise ConfigError(f"linear_num_value_heads {self.lin_v_heads} is not a multiple of linear_num_key_heads {self.lin_k_heads}")
+            raise ConfigError(f"{where}: linear_num_value_heads {self.lin_v_heads} is not a multiple of "
+                              f"linear_num_key_heads {self.lin_k_heads}")
         if self.delta_rule not in DELTA_RULES:
-            raise ConfigError(f"{where}: delta_rule must be one of {', '.join(DELTA_RULES)}, got {self.delta_rule!r}")
+            raise ConfigError(f"delta_rule must be one of {', '.join(DELTA_RULES)}, got {self.delta_rule!r}")
         if self.conv_kernel != 4:
-            raise ConfigError(f"linear_conv_kernel_dim {self.conv_kernel} is not supported (only 4)")
-        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
-            raise ConfigError(f"rotary dim {self.rotary_dim} must be even and <= head_dim {self.head_dim}")
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ConfigError(f"num_experts_per_tok {self.top_k} must be in [1, num_experts={self.num_experts}]")
+            raise ConfigError(f"{where}: linear_conv_kernel_dim {self.conv_kernel} is not supported (only 4)")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ConfigError(f"{where}: the rotary dim int(head_dim {self.head_dim} x partial_rotary_factor "
+                              f"{self.partial_rotary_factor}) = {self.rotary_dim} must be even and >= 2")
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"{where}: num_experts_per_tok {self.top_k} must be in [1, num_experts={self.num_experts}]")
         return self
 
 
-# Config fields that must be positive integers, with their config.json names.
-_POSITIVE_INT_FIELDS = {
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
-    "lin_k_heads": "linear_num_key_heads", "lin_v_heads": "linear_num_value_heads",
-    "lin_k_dim": "linear_key_head_dim", "lin_v_dim": "linear_value_head_dim",
-    "conv_kernel": "linear_conv_kernel_dim", "num_experts": "num_experts", "top_k": "num_experts_per_tok",
-    "moe_inter": "moe_intermediate_size", "shared_inter": "shared_expert_intermediate_size",
+# Integer Config fields: config.json name and the accepted range. The upper bounds are far past
+# every released model (so a typo or an overflowed value is refused before anything is sized by it).
+_INT_FIELDS = {
+    "vocab_size": ("vocab_size", 1, 1 << 24), "hidden_size": ("hidden_size", 1, 1 << 16),
+    "num_layers": ("num_hidden_layers", 1, 1 << 12),
+    "num_heads": ("num_attention_heads", 1, 1 << 12), "num_kv_heads": ("num_key_value_heads", 1, 1 << 12),
+    "head_dim": ("head_dim", 1, 1 << 12),
+    "lin_k_heads": ("linear_num_key_heads", 1, 1 << 12), "lin_v_heads": ("linear_num_value_heads", 1, 1 << 12),
+    "lin_k_dim": ("linear_key_head_dim", 1, 1 << 12), "lin_v_dim": ("linear_value_head_dim", 1, 1 << 12),
+    "conv_kernel": ("linear_conv_kernel_dim", 1, 1 << 12), "num_experts": ("num_experts", 1, 1 << 16),
+    "top_k": ("num_experts_per_tok", 1, 1 << 16),
+    "moe_inter": ("moe_intermediate_size", 1, 1 << 18),
+    "shared_inter": ("shared_expert_intermediate_size", 1, 1 << 18),
+    "max_context": ("max_context", 1, MAX_CONTEXT_LIMIT),
 }
+_CTX_FIELD = ("max_position_embeddings", 1, MAX_CONTEXT_LIMIT)
+_INTERVAL_FIELD = ("full_attention_interval", 1, 1 << 12)
+
+# Float Config fields: config.json name, lower bound, whether it is excluded, upper bound.
+# rms_norm_eps: at least float32's smallest normal, so it never flushes to zero (rsqrt(0) of an
+# all-zero row), and at most 1, past which the norm no longer normalises. rope_theta > 1: the
+# rotary frequencies theta^(-2i/d) must fall with i (theta <= 1 makes them 1 or growing ones that
+# overflow the angles). partial_rotary_factor in (0, 1]: a part of head_dim.
+_FLOAT_FIELDS = {
+    "rms_eps": ("rms_norm_eps", 2.0 ** -126, False, 1.0),
+    "rope_theta": ("rope_theta", 1.0, True, math.inf),
+    "partial_rotary_factor": ("partial_rotary_factor", 0.0, True, 1.0),
+}
+
+
+def _in_float_range(v, lo: float, lo_open: bool, hi: float) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return False
+    return (v > lo if lo_open else v >= lo) and v <= hi
+
+
+def _float_range(lo: float, lo_open: bool, hi: float) -> str:
+    if hi == math.inf:
+        return f"finite and {'>' if lo_open else '>='} {lo:.3g}"
+    return f"in {'(' if lo_open else '['}{lo:.3g}, {hi:.3g}]"
 
 
 def default_layer_types(num_layers: int, interval: int = 4) -> tuple[str, ...]:
     return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers))
 
 
-def _need(d: dict, key: str, where: str) -> Any:
-    if key not in d:
-        raise ConfigError(f"config.json ({where}) is missing required field {key!r}")
-    if d[key] is None:
-        raise ConfigError(f"config.json ({where}): required field {key!r} is null")
-    return d[key]
+class _Fields:
+    """Typed reads of one config.json object; every error names the file (and object), the field,
+    what is expected and what was given."""
+
+    def __init__(self, d: dict, where: str):
+        self.d, self.where = d, where
+
+    def fail(self, key: str, want: str, v: Any = _MISSING):
+        got = "" if v is _MISSING else f", got {v}" if isinstance(v, _Said) else f", got {_show(v)}"
+        raise ConfigError(f"{self.where}: field {key!r} must be {want}{got}")
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        """The value; absent or null means the default (transformers' for these classes), or an
+        error when there is none."""
+        v = self.d.get(key)
+        if v is None:
+            if default is _MISSING:
+                raise ConfigError(f"{self.where} is missing required field {key!r}" if key not in self.d
+                                  else f"{self.where}: required field {key!r} is null")
+            return default
+        return v
+
+    def integer(self, key: str, lo: int, hi: int, default: Any = _MISSING) -> int:
+        v = self.get(key, default)
+        # JSON integers only: 2048.0 or 1e300 are floats, and a float is never a size.
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            self.fail(key, f"an integer in [{lo}, {hi}]", v)
+        return v
+
+    def number(self, key: str, lo: float, lo_open: bool, hi: float, v: Any = _MISSING) -> float:
+        v = self.get(key) if v is _MISSING else v
+        if not _in_float_range(v, lo, lo_open, hi):
+            self.fail(key, f"a number {_float_range(lo, lo_open, hi)}", v)
+        return float(v)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        v = self.get(key, default)
+        if not isinstance(v, bool):  # "false" is a non-empty string: truthy
+            self.fail(key, "a JSON boolean (true or false)", v)
+        return v
+
+    def string(self, key: str, default: str) -> str:
+        v = self.get(key, default)
+        if not isinstance(v, str):
+            self.fail(key, "a string", v)
+        return v
+
+    def obj(self, key: str, required: bool = False) -> dict | None:
+        v = self.get(key) if required else self.d.get(key)
+        if v is not None and not isinstance(v, dict):
+            self.fail(key, "a JSON object", v)
+        return v
 
 
-def _int(d: dict, key: str, where: str, default: Any = _MISSING, lo: int | None = 1) -> int:
-    """An integer field (a float with no fraction is taken), >= lo; the error names the field."""
-    v = _need(d, key, where) if default is _MISSING else (d.get(key) if d.get(key) is not None else default)
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ConfigError(f"config.json ({where}): field {key!r} must be an integer, got {type(v).__name__} {v!r}")
-    if lo is not None and v < lo:
-        raise ConfigError(f"config.json ({where}): field {key!r} must be >= {lo}, got {v}")
-    return v
+class _Said(str):
+    """A description of a given value, shown as it is."""
 
 
-def _float(v: Any, key: str, where: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ConfigError(f"config.json ({where}): field {key!r} must be a number, got {type(v).__name__} {v!r}")
-    return float(v)
+def _show(v: Any) -> str:
+    s = repr(v)
+    return f"{type(v).__name__} {s if len(s) <= 80 else s[:77] + '...'}"
 
 
-def _obj(v: Any, key: str, where: str) -> dict:
-    if not isinstance(v, dict):
-        raise ConfigError(f"config.json ({where}): field {key!r} must be a JSON object, got {type(v).__name__}")
-    return v
-
-
-def from_hf_dict(raw: dict, max_context: int | None = None) -> Config:
-    """Build a Config from a transformers config.json dict (either architecture)."""
+def from_hf_dict(raw: dict, max_context: int | None = None, source: str = "config.json") -> Config:
+    """Build a Config from a transformers config.json dict (either architecture). `source` names
+    the file in messages. Absent or null optional fields take transformers' defaults for these
+    classes (head_dim 256, partial_rotary_factor 0.25, max_position_embeddings 32768, ...)."""
+    if max_context is not None:
+        check_max_context(max_context, None, "")
     if not isinstance(raw, dict):
-        raise ConfigError(f"config.json must hold a JSON object, got {type(raw).__name__}")
+        raise ConfigError(f"{source} must hold a JSON object, got {type(raw).__name__}")
     mt = raw.get("model_type")
     if mt is None:
-        raise ConfigError("config.json has no 'model_type'")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"unknown model_type {mt!r}; baro_jax supports {', '.join(SUPPORTED_MODEL_TYPES)}")
-    d = raw
+        raise ConfigError(f"{source} has no 'model_type'")
+    if not isinstance(mt, str) or mt not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"{source}: unknown model_type {mt!r}; baro_jax supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+    top = _Fields(raw, f"{source} ({mt})")
+    f = top
     if mt == "qwen3_5_moe":
-        d = _obj(_need(raw, "text_config", mt), "text_config", mt)
-        d = dict(d)
-    where = mt
-    n_layers = _int(d, "num_hidden_layers", where)
-    if d.get("layer_types"):
+        f = _Fields(top.obj("text_config", required=True), f"{source} ({mt} text_config)")
+        sub = f.d.get("model_type")
+        if sub is not None and sub != "qwen3_5_moe_text":
+            f.fail("model_type", "'qwen3_5_moe_text' (the text model of qwen3_5_moe)", sub)
+    d = f.d
+    n_layers = f.integer("num_hidden_layers", *_INT_FIELDS["num_layers"][1:])
+    if d.get("layer_types") is not None:
         lt = d["layer_types"]
-        if not isinstance(lt, list) or not all(isinstance(t, str) for t in lt):
-            raise ConfigError(f"config.json ({where}): field 'layer_types' must be a list of strings, got {lt!r:.80}")
+        want = f"a list of num_hidden_layers={n_layers} entries, each {FULL!r} or {LINEAR!r}"
+        if not isinstance(lt, list):
+            f.fail("layer_types", want, lt)
+        if len(lt) != n_layers:
+            f.fail("layer_types", want, _Said(f"{len(lt)} entries"))
+        bad = [(i, t) for i, t in enumerate(lt) if t not in (FULL, LINEAR)]
+        if bad:
+            f.fail("layer_types", want, _Said(f"entry {bad[0][0]} {_show(bad[0][1])} (unknown layer type)"))
         layer_types = tuple(lt)
     else:
-        layer_types = default_layer_types(n_layers, _int(d, "full_attention_interval", where, default=4))
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    rope = _obj(rope, "rope_parameters" if d.get("rope_parameters") else "rope_scaling", where)
-    rope_theta = rope.get("rope_theta", d.get("rope_theta"))
-    if rope_theta is None:
-        raise ConfigError(f"config.json ({where}) has no rope_theta (neither top level nor rope_parameters)")
-    prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-    hidden = _int(d, "hidden_size", where)
-    n_heads = _int(d, "num_attention_heads", where)
-    model_ctx = _int(d, "max_position_embeddings", where, default=32768)
-    if max_context is not None:
-        max_context = check_max_context(max_context, model_ctx, "config.json max_position_embeddings")
+        layer_types = default_layer_types(n_layers, f.integer("full_attention_interval", *_INTERVAL_FIELD[1:], default=4))
+    # transformers 5 writes rope_parameters; older files rope_scaling (often null) with rope_theta
+    # and partial_rotary_factor at the top level. A key inside the rope object wins.
+    rkey = "rope_parameters" if d.get("rope_parameters") is not None else "rope_scaling"
+    rope = f.obj(rkey) or {}
+    r = _Fields(rope, f"{f.where} {rkey}")
+
+    def rope_field(key, default=_MISSING):
+        if rope.get(key) is not None:
+            return r, rope[key]
+        return f, f.get(key, default)
+
+    if rope.get("rope_theta") is None and d.get("rope_theta") is None:
+        raise ConfigError(f"{f.where} has no rope_theta (neither top level nor {rkey})")
+    fr, v = rope_field("rope_theta")
+    rope_theta = fr.number("rope_theta", *_FLOAT_FIELDS["rope_theta"][1:], v=v)
+    fr, v = rope_field("partial_rotary_factor", 0.25)
+    prf = fr.number("partial_rotary_factor", *_FLOAT_FIELDS["partial_rotary_factor"][1:], v=v)
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if rope_type not in (None, "default"):
+        raise ConfigError(f"{r.where}: rope_type {rope_type!r} is not supported (only plain rope, 'default')")
+    model_ctx = f.integer("max_position_embeddings", *_CTX_FIELD[1:], default=32768)
+    ints = {k: f.integer(hf, lo, hi) for k, (hf, lo, hi) in _INT_FIELDS.items()
+            if k not in ("num_layers", "head_dim", "max_context")}
+    # Top level wins, as in transformers (the model reads its own config's flag).
+    tie = top.boolean("tie_word_embeddings", False) if raw.get("tie_word_embeddings") is not None \
+        else f.boolean("tie_word_embeddings", False)
     cfg = Config(
-        model_type=mt,
-        vocab_size=_int(d, "vocab_size", where),
-        hidden_size=hidden,
-        num_layers=n_layers,
-        layer_types=layer_types,
-        num_heads=n_heads,
-        num_kv_heads=_int(d, "num_key_value_heads", where),
-        head_dim=_int(d, "head_dim", where, default=hidden // n_heads),
-        rope_theta=_float(rope_theta, "rope_theta", where),
-        partial_rotary_factor=_float(prf, "partial_rotary_factor", where),
-        lin_k_heads=_int(d, "linear_num_key_heads", where),
-        lin_v_heads=_int(d, "linear_num_value_heads", where),
-        lin_k_dim=_int(d, "linear_key_head_dim", where),
-        lin_v_dim=_int(d, "linear_value_head_dim", where),
-        conv_kernel=_int(d, "linear_conv_kernel_dim", where),
-        num_experts=_int(d, "num_experts", where),
-        top_k=_int(d, "num_experts_per_tok", where),
-        moe_inter=_int(d, "moe_intermediate_size", where),
-        shared_inter=_int(d, "shared_expert_intermediate_size", where),
-        rms_eps=_float(d.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
-        max_context=max_context or min(model_ctx, 262144),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", d.get("tie_word_embeddings", False))),
+        model_type=mt, num_layers=n_layers, layer_types=layer_types,
+        head_dim=f.integer("head_dim", *_INT_FIELDS["head_dim"][1:], default=256),
+        rope_theta=rope_theta, partial_rotary_factor=prf,
+        rms_eps=f.number("rms_norm_eps", *_FLOAT_FIELDS["rms_eps"][1:], v=f.get("rms_norm_eps", 1e-6)),
+        max_context=min(model_ctx, 262144) if max_context is None else check_max_context(
+            max_context, model_ctx, f"max_position_embeddings in {source}"),
+        tie_word_embeddings=tie, **ints,
     )
     if mt == "qwen3_next":
-        if d.get("mlp_only_layers"):
-            raise ConfigError("qwen3_next with mlp_only_layers (dense MLP layers) is not supported")
-        if _int(d, "decoder_sparse_step", where, default=1, lo=None) != 1:
-            raise ConfigError("qwen3_next with decoder_sparse_step != 1 is not supported")
-    if mt == "qwen3_next" and d.get("norm_topk_prob", True) is False:
-        raise ConfigError("qwen3_next with norm_topk_prob=false is not supported (top-k weights are always renormalised)")
-    if d.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
-    if d.get("attention_bias"):
-        raise ConfigError("attention_bias=true is not supported")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in (None, "default"):
-        raise ConfigError(f"rope_type {rope_type!r} is not supported (only plain rope, 'default')")
-    if d.get("attn_output_gate") is False:
-        raise ConfigError("attn_output_gate=false is not supported (both architectures gate attention)")
-    return cfg.validate(where=f"config.json ({where})")
-
-
-MAX_CONTEXT_LIMIT = 1 << 24  # a sanity bound for presets and Configs built by hand
+        mlp_only = d.get("mlp_only_layers")
+        if mlp_only is not None and not isinstance(mlp_only, list):
+            f.fail("mlp_only_layers", "a list of layer indices", mlp_only)
+        if mlp_only:
+            raise ConfigError(f"{f.where}: mlp_only_layers {mlp_only!r:.80} (dense MLP layers) is not supported")
+        if f.integer("decoder_sparse_step", 1, n_layers, default=1) != 1:
+            raise ConfigError(f"{f.where}: decoder_sparse_step != 1 is not supported")
+        if not f.boolean("norm_topk_prob", True):
+            raise ConfigError(f"{f.where}: norm_topk_prob=false is not supported (top-k weights are always renormalised)")
+    if f.string("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{f.where}: hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+    if f.boolean("attention_bias", False):
+        raise ConfigError(f"{f.where}: attention_bias=true is not supported")
+    if not f.boolean("attn_output_gate", True):
+        raise ConfigError(f"{f.where}: attn_output_gate=false is not supported (both architectures gate attention)")
+    return cfg.validate(where=f.where)
 
 
 def check_max_context(max_context, model_ctx: int | None, what: str) -> int:
-    """A requested context length: a positive integer no larger than the model's."""
+    """A requested context length (load(max_context=), --max-context): a positive integer no larger
+    than the model's (model_ctx None: checked later, against the model). The messages blame the
+    request, never the checkpoint."""
     if isinstance(max_context, bool) or not isinstance(max_context, int):
         raise ConfigError(f"max_context (--max-context) must be a positive integer, "
                           f"got {type(max_context).__name__} {max_context!r}")
     if max_context < 1:
         raise ConfigError(f"max_context (--max-context) must be >= 1, got {max_context}")
-    limit = model_ctx if model_ctx is not None else MAX_CONTEXT_LIMIT
-    if max_context > limit:
-        raise ConfigError(f"max_context (--max-context) {max_context} is beyond the model's context of {limit} "
+    if model_ctx is not None and max_context > model_ctx:
+        raise ConfigError(f"max_context (--max-context) {max_context} is beyond the model's context of {model_ctx} "
                           f"({what}); refused before allocating anything")
     return max_context
 
 
 def load_config(path: str, max_context: int | None = None) -> Config:
+    if max_context is not None:  # a bad request is the caller's, whatever the checkpoint holds
+        check_max_context(max_context, None, "")
     f = os.path.join(path, "config.json")
     if not os.path.isfile(f):
         raise ConfigError(f"no config.json in checkpoint directory {path!r}")
@@ -267,10 +345,7 @@ def load_config(path: str, max_context: int | None = None) -> Config:
         raise ConfigError(f"{f}: not valid JSON ({e})") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{f}: cannot be read ({e})") from None
-    try:
-        return from_hf_dict(raw, max_context)
-    except ConfigError as e:
-        raise ConfigError(f"{f}: {e}") from None
+    return from_hf_dict(raw, max_context, source=f)
 
 
 # Presets with real shapes (weights are synthetic, see weights.synthetic_params).

@@ -20,23 +20,68 @@ P = "model.language_model.layers.0."
 
 
 # --- config.json ---------------------------------------------------------------------------
+RP = "(qwen3_5_moe_text) rope_parameters: "
+TOP = "(qwen3_5_moe_text): "
+
+
 @pytest.mark.parametrize("change,msg", [
-    (lambda r: r.update(num_attention_heads=0), "field 'num_attention_heads' must be >= 1, got 0"),
+    # sizes: JSON integers in range (a float, even 2048.0 or 1e300, is never a size)
+    (lambda r: r.update(num_attention_heads=0), TOP + "field 'num_attention_heads' must be an integer in [1, 4096], got int 0"),
     (lambda r: r.update(num_attention_heads=None), "required field 'num_attention_heads' is null"),
-    (lambda r: r.update(num_key_value_heads="2"), "field 'num_key_value_heads' must be an integer, got str"),
+    (lambda r: r.update(num_key_value_heads="2"), "field 'num_key_value_heads' must be an integer in [1, 4096], got str '2'"),
     (lambda r: r.update(num_key_value_heads=3), "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
-    (lambda r: r.update(hidden_size=2.5), "field 'hidden_size' must be an integer, got float 2.5"),
-    (lambda r: r.update(rms_norm_eps=-1e-6), "rms_norm_eps must be a finite number > 0, got -1e-06"),
-    (lambda r: r.update(rms_norm_eps=0), "rms_norm_eps must be a finite number > 0"),
-    (lambda r: r["rope_parameters"].update(rope_theta=-10000.0), "rope_theta must be a finite number > 0"),
-    (lambda r: r["rope_parameters"].update(rope_theta="big"), "field 'rope_theta' must be a number, got str"),
-    (lambda r: r["rope_parameters"].update(partial_rotary_factor=2.0), "partial_rotary_factor must be in [0, 1]"),
-    (lambda r: r.update(rope_parameters=[1, 2]), "field 'rope_parameters' must be a JSON object, got list"),
-    (lambda r: r.update(layer_types="full_attention"), "field 'layer_types' must be a list of strings"),
-    (lambda r: (r.pop("layer_types"), r.update(full_attention_interval=0)), "field 'full_attention_interval' must be >= 1"),
-    (lambda r: r.update(num_experts=0), "field 'num_experts' must be >= 1, got 0"),
-    (lambda r: r.update(vocab_size=-5), "field 'vocab_size' must be >= 1, got -5"),
-    (lambda r: r.update(max_position_embeddings=0), "field 'max_position_embeddings' must be >= 1"),
+    (lambda r: r.update(hidden_size=2.5), "field 'hidden_size' must be an integer in [1, 65536], got float 2.5"),
+    (lambda r: r.update(hidden_size=256.0), "field 'hidden_size' must be an integer in [1, 65536], got float 256.0"),
+    (lambda r: r.update(hidden_size=True), "field 'hidden_size' must be an integer in [1, 65536], got bool True"),
+    (lambda r: r.update(hidden_size=1 << 40), "field 'hidden_size' must be an integer in [1, 65536], got int 1099511627776"),
+    (lambda r: r.update(num_experts=0), "field 'num_experts' must be an integer in [1, 65536], got int 0"),
+    (lambda r: r.update(num_experts_per_tok=17), "num_experts_per_tok 17 must be in [1, num_experts=16]"),
+    (lambda r: r.update(vocab_size=-5), "field 'vocab_size' must be an integer in [1, 16777216], got int -5"),
+    (lambda r: r.update(vocab_size=[256]), "field 'vocab_size' must be an integer in [1, 16777216], got list [256]"),
+    (lambda r: r.update(head_dim=10**30), "field 'head_dim' must be an integer in [1, 4096], got int 10000000000"),
+    (lambda r: r.update(moe_intermediate_size=1e300), "field 'moe_intermediate_size' must be an integer in [1, 262144], got float 1e+300"),
+    (lambda r: r.update(linear_key_head_dim=float("nan")), "field 'linear_key_head_dim' must be an integer in [1, 4096], got float nan"),
+    (lambda r: r.update(num_hidden_layers=10**6), "field 'num_hidden_layers' must be an integer in [1, 4096], got int 1000000"),
+    (lambda r: r.update(max_position_embeddings=0), "field 'max_position_embeddings' must be an integer in [1, 16777216], got int 0"),
+    (lambda r: r.update(max_position_embeddings=1e300), "field 'max_position_embeddings' must be an integer in [1, 16777216], got float 1e+300"),
+    (lambda r: r.update(max_position_embeddings=10**300), "field 'max_position_embeddings' must be an integer in [1, 16777216], got int 1000000"),
+    (lambda r: r.update(linear_conv_kernel_dim=3), "linear_conv_kernel_dim 3 is not supported (only 4)"),
+    # floats: finite, in the range the arithmetic needs
+    (lambda r: r.update(rms_norm_eps=-1e-6), TOP + "field 'rms_norm_eps' must be a number in [1.18e-38, 1], got float -1e-06"),
+    (lambda r: r.update(rms_norm_eps=0), "field 'rms_norm_eps' must be a number in [1.18e-38, 1], got int 0"),
+    (lambda r: r.update(rms_norm_eps=1e30), "field 'rms_norm_eps' must be a number in [1.18e-38, 1], got float 1e+30"),
+    (lambda r: r.update(rms_norm_eps=1e-45), "field 'rms_norm_eps' must be a number in [1.18e-38, 1], got float 1e-45"),
+    (lambda r: r.update(rms_norm_eps="1e-6"), "field 'rms_norm_eps' must be a number in [1.18e-38, 1], got str '1e-6'"),
+    (lambda r: r.update(rms_norm_eps=float("inf")), "field 'rms_norm_eps' must be a number in [1.18e-38, 1], got float inf"),
+    (lambda r: r["rope_parameters"].update(rope_theta=-10000.0), RP + "field 'rope_theta' must be a number finite and > 1, got float -10000.0"),
+    (lambda r: r["rope_parameters"].update(rope_theta=1e-300), RP + "field 'rope_theta' must be a number finite and > 1, got float 1e-300"),
+    (lambda r: r["rope_parameters"].update(rope_theta=1), RP + "field 'rope_theta' must be a number finite and > 1, got int 1"),
+    (lambda r: r["rope_parameters"].update(rope_theta=float("nan")), RP + "field 'rope_theta' must be a number finite and > 1, got float nan"),
+    (lambda r: r["rope_parameters"].update(rope_theta="big"), RP + "field 'rope_theta' must be a number finite and > 1, got str 'big'"),
+    (lambda r: r["rope_parameters"].update(rope_theta=False), RP + "field 'rope_theta' must be a number finite and > 1, got bool False"),
+    (lambda r: (r["rope_parameters"].pop("rope_theta"), r.update(rope_theta=0.5)), TOP + "field 'rope_theta' must be a number finite and > 1, got float 0.5"),
+    (lambda r: r["rope_parameters"].update(partial_rotary_factor=2.0), RP + "field 'partial_rotary_factor' must be a number in (0, 1], got float 2.0"),
+    (lambda r: r["rope_parameters"].update(partial_rotary_factor=0), RP + "field 'partial_rotary_factor' must be a number in (0, 1], got int 0"),
+    (lambda r: r["rope_parameters"].update(partial_rotary_factor=0.01), "the rotary dim int(head_dim 64 x partial_rotary_factor 0.01) = 0 must be even and >= 2"),
+    (lambda r: r["rope_parameters"].update(partial_rotary_factor=0.3), "= 19 must be even and >= 2"),
+    (lambda r: r.update(rope_parameters=[1, 2]), TOP + "field 'rope_parameters' must be a JSON object, got list [1, 2]"),
+    (lambda r: r.update(rope_parameters=0), TOP + "field 'rope_parameters' must be a JSON object, got int 0"),
+    (lambda r: r["rope_parameters"].update(rope_type="yarn"), "rope_type 'yarn' is not supported"),
+    # booleans: JSON booleans ("false" is a non-empty string)
+    (lambda r: r.update(tie_word_embeddings="false"), TOP + "field 'tie_word_embeddings' must be a JSON boolean (true or false), got str 'false'"),
+    (lambda r: r.update(tie_word_embeddings=0), "field 'tie_word_embeddings' must be a JSON boolean (true or false), got int 0"),
+    (lambda r: r.update(attention_bias="false"), "field 'attention_bias' must be a JSON boolean (true or false), got str 'false'"),
+    (lambda r: r.update(attention_bias=True), "attention_bias=true is not supported"),
+    (lambda r: r.update(attn_output_gate="true"), "field 'attn_output_gate' must be a JSON boolean (true or false), got str 'true'"),
+    (lambda r: r.update(hidden_act=["silu"]), "field 'hidden_act' must be a string, got list ['silu']"),
+    # layer types: the right length and values
+    (lambda r: r.update(layer_types="full_attention"), "field 'layer_types' must be a list of num_hidden_layers=8 entries"),
+    (lambda r: r.update(layer_types=[]), "field 'layer_types' must be a list of num_hidden_layers=8 entries, each 'full_attention' or 'linear_attention', got 0 entries"),
+    (lambda r: r["layer_types"].append("full_attention"), "got 9 entries"),
+    (lambda r: r["layer_types"].__setitem__(5, "sliding_attention"), "got entry 5 str 'sliding_attention' (unknown layer type)"),
+    (lambda r: r["layer_types"].__setitem__(2, None), "got entry 2 NoneType None (unknown layer type)"),
+    (lambda r: (r.pop("layer_types"), r.update(full_attention_interval=0)), "field 'full_attention_interval' must be an integer in [1, 4096], got int 0"),
+    (lambda r: (r.pop("layer_types"), r.update(full_attention_interval="4")), "field 'full_attention_interval' must be an integer in [1, 4096], got str '4'"),
 ])
 def test_config_values_refused_with_file_and_field(tmp_path, change, msg):
     d = tiny_copy(tmp_path)

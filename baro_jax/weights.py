@@ -195,19 +195,48 @@ def checkpoint_files(path: str) -> list[str]:
         wm = index.get("weight_map")
         if not isinstance(wm, dict) or not wm:
             raise WeightsError(f"{idx} has no weight_map (field 'weight_map' must be a non-empty object)")
-        bad = [k for k, v in wm.items() if not isinstance(v, str) or not v or os.path.isabs(v)]
+        bad = [k for k, v in wm.items() if not isinstance(v, str) or not v]
         if bad:
             raise WeightsError(f"{idx}: field 'weight_map' must map tensor names to shard file names; "
                                f"bad entries for {', '.join(bad[:5])}")
         files = sorted(set(wm.values()))
+        for f in files:
+            why = _shard_escapes(path, f)
+            if why:
+                names = [k for k, v in wm.items() if v == f]
+                raise WeightsError(f"{idx}: weight_map entry {names[0]!r}: {f!r} {why}; a shard must be a file "
+                                   f"inside the checkpoint directory {path!r}")
         missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
         if missing:
             raise WeightsError(f"shard file(s) named in {idx} do not exist: {', '.join(missing)}")
-        return [os.path.join(path, f) for f in files]
+        by_file = {}  # "a.safetensors" and "./a.safetensors" are one shard, read once
+        for f in files:
+            by_file.setdefault(os.path.realpath(os.path.join(path, f)), os.path.join(path, os.path.normpath(f)))
+        return sorted(by_file.values())
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return [single]
     raise WeightsError(f"no model.safetensors.index.json or model.safetensors in {path!r}")
+
+
+def _shard_escapes(path: str, name: str) -> str | None:
+    """Why a weight_map file name leaves the checkpoint directory, or None. An index is data: an
+    entry must not make the loader read files the checkpoint does not hold (../, an absolute path,
+    a symlink out). One layout is let through: the Hugging Face hub cache, whose
+    snapshots/<revision>/ files are symlinks to the same repository's blobs/."""
+    if os.path.isabs(name) or os.path.splitdrive(name)[0]:
+        return "is an absolute path"
+    if ".." in re.split(r"[\\/]", name):
+        return "climbs out with '..'"
+    root = os.path.realpath(path)
+    target = os.path.realpath(os.path.join(path, name))
+    inside = lambda d: os.path.commonpath([d, target]) == d  # noqa: E731
+    if inside(root):
+        return None
+    parent = os.path.dirname(root)
+    if os.path.basename(parent) == "snapshots" and inside(os.path.join(os.path.dirname(parent), "blobs")):
+        return None
+    return f"is a symlink to {target}, outside it"
 
 
 # ----------------------------------------------------------------------------- the name table

@@ -227,6 +227,69 @@ def test_index_json_errors(tmp_path):
         assert idx in str(ei.value) and msg in str(ei.value), str(ei.value)
 
 
+def _index(d, shard):
+    idx = os.path.join(d, "model.safetensors.index.json")
+    h, _ = read_st(os.path.join(d, ST))
+    names = [n for n in h if n != "__metadata__"]
+    wm = {n: (shard if n == names[3] else ST) for n in names}
+    with open(idx, "w") as f:
+        json.dump({"metadata": {}, "weight_map": wm}, f)
+    return idx, names[3]
+
+
+@pytest.mark.parametrize("where,why", [("../outside.safetensors", "climbs out with '..'"),
+                                       ("sub/../../outside.safetensors", "climbs out with '..'"),
+                                       ("ABS", "is an absolute path"),
+                                       ("link.safetensors", "is a symlink to "),
+                                       ("linkdir/outside.safetensors", "is a symlink to ")])
+def test_weight_map_entry_outside_the_checkpoint_refused(tmp_path, where, why):
+    d = tiny_copy(tmp_path)
+    outside = os.path.join(str(tmp_path), "outside.safetensors")
+    os.rename(os.path.join(d, ST), outside)  # a real shard: it would load if the entry were followed
+    os.makedirs(os.path.join(d, "sub"))
+    os.symlink(outside, os.path.join(d, "link.safetensors"))
+    os.symlink(str(tmp_path), os.path.join(d, "linkdir"))
+    entry = outside if where == "ABS" else where
+    import shutil
+    shutil.copy(outside, os.path.join(d, ST))
+    idx, name = _index(d, entry)
+    with pytest.raises(W.WeightsError) as ei:
+        W.checkpoint_files(d)
+    msg = str(ei.value)
+    assert msg.startswith(f"{idx}: weight_map entry {name!r}: {entry!r} {why}"), msg
+    assert f"a shard must be a file inside the checkpoint directory {d!r}" in msg
+    with pytest.raises(W.WeightsError, match="weight_map entry"):
+        W.load_params(d, C.load_config(d), progress=False)
+
+
+def test_weight_map_inside_the_checkpoint_loads(tmp_path):
+    """Entries that stay inside load: a sub directory, './', a symlink within, and the Hugging Face
+    hub cache (snapshots/<rev>/ files are symlinks to the repository's blobs/)."""
+    d = tiny_copy(tmp_path)
+    os.makedirs(os.path.join(d, "sub"))
+    os.symlink(os.path.join(d, ST), os.path.join(d, "sub", "in.safetensors"))
+    for entry in ("./" + ST, "sub/in.safetensors"):  # the same file as model.safetensors: read once
+        _index(d, entry)
+        assert W.checkpoint_files(d) == [os.path.join(d, ST)]
+    _index(d, ST)
+    repo = os.path.join(str(tmp_path), "models--x--tiny")
+    snap = os.path.join(repo, "snapshots", "abc123")
+    os.makedirs(os.path.join(repo, "blobs"))
+    os.makedirs(snap)
+    for fn in os.listdir(d):
+        src = os.path.join(d, fn)
+        if os.path.isfile(src) and not os.path.islink(src):
+            blob = os.path.join(repo, "blobs", "sha-" + fn)
+            os.rename(src, blob)
+            os.symlink(os.path.join("..", "..", "blobs", "sha-" + fn), os.path.join(snap, fn))
+    with open(os.path.join(snap, "model.safetensors.index.json")) as f:
+        wm = json.load(f)["weight_map"]
+    assert set(wm.values()) == {ST}
+    assert W.checkpoint_files(snap) == [os.path.join(snap, ST)]
+    cfg = C.load_config(snap)
+    W.load_params(snap, cfg, progress=False)
+
+
 # --- NaN / Inf weights --------------------------------------------------------------------------
 def _poison(d, name, value):
     p = os.path.join(d, ST)

@@ -1,9 +1,11 @@
 """Tokenizers: the checkpoint's tokenizer.json, or raw bytes for byte-level models."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
+import traceback
 
 
 class ByteTokenizer:
@@ -11,6 +13,11 @@ class ByteTokenizer:
 
     eos_id = None
     chat_template = None
+    chat_template_file = None
+    special_tokens: dict = {}
+
+    def __init__(self, source: str | None = None):
+        self.source = source  # the checkpoint directory without tokenizer files, if any
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -58,7 +65,10 @@ class HFTokenizer:
             self._tok = Tokenizer.from_file(tj)
         except Exception as e:  # the tokenizers library raises a bare Exception for any bad file
             raise TokenizerError(f"{tj}: not a tokenizer.json the tokenizers library can read ({e})") from None
+        self.source = path
         self.chat_template = None
+        self.chat_template_file = None  # the file the template came from, for its error messages
+        self.special_tokens = {}  # bos_token / eos_token text, which templates may print
         self.eos_id = None
         tc = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(tc):
@@ -66,14 +76,19 @@ class HFTokenizer:
             if not isinstance(conf, dict):
                 raise TokenizerError(f"{tc}: a JSON object expected, got {type(conf).__name__}")
             self.chat_template = _chat_template(conf.get("chat_template"), tc)
-            eos = conf.get("eos_token")
-            if isinstance(eos, dict):
-                eos = eos.get("content")
-            if isinstance(eos, str):
-                self.eos_id = self._tok.token_to_id(eos)
-            elif eos is not None:
-                raise TokenizerError(f"{tc}: field 'eos_token' must be a string or an object with 'content', "
-                                     f"got {type(eos).__name__}")
+            if self.chat_template is not None:
+                self.chat_template_file = tc
+            for key in ("bos_token", "eos_token"):
+                tok = conf.get(key)
+                if isinstance(tok, dict):
+                    tok = tok.get("content")
+                if isinstance(tok, str):
+                    self.special_tokens[key] = tok
+                elif tok is not None:
+                    raise TokenizerError(f"{tc}: field {key!r} must be a string or an object with 'content', "
+                                         f"got {type(tok).__name__}")
+            if "eos_token" in self.special_tokens:
+                self.eos_id = self._tok.token_to_id(self.special_tokens["eos_token"])
         ct = os.path.join(path, "chat_template.jinja")
         if self.chat_template is None and os.path.isfile(ct):
             try:
@@ -81,6 +96,7 @@ class HFTokenizer:
                     self.chat_template = f.read()
             except (OSError, UnicodeDecodeError) as e:
                 raise TokenizerError(f"{ct}: cannot be read ({e})") from None
+            self.chat_template_file = ct
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -89,17 +105,90 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+def _jinja_env(jinja2):
+    """The environment transformers renders chat templates in: sandboxed (a template from the Hub
+    is untrusted code), trim/lstrip blocks, loop controls, a tojson that does not HTML-escape, and
+    the globals templates call (raise_exception, strftime_now)."""
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """{% generation %}...{% endgeneration %} marks the assistant's text for training masks;
+        rendering keeps the text."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_keep"), [], [], body).set_lineno(lineno)
+
+        def _keep(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise _TemplateRaised(str(message))
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    return env
+
+
+class _TemplateRaised(Exception):
+    """raise_exception(...) called by the template itself."""
+
+
+def _template_line(tb, name: str):
+    """The template line a render error happened on (jinja maps its frames to template lines)."""
+    lines = [f.lineno for f in traceback.extract_tb(tb) if f.filename == name]
+    return lines[-1] if lines else None
+
+
 def apply_chat_template(tok, user_text: str) -> str:
-    if not getattr(tok, "chat_template", None):
-        raise ValueError("--chat was given but this model has no chat template")
+    """The user text wrapped in the checkpoint's chat template (as transformers renders it, with a
+    generation prompt). A missing template, a template Jinja cannot parse or render, or one that
+    refuses the conversation is a ValueError naming the template file, the line and the reason."""
+    template = getattr(tok, "chat_template", None)
+    if not template:
+        src = getattr(tok, "source", None)
+        where = (f"the checkpoint {src!r} has no chat template (neither tokenizer_config.json's 'chat_template' "
+                 "nor chat_template.jinja)" if src and getattr(tok, "_tok", None) is not None else
+                 f"the checkpoint {src!r} has no tokenizer files, so no chat template" if src else
+                 "this model has no chat template (a preset has no tokenizer files)")
+        raise TokenizerError(f"--chat was given but {where}")
     try:
         import jinja2
     except ImportError as e:
         raise RuntimeError("--chat needs jinja2 (pip install jinja2)") from e
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(ValueError(msg))
-    tmpl = env.from_string(tok.chat_template)
-    return tmpl.render(messages=[{"role": "user", "content": user_text}], add_generation_prompt=True)
+    name = getattr(tok, "chat_template_file", None) or "the chat template"
+    if name.endswith("tokenizer_config.json"):  # the lines are the template's, not the JSON file's
+        name += " field 'chat_template'"
+    env = _jinja_env(jinja2)
+    # loaded under the file's name, so that jinja's frames (and so the error lines) carry it
+    env.loader = jinja2.FunctionLoader(lambda _: (template, name, lambda: True))
+    try:
+        compiled = env.get_template(name)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(f"{name}: chat template syntax error at line {e.lineno}: {e.message}") from None
+    try:
+        return compiled.render(messages=[{"role": "user", "content": user_text}], tools=None, documents=None,
+                               add_generation_prompt=True, **getattr(tok, "special_tokens", {}))
+    except _TemplateRaised as e:
+        line = _template_line(e.__traceback__, name)
+        raise TokenizerError(f"{name}: the chat template refused the conversation"
+                             f"{f' (line {line})' if line else ''}: {e}") from None
+    except (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, ValueError, AttributeError,
+            RecursionError) as e:
+        line = _template_line(e.__traceback__, name)
+        raise TokenizerError(f"{name}: the chat template fails to render{f' at line {line}' if line else ''}: "
+                             f"{type(e).__name__}: {e}") from None
 
 
 _warned_bytes: set = set()
@@ -114,4 +203,4 @@ def load_tokenizer(path: str | None):
         _warned_bytes.add(path)
         print(f"[baro_jax] warning: {path} has no tokenizer.json; text is encoded as raw UTF-8 bytes "
               "(token ids 0..255), which is right only for a byte-level model", file=sys.stderr)
-    return ByteTokenizer()
+    return ByteTokenizer(path)

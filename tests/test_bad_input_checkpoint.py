@@ -366,3 +366,91 @@ def test_tokenizer_files(tmp_path, capsys):
     with open(tc, "w") as f:
         f.write('{"chat_template": [{"name": "default", "template": "T{{ messages[0].content }}"}]}')
     assert load_tokenizer(d2).chat_template == "T{{ messages[0].content }}"
+
+
+# --- chat templates ------------------------------------------------------------------------------
+def _tok_dir(tmp_path, template=None, config=None):
+    import shutil
+    from bad_input_util import TINY
+
+    d = str(tmp_path / "tok")
+    os.makedirs(d, exist_ok=True)
+    shutil.copy(os.path.join(TINY, "tokenizer.json"), d)
+    for fn, text in (("chat_template.jinja", template), ("tokenizer_config.json", config)):
+        p = os.path.join(d, fn)
+        if text is None:
+            if os.path.exists(p):
+                os.remove(p)
+        else:
+            with open(p, "w", encoding="utf-8") as f:
+                f.write(text)
+    return d
+
+
+def _chat_error(d, text="hi"):
+    from baro_jax.tokenizer import apply_chat_template
+
+    with pytest.raises(ValueError) as ei:
+        apply_chat_template(load_tokenizer(d), text)
+    return str(ei.value)
+
+
+@pytest.mark.parametrize("template,msg", [
+    ("{% for m in messages %}\n{{ m.content }}\n{% endfor", "chat template syntax error at line 3: unexpected end of template"),
+    ("a\n{{ messages[0].content }\n", "chat template syntax error at line 2: unexpected '}'"),
+    ("{% if %}", "chat template syntax error at line 1:"),
+    ("one\ntwo\n{{ no_such_function('%Y') }}", "the chat template fails to render at line 3: UndefinedError: "
+                                                "'no_such_function' is undefined"),
+    ("{{ messages[3].content }}", "the chat template fails to render at line 1: UndefinedError"),
+    ("\n\n{{ 1 // 0 }}", "the chat template fails to render at line 3: ZeroDivisionError"),
+    ("{% if messages[0].role == 'user' %}\n{{ raise_exception('only system messages here') }}\n{% endif %}",
+     "the chat template refused the conversation (line 2): only system messages here"),
+    ("{{ messages.__class__.__mro__ }}", "the chat template fails to render at line 1: SecurityError"),
+])
+def test_chat_template_errors_name_the_file_and_line(tmp_path, template, msg):
+    d = _tok_dir(tmp_path, template=template)
+    got = _chat_error(d)
+    assert got.startswith(os.path.join(d, "chat_template.jinja") + ": ") and msg in got, got
+    assert "internal error" not in got
+    # the same template in tokenizer_config.json: named as that file's field
+    d = _tok_dir(tmp_path, config=json.dumps({"chat_template": template}))
+    got = _chat_error(d)
+    assert got.startswith(os.path.join(d, "tokenizer_config.json") + " field 'chat_template': ") and msg in got, got
+
+
+def test_chat_template_helpers_as_in_transformers(tmp_path):
+    """strftime_now, raise_exception, tojson (no HTML escaping), loop controls, {% generation %}
+    and the special tokens render as transformers renders them."""
+    import datetime
+
+    from baro_jax.tokenizer import apply_chat_template
+
+    template = ("{{ bos_token }}[{{ strftime_now('%Y-%m-%d') }}]{% for m in messages %}{% if loop.index > 1 %}"
+                "{% break %}{% endif %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
+                "{{ messages | tojson }}{% if add_generation_prompt %}<go>{% endif %}{{ eos_token }}")
+    d = _tok_dir(tmp_path, config=json.dumps({"chat_template": template, "bos_token": "<s>",
+                                              "eos_token": {"content": "</s>"}}))
+    before = datetime.date.today().isoformat()
+    out = apply_chat_template(load_tokenizer(d), "a<b>&é")
+    after = datetime.date.today().isoformat()
+    assert out in (f'<s>[{day}]a<b>&é[{{"role": "user", "content": "a<b>&é"}}]<go></s>' for day in (before, after)), out
+    import transformers
+
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=os.path.join(d, "tokenizer.json"), bos_token="<s>",
+                                              eos_token="</s>", chat_template=template)
+    assert hf.apply_chat_template([{"role": "user", "content": "a<b>&é"}], tokenize=False,
+                                  add_generation_prompt=True) == out
+
+
+def test_no_chat_template_is_said_plainly(tmp_path):
+    from baro_jax.tokenizer import ByteTokenizer, apply_chat_template
+
+    d = _tok_dir(tmp_path)
+    assert _chat_error(d) == (f"--chat was given but the checkpoint {d!r} has no chat template (neither "
+                              "tokenizer_config.json's 'chat_template' nor chat_template.jinja)")
+    d = _tok_dir(tmp_path, config=json.dumps({"eos_token": "x"}))
+    assert "has no chat template" in _chat_error(d)
+    os.remove(os.path.join(d, "tokenizer.json"))
+    assert _chat_error(d) == f"--chat was given but the checkpoint {d!r} has no tokenizer files, so no chat template"
+    with pytest.raises(ValueError, match="this model has no chat template"):
+        apply_chat_template(ByteTokenizer(), "x")

@@ -321,9 +321,7 @@ def check_tier(cfg: Config, dtype, device_budget_gb: float | None, state_len: in
 def reserved_prefill(cfg: Config) -> tuple[int, int]:
     """(chunk, KV/state positions) of the prefill the decode cache is sized beside: a prompt of
     PREFILL_RESERVE_CHUNK tokens (at most max_context) in one chunk, on the state the engine
-    gives it when it goes on to decode (engine.state_length of one more position)."""
-    from .engine import state_length
-
+    gives it when it goes on to decode (shapes.state_length of one more position)."""
     chunk = min(PREFILL_RESERVE_CHUNK, cfg.max_context)
     return chunk, state_length(chunk + 1, cfg.max_context)
 

@@ -134,14 +134,34 @@ class Engine:
         elif setting_values:
             settings = settings.replace(**setting_values)
         settings = resolve_backend(settings)
-        self.settings = settings
         self.tokenizer = tokenizer
         self.name = name
         self._lock = threading.RLock()
         if runner is None:
             cfg = dataclasses.replace(cfg, delta_rule=settings.delta_rule)  # part of cfg: a static jit argument
             runner = RUNNERS[settings.mode](cfg, params, self._make_ops(settings), settings)
+        runner.settings = settings
         self.runner = runner
+
+    # The settings a loaded engine may change (tune): none of them moves a weight or changes a bit.
+    TUNABLE = ("prefill", "chunk", "decode_block", "tier_decode", "tier_fetch", "tier_adapt")
+
+    @property
+    def settings(self) -> Settings:
+        """The settings this engine runs with (settings.py); change the tunable ones with tune()."""
+        return self.runner.settings
+
+    @_serialised
+    def tune(self, **changes) -> Settings:
+        """Change settings that move no weight and change no bit: prefill, chunk, decode_block take
+        effect at the next call; tier_decode, tier_fetch, tier_adapt at the next
+        use_expert_cache(). Returns the new settings."""
+        fixed = sorted(set(changes) - set(self.TUNABLE))
+        if fixed:
+            raise ValueError(f"tune: {', '.join(fixed)} cannot change on a loaded engine (they place weights or "
+                             f"choose kernels: give them to load()); tunable: {', '.join(self.TUNABLE)}")
+        self.runner.settings = self.runner.settings.replace(**changes)
+        return self.runner.settings
 
     @staticmethod
     def _make_ops(settings: Settings):

@@ -4,14 +4,16 @@ import sys
 
 N = int(sys.argv[1])
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={N}"
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import baro_jax  # noqa: E402
 from baro_jax import expert_parallel as EP  # noqa: E402
-import identity  # noqa: E402
+from baro_jax import verify  # noqa: E402
+from baro_jax.verify import identity  # noqa: E402
+
+GATE_PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "prompts", "identity.jsonl")
 
 PROMPT = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n"
 NEW = 4
@@ -67,7 +69,7 @@ def main():
         ref = identity.run_arm(one, ids, "batch", 16, NEW)
         check_arms(many, model, ids, names, ref, f"devices={N}")
         if N == 1:  # the per-pair kernels kept at N = 1 (BARO_EP_PAIRS=1) give the same bytes
-            forced = EP.shard_engine(baro_jax.load(model, backend="ordered", progress=False), 1, pairs=True)
+            forced = EP.shard(baro_jax.load(model, backend="ordered", progress=False), 1, pairs=True)
             check_pairs_hlo(moe_hlo(forced))
             check_arms(forced, model, ids, names, ref, "devices=1 pairs")
         # generate(): greedy decode in device blocks (a fori_loop around the sharded MoE)
@@ -76,20 +78,23 @@ def main():
         assert g1 == gn and len(gn) == 20, (model, N, g1, gn)
         # each greedy block graph compiles once: a later block's token (the last graph's output,
         # placed on the mesh) and a first block's (from the host) take the same graph
-        from baro_jax import engine as E
+        from baro_jax import runner as E
 
         st = many.prefill(ids, chunk=16, state=many.new_state(128)).state
         _, st = many.greedy_decode(5, st, len(ids), 18)  # a full block of 16, a short one
-        sizes = (E._GREEDY_FULL._cache_size(), E._GREEDY._cache_size())
+        sizes = (E.GREEDY_FULL._cache_size(), E.GREEDY._cache_size())
         toks, st = many.greedy_decode(7, st, len(ids) + 18, 37)  # two full blocks, a short one
-        assert len(toks) == 37 and (E._GREEDY_FULL._cache_size(), E._GREEDY._cache_size()) == sizes, (model, N)
-    # the identity gate's --devices: batched == replay on N devices, and replay == one device's
-    import tempfile
-
-    d = tempfile.mkdtemp()
-    base = ["--model", "tiny", "--chunks", "16", "--max-len", "40", "--new-tokens", "4"]
-    assert identity.main(base + ["--json", f"{d}/one.json"]) == 0
-    assert identity.main(base + ["--devices", str(N), "--reference-json", f"{d}/one.json", "--json", f"{d}/n.json"]) == 0
+        assert len(toks) == 37 and (E.GREEDY_FULL._cache_size(), E.GREEDY._cache_size()) == sizes, (model, N)
+    # the identity gate with devices: batched == replay on N devices, and replay == one device's
+    # (benchmarks/identity.py --devices N --reference-json ONE.json)
+    one = baro_jax.load("tiny", backend="ordered", progress=False)
+    prompts = verify.select(verify.load_prompts(GATE_PROMPTS, one.tokenizer), max_len=40)
+    ref = verify.run_identity_gate(one, prompts, [16], new_tokens=4, log=None)
+    assert ref.ok, [r for r in ref.rows if not identity.row_ok(r)]
+    digests = {(r["prompt"], r["len"]): r["replay_digest"] for r in ref.rows}
+    many = verify.run_identity_gate(lambda: baro_jax.load("tiny", backend="ordered", progress=False, devices=N),
+                                    prompts, [16], new_tokens=4, reference=digests, log=None)
+    assert many.ok and many.reference["prompts_compared"] == len(prompts), many.to_json()["summary"]
     print(f"OK identity gate devices={N} vs one device")
 
 

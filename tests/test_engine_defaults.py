@@ -1,5 +1,6 @@
 """The default prefill chunk: one chunk for short prompts, little padding for long ones."""
-from baro_jax.engine import DEFAULT_CHUNK, MAX_PAD_FRACTION, default_chunk
+from baro_jax.settings import DEFAULT_CHUNK
+from baro_jax.shapes import MAX_PAD_FRACTION, default_chunk
 
 
 def test_short_prompts_run_as_one_power_of_two_chunk():

@@ -8,9 +8,7 @@ import pytest
 
 import baro_jax
 from baro_jax import budget, generate, staging
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import identity  # noqa: E402
+from baro_jax.verify import digests, identity
 
 PROMPT = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n"  # 54 tokens: crosses chunk boundaries
 NEW = 6
@@ -42,9 +40,9 @@ def test_tier_bytes_equal_resident(engines):
     arms = {"tier replay": identity.run_arm(tier, ids, "replay", None, NEW)}
     for c in (16, 7):  # 7: odd, several boundaries, a padded last chunk
         arms[f"tier batch {c}"] = identity.run_arm(tier, ids, "batch", c, NEW)
-    names = identity.state_names(res.cfg)
+    names = digests.state_names(res.cfg)
     for name, got in arms.items():
-        assert identity.first_diff(ref["state"], got["state"], names) is None, name
+        assert digests.first_diff(ref["state"], got["state"], names) is None, name
         assert ref["logits"].tobytes() == got["logits"].tobytes(), name
         assert ref["tokens"] == got["tokens"], name
 
@@ -111,11 +109,14 @@ def test_cli_budget_error(capsys):
 
 
 def test_identity_gate_tier(tmp_path):
+    import subprocess
+
     out = tmp_path / "id.json"
-    rc = identity.main(["--model", "tiny", "--mode", "tier", "--chunks", "7,16", "--max-len", "70",
-                        "--new-tokens", "4", "--json", str(out)])
+    gate = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "identity.py")
+    p = subprocess.run([sys.executable, gate, "--model", "tiny", "--mode", "tier", "--chunks", "7,16", "--max-len", "70",
+                        "--new-tokens", "4", "--json", str(out)], capture_output=True, text=True, timeout=600)
     res = json.loads(out.read_text())
-    assert rc == 0 and res["summary"]["pass"] and res["summary"]["mode"] == "tier"
+    assert p.returncode == 0 and res["summary"]["pass"] and res["summary"]["mode"] == "tier", p.stderr[-2000:]
 
 
 def test_tier_default_chunk_is_the_largest_that_fits():
@@ -155,9 +156,8 @@ def test_cached_decode_bytes_equal_resident(engines, fetch, monkeypatch):
     """A pool smaller than the experts a prompt uses (evictions every step): resident decode's bytes,
     every step's logits and every state leaf, 16+ greedy tokens; the misses copied by XLA's
     dynamic slice and by the copy-engine ring (BARO_TIER_FETCH=dma)."""
-    monkeypatch.setenv("BARO_TIER_FETCH", fetch)
-    monkeypatch.setenv("BARO_TIER_DECODE", "cache")  # auto would pick direct for the ordered ops
     res, tier = engines
+    tier.tune(tier_fetch=fetch, tier_decode="cache")  # auto would pick direct for the ordered ops
     ids = res.encode(PROMPT)[:24]
     S = tier.cfg.top_k + 1
     cache = tier.use_expert_cache(S)
@@ -169,8 +169,8 @@ def test_cached_decode_bytes_equal_resident(engines, fetch, monkeypatch):
         assert st["misses"] > 0 and st["evictions"] > 0 and st["hits"] > 0, st
         for i, (a, b) in enumerate(zip(want_logits, got_logits)):
             assert a.tobytes() == b.tobytes(), f"decode step {i}"
-        names = identity.state_names(res.cfg)
-        assert identity.first_diff(want_state, got_state, names) is None
+        names = digests.state_names(res.cfg)
+        assert digests.first_diff(want_state, got_state, names) is None
         # and generate() reports the cache in its JSON
         r = tier.generate(ids, 6, prefill="batch", chunk=16)
         ec = r.to_json()["expert_cache"]
@@ -179,8 +179,8 @@ def test_cached_decode_bytes_equal_resident(engines, fetch, monkeypatch):
         if fetch == "dma":  # every copy call ran its handler, in step with the ring
             assert cache._ring.runs == cache._ring.calls > 0
     finally:
-        monkeypatch.delenv("BARO_TIER_FETCH")
-        monkeypatch.delenv("BARO_TIER_DECODE")
+        tier.tune(tier_fetch="xla")
+        tier.tune(tier_decode="auto")
         tier.use_expert_cache(None)
 
 
@@ -191,21 +191,21 @@ def test_direct_decode_bytes_equal_resident(engines, monkeypatch):
     res, tier = engines
     ids = res.encode(PROMPT)[:24]
     S = tier.cfg.top_k + 1
-    monkeypatch.setenv("BARO_TIER_DECODE", "direct")
+    tier.tune(tier_decode="direct")
     try:
         cache = tier.use_expert_cache(S)
-        assert tier.direct is not None and cache is not None
+        assert tier.runner.direct is not None and cache is not None
         # fill some slots through the LRU path first, so the direct pools hold real experts
         for e in range(S):
             cache.ensure(e % tier.cfg.num_layers, [e])
-        tier.direct.refresh()
+        tier.runner.direct.refresh()
         assert any((t >= 0).any() for t in cache.slot_of)
         want_logits, want_state = decode_run(res, ids, 12)
         got_logits, got_state = decode_run(tier, ids, 12)
         for i, (a, b) in enumerate(zip(want_logits, got_logits)):
             assert a.tobytes() == b.tobytes(), f"decode step {i}"
-        names = identity.state_names(res.cfg)
-        assert identity.first_diff(want_state, got_state, names) is None
+        names = digests.state_names(res.cfg)
+        assert digests.first_diff(want_state, got_state, names) is None
         # greedy blocks (one graph per 16 steps, then a shorter block): resident's tokens and state
         import jax
 
@@ -216,7 +216,7 @@ def test_direct_decode_bytes_equal_resident(engines, monkeypatch):
         wt, ws = res.greedy_decode(first, want.state, len(ids), n)
         gt, gs = tier.greedy_decode(first, got.state, len(ids), n)
         assert wt == gt
-        assert identity.first_diff([np.asarray(x) for x in jax.tree_util.tree_leaves(ws)],
+        assert digests.first_diff([np.asarray(x) for x in jax.tree_util.tree_leaves(ws)],
                                    [np.asarray(x) for x in jax.tree_util.tree_leaves(gs)], names) is None
         r = tier.generate(ids, 4, prefill="batch", chunk=16)
         assert r.generated_ids == res.generate(ids, 4, prefill="batch", chunk=16).generated_ids
@@ -229,10 +229,10 @@ def test_direct_decode_bytes_equal_resident(engines, monkeypatch):
         ec = tier.generate(ids, 4, prefill="batch", chunk=16).to_json()["expert_cache"]
         assert ec["hits"] == 3 * tier.cfg.num_layers * tier.cfg.top_k and ec["misses"] == 0, ec
     finally:
-        monkeypatch.setenv("BARO_TIER_DECODE", "cache")
+        tier.tune(tier_decode="cache")
         tier.use_expert_cache(None)
-        assert tier.direct is None
-        monkeypatch.delenv("BARO_TIER_DECODE")
+        assert tier.runner.direct is None
+        tier.tune(tier_decode="auto")
         tier.use_expert_cache(None)
 
 
@@ -242,9 +242,9 @@ def test_auto_decode_path_is_direct_where_it_runs(engines, monkeypatch):
     from custom_calls import _lib
 
     _, tier = engines
-    monkeypatch.delenv("BARO_TIER_DECODE", raising=False)
+    tier.tune(tier_decode="auto")
     tier.use_expert_cache(tier.cfg.top_k + 1)
-    assert tier.direct is not None and tier.expert_cache_report()["decode_path"] == "direct"
+    assert tier.runner.direct is not None and tier.expert_cache_report()["decode_path"] == "direct"
     assert staging.pick_decode_path("cache", tier.ops) == "cache"
     assert staging.pick_decode_path("direct", tier.ops) == "direct"
     no_host = type("Ops", (), {"moe_slots": None, "moe_route": None})()
@@ -252,7 +252,7 @@ def test_auto_decode_path_is_direct_where_it_runs(engines, monkeypatch):
     monkeypatch.setattr(_lib, "_xla_platform", lambda dev: "ROCM")
     assert staging.pick_decode_path("auto", tier.ops) == "cache"
     tier.use_expert_cache(tier.cfg.top_k + 1)
-    assert tier.direct is None and tier.expert_cache_report()["decode_path"] == "cache"
+    assert tier.runner.direct is None and tier.expert_cache_report()["decode_path"] == "cache"
     monkeypatch.undo()
     tier.use_expert_cache(None)
 
@@ -268,11 +268,10 @@ def test_direct_pools_follow_the_routing(engines, fetch, monkeypatch):
     res, tier = engines
     L, E, k = tier.cfg.num_layers, tier.cfg.num_experts, tier.cfg.top_k
     S = k + 1
-    monkeypatch.setenv("BARO_TIER_FETCH", fetch)
-    monkeypatch.setenv("BARO_TIER_DECODE", "direct")
+    tier.tune(tier_fetch=fetch, tier_decode="direct")
     try:
         cache = tier.use_expert_cache(S)
-        d = tier.direct
+        d = tier.runner.direct
         assert d.adaptive and d.swaps == 0
         before = [t.copy() for t in cache.slot_of]  # each layer: experts 0 .. S-1 resident
         counts = np.zeros((L, E), np.int32)
@@ -310,21 +309,20 @@ def test_direct_pools_follow_the_routing(engines, fetch, monkeypatch):
         d.reset_stats()
         gt, gs = tier.greedy_decode(first, got.state, len(ids), n)
         assert wt == gt
-        names = identity.state_names(res.cfg)
-        assert identity.first_diff([np.asarray(x) for x in jax.tree_util.tree_leaves(ws)],
+        names = digests.state_names(res.cfg)
+        assert digests.first_diff([np.asarray(x) for x in jax.tree_util.tree_leaves(ws)],
                                    [np.asarray(x) for x in jax.tree_util.tree_leaves(gs)], names) is None
         assert d.stats()["pool_swaps"] > 0, d.stats()
-        monkeypatch.setenv("BARO_TIER_ADAPT", "0")  # off: the pools stay
+        tier.tune(tier_adapt=False)  # off: the pools stay
         tier.use_expert_cache(S)
-        frozen = [t.copy() for t in tier.cache.slot_of]
+        frozen = [t.copy() for t in tier.runner.cache.slot_of]
         tier.greedy_decode(first, tier.prefill(ids, "batch", 16, n_new=n + 1).state, len(ids), n)
-        assert all((a == b).all() for a, b in zip(frozen, tier.cache.slot_of)) and tier.direct.swaps == 0
-        monkeypatch.setenv("BARO_TIER_ADAPT", "2")
-        with pytest.raises(ValueError, match="BARO_TIER_ADAPT must be 0 or 1"):
-            tier.use_expert_cache(S)
+        assert all((a == b).all() for a, b in zip(frozen, tier.runner.cache.slot_of)) and tier.runner.direct.swaps == 0
+        with pytest.raises(ValueError, match="tier_adapt must be on or off"):
+            tier.tune(tier_adapt="2")
     finally:
-        monkeypatch.delenv("BARO_TIER_DECODE")
-        monkeypatch.delenv("BARO_TIER_ADAPT", raising=False)
+        tier.tune(tier_decode="auto")
+        tier.tune(tier_adapt=True)
         tier.use_expert_cache(None)
 
 
@@ -334,8 +332,8 @@ def test_direct_decode_compiles_each_block_graph_once(engines, monkeypatch):
     later decodes reuse them. (A second compile of the full block inside every decode cost the
     H200 more than half its decode time.)"""
     _, tier = engines
-    monkeypatch.setenv("BARO_TIER_DECODE", "direct")
-    monkeypatch.setenv("BARO_DECODE_BLOCK", "4")
+    tier.tune(tier_decode="direct")
+    tier.tune(decode_block=4)
     try:
         tier.use_expert_cache(tier.cfg.top_k + 2)
         ids = tier.encode(PROMPT)[:12]
@@ -350,7 +348,7 @@ def test_direct_decode_compiles_each_block_graph_once(engines, monkeypatch):
         assert staging._DIRECT_GREEDY_FULL._cache_size() == full, "a full greedy block compiled again"
         assert staging._DIRECT_GREEDY._cache_size() == part, "a short greedy block compiled again"
     finally:
-        monkeypatch.delenv("BARO_TIER_DECODE")
+        tier.tune(tier_decode="auto", decode_block=16)
         tier.use_expert_cache(None)
 
 
@@ -362,7 +360,7 @@ def test_rebuilding_the_cache_frees_the_old_pools_first(engines, monkeypatch):
 
     _, tier = engines
     for path in ("cache", "direct"):
-        monkeypatch.setenv("BARO_TIER_DECODE", path)
+        tier.tune(tier_decode=path)
         old = weakref.ref(tier.use_expert_cache(tier.cfg.top_k + 1))
         seen = []
         real_init = staging.ExpertCache.__init__
@@ -376,19 +374,27 @@ def test_rebuilding_the_cache_frees_the_old_pools_first(engines, monkeypatch):
         tier.use_expert_cache(tier.cfg.top_k + 1)
         monkeypatch.setattr(staging.ExpertCache, "__init__", real_init)
         assert seen == [True], (path, seen)
-    monkeypatch.delenv("BARO_TIER_DECODE")
+    tier.tune(tier_decode="auto")
     tier.use_expert_cache(None)
 
 
-@pytest.mark.parametrize("name,value,msg", [("BARO_TIER_DECODE", "fast", "BARO_TIER_DECODE must be one of auto, cache, direct"),
-                                            ("BARO_TIER_FETCH", "copy", "BARO_TIER_FETCH must be one of xla, dma")])
-def test_tier_settings_are_checked(engines, monkeypatch, name, value, msg):
+@pytest.mark.parametrize("name,field,value,msg", [
+    ("BARO_TIER_DECODE", "tier_decode", "fast", "must be one of auto, cache, direct"),
+    ("BARO_TIER_FETCH", "tier_fetch", "copy", "must be one of xla, dma"),
+    ("BARO_TIER_ADAPT", "tier_adapt", "sometimes", "must be on or off")])
+def test_tier_settings_are_checked(engines, monkeypatch, name, field, value, msg):
+    """A bad tier setting is refused where it is given: in the environment before any weight is
+    read (naming the variable), through tune() on a loaded engine (naming the setting), which
+    keeps its settings."""
     _, tier = engines
     monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match=msg):
-        tier.use_expert_cache(tier.cfg.top_k + 1)
+    with pytest.raises(ValueError, match=f"{name} {msg}"):
+        baro_jax.load("tiny", mode="tier", progress=False)
     monkeypatch.delenv(name)
-    tier.use_expert_cache(None)
+    before = tier.settings
+    with pytest.raises(ValueError, match=f"{field} {msg}"):
+        tier.tune(**{field: value})
+    assert tier.settings == before
 
 
 def test_expert_cache_lru():

@@ -3,8 +3,6 @@ the largest prefill chunk beside the cache, the MoE's GPU scratch as csrc/gpu/mo
 the runtime reserve in both modes, and the tier bench scripts recording a failure and going on.
 CPU only; the full-size preset is budgeted from its Config, no weights are made."""
 import json
-import os
-import sys
 
 import jax.numpy as jnp
 import pytest
@@ -12,11 +10,9 @@ import pytest
 import baro_jax
 from baro_jax import budget, staging
 from baro_jax.config import load_config, preset
-from baro_jax.engine import TINY_CHECKPOINT, state_length
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import speed  # noqa: E402
-import tier_overlap  # noqa: E402
+from baro_jax.loading import TINY_CHECKPOINT
+from baro_jax.shapes import state_length
+from benchmarks import speed, tier_overlap
 
 BF16 = jnp.bfloat16
 H200_BYTES = int(139.8 * 2**30)  # what the H200's allocator reports without a memory fraction
@@ -108,8 +104,8 @@ def test_runtime_reserve_is_counted_in_both_modes():
 
 def test_load_without_the_decode_cache():
     eng = baro_jax.load("tiny-random", mode="tier", backend="ordered", progress=False, cache_slots=0)
-    assert eng.cache is None and eng.cache_slots == 0 and "turned off" in eng.cache_note
-    with pytest.raises(ValueError, match="cache_slots sizes tier mode"):
+    assert eng.runner.cache is None and eng.cache_slots == 0 and "turned off" in eng.runner.cache_note
+    with pytest.raises(ValueError, match="cache_slots \\(--cache-slots\\) sizes tier mode"):
         baro_jax.load("tiny-random", backend="ordered", progress=False, cache_slots=4)
 
 

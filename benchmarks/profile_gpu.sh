@@ -13,7 +13,7 @@ prof() {  # prof <label> <kernel regex> <ops> <count>; NCU_ONLY (labels, comma l
     python benchmarks/op_times.py --m "$M" --ops "$3" --reps 2 --backends ordered ${CTX:+--context "$CTX"} > "$OUT/ncu_$1.txt" 2>&1
   grep -E "^  [a-z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Issue Slots Busy|Executed Ipc A" "$OUT/ncu_$1.txt" | head -40
 }
-if [ "$M" = 1 ]; then  # decode shapes: the kernels a decode token spends its time in (NOTES.md)
+if [ "$M" = 1 ]; then  # decode shapes: the kernels a decode token spends its time in (docs/PERF.md)
   # gemm_row1 on a K = 4096 GEMM (out_proj: 256 one-n-tile units, 1.5 TB/s in the decode
   # profile) and on in_proj (K = 2048, 3.1 TB/s): stall reasons of the short GEMMs
   echo "--- ncu gemm_row1 m=1 (gdn out_proj, K=4096)"; prof out_proj_m1 "gemm_row1" "matmul gdn_out_proj" 1

@@ -1,7 +1,7 @@
 """baro_jax ordered kernels as JAX functions (XLA FFI custom calls).
 
 Each op validates shapes and dtypes before lowering and works under jax.jit.
-The op contract is docs/NUMERICS.md; the FFI signatures are in BUILD.md.
+The op contract is docs/NUMERICS.md; the FFI signatures are in docs/FFI.md.
 """
 
 from . import _lib

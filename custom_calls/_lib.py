@@ -276,7 +276,7 @@ def check_runnable(target: str, args) -> None:
                                + (f" [{why.strip()}]" if why else ""))
 
 
-# ---- the _small twins (BUILD.md "Handlers, scratch, limits") ----
+# ---- the _small twins (docs/FFI.md "Handlers, scratch, limits") ----
 SMALL_ROWS = 16  # calls of <= 16 rows (decode) take their GPU scratch as a result
 
 

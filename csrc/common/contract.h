@@ -1,4 +1,4 @@
-// baro_jax: the shape contract of the FFI targets (BUILD.md, "FFI contract"),
+// baro_jax: the shape contract of the FFI targets (docs/FFI.md),
 // checked by one function per target that the CPU and the GPU handlers both
 // call, so the two platforms accept and reject exactly the same calls with the
 // same messages. Each check also returns the sizes the kernels need.
@@ -10,7 +10,7 @@
 #include "xla/ffi/api/ffi.h"
 
 // The operands, attributes and results of the targets that have a _small twin (the same
-// call plus a last `scratch` u8 result, BUILD.md), appended to a binding that already holds
+// call plus a last `scratch` u8 result, docs/FFI.md), appended to a binding that already holds
 // its platform's contexts: the CPU and GPU handlers and both variants bind one list.
 #define BARO_BIND_MOE_ARGS(bind)                                                                    \
   (bind)                                                                                            \

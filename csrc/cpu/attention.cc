@@ -1,6 +1,6 @@
 // baro_attention (CPU): q/k head RMSNorm, partial rotary, KV-cache write,
 // causal online-softmax attention over 64-blocks aligned to absolute
-// positions, output gate. See BUILD.md "FFI contract" and docs/NUMERICS.md.
+// positions, output gate. See docs/FFI.md and docs/NUMERICS.md.
 #include <limits>
 #include <vector>
 

@@ -126,7 +126,7 @@ gpuError_t launch_attention(const AttentionArgs& a, void* scratch, gpuStream_t s
 }  // namespace baro_gpu
 
 // ---------------------------------------------------------------------------
-// FFI handler (same operands/attrs/results as BaroAttentionCpu, see BUILD.md)
+// FFI handler (same operands/attrs/results as BaroAttentionCpu, see docs/FFI.md)
 // ---------------------------------------------------------------------------
 namespace {
 

@@ -200,7 +200,7 @@ gpuError_t launch_conv_proj(const float* x, int64_t ldx, const uint16_t* w, cons
 }  // namespace baro_gpu
 
 // ---------------------------------------------------------------------------
-// FFI handler (same operands/results as BaroConvCpu, BUILD.md)
+// FFI handler (same operands/results as BaroConvCpu, docs/FFI.md)
 // ---------------------------------------------------------------------------
 namespace {
 

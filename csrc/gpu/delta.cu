@@ -506,7 +506,7 @@ gpuError_t launch_delta(const DeltaArgs& a, gpuStream_t stream) {
 }  // namespace baro_gpu
 
 // ---------------------------------------------------------------------------
-// FFI handler (same operands/results as BaroDeltaCpu, BUILD.md)
+// FFI handler (same operands/results as BaroDeltaCpu, docs/FFI.md)
 // ---------------------------------------------------------------------------
 namespace {
 

@@ -1,10 +1,10 @@
 // baro_fetch_experts on the GPU: pool[slot] = store[expert] for the pairs of this run's ring
 // entry (csrc/common/fetch_ring.h) as copy-engine copies on XLA's stream, the pools updated in
 // place (aliased). Why not XLA: a dynamic-slice of a pinned_host operand at a device-side index
-// is XLA's async dynamic slicing, a fusion kernel whose SMs read over the host link (by every
-// sign the same ~19 GB/s as moe_host's staging on the H200, against the copy engines' ~52:
-// benchmarks/NOTES.md). The copies need the
-// addresses on the host, hence the ring. The handler declares no command-buffer trait: a captured
+// is XLA's async dynamic slicing, a fusion kernel whose SMs read over the host link; the copy
+// engines do it without SMs: on the H200 the cache path's decode went 86.8 -> 79.5 ms per token
+// with them at 856b132 (benchmarks/results/decode_profile_tier_cache_dma_h200.json). The copies
+// need the addresses on the host, hence the ring. The handler declares no command-buffer trait: a captured
 // run would replay one entry's copies forever.
 #include "fetch_ring.h"
 #include "ffi_gpu.h"

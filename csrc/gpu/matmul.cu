@@ -388,7 +388,7 @@ gpuError_t launch_matmul(const uint16_t* x, const uint16_t* w, float* y, int64_t
 }  // namespace baro_gpu
 
 // ---------------------------------------------------------------------------
-// FFI handler (same operands/results as BaroMatmulCpu, see BUILD.md)
+// FFI handler (same operands/results as BaroMatmulCpu, see docs/FFI.md)
 // ---------------------------------------------------------------------------
 namespace {
 

@@ -391,7 +391,7 @@ static int64_t moe_chunks(const MoeArgs& a) {
 // and moe_combine_kernel's; the kernel tests compare). BARO_MOE_TAIL=0: the 5 launches;
 // BARO_MOE_TAIL=combine: 4, the route kernel (which zeroes the counters) and the combine inside
 // the down GEMM (on the H200 the per-warp route cost the gate/up GEMM ~6 us, the route kernel
-// 4.6 us plus a gap: NOTES.md).
+// 4.6 us plus a gap: docs/PERF.md).
 struct MoePlan {
   GemmConfig cfg;
   bool fused;
@@ -823,7 +823,7 @@ gpuError_t launch_moe_route(const uint16_t* h, const uint16_t* router, int32_t* 
 }  // namespace baro_gpu
 
 // ---------------------------------------------------------------------------
-// FFI handler (same operands/attrs/results as BaroMoeCpu, see BUILD.md).
+// FFI handler (same operands/attrs/results as BaroMoeCpu, see docs/FFI.md).
 // baro_moe / baro_moe_slots use the XLA scratch allocator, so they are not
 // command-buffer compatible. The _small variants (decode: m <= 16) take their
 // scratch as one more result buffer sized by the wrapper (custom_calls/moe.py),

@@ -244,7 +244,7 @@ gpuError_t launch_gated_norm(const float* o, const float* z, const float* w, uin
 }  // namespace baro_gpu
 
 // ---------------------------------------------------------------------------
-// FFI handlers (same operands/attrs/results as the CPU ones, see BUILD.md)
+// FFI handlers (same operands/attrs/results as the CPU ones, see docs/FFI.md)
 // ---------------------------------------------------------------------------
 namespace {
 

@@ -1,38 +1,30 @@
 """GPU self-check of the baro kernels at the real Qwen3.5-35B-A3B shapes.
 
-Complements tests/test_kernels.py (which uses small shapes): here head_dim 256,
+Complements tests/test_kernels_*.py (which use small shapes): here head_dim 256,
 dk = dv = 128, 256 experts top-8, D = 2048, contexts crossing many 64-blocks,
 K not a multiple of 8 (the scalar GEMM load path) and the 64-row GEMM tiles.
 
 For every op: m rows in one call == the same rows in other splits (one row per
 call, padded chunks), byte for byte, including carried state; plus a loose
-comparison with the float64 references of tests/test_kernels.py. Then timings
+comparison with the float64 references of custom_calls/testing.py. Then timings
 of decode-like (m = 1) and prefill-like (m = 512) calls.
 
 Run (on a GPU machine, repo root, libraries built or BARO_LIB_DIR set):
-    python csrc/gpu/selfcheck_gpu.py [--platform gpu|cpu] [--quick] [--no-time]
+    python benchmarks/gpu_selfcheck.py [--platform gpu|cpu] [--quick] [--no-time]
 Exit status 1 on any difference.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
+import jax
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-import custom_calls as cc  # noqa: E402
-import test_kernels as T  # noqa: E402  (float64 references, helpers)
+import custom_calls as cc
+import custom_calls.testing as T  # the float64 references and byte helpers the kernel tests use
 
 BF16 = T.BF16
 FAILS: list[str] = []

@@ -15,7 +15,7 @@ stage_build() {
   BARO_GPU=cuda python -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; return 1; }; fi
   python -c "import custom_calls, jax; print(custom_calls.available_platforms(), jax.devices())"
 }
-stage_kernels() { timeout "${KERNELS_TIMEOUT:-300}" python -m pytest -m gpu tests/test_kernels.py -q --durations=8 ${KERNELS_K:+-k "$KERNELS_K"} 2>&1 | tee "$OUT/gpu_kernel_tests.txt" | tail -40; }
+stage_kernels() { timeout "${KERNELS_TIMEOUT:-300}" python -m pytest -m gpu tests/test_kernels_*.py -q --durations=8 ${KERNELS_K:+-k "$KERNELS_K"} 2>&1 | tee "$OUT/gpu_kernel_tests.txt" | tail -40; }
 stage_blocked() {  # the chunk-aligned delta rule's CUDA kernel (compiled, first run on a GPU)
   timeout "${BLOCKED_TIMEOUT:-240}" python -m pytest -m gpu tests/test_delta_blocked.py -q 2>&1 | tee "$OUT/gpu_delta_blocked_tests.txt" | tail -30
 }
@@ -56,7 +56,7 @@ stage_attn_wgmma() {
       probe) nvcc -O3 -std=c++17 --fmad=false -DBARO_WGMMA=1 --generate-code=arch=compute_90a,code=sm_90a \
                -Icsrc/gpu -Icsrc/common benchmarks/wgmma_probe.cu -o /tmp/wgmma_probe 2>&1 | tail -5
              timeout 60 /tmp/wgmma_probe | tee "$OUT/wgmma_probe_h200.jsonl" ;;
-      tests) timeout 300 python -m pytest -m gpu tests/test_kernels.py -q -k "attention" -p no:cacheprovider 2>&1 \
+      tests) timeout 300 python -m pytest -m gpu tests/test_kernels_*.py -q -k "attention" -p no:cacheprovider 2>&1 \
                | tee "$OUT/gpu_kernel_tests_attn_wgmma_h200.txt" | tail -8 ;;
       gate) BARO_ATTN_WGMMA=1 python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks "${WGMMA_CHUNKS:-1024,8192}" \
               --prompts benchmarks/prompts/identity_gpu.jsonl --max-context 16384 --json "$OUT/identity_attn_wgmma_h200.json" 2>&1 | tail -4 ;;

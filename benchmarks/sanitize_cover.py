@@ -4,7 +4,7 @@ sanitize_gpu.sh runs in -k shards, often over several device calls (racecheck is
 launch), so no single summary covers the suite. This reads the summaries
 (benchmarks/results/sanitize_*_h200.json), keeps the shards that ended clean (exit 0, a
 summary, 0 errors / hazards, no sanitizer-internal error), collects each shard's -k with
-pytest here, and reports every test of `pytest -m gpu tests/test_kernels.py` (less the
+pytest here, and reports every test of `pytest -m gpu tests/test_kernels_*.py` (less the
 deselected XLA-only test) that no clean shard covers. A shard counts only when its run's
 commit has the GPU sources of the commit checked here (csrc/ and custom_calls/ unchanged), so
 a clean run of an older kernel is not taken for the head's.
@@ -18,6 +18,7 @@ every test.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import subprocess
@@ -25,14 +26,16 @@ import sys
 from functools import lru_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS = "tests/test_kernels.py"
+# the kernel tests, one file per op (sanitize_gpu.sh runs the same glob); ids name their file, so
+# a shard collected here is compared with the head's files, whatever file its run named
+TESTS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "tests", "test_kernels_*.py")))
 ALL_K = "not test_vs_ops_xla"  # sanitize_gpu.sh's default deselection
 GPU_SOURCES = ("csrc", "custom_calls")
 
 
 @lru_cache(maxsize=None)
 def collect(k: str) -> frozenset[str]:
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", TESTS, "--collect-only", "-q", "-p", "no:cacheprovider", "-k", k]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", *TESTS, "--collect-only", "-q", "-p", "no:cacheprovider", "-k", k]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     ids = [ln.strip() for ln in r.stdout.splitlines() if "::" in ln]
     if r.returncode not in (0, 5):  # 5: nothing collected

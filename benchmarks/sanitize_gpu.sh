@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer over the GPU custom-call tests (issue 13): memcheck (out-of-bounds and
 # misaligned device accesses, invalid frees, CUDA API errors) and racecheck (shared-memory
-# hazards) while `pytest -m gpu tests/test_kernels.py` runs every ordered kernel.
+# hazards) while `pytest -m gpu tests/test_kernels_*.py` runs every ordered kernel.
 #
 # Usage, on the GPU machine from the repo root, after the CUDA library is built
 # (BARO_GPU=cuda pip install --no-build-isolation --no-deps -e .):
@@ -55,10 +55,10 @@ IFS=';' read -r -a SHARDS <<< "${SANITIZE_SHARDS:-}"
 run_one() {  # tool log kexpr extra...
   local tool=$1 log=$2 k=$3; shift 3
   [ -n "${SANITIZE_KERNELS:-}" ] && set -- "$@" --kernel-name "kns=$SANITIZE_KERNELS"
-  echo "=== $tool: pytest -m gpu tests/test_kernels.py -k '$k'${SANITIZE_KERNELS:+ kernels matching '$SANITIZE_KERNELS'}" > "$log"
+  echo "=== $tool: pytest -m gpu tests/test_kernels_*.py -k '$k'${SANITIZE_KERNELS:+ kernels matching '$SANITIZE_KERNELS'}" > "$log"
   local t0; t0=$(date +%s)
   timeout "$PER_TOOL_TIMEOUT" "$SAN" "$@" --target-processes all --print-limit 200 --error-exitcode 86 \
-    python -m pytest -q -m gpu tests/test_kernels.py -k "$k" -p no:cacheprovider >> "$log" 2>&1
+    python -m pytest -q -m gpu tests/test_kernels_*.py -k "$k" -p no:cacheprovider >> "$log" 2>&1
   local rc=$?
   echo "=== $tool: exit $rc in $(( $(date +%s) - t0 ))s" >> "$log"
   return $rc

@@ -1,0 +1,160 @@
+"""Shared by the kernel tests (tests/test_kernels_*.py): the `platform` fixture, each op's
+shapes and inputs, and the helpers more than one op's tests use.
+
+For every op and several m:
+  * bytes: m rows in one call == m calls of one row (and other splits, padded
+    chunks, permuted rows), including the state that sequential ops carry;
+  * values: within a stated tolerance of a float64 numpy reference
+    (custom_calls/testing.py, from docs/NUMERICS.md) and of baro_jax.ops_xla;
+  * errors: bad shapes/dtypes give clear messages.
+
+Every test takes a `platform` parameter ("cpu", or "gpu" marked `gpu`, which
+pytest deselects by default; run `pytest -m gpu` on a GPU machine).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import custom_calls as cc
+from custom_calls.testing import BF16, bf16, f32, rope_tables
+
+
+M_LIST = [1, 2, 5, 64, 300]
+
+
+PLATFORMS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=PLATFORMS)
+def platform(request):
+    p = request.param
+    try:
+        devs = jax.devices(p)
+    except RuntimeError:
+        pytest.skip(f"no {p} device")
+    if p == "gpu" and not {"CUDA", "ROCM"} & set(cc.available_platforms()):
+        pytest.fail("GPU present but the baro GPU library is not loaded: "
+                    f"{cc.load_errors()}")
+    return devs[0]
+
+
+def splits_for(m, rng):
+    """Row splits: one row at a time, 1+rest, rest+1, a random split."""
+    out = {"rows": [1] * m}
+    if m >= 2:
+        out["1+rest"] = [1, m - 1]
+        out["rest+1"] = [m - 1, 1]
+    if m >= 3:
+        cuts = np.sort(rng.choice(np.arange(1, m), size=min(4, m - 1), replace=False))
+        out["random"] = list(np.diff(np.concatenate([[0], cuts, [m]])).astype(int))
+    return out
+
+
+MM_K, MM_N = 96, 40
+
+
+# GEMM tile configs (csrc/gpu/matmul.cu, env BARO_GEMM_TILE): the simple 16x32
+# and 64x64 kernels, the pipelined 64x128 and 128x128 ones. Every config must
+# give the bits of the one-row (decode, 16x32) call. Forcing is GPU-only and
+# speed-only; on CPU the knob is ignored.
+# "16-simple": the 16-row slots on the simple synchronous kernel instead of
+# gemm_rows16.cuh (env BARO_GEMM_SMALL=simple), which also runs every m = 1
+# call: the decode kernel and its predecessor must agree bit for bit.
+GEMM_TILES = ["16", "16-simple", "simple", "64", "128"]
+
+
+def force_tile(monkeypatch, tile):
+    if tile is None:
+        monkeypatch.delenv("BARO_GEMM_TILE", raising=False)
+        monkeypatch.delenv("BARO_GEMM_SMALL", raising=False)
+        return
+    monkeypatch.setenv("BARO_GEMM_TILE", tile.split("-")[0])
+    if tile.endswith("-simple"):
+        monkeypatch.setenv("BARO_GEMM_SMALL", "simple")
+    else:
+        monkeypatch.delenv("BARO_GEMM_SMALL", raising=False)
+
+
+def poison(dev, shape, dtype=jnp.float32):
+    """Fill and free a NaN buffer of the result's size, so the allocator likely
+    hands the same memory to the next result: an element the kernel forgets
+    to write then shows up as NaN instead of a lucky leftover."""
+    jnp.full(shape, jnp.nan, dtype, device=dev).block_until_ready().delete()
+
+
+def gemm_tiles_for(platform):
+    return GEMM_TILES if platform.platform == "gpu" else []
+
+
+NORM_D = 80
+GN_NV, GN_DV = 4, 16
+
+
+AT_H, AT_HKV, AT_HD, AT_R2 = 4, 2, 32, 8
+AT_POS = 37
+AT_S = 1100  # room for rows that cross the GPU kernels' 512-position KV splits
+AT_W = (2 * AT_H + 2 * AT_HKV) * AT_HD
+COS, SIN = rope_tables(AT_S + 64, AT_R2)
+
+
+def att_setup(rng, m, pos0, S=AT_S, shape=(AT_H, AT_HKV, AT_HD)):
+    H, Hkv, hd = shape
+    qkv = f32(rng, m, (2 * H + 2 * Hkv) * hd, scale=1.5)
+    qn = f32(rng, hd, scale=0.2)
+    kn = f32(rng, hd, scale=0.2)
+    # history rows below pos0: random; everything else poisoned with NaN
+    kc = np.full((S, Hkv, hd), np.nan, np.float32).astype(BF16)
+    vc = kc.copy()
+    kc[:pos0] = (rng.standard_normal((pos0, Hkv, hd), dtype=np.float32) * 2.0).astype(BF16)
+    vc[:pos0] = rng.standard_normal((pos0, Hkv, hd), dtype=np.float32).astype(BF16)
+    return qkv, qn, kn, kc, vc
+
+
+CPU = jax.devices("cpu")[0]
+
+
+CV_C = 48
+
+
+DT_NK, DT_NV, DT_DK, DT_DV = 2, 4, 16, 16
+DT_C = 2 * DT_NK * DT_DK + DT_NV * DT_DV
+
+
+def delta_setup(rng, m):
+    y = f32(rng, m, DT_C)
+    b = f32(rng, m, DT_NV, scale=2.0)
+    a = f32(rng, m, DT_NV, scale=2.0)
+    A_log = f32(rng, DT_NV, scale=0.5)
+    dt_bias = f32(rng, DT_NV, scale=0.5)
+    state = f32(rng, DT_NV, DT_DK, DT_DV, scale=0.3)
+    return y, b, a, A_log, dt_bias, state
+
+
+MO_D, MO_E, MO_I, MO_IS, MO_K = 32, 8, 16, 24, 3
+
+
+def moe_weights(rng):
+    return (bf16(rng, MO_E, MO_D, scale=0.5),            # router
+            bf16(rng, MO_E, 2 * MO_I, MO_D, scale=0.3),  # w_gate_up
+            bf16(rng, MO_E, MO_D, MO_I, scale=0.3),      # w_down
+            bf16(rng, 2 * MO_IS, MO_D, scale=0.3),       # shared_gate_up
+            bf16(rng, MO_D, MO_IS, scale=0.3),           # shared_down
+            bf16(rng, 1, MO_D, scale=0.3))               # shared_gate
+
+
+def moe_weights_sized(rng, E, D, I, Is):
+    return (bf16(rng, E, D, scale=0.5), bf16(rng, E, 2 * I, D, scale=0.3),
+            bf16(rng, E, D, I, scale=0.3), bf16(rng, 2 * Is, D, scale=0.3),
+            bf16(rng, D, Is, scale=0.3), bf16(rng, 1, D, scale=0.3))
+
+
+def store_put(dev, a):
+    """a into the host store as tier mode keeps it: pinned host memory on a GPU, else the device."""
+    from jax.sharding import SingleDeviceSharding
+    if dev.platform == "cpu":
+        return jax.device_put(a, dev)
+    return jax.device_put(a, SingleDeviceSharding(dev, memory_kind="pinned_host"))

@@ -1,0 +1,134 @@
+"""baro_conv / baro_conv_proj: the causal conv's bytes over splits and padded calls with the
+carried window, the GPU blocks, the projection read whole, errors.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import custom_calls as cc
+from custom_calls.testing import (BF16, J_CONV, assert_close, assert_same_bits, bf16, conv_fn, f32,
+                                  garbage_like, i32, put, ref_conv, seq_run)
+from kernel_util import CPU, CV_C, M_LIST, platform, poison, splits_for
+
+
+@pytest.mark.parametrize("m", M_LIST)
+def test_conv(platform, m):
+    rng = np.random.default_rng(500 + m)
+    x, w, win = bf16(rng, m, CV_C), bf16(rng, CV_C, 4, scale=0.5), bf16(rng, 3, CV_C)
+    y_full, win_full = seq_run(platform, conv_fn, [x], [w], win, [m])
+    assert y_full.dtype == np.float32 and win_full.dtype == BF16
+    for name, chunks in splits_for(m, rng).items():
+        y, wn = seq_run(platform, conv_fn, [x], [w], win, chunks)
+        assert_same_bits(y, y_full, f"conv y, split {name}, m={m}")
+        assert_same_bits(wn, win_full, f"conv window, split {name}, m={m}")
+    for pad_chunk in (7, m + 5):
+        chunks = [min(pad_chunk, m - r) for r in range(0, m, pad_chunk)]
+        y, wn = seq_run(platform, conv_fn, [x], [w], win, chunks, pad_to=pad_chunk, rng=rng,
+                        pad_maker=garbage_like)
+        assert_same_bits(y, y_full, f"conv y, padded chunk {pad_chunk}, m={m}")
+        assert_same_bits(wn, win_full, f"conv window, padded chunk {pad_chunk}, m={m}")
+    # n_valid = 0: window unchanged
+    _, wn = J_CONV(*put(platform, x, w, win), i32(0))
+    assert_same_bits(wn, win, "conv window after n_valid=0")
+    y_ref, win_ref = ref_conv(x, w, win, m)
+    assert_same_bits(win_full, win_ref, "conv window vs reference")
+    assert_close(y_full, y_ref, 1e-5, "conv y vs float64")
+
+
+def test_conv_errors(platform):
+    rng = np.random.default_rng(8)
+    x, w, win = put(platform, bf16(rng, 3, 8), bf16(rng, 8, 4), bf16(rng, 3, 8))
+    with pytest.raises(ValueError, match=r"baro_conv: w must have shape \[8, 4\], got shape \[8, 3\]"):
+        cc.conv(x, w[:, :3], win, 3)
+    with pytest.raises(ValueError, match=r"baro_conv: window must have shape \[3, 8\], got shape \[2, 8\]"):
+        cc.conv(x, w, win[:2], 3)
+    with pytest.raises(ValueError, match=r"baro_conv: x must have dtype bfloat16.*got dtype float16"):
+        cc.conv(x.astype(jnp.float16), w, win, 3)  # (float32 x is the projection: baro_conv_proj)
+
+
+def test_conv_runtime_checks():
+    rng = np.random.default_rng(9)
+    x, w, win = put(CPU, bf16(rng, 3, 8), bf16(rng, 8, 4), bf16(rng, 3, 8))
+    with pytest.raises(Exception, match=r"baro_conv: n_valid must be in \[0, m=3\], got 5"):
+        J_CONV(x, w, win, i32(5))[0].block_until_ready()
+
+
+# The GPU conv kernel: a thread owns 8 channels (16-byte loads; 1 channel when
+# C % 8 != 0) and 8 tokens, 256 threads per block; only token block 0 reads
+# and rewrites the window. C = 4104 gives three channel blocks (the last holds
+# one group), C = 44 the one-channel path; m = 17 and 37 partial token blocks.
+CONV_GPU_M = [1, 2, 17, 37, pytest.param(300, marks=pytest.mark.gpu)]
+J_CONV_DONATE = jax.jit(cc.conv, donate_argnums=(2,))
+
+
+@pytest.mark.parametrize("C", [4104, 44])
+@pytest.mark.parametrize("m", CONV_GPU_M)
+def test_conv_blocks(platform, m, C):
+    rng = np.random.default_rng(520 + m + C)
+    x, w, win = bf16(rng, m, C), bf16(rng, C, 4, scale=0.5), bf16(rng, 3, C)
+    wd = put(platform, w)
+    poison(platform, (m, C))
+    y_full, win_full = (np.asarray(r) for r in J_CONV(put(platform, x), wd, put(platform, win), i32(m)))
+    assert np.all(np.isfinite(y_full)), "conv left elements of y unwritten"
+    # decode arm: one row per call, carrying the window
+    wn = put(platform, win)
+    for i in range(m):
+        y1, wn = J_CONV(put(platform, x[i:i + 1]), wd, wn, i32(1))
+        assert_same_bits(np.asarray(y1)[0], y_full[i], f"conv C={C} m={m} row {i} vs one-row call")
+    assert_same_bits(wn, win_full, f"conv C={C} m={m} window vs one-row calls")
+    y_ref, win_ref = ref_conv(x, w, win, m)
+    assert_same_bits(win_full, win_ref, "conv window vs reference")
+    assert_close(y_full, y_ref, 1e-5, f"conv C={C} m={m} vs float64")
+    # padded call (n_valid < m, incl. 0, 1, 2: the new window keeps old rows)
+    # and a donated (truly in-place) window: every block reads before the
+    # window is replaced
+    for nvld in sorted({0, 1, 2, m // 2, m - 1, m} & set(range(m + 1))):
+        xp = x.copy()
+        xp[nvld:] = garbage_like(rng, m - nvld, x)
+        for fn, what in ((J_CONV, "aliased"), (J_CONV_DONATE, "donated")):
+            y, wn = fn(put(platform, xp), wd, put(platform, win), i32(nvld))
+            _, win_want = ref_conv(x, w, win, nvld)
+            assert_same_bits(wn, win_want, f"conv C={C} m={m} n_valid={nvld} window ({what})")
+            assert_same_bits(np.asarray(y)[:nvld], y_full[:nvld],
+                             f"conv C={C} m={m} n_valid={nvld} y ({what})")
+
+
+# baro_conv_proj: conv fed the f32 projection whole (x [m, W], W >= C) rounds its first C
+# columns to bf16 on load, and gives the bytes of baro_conv on XLA's bf16 convert of the
+# slice (what the model ran before), y and window, for one row and many, padded calls, the
+# vector path (C % 8 == 0, W % 4 == 0) and the scalar one (C = 44 or W odd); the columns past
+# C are NaN and never read.
+@pytest.mark.parametrize("C,W", [(4104, 4104 + 60), (4104, 4104 + 61), (44, 44 + 9)])
+@pytest.mark.parametrize("m", [1, 2, 9, 37])
+def test_conv_reads_the_projection(platform, m, C, W):
+    rng = np.random.default_rng(540 + m + W)
+    proj = np.full((m, W), np.nan, np.float32)
+    proj[:, :C] = f32(rng, m, C, scale=2.0)
+    w, win = bf16(rng, C, 4, scale=0.5), bf16(rng, 3, C)
+    wd = put(platform, w)
+    x = np.asarray(jax.jit(lambda p: p[:, :C].astype(jnp.bfloat16))(put(platform, proj)))  # XLA's convert
+    for nvld in sorted({0, 1, m // 2, m}):
+        y_want, win_want = (np.asarray(r) for r in J_CONV(put(platform, x), wd, put(platform, win), i32(nvld)))
+        poison(platform, (m, C))
+        y, wn = (np.asarray(r) for r in J_CONV(put(platform, proj), wd, put(platform, win), i32(nvld)))
+        assert_same_bits(wn, win_want, f"conv_proj C={C} W={W} m={m} n_valid={nvld} window")
+        assert_same_bits(y[:nvld], y_want[:nvld], f"conv_proj C={C} W={W} m={m} n_valid={nvld} y")
+    if platform.platform == "cpu":  # ops_xla takes the same columns (on CPU only: XLA's own kernels)
+        import baro_jax.ops_xla as X
+        for g, w_, what in zip(X.conv(put(platform, proj), wd, put(platform, win), i32(m)),
+                               X.conv(put(platform, x), wd, put(platform, win), i32(m)), ("y", "window")):
+            assert_same_bits(np.asarray(g), np.asarray(w_), f"ops_xla conv of the projection: {what}")
+
+
+def test_conv_proj_errors(platform):
+    rng = np.random.default_rng(9)
+    w, win = put(platform, bf16(rng, 8, 4), bf16(rng, 3, 8))
+    with pytest.raises(ValueError, match=r"baro_conv_proj: x must have at least C=8 columns \(C from w\), "
+                                         r"got shape \[2, 6\]"):
+        cc.conv(put(platform, f32(rng, 2, 6)), w, win, 2)
+    with pytest.raises(ValueError, match=r"baro_conv_proj: window must have shape \[3, 8\]"):
+        cc.conv(put(platform, f32(rng, 2, 12)), w, win[:, :7], 2)

@@ -1,0 +1,149 @@
+"""baro_delta: the delta rule's bytes over splits and padded calls with the carried state, gates
+read in place, the GPU blocks, errors.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import custom_calls as cc
+from custom_calls.testing import (J_DELTA, assert_close, assert_same_bits, delta_fn, f32, garbage_like,
+                                  i32, put, ref_delta, seq_run)
+from kernel_util import DT_DV, DT_NK, DT_NV, M_LIST, delta_setup, platform, poison, splits_for
+
+
+@pytest.mark.parametrize("m", M_LIST)
+def test_delta(platform, m):
+    rng = np.random.default_rng(600 + m)
+    y, b, a, A_log, dt_bias, state = delta_setup(rng, m)
+    args = ([y, b, a], [A_log, dt_bias], state)
+    o_full, s_full = seq_run(platform, delta_fn, *args, [m])
+    assert o_full.shape == (m, DT_NV, DT_DV) and s_full.dtype == np.float32
+    for name, chunks in splits_for(m, rng).items():
+        o, s = seq_run(platform, delta_fn, *args, chunks)
+        assert_same_bits(o, o_full, f"delta o, split {name}, m={m}")
+        assert_same_bits(s, s_full, f"delta state, split {name}, m={m}")
+    for pad_chunk in (7, m + 5):
+        chunks = [min(pad_chunk, m - r) for r in range(0, m, pad_chunk)]
+        o, s = seq_run(platform, delta_fn, *args, chunks, pad_to=pad_chunk, rng=rng,
+                       pad_maker=garbage_like)
+        assert_same_bits(o, o_full, f"delta o, padded chunk {pad_chunk}, m={m}")
+        assert_same_bits(s, s_full, f"delta state, padded chunk {pad_chunk}, m={m}")
+    _, s0 = J_DELTA(*put(platform, y, b, a, A_log, dt_bias, state), i32(0))
+    assert_same_bits(s0, state, "delta state after n_valid=0")
+    o_ref, s_ref = ref_delta(y, b, a, A_log, dt_bias, state, m, DT_NK)
+    assert_close(o_full, o_ref, 1e-4, "delta o vs float64")
+    assert_close(s_full, s_ref, 1e-4, "delta state vs float64")
+
+
+def test_delta_errors(platform):
+    rng = np.random.default_rng(10)
+    y, b, a, A_log, dt_bias, state = put(platform, *delta_setup(rng, 3))
+    with pytest.raises(ValueError, match=r"baro_delta: y must have shape \[m, 2\*nk\*dk \+ nv\*dv\]"):
+        cc.delta(y[:, :-1], b, a, A_log, dt_bias, state, 3)
+    with pytest.raises(ValueError, match=r"baro_delta: A_log must have shape \[4\], got shape \[3\]"):
+        cc.delta(y, b, a, A_log[:3], dt_bias, state, 3)
+    with pytest.raises(ValueError, match=r"baro_delta: state must have dtype float32, got dtype bfloat16"):
+        cc.delta(y, b, a, A_log, dt_bias, state.astype(jnp.bfloat16), 3)
+    with pytest.raises(ValueError, match=r"baro_delta: b must have shape \[3, W\] with b_col \+ nv <= W "
+                                         r"\(b_col=0, nv=4\), got shape \[2, 4\]"):
+        cc.delta(y, b[:2], a, A_log, dt_bias, state, 3)
+    with pytest.raises(ValueError, match=r"baro_delta: a must have shape \[3, W\] with a_col \+ nv <= W "
+                                         r"\(a_col=1, nv=4\), got shape \[3, 4\]"):
+        cc.delta(y, b, a, A_log, dt_bias, state, 3, a_col=1)  # the gates would run past a's last column
+    with pytest.raises(ValueError, match=r"baro_delta: b_col must be >= 0, got -2"):
+        cc.delta(y, b, a, A_log, dt_bias, state, 3, b_col=-2)
+
+
+# The GPU delta kernel: blocks of 32 state columns of one value head, 8 lanes
+# per column (4 when dk = 16), tokens staged 32 at a time. dv = 80: three
+# column blocks, the last half full; dv = 36: no 16-byte loads, a 4-column
+# block; m = 75: three token batches, the last partial. Gates, state and
+# inputs at the model's magnitudes.
+DELTA_GPU_SHAPES = [(2, 4, 128, 80), (1, 2, 64, 36), (2, 2, 32, 48)]
+DELTA_GPU_M = [1, 2, 37, 75, pytest.param(300, marks=pytest.mark.gpu)]
+J_DELTA_DONATE = jax.jit(cc.delta, donate_argnums=(5,))
+
+
+# b and a read in place (b_col, a_col): the model passes the GDN projection whole, as both
+# b and a; the bytes are those of contiguous gates, for one row, several, more than one
+# 32-token batch of the GPU kernel, and the model's head count; the other columns are NaN.
+@pytest.mark.parametrize("m,shape", [(1, (2, 4, 16, 16)), (7, (2, 4, 16, 16)), (40, (2, 4, 16, 16)),
+                                     (1, (16, 32, 128, 128)), (3, (16, 32, 128, 128))])
+def test_delta_gates_in_place(platform, m, shape):
+    nk, nv, dk, dv = shape
+    rng = np.random.default_rng(660 + m + dk)
+    y, b, a, A_log, dt_bias, state = delta_model_inputs(rng, m, nk, nv, dk, dv)
+    b_col, a_col = 5, 5 + nv + 3
+    proj = np.full((m, a_col + nv + 2), np.nan, np.float32)
+    proj[:, b_col:b_col + nv], proj[:, a_col:a_col + nv] = b, a
+    consts = put(platform, A_log, dt_bias)
+    o_want, s_want = J_DELTA(*put(platform, y, b, a), *consts, put(platform, state), i32(m))
+    poison(platform, (m, nv, dv))
+    f = jax.jit(lambda *x: cc.delta(*x, b_col=b_col, a_col=a_col))
+    pj = put(platform, proj)
+    o, s2 = f(put(platform, y), pj, pj, *consts, put(platform, state), i32(m))
+    assert_same_bits(np.asarray(o), np.asarray(o_want), f"delta {shape} m={m} o: gates in place")
+    assert_same_bits(np.asarray(s2), np.asarray(s_want), f"delta {shape} m={m} state: gates in place")
+    if platform.platform == "cpu":  # ops_xla takes the same columns (on CPU only: XLA's own kernels)
+        import baro_jax.ops_xla as X
+        want = X.delta(*put(platform, y, b, a), *consts, put(platform, state), i32(m), nk=nk, dk=dk)
+        got = X.delta(put(platform, y), pj, pj, *consts, put(platform, state), i32(m), nk=nk, dk=dk,
+                      b_col=b_col, a_col=a_col)
+        for g, w_, what in zip(got, want, ("o", "state")):
+            assert_same_bits(np.asarray(g), np.asarray(w_), f"ops_xla delta {what}: gates in place")
+
+
+def delta_model_inputs(rng, m, nk, nv, dk, dv):
+    y = f32(rng, m, 2 * nk * dk + nv * dv)
+    b = f32(rng, m, nv)
+    a = f32(rng, m, nv)
+    A_log = np.log(rng.uniform(1.0, 16.0, nv)).astype(np.float32)      # A ~ U(1, 16)
+    dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), nv))           # dt_bias = softplus^-1(dt)
+    dt_bias = np.log(np.expm1(dt)).astype(np.float32)
+    state = f32(rng, nv, dk, dv, scale=0.5)
+    return y, b, a, A_log, dt_bias, state
+
+
+@pytest.mark.parametrize("shape", DELTA_GPU_SHAPES, ids=lambda s: "nk%d-nv%d-dk%d-dv%d" % s)
+@pytest.mark.parametrize("m", DELTA_GPU_M)
+def test_delta_blocks(platform, m, shape):
+    nk, nv, dk, dv = shape
+    rng = np.random.default_rng(640 + m + dk + dv)
+    y, b, a, A_log, dt_bias, state = delta_model_inputs(rng, m, nk, nv, dk, dv)
+    consts = put(platform, A_log, dt_bias)
+    poison(platform, (m, nv, dv))
+    o_full, s_full = (np.asarray(r) for r in
+                      J_DELTA(*put(platform, y, b, a), *consts, put(platform, state), i32(m)))
+    assert np.all(np.isfinite(o_full)) and np.all(np.isfinite(s_full)), "delta left outputs unwritten"
+    # decode arm: one row per call, carrying the state
+    st, states = put(platform, state), [state]
+    for i in range(m):
+        o1, st = J_DELTA(*put(platform, y[i:i + 1], b[i:i + 1], a[i:i + 1]), *consts, st, i32(1))
+        assert_same_bits(np.asarray(o1)[0], o_full[i], f"delta {shape} m={m} row {i} vs one-row call")
+        states.append(np.asarray(st))
+    assert_same_bits(states[m], s_full, f"delta {shape} m={m} state vs one-row calls")
+    o_ref, s_ref = ref_delta(y, b, a, A_log, dt_bias, state, m, nk)
+    assert_close(o_full, o_ref, 1e-4, f"delta {shape} m={m} o vs float64")
+    assert_close(s_full, s_ref, 1e-4, f"delta {shape} m={m} state vs float64")
+    # padded rows (garbage inputs) leave no trace and give o = 0; a donated
+    # (truly in-place) state gives the same bytes
+    for nvld in sorted({0, m // 2, m - 1, m} & set(range(m + 1))):
+        yp, bp, ap = y.copy(), b.copy(), a.copy()
+        for arr in (yp, bp, ap):
+            arr[nvld:] = garbage_like(rng, m - nvld, arr)
+        for fn, what in ((J_DELTA, "aliased"), (J_DELTA_DONATE, "donated")):
+            poison(platform, (m, nv, dv))
+            o, s2 = fn(*put(platform, yp, bp, ap), *consts, put(platform, state), i32(nvld))
+            o = np.asarray(o)
+            assert_same_bits(s2, states[nvld], f"delta {shape} m={m} n_valid={nvld} state ({what})")
+            assert_same_bits(o[:nvld], o_full[:nvld], f"delta {shape} m={m} n_valid={nvld} o ({what})")
+            assert_same_bits(o[nvld:], np.zeros_like(o[nvld:]), f"delta {shape} padded rows of o")
+    # a split that crosses the 32-token batch grid off its boundaries
+    if m > 33:
+        o, s2 = seq_run(platform, delta_fn, [y, b, a], [A_log, dt_bias], state, [33, m - 33])
+        assert_same_bits(o, o_full, f"delta {shape} m={m} split 33+rest o")
+        assert_same_bits(s2, s_full, f"delta {shape} m={m} split 33+rest state")

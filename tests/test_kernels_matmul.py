@@ -1,0 +1,101 @@
+"""baro_matmul: the GEMM's bytes for every row count and tile config, the one-row streaming kernel,
+errors.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import custom_calls as cc
+from custom_calls.testing import J_MATMUL, assert_close, assert_same_bits, bf16, put, ref_matmul
+from kernel_util import MM_K, MM_N, M_LIST, force_tile, gemm_tiles_for, platform, poison
+
+
+@pytest.mark.parametrize("m", M_LIST)
+def test_matmul(platform, m):
+    rng = np.random.default_rng(100 + m)
+    x, w = bf16(rng, m, MM_K), bf16(rng, MM_N, MM_K)
+    full = np.asarray(J_MATMUL(*put(platform, x, w)))
+    for i in range(m):
+        one = np.asarray(J_MATMUL(*put(platform, x[i:i + 1], w)))
+        assert_same_bits(one[0], full[i], f"matmul row {i} of m={m}")
+    perm = rng.permutation(m)
+    assert_same_bits(np.asarray(J_MATMUL(*put(platform, x[perm], w))), full[perm],
+                     "matmul permuted rows")
+    # eager call = jitted call
+    assert_same_bits(np.asarray(cc.matmul(*put(platform, x, w))), full, "matmul eager vs jit")
+    assert full.dtype == np.float32
+    assert_close(full, ref_matmul(x, w), 1e-5, "matmul vs float64")
+
+
+@pytest.mark.parametrize("m,K", [(2, 200), (17, 2056), (130, 203), (300, 200), (300, 2056)])
+def test_matmul_tiles(platform, m, K, monkeypatch):
+    """Several row and N tiles of the large configs, K past a whole BK (200,
+    2056 = 16*128 + 8: a half-filled last 16-step) and K % 8 != 0 (203: no
+    16-byte loads, the simple kernel walks each 128-row slot in sub-tiles)."""
+    N = 264  # 2 full 128-column tiles and a partial one
+    rng = np.random.default_rng(900 + m + K)
+    x, w = bf16(rng, m, K), bf16(rng, N, K)
+    wd = put(platform, w)
+    poison(platform, (m, N))
+    full = np.asarray(J_MATMUL(put(platform, x), wd))
+    assert np.all(np.isfinite(full)), "matmul left elements unwritten"
+    rows = range(m) if m <= 130 or platform.platform == "gpu" else sorted({0, 1, 63, 64, 127, 128, m - 1})
+    for i in rows:
+        one = np.asarray(J_MATMUL(put(platform, x[i:i + 1]), wd))
+        assert_same_bits(one[0], full[i], f"matmul m={m} K={K} row {i} vs one-row call")
+    for tile in gemm_tiles_for(platform):
+        force_tile(monkeypatch, tile)
+        poison(platform, (m, N))
+        got = np.asarray(jax.jit(lambda a, b: cc.matmul(a, b))(put(platform, x), wd))
+        assert_same_bits(got, full, f"matmul m={m} K={K} forced tile {tile}")
+        if tile == "16-simple":  # m = 1 on the simple kernel too
+            one = np.asarray(jax.jit(lambda a, b: cc.matmul(a, b))(put(platform, x[m - 1:]), wd))
+            assert_same_bits(one[0], full[m - 1], f"matmul K={K} one row on the simple kernel")
+    force_tile(monkeypatch, None)
+    assert_close(full, ref_matmul(x, w), 1e-5, f"matmul m={m} K={K} vs float64")
+
+
+# The one-row streaming kernel (gemm_row1.cuh, every m = 1 call with K % 16 == 0 on
+# CUDA) against gemm_rows16 (BARO_GEMM_ROW1=off) and against the row inside batched
+# calls (16-row and pipelined tiles). N = 1 (one unit), 40 (a partial 8-column unit),
+# 4801 (more units than the persistent grid's warps: each warp streams several);
+# K = 272 and 1040 end on a partial 256-wide stage; K = 2056 (K % 16 == 8) falls back
+# to gemm_rows16.
+@pytest.mark.parametrize("N,K", [(1, 2048), (40, 96), (264, 272), (4801, 1040), (40, 2056)])
+def test_matmul_row1(platform, N, K, monkeypatch):
+    rng = np.random.default_rng(1300 + N + K)
+    x, w = bf16(rng, 130, K), bf16(rng, N, K)
+    wd = put(platform, w)
+    run = jax.jit(lambda a, b: cc.matmul(a, b))
+    full = np.asarray(run(put(platform, x), wd))  # pipelined tiles
+    few = np.asarray(run(put(platform, x[:3]), wd))  # 16-row tiles
+    assert_same_bits(few, full[:3], f"matmul N={N} K={K} 3 rows vs 130")
+    for i in (0, 2):
+        for knob in (None, "off"):
+            if knob is None:
+                monkeypatch.delenv("BARO_GEMM_ROW1", raising=False)
+            else:
+                monkeypatch.setenv("BARO_GEMM_ROW1", knob)
+            poison(platform, (1, N))  # a fresh jit: the launcher reads the knob when the graph is built
+            one = np.asarray(jax.jit(lambda a, b: cc.matmul(a, b))(put(platform, x[i:i + 1]), wd))
+            assert np.all(np.isfinite(one)), f"matmul N={N} K={K} one row left elements unwritten"
+            assert_same_bits(one[0], full[i], f"matmul N={N} K={K} row {i} one-row call (ROW1={knob})")
+    monkeypatch.delenv("BARO_GEMM_ROW1", raising=False)
+    assert_close(full[:3], ref_matmul(x[:3], w), 1e-5, f"matmul N={N} K={K} vs float64")
+
+
+def test_matmul_errors(platform):
+    rng = np.random.default_rng(1)
+    x, w = put(platform, bf16(rng, 3, 8), bf16(rng, 5, 8))
+    with pytest.raises(ValueError, match=r"baro_matmul: x must have dtype bfloat16.*got dtype float32"):
+        cc.matmul(x.astype(jnp.float32), w)
+    with pytest.raises(ValueError, match=r"baro_matmul: w must have shape \[\*, 8\], got shape \[5, 7\]"):
+        cc.matmul(x, w[:, :7])
+    with pytest.raises(ValueError, match=r"baro_matmul: x must have rank 2"):
+        cc.matmul(x[None], w)
+    with pytest.raises(ValueError, match=r"baro_matmul: w must have dtype bfloat16"):
+        jax.jit(cc.matmul)(x, w.astype(jnp.float16))

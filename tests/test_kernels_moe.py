@@ -1,0 +1,451 @@
+"""baro_moe and its variants (small ops, pairs/combine, slots, host store, route): row
+independence, tile configs and one-token knobs give the same bytes, errors.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import custom_calls as cc
+from custom_calls.testing import BF16, J_MOE, assert_close, assert_same_bits, bf16, f64, put, ref_moe
+from kernel_util import (MO_D, MO_E, MO_K, M_LIST, force_tile, gemm_tiles_for, moe_weights,
+                         moe_weights_sized, platform, poison, store_put)
+
+
+@pytest.mark.parametrize("m", M_LIST)
+def test_moe(platform, m):
+    rng = np.random.default_rng(700 + m)
+    h = bf16(rng, m, MO_D)
+    wts = moe_weights(rng)
+    wd = put(platform, *wts)
+    full = np.asarray(J_MOE(put(platform, h), *wd, top_k=MO_K))
+    assert full.dtype == np.float32 and full.shape == (m, MO_D)
+    for i in range(m):
+        one = np.asarray(J_MOE(put(platform, h[i:i + 1]), *wd, top_k=MO_K))
+        assert_same_bits(one[0], full[i], f"moe row {i} of m={m}")
+    perm = rng.permutation(m)
+    assert_same_bits(np.asarray(J_MOE(put(platform, h[perm]), *wd, top_k=MO_K)), full[perm],
+                     "moe permuted rows")
+    assert_close(full, ref_moe(h, *wts, MO_K), 1e-3, "moe vs float64")
+
+
+# E = 8, top_k = 2: m = 5 -> about 1 pair per expert (16-row grouped tiles),
+# m = 64 -> 16 (64-row pipelined tiles), m = 300 / 700 -> 75 / 175 (128-row
+# tiles, several per expert at 700, and several 512-pair grouping chunks).
+# D = 136 and I = 72 cross a BK of 64 with a half-filled last 16-step, and
+# 2I = 144 gives two N tiles of the fused SwiGLU epilogue (64 columns each);
+# D = 36 has no 16-byte loads (simple kernel, separate SwiGLU pass).
+@pytest.mark.parametrize("m,D,I", [(5, 136, 72), (64, 136, 72), (300, 136, 72), (700, 136, 72),
+                                   (300, 36, 20)])
+def test_moe_tiles(platform, m, D, I, monkeypatch):
+    E, Is, k = 8, 40, 2
+    rng = np.random.default_rng(950 + m + D)
+    h = bf16(rng, m, D)
+    wts = moe_weights_sized(rng, E, D, I, Is)
+    wd = put(platform, *wts)
+    poison(platform, (m, D))
+    full = np.asarray(J_MOE(put(platform, h), *wd, top_k=k))
+    assert np.all(np.isfinite(full)), "moe left elements unwritten"
+    rows = range(m) if m <= 64 or platform.platform == "gpu" else sorted(
+        set(rng.choice(m, 24, replace=False)) | {0, m - 1})
+    for i in rows:
+        one = np.asarray(J_MOE(put(platform, h[i:i + 1]), *wd, top_k=k))
+        assert_same_bits(one[0], full[i], f"moe m={m} D={D} row {i} vs one-row call")
+    perm = rng.permutation(m)
+    assert_same_bits(np.asarray(J_MOE(put(platform, h[perm]), *wd, top_k=k)), full[perm],
+                     f"moe m={m} D={D} permuted rows")
+    for tile in gemm_tiles_for(platform):
+        force_tile(monkeypatch, tile)
+        poison(platform, (m, D))
+        got = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h), *wd))
+        assert_same_bits(got, full, f"moe m={m} D={D} forced tile {tile}")
+        if tile == "16-simple":  # m = 1 on the simple kernel and the separate SwiGLU pass
+            one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h[m - 1:]), *wd))
+            assert_same_bits(one[0], full[m - 1], f"moe D={D} one row on the simple kernel")
+    force_tile(monkeypatch, None)
+    assert_close(full, ref_moe(h, *wts, k), 1e-3, f"moe m={m} D={D} vs float64")
+
+
+# One token through the MoE: every GEMM (router, grouped gate/up with the fused SwiGLU,
+# grouped down, shared expert, shared gate N = 1) on gemm_row1 when K % 16 == 0, against
+# BARO_GEMM_ROW1=off (gemm_rows16) and the token's row in a batched call. D = 256,
+# I = 80, Is = 48: every K a multiple of 16; Is = 40 puts the shared down (K = 40) on the
+# fallback. E = 256, top_k = 8 is the model's routing. I == Is: the one-token fold (the
+# shared gate as the router's row E, the shared expert as one more grouped row, top-k and
+# grouping in one warp) against BARO_MOE_FOLD=0, the separate launches; E = 300 takes the
+# one-token route's 16-per-lane registers (E <= 256: 8 per lane). The fold's default (CUDA)
+# routes inside the gate/up GEMM and combines inside the down GEMM (3 launches); against
+# BARO_MOE_TAIL=0, the route and combine kernels (=combine: the route kernel, the combine inside
+# the down GEMM); BARO_PDL=1 launches the fold's later kernels
+# as programmatic dependents (sm_90).
+KNOBS_ONE_ROW = [{}, {"BARO_GEMM_ROW1": "off"}, {"BARO_MOE_FOLD": "0"}, {"BARO_MOE_TAIL": "0"},
+                 {"BARO_MOE_TAIL": "combine"}, {"BARO_PDL": "1"}, {"BARO_PDL": "1", "BARO_MOE_TAIL": "0"},
+                 {"BARO_PDL": "1", "BARO_MOE_TAIL": "combine"}]
+KNOB_NAMES_ONE_ROW = ("BARO_GEMM_ROW1", "BARO_MOE_FOLD", "BARO_MOE_TAIL", "BARO_PDL", "BARO_MOE_HOST")
+
+
+def set_knobs(monkeypatch, knobs):
+    """Exactly `knobs` of the one-token MoE's knobs set (the others unset)."""
+    for kn in KNOB_NAMES_ONE_ROW:
+        monkeypatch.delenv(kn, raising=False)
+    for kn, v in knobs.items():
+        monkeypatch.setenv(kn, v)
+
+
+@pytest.mark.parametrize("E,D,I,Is,k", [(8, 256, 80, 48, 2), (256, 256, 80, 40, 8), (8, 256, 64, 64, 3),
+                                        (256, 256, 80, 80, 8), (300, 256, 80, 80, 8)])
+def test_moe_row1(platform, E, D, I, Is, k, monkeypatch):
+    rng = np.random.default_rng(1400 + E + Is)
+    h = bf16(rng, 9, D)
+    wd = put(platform, *moe_weights_sized(rng, E, D, I, Is))
+    full = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h), *wd))
+    for i in (0, 8):
+        for knobs in KNOBS_ONE_ROW:
+            set_knobs(monkeypatch, knobs)
+            poison(platform, (1, D))  # a fresh jit: the launcher reads the knob when the graph is built
+            one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h[i:i + 1]), *wd))
+            assert np.all(np.isfinite(one)), f"moe E={E} one row left elements unwritten ({knobs})"
+            assert_same_bits(one[0], full[i], f"moe E={E} D={D} I={I} Is={Is} row {i} one-row call ({knobs})")
+    set_knobs(monkeypatch, {})
+
+
+@pytest.mark.parametrize("E", [512, 600])
+def test_moe_many_experts(platform, E):
+    """E = 512 is the largest router row kept in registers by the GPU top-k,
+    E = 600 takes its in-memory path (CPU: one path); rows stay independent."""
+    m, D, I, Is, k = 7, 32, 16, 24, 4
+    rng = np.random.default_rng(990 + E)
+    h = bf16(rng, m, D)
+    wts = moe_weights_sized(rng, E, D, I, Is)
+    wd = put(platform, *wts)
+    poison(platform, (m, D))
+    full = np.asarray(J_MOE(put(platform, h), *wd, top_k=k))
+    for i in range(m):
+        one = np.asarray(J_MOE(put(platform, h[i:i + 1]), *wd, top_k=k))
+        assert_same_bits(one[0], full[i], f"moe E={E} row {i} vs one-row call")
+    assert_close(full, ref_moe(h, *wts, k), 1e-3, f"moe E={E} vs float64")
+
+
+J_PAIRS = jax.jit(cc.moe_pairs, static_argnames=("top_k",))
+J_COMBINE = jax.jit(cc.moe_combine)
+
+
+def shard_pairs(platform, h, wts, n, k):
+    """moe_pairs on n expert shards, each pair's row taken from its owner (selects only)."""
+    router, gu, dn = wts[0], wts[1], wts[2]
+    E = router.shape[0]
+    el = E // n
+    outs = []
+    for j in range(n):
+        poison(platform, (h.shape[0], k, h.shape[1]))
+        outs.append(J_PAIRS(*put(platform, h, router, gu[j * el:(j + 1) * el], dn[j * el:(j + 1) * el],
+                                 np.array([j * el], np.int32)), top_k=k))
+    ids = np.asarray(outs[0][2])
+    y = np.asarray(outs[0][0])
+    for j in range(1, n):
+        y = np.where((ids // el == j)[..., None], np.asarray(outs[j][0]), y)
+    return outs, y, np.asarray(outs[0][1]), ids
+
+
+@pytest.mark.parametrize("m", M_LIST)
+def test_moe_pairs_combine_equal_moe(platform, m):
+    """Expert parallel's two kernels: for 1, 2 and 4 shards, every shard's routing (ids, weights)
+    is the same, a pair's output is exact 0 on the shards that do not own its expert, and the
+    combine of the owners' rows is baro_moe's bytes; rows are independent (one-row calls)."""
+    rng = np.random.default_rng(760 + m)
+    h = bf16(rng, m, MO_D)
+    wts = moe_weights(rng)
+    full = np.asarray(J_MOE(*put(platform, h, *wts), top_k=MO_K))
+    for n in (1, 2, 4):
+        outs, y, w, ids = shard_pairs(platform, h, wts, n, MO_K)
+        el = MO_E // n
+        for j, (yj, wj, idj) in enumerate(outs):
+            assert_same_bits(np.asarray(idj), ids, f"moe_pairs ids of shard {j}/{n}")
+            assert_same_bits(np.asarray(wj), w, f"moe_pairs weights of shard {j}/{n}")
+            other = (ids // el != j)
+            assert np.all(np.asarray(yj)[other] == 0.0), f"shard {j}/{n}: a pair of another shard is not 0"
+        got = np.asarray(J_COMBINE(*put(platform, h, y, w, *wts[3:])))
+        assert_same_bits(got, full, f"moe_combine of {n} shards' pairs vs moe, m={m}")
+    _, y1, w1, _ = shard_pairs(platform, h, wts, 2, MO_K)
+    for i in range(m):
+        _, yi, wi, _ = shard_pairs(platform, h[i:i + 1], wts, 2, MO_K)
+        assert_same_bits(yi[0], y1[i], f"moe_pairs row {i} of m={m} vs one-row call")
+        assert_same_bits(wi[0], w1[i], f"moe_pairs weights row {i}")
+
+
+def test_moe_pairs_combine_errors(platform):
+    rng = np.random.default_rng(9)
+    h = bf16(rng, 3, MO_D)
+    router, gu, dn, sgu, sdn, sg = moe_weights(rng)
+    base = np.array([0], np.int32)
+    with pytest.raises(ValueError, match="baro_moe_pairs: expert_base"):
+        cc.moe_pairs(*put(platform, h, router, gu, dn), np.int32(0), MO_K)
+    with pytest.raises(ValueError, match="baro_moe_pairs: w_down"):
+        cc.moe_pairs(*put(platform, h, router, gu, dn[:3], base), MO_K)
+    with pytest.raises(ValueError, match="baro_moe_pairs: top_k=9 exceeds"):
+        cc.moe_pairs(*put(platform, h, router, gu, dn, base), 9)
+    y = np.zeros((3, MO_K, MO_D), np.float32)
+    with pytest.raises(ValueError, match="baro_moe_combine: w"):
+        cc.moe_combine(*put(platform, h, y, np.zeros((3, MO_K + 1), np.float32), sgu, sdn, sg))
+    with pytest.raises(ValueError, match="baro_moe_combine: y"):
+        cc.moe_combine(*put(platform, h, y.astype(np.float16), np.zeros((3, MO_K), np.float32), sgu, sdn, sg))
+
+
+def test_moe_ties_to_lower_id(platform):
+    rng = np.random.default_rng(11)
+    h = bf16(rng, 6, MO_D)
+    router, gu, down, sgu, sdown, sgate = moe_weights(rng)
+    # experts 2 and 5 get identical (dominant) router rows: exact ties in p
+    router[5] = router[2] = (np.asarray(router[2], np.float32) * 8).astype(BF16)
+    h = np.concatenate([h, -h])  # half the rows prefer the tied pair
+    wts = (router, gu, down, sgu, sdown, sgate)
+    for k in (1, 2, 4):
+        got = np.asarray(J_MOE(*put(platform, h, *wts), top_k=k))
+        assert_close(got, ref_moe(h, *wts, k), 1e-3, f"moe with ties, top_k={k}")
+
+
+def test_moe_errors(platform):
+    rng = np.random.default_rng(12)
+    h = put(platform, bf16(rng, 3, MO_D))
+    wts = list(put(platform, *moe_weights(rng)))
+    with pytest.raises(ValueError, match=r"baro_moe: top_k=9 exceeds the number of experts E=8"):
+        cc.moe(h, *wts, 9)
+    with pytest.raises(ValueError, match=r"baro_moe: w_down must have shape \[8, 32, 16\], got shape \[8, 32, 15\]"):
+        cc.moe(h, wts[0], wts[1], wts[2][..., :15], *wts[3:], 2)
+    with pytest.raises(ValueError, match=r"baro_moe: h must have dtype bfloat16.*got dtype float32"):
+        cc.moe(h.astype(jnp.float32), *wts, 2)
+    with pytest.raises(ValueError, match=r"baro_moe: shared_gate must have shape \[1, 32\]"):
+        cc.moe(h, *wts[:5], wts[5][0], 2)
+
+
+J_MOE_SLOTS = jax.jit(cc.moe_slots, static_argnames=("top_k",))
+J_ROUTE = jax.jit(cc.moe_route, static_argnames=("top_k",))
+
+
+def pool_for(gu, down, experts, S, rng):
+    """A pool of S slots holding `experts` at random slots (the other slots garbage) and slots[E]."""
+    E = gu.shape[0]
+    at = rng.choice(S, len(experts), replace=False)
+    pgu = bf16(rng, S, *gu.shape[1:], scale=9.0)
+    pdn = bf16(rng, S, *down.shape[1:], scale=9.0)
+    slots = np.full((E,), -1, np.int32)
+    for e, s in zip(experts, at):
+        pgu[s], pdn[s], slots[e] = gu[e], down[e], s
+    return pgu, pdn, slots
+
+
+@pytest.mark.parametrize("m", [1, 5, 64, 300])
+def test_moe_slots_same_bytes(platform, m):
+    """Every routed expert resident (at any slot of a pool larger or smaller than E): moe's bytes."""
+    rng = np.random.default_rng(1200 + m)
+    h = bf16(rng, m, MO_D)
+    router, gu, down, sgu, sdown, sgate = moe_weights(rng)
+    want = np.asarray(J_MOE(*put(platform, h, router, gu, down, sgu, sdown, sgate), top_k=MO_K))
+    ids = np.asarray(J_ROUTE(*put(platform, h, router), top_k=MO_K))
+    assert ids.shape == (m, MO_K) and ids.dtype == np.int32
+    routed = sorted(set(ids.reshape(-1).tolist()))
+    for S in sorted({len(routed), MO_E, MO_E + 5}):
+        pgu, pdn, slots = pool_for(gu, down, routed if S < MO_E else range(MO_E), S, rng)
+        got = np.asarray(J_MOE_SLOTS(*put(platform, h, router, pgu, pdn, slots, sgu, sdown, sgate), top_k=MO_K))
+        assert_same_bits(got, want, f"moe_slots m={m} S={S}")
+
+
+# top_k > 32: one warp routes a row, so slot s >= 32's weight is written (and renormalised)
+# by lane s % 32; one row of a batch, a row alone and the float64 reference agree.
+def test_moe_top_k_past_a_warp(platform):
+    rng = np.random.default_rng(1600)
+    E, D, I, Is, k = 64, 64, 32, 32, 40
+    h = bf16(rng, 7, D)
+    w = moe_weights_sized(rng, E, D, I, Is)
+    wd = put(platform, *w)
+    f = jax.jit(lambda *a: cc.moe(*a, top_k=k))
+    poison(platform, (7, D))
+    full = np.asarray(f(put(platform, h), *wd))
+    assert np.all(np.isfinite(full))
+    for i in (0, 3, 6):
+        assert_same_bits(np.asarray(f(put(platform, h[i:i + 1]), *wd))[0], full[i], f"moe top_k={k} row {i}")
+    assert_close(full, ref_moe(h, *w, k), 1e-3, f"moe top_k={k} vs float64")
+
+
+# One token through a slot table with I == Is: the fold (top-k and grouping in one warp,
+# the shared expert as one more grouped row) reading experts at their pool slots gives the
+# bytes of moe, folded or not (BARO_MOE_FOLD=0), with the route and combine inside the
+# grouped GEMMs or not (BARO_MOE_TAIL=0).
+def test_moe_slots_one_token_fold(platform, monkeypatch):
+    rng = np.random.default_rng(1601)
+    E, D, I, Is, k = 16, 256, 64, 64, 4
+    router, gu, down, sgu, sdown, sgate = moe_weights_sized(rng, E, D, I, Is)
+    for row in range(3):
+        h = bf16(rng, 1, D)
+        want = {}
+        for name, knobs in SLOT_FOLD_ARMS:
+            set_knobs(monkeypatch, knobs)
+            want[name] = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(
+                *put(platform, h, router, gu, down, sgu, sdown, sgate)))
+        for name in ("fold", "fold, BARO_MOE_TAIL=0", "fold, BARO_MOE_TAIL=combine"):
+            assert_same_bits(want[name], want["BARO_MOE_FOLD=0"], f"moe one token row {row}: {name} vs BARO_MOE_FOLD=0")
+        ids = np.asarray(J_ROUTE(*put(platform, h, router), top_k=k))
+        for S in (k, E + 3):
+            pgu, pdn, slots = pool_for(gu, down, ids[0].tolist() if S < E else range(E), S, rng)
+            for name, knobs in SLOT_FOLD_ARMS:
+                set_knobs(monkeypatch, knobs)
+                poison(platform, (1, D))
+                got = np.asarray(jax.jit(lambda *a: cc.moe_slots(*a, top_k=k))(
+                    *put(platform, h, router, pgu, pdn, slots, sgu, sdown, sgate)))
+                assert_same_bits(got, want["BARO_MOE_FOLD=0"], f"moe_slots one token row {row} S={S} ({name})")
+        if platform.platform != "cpu":  # a routed expert without a slot: NaN on every path (CPU refuses)
+            pgu, pdn, slots = pool_for(gu, down, range(E), E + 3, rng)
+            slots[ids[0, 0]] = -1
+            for name, knobs in SLOT_FOLD_ARMS:
+                set_knobs(monkeypatch, knobs)
+                got = np.asarray(jax.jit(lambda *a: cc.moe_slots(*a, top_k=k))(
+                    *put(platform, h, router, pgu, pdn, slots, sgu, sdown, sgate)))
+                assert np.all(np.isnan(got)), f"moe_slots one token row {row}, expert {ids[0, 0]} unslotted ({name})"
+    set_knobs(monkeypatch, {})
+
+
+# baro_moe_host: the routed experts with no pool slot are read from the host store inside the
+# call. None, some or all of a token's experts resident, every launch mode of the one-token
+# path: moe's bytes (and on CPU, rows m > 1 too). On a GPU only the one-token path reads the
+# store: more rows are refused with a message saying so.
+def test_moe_host_reads_misses_from_the_store(platform, monkeypatch):
+    rng = np.random.default_rng(1700)
+    E, D, I, Is, k = 16, 256, 64, 64, 4
+    router, gu, down, sgu, sdown, sgate = moe_weights_sized(rng, E, D, I, Is)
+    host = cc.host_store(store_put(platform, gu), store_put(platform, down))
+    f = jax.jit(lambda *a: cc.moe_host(*a, top_k=k, host=host))
+    for row in range(3):
+        h = bf16(rng, 1, D)
+        set_knobs(monkeypatch, {"BARO_MOE_FOLD": "0"})
+        want = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(*put(platform, h, router, gu, down, sgu, sdown, sgate)))
+        ids = np.asarray(J_ROUTE(*put(platform, h, router), top_k=k))[0].tolist()
+        others = [e for e in range(E) if e not in ids]
+        for what, resident, S in (("no routed expert resident", others[:k], k), ("half resident", ids[:k // 2], k),
+                                  ("all resident", range(E), E + 3)):
+            pgu, pdn, slots = pool_for(gu, down, list(resident), S, rng)
+            for name, knobs in HOST_ARMS:
+                set_knobs(monkeypatch, knobs)
+                poison(platform, (1, D))
+                got = np.asarray(f(*put(platform, h, router, pgu, pdn, slots, sgu, sdown, sgate)))
+                assert_same_bits(got, want, f"moe_host row {row}, {what} ({name})")
+    set_knobs(monkeypatch, {})
+    h = bf16(rng, 3, D)
+    pgu, pdn, slots = pool_for(gu, down, [0, 5], k, rng)
+    args = put(platform, h, router, pgu, pdn, slots, sgu, sdown, sgate)
+    if platform.platform == "cpu":
+        want = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(*put(platform, h, router, gu, down, sgu, sdown, sgate)))
+        assert_same_bits(np.asarray(f(*args)), want, "moe_host m=3 (CPU)")
+    else:  # refused before the call: a _small handler's error inside command-buffer capture crashes XLA
+        with pytest.raises(ValueError, match=r"one-token path .*got m=3 rows"):
+            np.asarray(f(*args))
+        set_knobs(monkeypatch, {"BARO_MOE_FOLD": "0"})
+        with pytest.raises(ValueError, match=r"one-token path .*got BARO_MOE_FOLD=0"):
+            one = put(platform, bf16(rng, 1, D), router, pgu, pdn, slots, sgu, sdown, sgate)
+            np.asarray(jax.jit(lambda *a: cc.moe_host(*a, top_k=k, host=host))(*one))
+        set_knobs(monkeypatch, {})
+
+
+def test_moe_host_gpu_conditions_name_what_is_wrong(monkeypatch):
+    """What the GPU's one-token path cannot serve is refused in Python, each reason named."""
+    from custom_calls.moe import _check_host_gpu
+    _check_host_gpu(1, 2048, 256, 512, 512, 8)
+    for args, why in (((2, 2048, 256, 512, 512, 8), "m=2 rows"), ((1, 2048, 256, 512, 256, 8), "shared expert 256 wide"),
+                      ((1, 2048, 256, 512, 512, 33), "top_k=33"), ((1, 2040, 256, 512, 512, 8), "D=2040")):
+        with pytest.raises(ValueError, match=why):
+            _check_host_gpu(*args)
+    monkeypatch.setenv("BARO_GEMM_ROW1", "off")
+    with pytest.raises(ValueError, match="BARO_GEMM_ROW1=off"):
+        _check_host_gpu(1, 2048, 256, 512, 512, 8)
+
+
+def test_moe_host_refuses_rocm_before_the_call(monkeypatch):
+    """On ROCm the store is not read by the kernels: refused in Python, never by the handler."""
+    import importlib
+    cm = importlib.import_module("custom_calls.moe")  # the module (custom_calls.moe is also the op's name)
+    rng = np.random.default_rng(1702)
+    E, D, I, Is, k = 16, 64, 32, 32, 4
+    router, gu, down, sgu, sdown, sgate = moe_weights_sized(rng, E, D, I, Is)
+    pgu, pdn, slots = pool_for(gu, down, [1, 2], k, rng)
+    host = cc.host_store(jnp.asarray(gu), jnp.asarray(down))
+    monkeypatch.setattr(cm, "_xla_platform", lambda dev: "ROCM")
+    with pytest.raises(ValueError, match="host store is CUDA-only"):
+        cc.moe_host(bf16(rng, 1, D), router, pgu, pdn, slots, sgu, sdown, sgate, top_k=k, host=host)
+
+
+def test_moe_host_checks_its_store():
+    rng = np.random.default_rng(1701)
+    E, D, I, Is, k = 16, 64, 32, 32, 4
+    router, gu, down, sgu, sdown, sgate = moe_weights_sized(rng, E, D, I, Is)
+    h = bf16(rng, 1, D)
+    pgu, pdn, slots = pool_for(gu, down, [1, 2], k, rng)
+    with pytest.raises(ValueError, match="host store must hold all E=16 experts"):
+        small = cc.host_store(jnp.asarray(gu[:8]), jnp.asarray(down[:8]))
+        cc.moe_host(h, router, pgu, pdn, slots, sgu, sdown, sgate, top_k=k, host=small)
+    with pytest.raises(TypeError, match="host must be a HostStore"):
+        cc.moe_host(h, router, pgu, pdn, slots, sgu, sdown, sgate, top_k=k, host=(0, 0))
+    with pytest.raises(TypeError, match="must be a concrete jax array"):
+        cc.host_store(np.asarray(gu), np.asarray(down))
+    with pytest.raises(ValueError, match=r"host down must have shape"):
+        cc.host_store(jnp.asarray(gu), jnp.asarray(down[:, :, :16]))
+
+
+# baro_moe_host's one-token launch modes, with the misses staged in the call's scratch (the
+# default) and read by the GEMMs from the store itself (BARO_MOE_HOST=direct)
+HOST_ARMS = [("staged", {}), ("staged, BARO_MOE_TAIL=0", {"BARO_MOE_TAIL": "0"}),
+             ("direct", {"BARO_MOE_HOST": "direct"}), ("direct, BARO_MOE_TAIL=0", {"BARO_MOE_HOST": "direct", "BARO_MOE_TAIL": "0"}),
+             ("direct, BARO_MOE_TAIL=combine", {"BARO_MOE_HOST": "direct", "BARO_MOE_TAIL": "combine"})]
+SLOT_FOLD_ARMS = [("fold", {}), ("fold, BARO_MOE_TAIL=0", {"BARO_MOE_TAIL": "0"}),
+                  ("fold, BARO_MOE_TAIL=combine", {"BARO_MOE_TAIL": "combine"}),
+                  ("BARO_MOE_FOLD=0", {"BARO_MOE_FOLD": "0"})]
+
+
+def test_moe_route_is_moes_routing(platform):
+    """moe_route's ids: descending probability, ties to the lower id (the float64 reference's order)."""
+    rng = np.random.default_rng(13)
+    h = bf16(rng, 6, MO_D)
+    router = moe_weights(rng)[0]
+    router[5] = router[2] = (np.asarray(router[2], np.float32) * 8).astype(BF16)  # exact ties
+    h = np.concatenate([h, -h])
+    logits = f64(h) @ f64(router).T
+    for k in (1, 2, 4):
+        ids = np.asarray(J_ROUTE(*put(platform, h, router), top_k=k))
+        for i in range(h.shape[0]):
+            order = sorted(range(MO_E), key=lambda e: (-logits[i, e], e))[:k]
+            assert ids[i].tolist() == order, (k, i, ids[i], order)
+
+
+def test_moe_slots_not_resident(platform):
+    """A routed expert without a slot never reads another expert's weights: CPU fails the call, GPU gives NaN."""
+    rng = np.random.default_rng(14)
+    h = bf16(rng, 3, MO_D)
+    router, gu, down, sgu, sdown, sgate = moe_weights(rng)
+    ids = np.asarray(J_ROUTE(*put(platform, h, router), top_k=MO_K))
+    pgu, pdn, slots = pool_for(gu, down, range(MO_E), MO_E, rng)
+    slots[ids[1, 0]] = -1
+    args = put(platform, h, router, pgu, pdn, slots, sgu, sdown, sgate)
+    if platform.platform == "cpu":
+        with pytest.raises(Exception, match=r"baro_moe_slots: row 1 routes to expert \d+, whose slot is -1"):
+            np.asarray(J_MOE_SLOTS(*args, top_k=MO_K))
+    else:
+        got = np.asarray(J_MOE_SLOTS(*args, top_k=MO_K))
+        assert np.all(np.isnan(got[1])), "a row with a missing expert must be NaN"
+        one = np.asarray(J_MOE_SLOTS(put(platform, h[1:2]), *args[1:], top_k=MO_K))  # the one-token path
+        assert np.all(np.isnan(one)), "a one-token row with a missing expert must be NaN"
+
+
+def test_moe_slots_errors(platform):
+    rng = np.random.default_rng(15)
+    h = put(platform, bf16(rng, 3, MO_D))
+    router, gu, down, sgu, sdown, sgate = put(platform, *moe_weights(rng))
+    slots = put(platform, np.arange(MO_E, dtype=np.int32))
+    with pytest.raises(ValueError, match=r"baro_moe_slots: slots must have shape \[8\], got shape \[7\]"):
+        cc.moe_slots(h, router, gu, down, slots[:7], sgu, sdown, sgate, 2)
+    with pytest.raises(ValueError, match=r"baro_moe_slots: slots must have dtype int32"):
+        cc.moe_slots(h, router, gu, down, slots.astype(jnp.float32), sgu, sdown, sgate, 2)
+    with pytest.raises(ValueError, match=r"baro_moe_slots: w_down_pool must have shape \[8, 32, 16\]"):
+        cc.moe_slots(h, router, gu, down[:5], slots, sgu, sdown, sgate, 2)
+    with pytest.raises(ValueError, match=r"baro_moe_route: top_k=9 exceeds the number of experts E=8"):
+        cc.moe_route(h, router, 9)

@@ -289,9 +289,9 @@ def test_attention_wgmma_same_bytes(platform, cfg, monkeypatch):
         pytest.skip("BARO_ATTN_WGMMA picks a CUDA kernel")
     # skip only on a GPU known not to be sm_90: a missing or differently spelled attribute runs the
     # test, where BARO_ATTN_WGMMA=require turns a fallback into an error instead of a vacuous pass
-    cc = str(getattr(platform, "compute_capability", "") or "")
-    if cc and cc.replace(".", "") != "90":
-        pytest.skip(f"the wgmma kernel runs on sm_90 only, this GPU is {cc} (elsewhere the knob falls back)")
+    cap = str(getattr(platform, "compute_capability", "") or "")
+    if cap and cap.replace(".", "") != "90":
+        pytest.skip(f"the wgmma kernel runs on sm_90 only, this GPU is {cap} (elsewhere the knob falls back)")
     H, Hkv, hd, R2 = AT_WGMMA[cfg]
     tables = rope_tables(AT_WGMMA_S + 64, R2)
 

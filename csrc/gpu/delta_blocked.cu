@@ -37,8 +37,9 @@
 // row gives the same bits at m = 1 (decode) and inside any prefill chunk, and
 // SEG (CUDA 64, HIP 16) does not change any bit. Only the q/k L2 norms use the
 // GPU's warp order (as the token kernel's HIP path does). No tensor cores: the
-// operands are fp32 (NOTES "next: the GPU kernel"), and a 3xTF32 split would
-// need its own fixed order proven row-invariant on the card first.
+// operands are fp32 (a bf16 mma would change the values, one TF32 mma drops 13
+// mantissa bits), and a 3xTF32 split would need its own fixed order proven
+// row-invariant on the card first.
 //
 // CUDA keeps the block's pending rows in shared memory (loaded once: slots
 // < pos % B; written back once: the slots the call changed); HIP works on the

@@ -12,17 +12,13 @@ between backends; mean 0.089, top-1 96-97% against float32.
   agreement of ordered vs xla on real Python source >= 99% (DESIGN's bar for
   order-changing variants).
 """
-import sys
-import os
-
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import hf_util  # noqa: E402
+import hf_util
 
-import baro_jax  # noqa: E402
+import baro_jax
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,5 @@
 """Small pieces of the bench scripts that decide what a report says."""
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import decode_profile  # noqa: E402
+from benchmarks import decode_profile, sanitize_cover
 
 
 def test_profile_groups_kernels_by_name_without_templates_or_namespaces():
@@ -40,7 +36,6 @@ def test_sanitize_cover_counts_only_clean_runs_of_the_same_gpu_sources(tmp_path)
     error) on a commit with the GPU sources checked; the tests nobody covered are listed."""
     import json
     import subprocess
-    import sanitize_cover
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                           cwd=sanitize_cover.ROOT).stdout.strip()
 

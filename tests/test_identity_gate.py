@@ -1,32 +1,128 @@
-"""The identity gate's CPU form: batched prefill == replay, bytes of states, logits and tokens."""
+"""The identity gate (baro_jax.verify.identity): batched prefill == replay, bytes of states,
+logits and tokens; and that it sees a difference of one bit."""
 import json
-import os
-import sys
+import types
 
+import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import identity  # noqa: E402
+import baro_jax
+from baro_jax import verify
+from baro_jax.verify import identity
+
+from benchmarks.identity import DEFAULT_PROMPTS
 
 
-def test_identity_gate_ordered_cpu(tmp_path):
-    out = tmp_path / "identity.json"
-    rc = identity.main(["--model", "tiny", "--backend", "ordered", "--chunks", "7,16,37,64",
-                        "--max-len", "300", "--new-tokens", "64", "--json", str(out)])
-    res = json.loads(out.read_text())
-    assert rc == 0, [r for r in res["rows"] if not (r["state_equal"] and r["logits_equal"] and r["tokens_equal"])]
-    s = res["summary"]
-    assert s["pass"] and s["cases"] >= 23 * 4
+@pytest.fixture(scope="module")
+def tiny():
+    return baro_jax.load("tiny", backend="ordered", progress=False)
+
+
+def test_identity_gate_ordered_cpu(tiny):
+    prompts = verify.select(verify.load_prompts(DEFAULT_PROMPTS, tiny.tokenizer), max_len=300)
+    rep = verify.run_identity_gate(tiny, prompts, [7, 16, 37, 64], new_tokens=64, log=None)
+    assert rep.ok, [r for r in rep.rows if not identity.row_ok(r)]
+    assert rep.failures == 0 and len(rep.rows) >= 23 * 4
     # the prompt set must cross one and several chunk boundaries for every chunk size
     for c in (7, 16, 37, 64):
-        crossed = {r["boundaries_crossed"] for r in res["rows"] if r["chunk"] == c}
+        crossed = {r["boundaries_crossed"] for r in rep.rows if r["chunk"] == c}
         assert 1 in crossed and max(crossed) >= 3
+    # one replay digest per prompt, shared by its chunk rows
+    by_prompt = {}
+    for r in rep.rows:
+        by_prompt.setdefault((r["prompt"], r["len"]), set()).add(r["replay_digest"])
+    assert all(len(d) == 1 for d in by_prompt.values())
+    js = rep.to_json(model="tiny")
+    assert js["summary"]["pass"] and js["summary"]["model"] == "tiny" and js["rows"] is rep.rows
 
 
-def test_identity_gate_detects_differences(tmp_path):
-    """The xla backend is not row-invariant: the gate must say so and exit non-zero."""
-    rc = identity.main(["--model", "tiny", "--backend", "xla", "--chunks", "16", "--max-len", "70",
-                        "--new-tokens", "4", "--json", str(tmp_path / "x.json")])
-    res = json.loads((tmp_path / "x.json").read_text())
-    assert rc == 1 and not res["summary"]["pass"]
+def test_identity_gate_detects_differences(bench_script, tmp_path):
+    """The xla backend is not row-invariant: the command line must say so and exit 1."""
+    out = tmp_path / "x.json"
+    r = bench_script("identity", "--model", "tiny", "--backend", "xla", "--chunks", "16", "--max-len", "70",
+                     "--new-tokens", "4", "--json", out)
+    res = json.loads(out.read_text())
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert not res["summary"]["pass"] and res["summary"]["failures"] >= 1 and "FAIL" in r.stdout
     assert any(r["first_state_diff"] for r in res["rows"])
+    assert {"commit", "device", "backend", "prompts_file"} <= set(res["summary"])
+
+
+# ----------------------------------------------------------------------------- one bit
+
+class FlipEngine:
+    """A stand-in engine: replay and batch give the same arrays, except that batch at chunk
+    `flip_chunk` flips bit 0 of one byte of the state's L1.v ("state") or of the smallest
+    logit ("logits": the argmax, so the tokens, stay)."""
+    V = 8
+
+    def __init__(self, what, flip_chunk=5):
+        self.what, self.flip_chunk = what, flip_chunk
+        self.cfg = types.SimpleNamespace(layer_types=["linear_attention", "full_attention"], delta_rule="token")
+        self.variant, self.mode = None, "resident"
+
+    def prefill(self, ids, mode, chunk, n_new=0):
+        rng = np.random.default_rng(len(ids))
+        st = {"L0": {"conv": rng.normal(size=(3, 4)).astype(np.float32),
+                     "ssm": rng.normal(size=(2, 4, 4)).astype(np.float32)},
+              "L1": {"k": rng.normal(size=(16, 2)).astype(np.float32),
+                     "v": rng.normal(size=(16, 2)).astype(np.float32)}}
+        logits = np.linspace(0, 1, self.V, dtype=np.float32)
+        logits[0] = 0.25  # a normal float: its lowest bit is a difference of ~3e-8
+        if mode == "batch" and chunk == self.flip_chunk:
+            target = st["L1"]["v"] if self.what == "state" else logits
+            target.view(np.uint8)[0] ^= 1
+        return types.SimpleNamespace(logits=logits, state=st, seconds=0.0)
+
+    def decode_step(self, token, state, pos):
+        logits = np.zeros(self.V, np.float32)
+        logits[(pos * 3) % self.V] = 1.0
+        return logits, state
+
+
+@pytest.mark.parametrize("what", ["state", "logits"])
+def test_one_flipped_bit_fails_its_rows_only(what):
+    eng = FlipEngine(what)
+    prompts = [{"name": "a", "ids": [1, 2, 3, 4, 5, 6]}, {"name": "b", "ids": [7, 8, 9]}]
+    rep = verify.run_identity_gate(lambda: eng, prompts, [4, 5], new_tokens=3, log=None)  # a factory works too
+    bad = [r for r in rep.rows if not identity.row_ok(r)]
+    assert not rep.ok and rep.failures == len(bad) == 2 and {r["chunk"] for r in bad} == {5}
+    for r in bad:
+        assert r["tokens_equal"]
+        if what == "state":
+            assert r["first_state_diff"] == "L1.v" and not r["state_equal"] and r["logits_equal"]
+        else:
+            assert r["state_equal"] and not r["logits_equal"]
+            assert 0 < r["max_abs_logit_diff"] < 1e-7  # one low mantissa bit: allclose would have passed it
+    assert all(identity.row_ok(r) for r in rep.rows if r["chunk"] == 4)
+    assert rep.to_json()["summary"]["pass"] is False
+    assert verify.run_identity_gate(FlipEngine(what, flip_chunk=None), prompts, [4, 5], new_tokens=3, log=None).ok
+
+
+def test_compare_sees_tokens_and_leaf_count():
+    ref = {"state": [np.zeros(3, np.float32)], "logits": np.ones(4, np.float32), "tokens": [1, 2, 3]}
+    assert identity.row_ok({**identity.compare(ref, dict(ref), ["L0.k"])})
+    c = identity.compare(ref, {**ref, "tokens": [1, 2, 4]}, ["L0.k"])
+    assert c["state_equal"] and c["logits_equal"] and not c["tokens_equal"]
+    c = identity.compare(ref, {**ref, "state": ref["state"] + [np.zeros(1)]}, ["L0.k"])
+    assert not c["state_equal"] and c["first_state_diff"] == "leaf 1"
+    neg = {**ref, "state": [-np.zeros(3, np.float32)]}  # -0.0 == 0.0 as numbers, not as bytes
+    assert identity.compare(ref, neg, ["L0.k"])["first_state_diff"] == "L0.k"
+
+
+def test_reference_digests_fail_and_an_empty_match_is_no_pass(tmp_path):
+    eng = FlipEngine("state", flip_chunk=None)
+    prompts = [{"name": "a", "ids": [1, 2, 3]}]
+    one = verify.run_identity_gate(eng, prompts, [2], new_tokens=2, log=None)
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps(one.to_json()))
+    ref = verify.read_reference(str(path))
+    assert ref == {("a", 3): one.rows[0]["replay_digest"]}
+    assert verify.run_identity_gate(eng, prompts, [2], new_tokens=2, reference=ref, log=None).ok
+    wrong = {("a", 3): "0" * 64}
+    rep = verify.run_identity_gate(eng, prompts, [2], new_tokens=2, reference=wrong, log=None)
+    assert not rep.ok and rep.failures == 1 and rep.arm_failures == 0
+    assert rep.rows[0]["replay_matches_reference"] is False
+    other = {("b", 3): one.rows[0]["replay_digest"]}  # nothing of this run in it
+    rep = verify.run_identity_gate(eng, prompts, [2], new_tokens=2, reference=other, log=None)
+    assert rep.failures == 0 and not rep.ok and rep.to_json()["summary"]["reference"]["prompts_compared"] == 0

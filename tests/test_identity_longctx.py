@@ -2,11 +2,12 @@
 in bytes (and passes), and it records a replay that cannot meet its deadline as skipped instead
 of running it. The long lengths themselves run on the H200 (run_gpu.sh longctx)."""
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import identity_longctx  # noqa: E402
+import numpy as np
+import pytest
+
+from baro_jax.verify import digests, longctx
+from benchmarks import identity_longctx
 
 
 def test_longctx_script_passes_and_skips_past_deadline(tmp_path):
@@ -45,7 +46,37 @@ def test_longctx_replay_in_two_calls_matches(tmp_path):
     row = res["rows"][0]
     assert row["replay_parts"]["first"]["tokens"] == 61 and row["replay_parts"]["second"]["tokens"] == 89
     assert all(a["identical"] and a["state_leaves_differing"] == 0 for a in row["arms"])
-    import pytest
-
     with pytest.raises(SystemExit):  # no saved part for this length
         identity_longctx.main(["--model", "tiny", "--lengths", "151", "--replay-resume", str(part)])
+
+
+def test_saved_replay_round_trips_bytes_and_refuses_another_run(tmp_path):
+    """save_replay keeps every leaf's bytes (bfloat16 included); load_replay refuses a file
+    whose meta or leaf shapes are not this run's."""
+    import jax.numpy as jnp
+
+    state = {"a": {"k": jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.bfloat16)},
+             "b": {"ssm": jnp.asarray(np.arange(6, dtype=np.float32).reshape(2, 3))}}
+    path = str(tmp_path / "s.npz")
+    meta = {"model": "m", "seed": 1, "prompt_tokens": 9, "state_length": 16}
+    longctx.save_replay(path, state, {**meta, "replayed": 5})
+    like = {"a": {"k": jnp.zeros((4, 3), jnp.bfloat16)}, "b": {"ssm": jnp.zeros((2, 3), jnp.float32)}}
+    got, saved = longctx.load_replay(path, like, meta)
+    assert saved["replayed"] == 5 and longctx.saved_meta(path)["seed"] == 1
+    assert digests.differing_leaves(digests.host_leaves(got), digests.host_leaves(state)) == []
+    with pytest.raises(ValueError, match="seed=1.*this run has 2"):
+        longctx.load_replay(path, like, {**meta, "seed": 2})
+    with pytest.raises(ValueError, match="leaf 0 is bfloat16"):
+        longctx.load_replay(path, {"a": {"k": jnp.zeros((4, 4), jnp.bfloat16)}, "b": like["b"]}, meta)
+
+
+def test_compare_arm_counts_leaves_and_one_bit():
+    ref = {"state": [np.zeros(4, np.float32), np.ones(2, np.float32)], "logits": np.ones(3, np.float32),
+           "tokens": [1, 2]}
+    assert longctx.compare_arm({k: v for k, v in ref.items()}, ref)["identical"]
+    flipped = ref["state"][1].copy()
+    flipped.view(np.uint8)[0] ^= 1
+    arm = longctx.compare_arm({**ref, "state": [ref["state"][0], flipped]}, ref)
+    assert not arm["identical"] and arm["state_leaves_differing"] == 1 and arm["first_differing_leaf"] == 1
+    assert arm["logits_equal"] and arm["tokens_equal"] and arm["state_leaves"] == 2
+    assert not longctx.compare_arm({**ref, "tokens": [1, 3]}, ref)["identical"]

@@ -1,11 +1,8 @@
 """benchmarks/identity.py --reference-json: replay digests of one run checked against another's
 (how tier mode under a small device limit is compared with resident mode on the GPU)."""
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import identity  # noqa: E402
+from benchmarks import identity
 
 BASE = ["--model", "tiny", "--chunks", "16", "--max-len", "40", "--new-tokens", "4"]
 

@@ -8,6 +8,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 SEED_RANGE = (0, 2**63 - 1)  # what jax.random.key takes (a C long); negative seeds are refused too
@@ -79,27 +80,37 @@ def greedy(logits):
 
 @partial(jax.jit, static_argnames=("top_k",))
 def sample(logits, key, temperature, top_k: int, top_p):
-    logits = logits.astype(jnp.float32) / temperature
+    """One id drawn from softmax(logits / temperature), restricted to the top_k largest logits
+    (0: all) and then to the smallest prefix of them whose probability reaches top_p. Ranks are
+    taken on the logits themselves, ties to the lower id as in greedy, so a temperature that squashes
+    the scaled logits together (1e38) does not reorder them, and top_k=1 or a tiny top_p is greedy.
+    A temperature so small that logits / temperature leaves float32 (or rounds to zero) is the
+    t -> 0 limit: greedy, not a draw among the ids the division made infinite."""
+    if top_k == 1:
+        return greedy(logits)
+    logits = logits.astype(jnp.float32)
+    z = logits / temperature
+    overflow = jnp.any(jnp.isfinite(logits) & ~jnp.isfinite(z))
+    order = jnp.argsort(-logits, stable=True)  # descending, equal logits in id order
+    sz = z[order]
     if top_k:
-        kth = jax.lax.top_k(logits, top_k)[0][..., -1]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    sorted_logits = jnp.sort(logits)[::-1]
-    probs = jax.nn.softmax(sorted_logits)
-    cum = jnp.cumsum(probs)
-    # keep the smallest prefix whose mass reaches top_p (always at least one token)
-    cutoff_idx = jnp.sum(cum < top_p)
-    cutoff = sorted_logits[jnp.minimum(cutoff_idx, logits.shape[-1] - 1)]
-    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(key, logits).astype(jnp.int32)
+        sz = jnp.where(jnp.arange(sz.shape[-1]) < top_k, sz, -jnp.inf)
+    cum = jnp.cumsum(jax.nn.softmax(sz))
+    mass_before = jnp.concatenate([jnp.zeros((1,), cum.dtype), cum[:-1]])
+    keep = (jnp.arange(sz.shape[-1]) == 0) | ((mass_before < top_p) & (sz > -jnp.inf))
+    drawn = order[jax.random.categorical(key, jnp.where(keep, sz, -jnp.inf))]
+    return jnp.where(overflow, greedy(logits), drawn).astype(jnp.int32)
 
 
 class Sampler:
     def __init__(self, s: Sampling):
         self.s = s.validate()
         self.key = jax.random.PRNGKey(s.seed)
+        with np.errstate(over="ignore", under="ignore"):  # 1e39 -> inf and 1e-50 -> 0: sample's limits
+            self.t32 = np.float32(s.temperature)
 
     def __call__(self, logits) -> int:
         if self.s.greedy:
             return int(greedy(logits))
         self.key, sub = jax.random.split(self.key)
-        return int(sample(logits, sub, jnp.float32(self.s.temperature), self.s.top_k, jnp.float32(self.s.top_p)))
+        return int(sample(logits, sub, self.t32, self.s.top_k, jnp.float32(self.s.top_p)))

@@ -1,0 +1,140 @@
+"""Sampling at the edges of float32: top_k=1 and tiny temperatures are greedy, ranks are taken on the
+logits (ties to the lower id), top_k / top_p keep the documented set, a huge temperature is uniform
+over it. Fresh random logits every run (the seed is printed on failure), several vocab sizes, ties."""
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from baro_jax.sampling import Sampler, Sampling, greedy, sample
+
+F32_MAX = float(np.finfo(np.float32).max)
+SEED = int(np.random.SeedSequence().entropy % (1 << 32))
+
+
+@pytest.fixture
+def rng():
+    print(f"test_sampling random seed {SEED}")
+    return np.random.default_rng(SEED)
+
+
+def _logits(rng, v, ties: bool):
+    """Model-like logits: bf16 values (so ties happen), scaled like real ones; with ties, the max
+    value is repeated at random ids."""
+    x = (rng.standard_normal(v) * rng.choice([0.5, 4.0, 30.0])).astype(ml_dtypes.bfloat16).astype(np.float32)
+    if ties:
+        ids = rng.choice(v, size=min(v, rng.integers(2, 6)), replace=False)
+        x[ids] = x.max() + rng.choice([0.0, 1.0, 100.0])
+    return x
+
+
+def _f32(t):
+    with np.errstate(over="ignore", under="ignore"):
+        return np.float32(t)
+
+
+def _draw(logits, t, k, p, seed):
+    return int(sample(jnp.asarray(logits), jax.random.PRNGKey(seed), _f32(t), k, jnp.float32(p)))
+
+
+def _greedy(x):
+    return int(np.argmax(x))  # numpy: first maximum, the lower id
+
+
+VOCABS = (2, 7, 256, 4099)
+TEMPS = (1e-45, 1e-40, 1e-38, 1e-30, 1e-6, 0.3, 1.0, 7.0, 1e10, 1e38, 3.4e38, 1e39)
+
+
+@pytest.mark.parametrize("v", VOCABS)
+def test_top_k_1_is_greedy_whatever_the_temperature_top_p_or_seed(rng, v):
+    for trial in range(12):
+        x = _logits(rng, v, ties=trial % 2 == 0)
+        assert int(greedy(jnp.asarray(x))) == _greedy(x)
+        for t in TEMPS:
+            p = float(rng.choice([1e-30, 0.1, 0.9, 1.0]))
+            assert _draw(x, t, 1, p, int(rng.integers(1 << 31))) == _greedy(x), (t, p)
+
+
+@pytest.mark.parametrize("v", VOCABS)
+@np.errstate(over="ignore", divide="ignore")  # the overflow is the point
+def test_overflowing_temperature_is_greedy(rng, v):
+    """Where logits / temperature leaves float32, the choice is greedy for every top_k / top_p / seed."""
+    for trial in range(10):
+        x = _logits(rng, v, ties=trial % 2 == 1)
+        big = float(np.abs(x).max())
+        # the smallest float32 temperature at which every scaled logit is still finite
+        edge = np.float32(big / F32_MAX)
+        while not np.isfinite(np.float32(big) / edge):
+            edge = np.nextafter(edge, np.float32(np.inf))
+        below = [float(np.nextafter(edge, np.float32(0))), float(edge) / 3, 1e-45, 0.0]
+        for t in below:
+            if t > 0 and np.isfinite(np.float32(big) / _f32(t)):
+                continue  # the scaled logits fit (edge rounding): not the overflow case
+            for k in (0, 2, v):
+                for p in (1.0, 0.5):
+                    assert _draw(x, t, k, p, int(rng.integers(1 << 31))) == _greedy(x), (t, k, p)
+
+
+@pytest.mark.parametrize("v", VOCABS)
+def test_tiny_top_p_keeps_exactly_the_argmax(rng, v):
+    for trial in range(10):
+        x = _logits(rng, v, ties=True)
+        for t in (1e-3, 1.0, 50.0, 1e30):
+            for p in (1e-45, 1e-30, 1e-9):
+                assert _draw(x, t, 0, p, int(rng.integers(1 << 31))) == _greedy(x), (t, p)
+
+
+def _kept(x, t, k, p):
+    """The documented kept set, in float64: ids ranked by logit (ties to the lower id), the first k,
+    then the smallest prefix whose probability (at temperature t) reaches p."""
+    order = sorted(range(len(x)), key=lambda i: (-x[i], i))
+    if k:
+        order = order[:k]
+    z = np.array([x[i] / t for i in order], np.float64)
+    pr = np.exp(z - z.max())
+    pr /= pr.sum()
+    before = np.concatenate([[0.0], np.cumsum(pr)[:-1]])
+    return {i for i, b in zip(order, before) if b < p}, dict(zip(order, pr))
+
+
+@pytest.mark.parametrize("v", (7, 256))
+def test_draws_stay_in_the_kept_set_and_follow_its_probabilities(rng, v):
+    draw = jax.jit(jax.vmap(sample, in_axes=(None, 0, None, None, None)), static_argnums=3)
+    for trial in range(4):
+        x = _logits(rng, v, ties=trial % 2 == 0) / 4
+        t, k, p = float(rng.choice([0.7, 1.0, 2.0])), int(rng.choice([0, 3, 5])), float(rng.choice([0.6, 0.95, 1.0]))
+        keep, pr = _kept(x, t, k, p)
+        n = 4000
+        keys = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 31))), n)
+        ids = np.asarray(draw(jnp.asarray(x), keys, jnp.float32(t), k, jnp.float32(p)))
+        assert set(ids.tolist()) <= keep, (set(ids.tolist()) - keep, t, k, p)
+        mass = sum(pr[i] for i in keep)
+        for i in keep:  # each kept id within 6 standard deviations of its renormalised probability
+            q = pr[i] / mass
+            assert abs((ids == i).mean() - q) <= 6 * math.sqrt(q * (1 - q) / n) + 1 / n, (i, q, t, k, p)
+
+
+def test_huge_temperature_ranks_on_the_logits():
+    """At t = 3e38 the scaled logits are subnormal or zero (equal after a flush), yet top_k still
+    keeps the largest logits, not the lowest ids, and draws are uniform over them."""
+    x = np.array([0.0, 0.5, -1.0, 2.0, 1.0, 2.0, -3.0, 1.5], np.float32)
+    draw = jax.jit(jax.vmap(sample, in_axes=(None, 0, None, None, None)), static_argnums=3)
+    keys = jax.random.split(jax.random.PRNGKey(SEED), 3000)
+    for t in (3e38, 1e39):
+        ids = np.asarray(draw(jnp.asarray(x), keys, _f32(t), 3, jnp.float32(1.0)))
+        assert set(ids.tolist()) == {3, 5, 7}
+        assert all(abs((ids == i).mean() - 1 / 3) < 0.05 for i in (3, 5, 7))
+        ids = np.asarray(draw(jnp.asarray(x), keys, _f32(t), 0, jnp.float32(0.3)))
+        assert set(ids.tolist()) == {3, 5, 7}  # top_p 0.3 of a uniform 8: the first three ranks
+
+
+def test_sampler_tiny_temperature_is_greedy(rng):
+    for v in VOCABS:
+        x = _logits(rng, v, ties=True)
+        for t in (1e-300, 1e-45, 1e-39):
+            for k in (0, 1, min(4, v)):
+                s = Sampler(Sampling(temperature=t, top_k=k, top_p=0.9, seed=int(rng.integers(1 << 62))))
+                assert [s(jnp.asarray(x)) for _ in range(3)] == [_greedy(x)] * 3, (v, t, k)

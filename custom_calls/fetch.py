@@ -2,9 +2,9 @@
 
 A dynamic-slice of a pinned_host array at a device-side index (what a jit of
 `device_put(store[e])` is) runs on the GPU as XLA's async dynamic slicing, a fusion kernel whose
-SMs read over the host link (by every sign: the expert cache's copies moved what the direct
-path's kernel reads move, ~19 GB/s on the H200); the copy engines move ~52 GB/s but need the
-addresses on the host. So the (expert, slot) list goes through a host ring (csrc/common/fetch_ring.h): fetch()
+SMs read over the host link; the copy engines need no SMs but need the addresses on the host
+(on the H200 the cache path's decode went 86.8 -> 79.5 ms per token with them at 856b132:
+benchmarks/results/decode_profile_tier_cache_dma_h200.json). So the (expert, slot) list goes through a host ring (csrc/common/fetch_ring.h): fetch()
 writes this call's entry, then runs the op, whose handler reads the entry on the host and issues
 one copy per miss on XLA's stream. The op has no command-buffer trait, so every call runs its
 handler. Not for use inside a larger jit: the entry is written when fetch() is called.

@@ -22,14 +22,12 @@ import argparse
 import collections
 import glob
 import os
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from benchmarks.common import provenance, write_json  # noqa: E402
+from baro_jax.verify.records import provenance, write_json
 
 
 def union_ns(intervals):

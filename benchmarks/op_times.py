@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
 import sys
 import time
@@ -18,8 +17,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import provenance, write_json  # noqa: E402
+from baro_jax.verify.records import provenance, write_json
 
 
 def cases(cfg, m, S, pos, key):

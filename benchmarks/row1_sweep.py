@@ -22,9 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from benchmarks.common import provenance  # noqa: E402
-from benchmarks.decode_profile import read_trace  # noqa: E402
+from baro_jax.verify.records import provenance
+from decode_profile import read_trace  # this script's own directory, first on sys.path
 
 import custom_calls as cc
 

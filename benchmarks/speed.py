@@ -47,8 +47,8 @@ import numpy as np
 import jax
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from common import provenance, same_bytes as same, write_json  # noqa: E402
+from baro_jax.verify.digests import same_bytes as same
+from baro_jax.verify.records import provenance, write_json
 
 T0 = time.perf_counter()
 

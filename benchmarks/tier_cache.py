@@ -20,8 +20,7 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from common import provenance, write_json  # noqa: E402
+from baro_jax.verify.records import provenance, write_json
 
 PROMPT = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\nprint(fib("
 

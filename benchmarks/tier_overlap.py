@@ -36,8 +36,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import provenance, write_json  # noqa: E402
+from baro_jax.verify.records import provenance, write_json
 
 STATE_PAD = 8  # KV positions past the chunk: the pass's state is a little longer than its rows
 

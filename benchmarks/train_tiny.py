@@ -49,8 +49,6 @@ import time
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

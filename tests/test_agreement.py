@@ -1,23 +1,23 @@
-"""Order-changing variants (baro_jax/variants.py) and their judge, benchmarks/agreement.py.
+"""Order-changing variants (baro_jax/variants.py) and their judge, baro_jax.verify.agreement
+(command line: benchmarks/agreement.py).
 
 The harness runs once per module on the trained `tiny` (2 prompts x 8 tokens, chunk 16 so the
 forced forward crosses chunk boundaries); its numbers are printed (run with -s to see them), the
 test writes nothing to the repository.
 """
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import agreement  # noqa: E402
+import baro_jax
+from baro_jax import ops_ordered, ops_xla, variants
+from baro_jax import verify
+from baro_jax.verify import agreement
 
-import baro_jax  # noqa: E402
-from baro_jax import ops_ordered, ops_xla, variants  # noqa: E402
+from benchmarks import agreement as agreement_cli
 
 ARGS = ["--model", "tiny", "--limit", "2", "--new-tokens", "8", "--chunk", "16"]
 
@@ -25,8 +25,8 @@ ARGS = ["--model", "tiny", "--limit", "2", "--new-tokens", "8", "--chunk", "16"]
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("agreement") / "a.json"
-    rc = agreement.main(ARGS + ["--candidate", ",".join(variants.VARIANTS), "--speed-length", "40",
-                                "--json", str(out)])
+    rc = agreement_cli.main(ARGS + ["--candidate", ",".join(variants.VARIANTS), "--speed-length", "40",
+                                    "--json", str(out)])
     return rc, json.loads(out.read_text())
 
 
@@ -53,10 +53,11 @@ def test_control_is_100_and_candidates_give_numbers(run):
         assert res["candidate_agreement"][name] == c["candidate_agreement"]
         assert res["passes_bar"][name] == (c["candidate_agreement"] >= 99.0)
         assert np.isfinite(c["mean_abs_logit_diff"]) and c["max_abs_logit_diff"] > 0  # the order did change
-        assert not c["logits_identical"]
+        assert not c["logits_identical"] and c["overridden_ops"]
     assert rc == (0 if all(res["passes_bar"].values()) else 1)
     assert len(res["rows"]) == 2 and all(len(r["reference_tokens"]) == 8 for r in res["rows"])
     assert "commit" in res["provenance"] and "device" in res["provenance"]
+    assert res["config"]["model"] == "tiny" and res["config"]["prompts_done"] == 2 and not res["partial"]
 
 
 def test_perturbed_control_fails_loudly(monkeypatch, capsys, tmp_path):
@@ -70,7 +71,7 @@ def test_perturbed_control_fails_loudly(monkeypatch, capsys, tmp_path):
         return lg
 
     monkeypatch.setattr(agreement, "teacher_forced", broken)
-    rc = agreement.main(ARGS + ["--candidate", "delta-chunk", "--json", str(tmp_path / "b.json")])
+    rc = agreement_cli.main(ARGS + ["--candidate", "delta-chunk", "--json", str(tmp_path / "b.json")])
     err = capsys.readouterr().err
     assert rc == 3
     assert "HARNESS BROKEN" in err and "not 100.0" in err
@@ -78,10 +79,87 @@ def test_perturbed_control_fails_loudly(monkeypatch, capsys, tmp_path):
     assert not res["harness_ok"] and not res["all_pass"] and res["control_agreement"] < 100.0
 
 
-def test_unknown_candidate_names_choices(capsys):
-    assert agreement.main(["--model", "tiny", "--candidate", "fast-everything"]) == 2
-    err = capsys.readouterr().err
-    assert "fast-everything" in err and all(v in err for v in variants.VARIANTS)
+def test_unknown_candidate_names_choices(bench_script):
+    r = bench_script("agreement", "--model", "tiny", "--candidate", "fast-everything")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "fast-everything" in r.stderr and all(v in r.stderr for v in variants.VARIANTS)
+    assert "agreement bar: 99.0%" in r.stdout
+
+
+# ----------------------------------------------------------------------------- the arithmetic
+
+def test_score_counts_positions_and_finds_the_first_divergence():
+    ref_tokens = [2, 0, 1, 3]
+    ref = np.eye(4, dtype=np.float32)[ref_tokens] * 5.0  # one-hot at the reference tokens
+    ref[2, 3] = 4.5  # a near-tie at position 2
+    got = ref.copy()
+    got[2, 3] = 6.0  # position 2 flips to token 3
+    r = agreement.score(got, ref_tokens, ref)
+    assert r["matches"] == 3 and r["positions"] == 4 and r["agreement"] == 75.0
+    assert r["first_divergence"] == 2 and r["token_at_first_divergence"] == {"reference": 1, "candidate": 3}
+    assert r["ref_margin_at_first_divergence"] == pytest.approx(0.5)
+    assert r["max_abs_logit_diff"] == pytest.approx(1.5) and r["mean_abs_logit_diff"] == pytest.approx(1.5 / 16)
+    assert not r["logits_identical"]
+    same = agreement.score(ref.copy(), ref_tokens, ref)
+    assert same["agreement"] == 100.0 and same["logits_identical"] and same["first_divergence"] is None
+    with pytest.raises(ValueError, match="scored logits"):
+        agreement.score(got[:3], ref_tokens, ref)
+
+
+def test_summarise_weights_by_positions_not_prompts():
+    rows = [{"matches": 1, "positions": 1, "mean_abs_logit_diff": 0.0, "max_abs_logit_diff": 0.0,
+             "logits_identical": True, "first_divergence": None},
+            {"matches": 0, "positions": 3, "mean_abs_logit_diff": 2.0, "max_abs_logit_diff": 5.0,
+             "logits_identical": False, "first_divergence": 0}]
+    s = agreement.summarise(rows)
+    assert s["agreement"] == 25.0  # 1 of 4 positions, not the mean of 100% and 0%
+    assert s["mean_abs_logit_diff"] == 1.5 and s["max_abs_logit_diff"] == 5.0
+    assert not s["logits_identical"] and s["prompts_diverged"] == 1 and s["earliest_divergence"] == 0
+
+
+class ForcedEngine:
+    """A stand-in arm whose forced logits pick the reference token except at `wrong` positions."""
+    V = 6
+
+    def __init__(self, variant=None, wrong=()):
+        self.variant, self.wrong = variant, set(wrong)
+        self.ops = type("Ops", (), {"overridden": ("delta",)})()
+
+    def forced_logits(self, seq, chunk=None, state_len=None, start=0):
+        out = np.zeros((len(seq) - start, self.V), np.float32)
+        for i, p in enumerate(range(start, len(seq))):
+            nxt = seq[p + 1] if p + 1 < len(seq) else 5
+            out[i, (nxt + (i in self.wrong)) % self.V] = 1.0
+        return out
+
+
+def test_harness_percent_and_bar_on_a_constructed_case(monkeypatch):
+    """Reference tokens 1, 2, 3, 5 after each prompt; the candidate misses 1 of 4 positions on
+    one prompt and none on the other: 7/8 = 87.5%, under the 99% bar; the control 100%."""
+    def fake_reference(eng, ids, n_new):
+        toks = [1, 2, 3, 5][:n_new]
+        return toks, np.eye(ForcedEngine.V, dtype=np.float32)[toks], 64
+
+    monkeypatch.setattr(agreement, "reference", fake_reference)
+    arms = {"control": ForcedEngine(), "delta-chunk": ForcedEngine("delta-chunk", wrong={1})}
+    calls = []
+    h = agreement.Agreement(arms, 4, log=None)
+    h.score_prompt("a", [0, 4])
+    arms["delta-chunk"].wrong = set()
+    agreement.run_agreement(arms, [{"name": "b", "ids": [3]}], 4, harness=h, on_prompt=calls.append)
+    assert calls == [h]
+    out = h.to_json(False, {"model": "fake"})
+    assert out["control_agreement"] == 100.0 and out["harness_ok"]
+    c = out["candidates"]["delta-chunk"]
+    assert c["matches"] == 7 and c["positions"] == 8 and c["agreement"] == 87.5
+    assert not c["passes_bar"] and not out["all_pass"] and out["passes_bar"] == {"delta-chunk": False}
+    assert c["overridden_ops"] == ["delta"] and out["config"]["model"] == "fake"
+    assert [r["arms"]["delta-chunk"]["first_divergence"] for r in out["rows"]] == [1, None]
+    h.bar = 87.5  # exactly at the bar passes
+    assert h.all_pass() and not h.all_pass(partial=True)
+    arms["control"].wrong = {0}
+    h.score_prompt("c", [2])
+    assert not h.harness_ok and h.control_divergences() == [("c", 0)]
 
 
 # ----------------------------------------------------------------------------- selection
@@ -91,9 +169,9 @@ def test_unknown_variant_names_choices(monkeypatch):
         variants.check("turbo")
     with pytest.raises(ValueError, match="xla, attn-fast, delta-chunk"):
         baro_jax.load("tiny", variant="turbo", progress=False)
-    monkeypatch.setenv("BARO_VARIANT", "turbo")
+    monkeypatch.setenv("BARO_VARIANT", "turbo")  # the environment is read once, by the settings
     with pytest.raises(ValueError, match="BARO_VARIANT.*xla, attn-fast, delta-chunk"):
-        variants.env_variant()
+        baro_jax.load("tiny", progress=False)
 
 
 def test_api_and_env_select_ops(monkeypatch):
@@ -131,7 +209,7 @@ def test_cli_variant(capsys, monkeypatch):
     assert json.loads(out)["variant"] == "attn-fast"
     rc = generate.main(["--prompt-ids", "1,2,3", "--max-new-tokens", "1", "--variant", "warp", "--json"])
     err = capsys.readouterr().err
-    assert rc == 2 and "unknown variant 'warp'" in err and "attn-fast" in err
+    assert rc == 2 and "--variant" in err and "'warp'" in err and all(v in err for v in variants.VARIANTS)
 
 
 # ----------------------------------------------------------------------------- op contracts
@@ -201,7 +279,7 @@ def test_speeds_are_on_disk_before_the_first_prompt(tmp_path, monkeypatch):
 
     monkeypatch.setattr(agreement, "reference", cut)
     with pytest.raises(KeyboardInterrupt):
-        agreement.main(["--model", "tiny", "--limit", "1", "--new-tokens", "2", "--candidate", "xla",
+        agreement_cli.main(["--model", "tiny", "--limit", "1", "--new-tokens", "2", "--candidate", "xla",
                         "--speed-length", "20", "--json", str(out)])
     res = json.loads(out.read_text())
     assert res["partial"] is True and res["config"]["prompts_done"] == 0

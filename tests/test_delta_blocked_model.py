@@ -1,8 +1,6 @@
 """The chunk-aligned delta rule (docs/DESIGN.md §9) in the model, on CPU: the opt-in switch, the identity
 gate with the blocked rule, and the blocked model's logits against the token model's."""
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -10,9 +8,7 @@ import pytest
 import baro_jax
 from baro_jax import model as M
 from baro_jax.config import DELTA_BLOCK
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import identity  # noqa: E402
+from benchmarks import identity
 
 CHUNKS = (7, 16, 37, 64, 100)  # 64 = the block; 7, 37, 100 start chunks mid-block
 

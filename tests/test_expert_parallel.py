@@ -56,8 +56,7 @@ def test_budget_counts_a_device_share_of_the_experts():
 def test_speed_bench_runs_the_expert_parallel_path(tmp_path, capsys):
     """speed.py --devices N times the sharded engine (issue 14's speed row) and checks its identity;
     the xla arm is refused with a message (expert parallel runs the ordered kernels)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    import speed
+    from benchmarks import speed
 
     out = tmp_path / "s.json"
     rc = speed.main(["--model", "tiny", "--arms", "batch-ordered", "--devices", "1", "--lengths", "40",

@@ -2,12 +2,8 @@
 check, and write the fields issue 11's evidence needs. Their GPU numbers come from
 `run_gpu.sh tier`."""
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import speed  # noqa: E402
-import tier_overlap  # noqa: E402
+from benchmarks import speed, tier_overlap
 
 
 def test_tier_overlap_reports_copy_compute_and_both(tmp_path):

@@ -31,7 +31,7 @@ def parse_args(argv=None):
     ap.add_argument("--variant", default="none",
                     help="an opt-in order-changing variant (xla, attn-fast, delta-chunk): expected to FAIL this gate")
     ap.add_argument("--delta-rule", default=None, choices=["token", "blocked"],
-                    help="the delta rule: token (per-token, default) or blocked (chunk-aligned, DESIGN §9); "
+                    help="the delta rule: token (per-token, default) or blocked (chunk-aligned, docs/DESIGN.md §9); "
                          "default: env BARO_DELTA, else token")
     ap.add_argument("--mode", default="resident", choices=["resident", "tier"],
                     help="where the routed experts live (tier: pinned host memory, staged per layer); "

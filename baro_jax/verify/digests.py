@@ -27,7 +27,7 @@ def host_leaves(state) -> list[np.ndarray]:
 def state_names(cfg) -> list[str]:
     """A name per state leaf, in the order host_leaves returns them: "L{layer}.{key}" with
     k, v for attention layers and conv, ssm (plus blk_k, blk_u, blk_c, the pending rows of the
-    chunk-aligned delta rule's block, DESIGN §9) for Gated DeltaNet layers."""
+    chunk-aligned delta rule's block, docs/DESIGN.md §9) for Gated DeltaNet layers."""
     names = []
     for i, t in enumerate(cfg.layer_types):
         keys = ["k", "v"] if t == "full_attention" else ["conv", "ssm"]

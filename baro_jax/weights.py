@@ -609,6 +609,23 @@ def _refuse_nonfinite(names: list[str], where: str):
                            f"env BARO_ALLOW_NONFINITE=1) to load it anyway")
 
 
+LOAD_DTYPES = ("bfloat16", "float32")
+
+
+def _load_dtype(dtype):
+    """The load dtype, bfloat16 or float32, given by name or as a dtype. Anything else is refused,
+    not converted: jnp.dtype would take "half" as float16 and None as float64."""
+    name = dtype if isinstance(dtype, str) else None
+    if name is None and dtype is not None:
+        try:
+            name = jnp.dtype(dtype).name
+        except TypeError:
+            pass
+    if name not in LOAD_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(LOAD_DTYPES)} (a name or a dtype), got {dtype!r}")
+    return jnp.dtype(name)
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1024 or unit == "TB":
@@ -625,6 +642,7 @@ def load_params(path: str, cfg: Config, dtype=jnp.bfloat16, progress: bool = Tru
     holding NaN/Inf unless allow_nonfinite (None: env BARO_ALLOW_NONFINITE). `place(target, array)`
     stores each finished tensor (tier mode puts routed experts in host memory); default: the
     default device."""
+    dtype = _load_dtype(dtype)
     if allow_nonfinite is None:
         allow_nonfinite = allow_nonfinite_env()
     t0 = time.time()
@@ -688,6 +706,7 @@ def _to_numpy(v) -> np.ndarray:
 def params_from_state_dict(state: dict[str, Any], cfg: Config, dtype=jnp.bfloat16, allow_nonfinite: bool | None = None):
     """Same as load_params, from an in-memory {hf_name: array} dict (numpy arrays, torch tensors,
     or anything np.asarray takes), e.g. ``model.state_dict()`` of a transformers model."""
+    dtype = _load_dtype(dtype)
     if allow_nonfinite is None:
         allow_nonfinite = allow_nonfinite_env()
     arrays = {k: _to_numpy(v) for k, v in state.items()}

@@ -275,6 +275,22 @@ def test_progress_lines(saved, capsys):
     assert "[baro_jax] shard 1/1 model.safetensors:" in err and "[baro_jax] loaded" in err
 
 
+def test_load_dtype_spellings(saved):
+    """bfloat16 / float32, by name or as a dtype; other spellings are refused, never converted
+    (jnp.dtype would take "half" as float16 and None as float64)."""
+    model, d = saved["qwen3_next"]
+    cfg = C.load_config(d)
+    for dt in ("bfloat16", jnp.bfloat16, np.dtype(ml_dtypes.bfloat16), "float32", jnp.float32, np.float32):
+        p = W.load_params(d, cfg, dtype=dt, progress=False)
+        assert p["embed"].dtype == jnp.dtype(dt)
+    for dt in ("bf16", "f32", "float16", "half", np.float16, "float64", float, None, "BFLOAT16", 3):
+        with pytest.raises(ValueError) as ei:
+            W.load_params(d, cfg, dtype=dt, progress=False)
+        assert str(ei.value) == f"dtype must be one of bfloat16, float32 (a name or a dtype), got {dt!r}"
+        with pytest.raises(ValueError, match="dtype must be one of bfloat16, float32"):
+            W.params_from_state_dict(model.state_dict(), cfg, dtype=dt)
+
+
 # ----------------------------------------------------------------------------- synthetic
 
 

@@ -9,7 +9,7 @@ Bounds (bf16 model, stated before measuring and kept):
 Measured at the time of writing (seed 3, 100 tokens): mean 0.006 vs std 4.0, max 0.13
 between backends; mean 0.089, top-1 96-97% against float32.
 - trained `tiny` (sharper logits, so absolute diffs are larger): teacher-forced argmax
-  agreement of ordered vs xla on real Python source >= 99% (DESIGN's bar for
+  agreement of ordered vs xla on real Python source >= 99% (docs/DESIGN.md §1's bar for
   order-changing variants).
 """
 import numpy as np
@@ -58,7 +58,7 @@ def test_tiny_random_ordered_vs_xla():
 
 def test_trained_tiny_ordered_vs_xla_argmax():
     """On the trained model, teacher-forced argmax agreement of the two backends on real Python
-    source, against DESIGN's bar for order-changing variants: >= 99% of positions."""
+    source, against docs/DESIGN.md §1's bar for order-changing variants: >= 99% of positions."""
     import inspect
 
     ids = list(inspect.getsource(baro_jax.engine).encode()[:1500])

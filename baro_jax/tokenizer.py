@@ -80,15 +80,17 @@ class HFTokenizer:
                 self.chat_template_file = tc
             for key in ("bos_token", "eos_token"):
                 tok = conf.get(key)
-                if isinstance(tok, dict):
-                    tok = tok.get("content")
-                if isinstance(tok, str):
-                    self.special_tokens[key] = tok
+                text = tok.get("content") if isinstance(tok, dict) else tok
+                if isinstance(text, str):
+                    self.special_tokens[key] = text
                 elif tok is not None:
-                    raise TokenizerError(f"{tc}: field {key!r} must be a string or an object with 'content', "
-                                         f"got {type(tok).__name__}")
+                    raise TokenizerError(f"{tc}: field {key!r} must be a string or an object with a string "
+                                         f"'content', got {type(tok).__name__} {tok!r:.80}")
             if "eos_token" in self.special_tokens:
-                self.eos_id = self._tok.token_to_id(self.special_tokens["eos_token"])
+                eos = self.special_tokens["eos_token"]
+                self.eos_id = self._tok.token_to_id(eos)
+                if self.eos_id is None:  # generation would never stop on it
+                    raise TokenizerError(f"{tc}: field 'eos_token' {eos!r} is not a token of {tj}")
         ct = os.path.join(path, "chat_template.jinja")
         if self.chat_template is None and os.path.isfile(ct):
             try:

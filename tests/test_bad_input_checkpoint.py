@@ -357,6 +357,10 @@ def test_tokenizer_files(tmp_path, capsys):
     for text, msg in [("{bad", "not valid JSON"), ("[]", "a JSON object expected, got list"),
                       ('{"chat_template": 5}', "field 'chat_template' must be a string, got int"),
                       ('{"eos_token": ["<eos>"]}', "field 'eos_token' must be a string"),
+                      ('{"eos_token": {"contents": "<eos>"}}', "field 'eos_token' must be a string or an object "
+                                                               "with a string 'content', got dict"),
+                      ('{"bos_token": {"content": 7}}', "field 'bos_token' must be a string or an object"),
+                      ('{"eos_token": "<|no such token|>"}', "field 'eos_token' '<|no such token|>' is not a token of "),
                       ('{"chat_template": [{"name": "tool", "template": "x"}]}', "none named 'default'")]:
         with open(tc, "w") as f:
             f.write(text)
@@ -428,16 +432,16 @@ def test_chat_template_helpers_as_in_transformers(tmp_path):
     template = ("{{ bos_token }}[{{ strftime_now('%Y-%m-%d') }}]{% for m in messages %}{% if loop.index > 1 %}"
                 "{% break %}{% endif %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
                 "{{ messages | tojson }}{% if add_generation_prompt %}<go>{% endif %}{{ eos_token }}")
-    d = _tok_dir(tmp_path, config=json.dumps({"chat_template": template, "bos_token": "<s>",
-                                              "eos_token": {"content": "</s>"}}))
+    d = _tok_dir(tmp_path, config=json.dumps({"chat_template": template, "bos_token": "S",  # tokens of the
+                                              "eos_token": {"content": "E"}}))  # byte-level vocabulary
     before = datetime.date.today().isoformat()
     out = apply_chat_template(load_tokenizer(d), "a<b>&é")
     after = datetime.date.today().isoformat()
-    assert out in (f'<s>[{day}]a<b>&é[{{"role": "user", "content": "a<b>&é"}}]<go></s>' for day in (before, after)), out
+    assert out in (f'S[{day}]a<b>&é[{{"role": "user", "content": "a<b>&é"}}]<go>E' for day in (before, after)), out
     import transformers
 
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=os.path.join(d, "tokenizer.json"), bos_token="<s>",
-                                              eos_token="</s>", chat_template=template)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=os.path.join(d, "tokenizer.json"), bos_token="S",
+                                              eos_token="E", chat_template=template)
     assert hf.apply_chat_template([{"role": "user", "content": "a<b>&é"}], tokenize=False,
                                   add_generation_prompt=True) == out
 

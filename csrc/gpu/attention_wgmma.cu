@@ -32,9 +32,19 @@
 // SBO hd*16 B to the next 8 rows), V N-major (trans-b; LBO hd*16 B to the next 8 keys, SBO
 // 128 B to the next 8 dims). cp.async fills a block with 8 consecutive threads (conflict-free).
 //
-// Schedule: one tile per block, 256 threads, one block per SM (170 KB of shared memory at hd
-// 256); K/V blocks stream in by cp.async two (hd 256) or three blocks deep, and each dot is waited
-// for right after it is issued (the softmax does not yet overlap a wgmma: the next speed step).
+// Schedule: one tile per block, 256 threads, one block per SM (202 KB of shared memory at hd
+// 256); K blocks stream in by cp.async two (hd 256) or three blocks ahead of their step and V
+// blocks one or two (WgLayout), and each dot is waited for right after it is issued (the softmax
+// does not yet overlap a wgmma).
+// What it costs (H200, the 32k prompt's last 8k chunk at hd 256; attn_wgmma_h200.json): 25.9 ms
+// against attn_fa_kernel's 20.8, but 11.5 against 16.6 when both leave out their in-loop copies
+// (a timing-only variant), so the copies are where it loses. Likely why: wg_issue_tile has each
+// warp read 8 rows x 64 bytes (8 consecutive threads fill one 8 x 8 block without bank
+// conflicts), half a 128-byte line per row, where fa_issue_tile reads whole rows, so the same
+// bytes take twice the L2 requests (ncu: L2 throughput 84% against 42%, hit rate 99% for both).
+// Whole-line copies need a layout where one row's 8 chunks fall in 8 different bank groups:
+// 8 x 8 blocks 144 bytes apart along the head dim (LBO 144 for Q and K, SBO 144 for V; 226 KB at
+// hd 256 with these rings), or wgmma's 128-byte swizzle.
 #include <cmath>
 #include <cstdint>
 
@@ -68,12 +78,24 @@ template <int kHd>
 struct WgLayout {
   static constexpr int kChunks = kHd / 8;  // 8 x 8 blocks per 8 rows
   static constexpr int kNt = kHd / 16;     // 8-dim chunks of a warpgroup's half of the head dims
-  static constexpr int kStages = kHd > 128 ? 2 : 3;  // K/V blocks in flight (hd 256: the smem is full)
+  // Rings of K and V blocks. S needs block b's K at the start of its step and P V its V only at
+  // the end, so K runs one block further ahead than V: a K copy has two steps to land, a V copy
+  // one and a half (hd 256: 202 KB, where a third V stage would not fit).
+  static constexpr int kVStages = kHd > 128 ? 2 : 3;
+  static constexpr int kKStages = kVStages + 1;
+  static constexpr int kVLead = kVStages - 1;  // blocks a V copy is issued ahead of its use
+  static constexpr int kKLead = kKStages - 1;
+  // Each step commits two cp.async groups, V(b + kVLead) then K(b + kKLead). Block b's K is then
+  // older than the newest 2 (kKLead - 1) groups at the top of step b, and its V older than the
+  // newest 2 kVLead + 1 once step b has committed its own two.
+  static constexpr int kKWait = 2 * (kKLead - 1);
+  static constexpr int kVWait = 2 * kVLead + 1;
   static constexpr uint32_t kRowGroup = kChunks * 128;  // bytes from one 8-row group to the next
   static constexpr int kTile = kFaKB * kHd * 2;         // bytes of a K or V (or Q) tile
   static constexpr int kQ = 0;
-  static constexpr int kKV = kQ + kTile;
-  static constexpr int kP = kKV + 2 * kStages * kTile;  // K0, V0, K1, V1, ...
+  static constexpr int kK = kQ + kTile;
+  static constexpr int kV = kK + kKStages * kTile;
+  static constexpr int kP = kV + kVStages * kTile;
   static constexpr int kRed = kP + kWgRows * kFaPld * 2;
   static constexpr int kTotal = kRed + 4 * kWgRows * 4;  // [max|sum][half][row]
 };
@@ -305,6 +327,8 @@ BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __r
       *reinterpret_cast<uint32_t*>(Ps + (rb + g + 8 * e) * kFaPld + c) =
           fa_pack_bf16x2(sacc[u][2 * e], sacc[u][2 * e + 1]);
     }
+  fa_cp_async_wait<L::kVWait>();  // this block's V, for P V below
+  wg_fence_proxy();
   __syncthreads();
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
@@ -343,12 +367,12 @@ __global__ void __launch_bounds__(kWgThreads, 1) attn_wgmma_kernel(AttentionArgs
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = WgLayout<kHd>;
   constexpr int hd = kHd;
-  constexpr int kStages = L::kStages;
   extern __shared__ uint4 wg_smem4[];
   grid_dependency_wait();  // launch_dependent: the cache write first
   char* smem = reinterpret_cast<char*>(wg_smem4);
   uint16_t* Qs = reinterpret_cast<uint16_t*>(smem + L::kQ);
-  uint16_t* KV0 = reinterpret_cast<uint16_t*>(smem + L::kKV);
+  uint16_t* K0 = reinterpret_cast<uint16_t*>(smem + L::kK);
+  uint16_t* V0 = reinterpret_cast<uint16_t*>(smem + L::kV);
   uint16_t* Ps = reinterpret_cast<uint16_t*>(smem + L::kP);
   float* red = reinterpret_cast<float*>(smem + L::kRed);
   constexpr int tile_el = kFaKB * hd;  // elements per K or V tile
@@ -379,14 +403,17 @@ __global__ void __launch_bounds__(kWgThreads, 1) attn_wgmma_kernel(AttentionArgs
   const int64_t row_stride = static_cast<int64_t>(a.Hkv) * hd;
   const uint16_t* kbase = a.k_cache + static_cast<int64_t>(kh) * hd;
   const uint16_t* vbase = a.v_cache + static_cast<int64_t>(kh) * hd;
+  // The first blocks in flight while Q is normed: the groups steps -kKLead..-1 would have
+  // committed (V(j + kVLead), then K(j + kKLead)), empty where the block is < 0 or >= b_end, so
+  // every step's waits count the same.
 #pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) {  // the first blocks in flight while Q is normed
-    if (b_begin + st < b_end) {
-      uint16_t* Kd = KV0 + (2 * st) * tile_el;
-      wg_issue_tile<kHd>(Kd, kbase, row_stride, (b_begin + st) * kFaKB, lim_load);
-      wg_issue_tile<kHd>(Kd + tile_el, vbase, row_stride, (b_begin + st) * kFaKB, lim_load);
-    }
-    fa_cp_async_commit();  // always: keeps the group count uniform
+  for (int j = -L::kKLead; j < 0; ++j) {
+    const int bv = j + L::kVLead, bk = j + L::kKLead;
+    if (bv >= b_begin && bv < b_end)
+      wg_issue_tile<kHd>(V0 + (bv % L::kVStages) * tile_el, vbase, row_stride, bv * kFaKB, lim_load);
+    fa_cp_async_commit();
+    if (bk < b_end) wg_issue_tile<kHd>(K0 + (bk % L::kKStages) * tile_el, kbase, row_stride, bk * kFaKB, lim_load);
+    fa_cp_async_commit();
   }
 
   // Q tile (bf16): attn_fa_kernel's per-(token, head) warp code, stored blocked.
@@ -462,17 +489,19 @@ __global__ void __launch_bounds__(kWgThreads, 1) attn_wgmma_kernel(AttentionArgs
   };
 
   for (int b = b_begin; b < b_end; ++b) {
-    const int buf = (b - b_begin) % kStages;
-    const uint16_t* Kt = KV0 + (2 * buf) * tile_el;
-    const uint16_t* Vt = Kt + tile_el;
-    fa_cp_async_wait<kStages - 2>();
+    const uint16_t* Kt = K0 + (b % L::kKStages) * tile_el;
+    const uint16_t* Vt = V0 + (b % L::kVStages) * tile_el;
+    fa_cp_async_wait<L::kKWait>();  // block b's K (its V is waited for in the step, before P V)
     wg_fence_proxy();  // block b, as written by this thread's cp.async, for wgmma
-    __syncthreads();   // block b visible to all; every warp done with block b-1's buffers
-    if (b + kStages - 1 < b_end) {
-      uint16_t* Kn = KV0 + (2 * ((b - b_begin + kStages - 1) % kStages)) * tile_el;
-      wg_issue_tile<kHd>(Kn, kbase, row_stride, (b + kStages - 1) * kFaKB, lim_load);
-      wg_issue_tile<kHd>(Kn + tile_el, vbase, row_stride, (b + kStages - 1) * kFaKB, lim_load);
-    }
+    __syncthreads();   // block b's K visible to all; every warp done with block b-1's buffers
+    // into the buffers of block b-1 (the rings are kVLead + 1 and kKLead + 1 deep)
+    if (b + L::kVLead < b_end)
+      wg_issue_tile<kHd>(V0 + ((b + L::kVLead) % L::kVStages) * tile_el, vbase, row_stride,
+                         (b + L::kVLead) * kFaKB, lim_load);
+    fa_cp_async_commit();
+    if (b + L::kKLead < b_end)
+      wg_issue_tile<kHd>(K0 + ((b + L::kKLead) % L::kKStages) * tile_el, kbase, row_stride,
+                         (b + L::kKLead) * kFaKB, lim_load);
     fa_cp_async_commit();
 
     if (b % kAttnSplitBlocks == 0) {  // a split starts: fresh online softmax
@@ -537,7 +566,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) attn_wgmma_kernel(AttentionArgs
 
 template <int kHd>
 gpuError_t wg_launch(const AttentionArgs& a, unsigned tiles, gpuStream_t stream) {
-  constexpr int smem = WgLayout<kHd>::kTotal;  // 170 KB at hd 256
+  constexpr int smem = WgLayout<kHd>::kTotal;  // 202 KB at hd 256
   const gpuError_t e =
       cudaFuncSetAttribute(attn_wgmma_kernel<kHd>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != gpuSuccess) return e;

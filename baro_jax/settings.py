@@ -22,6 +22,12 @@ import os
 from typing import Any, Callable, Mapping
 
 ON = ("1", "true", "on", "yes")
+
+
+def np_bool():
+    import numpy as np
+
+    return np.bool_
 OFF = ("0", "false", "off", "no")
 
 PREFILL_MODES = ("batch", "replay")
@@ -44,9 +50,14 @@ class SettingsError(ValueError):
     """A setting (argument, flag or environment variable) has a value it cannot take."""
 
 
+class SettingsTypeError(SettingsError, TypeError):
+    """A setting given as the wrong type (a float where an integer belongs, ...): both a
+    SettingsError and a TypeError, so callers may catch either."""
+
+
 # --- parsers: (value, name) -> parsed value; name is what the message calls it ----------------------
 def parse_bool(v, name: str) -> bool:
-    if isinstance(v, bool):
+    if isinstance(v, (bool, np_bool())):
         return v
     if isinstance(v, str):
         s = v.strip().lower()
@@ -60,7 +71,7 @@ def parse_bool(v, name: str) -> bool:
 def parse_int(lo: int | None = None, hi: int | None = None) -> Callable[[Any, str], int]:
     def parse(v, name: str) -> int:
         if isinstance(v, bool) or isinstance(v, float):
-            raise SettingsError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
+            raise SettingsTypeError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
         if isinstance(v, str):
             s = v.strip()
             try:
@@ -68,7 +79,7 @@ def parse_int(lo: int | None = None, hi: int | None = None) -> Callable[[Any, st
             except ValueError:
                 raise SettingsError(f"{name} must be an integer, got {s!r}") from None
         if not isinstance(v, numbers.Integral):
-            raise SettingsError(f"{name} must be an integer, got {type(v).__name__} {v!r:.60}")
+            raise SettingsTypeError(f"{name} must be an integer, got {type(v).__name__} {v!r:.60}")
         v = int(v)
         if lo is not None and v < lo:
             raise SettingsError(f"{name} must be >= {lo}, got {v}")
@@ -76,23 +87,29 @@ def parse_int(lo: int | None = None, hi: int | None = None) -> Callable[[Any, st
             raise SettingsError(f"{name} must be <= {hi}, got {v}")
         return v
 
+    parse.text_from_env_only = True
+    parse.expects = "an integer"
     return parse
 
 
 def parse_positive_float(v, name: str) -> float:
     if isinstance(v, bool):
-        raise SettingsError(f"{name} must be a number, got {v!r}")
+        raise SettingsTypeError(f"{name} must be a number, got {v!r}")
     if isinstance(v, str):
         try:
             v = float(v.strip())
         except ValueError:
             raise SettingsError(f"{name} must be a number, got {v!r}") from None
     if not isinstance(v, numbers.Real):
-        raise SettingsError(f"{name} must be a number, got {type(v).__name__} {v!r:.60}")
+        raise SettingsTypeError(f"{name} must be a number, got {type(v).__name__} {v!r:.60}")
     f = float(v)
     if not math.isfinite(f) or f <= 0:
         raise SettingsError(f"{name} must be a finite number > 0, got {v!r}")
     return f
+
+
+parse_bool.text_from_env_only = True
+parse_positive_float.text_from_env_only = True
 
 
 def parse_choice(choices: tuple, aliases: Mapping[str, Any] | None = None) -> Callable[[Any, str], Any]:
@@ -233,8 +250,7 @@ class Settings:
         for spec in SPECS:
             v = given.get(spec.field)
             if v is not None:
-                name = spec.field + (f" ({spec.flag})" if spec.flag else "")
-                values[spec.field] = spec.parse(v, name)
+                values[spec.field] = _parse_given(spec, v)
                 continue
             raw = env.get(spec.env, "") if spec.env else ""
             if raw.strip():
@@ -250,7 +266,7 @@ class Settings:
             if spec is None:
                 raise TypeError(f"unknown setting {k!r}")
             if v is not None:
-                changes[k] = spec.parse(v, k + (f" ({spec.flag})" if spec.flag else ""))
+                changes[k] = _parse_given(spec, v)
         s = dataclasses.replace(self, **changes)
         s.check()
         return s
@@ -281,6 +297,16 @@ class Settings:
 
     def describe(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _parse_given(spec: Spec, v):
+    """An argument's value: numbers and on/off settings take Python values (text is what the
+    environment gives, not an argument), choices take their names."""
+    name = spec.field + (f" ({spec.flag})" if spec.flag else "")
+    if isinstance(v, str) and getattr(spec.parse, "text_from_env_only", False):
+        what = "True or False" if spec.parse is parse_bool else getattr(spec.parse, "expects", "a number")
+        raise SettingsTypeError(f"{name} must be {what}, got str {v!r}")
+    return spec.parse(v, name)
 
 
 def _default_text(spec: Spec) -> str:

@@ -138,7 +138,7 @@ def main(argv=None):
     import jax
 
     import baro_jax
-    from baro_jax.engine import state_length
+    from baro_jax.shapes import state_length
 
     path_steps = []
     for path in paths:
@@ -162,7 +162,7 @@ def main(argv=None):
         t = time.perf_counter()
         if args.per_token:
             for _ in range(n):
-                lg, state = eng._decode(tok, state, pos)
+                lg, state = eng.decode_step(tok, state, pos)
                 tok = int(np.argmax(np.asarray(lg)))
                 pos += 1
         else:
@@ -175,8 +175,7 @@ def main(argv=None):
     for path, n_steps in zip(paths, path_steps):
         if path is not None:  # the next tier decode path: a fresh cache, its pools as it sets them up
             decode_path, _, fetch = path.partition("@")[0].partition("+")  # cache+dma: copies by the copy engines
-            os.environ["BARO_TIER_DECODE"] = decode_path
-            os.environ["BARO_TIER_FETCH"] = fetch or "xla"
+            eng.tune(tier_decode=decode_path, tier_fetch=fetch or "xla")
             eng.use_expert_cache(None)
             print(f"[decode_profile] tier decode path {path}", flush=True)
         steps(args.warmup)
@@ -253,7 +252,7 @@ def main(argv=None):
                         "kernel_span_ms_per_step": span, "kernels_per_step": len(kernels) / n,
                         "planes": planes, "mode": args.mode, "device_budget_gb": args.device_budget_gb,
                         "devices": args.devices, "kernels_of_plane": first,
-                    "tier_decode_path": path or (os.environ.get("BARO_TIER_DECODE", "cache") if args.mode == "tier" else None),
+                    "tier_decode_path": path or ((eng.expert_cache_report() or {}).get("decode_path") if args.mode == "tier" else None),
                         "expert_cache": cache_report},
             "kernels": rows,
             "per_device": devices,

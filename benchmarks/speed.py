@@ -72,7 +72,7 @@ def prompt_ids(n, vocab, seed=0):
 def model_context(name: str) -> int | None:
     """The model's own context limit (a preset's or a checkpoint's config), None if unknown."""
     from baro_jax.config import PRESETS, load_config, preset
-    from baro_jax.engine import TINY_CHECKPOINT
+    from baro_jax.loading import TINY_CHECKPOINT
 
     name = TINY_CHECKPOINT if name == "tiny" else name
     if name in PRESETS:
@@ -85,12 +85,10 @@ def model_context(name: str) -> int | None:
 def warm(eng, chunk, state_len):
     """Compile the chunk graph, the decode step and the greedy decode blocks (a full one and a
     shorter last one: two graphs) outside the timed region."""
-    from baro_jax.engine import env_decode_block
-
     st = eng.new_state(state_len)
     lg, st = eng.prefill_chunk([1] * min(chunk, 3), st, 0, chunk)
     lg, st = eng.decode_step(1, st, 3)
-    _, st = eng.greedy_decode(1, st, 4, env_decode_block() + 2)
+    _, st = eng.greedy_decode(1, st, 4, eng.settings.decode_block + 2)
     jax.block_until_ready(st)
 
 
@@ -286,7 +284,7 @@ def main(argv=None) -> int:
 
     import baro_jax
     from baro_jax.budget import device_memory_stats, tier_parts
-    from baro_jax.engine import state_length
+    from baro_jax.shapes import state_length
 
     max_ctx = state_length(max(lengths) + args.decode_tokens, 1 << 30)
     model_ctx = model_context(args.model)
@@ -412,7 +410,7 @@ def main(argv=None) -> int:
                 if ci == 0 and args.decode_tokens:
                     r["decode_tokens_per_s"], r["decode_blocks_equal_steps"] = time_decode(
                         eng, pre.logits, pre.state, n, args.decode_tokens)
-                    if eng.cache is not None:
+                    if eng.cache_slots:
                         r["decode_expert_cache"] = eng.expert_cache_report()
                 if tier_bound is not None:  # every pass moves all routed experts over the host link
                     passes = -(-n // c)

@@ -52,11 +52,7 @@ def main(argv=None) -> int:
         if args.direct and s != "0":
             settings += [(s, "direct", "1"), (s, "direct", "0")]
     for s, path, adapt in settings:
-        os.environ["BARO_TIER_DECODE"] = path
-        if adapt is None:
-            os.environ.pop("BARO_TIER_ADAPT", None)
-        else:
-            os.environ["BARO_TIER_ADAPT"] = adapt
+        tier.tune(tier_decode=path, tier_adapt=adapt != "0")
         tier.use_expert_cache(None if s == "default" else int(s))
         tier.generate(ids, 3, stop_at_eos=False)  # compile the steps of this arm
         r = tier.generate(ids, args.new_tokens, stop_at_eos=False)

@@ -92,7 +92,7 @@ class HFTokenizer:
                 if self.eos_id is None:  # generation would never stop on it
                     raise TokenizerError(f"{tc}: field 'eos_token' {eos!r} is not a token of {tj}")
         ct = os.path.join(path, "chat_template.jinja")
-        if self.chat_template is None and os.path.isfile(ct):
+        if os.path.isfile(ct):  # as in transformers, the file wins over tokenizer_config.json's entry
             try:
                 with open(ct, encoding="utf-8") as f:
                     self.chat_template = f.read()

@@ -458,3 +458,19 @@ def test_no_chat_template_is_said_plainly(tmp_path):
     assert _chat_error(d) == f"--chat was given but the checkpoint {d!r} has no tokenizer files, so no chat template"
     with pytest.raises(ValueError, match="this model has no chat template"):
         apply_chat_template(ByteTokenizer(), "x")
+
+
+def test_chat_template_file_wins_over_the_config_entry(tmp_path):
+    """Both present: chat_template.jinja is the template, as transformers reads the directory."""
+    import transformers
+
+    from baro_jax.tokenizer import apply_chat_template
+
+    d = _tok_dir(tmp_path, template="file:{{ messages[0].content }}",
+                 config=json.dumps({"chat_template": "config:{{ messages[0].content }}"}))
+    tok = load_tokenizer(d)
+    assert tok.chat_template_file == os.path.join(d, "chat_template.jinja")
+    out = apply_chat_template(tok, "hi")
+    assert out == "file:hi"
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(d)
+    assert hf.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True) == out

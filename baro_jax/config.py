@@ -265,6 +265,10 @@ def from_hf_dict(raw: dict, max_context: int | None = None, source: str = "confi
         layer_types = default_layer_types(n_layers, f.integer("full_attention_interval", *_INTERVAL_FIELD[1:], default=4))
     # transformers 5 writes rope_parameters; older files rope_scaling (often null) with rope_theta
     # and partial_rotary_factor at the top level. A key inside the rope object wins.
+    if d.get("rope_parameters") is not None and d.get("rope_scaling") is not None \
+            and d["rope_parameters"] != d["rope_scaling"]:  # transformers would take rope_scaling: ambiguous
+        raise ConfigError(f"{f.where}: fields 'rope_parameters' and 'rope_scaling' are both given and differ; "
+                          "keep one (rope_parameters)")
     rkey = "rope_parameters" if d.get("rope_parameters") is not None else "rope_scaling"
     rope = f.obj(rkey) or {}
     r = _Fields(rope, f"{f.where} {rkey}")
@@ -286,9 +290,12 @@ def from_hf_dict(raw: dict, max_context: int | None = None, source: str = "confi
     model_ctx = f.integer("max_position_embeddings", *_CTX_FIELD[1:], default=32768)
     ints = {k: f.integer(hf, lo, hi) for k, (hf, lo, hi) in _INT_FIELDS.items()
             if k not in ("num_layers", "head_dim", "max_context")}
-    # Top level wins, as in transformers (the model reads its own config's flag).
-    tie = top.boolean("tie_word_embeddings", False) if raw.get("tie_word_embeddings") is not None \
-        else f.boolean("tie_word_embeddings", False)
+    tie = top.boolean("tie_word_embeddings", False)
+    if f is not top and f.boolean("tie_word_embeddings", tie) != tie:
+        # transformers ties qwen3_5_moe's lm_head by the top-level flag alone (absent: false)
+        raise ConfigError(f"{f.where}: field 'tie_word_embeddings' is {f.d['tie_word_embeddings']} but the top-level "
+                          f"flag, the one transformers reads, is {tie}{'' if 'tie_word_embeddings' in raw else ' (absent)'}"
+                          "; make them agree")
     cfg = Config(
         model_type=mt, num_layers=n_layers, layer_types=layer_types,
         head_dim=f.integer("head_dim", *_INT_FIELDS["head_dim"][1:], default=256),

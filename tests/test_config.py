@@ -160,6 +160,8 @@ def test_presets():
     (dict(max_position_embeddings=262144.0), "field 'max_position_embeddings' must be an integer in [1, 16777216], got float 262144.0"),
     (dict(linear_num_value_heads=None), "config.json (qwen3_next): required field 'linear_num_value_heads' is null"),
     (dict(model_type=["qwen3_next"]), "unknown model_type ['qwen3_next']"),
+    (dict(rope_scaling={"rope_type": "default", "rope_theta": 9e5}, rope_parameters={"rope_theta": 7e5}),
+     "config.json (qwen3_next): fields 'rope_parameters' and 'rope_scaling' are both given and differ; keep one"),
 ])
 def test_qwen3_next_fields_checked(change, msg):
     with pytest.raises(ConfigError) as ei:
@@ -176,7 +178,7 @@ def _nested(text=None, **top):
 
 @pytest.mark.parametrize("raw,msg", [
     (_nested(tie_word_embeddings="false"), "config.json (qwen3_5_moe): field 'tie_word_embeddings' must be a JSON boolean"),
-    (_nested({"tie_word_embeddings": "yes"}, tie_word_embeddings=None),
+    (_nested({"tie_word_embeddings": "yes"}),
      "config.json (qwen3_5_moe text_config): field 'tie_word_embeddings' must be a JSON boolean"),
     (_nested({"model_type": "qwen3_next"}), "field 'model_type' must be 'qwen3_5_moe_text' (the text model of qwen3_5_moe), got str 'qwen3_next'"),
     (_nested({"rms_norm_eps": 1e30}), "config.json (qwen3_5_moe text_config): field 'rms_norm_eps' must be a number in [1.18e-38, 1], got float 1e+30"),
@@ -192,10 +194,20 @@ def test_qwen35_nested_fields_checked(raw, msg):
     assert msg in str(ei.value)
 
 
-def test_booleans_taken_as_given():
+def test_tie_word_embeddings_as_transformers_reads_it():
+    """qwen3_5_moe ties by its top-level flag (absent: false); a text_config flag that disagrees is
+    refused rather than one of them silently winning."""
     assert C.from_hf_dict(dict(QWEN3_NEXT_OFFICIAL, tie_word_embeddings=True)).tie_word_embeddings is True
-    assert C.from_hf_dict(_nested({"tie_word_embeddings": True}, tie_word_embeddings=False)).tie_word_embeddings is False
-    assert C.from_hf_dict(_nested({"tie_word_embeddings": True}, tie_word_embeddings=None)).tie_word_embeddings is True
+    assert C.from_hf_dict(dict(QWEN3_NEXT_OFFICIAL, tie_word_embeddings=None)).tie_word_embeddings is False
+    assert C.from_hf_dict(_nested({"tie_word_embeddings": True}, tie_word_embeddings=True)).tie_word_embeddings is True
+    assert C.from_hf_dict(_nested({"tie_word_embeddings": False})).tie_word_embeddings is False
+    raw = _nested({"tie_word_embeddings": True})
+    del raw["tie_word_embeddings"]
+    for r, top in ((_nested({"tie_word_embeddings": True}, tie_word_embeddings=False), "False"), (raw, "False (absent)")):
+        with pytest.raises(ConfigError) as ei:
+            C.from_hf_dict(r)
+        assert str(ei.value) == ("config.json (qwen3_5_moe text_config): field 'tie_word_embeddings' is True but the "
+                                 f"top-level flag, the one transformers reads, is {top}; make them agree")
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text"])

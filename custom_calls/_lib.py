@@ -21,6 +21,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from . import knobs
+
 # FFI target name -> symbol stem (symbol = stem + "Cpu" / "Gpu").
 TARGETS = {
     "baro_matmul": "BaroMatmul",
@@ -256,6 +258,10 @@ def check_runnable(target: str, args) -> None:
     load()
     if not _libs:
         raise RuntimeError(f"{target}: {BUILD_HINT['cpu']} [{_errors.get('cpu', '')}]")
+    try:  # the handlers refuse these too, but a GPU one inside a command buffer would crash
+        knobs.check_all()
+    except knobs.KnobError as e:
+        raise knobs.KnobError(f"{target}: {e}") from None
     plats = _array_platforms(args)
     if not plats:
         if any(isinstance(a, jax.core.Tracer) for a in args):
@@ -284,7 +290,7 @@ def small_call(m: int) -> bool:
     """m rows go through the op's _small twin: its GPU handler allocates nothing, so it may run
     inside XLA's command buffers (a decode step's graph). BARO_CMDBUF_OPS=0 keeps every call on
     the ops that take scratch from XLA's allocator."""
-    return m <= SMALL_ROWS and os.environ.get("BARO_CMDBUF_OPS", "1") != "0"
+    return m <= SMALL_ROWS and knobs.knob("BARO_CMDBUF_OPS")
 
 
 def round256(n: int) -> int:

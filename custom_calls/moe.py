@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from . import _check as C
+from .knobs import knob
 from ._lib import _xla_platform, check_gpu_limits, check_runnable, ffi_call_small, refuse_unmet, round256, small_call
 
 GPU_MAX_EXPERTS = 8192  # csrc/gpu/launch.h kMoeMaxExperts
@@ -198,8 +199,8 @@ def moe_host(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shar
 # captures it into a command buffer, crashes the process (jax 0.11.2: a segfault in the
 # command buffer's destructor), so nothing that handler would refuse may reach it.
 def _check_host_gpu(m, D, E, I, Is, k):
-    knobs = [(os.environ.get(knob) != off, f"{knob}={off}")
-             for knob, off in (("BARO_MOE_FOLD", "0"), ("BARO_GEMM_ROW1", "off"), ("BARO_GEMM_SMALL", "simple"))]
+    knobs = [(knob(name) != unmet, f"{name}={os.environ.get(name)}")
+             for name, unmet in (("BARO_MOE_FOLD", False), ("BARO_GEMM_ROW1", False), ("BARO_GEMM_SMALL", "simple"))]
     refuse_unmet("baro_moe_host", [(m == 1, f"m={m} rows (one is read)"),
                                    (I == Is, f"a shared expert {Is} wide beside routed ones {I} wide"),
                                    (k <= 32 and E <= 512, f"top_k={k} / E={E} (at most 32 / 512)"),

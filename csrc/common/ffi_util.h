@@ -1,4 +1,4 @@
-// baro_jax: small helpers for the CPU FFI handlers (validation, threading).
+// baro_jax: small helpers for the FFI handlers (validation, threading, knob errors).
 #pragma once
 
 #include <algorithm>
@@ -8,8 +8,10 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include "knobs.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace baro {
@@ -84,22 +86,20 @@ inline void copy_if_not_aliased(const Arg& arg, Ret& ret) {
   }
 }
 
-// Number of worker threads for CPU kernels: BARO_CPU_THREADS or the hardware.
+// Number of worker threads for CPU kernels: BARO_CPU_THREADS (knobs.h, read per call) or the
+// hardware's, at most kCpuThreadsPerCore x the hardware threads: more only adds thread starts.
 inline int cpu_threads() {
-  static int n = [] {
-    const char* e = std::getenv("BARO_CPU_THREADS");
-    int v = e ? std::atoi(e) : 0;
-    if (v <= 0) v = static_cast<int>(std::thread::hardware_concurrency());
-    return std::max(1, v);
-  }();
-  return n;
+  const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int v = knobs::get(knobs::kCpuThreads);
+  return v <= 0 ? hw : std::min(v, knobs::kCpuThreadsPerCore * hw);
 }
 
 // Runs fn(begin, end) over [0, n) split into contiguous chunks on a few
 // threads. Each index is handled by exactly one call and the arithmetic per
 // index never depends on the split, so results are identical for any thread
 // count. `cost` is a rough amount of work per index (in fma), used to avoid
-// spawning threads for tiny calls.
+// spawning threads for tiny calls. A thread that cannot be started (the process's thread
+// limit, memory) is not an error: its chunks run on the calling thread, with the same bits.
 template <class Fn>
 inline void parallel_for(int64_t n, double cost, Fn fn) {
   if (n <= 0) return;
@@ -111,16 +111,37 @@ inline void parallel_for(int64_t n, double cost, Fn fn) {
     fn(int64_t{0}, n);
     return;
   }
+  const int64_t chunk = (n + t - 1) / t;
   std::vector<std::thread> workers;
-  workers.reserve(t - 1);
-  int64_t chunk = (n + t - 1) / t;
-  for (int64_t w = 1; w < t; ++w) {
-    int64_t b = w * chunk, e = std::min(n, b + chunk);
-    if (b >= e) break;
-    workers.emplace_back([=] { fn(b, e); });
+  int64_t w = 1;  // the first chunk no worker runs
+  try {
+    workers.reserve(t - 1);
+    for (; w < t && w * chunk < n; ++w) {
+      const int64_t b = w * chunk, e = std::min(n, b + chunk);
+      workers.emplace_back([=] { fn(b, e); });
+    }
+  } catch (const std::exception&) {  // std::system_error (no thread), std::bad_alloc
   }
   fn(int64_t{0}, std::min(n, chunk));
+  for (; w < t && w * chunk < n; ++w) fn(w * chunk, std::min(n, (w + 1) * chunk));
   for (auto& th : workers) th.join();
 }
+
+// A handler Impl that fails with InvalidArgument when a knob it read (knobs.h) held a value
+// outside its allowed set: XLA_FFI_DEFINE_HANDLER_SYMBOL(Name, baro::KnobChecked<Impl>::Call, ...).
+// The launchers read knobs where they decide, so the check follows the Impl instead of
+// preceding it; the call's results are then not used.
+template <auto Impl>
+struct KnobChecked;
+template <class... A, ffi::Error (*Impl)(A...)>
+struct KnobChecked<Impl> {
+  static ffi::Error Call(A... args) {
+    knobs::clear_error();
+    ffi::Error e = Impl(std::forward<A>(args)...);
+    std::string bad;
+    if (knobs::take_error(&bad) && !e.failure()) return ffi::Error::InvalidArgument(bad);
+    return e;
+  }
+};
 
 }  // namespace baro

@@ -151,7 +151,7 @@ ffi::Error AttentionSmallImpl(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> q
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionCpu, AttentionImpl, BARO_BIND_ATTENTION_ARGS(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionCpu, baro::KnobChecked<AttentionImpl>::Call, BARO_BIND_ATTENTION_ARGS(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionSmallCpu, AttentionSmallImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionSmallCpu, baro::KnobChecked<AttentionSmallImpl>::Call,
                               BARO_BIND_SCRATCH(BARO_BIND_ATTENTION_ARGS(ffi::Ffi::Bind())));

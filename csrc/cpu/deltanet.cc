@@ -294,7 +294,7 @@ ffi::Error DeltaBlockedImpl(ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvCpu, ConvImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvCpu, baro::KnobChecked<ConvImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // x
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w
@@ -304,7 +304,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvCpu, ConvImpl,
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // window
 );
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvProjCpu, ConvProjImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvProjCpu, baro::KnobChecked<ConvProjImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x: the projection [m, W]
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w
@@ -314,7 +314,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvProjCpu, ConvProjImpl,
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // window
 );
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroDeltaCpu, DeltaImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroDeltaCpu, baro::KnobChecked<DeltaImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // y
                                   .Arg<ffi::Buffer<ffi::F32>>()  // b
@@ -329,7 +329,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroDeltaCpu, DeltaImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // state
 );
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroDeltaBlockedCpu, DeltaBlockedImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroDeltaBlockedCpu, baro::KnobChecked<DeltaBlockedImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // y
                                   .Arg<ffi::Buffer<ffi::F32>>()  // b

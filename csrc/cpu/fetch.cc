@@ -30,7 +30,7 @@ ffi::Error FetchExpertsImpl(ffi::Buffer<ffi::BF16> pool_gu, ffi::Buffer<ffi::BF1
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroFetchExpertsCpu, FetchExpertsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroFetchExpertsCpu, baro::KnobChecked<FetchExpertsImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // pool_gu [S, 2I, D]
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // pool_dn [S, D, I]

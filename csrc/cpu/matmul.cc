@@ -28,7 +28,7 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMatmulCpu, MatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMatmulCpu, baro::KnobChecked<MatmulImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // x
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w

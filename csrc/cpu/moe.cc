@@ -305,7 +305,7 @@ ffi::Error MoeCombineImpl(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> y, ffi
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoePairsCpu, MoePairsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoePairsCpu, baro::KnobChecked<MoePairsImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // h
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // router [E, D]
@@ -318,7 +318,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoePairsCpu, MoePairsImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()  // ids [m, k]
 );
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeCombineCpu, MoeCombineImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeCombineCpu, baro::KnobChecked<MoeCombineImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // h
                                   .Arg<ffi::Buffer<ffi::F32>>()   // y [m, k, D]
@@ -329,19 +329,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeCombineCpu, MoeCombineImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [m, D]
 );
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeCpu, MoeImpl, BARO_BIND_MOE_ARGS(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeCpu, baro::KnobChecked<MoeImpl>::Call, BARO_BIND_MOE_ARGS(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsCpu, MoeSlotsImpl, BARO_BIND_MOE_SLOTS_ARGS(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsCpu, baro::KnobChecked<MoeSlotsImpl>::Call, BARO_BIND_MOE_SLOTS_ARGS(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSmallCpu, MoeSmallImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSmallCpu, baro::KnobChecked<MoeSmallImpl>::Call,
                               BARO_BIND_SCRATCH(BARO_BIND_MOE_ARGS(ffi::Ffi::Bind())));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsSmallCpu, MoeSlotsSmallImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsSmallCpu, baro::KnobChecked<MoeSlotsSmallImpl>::Call,
                               BARO_BIND_SCRATCH(BARO_BIND_MOE_SLOTS_ARGS(ffi::Ffi::Bind())));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeHostSmallCpu, MoeHostSmallImpl, BARO_BIND_MOE_HOST_ARGS(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeHostSmallCpu, baro::KnobChecked<MoeHostSmallImpl>::Call, BARO_BIND_MOE_HOST_ARGS(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeRouteCpu, MoeRouteImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeRouteCpu, baro::KnobChecked<MoeRouteImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // h
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // router

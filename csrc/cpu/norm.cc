@@ -78,7 +78,7 @@ ffi::Error GatedNormImpl(ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> z,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroRmsnormCpu, RmsnormImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroRmsnormCpu, baro::KnobChecked<RmsnormImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w
@@ -86,7 +86,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroRmsnormCpu, RmsnormImpl,
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // y
 );
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAddRmsnormCpu, AddRmsnormImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAddRmsnormCpu, baro::KnobChecked<AddRmsnormImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // y
@@ -96,7 +96,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAddRmsnormCpu, AddRmsnormImpl,
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // h = rmsnorm(s)
 );
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroGatedNormCpu, GatedNormImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroGatedNormCpu, baro::KnobChecked<GatedNormImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // o
                                   .Arg<ffi::Buffer<ffi::F32>>()  // z

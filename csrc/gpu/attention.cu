@@ -208,12 +208,12 @@ ffi::Error AttentionSmallGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> qkv, 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionGpu, AttentionGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionGpu, baro::KnobChecked<AttentionGpuImpl>::Call,
                               BARO_BIND_ATTENTION_ARGS(ffi::Ffi::Bind()
                                                            .Ctx<ffi::PlatformStream<gpuStream_t>>()
                                                            .Ctx<ffi::ScratchAllocator>()));  // split partials (m <= 16)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionSmallGpu, AttentionSmallGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAttentionSmallGpu, baro::KnobChecked<AttentionSmallGpuImpl>::Call,
                               BARO_BIND_SCRATCH(BARO_BIND_ATTENTION_ARGS(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>())),  // split partials
                               {ffi::Traits::kCmdBufferCompatible});

@@ -754,7 +754,7 @@ gpuError_t fa_launch_one_hd(const AttentionArgs& a, dim3 grid, float* part_o, fl
 // BARO_ATTN_DUP=1 keeps one (the kernel tests compare the two).
 constexpr int kFaDecodeDup = 2;
 inline bool fa_decode_dup(const AttentionArgs& a) {
-  return a.hd % (16 * kFaDecodeDup) == 0 && !env_is("BARO_ATTN_DUP", "1");
+  return a.hd % (16 * kFaDecodeDup) == 0 && !baro::knobs::on(baro::knobs::kAttnDup);
 }
 
 template <int kPairs, bool kParallel>
@@ -782,8 +782,8 @@ inline gpuError_t fa_launch(const AttentionArgs& a, void* scratch, gpuStream_t s
   const unsigned tiles = static_cast<unsigned>(p.tiles);
   // BARO_ATTN_WGMMA=1: the opt-in sm_90a prefill kernel (the same bits) where the build, device and
   // shape have it, else this one; =require (tests): an error instead of the fallback.
-  const bool wg_need = !p.parallel && env_is("BARO_ATTN_WGMMA", "require");
-  if (!p.parallel && (wg_need || env_is("BARO_ATTN_WGMMA", "1"))) {
+  const bool wg_need = !p.parallel && baro::knobs::is(baro::knobs::kAttnWgmma, "require");
+  if (!p.parallel && (wg_need || baro::knobs::is(baro::knobs::kAttnWgmma, "1"))) {
     bool ran = false;
     const gpuError_t e = launch_attention_wgmma(a, scratch, stream, &ran);
     if (ran || e != gpuSuccess) return e;

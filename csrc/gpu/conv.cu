@@ -253,7 +253,7 @@ ffi::Error ConvProjGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buf
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvProjGpu, ConvProjGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvProjGpu, baro::KnobChecked<ConvProjGpuImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<gpuStream_t>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()    // x: the projection [m, W]
@@ -264,7 +264,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvProjGpu, ConvProjGpuImpl,
                                   .Ret<ffi::Buffer<ffi::BF16>>(),  // window
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvGpu, ConvGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvGpu, baro::KnobChecked<ConvGpuImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<gpuStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()   // x

@@ -390,14 +390,8 @@ gpuError_t launch_delta_cols(const DeltaArgs& a, gpuStream_t stream) {
 }
 
 // Columns per block: 32 by default; BARO_DELTA_COLS=16 gives twice the blocks
-// (two per SM). Speed only: the bits are the same.
-int delta_cols() {
-  static const int cols = [] {
-    const char* v = std::getenv("BARO_DELTA_COLS");
-    return (v != nullptr && std::strcmp(v, "16") == 0) ? 16 : 32;
-  }();
-  return cols;
-}
+// (two per SM). Speed only: the bits are the same. Read per call, as every knob.
+int delta_cols() { return baro::knobs::is(baro::knobs::kDeltaCols, "16") ? 16 : 32; }
 
 template <int DK>
 gpuError_t launch_delta_dk(const DeltaArgs& a, gpuStream_t stream) {
@@ -556,7 +550,7 @@ ffi::Error DeltaGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> yb, ffi::Buffe
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroDeltaGpu, DeltaGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroDeltaGpu, baro::KnobChecked<DeltaGpuImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<gpuStream_t>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // y

@@ -445,7 +445,7 @@ ffi::Error DeltaBlockedGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> yb, ffi
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroDeltaBlockedGpu, DeltaBlockedGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroDeltaBlockedGpu, baro::KnobChecked<DeltaBlockedGpuImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<gpuStream_t>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // y

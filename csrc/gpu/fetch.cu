@@ -50,7 +50,7 @@ ffi::Error FetchExpertsGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::BF16> pool_g
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroFetchExpertsGpu, FetchExpertsGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroFetchExpertsGpu, baro::KnobChecked<FetchExpertsGpuImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<gpuStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // pool_gu [S, 2I, D]

@@ -10,17 +10,13 @@
 #include <cstring>
 
 #include "gemm.cuh"
+#include "knobs.h"  // the speed/test knobs, read per call (csrc/common/knobs.h)
 #include "portability.h"
 
 namespace baro_gpu {
 
 // Host helpers of the launchers.
 inline bool is_aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
-// The speed/test knob `name` is set to exactly `value` (read per call, so a test can switch it).
-inline bool env_is(const char* name, const char* value) {
-  const char* s = std::getenv(name);
-  return s != nullptr && !std::strcmp(s, value);
-}
 
 // kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch on sm_90
 // (portability.h grid_dependency_wait; the kernel must call it first): for the second and later

@@ -37,20 +37,20 @@ int gemm_bm(GemmConfig cfg) {
 // the tests use it to reach each kernel at small shapes). Read per call so a
 // test can switch it between calls.
 static bool forced_config(GemmConfig& cfg) {
-  const char* s = std::getenv("BARO_GEMM_TILE");
-  if (s == nullptr || *s == '\0') return false;
-  if (!std::strcmp(s, "16")) cfg = GemmConfig::kSmall;
-  else if (!std::strcmp(s, "simple")) cfg = GemmConfig::kLarge;
-  else if (!std::strcmp(s, "64")) cfg = GemmConfig::kPipe64;
-  else if (!std::strcmp(s, "128")) cfg = GemmConfig::kPipe128;
-  else return false;
+  namespace k = baro::knobs;
+  const int t = k::get(k::kGemmTile);
+  if (t == k::word(k::kGemmTile, "16")) cfg = GemmConfig::kSmall;
+  else if (t == k::word(k::kGemmTile, "simple")) cfg = GemmConfig::kLarge;
+  else if (t == k::word(k::kGemmTile, "64")) cfg = GemmConfig::kPipe64;
+  else if (t == k::word(k::kGemmTile, "128")) cfg = GemmConfig::kPipe128;
+  else return false;  // auto
   return true;
 }
 
 // Test knob: BARO_GEMM_SMALL=simple runs 16-row slots on the simple synchronous
 // kernel instead of gemm_rows16 (both give the same bits; tests compare them);
 // one-row calls then run there too.
-[[maybe_unused]] static bool small_simple() { return env_is("BARO_GEMM_SMALL", "simple"); }
+[[maybe_unused]] static bool small_simple() { return baro::knobs::is(baro::knobs::kGemmSmall, "simple"); }
 
 // Test knob: BARO_GEMM_ROW1=off runs one-row calls on gemm_rows16 instead of
 // gemm_row1 (same bits; the tests compare the two). Read per call.
@@ -58,7 +58,7 @@ static bool row1_enabled() {
 #if BARO_HIP
   return false;
 #else
-  return !small_simple() && !env_is("BARO_GEMM_ROW1", "off");
+  return !small_simple() && baro::knobs::on(baro::knobs::kGemmRow1);
 #endif
 }
 
@@ -83,7 +83,7 @@ bool pdl_enabled() {
 #if BARO_HIP
   return false;
 #else
-  if (!env_is("BARO_PDL", "1")) return false;  // opt-in until measured on the H200
+  if (!baro::knobs::on(baro::knobs::kPdl)) return false;  // opt-in until measured on the H200
   static std::atomic<int> major[64];
   return device_attr(cudaDevAttrComputeCapabilityMajor, major, 0) >= 9;
 #endif
@@ -171,22 +171,20 @@ static gpuError_t launch_pipe(const GemmParams& p, int64_t row_slots, gpuStream_
 // BARO_ROW1_KCHUNK, BARO_ROW1_STAGES, BARO_ROW1_NT, BARO_ROW1_COPY=lsu (16-byte cp.async
 // per lane instead of the copy engine's bulk copies).
 struct Row1Plan {
-  int bps = kRow1BlocksPerSM, kchunk_max = 2048, min_stages = 2, nt = 0;  // nt 0: by units
+  int bps = kRow1BlocksPerSM, kchunk_max = 2048, min_stages = 2, nt = 0;  // nt 0: by units (knobs.h defaults)
   int lsu = 0;
 };
-static int env_int(const char* name, int dflt, int lo, int hi) {
-  const char* s = std::getenv(name);
-  if (s == nullptr || *s == '\0') return dflt;
-  const int v = std::atoi(s);
-  return v >= lo && v <= hi ? v : dflt;
-}
+// knobs.h's defaults and ranges are this plan's (it cannot include gemm_row1.cuh)
+static_assert(baro::knobs::kKnobs[baro::knobs::kRow1Bps].dflt == kRow1BlocksPerSM, "BARO_ROW1_BPS default");
+static_assert(baro::knobs::kKnobs[baro::knobs::kRow1Stages].hi == kRow1MaxStages, "BARO_ROW1_STAGES range");
 static Row1Plan row1_plan() {
+  namespace k = baro::knobs;
   Row1Plan r;
-  r.bps = env_int("BARO_ROW1_BPS", r.bps, 1, 8);
-  r.kchunk_max = env_int("BARO_ROW1_KCHUNK", r.kchunk_max, 128, 4096) / 128 * 128;
-  r.min_stages = env_int("BARO_ROW1_STAGES", r.min_stages, 2, kRow1MaxStages);
-  r.nt = env_int("BARO_ROW1_NT", 0, 1, 4);
-  r.lsu = env_is("BARO_ROW1_COPY", "lsu") ? 1 : 0;
+  r.bps = k::get(k::kRow1Bps);
+  r.kchunk_max = k::get(k::kRow1Kchunk) / 128 * 128;
+  r.min_stages = k::get(k::kRow1Stages);
+  r.nt = k::get(k::kRow1Nt);
+  r.lsu = baro::knobs::is(baro::knobs::kRow1Copy, "lsu") ? 1 : 0;
   return r;
 }
 
@@ -407,7 +405,7 @@ ffi::Error MatmulGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buff
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMatmulGpu, MatmulGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMatmulGpu, baro::KnobChecked<MatmulGpuImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<gpuStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // x

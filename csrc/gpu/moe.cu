@@ -439,12 +439,12 @@ static MoePlan moe_plan(const MoeArgs& a) {
   pl.fused = gemm_fused_swiglu_ok(pl.cfg) && gemm_vec_ok(gu);
   const GemmParams down = moe_down_params(a, a.h);  // (its real A, the act scratch, is 256-byte aligned)
   pl.fold = a.m == 1 && pl.cfg == GemmConfig::kRow1 && pl.fused && a.I == a.Is && !a.skip_unslotted &&
-            a.top_k <= BARO_WARP && a.E <= BARO_WARP * kTopkRegPer && !env_is("BARO_MOE_FOLD", "0") &&
+            a.top_k <= BARO_WARP && a.E <= BARO_WARP * kTopkRegPer && baro::knobs::on(baro::knobs::kMoeFold) &&
             gemm_row1_runs(gu) && gemm_row1_runs(down) && aligned16(a.router) && aligned16(a.s_gate) &&
             aligned16(a.s_gate_up) && aligned16(a.s_down);
-  pl.tail = pl.fold && !env_is("BARO_MOE_TAIL", "0") && moe_max_tiles(a, 1) <= row1_moe_route_max_tiles();
-  pl.stage = pl.fold && a.host_gu != nullptr && !env_is("BARO_MOE_HOST", "direct");
-  pl.tail_route = pl.tail && !env_is("BARO_MOE_TAIL", "combine") && !pl.stage;  // the copies need the ids first
+  pl.tail = pl.fold && !baro::knobs::is(baro::knobs::kMoeTail, "0") && moe_max_tiles(a, 1) <= row1_moe_route_max_tiles();
+  pl.stage = pl.fold && a.host_gu != nullptr && !baro::knobs::is(baro::knobs::kMoeHost, "direct");
+  pl.tail_route = pl.tail && !baro::knobs::is(baro::knobs::kMoeTail, "combine") && !pl.stage;  // the copies need the ids first
   return pl;
 }
 
@@ -1059,7 +1059,7 @@ ffi::Error MoeCombineGpuImpl(gpuStream_t stream, ffi::ScratchAllocator scratch, 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoePairsGpu, MoePairsGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoePairsGpu, baro::KnobChecked<MoePairsGpuImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<gpuStream_t>>()
                                   .Ctx<ffi::ScratchAllocator>()
@@ -1074,7 +1074,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoePairsGpu, MoePairsGpuImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()  // ids [m, k]
 );
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeCombineGpu, MoeCombineGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeCombineGpu, baro::KnobChecked<MoeCombineGpuImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<gpuStream_t>>()
                                   .Ctx<ffi::ScratchAllocator>()
@@ -1087,31 +1087,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeCombineGpu, MoeCombineGpuImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [m, D]
 );
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeGpu, MoeGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeGpu, baro::KnobChecked<MoeGpuImpl>::Call,
                               BARO_BIND_MOE_ARGS(ffi::Ffi::Bind()
                                                      .Ctx<ffi::PlatformStream<gpuStream_t>>()
                                                      .Ctx<ffi::ScratchAllocator>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsGpu, MoeSlotsGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsGpu, baro::KnobChecked<MoeSlotsGpuImpl>::Call,
                               BARO_BIND_MOE_SLOTS_ARGS(ffi::Ffi::Bind()
                                                            .Ctx<ffi::PlatformStream<gpuStream_t>>()
                                                            .Ctx<ffi::ScratchAllocator>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSmallGpu, MoeSmallGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSmallGpu, baro::KnobChecked<MoeSmallGpuImpl>::Call,
                               BARO_BIND_SCRATCH(BARO_BIND_MOE_ARGS(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>())),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsSmallGpu, MoeSlotsSmallGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeSlotsSmallGpu, baro::KnobChecked<MoeSlotsSmallGpuImpl>::Call,
                               BARO_BIND_SCRATCH(BARO_BIND_MOE_SLOTS_ARGS(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>())),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeHostSmallGpu, MoeHostSmallGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeHostSmallGpu, baro::KnobChecked<MoeHostSmallGpuImpl>::Call,
                               BARO_BIND_MOE_HOST_ARGS(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<gpuStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeRouteGpu, MoeRouteGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMoeRouteGpu, baro::KnobChecked<MoeRouteGpuImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<gpuStream_t>>()
                                   .Ctx<ffi::ScratchAllocator>()

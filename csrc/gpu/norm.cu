@@ -192,9 +192,9 @@ static gpuError_t launch_rmsnorm_rows(const float* x, const float* w, uint16_t* 
   constexpr int T = kNormWarps * BARO_WARP;
   // Test knob: BARO_NORM_GENERIC=1 runs every D on the runtime-D kernel (same bits; the
   // kernel tests compare the two at the model widths).
-  const bool generic = env_is("BARO_NORM_GENERIC", "1");
+  const bool generic = baro::knobs::on(baro::knobs::kNormGeneric);
   // Test knob: BARO_NORM_ROW_BLOCK=0 keeps few rows on the warp kernel (same bits; tested).
-  const bool row_block = !generic && m <= kRowBlockMaxRows && !env_is("BARO_NORM_ROW_BLOCK", "0") &&
+  const bool row_block = !generic && m <= kRowBlockMaxRows && baro::knobs::on(baro::knobs::kNormRowBlock) &&
                          is_aligned(x, 16) && is_aligned(w, 16) && is_aligned(y, 8) &&
                          (!kAdd || (is_aligned(r_in, 16) && is_aligned(s_out, 16)));
   if (row_block && D == BARO_WARP * 64)
@@ -234,7 +234,7 @@ gpuError_t launch_gated_norm(const float* o, const float* z, const float* w, uin
     return gpuErrorInvalidValue;
   const int d = static_cast<int>(dv), n = static_cast<int>(nv);
   // BARO_NORM_GENERIC=1: the runtime-dv kernel for every width (same bits; tested)
-  if (dv == BARO_WARP * 4 && !env_is("BARO_NORM_GENERIC", "1"))
+  if (dv == BARO_WARP * 4 && !baro::knobs::on(baro::knobs::kNormGeneric))
     gated_norm_kernel<4><<<norm_blocks(rows), kNormWarps * BARO_WARP, 0, stream>>>(o, z, w, y, rows, n, d, z_ld, eps);
   else
     gated_norm_kernel<0><<<norm_blocks(rows), kNormWarps * BARO_WARP, 0, stream>>>(o, z, w, y, rows, n, d, z_ld, eps);
@@ -287,7 +287,7 @@ ffi::Error GatedNormGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> o, ffi::Bu
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroRmsnormGpu, RmsnormGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroRmsnormGpu, baro::KnobChecked<RmsnormGpuImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<gpuStream_t>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
@@ -296,7 +296,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroRmsnormGpu, RmsnormGpuImpl,
                                   .Ret<ffi::Buffer<ffi::BF16>>(),  // y
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAddRmsnormGpu, AddRmsnormGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAddRmsnormGpu, baro::KnobChecked<AddRmsnormGpuImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<gpuStream_t>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
@@ -307,7 +307,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroAddRmsnormGpu, AddRmsnormGpuImpl,
                                   .Ret<ffi::Buffer<ffi::BF16>>(),  // h = rmsnorm(s)
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroGatedNormGpu, GatedNormGpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroGatedNormGpu, baro::KnobChecked<GatedNormGpuImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<gpuStream_t>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // o

@@ -1,0 +1,167 @@
+"""The kernel library's BARO_* knobs: one table, one strict reader.
+
+The C++ code reads its knobs through csrc/common/knobs.h, on every call (the kernel tests switch
+them between calls); this is the same table (tests/test_knobs.py checks the two agree, and that
+no getenv in csrc reads a name outside it) with a line on what each knob does and which file
+reads it. Two more are read here in Python: BARO_CMDBUF_OPS (custom_calls/_lib.py) and the
+loader's BARO_LIB_DIR. Every knob is a speed or test switch: none changes the bits.
+
+Parsing is strict and matches knobs.h: an on/off knob takes 1/0, true/false, on/off, yes/no (any
+case), a choice knob one of its words, an integer knob a decimal integer in its range; empty
+counts as unset. Anything else is a `KnobError` (a ValueError) naming the variable and what it
+allows. The wrappers check every C++ knob before a call (`check_all`), so a bad value is refused
+in Python rather than by a handler inside a command buffer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping
+
+ON = ("1", "true", "on", "yes")
+OFF = ("0", "false", "off", "no")
+
+
+class KnobError(ValueError):
+    """A BARO_* kernel knob holds a value it cannot take."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    name: str
+    kind: str  # "onoff", "choice", "int", "path"
+    default: object  # onoff: bool; choice: the word; int: the number (None: see default_text)
+    doc: str  # what it does, and the file that reads it
+    choices: tuple[str, ...] = ()
+    lo: int | None = None
+    hi: int | None = None
+    reader: str = "C++"  # "C++": read through csrc/common/knobs.h; "Python": read by custom_calls
+    default_text: str | None = None
+
+    def values_text(self) -> str:
+        if self.kind == "onoff":
+            return "on / off"
+        if self.kind == "choice":
+            return " / ".join(self.choices)
+        if self.kind == "int":
+            return f"{self.lo}..{self.hi}"
+        return "a directory"
+
+    def allowed(self) -> str:
+        if self.kind == "onoff":
+            return f"on or off (one of {'/'.join(ON)} or {'/'.join(OFF)})"
+        if self.kind == "choice":
+            return "one of " + ", ".join(self.choices)
+        if self.kind == "int":
+            return f"an integer in [{self.lo}, {self.hi}]"
+        return "a directory"
+
+    def parse(self, text: str):
+        """text as this knob's value (bool, str or int); KnobError when it is not allowed."""
+        s = text
+        if self.kind == "onoff":
+            if s.lower() in ON:
+                return True
+            if s.lower() in OFF:
+                return False
+        elif self.kind == "choice":
+            if s in self.choices:
+                return s
+        elif self.kind == "int":
+            body = s[1:] if s[:1] in "+-" else s
+            if body and body.isascii() and body.isdigit():
+                v = int(s, 10)
+                if self.lo <= v <= self.hi:
+                    return v
+        else:
+            return s
+        raise KnobError(f"{self.name} must be {self.allowed()}, got {text!r}")
+
+
+# Keep in step with csrc/common/knobs.h (tests/test_knobs.py).
+KNOBS: tuple[Knob, ...] = (
+    Knob("BARO_CPU_THREADS", "int", None, lo=1, hi=4096, default_text="the hardware threads",
+         doc="worker threads of the CPU kernels; more than 4 x the hardware threads runs as 4 x, and a thread "
+             "that cannot start leaves its rows to the calling thread (csrc/common/ffi_util.h)"),
+    Knob("BARO_ATTN_DUP", "onoff", False,
+         doc="on: the CUDA decode attention tile runs one copy of its warp pair instead of two "
+             "(csrc/gpu/attention_fa.cuh)"),
+    Knob("BARO_ATTN_WGMMA", "choice", "0", choices=("0", "1", "require"),
+         doc="1: the opt-in sm_90a wgmma prefill attention where it runs; require: an error where it would fall "
+             "back (tests) (csrc/gpu/attention_fa.cuh)"),
+    Knob("BARO_MOE_FOLD", "onoff", True,
+         doc="off: the one-token MoE as separate launches instead of the fold (csrc/gpu/moe.cu)"),
+    Knob("BARO_MOE_TAIL", "choice", "1", choices=("1", "0", "combine"),
+         doc="the fold's route and combine inside the grouped GEMMs (1), as their own kernels (0), or only the "
+             "combine inside (combine) (csrc/gpu/moe.cu)"),
+    Knob("BARO_MOE_HOST", "choice", "staged", choices=("staged", "direct"),
+         doc="baro_moe_host on CUDA: misses staged in the call's scratch, or read by the GEMMs from the host "
+             "store (csrc/gpu/moe.cu)"),
+    Knob("BARO_NORM_GENERIC", "onoff", False,
+         doc="on: every norm width on the runtime-width kernel (csrc/gpu/norm.cu)"),
+    Knob("BARO_NORM_ROW_BLOCK", "onoff", True,
+         doc="off: few-row rmsnorm calls on the warp kernel instead of a block per row (csrc/gpu/norm.cu)"),
+    Knob("BARO_DELTA_COLS", "choice", "32", choices=("32", "16"),
+         doc="state columns per block of the CUDA delta rule (16: twice the blocks) (csrc/gpu/delta.cu)"),
+    Knob("BARO_GEMM_TILE", "choice", "auto", choices=("auto", "16", "simple", "64", "128"),
+         doc="forces the GEMM tile config of every call of more than one row (csrc/gpu/matmul.cu)"),
+    Knob("BARO_GEMM_SMALL", "choice", "rows16", choices=("rows16", "simple"),
+         doc="simple: 16-row slots (and one-row calls) on the simple synchronous GEMM instead of gemm_rows16 "
+             "(csrc/gpu/matmul.cu)"),
+    Knob("BARO_GEMM_ROW1", "onoff", True,
+         doc="off: one-row GEMMs on gemm_rows16 instead of the streaming gemm_row1 (csrc/gpu/matmul.cu)"),
+    Knob("BARO_PDL", "onoff", False,
+         doc="on: a handler's later kernels as programmatic dependent launches on sm_90 (csrc/gpu/matmul.cu)"),
+    Knob("BARO_ROW1_BPS", "int", 3, lo=1, hi=8,
+         doc="gemm_row1 blocks per SM (csrc/gpu/matmul.cu)"),
+    Knob("BARO_ROW1_KCHUNK", "int", 2048, lo=128, hi=4096,
+         doc="gemm_row1's largest k piece, rounded down to a multiple of 128 (csrc/gpu/matmul.cu)"),
+    Knob("BARO_ROW1_STAGES", "int", 2, lo=2, hi=16,
+         doc="gemm_row1's fewest ring stages (csrc/gpu/matmul.cu)"),
+    Knob("BARO_ROW1_NT", "int", 0, lo=0, hi=4,
+         doc="gemm_row1 n-tiles per unit (0: by the number of units) (csrc/gpu/matmul.cu)"),
+    Knob("BARO_ROW1_COPY", "choice", "bulk", choices=("bulk", "lsu"),
+         doc="gemm_row1's ring fill: the copy engine's bulk copies or 16-byte cp.async per lane "
+             "(csrc/gpu/matmul.cu)"),
+    Knob("BARO_CMDBUF_OPS", "onoff", True, reader="Python",
+         doc="off: calls of <= 16 rows on the ops that take scratch from XLA's allocator instead of the _small "
+             "twins that may run inside command buffers (custom_calls/_lib.py)"),
+    Knob("BARO_LIB_DIR", "path", None, reader="Python", default_text="unset",
+         doc="a directory searched first for libbaro_cpu.so / libbaro_cuda.so / libbaro_hip.so "
+             "(custom_calls/_lib.py)"),
+)
+BY_NAME: Mapping[str, Knob] = {k.name: k for k in KNOBS}
+CPP_KNOBS = tuple(k.name for k in KNOBS if k.reader == "C++")
+
+
+def knob(name: str, env: Mapping[str, str] | None = None):
+    """The knob's value now: its parse, or its default when unset or empty. KnobError when the
+    variable holds a value the knob does not allow."""
+    k = BY_NAME[name]
+    s = (os.environ if env is None else env).get(name)
+    if s is None or s == "":
+        return k.default
+    return k.parse(s)
+
+
+def check_all(env: Mapping[str, str] | None = None) -> None:
+    """Raises KnobError for the first C++ knob whose value knobs.h would refuse."""
+    env = os.environ if env is None else env
+    for name in CPP_KNOBS:
+        knob(name, env)
+
+
+def _default_text(k: Knob) -> str:
+    if k.default_text is not None:
+        return k.default_text
+    if isinstance(k.default, bool):
+        return "on" if k.default else "off"
+    return str(k.default)
+
+
+def knobs_table() -> str:
+    """The Markdown table of every kernel knob, as the README shows it."""
+    rows = ["| knob | values | default | what it does |", "|---|---|---|---|"]
+    for k in KNOBS:
+        rows.append(f"| `{k.name}` | {k.values_text()} | {_default_text(k)} | {k.doc} |")
+    return "\n".join(rows)

@@ -601,6 +601,17 @@ def allow_nonfinite_env() -> bool:
     return os.environ.get("BARO_ALLOW_NONFINITE", "") not in ("", "0")
 
 
+def _allow_nonfinite(v) -> bool:
+    """The allow_nonfinite argument: a boolean, or None for the environment. Not truthiness: the
+    string "false" must not load NaN weights."""
+    if v is None:
+        return allow_nonfinite_env()
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    raise TypeError(f"allow_nonfinite (--allow-nonfinite) must be True, False or None (the environment), "
+                    f"got {type(v).__name__} {v!r}")
+
+
 def _refuse_nonfinite(names: list[str], where: str):
     if names:
         shown = "\n".join(f"  {n}" for n in names[:20]) + (f"\n  ... and {len(names) - 20} more" if len(names) > 20 else "")
@@ -643,8 +654,7 @@ def load_params(path: str, cfg: Config, dtype=jnp.bfloat16, progress: bool = Tru
     stores each finished tensor (tier mode puts routed experts in host memory); default: the
     default device."""
     dtype = _load_dtype(dtype)
-    if allow_nonfinite is None:
-        allow_nonfinite = allow_nonfinite_env()
+    allow_nonfinite = _allow_nonfinite(allow_nonfinite)
     t0 = time.time()
     files = checkpoint_files(path)
     infos: dict[str, _TensorInfo] = {}
@@ -707,8 +717,7 @@ def params_from_state_dict(state: dict[str, Any], cfg: Config, dtype=jnp.bfloat1
     """Same as load_params, from an in-memory {hf_name: array} dict (numpy arrays, torch tensors,
     or anything np.asarray takes), e.g. ``model.state_dict()`` of a transformers model."""
     dtype = _load_dtype(dtype)
-    if allow_nonfinite is None:
-        allow_nonfinite = allow_nonfinite_env()
+    allow_nonfinite = _allow_nonfinite(allow_nonfinite)
     arrays = {k: _to_numpy(v) for k, v in state.items()}
     sources = _plan({k: tuple(v.shape) for k, v in arrays.items()}, cfg)
     asm = _Assembler(cfg, sources, dtype, check_finite=not allow_nonfinite)

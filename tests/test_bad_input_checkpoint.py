@@ -328,6 +328,17 @@ def test_nonfinite_weights_refused_with_the_tensor_name(tmp_path, monkeypatch, c
     assert rc == 2 and "hold NaN or Inf" in err and "Traceback" not in err
 
 
+def test_allow_nonfinite_must_be_a_boolean():
+    cfg = C.load_config(bad_input_tiny())
+    for v in ("false", "0", 0, 1, "yes"):
+        with pytest.raises(TypeError) as ei:
+            W.load_params(bad_input_tiny(), cfg, progress=False, allow_nonfinite=v)
+        assert str(ei.value) == ("allow_nonfinite (--allow-nonfinite) must be True, False or None (the environment), "
+                                 f"got {type(v).__name__} {v!r}")
+        with pytest.raises(TypeError, match="allow_nonfinite"):
+            W.params_from_state_dict({}, cfg, allow_nonfinite=v)
+
+
 def test_nonfinite_in_state_dict():
     cfg = C.load_config(bad_input_tiny())
     from safetensors.numpy import load_file

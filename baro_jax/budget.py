@@ -23,6 +23,7 @@ import numpy as np
 import jax
 
 from .checks import as_int, budget_gb
+from .ops import kernel_scratch_bytes
 from .config import DELTA_BLOCK, FULL, Config
 from .settings import DEFAULT_CACHE_SLOTS
 from .shapes import state_length
@@ -46,12 +47,6 @@ RUNTIME_RESERVE_FRACTION = 0.08
 # (clipped to max_context), with the KV/state of that prompt going on to decode. 8192 rows: an 8k
 # prompt in one pass of the host link, a 32k one in four to eight, not one pass per 1k tokens.
 PREFILL_RESERVE_CHUNK = 8192
-
-# csrc/gpu/moe.cu: pairs per block of the grouping kernels (kGroupChunk), the smallest BM of an
-# m > 1 grouped GEMM, which sizes the tile list (kMinGroupBM).
-MOE_GROUP_CHUNK = 512
-MOE_MIN_GROUP_BM = 16
-
 
 class Part(NamedTuple):
     """One counted piece of a footprint: a key for JSON, its bytes, and how a refusal names it."""
@@ -104,39 +99,20 @@ def state_bytes(cfg: Config, dtype, length: int) -> int:
 
 
 def moe_scratch_bytes(cfg: Config, m: int, fused: bool = True) -> int:
-    """The GPU scratch one baro_moe call of m rows takes from the allocator: the buffers of
-    csrc/gpu/moe.cu moe_layout in its order, each rounded up to 256 bytes. Keep in step with it.
+    """The GPU scratch one baro_moe call of m rows takes from the allocator, as the kernel library
+    lays it out (csrc/common/scratch_layout.h, through baro_jax.ops.kernel_scratch_bytes); 0 where
+    the library is not built (then no baro_moe runs).
 
     fused: gate/up runs with the SwiGLU in its epilogue (CUDA's GEMM configs at prefill sizes), so
     there is no fp32 gu buffer; HIP never fuses (gemm_fused_swiglu_ok). m == 1 counts the
-    one-token fold's extra grouped row and logit whenever I == Is (an upper bound: moe_plan has
-    more conditions)."""
+    one-token fold's extra grouped row and logit and its tail counters whenever I == Is (an upper
+    bound: moe_plan has more conditions)."""
     if m <= 0:
         return 0
     E, k, I, Is, D = cfg.num_experts, cfg.top_k, cfg.moe_inter, cfg.shared_inter, cfg.hidden_size
-    P = m * k
-    fold = int(m == 1 and I == Is)
-    R = P + fold  # grouped rows: the pairs, and the folded shared expert
-    max_tiles = P // (1 if m == 1 else MOE_MIN_GROUP_BM) + min(E, P) + 1
-    chunks = -(-P // MOE_GROUP_CHUNK)
-    buffers = [
-        4 * (m * E + fold),      # logits (router, and the folded shared gate)
-        4 * P,                   # ids
-        4 * P,                   # wts
-        4 * R,                   # srow
-        4 * P,                   # inv
-        4 * 3 * max_tiles,       # tiles
-        4,                       # n_tiles
-        4 * chunks * E,          # cnt
-        0 if fused else 4 * P * 2 * I,  # gu
-        2 * R * I,               # act
-        4 * R * D,               # ys
-        4 * m * 2 * Is,          # sgu
-        2 * m * Is,              # sact
-        4 * m * D,               # sout
-        4 * m,                   # sgl
-    ]
-    return sum(round256(b) for b in buffers if b)
+    fold = m == 1 and I == Is
+    n = kernel_scratch_bytes("moe", m=m, E=E, k=k, I=I, Is=Is, D=D, fold=fold, fused=fused, tail=fold, stage=False)
+    return 0 if n is None else n
 
 
 def moe_fuses_swiglu() -> bool:

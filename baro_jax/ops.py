@@ -21,3 +21,13 @@ def get_ops(backend: str):
                 "install the package with `pip install .` (see BUILD.md) or use --backend xla") from e
         return ops_ordered
     raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def kernel_scratch_bytes(op: str, **dims) -> int | None:
+    """The GPU scratch bytes one call of a kernel takes (custom_calls.scratch_bytes: the kernel
+    library's own layout), or None where the library is not built."""
+    try:
+        from custom_calls import scratch_bytes
+    except ImportError:
+        return None
+    return scratch_bytes(op, **dims)

@@ -12,6 +12,7 @@ from .fetch import FetchRing
 from .matmul import matmul
 from .moe import HostStore, host_store, moe, moe_combine, moe_host, moe_pairs, moe_route, moe_slots
 from .norm import add_rmsnorm, gated_norm, rmsnorm
+from .scratch import scratch_bytes
 
 load()
 if "cpu" not in available_platforms():
@@ -21,4 +22,5 @@ __all__ = [
     "available_platforms", "library_paths", "load_errors",
     "matmul", "rmsnorm", "add_rmsnorm", "gated_norm", "attention", "conv", "delta", "delta_blocked", "moe",
     "moe_slots", "moe_route", "moe_pairs", "moe_combine", "moe_host", "host_store", "HostStore", "FetchRing",
+    "scratch_bytes",
 ]

@@ -6,24 +6,18 @@ from __future__ import annotations
 import jax
 
 from . import _check as C
-from ._lib import check_gpu_limits, check_runnable, ffi_call_small, round256, small_call
+from ._lib import check_gpu_limits, check_runnable, ffi_call_small, small_call
+from .scratch import scratch_bytes
 
 OP = "baro_attention"
 OP_SMALL = "baro_attention_small"
-SPLIT = 512  # KV positions per split (csrc/gpu/attention.cu kAttnSplit)
 
 
 def small_scratch_bytes(m: int, S: int, H: int, Hkv: int, hd: int) -> int:
     """An upper bound of the GPU split partials of one call of m <= 16 rows: the larger of the
-    CUDA layout (attention_fa.cuh fa_scratch_bytes: kv heads x splits x rows padded to the
-    16- or 64-row tile) and the HIP one (attention.cu: q heads x splits x 16 rows). The handler
+    CUDA and HIP layouts (csrc/common/scratch_layout.h, through the CPU library). The handler
     checks it is enough."""
-    splits = -(-S // SPLIT)
-    rows = m * (H // Hkv)
-    tile = 16 if rows <= 16 else 64
-    cuda = Hkv * splits * (-(-rows // tile) * tile)
-    hip = H * splits * 16
-    return max(round256(4 * n * hd) + 8 * n for n in (cuda, hip))
+    return max(scratch_bytes("attention", m=m, S=S, H=H, Hkv=Hkv, hd=hd, hip=hip) for hip in (False, True))
 
 
 def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, eps=1e-6):

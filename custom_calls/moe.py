@@ -11,7 +11,8 @@ import numpy as np
 
 from . import _check as C
 from .knobs import knob
-from ._lib import _xla_platform, check_gpu_limits, check_runnable, ffi_call_small, refuse_unmet, round256, small_call
+from ._lib import _xla_platform, check_gpu_limits, check_runnable, ffi_call_small, refuse_unmet, small_call
+from .scratch import scratch_bytes
 
 GPU_MAX_EXPERTS = 8192  # csrc/gpu/launch.h kMoeMaxExperts
 
@@ -22,16 +23,17 @@ OP_SLOTS_SMALL = "baro_moe_slots_small"
 
 def small_scratch_bytes(m: int, D: int, E: int, I: int, Is: int, k: int) -> int:
     """An upper bound of the GPU scratch of one baro_moe(_slots) call of m <= 16 rows: the
-    pieces of csrc/gpu/moe.cu moe_layout, 256-byte aligned, with the one-token fold's extra
-    row and the unfused gate/up buffer both counted. The handler checks it is enough."""
-    P = m * k
-    R = P + 1
-    bm = 1 if m == 1 else 16
-    max_tiles = P // bm + min(E, P) + 1
-    chunks = (P + 511) // 512
-    pieces = [4 * (m * E + 1), 4 * P, 4 * P, 4 * R, 4 * P, 12 * max_tiles, 4, 4 * chunks * E,
-              4 * P * 2 * I, 2 * R * I, 4 * R * D, 4 * m * 2 * Is, 2 * m * Is, 4 * m * D, 4 * m]
-    return sum(round256(b) for b in pieces)
+    kernels' layout (csrc/common/scratch_layout.h, through the CPU library) with every optional
+    piece of any plan counted (the one-token fold's extra row, the unfused gate/up buffer, the
+    tail counters), since csrc/gpu/moe.cu moe_plan picks the plan per call. The handler checks
+    it is enough."""
+    return scratch_bytes("moe", m=m, E=E, k=k, I=I, Is=Is, D=D, fold=True, fused=False, tail=True, stage=False)
+
+
+def host_small_scratch_bytes(m: int, D: int, E: int, I: int, Is: int, k: int) -> int:
+    """small_scratch_bytes for baro_moe_host: with the GPU's staging slots for the misses, one
+    [2I, D] and one [D, I] per pair."""
+    return scratch_bytes("moe", m=m, E=E, k=k, I=I, Is=Is, D=D, fold=True, fused=False, tail=True, stage=True)
 
 
 def _check_h_router(op, h, router):
@@ -186,10 +188,7 @@ def moe_host(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shar
         _check_host_gpu(m, D, E, w_gate_up_pool.shape[1] // 2, shared_down.shape[1], k)
     args = (h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate)
     check_runnable(op, args)
-    I = w_gate_up_pool.shape[1] // 2
-    # with the GPU's staging slots for the misses: one [2I, D] and one [D, I] per pair
-    nbytes = small_scratch_bytes(m, D, E, I, shared_down.shape[1], k) + round256(2 * k * 2 * I * D) + \
-        round256(2 * k * D * I)
+    nbytes = host_small_scratch_bytes(m, D, E, w_gate_up_pool.shape[1] // 2, shared_down.shape[1], k)
     return ffi_call_small(op, [jax.ShapeDtypeStruct((m, D), C.F32)], nbytes, args, top_k=np.int32(k),
                           host_gate_up=np.int64(host.gate_up_addr), host_down=np.int64(host.down_addr))[0]
 

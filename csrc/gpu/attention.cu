@@ -42,6 +42,7 @@
 #include "dot.cuh"
 #include "ffi_gpu.h"
 #include "launch.h"
+#include "scratch_layout.h"
 
 #if BARO_HIP
 #include "attention_portable.cuh"  // kernels 2 and 3 on HIP
@@ -72,10 +73,9 @@ size_t attention_scratch_bytes(const AttentionArgs& a) {
 #if !BARO_HIP
   return fa_scratch_bytes(a);
 #else
-  if (a.m <= 0 || a.m > kAttnRows) return 0;  // serial mode needs no scratch
-  const int64_t slots = static_cast<int64_t>(a.H) * attn_max_splits(a) * kAttnRows;
-  const size_t o_bytes = ((sizeof(float) * slots * a.hd + 255) / 256) * 256;
-  return o_bytes + sizeof(float) * slots * 2;
+  static_assert(baro::scratch::kAttnRows == kAttnRows && baro::scratch::kAttnSplit == kAttnSplit,
+                "scratch_layout.h has the HIP kernel's geometry");
+  return static_cast<size_t>(baro::scratch::attention_bytes(a.m, a.S, a.H, a.Hkv, a.hd, true));  // serial: 0
 #endif
 }
 

@@ -39,6 +39,7 @@
 #include "common.cuh"
 #include "dot.cuh"
 #include "launch.h"
+#include "scratch_layout.h"
 
 namespace baro_gpu {
 
@@ -728,13 +729,13 @@ inline FaPlan fa_plan(const AttentionArgs& a) {
   return p;
 }
 
+// The split partials (part_o, then part_ml) of a parallel-mode call: scratch_layout.h, whose
+// sizes the CPU library exports to custom_calls.
+static_assert(baro::scratch::kFaPairRows == kFaPairRows && baro::scratch::kFaSmallPairs == kFaSmallPairs &&
+                  baro::scratch::kFaBigPairs == kFaBigPairs && baro::scratch::kAttnSplit == kAttnSplit,
+              "scratch_layout.h has fa_plan's tile geometry");
 inline size_t fa_scratch_bytes(const AttentionArgs& a) {
-  if (a.m <= 0) return 0;
-  const FaPlan p = fa_plan(a);
-  if (!p.parallel) return 0;
-  const int64_t slots = static_cast<int64_t>(a.Hkv) * p.max_splits * p.rows_pad;
-  const size_t o_bytes = ((sizeof(float) * slots * a.hd + 255) / 256) * 256;
-  return o_bytes + sizeof(float) * slots * 2;
+  return static_cast<size_t>(baro::scratch::attention_bytes(a.m, a.S, a.H, a.Hkv, a.hd, false));
 }
 
 template <int kPairs, bool kParallel, int kHd, int kDup>

@@ -26,16 +26,19 @@
 #include "moe_route.cuh"
 #include "moe_stage.cuh"
 #include "host_store.h"
+#include "scratch_layout.h"
 
 namespace baro_gpu {
 
 constexpr int kTopkWarps = 4;          // rows per block in moe_topk_kernel
 constexpr int kGroupChunk = 512;       // pairs per block in the grouping kernels
+static_assert(kGroupChunk == baro::scratch::kGroupChunk, "scratch_layout.h sizes the grouping chunks");
 constexpr int kGroupThreads = 256;
 constexpr int kScanThreads = 1024;     // moe_scan_kernel is a single block
 constexpr int kSortMaxE = kMoeMaxExperts;  // per-chunk counts live in shared memory
 constexpr int kElemThreads = 256;
 constexpr int kMinGroupBM = 16;        // smallest GEMM BM of m > 1 calls: sizes the tile list
+static_assert(kMinGroupBM == baro::scratch::kMinGroupBM, "scratch_layout.h sizes the tile list");
 constexpr int kCombineAhead = 8;       // slots whose values moe_combine_kernel reads before it adds
 
 template <int kPer>
@@ -345,7 +348,7 @@ struct MoeScratch {
 };
 
 // One counter per 8 output columns of the down GEMM (its smallest column unit).
-static int64_t moe_tail_counters(const MoeArgs& a) { return (a.D + 7) / 8; }
+static int64_t moe_tail_counters(const MoeArgs& a) { return baro::scratch::moe_tail_counters(a.D); }
 
 // The slot table the combine checks to make an unslotted expert's rows NaN: none when the
 // host store supplies those experts (baro_moe_host).
@@ -369,14 +372,13 @@ static Row1Moe moe_row1_tail(const MoeArgs& a, const MoeScratch& s, int kind) {
 
 // Sizes the tile list for the smallest BM, so it holds any config's tiles (one-row
 // tiles only when m == 1: gemm_pick_grouped picks kRow1 for one token only).
+// The tile list for tiles of bm rows; the scratch holds the smallest BM's (scratch_layout.h).
 static int64_t moe_max_tiles(const MoeArgs& a, int bm) {
   const int64_t P = a.m * a.top_k;
   return P / bm + (a.E < P ? a.E : P) + 1;
 }
 
-static int64_t moe_chunks(const MoeArgs& a) {
-  return (a.m * a.top_k + kGroupChunk - 1) / kGroupChunk;
-}
+static int64_t moe_chunks(const MoeArgs& a) { return baro::scratch::moe_chunks(a.m, a.top_k); }
 
 // The grouped GEMM config, and whether gate/up runs with the fused SwiGLU
 // epilogue (then the fp32 gu buffer is not needed). Depends only on the
@@ -448,38 +450,38 @@ static MoePlan moe_plan(const MoeArgs& a) {
   return pl;
 }
 
-// Computes the layout; fills *s when base != nullptr. Returns total bytes.
+// Computes the layout (csrc/common/scratch_layout.h, whose sizes the CPU library exports to
+// custom_calls and the budget); fills *s when base != nullptr. Returns total bytes.
 static size_t moe_layout(const MoeArgs& a, char* base, MoeScratch* s) {
-  const int64_t m = a.m, P = a.m * a.top_k;
   const MoePlan pl = moe_plan(a);
-  size_t off = 0;
-  auto take = [&](size_t bytes) -> char* {
-    char* p = base ? base + off : nullptr;
-    off += (bytes + 255) & ~static_cast<size_t>(255);
-    return p;
-  };
+  baro::scratch::MoePlanFlags f;
+  f.fold = pl.fold;
+  f.fused = pl.fused;
+  f.tail = pl.tail;
+  f.stage = pl.stage;
+  const baro::scratch::MoeOffsets o = baro::scratch::moe_layout(a.m, a.E, a.top_k, a.I, a.Is, a.D, f);
+  auto at = [&](int64_t off) -> char* { return base != nullptr && off >= 0 ? base + off : nullptr; };
   MoeScratch t;
-  const int64_t R = P + (pl.fold ? 1 : 0);  // grouped rows: the pairs, and the folded shared expert
-  t.logits = reinterpret_cast<float*>(take(sizeof(float) * (m * a.E + (pl.fold ? 1 : 0))));
-  t.ids = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * P));
-  t.wts = reinterpret_cast<float*>(take(sizeof(float) * P));
-  t.srow = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * R));
-  t.inv = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * P));
-  t.tiles = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * 3 * moe_max_tiles(a, a.m == 1 ? 1 : kMinGroupBM)));
-  t.n_tiles = reinterpret_cast<int32_t*>(take(sizeof(int32_t)));
-  t.cnt = reinterpret_cast<int32_t*>(take(sizeof(int32_t) * moe_chunks(a) * a.E));
-  t.gu = pl.fused ? nullptr : reinterpret_cast<float*>(take(sizeof(float) * P * 2 * a.I));
-  t.act = reinterpret_cast<uint16_t*>(take(sizeof(uint16_t) * R * a.I));
-  t.ys = reinterpret_cast<float*>(take(sizeof(float) * R * a.D));
-  t.sgu = reinterpret_cast<float*>(take(sizeof(float) * m * 2 * a.Is));
-  t.sact = reinterpret_cast<uint16_t*>(take(sizeof(uint16_t) * m * a.Is));
-  t.sout = reinterpret_cast<float*>(take(sizeof(float) * m * a.D));
-  t.sgl = reinterpret_cast<float*>(take(sizeof(float) * m));
-  t.tail_cnt = pl.tail ? reinterpret_cast<uint32_t*>(take(sizeof(uint32_t) * moe_tail_counters(a))) : nullptr;
-  t.stage_gu = pl.stage ? reinterpret_cast<uint16_t*>(take(sizeof(uint16_t) * a.top_k * 2 * a.I * a.D)) : nullptr;
-  t.stage_dn = pl.stage ? reinterpret_cast<uint16_t*>(take(sizeof(uint16_t) * a.top_k * a.D * a.I)) : nullptr;
+  t.logits = reinterpret_cast<float*>(at(o.logits));
+  t.ids = reinterpret_cast<int32_t*>(at(o.ids));
+  t.wts = reinterpret_cast<float*>(at(o.wts));
+  t.srow = reinterpret_cast<int32_t*>(at(o.srow));
+  t.inv = reinterpret_cast<int32_t*>(at(o.inv));
+  t.tiles = reinterpret_cast<int32_t*>(at(o.tiles));
+  t.n_tiles = reinterpret_cast<int32_t*>(at(o.n_tiles));
+  t.cnt = reinterpret_cast<int32_t*>(at(o.cnt));
+  t.gu = reinterpret_cast<float*>(at(o.gu));
+  t.act = reinterpret_cast<uint16_t*>(at(o.act));
+  t.ys = reinterpret_cast<float*>(at(o.ys));
+  t.sgu = reinterpret_cast<float*>(at(o.sgu));
+  t.sact = reinterpret_cast<uint16_t*>(at(o.sact));
+  t.sout = reinterpret_cast<float*>(at(o.sout));
+  t.sgl = reinterpret_cast<float*>(at(o.sgl));
+  t.tail_cnt = reinterpret_cast<uint32_t*>(at(o.tail_cnt));
+  t.stage_gu = reinterpret_cast<uint16_t*>(at(o.stage_gu));
+  t.stage_dn = reinterpret_cast<uint16_t*>(at(o.stage_dn));
   if (s) *s = t;
-  return off;
+  return static_cast<size_t>(o.total);
 }
 
 bool moe_runs_fold(const MoeArgs& a) { return a.m >= 1 && moe_plan(a).fold; }
@@ -742,7 +744,7 @@ __global__ void __launch_bounds__(kElemThreads)
 
 size_t moe_pairs_scratch_bytes(const MoeArgs& a) {
   if (a.m <= 0) return 0;
-  return moe_layout(a, nullptr, nullptr) + ((sizeof(int32_t) * a.E + 255) & ~static_cast<size_t>(255));
+  return moe_layout(a, nullptr, nullptr) + static_cast<size_t>(baro::scratch::up256(4 * a.E));
 }
 
 gpuError_t launch_moe_pairs(const MoeArgs& a, int64_t El, const int32_t* expert_base, float* y, float* w,
@@ -768,21 +770,18 @@ gpuError_t launch_moe_pairs(const MoeArgs& a, int64_t El, const int32_t* expert_
   return gpuGetLastError();
 }
 
-// The shared-expert pieces of moe_layout: sgu, sact, sout, sgl.
+// The shared-expert pieces of moe_layout: sgu, sact, sout, sgl (scratch_layout.h).
 static size_t moe_combine_layout(const MoeArgs& a, char* base, MoeScratch* s) {
-  size_t off = 0;
-  auto take = [&](size_t bytes) -> char* {
-    char* p = base ? base + off : nullptr;
-    off += (bytes + 255) & ~static_cast<size_t>(255);
-    return p;
-  };
+  const baro::scratch::MoeCombineOffsets o = baro::scratch::moe_combine_layout(a.m, a.Is, a.D);
   MoeScratch t{};
-  t.sgu = reinterpret_cast<float*>(take(sizeof(float) * a.m * 2 * a.Is));
-  t.sact = reinterpret_cast<uint16_t*>(take(sizeof(uint16_t) * a.m * a.Is));
-  t.sout = reinterpret_cast<float*>(take(sizeof(float) * a.m * a.D));
-  t.sgl = reinterpret_cast<float*>(take(sizeof(float) * a.m));
+  if (base != nullptr) {
+    t.sgu = reinterpret_cast<float*>(base + o.sgu);
+    t.sact = reinterpret_cast<uint16_t*>(base + o.sact);
+    t.sout = reinterpret_cast<float*>(base + o.sout);
+    t.sgl = reinterpret_cast<float*>(base + o.sgl);
+  }
   if (s) *s = t;
-  return off;
+  return static_cast<size_t>(o.total);
 }
 
 size_t moe_combine_scratch_bytes(const MoeArgs& a) {
@@ -804,8 +803,7 @@ gpuError_t launch_moe_combine(const MoeArgs& a, const float* y, const float* w, 
 
 // baro_moe_route: steps 1-2 of launch_moe (the same kernels), ids straight into the result.
 size_t moe_route_scratch_bytes(int64_t m, int64_t E, int k) {
-  const auto up = [](size_t b) { return (b + 255) & ~static_cast<size_t>(255); };
-  return up(sizeof(float) * m * E) + up(sizeof(float) * m * k);
+  return static_cast<size_t>(baro::scratch::moe_route_bytes(m, E, k));
 }
 
 gpuError_t launch_moe_route(const uint16_t* h, const uint16_t* router, int32_t* ids, int64_t m,

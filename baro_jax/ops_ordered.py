@@ -98,3 +98,14 @@ def host_store(gate_up, down):
 def fetch_ring(n_max: int):
     """The copy-engine fetch of tier decode's cache misses (custom_calls.FetchRing)."""
     return cc.FetchRing(n_max)
+
+
+def attention_rows(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, slot, pos, *, num_heads, num_kv_heads, eps):
+    """attention for m rows of many sequences: row r is slot[r]'s token at pos[r] over the KV
+    pools [P, S, Hkv, hd] (-1: padding); row r's bytes are attention's one-row call on its slot."""
+    return cc.attention_rows(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, slot, pos, eps=eps)
+
+
+def log_softmax(x):
+    """Row-wise log-softmax of fp32 logits [m, V] in a fixed order per row (logprobs)."""
+    return cc.log_softmax(x)

@@ -224,3 +224,45 @@ def moe(h, router, gate_up, down, shared_gate_up, shared_down, shared_gate, *, t
     s_out = matmul((jax.nn.silu(sgu[:, :Is]) * sgu[:, Is:]).astype(A), shared_down)
     sg = jax.nn.sigmoid(matmul(h, shared_gate))
     return routed + sg * s_out
+
+
+def attention_rows(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, slot, pos, *, num_heads, num_kv_heads, eps):
+    """attention for m rows, row r slot[r]'s token at pos[r] over pools [P, S, Hkv, hd]
+    (slot -1: padding, o = 0, nothing written). Every row's k/v is written first, then each row
+    attends to its slot's rows 0 .. pos[r] (a reference: one row at a time through lax.map)."""
+    m = qkv.shape[0]
+    P, S, hkv, hd = k_pool.shape
+    H = num_heads
+    A = k_pool.dtype
+    qg = qkv[:, : 2 * H * hd].reshape(m, H, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:]
+    k = qkv[:, 2 * H * hd: (2 * H + hkv) * hd].reshape(m, hkv, hd)
+    v = qkv[:, (2 * H + hkv) * hd:].reshape(m, hkv, hd)
+    q = rope(head_rmsnorm(q, q_norm, eps), cos, sin).astype(A)
+    k = rope(head_rmsnorm(k, k_norm, eps), cos, sin).astype(A)
+    valid = slot >= 0
+    where = jnp.where(valid, slot, P)  # out of range -> dropped
+    k_pool = k_pool.at[where, pos].set(k, mode="drop")
+    v_pool = v_pool.at[where, pos].set(v.astype(A), mode="drop")
+    rep = H // hkv
+
+    def one(row):
+        qr, gr, s_, p_ = row
+        kc = lax.dynamic_index_in_dim(k_pool, jnp.maximum(s_, 0), keepdims=False)
+        vc = lax.dynamic_index_in_dim(v_pool, jnp.maximum(s_, 0), keepdims=False)
+        seen = jnp.arange(S) <= p_
+        s = jnp.einsum("grd,sgd->grs", qr.reshape(hkv, rep, hd), kc, preferred_element_type=f32) * f32(hd ** -0.5)
+        p = jax.nn.softmax(jnp.where(seen[None, None], s, -jnp.inf), axis=-1)
+        v_seen = jnp.where(seen[:, None, None], vc, jnp.zeros((), A))  # unwritten rows may be NaN
+        o = jnp.einsum("grs,sgd->grd", p.astype(A), v_seen, preferred_element_type=f32).reshape(H, hd)
+        o = jnp.where(s_ >= 0, o * jax.nn.sigmoid(gr), 0.0)
+        return o.astype(A).reshape(H * hd)
+
+    return lax.map(one, (q, gate, slot, pos)), k_pool, v_pool
+
+
+def log_softmax(x):
+    """Row-wise log-softmax of fp32 logits [m, V]: (x - max) - log(sum(exp(x - max)))."""
+    x = x.astype(f32)
+    mx = jnp.max(x, axis=-1, keepdims=True)
+    return (x - mx) - jnp.log(jnp.sum(jnp.exp(x - mx), axis=-1, keepdims=True))

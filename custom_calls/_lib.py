@@ -44,6 +44,8 @@ TARGETS = {
     "baro_moe_pairs": "BaroMoePairs",  # expert parallel: routing + this shard's per-pair outputs
     "baro_moe_combine": "BaroMoeCombine",  # expert parallel: baro_moe's combine of given pairs
     "baro_fetch_experts": "BaroFetchExperts",  # tier decode: pool[slot] = store[expert] by the copy engines
+    "baro_attention_rows": "BaroAttentionRows",  # many sequences: each row its own slot of a KV pool
+    "baro_log_softmax": "BaroLogSoftmax",  # row-wise log-softmax in a fixed order (logprobs)
 }
 
 # Targets with a CPU kernel only: on a GPU platform whose library does not export them, a stub
@@ -77,6 +79,8 @@ _loaded = False
 _libs: dict[str, ctypes.CDLL] = {}
 _paths: dict[str, str] = {}
 _errors: dict[str, str] = {}
+# platform -> (path, the loader's error) of a library file that exists but failed to load
+_broken: dict[str, tuple[str, str]] = {}
 # platform -> set of targets registered with a real handler
 _registered: dict[str, set[str]] = {}
 
@@ -136,8 +140,9 @@ def _load_library(platform: str) -> None:
     try:
         _libs[platform] = ctypes.CDLL(str(path))
         _paths[platform] = str(path)
-    except OSError as e:  # e.g. a GPU runtime library is missing
+    except OSError as e:  # a damaged file, the wrong architecture, a GPU runtime library missing
         _errors[platform] = f"{path} could not be loaded: {e}"
+        _broken[platform] = (str(path), str(e))
 
 
 def load() -> None:
@@ -182,6 +187,22 @@ def library_paths() -> dict[str, str]:
     """Platform -> path of the loaded library."""
     load()
     return dict(_paths)
+
+
+def broken_libraries() -> dict[str, tuple[str, str]]:
+    """Platform -> (path, loader error) of each library file that is there but would not load
+    (as opposed to one that was never built)."""
+    load()
+    return dict(_broken)
+
+
+class LibraryLoadError(ImportError):
+    """The CPU kernel library is missing (broken=False) or is there but will not load
+    (broken=True: path and error say which file and why)."""
+
+    def __init__(self, msg: str, path: str | None = None, error: str | None = None, broken: bool = False):
+        super().__init__(msg)
+        self.path, self.error, self.broken = path, error, broken
 
 
 def load_errors() -> dict[str, str]:

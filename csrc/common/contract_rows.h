@@ -1,0 +1,98 @@
+// baro_jax: the shape contract of the many-sequence targets (docs/FFI.md "baro_attention_rows",
+// "baro_log_softmax"), checked by one function per target that the CPU and GPU handlers both
+// call, as contract.h does for the one-sequence targets.
+#pragma once
+
+#include <cstdint>
+
+#include "ffi_util.h"
+#include "xla/ffi/api/ffi.h"
+
+// Operands, attribute and results of baro_attention_rows, appended to a binding that already
+// holds its platform's contexts. The last result is the GPU split partials (sized by
+// custom_calls/attention_rows.py; the CPU ignores it), so the GPU handler allocates nothing.
+#define BARO_BIND_ATTENTION_ROWS_ARGS(bind)                                                         \
+  (bind)                                                                                            \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>() /* qkv [m, (2H+2Hkv)*hd] */                       \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>() /* q_norm [hd] */                                 \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>() /* k_norm [hd] */                                 \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>() /* cos [m, R2] */                                 \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>() /* sin [m, R2] */                                 \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* k_pool [P, S, Hkv, hd] */                     \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* v_pool [P, S, Hkv, hd] */                     \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* slot [m] (-1: padding) */                      \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* pos [m] */                                     \
+      .Attr<float>("eps")                                                                           \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* o [m, H*hd] */                                \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* k_pool */                                     \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* v_pool */                                     \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::U8>>() /* scratch */
+
+#define BARO_BIND_LOG_SOFTMAX_ARGS(bind)                                                            \
+  (bind)                                                                                            \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>() /* logits [m, V] */                               \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>() /* out [m, V] */
+
+namespace baro {
+
+struct AttentionRowsDims {
+  int64_t m, hd, P, S, Hkv, H, R2;
+};
+
+inline ::xla::ffi::Error check_attention_rows(
+    const ::xla::ffi::Buffer<::xla::ffi::F32>& qkv, const ::xla::ffi::Buffer<::xla::ffi::F32>& q_norm,
+    const ::xla::ffi::Buffer<::xla::ffi::F32>& k_norm, const ::xla::ffi::Buffer<::xla::ffi::F32>& cos,
+    const ::xla::ffi::Buffer<::xla::ffi::F32>& sin, const ::xla::ffi::Buffer<::xla::ffi::BF16>& k_pool,
+    const ::xla::ffi::Buffer<::xla::ffi::BF16>& v_pool, const ::xla::ffi::Buffer<::xla::ffi::S32>& slot,
+    const ::xla::ffi::Buffer<::xla::ffi::S32>& pos, const ::xla::ffi::Buffer<::xla::ffi::BF16>& o,
+    const ::xla::ffi::Buffer<::xla::ffi::BF16>& k_out, const ::xla::ffi::Buffer<::xla::ffi::BF16>& v_out,
+    AttentionRowsDims& d) {
+  const char* op = "baro_attention_rows";
+  BARO_RETURN_IF(expect_rank(op, "qkv", qkv, 2));
+  BARO_RETURN_IF(expect_rank(op, "q_norm", q_norm, 1));
+  BARO_RETURN_IF(expect_rank(op, "k_pool", k_pool, 4));
+  BARO_RETURN_IF(expect_rank(op, "cos", cos, 2));
+  const int64_t m = qkv.dimensions()[0], W = qkv.dimensions()[1];
+  const int64_t hd = q_norm.dimensions()[0];
+  const int64_t P = k_pool.dimensions()[0], S = k_pool.dimensions()[1], Hkv = k_pool.dimensions()[2];
+  const int64_t R2 = cos.dimensions()[1];
+  BARO_CHECK(m >= 1, op, "qkv must have at least one row, got shape " << dims_str(qkv.dimensions()));
+  BARO_CHECK(hd > 0, op, "q_norm must be non-empty (its length is head_dim)");
+  BARO_CHECK(P >= 1 && S >= 1 && Hkv >= 1, op,
+             "k_pool must have P >= 1 slots, S >= 1 positions and Hkv >= 1 kv heads, got shape "
+                 << dims_str(k_pool.dimensions()));
+  BARO_RETURN_IF(expect_shape(op, "k_norm", k_norm, {hd}));
+  BARO_RETURN_IF(expect_shape(op, "k_pool", k_pool, {P, S, Hkv, hd}));
+  BARO_RETURN_IF(expect_shape(op, "v_pool", v_pool, {P, S, Hkv, hd}));
+  BARO_CHECK(W % hd == 0 && W / hd > 2 * Hkv && (W / hd - 2 * Hkv) % 2 == 0, op,
+             "qkv width " << W << " must be (2*H + 2*Hkv) * head_dim with head_dim=" << hd << ", Hkv=" << Hkv);
+  const int64_t H = (W / hd - 2 * Hkv) / 2;
+  BARO_CHECK(H % Hkv == 0, op, "number of q heads " << H << " must be a multiple of Hkv=" << Hkv);
+  BARO_RETURN_IF(expect_shape(op, "cos", cos, {m, R2}));
+  BARO_RETURN_IF(expect_shape(op, "sin", sin, {m, R2}));
+  BARO_CHECK(2 * R2 <= hd, op, "rotary dims 2*cos.shape[1]=" << 2 * R2 << " exceed head_dim=" << hd);
+  BARO_RETURN_IF(expect_shape(op, "slot", slot, {m}));
+  BARO_RETURN_IF(expect_shape(op, "pos", pos, {m}));
+  BARO_RETURN_IF(expect_shape(op, "o (result)", o, {m, H * hd}));
+  BARO_RETURN_IF(expect_shape(op, "k_pool (result)", k_out, {P, S, Hkv, hd}));
+  BARO_RETURN_IF(expect_shape(op, "v_pool (result)", v_out, {P, S, Hkv, hd}));
+  d = AttentionRowsDims{m, hd, P, S, Hkv, H, R2};
+  return ::xla::ffi::Error::Success();
+}
+
+struct LogSoftmaxDims {
+  int64_t m, V;
+};
+
+inline ::xla::ffi::Error check_log_softmax(const ::xla::ffi::Buffer<::xla::ffi::F32>& x,
+                                           const ::xla::ffi::Buffer<::xla::ffi::F32>& out, LogSoftmaxDims& d) {
+  const char* op = "baro_log_softmax";
+  BARO_RETURN_IF(expect_rank(op, "logits", x, 2));
+  const int64_t m = x.dimensions()[0], V = x.dimensions()[1];
+  BARO_CHECK(m >= 1 && V >= 1, op, "logits must have shape [m, V] with m, V >= 1, got " << dims_str(x.dimensions()));
+  BARO_RETURN_IF(expect_shape(op, "out (result)", out, {m, V}));
+  d = LogSoftmaxDims{m, V};
+  return ::xla::ffi::Error::Success();
+}
+
+}  // namespace baro

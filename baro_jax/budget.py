@@ -351,3 +351,18 @@ def largest_tier_chunk(cfg: Config, dtype, device_budget_gb: float | None, state
         except MemoryError:
             c //= 2
     return c
+
+
+def batch_slots(cfg: Config, dtype, device_budget_gb: float | None, length: int, chunk: int, want: int,
+                devices: int = 1) -> int:
+    """How many of `want` sequence slots of `length` positions (generate_batch's pool) fit beside
+    the weights, the larger of a prefill chunk's and a decode step's activations, the decode step's
+    logits and logprobs rows, and two slots' worth of copies (a prefill chunk takes its slot's state
+    out of the pool and puts it back)."""
+    limit, _ = budget_bytes(device_budget_gb)
+    if limit is None:
+        return want
+    per = state_bytes(cfg, dtype, length)
+    fixed = sum(p.bytes for p in resident_parts(cfg, dtype, 0, max(chunk, want), devices))
+    fixed += 2 * want * cfg.vocab_size * 4 + 2 * per + runtime_reserve_bytes(limit)
+    return int(max(0, min(want, (limit - fixed) // per)))

@@ -21,66 +21,19 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from . import checks, variants
+from . import batch, checks, variants
+from .results import GenerateResult, PrefillResult, check_logprobs
+from .scheduler import Sequence
 from .config import Config
 from .ops import BackendUnavailable, get_ops
 from .runner import ResidentRunner, Runner
 from .sampling import Sampler, Sampling, greedy
+from .logprobs import row_logprobs
 from .settings import PREFILL_MODES, Settings, SettingsError
 from .shapes import state_length
 from .tier import TierRunner
 
 RUNNERS = {"resident": ResidentRunner, "tier": TierRunner}
-
-
-@dataclasses.dataclass
-class PrefillResult:
-    """What Engine.prefill returns: the last prompt position's logits, the state after the prompt
-    (ready to decode from position n_tokens), and how long it took."""
-    logits: jax.Array  # [V] fp32, last prompt position
-    state: tuple
-    seconds: float
-    n_tokens: int
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.n_tokens / self.seconds if self.seconds > 0 else float("inf")
-
-
-@dataclasses.dataclass
-class GenerateResult:
-    """What Engine.generate returns.
-
-    prompt_ids / generated_ids: the token ids in and out; text: the generated ids decoded.
-    prefill_seconds, prefill_tokens_per_s: the prompt's prefill; decode_tokens_per_s: the steady
-    decode rate (the steps after the first decode call, which may compile). model, backend,
-    variant, mode, prefill_mode, chunk: what produced it. expert_cache: tier mode's decode expert
-    cache over this request (None in resident mode). last_prompt_logits: the logits [V] fp32 the
-    first token was chosen from; state: the state after the last token (keep_state=True only)."""
-    prompt_ids: list
-    generated_ids: list
-    text: str
-    prefill_seconds: float
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    model: str
-    backend: str
-    prefill_mode: str
-    chunk: int | None
-    mode: str = "resident"
-    variant: str | None = None
-    expert_cache: dict | None = None
-    last_prompt_logits: np.ndarray = dataclasses.field(repr=False, default=None)
-    state: tuple = dataclasses.field(repr=False, default=None)
-
-    def to_json(self) -> dict:
-        return {
-            "prompt_ids": self.prompt_ids, "generated_ids": self.generated_ids, "text": self.text,
-            "prefill_seconds": self.prefill_seconds, "prefill_tokens_per_s": self.prefill_tokens_per_s,
-            "decode_tokens_per_s": self.decode_tokens_per_s, "model": self.model, "backend": self.backend,
-            "prefill_mode": self.prefill_mode, "chunk": self.chunk, "mode": self.mode, "variant": self.variant,
-            "expert_cache": self.expert_cache,
-        }
 
 
 def default_backend(dtype: str = "bfloat16") -> str:
@@ -471,15 +424,20 @@ class Engine:
                  sampling: Sampling | None = None, temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None,
                  on_token: Callable[[int], None] | None = None, stop_at_eos: bool = True, keep_state: bool = False,
-                 progress: Callable[[int, int], None] | None = None) -> GenerateResult:
+                 progress: Callable[[int, int], None] | None = None, logprobs: int | None = None,
+                 prompt_logprobs: bool = False) -> GenerateResult:
         """Continue `prompt` (text, or a list of token ids) by up to max_new_tokens tokens.
 
         Greedy by default; sample with temperature= (and top_k=, top_p=, seed=), or a whole
-        sampling=Sampling(...). prefill: "batch" or "replay" (None: the engine's setting);
-        chunk: the prefill chunk (None: picked per prompt). on_token(id) is called with each token
-        as it is chosen; progress(done, total) as the prompt's prefill goes. Stops early at the
-        tokenizer's end-of-sequence id (stop_at_eos). keep_state: return the state after the last
-        token in the result. Returns a GenerateResult."""
+        sampling=Sampling(...); the i-th sampled token's randomness comes from (seed, i) alone.
+        prefill: "batch" or "replay" (None: the engine's setting); chunk: the prefill chunk (None:
+        picked per prompt). on_token(id) is called with each token as it is chosen (returning False
+        ends the sequence there, finish_reason "stop"); progress(done, total) as the prompt's
+        prefill goes. Stops early at an end-of-sequence id (the tokenizer's and
+        generation_config.json's; stop_at_eos). logprobs: None (none), 0 (the chosen token's
+        log-probability at each position) or k (also the k most likely ids and values);
+        prompt_logprobs: each prompt token's log-probability given the ones before it (batched
+        prefill). keep_state: return the state after the last token in the result."""
         ids = self.check_ids(self.encode(prompt))
         max_new_tokens = checks.as_int("max_new_tokens (--max-new-tokens)", max_new_tokens, lo=0)
         sampling = self.sampling_for(sampling, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -489,12 +447,38 @@ class Engine:
         if prefill not in PREFILL_MODES:
             raise ValueError(f"unknown prefill mode {prefill!r}; choose batch or replay")
         chunk = self._chunk_for(len(ids), max_new_tokens, chunk) if prefill == "batch" else None
+        top_n = check_logprobs(logprobs, self.cfg.vocab_size, allow_none=True)
+        if prompt_logprobs and prefill != "batch":
+            raise ValueError("prompt_logprobs come from batched prefill: use prefill='batch'")
         sampler = Sampler(sampling)
-        pre = self.prefill(ids, prefill, chunk, n_new=max_new_tokens, progress=progress)
+        prompt_lp = None
+        if prompt_logprobs:
+            pre, prompt_lp = self._prefill_scored(ids, chunk, max_new_tokens)
+        else:
+            pre = self.prefill(ids, prefill, chunk, n_new=max_new_tokens, progress=progress)
         logits, state = pre.logits, pre.state
         last_logits = np.asarray(logits)
-        out = []
-        eos = getattr(self.tokenizer, "eos_id", None) if stop_at_eos else None
+        out, lps, tops = [], [], []
+        eos = self.eos_ids if stop_at_eos else frozenset()
+        finish = "length"
+
+        def emit(tok, logits) -> bool:
+            """Record tok; whether the sequence goes on."""
+            nonlocal finish
+            out.append(tok)
+            if top_n is not None:
+                row = np.asarray(row_logprobs(self.ops, logits[None])[0])
+                lps.append(np.float32(row[tok]))
+                if top_n:
+                    best = np.argsort(-row, kind="stable")[:top_n]
+                    tops.append((best.astype(np.int64).tolist(), row[best].astype(np.float32)))
+            if on_token and on_token(tok) is False:
+                finish = "stop"
+                return False
+            if tok in eos:
+                finish = "eos"
+                return False
+            return True
         self.reset_expert_cache_stats()  # the hit rate of this request's decode steps
         t0 = time.perf_counter()
         t1 = None  # when the first decode call's tokens were in hand: that call may have compiled
@@ -502,35 +486,27 @@ class Engine:
         pos = len(ids)
         # Greedy runs blocks of decode steps on the device unless the caller keeps the state: a
         # block may run past an end-of-sequence token, and a kept state must end there.
-        blocks = sampling.greedy and not (keep_state and eos is not None)
+        # Logprobs need each step's logits on the host, and a kept state must end at the last token.
+        blocks = sampling.greedy and top_n is None and not (keep_state and eos)
         if blocks and max_new_tokens > 0:
             tok = sampler(logits)
-            out.append(tok)
-            if on_token:
-                on_token(tok)
-            stop = tok == eos
-            if not stop and max_new_tokens > 1:
+            go = emit(tok, logits)
+            if go and max_new_tokens > 1:
                 for toks, state in self._greedy_blocks(tok, state, pos, max_new_tokens - 1):
                     if t1 is None:
                         t1, n1 = time.perf_counter(), len(out) + len(toks)
                     for t in toks:
-                        out.append(t)
-                        if on_token:
-                            on_token(t)
-                        if t == eos:
-                            stop = True
+                        go = emit(t, None)
+                        if not go:
                             break
-                    if stop:
+                    if not go:
                         break
         else:
             for i in range(max_new_tokens):
                 tok = sampler(logits)
                 if i == 1:
                     t1, n1 = time.perf_counter(), 2
-                out.append(tok)
-                if on_token:
-                    on_token(tok)
-                if tok == eos:
+                if not emit(tok, logits):
                     break
                 if i + 1 < max_new_tokens:
                     logits, state = self._decode(tok, state, pos)
@@ -549,7 +525,76 @@ class Engine:
             decode_tokens_per_s=(n_dec / dt if dt > 0 and n_dec else 0.0),
             model=self.name, backend=self.backend, prefill_mode=prefill, variant=self.variant,
             expert_cache=self.expert_cache_report(), chunk=chunk, mode=self.mode,
-            last_prompt_logits=last_logits, state=state if keep_state else None)
+            last_prompt_logits=last_logits, state=state if keep_state else None,
+            logprobs=None if top_n is None else lps, top_logprobs=tops if top_n else None,
+            prompt_logprobs=prompt_lp, finish_reason=finish)
+
+    def _prefill_scored(self, ids, chunk: int, n_new: int):
+        """Batched prefill that keeps every row's logits: (PrefillResult, prompt logprobs with a
+        leading None)."""
+        L = state_length(len(ids) + n_new, self.cfg.max_context)
+        self.check_device(L, chunk)
+        state = self.runner.new_state(L)
+        t0 = time.perf_counter()
+        lp = [None]
+        for p in range(0, len(ids), chunk):
+            part = ids[p:p + chunk]
+            logits, state = self._chunk(part, state, p, chunk, all_logits=True)
+            rows = np.asarray(row_logprobs(self.ops, logits))
+            lp += [np.float32(rows[i, t]) for i, t in enumerate(ids[p + 1:p + len(part) + 1])]
+            last = logits[len(part) - 1]
+        last = jax.block_until_ready(last)
+        return PrefillResult(last, state, time.perf_counter() - t0, len(ids)), lp
+
+    @property
+    def eos_ids(self) -> frozenset:
+        """The ids that end a sequence: the tokenizer's end-of-sequence token and
+        generation_config.json's eos_token_id (one or a list)."""
+        ids = set(getattr(self, "generation_eos", ()) or ())
+        eos = getattr(self.tokenizer, "eos_id", None)
+        if eos is not None:
+            ids.add(eos)
+        return frozenset(ids)
+
+    # --- many sequences -----------------------------------------------------------------------
+    @_serialised
+    def generate_batch(self, prompts, max_new_tokens=64, *, sampling=None, logprobs: int = 0,
+                       prompt_logprobs: bool = False, max_batch: int | None = None, chunk: int | None = None,
+                       stop=None, stop_token_ids=None, stop_at_eos: bool = True, keep_states: bool = False,
+                       on_token: Callable[[int, int], object] | None = None) -> list[GenerateResult]:
+        """Continue many prompts at once; one GenerateResult per prompt, in input order.
+
+        Each sequence gets exactly the bytes it gets alone (generate(prompt) with the same
+        sampling): tokens, logprobs and states do not depend on the other sequences, their
+        number, lengths or arrival. prompts: texts or token-id lists. max_new_tokens and sampling:
+        one for all, or one per prompt. logprobs: 0 (the chosen token's log-probability) or k
+        (also the k most likely). prompt_logprobs: each prompt token's log-probability. max_batch:
+        sequence slots (None: as many as the prompts, at most 64 and what the device budget
+        holds); chunk: prefill rows per step (None: 256, at most the pool's length). stop: strings
+        that end a sequence; stop_token_ids: ids that do; end-of-sequence ids end it too
+        (stop_at_eos). on_token(i, id): each token of prompt i as it is chosen; returning False
+        ends that sequence (finish_reason "stop"). keep_states: each result carries its
+        sequence's final state (host arrays, the KV cache at the pool's length)."""
+        return batch.generate_batch(self, prompts, max_new_tokens, sampling=sampling, logprobs=logprobs,
+                                prompt_logprobs=prompt_logprobs, max_batch=max_batch, chunk=chunk, stop=stop,
+                                stop_token_ids=stop_token_ids, stop_at_eos=stop_at_eos, keep_states=keep_states,
+                                on_token=on_token, sequence_type=Sequence)
+
+    def score(self, prompt, continuation, *, chunk: int | None = None) -> np.ndarray:
+        """The log-probabilities [len(continuation)] float32 of `continuation`'s tokens after
+        `prompt`, from one batched prefill: the bytes the sampler's logprobs had when it
+        generated that continuation (generate(..., logprobs=0))."""
+        p, c = self.encode(prompt), self.encode(continuation)
+        if not c:
+            raise ValueError("score: the continuation is empty")
+        ids = p + c
+        lp = self.forced_logprobs(ids, chunk=chunk, start=len(p) - 1)
+        return np.asarray([lp[i, t] for i, t in enumerate(c)], np.float32)
+
+    def forced_logprobs(self, ids, chunk: int | None = None, start: int = 0) -> np.ndarray:
+        """log_softmax rows [n - start, V] of forced_logits (the ordered row-wise op)."""
+        logits = self.forced_logits(ids, chunk=chunk, start=start)
+        return np.asarray(row_logprobs(self.ops, jnp.asarray(logits)))
 
 
 def _check_callable(name: str, f):

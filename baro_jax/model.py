@@ -162,3 +162,69 @@ def forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, all_
         x, h, st = layer_forward(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid, nn)
         new_state.append(st)
     return epilogue(params, h, n_valid, cfg=cfg, ops=ops, all_logits=all_logits), tuple(new_state)
+
+
+# --- many sequences: one decode row per sequence slot ----------------------------------------------
+# The pool holds every slot's state side by side (pool.py): attention KV [P, S, Hkv, hd], the conv
+# window [K-1, P, C] and the delta state [P, nv, dk, dv]. A decode step runs one row per slot. The
+# GEMMs, norms and the MoE are row-invariant, so rows of many sequences share their calls. The conv
+# and the delta rule treat channels and heads independently, so P rows of C channels (nv heads) run
+# as ONE row of P*C channels (P*nv heads): the m = 1 kernels a sequence runs alone, on the same
+# numbers. Attention reads each row's own slot (ops.attention_rows).
+
+def fold_rows(x):
+    """[P, ...] -> [1, P * ...]: P one-row problems as one row of P times the channels."""
+    return x.reshape(1, -1)
+
+
+def gdn_rows(h, p, pool, cfg, ops):
+    """gdn_block for one decode row per slot: h [P, D]; pool {"conv": [K-1, P, C], "ssm": [P, nv, dk, dv]}."""
+    P = h.shape[0]
+    C, nv, nk, dk = cfg.conv_dim, cfg.lin_v_heads, cfg.lin_k_heads, cfg.lin_k_dim
+    nvdv = nv * cfg.lin_v_dim
+    proj = ops.matmul(h, p["in_proj"])
+    z_col, b_col, a_col = C, C + nvdv, C + nvdv + nv
+    K1 = pool["conv"].shape[0]
+    y, window = ops.conv(fold_rows(proj[:, :C]), jnp.tile(p["conv"], (P, 1)), pool["conv"].reshape(K1, P * C),
+                         jnp.int32(1))
+    y = y.reshape(P, C)
+    qk = nk * dk
+    # the delta kernel reads [q of every head | k of every head | v of every head]: regroup by part
+    y1 = jnp.concatenate([fold_rows(y[:, :qk]), fold_rows(y[:, qk:2 * qk]), fold_rows(y[:, 2 * qk:])], axis=1)
+    o, ssm = ops.delta(y1, fold_rows(proj[:, b_col:b_col + nv]), fold_rows(proj[:, a_col:a_col + nv]),
+                       jnp.tile(p["A_log"], P), jnp.tile(p["dt_bias"], P),
+                       pool["ssm"].reshape((P * nv,) + pool["ssm"].shape[2:]), jnp.int32(1), nk=P * nk, dk=dk)
+    o = o.reshape(P, nv, cfg.lin_v_dim)
+    g = ops.gated_norm(o, proj, p["norm"], cfg.rms_eps, h.dtype, z_col=z_col)
+    return ops.matmul(g, p["out"]), {"conv": window.reshape(K1, P, C), "ssm": ssm.reshape(pool["ssm"].shape)}
+
+
+def attention_rows(h, p, pool, cfg, ops, cos, sin, slots, pos):
+    qkv = ops.matmul(h, p["qkv"])
+    o, k, v = ops.attention_rows(qkv, p["q_norm"], p["k_norm"], cos, sin, pool["k"], pool["v"], slots, pos,
+                                 num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_eps)
+    return ops.matmul(o, p["o"]), {"k": k, "v": v}
+
+
+def decode_rows(params, pool, tokens, slots, pos, rope, *, cfg: Config, ops):
+    """One decode step for every slot of the pool: row r is slot r's token at position pos[r];
+    slots[r] is r for a running sequence and -1 for a slot with nothing to decode (its attention
+    row writes and reads nothing; its conv and delta rows run on its state, which the caller
+    keeps as it was). Returns (logits [P, V] fp32, new pool)."""
+    x = embed(params, tokens)
+    cos, sin = rope[0][pos], rope[1][pos]
+    h = first_norm(params["layers"][0], x, cfg, ops)
+    new_pool = []
+    for lp, st, kind, nn in zip(params["layers"], pool, cfg.layer_types, next_norms(params)):
+        A = lp["moe"]["router"].dtype
+        if kind == FULL:
+            y, st = attention_rows(h, lp["attn"], st, cfg, ops, cos, sin, slots, pos)
+        else:
+            y, st = gdn_rows(h, lp["gdn"], st, cfg, ops)
+        x, h2 = ops.add_rmsnorm(x, y, lp["post_norm"], cfg.rms_eps, A)
+        m = lp["moe"]
+        y = ops.moe(h2, m["router"], m["gate_up"], m["down"], m["shared_gate_up"], m["shared_down"],
+                    m["shared_gate"], top_k=cfg.top_k)
+        x, h = ops.add_rmsnorm(x, y, nn, cfg.rms_eps, A)
+        new_pool.append(st)
+    return ops.matmul(h, params["lm_head"]), tuple(new_pool)

@@ -102,15 +102,25 @@ def sample(logits, key, temperature, top_k: int, top_p):
     return jnp.where(overflow, greedy(logits), drawn).astype(jnp.int32)
 
 
+def token_key(seed: int, index: int):
+    """The randomness of a sequence's index-th generated token: from (seed, index) alone, never
+    from a batch-wide key or the batch position, so a sampled sequence draws the same tokens
+    alone and in any batch."""
+    return jax.random.fold_in(jax.random.PRNGKey(seed), index)
+
+
 class Sampler:
+    """Chooses a sequence's tokens one after another: greedy, or sampled with the index-th token's
+    key token_key(seed, index)."""
+
     def __init__(self, s: Sampling):
         self.s = s.validate()
-        self.key = jax.random.PRNGKey(s.seed)
+        self.index = 0
         with np.errstate(over="ignore", under="ignore"):  # 1e39 -> inf and 1e-50 -> 0: sample's limits
             self.t32 = np.float32(s.temperature)
 
     def __call__(self, logits) -> int:
+        i, self.index = self.index, self.index + 1
         if self.s.greedy:
             return int(greedy(logits))
-        self.key, sub = jax.random.split(self.key)
-        return int(sample(logits, sub, self.t32, self.s.top_k, jnp.float32(self.s.top_p)))
+        return int(sample(logits, token_key(self.s.seed, i), self.t32, self.s.top_k, jnp.float32(self.s.top_p)))

@@ -1,0 +1,318 @@
+"""Many sequences at once: the graphs of a batch step and the loop that runs the scheduler.
+
+Each step is one of two graphs, whose shapes depend on the slot count, the pool's length and
+the prefill chunk, never on a prompt's length (no compilation per request):
+- a prefill chunk of one sequence: its slot's state taken out of the pool, the one-sequence
+  forward (model.forward, the same graph as a prefill alone) over `chunk` rows, put back;
+- a decode step of every slot (model.decode_rows): one row per sequence, idle slots' rows
+  discarded.
+Both compute each row exactly as the sequence alone would (the kernels are row-invariant, the
+conv and delta rows fold into one row of more channels, attention reads each row's own slot),
+so generate_batch gives every sequence the bytes of generate() alone, which equal its replay.
+Logprobs are log_softmax rows of the same logits (an ordered row-wise op).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from . import budget, checks
+from . import model as M
+from . import pool as Pool
+from .logprobs import row_logprobs
+from .results import GenerateResult, check_logprobs
+from .sampling import Sampling, greedy, sample, token_key
+from .scheduler import Scheduler, Sequence
+from .shapes import state_length
+
+
+def _prefill(params, pool, slot, tokens, pos, n_valid, rope, *, cfg, ops, all_logits: bool):
+    st = Pool.slot_state(pool, slot)
+    logits, st = M.forward(params, st, tokens, pos, n_valid, rope, cfg=cfg, ops=ops, all_logits=all_logits)
+    return logits, Pool.put_slot_state(pool, slot, st)
+
+
+def _decode(params, pool, tokens, running, pos, rope, *, cfg, ops):
+    slots = jnp.where(running, jnp.arange(tokens.shape[0], dtype=jnp.int32), -1)
+    logits, new = M.decode_rows(params, pool, tokens, slots, pos, rope, cfg=cfg, ops=ops)
+    return logits, Pool.keep_running(pool, new, running)
+
+
+PREFILL = jax.jit(_prefill, static_argnames=("cfg", "ops", "all_logits"), donate_argnums=(1,))
+DECODE = jax.jit(_decode, static_argnames=("cfg", "ops"), donate_argnums=(1,))
+CLEAR = jax.jit(Pool.clear_slot, donate_argnums=(0,))
+TAKE = jax.jit(Pool.slot_state)
+LOGPROBS = jax.jit(lambda logits, ops: row_logprobs(ops, logits), static_argnames=("ops",))
+
+
+def rows_attention_fallback(base_attention):
+    """attention_rows through the one-sequence kernel, one row at a time on its slot's cache (the
+    m = 1 decode call itself, so its bytes): for backends without the pooled kernel."""
+    def attention_rows(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, slots, pos, *, num_heads, num_kv_heads, eps):
+        outs = []
+        for r in range(qkv.shape[0]):
+            s = jnp.maximum(slots[r], 0)
+            o, k, v = base_attention(qkv[r:r + 1], q_norm, k_norm, cos[r:r + 1], sin[r:r + 1], k_pool[s], v_pool[s],
+                                     pos[r], jnp.int32(1), num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps)
+            live = slots[r] >= 0
+            k_pool = k_pool.at[s].set(jnp.where(live, k, k_pool[s]))
+            v_pool = v_pool.at[s].set(jnp.where(live, v, v_pool[s]))
+            outs.append(jnp.where(live, o, jnp.zeros_like(o)))
+        return jnp.concatenate(outs), k_pool, v_pool
+
+    return attention_rows
+
+
+class PooledOps:
+    """An ops object with attention_rows (the backend's, or the fallback above); hashable like the
+    ops it wraps, so jit keys graphs on it."""
+
+    def __init__(self, base):
+        self._base = base
+        self.attention_rows = getattr(base, "attention_rows", None) or rows_attention_fallback(base.attention)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+    def __hash__(self):
+        return hash(("pooled", self._base))
+
+    def __eq__(self, other):
+        return isinstance(other, PooledOps) and other._base is self._base
+
+
+_POOLED: dict = {}
+
+
+def pooled_ops(ops):
+    if id(ops) not in _POOLED:
+        _POOLED[id(ops)] = (ops, PooledOps(ops))
+    return _POOLED[id(ops)][1]
+
+
+def choose(logits_row, seq: Sequence) -> int:
+    """The sequence's next token from its logits row [V] (sampling.Sampler's rule: greedy, or its
+    seed's key for this token index)."""
+    s = seq.sampling
+    if s.greedy:
+        return int(greedy(logits_row))
+    with np.errstate(over="ignore", under="ignore"):
+        t32 = np.float32(s.temperature)
+    return int(sample(logits_row, token_key(s.seed, len(seq.generated)), t32, s.top_k, jnp.float32(s.top_p)))
+
+
+class BatchRun:
+    """One generate_batch call: the pool, the scheduler, and the loop over steps."""
+
+    def __init__(self, runner, tokenizer, sequences: list[Sequence], *, slots: int, length: int, chunk: int,
+                 logprobs: int, prompt_logprobs: bool, keep_states: bool, on_token=None):
+        self.r, self.tok = runner, tokenizer
+        self.cfg, self.ops = runner.cfg, pooled_ops(runner.ops)
+        self.slots, self.length, self.chunk = slots, length, chunk
+        self.top_n, self.want_prompt_lp, self.keep_states = logprobs, prompt_logprobs, keep_states
+        self.on_token = on_token
+        self.sched = Scheduler(sequences, slots)
+        self.pool = Pool.init_pool(self.cfg, runner.dtype, slots, length)
+        self.steps = {"prefill": 0, "decode": 0}
+        self.t0 = time.perf_counter()
+
+    def run(self) -> list[Sequence]:
+        while not self.sched.done:
+            for seq in self.sched.admit():
+                self.pool = CLEAR(self.pool, jnp.int32(seq.slot))
+            seq = self.sched.next_prefill()
+            if seq is not None:
+                self._prefill_chunk(seq)
+            if self.sched.decoding():
+                self._decode_step()
+        return sorted(self.sched.finished, key=lambda s: s.index)
+
+    # --- the two kinds of step ---------------------------------------------------------
+    def _prefill_chunk(self, seq: Sequence):
+        p = seq.prefilled
+        part = seq.prompt_ids[p:p + self.chunk]
+        toks = np.zeros((self.chunk,), np.int32)
+        toks[:len(part)] = part
+        all_logits = self.want_prompt_lp
+        logits, self.pool = PREFILL(self.r.params, self.pool, jnp.int32(seq.slot), jnp.asarray(toks), jnp.int32(p),
+                                    jnp.int32(len(part)), self.r.rope, cfg=self.cfg, ops=self.ops,
+                                    all_logits=all_logits)
+        self.steps["prefill"] += 1
+        seq.prefilled += len(part)
+        if all_logits:
+            self._prompt_logprobs(seq, p, part, logits)
+            last = logits[len(part) - 1]
+        else:
+            last = logits
+        if seq.prefilled == len(seq.prompt_ids):
+            if seq.max_new_tokens == 0:
+                self._finish(seq, "length")
+            else:
+                self._emit(seq, last, LOGPROBS(last[None], ops=self.ops)[0] if self._need_lp() else None)
+
+    def _decode_step(self):
+        P = self.slots
+        toks = np.zeros((P,), np.int32)
+        pos = np.zeros((P,), np.int32)
+        running = np.zeros((P,), bool)
+        decoding = self.sched.decoding()
+        for seq in decoding:
+            toks[seq.slot], pos[seq.slot], running[seq.slot] = seq.generated[-1], seq.pos, True
+        logits, self.pool = DECODE(self.r.params, self.pool, jnp.asarray(toks), jnp.asarray(running),
+                                   jnp.asarray(pos), self.r.rope, cfg=self.cfg, ops=self.ops)
+        self.steps["decode"] += 1
+        lp = LOGPROBS(logits, ops=self.ops) if self._need_lp() else None
+        for seq in decoding:
+            self._emit(seq, logits[seq.slot], None if lp is None else lp[seq.slot])
+
+    # --- per sequence ---------------------------------------------------------------------
+    def _need_lp(self) -> bool:
+        return self.top_n is not None  # None: no logprobs at all (a caller that wants speed alone)
+
+    def _prompt_logprobs(self, seq, p, part, logits):
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]
+        lp = np.asarray(LOGPROBS(logits, ops=self.ops))
+        nxt = seq.prompt_ids[p + 1:p + len(part) + 1]  # the token each row predicts
+        for i, t in enumerate(nxt):
+            seq.prompt_logprobs.append(np.float32(lp[i, t]))
+
+    def _emit(self, seq: Sequence, logits_row, lp_row):
+        t = choose(logits_row, seq)
+        now = time.perf_counter() - self.t0
+        if seq.first_token_s is None:
+            seq.first_token_s = now
+        seq.token_times.append(now)
+        seq.generated.append(t)
+        if lp_row is not None:
+            lp_row = np.asarray(lp_row)
+            seq.logprobs.append(np.float32(lp_row[t]))
+            if self.top_n:
+                top = np.argsort(-lp_row, kind="stable")[:self.top_n]
+                seq.top_logprobs.append((top.astype(np.int64).tolist(), lp_row[top].astype(np.float32)))
+        keep = self.on_token(seq.index, t) if self.on_token else None
+        if t in seq.eos_ids:
+            self._finish(seq, "eos")
+        elif t in seq.stop_ids or keep is False or (seq.stop_strings and self._stopped_by_string(seq)):
+            self._finish(seq, "stop")
+        elif len(seq.generated) >= seq.max_new_tokens:
+            self._finish(seq, "length")
+
+    def _stopped_by_string(self, seq) -> bool:
+        text = self.tok.decode(seq.generated)
+        return any(s in text for s in seq.stop_strings)
+
+    def _finish(self, seq: Sequence, reason: str):
+        if self.keep_states:
+            seq.state = jax.tree_util.tree_map(np.asarray, TAKE(self.pool, jnp.int32(seq.slot)))
+        self.sched.finish(seq, reason)
+
+
+
+DEFAULT_BATCH_CHUNK = 256  # prefill rows per step of a batch (the step's token budget for a prompt)
+MAX_DEFAULT_SLOTS = 64
+
+
+def _per_prompt(name, value, n, check):
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"generate_batch: {name} has {len(value)} entries for {n} prompts (give one, or one each)")
+        return [check(v) for v in value]
+    v = check(value)
+    return [v] * n
+
+
+def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_logprobs, max_batch, chunk, stop,
+                   stop_token_ids, stop_at_eos, keep_states, on_token, sequence_type):
+    """Engine.generate_batch's body (see there)."""
+    if eng.runner.placement != "resident":
+        raise ValueError(f"generate_batch runs resident mode (and expert parallel) so far, not {eng.mode!r}: "
+                         "load without mode='tier', or run the prompts one at a time with generate()")
+    if eng.cfg.delta_rule != "token":
+        raise ValueError("generate_batch runs the per-token delta rule so far (delta_rule 'token')")
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        raise TypeError(f"generate_batch: prompts must be a list of prompts (texts or token-id lists), "
+                        f"got {type(prompts).__name__}")
+    n = len(prompts)
+    if n == 0:
+        return []
+    ids = [eng.check_ids(eng.encode(p)) for p in prompts]
+    for i, x in enumerate(ids):
+        if not x:
+            raise ValueError(f"generate_batch: prompt {i} is empty")
+    news = _per_prompt("max_new_tokens", max_new_tokens, n,
+                       lambda v: checks.as_int("max_new_tokens", v, lo=0))
+    samplings = _per_prompt("sampling", sampling if sampling is not None else Sampling(), n, eng.sampling_for)
+    top_n = check_logprobs(logprobs, eng.cfg.vocab_size)
+    if on_token is not None and not callable(on_token):
+        raise TypeError(f"on_token must be a callable (or None), got {type(on_token).__name__}")
+    stops = tuple(_stop_strings(stop))
+    stop_ids = frozenset(eng.check_ids(list(stop_token_ids or [])))
+    eos = eng.eos_ids if stop_at_eos else frozenset()
+    for i, (x, m) in enumerate(zip(ids, news)):
+        eng.check_fits(len(x), m)
+    length = state_length(max(len(x) + m for x, m in zip(ids, news)), eng.cfg.max_context)
+    chunk = checks.as_int("chunk", chunk, lo=1) if chunk is not None else min(DEFAULT_BATCH_CHUNK, length)
+    slots = _slots(eng, n, max_batch, length, chunk)
+    seqs = [sequence_type(index=i, prompt_ids=x, max_new_tokens=m, sampling=s, stop_ids=stop_ids,
+                          stop_strings=stops, eos_ids=eos)
+            for i, (x, m, s) in enumerate(zip(ids, news, samplings))]
+    run = BatchRun(eng.runner, eng.tokenizer, seqs, slots=slots, length=length, chunk=chunk, logprobs=top_n,
+                   prompt_logprobs=prompt_logprobs, keep_states=keep_states, on_token=on_token)
+    t0 = time.perf_counter()
+    done = run.run()
+    dt = time.perf_counter() - t0
+    out = []
+    for seq in done:
+        text = eng.tokenizer.decode(seq.generated)
+        if seq.finish_reason == "stop" and stops:  # the text ends before the stop string, as the peers do
+            cut = [text.find(s) for s in stops if s in text]
+            text = text[:min(cut)] if cut else text
+        gaps = np.diff(seq.token_times) if len(seq.token_times) > 1 else np.zeros(0)
+        out.append(GenerateResult(
+            prompt_ids=seq.prompt_ids, generated_ids=seq.generated, text=text,
+            prefill_seconds=seq.first_token_s or 0.0,
+            prefill_tokens_per_s=len(seq.prompt_ids) / seq.first_token_s if seq.first_token_s else 0.0,
+            decode_tokens_per_s=float(len(gaps) / gaps.sum()) if gaps.size and gaps.sum() > 0 else 0.0,
+            model=eng.name, backend=eng.backend, prefill_mode="batch", chunk=chunk, mode=eng.mode,
+            variant=eng.variant, state=seq.state, logprobs=seq.logprobs,
+            top_logprobs=seq.top_logprobs if top_n else None,
+            prompt_logprobs=seq.prompt_logprobs if prompt_logprobs else None, finish_reason=seq.finish_reason))
+    eng.last_batch_stats = {"sequences": n, "slots": slots, "pool_length": length, "chunk": chunk,
+                            "steps": dict(run.steps), "seconds": dt,
+                            "generated_tokens": sum(len(s.generated) for s in done)}
+    return out
+
+
+def _stop_strings(stop):
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    out = []
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise TypeError(f"stop must be a string or a list of non-empty strings, got {s!r:.60}")
+        out.append(s)
+    return out
+
+
+def _slots(eng, n: int, max_batch, length: int, chunk: int) -> int:
+    """The pool's slot count: max_batch, or as many as the prompts (at most MAX_DEFAULT_SLOTS) and
+    what the device budget holds beside the weights and a prefill chunk."""
+    if max_batch is not None:
+        slots = min(checks.as_int("max_batch", max_batch, lo=1), n)  # more slots than prompts would idle
+    else:
+        slots = min(n, MAX_DEFAULT_SLOTS)
+    fit = budget.batch_slots(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, slots, eng.devices or 1)
+    if fit < 1:
+        budget.check_resident(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, eng.devices or 1)
+    if max_batch is not None and fit < slots:
+        raise MemoryError(f"max_batch {slots} slots of {length} positions do not fit the device budget beside the "
+                          f"weights and a prefill chunk of {chunk} rows; at most {fit} do")
+    return max(1, min(slots, fit))

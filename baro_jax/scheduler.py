@@ -1,0 +1,82 @@
+"""Continuous batching: which sequence holds which slot, and what each step runs.
+
+A fixed pool of `slots` sequence slots (pool.py). Waiting sequences take free slots in arrival
+order; a sequence with prompt tokens left gets the next prefill chunk (one chunk per step, the
+oldest first); every sequence whose prompt is in decodes one token per decode step, all of them
+in one call. A finished sequence frees its slot at once, for the next waiting one. Nothing here
+depends on another sequence's numbers: the scheduler decides only when a sequence's rows run,
+never how (every row's arithmetic is its own), so a sequence's bytes are the same in any batch.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from .sampling import Sampling
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One request on its way through the batch."""
+    index: int                 # its place in the caller's list
+    prompt_ids: list
+    max_new_tokens: int
+    sampling: Sampling
+    stop_ids: frozenset = frozenset()
+    stop_strings: tuple = ()
+    eos_ids: frozenset = frozenset()
+    slot: int | None = None
+    prefilled: int = 0         # prompt tokens in the slot's state
+    generated: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    top_logprobs: list = dataclasses.field(default_factory=list)
+    prompt_logprobs: list | None = None
+    finish_reason: str | None = None
+    state: tuple | None = None  # the slot's state when it finished (when asked)
+    first_token_s: float | None = None
+    token_times: list = dataclasses.field(default_factory=list)
+
+    @property
+    def pos(self) -> int:
+        """The position of the next token fed to the slot (the last generated one)."""
+        return len(self.prompt_ids) + len(self.generated) - 1
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.prompt_ids) and self.finish_reason is None
+
+
+class Scheduler:
+    def __init__(self, sequences, slots: int):
+        self.waiting = collections.deque(sequences)
+        self.free = list(range(slots - 1, -1, -1))  # pop() gives slot 0 first
+        self.running: dict[int, Sequence] = {}  # slot -> sequence
+        self.finished: list[Sequence] = []
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and not self.running
+
+    def admit(self) -> list[Sequence]:
+        """Waiting sequences placed in free slots (in arrival order); the caller clears each slot."""
+        placed = []
+        while self.waiting and self.free:
+            seq = self.waiting.popleft()
+            seq.slot = self.free.pop()
+            self.running[seq.slot] = seq
+            placed.append(seq)
+        return placed
+
+    def next_prefill(self) -> Sequence | None:
+        """The oldest running sequence with prompt tokens still to prefill."""
+        pending = [s for s in self.running.values() if s.prefilled < len(s.prompt_ids)]
+        return min(pending, key=lambda s: s.index) if pending else None
+
+    def decoding(self) -> list[Sequence]:
+        return [s for s in self.running.values() if s.decoding]
+
+    def finish(self, seq: Sequence, reason: str):
+        seq.finish_reason = reason
+        del self.running[seq.slot]
+        self.free.append(seq.slot)
+        self.finished.append(seq)

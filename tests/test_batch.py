@@ -1,0 +1,157 @@
+"""Many sequences at once: each sequence of generate_batch gets the bytes it gets alone (tokens,
+logprobs, final state), which equal its replay, whatever the other sequences, their number and
+their arrival; no compilation per request."""
+import numpy as np
+import pytest
+
+import baro_jax
+from baro_jax import batch as B
+from baro_jax.config import FULL
+
+PROMPTS = [
+    "import os\n",
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n",
+    "x",  # one token
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        self",
+    "for i in range(10):\n    print(",
+    "from collections import OrderedDict\n\n\nclass LRU(OrderedDict):\n    \"\"\"A cache.\"\"\"\n\n    def get(",
+    "    return",
+]
+NEW = [9, 14, 6, 11, 1, 8, 12]
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return baro_jax.load("tiny", backend="ordered", progress=False)
+
+
+@pytest.fixture(scope="module")
+def alone(eng):
+    return [eng.generate(p, n, logprobs=2, keep_state=True) for p, n in zip(PROMPTS, NEW)]
+
+
+def kv_rows(cfg, state, n):
+    """The state's leaves as bytes, KV caches cut to the n positions a sequence has written (the
+    pool's caches are longer than a sequence's own; past n both hold zeros)."""
+    out = []
+    for st, kind in zip(state, cfg.layer_types):
+        for k in sorted(st):
+            a = np.asarray(st[k])
+            out.append((a[:n] if kind == FULL else a).tobytes())
+    return out
+
+
+def same(cfg, a, b):
+    """a: a result alone, b: the same prompt's batch result; what differs, or None."""
+    if a.generated_ids != b.generated_ids:
+        return f"tokens {a.generated_ids} != {b.generated_ids}"
+    if [x.tobytes() for x in a.logprobs] != [x.tobytes() for x in b.logprobs]:
+        return "logprob bytes differ"
+    if a.top_logprobs is not None and b.top_logprobs is not None:
+        for (ia, va), (ib, vb) in zip(a.top_logprobs, b.top_logprobs):
+            if ia != ib or va.tobytes() != vb.tobytes():
+                return "top logprobs differ"
+    if a.finish_reason != b.finish_reason:
+        return f"finish {a.finish_reason} != {b.finish_reason}"
+    n = len(a.prompt_ids) + len(a.generated_ids) - 1
+    if a.state is not None and b.state is not None and kv_rows(cfg, a.state, n) != kv_rows(cfg, b.state, n):
+        return "final state bytes differ"
+    return None
+
+
+@pytest.mark.parametrize("max_batch,chunk", [(1, 16), (3, 7), (8, 32)])
+def test_each_sequence_equals_its_run_alone(eng, alone, max_batch, chunk):
+    """Mixed lengths (1 token to several chunks), fewer slots than prompts (sequences join as
+    others finish), every slot count and prefill chunk: each result is its run alone, bytes."""
+    got = eng.generate_batch(PROMPTS, NEW, logprobs=2, max_batch=max_batch, chunk=chunk, keep_states=True)
+    assert [r.prompt_ids for r in got] == [a.prompt_ids for a in alone]
+    for i, (a, b) in enumerate(zip(alone, got)):
+        assert same(eng.cfg, a, b) is None, f"prompt {i}: {same(eng.cfg, a, b)}"
+    stats = eng.last_batch_stats
+    assert stats["slots"] == min(max_batch, len(PROMPTS)) and stats["steps"]["decode"] > 0
+
+
+def test_alone_equals_replay(eng, alone):
+    for i in (0, 1, 3):
+        r = eng.generate(PROMPTS[i], NEW[i], prefill="replay", logprobs=2, keep_state=True)
+        assert same(eng.cfg, r, alone[i]) is None, f"prompt {i}: replay vs batched prefill"
+
+
+def test_sampled_sequences_equal_alone(eng):
+    """Per-sequence temperature / top-k / top-p / seed, keyed on (seed, token index): the draws are
+    the same alone and in any batch, and different seeds draw differently."""
+    sps = [baro_jax.Sampling(temperature=0.9, top_p=0.95, seed=s) for s in range(len(PROMPTS))]
+    sps[2] = baro_jax.Sampling(temperature=1.3, top_k=20, seed=99)
+    sps[4] = baro_jax.Sampling()  # greedy beside sampled ones
+    got = eng.generate_batch(PROMPTS, 10, sampling=sps, max_batch=4, chunk=16)
+    for i, (p, s) in enumerate(zip(PROMPTS, sps)):
+        a = eng.generate(p, 10, sampling=s, logprobs=0)
+        assert same(eng.cfg, a, got[i]) is None, f"prompt {i}: {same(eng.cfg, a, got[i])}"
+    other = eng.generate(PROMPTS[0], 10, sampling=baro_jax.Sampling(temperature=0.9, top_p=0.95, seed=12345))
+    assert other.generated_ids != got[0].generated_ids
+
+
+def test_prompt_logprobs_and_score(eng):
+    """prompt_logprobs from the batch equal generate's alone; score(prompt, continuation) gives the
+    bytes of the logprobs the sampler saw when it generated the continuation."""
+    got = eng.generate_batch(PROMPTS[:4], 6, prompt_logprobs=True, max_batch=2, chunk=16)
+    for p, r in zip(PROMPTS[:4], got):
+        a = eng.generate(p, 6, prompt_logprobs=True, logprobs=0)
+        assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == len(r.prompt_ids)
+        assert [None if x is None else x.tobytes() for x in a.prompt_logprobs] == \
+               [None if x is None else x.tobytes() for x in r.prompt_logprobs]
+        s = eng.score(r.prompt_ids, r.generated_ids)
+        assert s.tobytes() == np.asarray(r.logprobs, np.float32).tobytes()
+
+
+def test_stops_and_finish_reasons(eng, alone):
+    ref = alone[1]
+    text = eng.tokenizer.decode(ref.generated_ids)
+    seen = {0: [], 1: [], 2: []}
+
+    def on_token(i, t):  # prompt 2 ends itself after its 4th token; the others run on
+        seen[i].append(t)
+        return not (i == 2 and len(seen[i]) == 4)
+
+    got = eng.generate_batch([PROMPTS[1]] * 3, NEW[1], on_token=on_token, max_batch=3)
+    assert got[0].generated_ids == ref.generated_ids and got[0].finish_reason == "length"
+    assert got[2].finish_reason == "stop" and got[2].generated_ids == ref.generated_ids[:4] == seen[2]
+    cut = ref.generated_ids[3]
+    g = eng.generate_batch([PROMPTS[1]], NEW[1], stop_token_ids=[cut])[0]
+    assert g.finish_reason == "stop" and g.generated_ids == ref.generated_ids[:ref.generated_ids.index(cut) + 1]
+    word = text[5:8]
+    g = eng.generate_batch([PROMPTS[1]], NEW[1], stop=[word])[0]
+    assert g.finish_reason == "stop" and word not in g.text and text.startswith(g.text)
+
+
+def test_no_compilation_per_request(eng):
+    """The step graphs depend on the slot count, the pool's length and the chunk, not on the
+    prompts: a second batch of other lengths compiles nothing."""
+    eng.generate_batch(PROMPTS[:3], 4, max_batch=2, chunk=16)
+    sizes = (B.DECODE._cache_size(), B.PREFILL._cache_size())
+    eng.generate_batch(["a", "bb" * 30, "def g(x):\n    return x", "q"], [3, 7, 2, 5], max_batch=2, chunk=16)
+    assert (B.DECODE._cache_size(), B.PREFILL._cache_size()) == sizes
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(prompts="abc"), "prompts must be a list"),
+    (dict(prompts=["a", []]), "prompt 1 is empty"),
+    (dict(max_new_tokens=[3, 4]), "max_new_tokens has 2 entries for 3 prompts"),
+    (dict(max_batch=0), "max_batch must be >= 1"),
+    (dict(logprobs=-1), "logprobs must be >= 0"),
+    (dict(stop=[""]), "stop must be a string or a list of non-empty strings"),
+    (dict(stop_token_ids=[10**6]), "outside the vocabulary"),
+    (dict(on_token=5), "on_token must be a callable"),
+    (dict(sampling=baro_jax.Sampling(top_k=3)), "temperature is 0"),
+])
+def test_bad_batch_arguments(eng, kw, msg):
+    args = dict(prompts=["a", "b", "c"], max_new_tokens=3)
+    args.update(kw)
+    with pytest.raises((TypeError, ValueError), match=msg):
+        eng.generate_batch(args.pop("prompts"), args.pop("max_new_tokens"), **args)
+
+
+def test_tier_mode_says_it_is_not_batched_yet():
+    tier = baro_jax.load("tiny", mode="tier", progress=False)
+    with pytest.raises(ValueError, match="generate_batch runs resident mode"):
+        tier.generate_batch(["a"], 2)

@@ -87,7 +87,7 @@ def moe_combine(h, y, w, shared_gate_up, shared_down, shared_gate):
 
 def gpu_platform():
     """The default device's GPU platform as the kernels name it ("CUDA", "ROCM"), or None on CPU."""
-    return cc._lib.gpu_platform(())
+    return cc.gpu_platform()
 
 
 def host_store(gate_up, down):

@@ -16,6 +16,13 @@ from .moe import HostStore, host_store, moe, moe_combine, moe_host, moe_pairs, m
 from .norm import add_rmsnorm, gated_norm, rmsnorm
 from .scratch import scratch_bytes
 
+
+
+def gpu_platform() -> str | None:
+    """The GPU platform ("CUDA" or "ROCM") a call on the default device runs on, None for the CPU."""
+    return _lib.gpu_platform(())
+
+
 load()
 if "cpu" not in available_platforms():
     if "cpu" in _lib.broken_libraries():  # there, but not loadable: say which file and why, never "not built"
@@ -28,5 +35,5 @@ __all__ = [
     "available_platforms", "library_paths", "load_errors",
     "matmul", "rmsnorm", "add_rmsnorm", "gated_norm", "attention", "conv", "delta", "delta_blocked", "moe",
     "moe_slots", "moe_route", "moe_pairs", "moe_combine", "moe_host", "host_store", "HostStore", "FetchRing",
-    "scratch_bytes", "attention_rows", "log_softmax",
+    "scratch_bytes", "gpu_platform", "attention_rows", "log_softmax",
 ]

@@ -59,6 +59,13 @@ def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, eps
                          f"got shape {list(cos.shape)}")
     pos = C.int_scalar(OP, "pos", pos)
     n_valid = C.int_scalar(OP, "n_valid", n_valid)
+    p, n = C.concrete_int(pos), C.concrete_int(n_valid)  # known here: what the CPU handler checks at run time
+    if p is not None and p < 0:
+        raise ValueError(f"{OP}: pos must be >= 0, got {p}")
+    if n is not None and not 0 <= n <= m:
+        raise ValueError(f"{OP}: n_valid must be in [0, m={m}], got {n}")
+    if p is not None and n is not None and p + n > S:
+        raise ValueError(f"{OP}: pos + n_valid = {p} + {n} exceeds the cache length S={S}")
     eps = C.f32_attr(OP, "eps", eps)
     args = (qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid)
     check_gpu_limits(OP, args, [(hd % 16 == 0 and hd <= 256, f"head_dim={hd} (a multiple of 16, at most 256)"),

@@ -34,17 +34,26 @@ class FetchRing:
             raise ValueError(f"{OP}: a FetchRing needs n_max >= 1 and entries >= 1, got {n_max}, {entries}")
         self.n_max, self.R = int(n_max), int(entries)
         self.width = _ENTRY_HEAD + 2 * self.n_max
-        self.buf = np.zeros(_HEADER + self.R * self.width, np.int64)
-        self.buf[1], self.buf[2], self.buf[3] = self.R, self.n_max, _MAGIC
-        self.buf[_HEADER::self.width] = -1  # no entry written yet
-        self.addr = int(self.buf.ctypes.data)
+        self._buf = np.zeros(_HEADER + self.R * self.width, np.int64)
+        self._buf[1], self._buf[2], self._buf[3] = self.R, self.n_max, _MAGIC
+        self._buf[_HEADER::self.width] = -1  # no entry written yet
         self.calls = 0  # entries written and dispatched
         self._jit = jax.jit(self._call, donate_argnums=(0, 1))
+
+    # The ring the handler reads is this object's own buffer: neither it nor its address can be
+    # replaced (a ring pointed at other memory would have the handler read it as entries).
+    @property
+    def buf(self) -> np.ndarray:
+        return self._buf
+
+    @property
+    def addr(self) -> int:
+        return int(self._buf.ctypes.data)
 
     @property
     def runs(self) -> int:
         """Runs of the op so far (the handler's counter)."""
-        return int(self.buf[0])
+        return int(self._buf[0])
 
     def _call(self, pool_gu, pool_dn):
         return tuple(jax.ffi.ffi_call(OP, (jax.ShapeDtypeStruct(pool_gu.shape, pool_gu.dtype),
@@ -56,12 +65,16 @@ class FetchRing:
         donated and updated in place. At most n_max pairs per call."""
         if not isinstance(host, HostStore):
             raise TypeError(f"{OP}: host must be a HostStore (custom_calls.host_store), got {type(host).__name__}")
+        host.check_alive(OP)
         experts = np.asarray(experts, np.int64).reshape(-1)
         slots = np.asarray(slots, np.int64).reshape(-1)
         n = experts.shape[0]
         if slots.shape[0] != n or n > self.n_max:
             raise ValueError(f"{OP}: experts and slots must be as long (at most n_max={self.n_max}), got {n} "
                              f"and {slots.shape[0]}")
+        for name, x in (("pool_gu", pool_gu), ("pool_dn", pool_dn)):
+            if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+                raise ValueError(f"{OP}: {name} has been deleted (or donated: fetch returns the pools to use next)")
         C.rank(OP, "pool_gu", pool_gu, 3)
         S = pool_gu.shape[0]
         C.array(OP, "pool_gu", pool_gu, (S,) + tuple(host.gate_up.shape[1:]), C.BF16, dtype_note=C.BF16_NOTE)
@@ -75,7 +88,7 @@ class FetchRing:
             time.sleep(0)
         k = self.calls
         at = _HEADER + (k % self.R) * self.width
-        entry = self.buf[at:at + self.width]
+        entry = self._buf[at:at + self.width]
         entry[1:5] = n, E, host.gate_up_addr, host.down_addr
         entry[_ENTRY_HEAD:_ENTRY_HEAD + 2 * n:2] = experts
         entry[_ENTRY_HEAD + 1:_ENTRY_HEAD + 2 * n:2] = slots

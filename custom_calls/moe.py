@@ -128,17 +128,39 @@ class HostStore:
     into the call as attributes (a compiled graph holds them: the store must not move or be
     freed while it runs, so keep this object as long as the graph). On a GPU the arrays must be
     in pinned host memory (staging.to_store); the handler checks the device can read them.
-    Hashable by identity, so it can be a static argument of a jit."""
+    Hashable by identity, so it can be a static argument of a jit.
+
+    Built from the two arrays only (host_store(gate_up, down), or HostStore(gate_up, down)): the
+    addresses are read from them, never given, so a store cannot point at memory it does not
+    hold. Every use checks the arrays are still alive (not deleted or donated)."""
     gate_up: jax.Array
     down: jax.Array
-    gate_up_addr: int
-    down_addr: int
+    gate_up_addr: int = dataclasses.field(init=False)
+    down_addr: int = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        op = "baro_moe_host"
+        C.rank(op, "host gate_up", self.gate_up, 3)
+        _check_experts(op, self.gate_up, self.down, self.gate_up.shape[2], "host gate_up", "host down")
+        object.__setattr__(self, "gate_up_addr", _address(op, "host gate_up", self.gate_up))
+        object.__setattr__(self, "down_addr", _address(op, "host down", self.down))
+
+    def check_alive(self, op: str) -> None:
+        """Raises unless both arrays are alive where the store's addresses say."""
+        for name, x, addr in (("gate_up", self.gate_up, self.gate_up_addr), ("down", self.down, self.down_addr)):
+            if x.is_deleted():
+                raise ValueError(f"{op}: the host store's {name} array has been deleted (or donated); build a new "
+                                 "store from live arrays")
+            if _address(op, f"host {name}", x) != addr:
+                raise ValueError(f"{op}: the host store's {name} array moved since the store was built")
 
 
 def _address(op, name, x) -> int:
     if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
         raise TypeError(f"{op}: {name} must be a concrete jax array (the store is addressed by the "
                         f"compiled call), got {type(x).__name__}")
+    if x.is_deleted():
+        raise ValueError(f"{op}: {name} has been deleted (or donated)")
     if len(x.addressable_shards) != 1:
         raise ValueError(f"{op}: {name} must live on one device, got {len(x.addressable_shards)} shards")
     dev = next(iter(x.devices()))
@@ -152,11 +174,7 @@ def _address(op, name, x) -> int:
 def host_store(gate_up, down) -> HostStore:
     """A HostStore of one layer's routed experts (see HostStore), checked: bf16 [E, 2I, D] and
     [E, D, I]."""
-    op = "baro_moe_host"
-    C.rank(op, "host gate_up", gate_up, 3)
-    D = gate_up.shape[2]
-    _check_experts(op, gate_up, down, D, "host gate_up", "host down")
-    return HostStore(gate_up, down, _address(op, "host gate_up", gate_up), _address(op, "host down", down))
+    return HostStore(gate_up, down)
 
 
 def moe_host(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate, top_k,
@@ -170,6 +188,7 @@ def moe_host(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shar
     if not isinstance(host, HostStore):
         raise TypeError(f"baro_moe_host: host must be a HostStore (custom_calls.moe.host_store), got "
                         f"{type(host).__name__}")
+    host.check_alive("baro_moe_host")
     m, D, k = _check_slots_call("baro_moe_host", h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up,
                                 shared_down, shared_gate, top_k)
     E = router.shape[0]
@@ -260,6 +279,11 @@ def moe_pairs(h, router, w_gate_up, w_down, expert_base, top_k):
         raise ValueError(f"{op}: w_gate_up must hold 1..E={E} experts, got shape {list(w_gate_up.shape)}")
     _check_experts(op, w_gate_up, w_down, D, lead="El")
     C.array(op, "expert_base", expert_base, (1,), np.int32)
+    El = w_gate_up.shape[0]
+    base = C.concrete_int(expert_base)  # a traced one is refused by the CPU handler, NaN on a GPU
+    if base is not None and not 0 <= base <= E - El:
+        raise ValueError(f"{op}: expert_base must be in [0, E - El] = [0, {E - El}] (E={E} experts, El={El} in "
+                         f"this shard), got {base}")
     k = _check_top_k(op, top_k, E)
     args = (h, router, w_gate_up, w_down, expert_base)
     check_runnable(op, args)

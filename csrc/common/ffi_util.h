@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -58,6 +59,15 @@ inline std::string expect_rank(const char* op, const char* name, const Buf& buf,
   std::ostringstream s;
   s << op << ": " << name << " must have rank " << rank << ", got shape "
     << dims_str(d);
+  return s.str();
+}
+
+// A norm's eps attribute: finite and >= 0 (a NaN or negative one gives NaN rows, or a
+// negative mean square's root, without a word). "" when fine.
+inline std::string expect_eps(const char* op, float eps) {
+  if (std::isfinite(eps) && eps >= 0.0f) return "";
+  std::ostringstream s;
+  s << op << ": eps must be a finite number >= 0, got " << eps;
   return s.str();
 }
 

@@ -42,6 +42,7 @@ ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> q_norm
                                        *o, *k_out, *v_out, dims);
       err.failure())
     return err;
+  BARO_RETURN_IF(baro::expect_eps(op, eps));
   const int64_t m = dims.m, hd = dims.hd, S = dims.S, Hkv = dims.Hkv, H = dims.H, R2 = dims.R2;
   const int64_t W = (2 * H + 2 * Hkv) * hd;  // qkv row width
 

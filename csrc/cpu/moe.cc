@@ -243,6 +243,9 @@ ffi::Error MoePairsImpl(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::BF16> router,
     return err;
   const int64_t m = d.m, D = d.D, E = d.E, El = d.El, I = d.I, K = top_k;
   const int64_t base = expert_base.typed_data()[0];
+  BARO_CHECK(base >= 0 && base <= E - El, "baro_moe_pairs",
+             "expert_base must be in [0, E - El] = [0, " << E - El << "] (E=" << E << " experts, El=" << El
+                                                      << " in this shard), got " << base);
   const uint16_t* hp = h.typed_data();
   const uint16_t* rp = router.typed_data();
   const uint16_t* gup = w_gate_up.typed_data();

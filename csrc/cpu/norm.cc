@@ -17,6 +17,7 @@ ffi::Error RmsnormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        float eps, ffi::ResultBuffer<ffi::BF16> y) {
   baro::RmsnormDims dims;
   if (auto err = baro::check_rmsnorm(x, w, *y, dims); err.failure()) return err;
+  BARO_RETURN_IF(baro::expect_eps("baro_rmsnorm", eps));
   const int64_t m = dims.m, D = dims.D;
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
@@ -33,6 +34,7 @@ ffi::Error AddRmsnormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> y, ffi:
                           float eps, ffi::ResultBuffer<ffi::F32> s, ffi::ResultBuffer<ffi::BF16> h) {
   baro::RmsnormDims dims;
   if (auto err = baro::check_add_rmsnorm(x, y, w, *s, *h, dims); err.failure()) return err;
+  BARO_RETURN_IF(baro::expect_eps("baro_add_rmsnorm", eps));
   const int64_t m = dims.m, D = dims.D;
   const float* xp = x.typed_data();
   const float* yp = y.typed_data();
@@ -55,6 +57,7 @@ ffi::Error GatedNormImpl(ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> z,
                          ffi::ResultBuffer<ffi::BF16> y) {
   baro::GatedNormDims dims;
   if (auto err = baro::check_gated_norm(o, z, w, z_col, *y, dims); err.failure()) return err;
+  BARO_RETURN_IF(baro::expect_eps("baro_gated_norm", eps));
   const int64_t m = dims.m, nv = dims.nv, dv = dims.dv;
   const float* op_ = o.typed_data();
   const float* zp = z.typed_data() + z_col;

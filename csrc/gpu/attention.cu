@@ -149,6 +149,7 @@ ffi::Error attention_common(const char* op, gpuStream_t stream, ffi::ScratchAllo
                                        *o, *k_out, *v_out, dims);
       err.failure())
     return err;
+  BARO_RETURN_IF(baro::expect_eps(op, eps));
   const int64_t m = dims.m, hd = dims.hd, S = dims.S, Hkv = dims.Hkv, H = dims.H, R2 = dims.R2;
   BARO_CHECK(S < (int64_t{1} << 31) && H <= 65535, op,
              "cache length " << S << " or q heads " << H << " too large for the GPU kernel");

@@ -713,28 +713,35 @@ gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream) {
 
 // ---- expert parallel: baro_moe_pairs and baro_moe_combine ----
 
-// slots[e] = e - base for this shard's experts [base, base + El), -1 for the others.
+// slots[e] = e - base for this shard's experts [base, base + El), -1 for the others (every
+// expert when base is outside [0, E - El]: the GPU cannot refuse a device value, so such a
+// shard computes nothing and moe_pairs_out_kernel gives NaN).
+__device__ inline bool moe_base_ok(int64_t b, int E, int El) { return b >= 0 && b <= E - El; }
 __global__ void __launch_bounds__(kElemThreads)
     moe_local_slots_kernel(const int32_t* __restrict__ base, int E, int El, int32_t* __restrict__ slots) {
-  const int b = *base;
+  const int64_t b = *base;
+  const bool ok = moe_base_ok(b, E, El);
   for (int e = blockIdx.x * kElemThreads + threadIdx.x; e < E; e += gridDim.x * kElemThreads) {
-    const int l = e - b;
-    slots[e] = l >= 0 && l < El ? l : -1;
+    const int64_t l = e - b;
+    slots[e] = ok && l >= 0 && l < El ? static_cast<int32_t>(l) : -1;
   }
 }
 
-// y[pair] = ys[inv[pair]] for a pair of this shard's experts, else 0; w, ids copied out.
+// y[pair] = ys[inv[pair]] for a pair of this shard's experts, else 0 (NaN for every pair when
+// expert_base is out of range); w, ids copied out.
 __global__ void __launch_bounds__(kElemThreads)
     moe_pairs_out_kernel(const float* __restrict__ ys, const int32_t* __restrict__ inv,
                          const float* __restrict__ wts, const int32_t* __restrict__ ids,
                          const int32_t* __restrict__ slots, float* __restrict__ y, float* __restrict__ w,
-                         int32_t* __restrict__ ids_out, int64_t P, int64_t D) {
+                         int32_t* __restrict__ ids_out, int64_t P, int64_t D, const int32_t* __restrict__ base,
+                         int E, int El) {
   const int64_t total = P * D;
+  const bool ok = moe_base_ok(*base, E, El);
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kElemThreads + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * kElemThreads) {
     const int64_t pair = idx / D, d = idx - pair * D;
     const bool local = slots[ids[pair]] >= 0;  // ids are in [0, E) (moe_topk_kernel)
-    y[idx] = local ? ys[static_cast<int64_t>(inv[pair]) * D + d] : 0.0f;
+    y[idx] = !ok ? __int_as_float(0x7fc00000) : local ? ys[static_cast<int64_t>(inv[pair]) * D + d] : 0.0f;
     if (d == 0) {
       w[pair] = wts[pair];
       ids_out[pair] = ids[pair];
@@ -765,8 +772,8 @@ gpuError_t launch_moe_pairs(const MoeArgs& a, int64_t El, const int32_t* expert_
   b.skip_unslotted = true;
   BARO_MOE_TRY(routed_experts(b, s, moe_plan(b), stream));
   const int64_t P = a.m * a.top_k;
-  moe_pairs_out_kernel<<<elem_blocks(P * a.D), kElemThreads, 0, stream>>>(s.ys, s.inv, s.wts, s.ids, slots, y,
-                                                                          w, ids, P, a.D);
+  moe_pairs_out_kernel<<<elem_blocks(P * a.D), kElemThreads, 0, stream>>>(
+      s.ys, s.inv, s.wts, s.ids, slots, y, w, ids, P, a.D, expert_base, static_cast<int>(a.E), static_cast<int>(El));
   return gpuGetLastError();
 }
 

@@ -255,6 +255,7 @@ ffi::Error RmsnormGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buff
   const char* op = "baro_rmsnorm";
   baro::RmsnormDims dims;
   if (auto err = baro::check_rmsnorm(x, w, *y, dims); err.failure()) return err;
+  BARO_RETURN_IF(baro::expect_eps(op, eps));
   const int64_t m = dims.m, D = dims.D;
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_rmsnorm(x.typed_data(), w.typed_data(),
                                                      y->typed_data(), m, D, eps, stream));
@@ -267,6 +268,7 @@ ffi::Error AddRmsnormGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> x, ffi::B
   const char* op = "baro_add_rmsnorm";
   baro::RmsnormDims dims;
   if (auto err = baro::check_add_rmsnorm(x, y, w, *s, *h, dims); err.failure()) return err;
+  BARO_RETURN_IF(baro::expect_eps(op, eps));
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_add_rmsnorm(x.typed_data(), y.typed_data(), w.typed_data(),
                                                          s->typed_data(), h->typed_data(), dims.m, dims.D,
                                                          eps, stream));
@@ -278,6 +280,7 @@ ffi::Error GatedNormGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> o, ffi::Bu
   const char* op = "baro_gated_norm";
   baro::GatedNormDims dims;
   if (auto err = baro::check_gated_norm(o, z, w, z_col, *y, dims); err.failure()) return err;
+  BARO_RETURN_IF(baro::expect_eps(op, eps));
   const int64_t m = dims.m, nv = dims.nv, dv = dims.dv;
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_gated_norm(o.typed_data(), z.typed_data() + z_col,
                                                         w.typed_data(), y->typed_data(), m * nv,

@@ -37,6 +37,19 @@ elseif(_baro_gpu_mode STREQUAL "auto" OR _baro_gpu_mode STREQUAL "cuda")
     enable_language(CUDA)
     message(STATUS "baro_jax: building libbaro_cuda.so with ${CMAKE_CUDA_COMPILER} "
                    "(${CMAKE_CUDA_COMPILER_VERSION}) for CUDA architectures ${BARO_CUDA_ARCHS}")
+    # The CUDA compile is most of the build (minutes on a small machine), and pip shows nothing
+    # of it unless run with -v; this says what the wait is for, and how to skip it where no GPU
+    # driver could run the library anyway (nvidia-smi is the driver's own tool).
+    find_program(_baro_nvidia_smi nvidia-smi)
+    if(_baro_nvidia_smi)
+      set(_baro_driver_note "")
+    else()
+      string(CONCAT _baro_driver_note " No GPU driver found here (no nvidia-smi): the library is built but "
+                    "cannot run on this machine; BARO_GPU=none skips it.")
+    endif()
+    message(NOTICE "baro_jax: compiling the CUDA kernels (libbaro_cuda.so for CUDA architectures "
+                   "${BARO_CUDA_ARCHS}, BARO_GPU=${BARO_GPU}): the longest step of the build, a minute or more on "
+                   "a few cores.${_baro_driver_note}")
     # attention_wgmma.cu uses wgmma, which only the arch-specific sm_90a target has: with 90 among
     # the architectures it is built alone for sm_90a (its own object library, the same numerics
     # flags) and linked in; otherwise it compiles with the others as its stub launcher.

@@ -52,7 +52,7 @@ def _device(p):
 
 @pytest.fixture(params=PLATFORMS)
 def platform(request):
-    """The device the kernel runs on (as tests/test_kernels.py's fixture)."""
+    """The device the kernel runs on (as tests/kernel_util.py's fixture)."""
     return _device(request.param)
 
 # (nk, nv, dk, dv, B)

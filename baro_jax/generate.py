@@ -1,158 +1,301 @@
-"""python -m baro_jax.generate: run a model on a prompt and stream the continuation."""
+"""Run a model on a prompt and stream the continuation: python -m baro_jax (also `baro-jax` and
+python -m baro_jax.generate).
+
+Exit status: 0 done; 2 a bad request (one line on stderr naming the flag, file or setting);
+74 the result cannot be written (standard output closed or failing); 130 Ctrl-C; 141 standard
+output closed early by its reader (`| head`); 1 an internal error (please report it).
+"""
 from __future__ import annotations
 
-import argparse
-import json
+# Only what the Ctrl-C handler needs is imported at the top: main() installs it first, and every
+# other import (jax's takes seconds) happens after, so that a Ctrl-C during one is an exit 130.
 import os
-import re
+import signal
 import sys
-import time
 
 DEMO_PROMPT = "import os\nimport sys\n\n\ndef main():\n    "
 
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m baro_jax.generate", description=__doc__)
-    p.add_argument("--model", default="tiny", help="checkpoint directory; tiny (the embedded trained demo model); or a synthetic-weight preset: "
-                        "qwen3.5-35b-a3b, qwen3-next-80b-a3b, tiny-random")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", help="read the prompt text from this file")
-    src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--prefill", choices=["batch", "replay"], default=None,
-                   help="batch (default): chunked prefill, bit-identical to replay on the ordered backend; "
-                        "replay: the decode step per prompt token (env BARO_PREFILL=1|0)")
-    p.add_argument("--chunk", type=int, default=None,
-                   help="prefill chunk size (env BARO_PREFILL_C; default 8192, the next power of two for shorter "
-                        "prompts; tier mode: the largest that fits the device budget)")
-    p.add_argument("--backend", choices=["ordered", "xla"], default=None,
-                   help="ordered: row-invariant custom calls (default when built); xla: plain jnp")
-    p.add_argument("--variant", default=None,
-                   help="opt-in order-changing variant on the ordered backend: xla, attn-fast, delta-chunk, or none "
-                        "(default; env BARO_VARIANT). Not byte-identical to replay: judged by "
-                        "benchmarks/agreement.py")
-    p.add_argument("--delta-rule", choices=["token", "blocked"], default=None,
-                   help="token (default): the per-token delta rule; blocked: the chunk-aligned rule of DESIGN §9 "
-                        "(opt-in, CPU kernel only so far; identity holds within it, its bits differ from token's) "
-                        "(env BARO_DELTA=token|blocked)")
-    p.add_argument("--mode", choices=["resident", "tier"], default=None,
-                   help="resident (default): every weight in device memory; tier: routed experts in pinned host "
-                        "memory, staged to the device layer by layer (env BARO_TIER=1|0)")
-    p.add_argument("--device-budget-gb", type=float, default=None,
-                   help="device memory to plan for, in GiB (default: the device's); tier mode refuses a request "
-                        "whose non-expert weights + two staged expert layers + KV/state exceed it")
-    p.add_argument("--devices", type=int, default=None,
-                   help="expert parallel over N devices: routed experts sharded, the same tokens as one device")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--max-context", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="seed for sampling and synthetic weights")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    p.add_argument("--allow-nonfinite", action="store_true",
-                   help="load a checkpoint even if some weights hold NaN/Inf (refused by default; env BARO_ALLOW_NONFINITE=1)")
-    return p.parse_args(argv)
-
-
-def _run(argv) -> int:
-    args = parse_args(argv)
-    from . import load
-    from .ops import BackendUnavailable
-    from .sampling import Sampling
-    from .config import PRESETS
-    from .settings import Settings
-    from .tokenizer import apply_chat_template
-
-    try:
-        settings = Settings.resolve(backend=args.backend, dtype=args.dtype, max_context=args.max_context,
-                                    mode=args.mode, device_budget_gb=args.device_budget_gb, variant=args.variant,
-                                    allow_nonfinite=args.allow_nonfinite or None, delta_rule=args.delta_rule,
-                                    devices=args.devices, prefill=args.prefill, chunk=args.chunk)
-        prefill, chunk = settings.prefill, settings.chunk
-        eng = load(args.model, settings=settings, seed=args.seed, progress=not args.json)
-        if args.prompt_ids is not None:
-            try:
-                prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-            except ValueError:
-                raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-        else:
-            if args.prompt_file:
-                try:
-                    with open(args.prompt_file, encoding="utf-8") as f:
-                        text = f.read()
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"--prompt-file {args.prompt_file!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-                except OSError as e:
-                    raise ValueError(f"--prompt-file {args.prompt_file!r}: cannot read it ({e.strerror or e})") from None
-            else:
-                text = args.prompt if args.prompt is not None else DEMO_PROMPT
-            if args.chat:
-                text = apply_chat_template(eng.tokenizer, text)
-            prompt = text
-        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-        if not args.json:
-            print(f"[baro_jax] running on {_device_name()} | backend {eng.backend}"
-                  f"{'+' + eng.variant if getattr(eng, 'variant', None) else ''} | {eng.mode}"
-                  f"{_devices_note(eng)} | "
-                  f"{_dtype_name(eng.dtype)}", file=sys.stderr)
-            if args.model == "tiny":
-                print("[baro_jax] 'tiny': a 7.8M-parameter Qwen3.5-MoE-architecture demonstration model trained "
-                      "on Python source (not a general assistant).", file=sys.stderr)
-            elif args.model in PRESETS:
-                print(f"[baro_jax] {args.model!r}: real shapes, synthetic random weights: expect noise, not language.",
-                      file=sys.stderr)
-            if isinstance(prompt, str):
-                sys.stdout.write(prompt)
-                sys.stdout.flush()
-        streamer = None if args.json else _Streamer(eng.tokenizer)
-        res = eng.generate(prompt, args.max_new_tokens, prefill=prefill, chunk=chunk, sampling=sampling,
-                           on_token=streamer, progress=None if args.json else _Progress())
-    except BrokenPipeError:
-        raise
-    except (ValueError, TypeError, OverflowError, BackendUnavailable, OSError, RuntimeError, MemoryError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(res.to_json()))
-    else:
-        streamer.flush()
-        print(f"\n[{res.model} | {res.backend}{'+' + res.variant if res.variant else ''} | {res.mode} | prefill {res.prefill_mode}: {len(res.prompt_ids)} tokens "
-              f"in {res.prefill_seconds:.3f}s ({res.prefill_tokens_per_s:.1f} tok/s) | "
-              f"decode {res.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
-    return 0
-
+EXIT_INTERNAL = 1
+EXIT_BAD_REQUEST = 2
+EXIT_OUTPUT = 74  # sysexits' EX_IOERR
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
 
 PROGRESS_AFTER_S = 3.0  # a prefill shows progress once it has run this long ...
 PROGRESS_EVERY_S = 2.0  # ... and then at most this often
 
 
-class _Progress:
-    """Prefill progress on stderr (tokens done, tok/s), only for prefills longer than a few seconds."""
+class UsageError(Exception):
+    """A bad command line, found before any work: one line, exit 2."""
 
-    def __init__(self):
-        self.t0 = time.perf_counter()
+
+class OutputError(Exception):
+    """Standard output cannot take the result (closed, full, or not writable)."""
+
+
+class _ParserExit(Exception):
+    def __init__(self, status: int):
+        self.status = status
+
+
+# --- the command line ----------------------------------------------------------------------------
+def _prog() -> str:
+    """The command as the user typed it, for usage lines and messages."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    arg0 = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if arg0 == os.path.join(here, "__main__.py"):
+        return "python -m baro_jax"
+    if arg0 == os.path.join(here, "generate.py"):
+        return "python -m baro_jax.generate"
+    return "baro-jax"
+
+
+def _parser():
+    import argparse
+
+    from .settings import (BACKENDS, DELTA_RULES, DTYPES, ENGINE_MODES, PREFILL_MODES, SPEC_BY_FIELD, VARIANTS,
+                           _default_text)
+
+    class Parser(argparse.ArgumentParser):
+        # argparse prints a usage block and exits; the CLI's failures are one line and an exit code
+        def error(self, message):
+            raise UsageError(f"{message} ({self.prog} --help lists the flags)")
+
+        def exit(self, status=0, message=None):
+            if message:
+                _say(message.rstrip("\n"))
+            raise _ParserExit(status)
+
+    def setting(field: str) -> str:
+        """A settings flag's help: its documentation, default and variable, from settings.SPECS."""
+        spec = SPEC_BY_FIELD[field]
+        env = f"; env {spec.env}" if spec.env else ""
+        return f"{spec.doc} (default: {_default_text(spec)}{env})".replace("%", "%%")
+
+    p = Parser(prog=_prog(), description=__doc__.split("\n\n")[0], allow_abbrev=False,
+               epilog=__doc__.split("\n\n", 1)[1].replace("\n", " ").strip())
+    p.add_argument("--model", default="tiny", metavar="DIR|NAME",
+                   help="a checkpoint directory; tiny, the embedded trained demo model; or a synthetic-weight preset "
+                        "at real shapes: qwen3.5-35b-a3b, qwen3-next-80b-a3b, tiny-random (default: %(default)s)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", metavar="TEXT", help="the prompt text (default: a few lines of Python, the demo prompt)")
+    src.add_argument("--prompt-file", metavar="FILE", help="read the prompt text (UTF-8) from this file (default: none)")
+    src.add_argument("--prompt-ids", metavar="IDS", help="the prompt as comma-separated token ids, e.g. 1,2,3 (default: none)")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt in the checkpoint's chat template (default: off)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                   help="tokens to generate at most; stops early at the end-of-sequence token (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="sample among the k most likely tokens; 0 is off; needs --temperature > 0 "
+                        "(default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample among the most likely tokens whose probability reaches p; 1 is off; needs "
+                        "--temperature > 0 (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seed for sampling and for a preset's synthetic weights (default: %(default)s)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object with the result instead of streaming text (default: off)")
+    p.add_argument("--backend", choices=BACKENDS + ("auto",), default=None, help=setting("backend"))
+    p.add_argument("--dtype", choices=DTYPES, default=None, help=setting("dtype"))
+    p.add_argument("--prefill", choices=PREFILL_MODES, default=None, help=setting("prefill"))
+    p.add_argument("--chunk", type=int, default=None, metavar="N", help=setting("chunk"))
+    p.add_argument("--variant", choices=VARIANTS + ("none",), default=None, help=setting("variant"))
+    p.add_argument("--delta-rule", choices=DELTA_RULES, default=None, help=setting("delta_rule"))
+    p.add_argument("--mode", choices=ENGINE_MODES, default=None, help=setting("mode"))
+    p.add_argument("--cache-slots", type=int, default=None, metavar="N", help=setting("cache_slots"))
+    p.add_argument("--device-budget-gb", type=float, default=None, metavar="GIB", help=setting("device_budget_gb"))
+    p.add_argument("--devices", type=int, default=None, metavar="N", help=setting("devices"))
+    p.add_argument("--max-context", type=int, default=None, metavar="N", help=setting("max_context"))
+    p.add_argument("--allow-nonfinite", action="store_true", default=None, help=setting("allow_nonfinite"))
+    return p
+
+
+def parse_args(argv=None):
+    return _parser().parse_args(_join_negative_ids(list(sys.argv[1:] if argv is None else argv)))
+
+
+def _request(args):
+    """Everything the command line asks for, checked before any weight is read: the settings,
+    the sampling, the prompt, and the engine's own checks that need only the model's config.
+    Returns (settings, sampling, prompt): prompt is text or a list of token ids."""
+    from .checks import token_ids
+    from .engine import Engine
+    from .sampling import Sampling
+    from .settings import Settings
+
+    settings = Settings.resolve(backend=args.backend, dtype=args.dtype, max_context=args.max_context,
+                                mode=args.mode, device_budget_gb=args.device_budget_gb, variant=args.variant,
+                                allow_nonfinite=args.allow_nonfinite, delta_rule=args.delta_rule,
+                                devices=args.devices, prefill=args.prefill, chunk=args.chunk,
+                                cache_slots=args.cache_slots)
+    if args.max_new_tokens < 0:
+        raise UsageError(f"max_new_tokens (--max-new-tokens) must be >= 0, got {args.max_new_tokens}")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed).validate()
+    prompt = _prompt(args)
+    cfg = _model_config(args.model, settings)
+    if cfg is None:  # load() names what is wrong with --model, before any work
+        return settings, sampling, prompt
+    # the engine's checks, over the config alone: the same rules and words as after loading
+    unloaded = _Unloaded(cfg)
+    sampling = Engine.sampling_for(unloaded, sampling)
+    if isinstance(prompt, list):
+        prompt = token_ids(prompt, cfg.vocab_size)
+        Engine.check_fits(unloaded, len(prompt), args.max_new_tokens)
+    if args.chat:
+        text = prompt if isinstance(prompt, str) else None
+        if text is None:
+            raise UsageError("--chat wraps prompt text in the chat template; give --prompt or --prompt-file, "
+                             "not --prompt-ids")
+        prompt = _chat(args.model, text)
+    return settings, sampling, prompt
+
+
+class _Unloaded:
+    """What Engine's config-only checks (sampling_for, check_fits) read of an engine: its config."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+
+def _model_config(model: str, settings):
+    """--model's config (config.json or the preset), None when --model is neither: cheap, no weights."""
+    from .config import PRESETS, load_config, preset
+    from .loading import TINY_CHECKPOINT
+
+    path = TINY_CHECKPOINT if model == "tiny" else model
+    if os.path.isdir(path):
+        return load_config(path, settings.max_context)
+    if model in PRESETS:
+        return preset(model, settings.max_context)
+    return None
+
+
+def _chat(model: str, text: str) -> str:
+    """The text in --model's chat template; the tokenizer files are read here, before the weights,
+    so that a checkpoint without a usable template is refused before the model loads."""
+    from .loading import TINY_CHECKPOINT
+    from .tokenizer import ByteTokenizer, apply_chat_template, load_tokenizer
+
+    path = TINY_CHECKPOINT if model == "tiny" else model
+    tok = load_tokenizer(path) if os.path.isdir(path) else ByteTokenizer()  # a preset: load()'s tokenizer too
+    return apply_chat_template(tok, text)
+
+
+def _prompt(args):
+    """The prompt: text (from --prompt, --prompt-file or the demo) or --prompt-ids' ids, unchecked
+    against the model."""
+    if args.prompt_ids is not None:
+        try:
+            return [int(t, 10) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise UsageError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except UnicodeDecodeError as e:
+            raise UsageError(f"--prompt-file {args.prompt_file!r} is not UTF-8 text ({e.reason} at byte {e.start})") \
+                from None
+        except OSError as e:
+            raise UsageError(f"--prompt-file {args.prompt_file!r}: cannot read it ({e.strerror or e})") from None
+    return args.prompt if args.prompt is not None else DEMO_PROMPT
+
+
+# --- the run -------------------------------------------------------------------------------------
+def _run(argv, interrupt) -> int:
+    import json
+
+    args = parse_args(argv)
+    settings, sampling, prompt = _request(args)
+    interrupt.check()
+    from . import loading  # through the module: the tests check that a bad flag never reaches load()
+    from .config import PRESETS
+
+    eng = loading.load(args.model, settings=settings, seed=args.seed, progress=not args.json)
+    interrupt.check()
+    streamer = None
+    if not args.json:
+        _say(f"[baro_jax] running on {_device_name()} | {_what_runs(eng)}")
+        if args.model == "tiny":
+            _say("[baro_jax] 'tiny': a 7.8M-parameter Qwen3.5-MoE-architecture demonstration model trained "
+                 "on Python source (not a general assistant).")
+        elif args.model in PRESETS:
+            _say(f"[baro_jax] {args.model!r}: real shapes, synthetic random weights: expect noise, not language.")
+        if isinstance(prompt, str):
+            _write_out(prompt)
+        streamer = _Streamer(eng.tokenizer)
+
+    def on_token(token):
+        interrupt.check()
+        if streamer is not None:
+            streamer(token)
+
+    # --json passes no progress callback: with one, the batched prefill waits on each chunk, and
+    # the JSON's timings are the undisturbed ones
+    progress = None if args.json else _Progress(interrupt)
+    res = eng.generate(prompt, args.max_new_tokens, sampling=sampling, on_token=on_token, progress=progress)
+    interrupt.check()
+    if args.json:
+        out = res.to_json()
+        out.setdefault("delta_rule", eng.cfg.delta_rule)  # GenerateResult does not carry it (yet)
+        _write_out(json.dumps(out) + "\n")
+    else:
+        streamer.flush()
+        _say(f"\n[{res.model} | {_what_ran(eng, res)} | prefill {res.prefill_mode}: {len(res.prompt_ids)} tokens "
+             f"in {res.prefill_seconds:.3f}s ({res.prefill_tokens_per_s:.1f} tok/s) | "
+             f"decode {res.decode_tokens_per_s:.1f} tok/s]")
+    return 0
+
+
+def _what_runs(eng) -> str:
+    """backend[+variant] | placement [| expert parallel] [| delta rule] | dtype: the header's account."""
+    parts = [f"backend {eng.backend}{'+' + eng.variant if eng.variant else ''}", eng.mode]
+    if eng.devices:
+        parts.append(f"expert parallel over {eng.devices} device{'s' if eng.devices != 1 else ''}")
+    if eng.cfg.delta_rule != "token":
+        parts.append(f"delta rule {eng.cfg.delta_rule}")
+    parts.append(_dtype_name(eng.dtype))
+    return " | ".join(parts)
+
+
+def _what_ran(eng, res) -> str:
+    """The result line's account of what produced the tokens (the engine's, not the flags')."""
+    parts = [f"{res.backend}{'+' + res.variant if res.variant else ''}", res.mode]
+    if eng.cfg.delta_rule != "token":
+        parts.append(f"delta rule {eng.cfg.delta_rule}")
+    cache = res.expert_cache
+    if cache is not None:
+        path = f", {cache['decode_path']} path" if cache.get("decode_path") else ""
+        parts.append(f"expert cache {cache.get('slots_per_layer', 0)} slots/layer{path}")
+    return " | ".join(parts)
+
+
+class _Progress:
+    """Prefill progress on stderr (tokens done, tok/s), only for prefills longer than a few seconds;
+    also where a Ctrl-C that a library swallowed is noticed during a long prefill."""
+
+    def __init__(self, interrupt):
+        import time
+
+        self.clock = time.perf_counter
+        self.interrupt = interrupt
+        self.t0 = self.clock()
         self.last = None
 
     def __call__(self, done: int, total: int):
-        now = time.perf_counter()
+        self.interrupt.check()
+        now = self.clock()
         dt = now - self.t0
         final = done >= total
         if self.last is None and dt < PROGRESS_AFTER_S:
             return
         if not final and self.last is not None and now - self.last < PROGRESS_EVERY_S:
             return
-        print(f"{'' if self.last is not None else chr(10)}[baro_jax] prefill {done}/{total} tokens "
-              f"({100 * done // total}%), {done / dt if dt > 0 else 0:.1f} tok/s, {dt:.1f}s",
-              file=sys.stderr, flush=True)
+        _say(f"{'' if self.last is not None else chr(10)}[baro_jax] prefill {done}/{total} tokens "
+             f"({100 * done // total}%), {done / dt if dt > 0 else 0:.1f} tok/s, {dt:.1f}s")
         self.last = now
-
-
-def _devices_note(eng) -> str:
-    n = getattr(eng, "devices", None)
-    return f" | expert parallel over {n} device{'s' if n != 1 else ''}" if n else ""
 
 
 def _device_name() -> str:
@@ -169,57 +312,17 @@ def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
-_IDS_ARG = re.compile(r"-\d[\d,\s-]*")
-
-
 def _join_negative_ids(argv: list) -> list:
     """`--prompt-ids -1,2`: argparse takes '-1,2' for an option; glue it on as --prompt-ids=-1,2
     so the ids are read (and -1 refused as outside the vocabulary)."""
+    import re
+
+    ids_arg = re.compile(r"-\d[\d,\s-]*")
     out = list(argv)
     for i in range(len(out) - 1):
-        if out[i] == "--prompt-ids" and _IDS_ARG.fullmatch(out[i + 1]):
+        if out[i] == "--prompt-ids" and ids_arg.fullmatch(out[i + 1]):
             out[i:i + 2] = [f"--prompt-ids={out[i + 1]}", None]
     return [a for a in out if a is not None]
-
-
-def main(argv=None) -> int:
-    """The CLI. Every failure is one line on stderr and a non-zero exit, never a traceback:
-    2 for a bad request, 130 for Ctrl-C, 141 when stdout is closed early (`| head`)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    for k, a in enumerate(argv):
-        try:
-            a.encode("utf-8")
-        except UnicodeEncodeError:
-            print(f"error: command-line argument {k + 1} ({ascii(a)}) is not valid UTF-8", file=sys.stderr)
-            return 2
-    try:
-        return _run(_join_negative_ids(argv))
-    except KeyboardInterrupt:
-        print("\nerror: interrupted (Ctrl-C)", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        try:  # stdout was closed early: point it at /dev/null so the exit-time flush does not fail again
-            fd = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(fd, sys.stdout.fileno())
-        except (OSError, ValueError, AttributeError):
-            pass
-        try:
-            print("error: output closed early (broken pipe); stopped", file=sys.stderr)
-        except OSError:
-            pass
-        return 141
-    except Exception as e:  # a bug: still one line, with what to report
-        from .settings import Settings
-
-        try:
-            show = Settings.resolve().traceback
-        except ValueError:
-            show = False
-        if show:
-            raise
-        print(f"error: internal error {type(e).__name__}: {e} (please report it; "
-              "BARO_TRACEBACK=1 shows the traceback)", file=sys.stderr)
-        return 1
 
 
 class _Streamer:
@@ -235,14 +338,280 @@ class _Streamer:
         text = self.tok.decode(self.ids)
         if text.endswith("\ufffd"):
             return
-        sys.stdout.write(text[self.printed:])
-        sys.stdout.flush()
+        _write_out(text[self.printed:])
         self.printed = len(text)
 
     def flush(self):
         text = self.tok.decode(self.ids)
-        sys.stdout.write(text[self.printed:])
+        _write_out(text[self.printed:])
+
+
+# --- standard streams ----------------------------------------------------------------------------
+def _write_out(text: str):
+    """Write to stdout now (flushed): a closed pipe stays a BrokenPipeError (exit 141); any other
+    failure (a full disk, a descriptor not open for writing) is an OutputError (exit 74)."""
+    try:
+        sys.stdout.write(text)
         sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except (OSError, ValueError, AttributeError) as e:  # ValueError: closed file; AttributeError: None
+        why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+        raise OutputError(f"cannot write the result to standard output ({why})") from None
+
+
+def _say(line: str):
+    """One line for the user on stderr (the _Log in place: never a failure of its own)."""
+    err = sys.stderr
+    if err is not None:
+        err.write(line + "\n")
+        err.flush()
+
+
+class _Log:
+    """sys.stderr during a run. The log is best effort: where stderr is closed, not writable or
+    failing (`2>&-`, `2</dev/null`, `2>/dev/full`), every line (the CLI's, a library's warnings,
+    the weights' progress) goes nowhere, never to stdout and never as an error of the run."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except (OSError, ValueError, AttributeError):
+            self._drop()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except (OSError, ValueError, AttributeError):
+            self._drop()
+
+    def _drop(self):
+        _point_at_devnull(2)
+        self.stream = _DEVNULL
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+class _Devnull:
+    def write(self, text):
+        return len(text)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return False
+
+
+_DEVNULL = _Devnull()
+
+
+def _point_at_devnull(fd: int):
+    """Point descriptor fd at /dev/null: what is written to it is dropped, quietly."""
+    try:
+        nul = os.open(os.devnull, os.O_RDWR)
+    except OSError:
+        return
+    if nul != fd:
+        try:
+            os.dup2(nul, fd)
+        except OSError:
+            pass
+        os.close(nul)
+
+
+def _writable(fd: int) -> bool:
+    import fcntl
+
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    except OSError:  # closed
+        return False
+    return flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+
+
+def _check_std_streams() -> bool:
+    """Whether stdout can take the result. A standard descriptor that is closed or not open for
+    writing (`>&-`, `2>&-`; a shell wrapper may leave its own script there, read-only) is pointed
+    at /dev/null first: a file the run opens later must not take the number 1 or 2, where print()
+    or the C++ libraries' logs would write into it."""
+    try:
+        os.fstat(0)
+    except OSError:
+        _point_at_devnull(0)
+    stdout_ok = _writable(1)
+    if not stdout_ok:
+        _point_at_devnull(1)
+    if not _writable(2):
+        _point_at_devnull(2)
+        sys.stderr = _Log(_DEVNULL)
+    return stdout_ok
+
+
+# --- Ctrl-C --------------------------------------------------------------------------------------
+class _Interrupt:
+    """Ctrl-C, remembered. Python raises KeyboardInterrupt wherever the interpreter is when SIGINT
+    arrives; inside a garbage-collection callback (jax registers one, and imports run the
+    collector often), a __del__ or a library's broad except, the exception is dropped and the run
+    goes on to exit 0 (issue 28). So the handler also records the interrupt; the CLI checks the
+    record after each step and per token, and a second Ctrl-C ends the process at once."""
+
+    def __init__(self):
+        self.seen = False
+        self.reported = False
+        self.previous = None
+        self.previous_hook = None
+        self.installed = False
+
+    def install(self):
+        try:
+            previous = signal.getsignal(signal.SIGINT)
+            if previous is signal.SIG_IGN:  # started with Ctrl-C ignored (nohup, a background job): keep it so
+                return self
+            signal.signal(signal.SIGINT, self)
+        except ValueError:  # not the main thread (main() called from a thread): signals are not ours
+            return self
+        self.previous, self.installed = previous, True
+        # the dropped KeyboardInterrupt is recorded above; Python would also print it as an
+        # "Exception ignored in ..." traceback
+        self.previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+        return self
+
+    def _unraisable(self, unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and self.seen:
+            return
+        self.previous_hook(unraisable)
+
+    def finish(self, process: bool):
+        """After main(): in a process of its own the run is over, and a Ctrl-C while the
+        interpreter shuts down (jax's exit hooks) ends it at once with 130; called in-process, the
+        caller's handler comes back."""
+        if not self.installed:
+            return
+        signal.signal(signal.SIGINT, self._exit_now if process else self.previous)
+        if not process:
+            sys.unraisablehook = self.previous_hook
+
+    def __call__(self, signum, frame):
+        if self.seen:
+            self._exit_now()
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def _exit_now(self, *_):
+        if not self.reported:
+            try:
+                os.write(2, b"\nerror: interrupted (Ctrl-C)\n")
+            except OSError:
+                pass
+        os._exit(EXIT_INTERRUPTED)
+
+    def check(self):
+        """Raise the KeyboardInterrupt that a library may have swallowed."""
+        if self.seen:
+            raise KeyboardInterrupt
+
+    def report(self) -> int:
+        self.reported = True
+        _say("\nerror: interrupted (Ctrl-C)")
+        return EXIT_INTERRUPTED
+
+
+def main(argv=None) -> int:
+    """The CLI. Every failure is one line on stderr and a non-zero exit, never a traceback (the
+    module docstring lists the exit codes). argv None: this process's command line."""
+    process = argv is None
+    interrupt = _Interrupt().install()
+    stderr = sys.stderr
+    sys.stderr = _Log(stderr)
+    try:
+        rc = _main(list(sys.argv[1:] if process else argv), interrupt)
+    except KeyboardInterrupt:  # a Ctrl-C while an error was being reported
+        rc = interrupt.report()
+    try:
+        if process and rc == EXIT_INTERRUPTED:
+            # A run cut short may leave XLA work in flight (a compile, a dispatched step) on its
+            # own threads; tearing the interpreter down under them can crash (SIGSEGV seen after
+            # a Ctrl-C during the first decode), so an interrupted process ends here.
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError, AttributeError):
+                    pass
+            os._exit(EXIT_INTERRUPTED)
+        return rc
+    finally:
+        interrupt.finish(process)
+        if not process:  # called in-process: the caller's stderr comes back
+            sys.stderr = stderr
+
+
+def _main(argv: list, interrupt) -> int:
+    try:
+        if not _check_std_streams():
+            _say("error: standard output is closed or not writable (>&-): there is nowhere to write the result")
+            return EXIT_OUTPUT
+        for k, a in enumerate(argv):
+            try:
+                a.encode("utf-8")
+            except UnicodeEncodeError:
+                raise UsageError(f"command-line argument {k + 1} ({ascii(a)}) is not valid UTF-8") from None
+        rc = _run(argv, interrupt)
+        interrupt.check()
+        return rc
+    except KeyboardInterrupt:
+        return interrupt.report()
+    except _ParserExit as e:  # --help, printed into stdout's buffer
+        try:
+            _write_out("")
+        except BrokenPipeError:
+            _point_at_devnull(1)
+            return EXIT_BROKEN_PIPE
+        except OutputError as oe:
+            _point_at_devnull(1)
+            _say(f"error: {oe}")
+            return EXIT_OUTPUT
+        return e.status
+    except BrokenPipeError:
+        # stdout was closed early: point it at /dev/null so the exit-time flush does not fail again
+        _point_at_devnull(1)
+        if interrupt.seen:
+            return interrupt.report()
+        _say("error: output closed early (broken pipe); stopped")
+        return EXIT_BROKEN_PIPE
+    except OutputError as e:
+        _point_at_devnull(1)  # what is left in stdout's buffer would fail again at exit
+        if interrupt.seen:
+            return interrupt.report()
+        _say(f"error: {e}")
+        return EXIT_OUTPUT
+    except Exception as e:
+        if interrupt.seen:  # the Ctrl-C came back as another exception (a library or XLA callback wrapped it)
+            return interrupt.report()
+        return _report_error(e)
+
+
+def _report_error(e: Exception) -> int:
+    from .ops import BackendUnavailable
+    from .settings import Settings
+
+    if isinstance(e, (UsageError, ValueError, TypeError, OverflowError, BackendUnavailable, OSError,
+                      RuntimeError, MemoryError)):
+        _say(f"error: {e}")
+        return EXIT_BAD_REQUEST
+    try:  # anything else is a bug: still one line, with what to report
+        show = Settings.resolve().traceback
+    except ValueError:
+        show = False
+    if show:
+        raise e
+    _say(f"error: internal error {type(e).__name__}: {e} (please report it; BARO_TRACEBACK=1 shows the traceback)")
+    return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

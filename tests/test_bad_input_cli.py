@@ -36,9 +36,9 @@ def one_error_line(err):
     (("--top-p", "nan"), "top_p must be a finite number"),
     (("--seed", str(2**70)), "seed must be in [0, 2**63 - 1]"),
     (("--seed", "-1"), "seed must be in [0, 2**63 - 1], got -1"),
-    (("--device-budget-gb", "inf"), "device_budget_gb (--device-budget-gb) must be a finite number, got inf"),
-    (("--device-budget-gb", "nan"), "device_budget_gb (--device-budget-gb) must be a finite number, got nan"),
-    (("--device-budget-gb", "-1"), "must be positive"),
+    (("--device-budget-gb", "inf"), "device_budget_gb (--device-budget-gb) must be a finite number > 0, got inf"),
+    (("--device-budget-gb", "nan"), "device_budget_gb (--device-budget-gb) must be a finite number > 0, got nan"),
+    (("--device-budget-gb", "-1"), "device_budget_gb (--device-budget-gb) must be a finite number > 0, got -1.0"),
     (("--chunk", "0"), "chunk (--chunk) must be >= 1, got 0"),
     (("--max-context", "0"), "max_context (--max-context) must be >= 1, got 0"),
     (("--max-context", "1000000000"), "max_context (--max-context) 1000000000 is beyond the model's context of 8192"),
@@ -73,7 +73,7 @@ def test_bad_checkpoint_through_the_cli(capsys, tmp_path):
     edit_config(d, lambda r: r.update(rms_norm_eps=-1.0))
     rc, out, err = run(capsys, "--model", d, *XLA, "--json")
     line = one_error_line(err)
-    assert rc == 2 and os.path.join(d, "config.json") in line and "rms_norm_eps must be a finite number > 0" in line
+    assert rc == 2 and os.path.join(d, "config.json") in line and "field 'rms_norm_eps' must be a number in" in line
 
 
 def test_surrogate_argv_in_process(capsys):
@@ -141,3 +141,64 @@ def test_broken_pipe_subprocess():
     err = p.stderr.read().decode()
     rc = p.wait(timeout=300)
     assert rc == 141 and "Traceback" not in err and "broken pipe" in err, (rc, err)
+
+
+@pytest.mark.parametrize("template,msg", [
+    ("{% if %}hi{% endif %}", "chat template syntax error at line 1"),
+    ("line one\n{{ undefined_function() }}", "the chat template fails to render at line 2"),
+    ("{{ raise_exception('only system and user roles') }}", "the chat template refused the conversation"),
+])
+def test_chat_template_errors_name_the_file(capsys, tmp_path, template, msg):
+    """A broken chat template is the checkpoint's problem, told as such (exit 2), not an
+    internal error to report."""
+    from bad_input_util import tiny_copy
+
+    d = tiny_copy(tmp_path)
+    path = os.path.join(d, "chat_template.jinja")
+    with open(path, "w") as f:
+        f.write(template)
+    rc, out, err = run(capsys, "--model", d, "--chat", "--prompt", "hi", *XLA, "--json")
+    line = one_error_line(err)
+    assert rc == 2 and out == "", err
+    assert line.startswith(f"error: {path}: ") and msg in line and "internal error" not in line, line
+
+
+def test_chat_template_value_error_is_a_bad_request(capsys, monkeypatch):
+    """Whatever ValueError the template code raises reaches the 'error:' line with exit 2."""
+    from baro_jax import tokenizer
+
+    def bad(tok, text):
+        raise ValueError("/ckpt/tokenizer_config.json field 'chat_template': something the template did")
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", bad)
+    rc, out, err = run(capsys, "--chat", "--prompt", "hi", *XLA, "--json")
+    assert rc == 2 and one_error_line(err) == ("error: /ckpt/tokenizer_config.json field 'chat_template': "
+                                               "something the template did")
+
+
+@pytest.mark.parametrize("args,env", [
+    (("--variant", "delta-chunk", "--delta-rule", "blocked"), {}),
+    (("--variant", "delta-chunk"), {"BARO_DELTA": "blocked"}),
+    (("--delta-rule", "blocked"), {"BARO_VARIANT": "delta-chunk"}),
+])
+def test_delta_chunk_with_the_blocked_rule_is_refused(capsys, monkeypatch, args, env):
+    """The delta-chunk variant replaces the per-token rule: with the blocked rule asked for too,
+    one clear line (it used to run the blocked rule and report delta-chunk)."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rc, out, err = run(capsys, *args, "--json")
+    assert rc == 2 and out == ""
+    assert "variant delta-chunk replaces the per-token delta rule; it cannot run with delta_rule blocked" \
+        in one_error_line(err), err
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("args,msg", [
+    (("--max-new-tokens", "many"), "error: argument --max-new-tokens: invalid int value: 'many'"),
+    (("--no-such-flag",), "error: unrecognized arguments: --no-such-flag"),
+    (("--mode",), "error: argument --mode: expected one argument"),
+])
+def test_usage_errors_are_one_line(capsys, args, msg):
+    rc, out, err = run(capsys, *args)
+    assert rc == 2 and out == ""
+    assert err.splitlines() == [f"{msg} (baro-jax --help lists the flags)"], err

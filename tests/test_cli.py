@@ -41,14 +41,15 @@ def test_prompt_ids_and_env_arm(capsys, monkeypatch):
     assert o["prompt_ids"] == [1, 2, 3, 4] and o["prefill_mode"] == "batch" and o["chunk"] == 5
 
 
-def test_env_chunk(monkeypatch):
-    from baro_jax.engine import env_chunk
-
-    monkeypatch.setenv("BARO_PREFILL_C", "3")
-    assert env_chunk() == 3
-    monkeypatch.setenv("BARO_PREFILL_C", "zero")
-    with pytest.raises(ValueError, match="BARO_PREFILL_C"):
-        env_chunk()
+def test_env_chunk(capsys, monkeypatch):
+    """BARO_PREFILL_C reaches the run through the settings; a bad value is refused naming it."""
+    rc, out, err = run_main(capsys, monkeypatch, "--prompt-ids", "1,2,3,4", "--max-new-tokens", "1", "--backend",
+                            "xla", "--json", env={"BARO_PREFILL_C": "3"})
+    assert rc == 0, err
+    assert json.loads(out)["chunk"] == 3
+    rc, out, err = run_main(capsys, monkeypatch, "--backend", "xla", "--json", env={"BARO_PREFILL_C": "zero"})
+    assert rc == 2 and out == ""
+    assert "error: BARO_PREFILL_C must be an integer, got 'zero'" in err, err
 
 
 def test_seeded_sampling_repeats(capsys, monkeypatch):
@@ -64,7 +65,7 @@ def test_seeded_sampling_repeats(capsys, monkeypatch):
     (("--model", "no-such-model"), "neither a checkpoint directory nor a preset"),
     (("--prompt-ids", "1,x"), "comma-separated integers"),
     (("--prompt-ids", "999999"), "outside the vocabulary"),
-    (("--prompt", "a" * 50, "--max-context", "40"), "more than the context"),
+    (("--prompt", "a" * 50, "--max-context", "40"), "needs 52 positions, more than max_context=40"),
     (("--dtype", "float32", "--backend", "ordered"), "bfloat16 only"),
     (("--temperature", "-1"), "temperature must be >= 0"),
     (("--chat",), "no chat template"),

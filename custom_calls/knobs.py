@@ -79,7 +79,7 @@ class Knob:
 
 
 # Keep in step with csrc/common/knobs.h (tests/test_knobs.py).
-KNOBS: tuple[Knob, ...] = (
+_TABLE: tuple[Knob, ...] = (
     Knob("BARO_CPU_THREADS", "int", None, lo=1, hi=4096, default_text="the hardware threads",
          doc="worker threads of the CPU kernels; more than 4 x the hardware threads runs as 4 x, and a thread "
              "that cannot start leaves its rows to the calling thread (csrc/common/ffi_util.h)"),
@@ -130,8 +130,10 @@ KNOBS: tuple[Knob, ...] = (
          doc="a directory searched first for libbaro_cpu.so / libbaro_cuda.so / libbaro_hip.so "
              "(custom_calls/_lib.py)"),
 )
-BY_NAME: Mapping[str, Knob] = {k.name: k for k in KNOBS}
-CPP_KNOBS = tuple(k.name for k in KNOBS if k.reader == "C++")
+# name -> Knob, in the table's order (iterating gives the names)
+KNOBS: Mapping[str, Knob] = {k.name: k for k in _TABLE}
+BY_NAME = KNOBS
+CPP_KNOBS = tuple(k.name for k in _TABLE if k.reader == "C++")
 
 
 def knob(name: str, env: Mapping[str, str] | None = None):
@@ -162,6 +164,6 @@ def _default_text(k: Knob) -> str:
 def knobs_table() -> str:
     """The Markdown table of every kernel knob, as the README shows it."""
     rows = ["| knob | values | default | what it does |", "|---|---|---|---|"]
-    for k in KNOBS:
+    for k in KNOBS.values():
         rows.append(f"| `{k.name}` | {k.values_text()} | {_default_text(k)} | {k.doc} |")
     return "\n".join(rows)

@@ -224,6 +224,8 @@ def _shard_escapes(path: str, name: str) -> str | None:
     entry must not make the loader read files the checkpoint does not hold (../, an absolute path,
     a symlink out). One layout is let through: the Hugging Face hub cache, whose
     snapshots/<revision>/ files are symlinks to the same repository's blobs/."""
+    if "\0" in name:  # no file name holds one (os.path would raise a bare "embedded null byte")
+        return "holds a NUL character"
     if os.path.isabs(name) or os.path.splitdrive(name)[0]:
         return "is an absolute path"
     if ".." in re.split(r"[\\/]", name):

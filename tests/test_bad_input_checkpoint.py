@@ -241,7 +241,8 @@ def _index(d, shard):
                                        ("sub/../../outside.safetensors", "climbs out with '..'"),
                                        ("ABS", "is an absolute path"),
                                        ("link.safetensors", "is a symlink to "),
-                                       ("linkdir/outside.safetensors", "is a symlink to ")])
+                                       ("linkdir/outside.safetensors", "is a symlink to "),
+                                       ("model\0.safetensors", "holds a NUL character")])
 def test_weight_map_entry_outside_the_checkpoint_refused(tmp_path, where, why):
     d = tiny_copy(tmp_path)
     outside = os.path.join(str(tmp_path), "outside.safetensors")

@@ -1,6 +1,7 @@
-"""python -m baro_jax: the generation CLI (python -m baro_jax.generate)."""
+"""python -m baro_jax: the generation CLI (baro_jax/generate.py)."""
 import sys
 
 from .generate import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

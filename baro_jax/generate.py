@@ -194,12 +194,17 @@ def _prompt(args):
     if args.prompt_file is not None:
         try:
             with open(args.prompt_file, encoding="utf-8") as f:
-                return f.read()
+                text = f.read()
         except UnicodeDecodeError as e:
             raise UsageError(f"--prompt-file {args.prompt_file!r} is not UTF-8 text ({e.reason} at byte {e.start})") \
                 from None
         except OSError as e:
             raise UsageError(f"--prompt-file {args.prompt_file!r}: cannot read it ({e.strerror or e})") from None
+        if not text:
+            raise UsageError(f"--prompt-file {args.prompt_file!r} is empty: the prompt needs at least one token")
+        return text
+    if args.prompt == "":
+        raise UsageError("--prompt is empty: the prompt needs at least one token")
     return args.prompt if args.prompt is not None else DEMO_PROMPT
 
 

@@ -89,6 +89,8 @@ BAD_FLAGS = [
     (("--prompt-ids", "1,2", "--chat"), "--chat wraps prompt text in the chat template"),
     (("--chat",), "has no chat template"),
     (("--prompt-file", "/nonexistent/prompt.txt"), "cannot read it (No such file or directory)"),
+    (("--prompt", ""), "--prompt is empty: the prompt needs at least one token"),
+    (("--prompt-file", "/dev/null"), "--prompt-file '/dev/null' is empty"),
     (("--top-k", "x"), "argument --top-k: invalid int value: 'x'"),
     (("--temp", "1"), "unrecognized arguments: --temp 1"),  # no abbreviations: a prefix is not a flag
     (("--prompt", "a", "--prompt-ids", "1"), "argument --prompt-ids: not allowed with argument --prompt"),

@@ -212,7 +212,22 @@ SPECS: tuple[Spec, ...] = (
          "the CLI prints the Python traceback of an internal error instead of one line"),
 )
 SPEC_BY_FIELD = {s.field: s for s in SPECS}
-ENV_VARS = tuple(s.env for s in SPECS if s.env)
+# Read by the benchmarks' records, not the engine: the commit a result JSON names, for a machine
+# that got the tree without its git history.
+RECORD_VARS = {"BARO_COMMIT": "the commit a result JSON records (default: git's HEAD of the tree)"}
+ENV_VARS = tuple(s.env for s in SPECS if s.env) + tuple(RECORD_VARS)
+RECORDED_PREFIXES = ("BARO_", "XLA_PYTHON_CLIENT_", "XLA_PJRT_")
+
+
+def recorded_commit() -> str:
+    """BARO_COMMIT, or "" when unset."""
+    return os.environ.get("BARO_COMMIT", "").strip()
+
+
+def recorded_environment() -> dict:
+    """The variables that may change speed or the path taken (never the bits), as a result JSON
+    records them: BARO_* settings and knobs and the XLA allocator's, BARO_COMMIT aside."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_PREFIXES) and k not in RECORD_VARS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,6 +342,7 @@ def settings_table() -> str:
         env = f"`{s.env}`" if s.env else "-"
         rows.append(f"| `{s.field}` | {flag} | {env} | {_default_text(s)} | {s.doc} |")
     out = "\n".join(rows)
+    out += "\n\n" + "\n".join(f"`{k}`: {v}." for k, v in RECORD_VARS.items())
     try:
         from custom_calls.knobs import knobs_table
     except ImportError:

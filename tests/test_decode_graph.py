@@ -43,14 +43,14 @@ def test_greedy_blocks_equal_per_token_decode(monkeypatch):
         tok = int(greedy(logits))
         ref.append(tok)
     ref_bytes = state_bytes(st)
-    for block in ("16", "5", "1"):
+    for block in (16, 5, 1):
         eng.tune(decode_block=block)
         start = eng.prefill(prompt, state=eng.new_state(64)).state
         compiled = runner.GREEDY._cache_size()
         toks, st2 = eng.greedy_decode(tok0, start, len(prompt), n)
         assert toks == ref, f"block {block}: tokens differ from per-token decode"
         assert state_bytes(st2) == ref_bytes, f"block {block}: state bytes differ from per-token decode"
-        if block != "1":  # n = 21 runs blocks of two lengths (16 + 5, or 5 x 4 + 1): one graph
+        if block != 1:  # n = 21 runs blocks of two lengths (16 + 5, or 5 x 4 + 1): one graph
             assert runner.GREEDY._cache_size() <= compiled + 1, "a shorter last block recompiled"
 
 

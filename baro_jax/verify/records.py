@@ -8,6 +8,8 @@ import os
 import platform
 import subprocess
 
+from ..settings import recorded_commit, recorded_environment
+
 # The package's own directory: in the editable install every script and test uses, it is inside
 # the git work tree whose commit produced the numbers.
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -16,7 +18,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 def git_commit(where: str = _HERE) -> str:
     """HEAD of the git tree holding `where`, with "+dirty" when tracked files differ from it;
     env BARO_COMMIT wins (a machine that got the tree without its history)."""
-    commit = os.environ.get("BARO_COMMIT", "")
+    commit = recorded_commit()
     if commit:
         return commit
     try:
@@ -42,8 +44,7 @@ def provenance() -> dict:
         "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "jax": jax.__version__,
-        "env": {k: v for k, v in sorted(os.environ.items())
-                if k.startswith(("BARO_", "XLA_PYTHON_CLIENT_", "XLA_PJRT_")) and k != "BARO_COMMIT"},
+        "env": recorded_environment(),
     }
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels blocked sanitize tiny ops row1 probe full attn_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels rows blocked sanitize tiny ops row1 probe full attn_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -16,6 +16,10 @@ stage_build() {
   python -c "import custom_calls, jax; print(custom_calls.available_platforms(), jax.devices())"
 }
 stage_kernels() { timeout "${KERNELS_TIMEOUT:-300}" python -m pytest -m gpu tests/test_kernels_*.py -q --durations=8 ${KERNELS_K:+-k "$KERNELS_K"} 2>&1 | tee "$OUT/gpu_kernel_tests.txt" | tail -40; }
+stage_rows() {  # the many-sequence kernels (attention over a KV pool per row, log_softmax): compiled, first GPU run
+  timeout "${ROWS_TIMEOUT:-300}" python -m pytest -m gpu tests/test_kernels_attention_rows.py tests/test_kernels_logprob.py -q \
+    --durations=8 2>&1 | tee "$OUT/gpu_rows_tests.txt" | tail -30
+}
 stage_blocked() {  # the chunk-aligned delta rule's CUDA kernel (compiled, first run on a GPU)
   timeout "${BLOCKED_TIMEOUT:-240}" python -m pytest -m gpu tests/test_delta_blocked.py -q 2>&1 | tee "$OUT/gpu_delta_blocked_tests.txt" | tail -30
 }

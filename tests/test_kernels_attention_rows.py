@@ -266,3 +266,35 @@ def test_gpu_bad_rows_poisoned_not_out_of_bounds(platform):
     want_k[0, 10], want_v[0, 10] = good_k[0, 10], good_v[0, 10]
     assert_same_bits(k2, want_k, "k_pool: bad rows wrote nothing")
     assert_same_bits(v2, want_v, "v_pool: bad rows wrote nothing")
+
+
+@pytest.mark.parametrize("shape_name", ["g2_hd32", "g8_hd256"])
+@pytest.mark.parametrize("case", ["odd7", "chunk21"])
+def test_launch_knobs_same_bytes(platform, shape_name, case, monkeypatch):
+    """CUDA: one copy of the decode tile's warp pair (BARO_ATTN_DUP=1) and the kernels launched as
+    programmatic dependents (BARO_PDL=1) give the default launch's bytes, in the split-parallel
+    (7 rows) and the in-block (21 rows) modes."""
+    if platform.platform == "cpu":
+        pytest.skip("the knobs pick CUDA launch shapes")
+    rng = np.random.default_rng(31 + len(case))
+    args = setup(rng, SHAPES[shape_name], *CASES[case])
+    got = {}
+    for knob in ("0", "1", "pdl"):
+        monkeypatch.setenv("BARO_ATTN_DUP", "0" if knob == "pdl" else knob)
+        monkeypatch.setenv("BARO_PDL", "1" if knob == "pdl" else "0")
+        poison(platform, (args[0].shape[0], SHAPES[shape_name][0] * SHAPES[shape_name][2]), jnp.bfloat16)
+        f = jax.jit(lambda *a: cc.attention_rows(*a))  # a fresh jit: the launcher reads the knob
+        got[knob] = [np.asarray(x) for x in f(*put(platform, *args))]
+    monkeypatch.delenv("BARO_ATTN_DUP", raising=False)
+    monkeypatch.delenv("BARO_PDL", raising=False)
+    for other in ("1", "pdl"):
+        for a, b, what in zip(got["0"], got[other], ("o", "k_pool", "v_pool")):
+            assert_same_bits(b, a, f"{what} with knob {other} vs default, {shape_name}/{case}")
+
+
+def test_python_refuses_bad_eps():
+    rng = np.random.default_rng(12)
+    args = _good(rng)
+    for eps in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            cc.attention_rows(*args, eps=eps)

@@ -4,6 +4,7 @@
 #include <limits>
 #include <vector>
 
+#include "attention_row.h"
 #include "dot.h"
 #include "contract.h"
 #include "ffi_util.h"
@@ -11,22 +12,6 @@
 namespace ffi = xla::ffi;
 
 namespace {
-
-constexpr int64_t kBlock = 64;
-
-// t = (x * r) * (1 + w), r = 1/sqrt(dot(x,x)/hd + eps); then rotary on the
-// first R dims (pairs j, j+R/2); result written to out (fp32).
-inline void norm_rope(const float* x, const float* w, const float* c,
-                      const float* s, int64_t hd, int64_t R2, float eps,
-                      float* out) {
-  const float r = baro::inv_rms(baro::dot(x, x, hd), static_cast<float>(hd), eps);
-  for (int64_t d = 0; d < hd; ++d) out[d] = (x[d] * r) * (1.0f + w[d]);
-  for (int64_t j = 0; j < R2; ++j) {
-    const float a = out[j], b = out[j + R2];
-    out[j] = a * c[j] - b * s[j];
-    out[j + R2] = b * c[j] + a * s[j];
-  }
-}
 
 ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> q_norm,
                          ffi::Buffer<ffi::F32> k_norm, ffi::Buffer<ffi::F32> cos,
@@ -74,17 +59,10 @@ ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> q_norm
   for (int64_t i = 0; i < n_valid; ++i) {
     const float* xr = x + i * W;
     const int64_t p = pos + i;
-    for (int64_t g = 0; g < Hkv; ++g) {
-      norm_rope(xr + 2 * H * hd + g * hd, kw, cp + i * R2, sp + i * R2, hd, R2, eps,
-                tmp.data());
-      uint16_t* kdst = kc + p * row_stride + g * hd;
-      uint16_t* vdst = vc + p * row_stride + g * hd;
-      const float* v = xr + 2 * H * hd + Hkv * hd + g * hd;
-      for (int64_t d = 0; d < hd; ++d) {
-        kdst[d] = baro::f32_to_bf16(tmp[d]);
-        vdst[d] = baro::f32_to_bf16(v[d]);
-      }
-    }
+    for (int64_t g = 0; g < Hkv; ++g)
+      baro::attn::write_kv(xr + 2 * H * hd + g * hd, xr + 2 * H * hd + Hkv * hd + g * hd, kw, cp + i * R2,
+                           sp + i * R2, hd, R2, eps, tmp.data(), kc + p * row_stride + g * hd,
+                           vc + p * row_stride + g * hd);
   }
   // Padded rows: output 0.
   for (int64_t i = n_valid; i < m; ++i)
@@ -93,47 +71,13 @@ ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> q_norm
   // 2. Attention per (row, q head); row i sees cache rows 0 .. pos+i.
   const double avg_ctx = static_cast<double>(pos) + 0.5 * n_valid + 1.0;
   baro::parallel_for(n_valid * H, 2.0 * avg_ctx * hd, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf(hd), acc(hd), pv(hd), s(kBlock);
-    std::vector<uint16_t> q(hd);
+    baro::attn::HeadScratch w(hd);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t i = t / H, h = t % H;
-      const int64_t p = pos + i;
       const int64_t g = h / group;
       const float* xr = x + i * W;
-      norm_rope(xr + h * 2 * hd, qw, cp + i * R2, sp + i * R2, hd, R2, eps, qf.data());
-      for (int64_t d = 0; d < hd; ++d) q[d] = baro::f32_to_bf16(qf[d]);
-
-      float mx = -std::numeric_limits<float>::infinity();
-      float l = 0.0f;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      const uint16_t* kbase = kc + g * hd;
-      const uint16_t* vbase = vc + g * hd;
-      for (int64_t j0 = 0; j0 <= p; j0 += kBlock) {
-        const int64_t nj = std::min(kBlock, p + 1 - j0);
-        float mb = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < nj; ++j) {
-          s[j] = baro::dot(q.data(), kbase + (j0 + j) * row_stride, hd) * scale;
-          mb = std::fmax(mb, s[j]);
-        }
-        const float mn = std::fmax(mx, mb);
-        const float alpha = std::exp(mx - mn);
-        float lb = 0.0f;
-        for (int64_t j = 0; j < nj; ++j) {
-          s[j] = std::exp(s[j] - mn);
-          lb = lb + s[j];
-        }
-        for (int64_t d = 0; d < hd; ++d) {
-          pv[d] = baro::dot(s.data(), 1, vbase + j0 * row_stride + d, row_stride, nj);
-        }
-        l = l * alpha + lb;
-        for (int64_t d = 0; d < hd; ++d) acc[d] = acc[d] * alpha + pv[d];
-        mx = mn;
-      }
-      const float* gate = xr + h * 2 * hd + hd;
-      uint16_t* orow = op_ + i * H * hd + h * hd;
-      for (int64_t d = 0; d < hd; ++d) {
-        orow[d] = baro::f32_to_bf16((acc[d] / l) * baro::sigmoid(gate[d]));
-      }
+      baro::attn::attend_head(xr + h * 2 * hd, xr + h * 2 * hd + hd, qw, cp + i * R2, sp + i * R2, kc + g * hd,
+                              vc + g * hd, row_stride, pos + i, hd, R2, eps, scale, w, op_ + i * H * hd + h * hd);
     }
   });
   return ffi::Error::Success();

@@ -27,6 +27,7 @@ ffi::Error AttentionRowsImpl(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> q_
                                             *k_out, *v_out, dims);
       err.failure())
     return err;
+  BARO_RETURN_IF(baro::expect_eps(op, eps));
   const int64_t m = dims.m, hd = dims.hd, P = dims.P, S = dims.S, Hkv = dims.Hkv, H = dims.H, R2 = dims.R2;
   const int32_t* slot = slot_buf.typed_data();
   const int32_t* pos = pos_buf.typed_data();

@@ -383,16 +383,17 @@ BARO_DEV void fa_block_step(const uint16_t* __restrict__ Qp, const uint16_t* __r
 // unrolls, so the independent PV chains of a warp interleave), or 0 for any
 // other head dim read at run time. A given hd always runs one instantiation.
 // kDup: copies of each warp pair (fa_block_step), decode tiles only.
+// attn_fa_tile: one block's work, tile `tile` of kv head kh (and split sp in parallel mode), so
+// that baro_attention_rows (attention_rows.cu) runs this same code on each row's own view of
+// its slot; attn_fa_kernel below is the grid of one call.
 template <int kPairs, bool kParallel, int kHd, int kDup>
-__global__ void __launch_bounds__(kPairs * 2 * kDup * BARO_WARP, 1)
-    attn_fa_kernel(AttentionArgs a, float* __restrict__ part_o, float* __restrict__ part_ml,
-                   int max_splits, int64_t rows_pad) {
+BARO_DEV void attn_fa_tile(const AttentionArgs& a, float* __restrict__ part_o, float* __restrict__ part_ml,
+                           int max_splits, int64_t rows_pad, int64_t tile, int kh, int sp) {
   constexpr int kRows = kPairs * kFaPairRows;
   static_assert(kDup == 1 || kParallel, "the serial merge keeps one copy of each pair");
   constexpr int kWarps = 2 * kPairs * kDup;
   constexpr int kThreads = kWarps * BARO_WARP;
   extern __shared__ uint4 fa_smem4[];
-  grid_dependency_wait();  // launch_dependent: the cache write first
   char* smem = reinterpret_cast<char*>(fa_smem4);
   const int hd = kHd > 0 ? kHd : a.hd;
   const FaSmem L = fa_smem(hd, kPairs);
@@ -409,14 +410,9 @@ __global__ void __launch_bounds__(kPairs * 2 * kDup * BARO_WARP, 1)
   uint16_t* Ps = reinterpret_cast<uint16_t*>(smem + L.p) + pair * kFaPairRows * kFaPld;
   float* red = reinterpret_cast<float*>(smem + L.red) + pair * 4 * kFaPairRows;
 
-  const int kh = blockIdx.y;
   const int G = a.H / a.Hkv;
   const int64_t m = a.m;
   const int64_t nrows = m * G;
-  // Serial (prefill) tiles run last-first: the late rows see the most KV
-  // blocks, so the long tiles start in the first wave and the short ones fill
-  // the tail. Which block runs a tile never changes a row's arithmetic.
-  const int64_t tile = kParallel ? blockIdx.x : gridDim.x - 1 - blockIdx.x;
   const int64_t R0 = tile * kRows;
   if (R0 >= nrows) return;
   const int64_t pos = *a.pos;
@@ -431,7 +427,6 @@ __global__ void __launch_bounds__(kPairs * 2 * kDup * BARO_WARP, 1)
   const int n_splits = (n_blocks + kAttnSplitBlocks - 1) / kAttnSplitBlocks;
   int b_begin = 0, b_end = n_blocks;
   if (kParallel) {
-    const int sp = blockIdx.z;
     if (sp >= n_splits) return;  // uniform for the block, before any barrier
     b_begin = sp * kAttnSplitBlocks;
     b_end = b_begin + kAttnSplitBlocks < n_blocks ? b_begin + kAttnSplitBlocks : n_blocks;
@@ -615,6 +610,19 @@ __global__ void __launch_bounds__(kPairs * 2 * kDup * BARO_WARP, 1)
   }
 }
 
+template <int kPairs, bool kParallel, int kHd, int kDup>
+__global__ void __launch_bounds__(kPairs * 2 * kDup * BARO_WARP, 1)
+    attn_fa_kernel(AttentionArgs a, float* __restrict__ part_o, float* __restrict__ part_ml,
+                   int max_splits, int64_t rows_pad) {
+  grid_dependency_wait();  // launch_dependent: the cache write first
+  // Serial (prefill) tiles run last-first: the late rows see the most KV
+  // blocks, so the long tiles start in the first wave and the short ones fill
+  // the tail. Which block runs a tile never changes a row's arithmetic.
+  attn_fa_tile<kPairs, kParallel, kHd, kDup>(a, part_o, part_ml, max_splits, rows_pad,
+                                             kParallel ? blockIdx.x : gridDim.x - 1 - blockIdx.x,
+                                             static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z));
+}
+
 // Parallel mode: merge a row's splits in order (the serial kernel's merge
 // arithmetic), gate, write. One warp per (token i < m, q head h); lane handles
 // d = lane + 32t.
@@ -630,11 +638,10 @@ constexpr int kFaCombinePerLane = kAttnMaxHeadDim / BARO_WARP / kFaCombineSlices
 constexpr int kFaCombineAhead = 32;  // splits read before they are merged
 static_assert(kAttnMaxHeadDim % (BARO_WARP * kFaCombineSlices) == 0, "whole lanes per slice");
 
-__global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
-    attn_fa_combine_kernel(AttentionArgs a, const float* __restrict__ part_o,
-                           const float* __restrict__ part_ml, int max_splits, int64_t rows_pad) {
-  grid_dependency_wait();  // launch_dependent: the splits' partials first
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kFaCombineWarps + warp_id();
+// One warp's (row, q head, slice) item of the merge (attention_rows.cu runs it per row too).
+BARO_DEV void attn_fa_combine_item(const AttentionArgs& a, const float* __restrict__ part_o,
+                                   const float* __restrict__ part_ml, int max_splits, int64_t rows_pad,
+                                   int64_t item) {
   if (item >= a.m * a.H * kFaCombineSlices) return;
   const int slice = static_cast<int>(item % kFaCombineSlices);
   const int64_t i = item / kFaCombineSlices / a.H;
@@ -709,6 +716,16 @@ __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
     const int d = dim(t);
     if (d < hd) orow[d] = f32_to_bf16((O[t] / Lsum) * sigmoidf_(gate[t]));
   }
+}
+
+// static: each translation unit that includes this header (attention.cu, attention_rows.cu) keeps
+// its own copy instead of two definitions of one symbol.
+static __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
+    attn_fa_combine_kernel(AttentionArgs a, const float* __restrict__ part_o,
+                           const float* __restrict__ part_ml, int max_splits, int64_t rows_pad) {
+  grid_dependency_wait();  // launch_dependent: the splits' partials first
+  attn_fa_combine_item(a, part_o, part_ml, max_splits, rows_pad,
+                       static_cast<int64_t>(blockIdx.x) * kFaCombineWarps + warp_id());
 }
 
 // Tile geometry of a call (host and device agree on it).

@@ -18,8 +18,8 @@ constexpr int kKvWarps = 4;                   // (row, kv head) items per block 
 // norm_rope_vals on the same values, and warp_sumsq's fmaf order (ascending d per lane, then
 // the butterfly), so the bytes are the same. With loads inside the checks
 // and the per-element branches a call took 5.9 us (7.6 under ncu) for 2 KB of stores.
-__global__ void __launch_bounds__(kKvWarps * BARO_WARP) attn_kv_write_kernel(AttentionArgs a) {
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kKvWarps + warp_id();
+// One warp's (row, kv head) item (attention_rows.cu runs it on each row's view of its slot).
+BARO_DEV void attn_kv_write_item(const AttentionArgs& a, int64_t item) {
   if (item >= a.m * a.Hkv) return;
   const int64_t i = item / a.Hkv;
   const int kh = static_cast<int>(item % a.Hkv);
@@ -67,6 +67,11 @@ __global__ void __launch_bounds__(kKvWarps * BARO_WARP) attn_kv_write_kernel(Att
     kd[d] = f32_to_bf16(norm_rope_vals(xd[t], wd[t], xp[t], wp[t], cs[t], sn[t], r, R2, d));
     vd[d] = f32_to_bf16(vv[t]);
   }
+}
+
+// static: one copy per translation unit that includes this header (attention.cu, attention_rows.cu).
+static __global__ void __launch_bounds__(kKvWarps * BARO_WARP) attn_kv_write_kernel(AttentionArgs a) {
+  attn_kv_write_item(a, static_cast<int64_t>(blockIdx.x) * kKvWarps + warp_id());
 }
 
 }  // namespace baro_gpu

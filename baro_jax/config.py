@@ -15,10 +15,7 @@ DELTA_BLOCK = 64  # rows per block of the blocked delta rule (absolute positions
 
 
 def check_delta_rule(rule, where: str = "delta_rule") -> str:
-    """None -> env BARO_DELTA (token|blocked), unset or empty -> "token"; else one of DELTA_RULES."""
-    if rule is None:
-        rule = os.environ.get("BARO_DELTA") or "token"
-        where = "BARO_DELTA"
+    """One of DELTA_RULES (the setting itself, BARO_DELTA included, is read by settings.py)."""
     if rule not in DELTA_RULES:
         raise ValueError(f"{where} must be one of {', '.join(DELTA_RULES)}, got {rule!r}")
     return rule

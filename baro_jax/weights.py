@@ -62,6 +62,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import FULL, Config
+from .settings import Settings
 
 __all__ = ["WeightsError", "load_params", "params_from_state_dict", "checkpoint_files", "param_shapes"]
 
@@ -599,8 +600,8 @@ def _on_device(x) -> bool:
 
 
 def allow_nonfinite_env() -> bool:
-    """BARO_ALLOW_NONFINITE=1: load checkpoints holding NaN/Inf weights anyway."""
-    return os.environ.get("BARO_ALLOW_NONFINITE", "") not in ("", "0")
+    """The allow_nonfinite setting from the environment (BARO_ALLOW_NONFINITE, parsed strictly)."""
+    return Settings.resolve().allow_nonfinite
 
 
 def _allow_nonfinite(v) -> bool:

@@ -22,7 +22,7 @@ depends on N: N devices give one device's bytes (tests/test_expert_parallel.py).
 On a mesh of one device every expert is local and no pair crosses a device, so the MoE is the
 one-device kernel `ops.moe` itself: `moe_pairs` + `moe_combine` give its bytes (the kernel test
 test_moe_pairs_combine_equal_moe), but in more launches and without the one-token fold, which
-cost the H200 11% of prefill and 26% of decode at N = 1 (speed_ep1_device_h200.json at 3302a06).
+cost the H200 11% of prefill and 26% of decode at N = 1 (speed_ep1pairs_device_3302a06_h200.json).
 `settings.ep_pairs` (BARO_EP_PAIRS=on) keeps the per-pair kernels at N = 1, to measure or test them
 on one device.
 

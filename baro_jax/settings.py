@@ -178,7 +178,7 @@ SPECS: tuple[Spec, ...] = (
          "an opt-in order-changing variant on the ordered backend (xla, attn-fast, delta-chunk), judged by "
          "teacher-forced agreement, not identity; none: the ordered ops as they are", default_text="none"),
     Spec("delta_rule", "--delta-rule", "BARO_DELTA", parse_choice(DELTA_RULES),
-         "token: the per-token delta rule; blocked: the chunk-aligned rule (docs/DESIGN.md, its own bits, "
+         "token: the per-token delta rule; blocked: the chunk-aligned rule (docs/DESIGN.md §9, its own bits, "
          "identity within it)"),
     Spec("max_context", "--max-context", None, parse_int(lo=1),
          "context length in tokens (at most the model's)", default_text="the model's"),

@@ -216,13 +216,17 @@ def checkpoint_files(path: str) -> list[str]:
         return sorted(by_file.values())
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
+        why = _shard_escapes(path, "model.safetensors")
+        if why:  # the same rule as an index's entries: a checkpoint reads only files it holds
+            raise WeightsError(f"{single} {why}; the weights must be a file inside the checkpoint directory "
+                               f"{path!r}")
         return [single]
     raise WeightsError(f"no model.safetensors.index.json or model.safetensors in {path!r}")
 
 
 def _shard_escapes(path: str, name: str) -> str | None:
-    """Why a weight_map file name leaves the checkpoint directory, or None. An index is data: an
-    entry must not make the loader read files the checkpoint does not hold (../, an absolute path,
+    """Why a shard's file name (a weight_map entry, or the unindexed model.safetensors) leaves
+    the checkpoint directory, or None. An index is data: an entry must not make the loader read files the checkpoint does not hold (../, an absolute path,
     a symlink out). One layout is let through: the Hugging Face hub cache, whose
     snapshots/<revision>/ files are symlinks to the same repository's blobs/."""
     if "\0" in name:  # no file name holds one (os.path would raise a bare "embedded null byte")

@@ -263,6 +263,25 @@ def test_weight_map_entry_outside_the_checkpoint_refused(tmp_path, where, why):
         W.load_params(d, C.load_config(d), progress=False)
 
 
+def test_unindexed_weights_that_are_a_symlink_out_are_refused(tmp_path):
+    d = tiny_copy(tmp_path)
+    outside = os.path.join(str(tmp_path), "elsewhere.safetensors")
+    os.rename(os.path.join(d, ST), outside)  # a real checkpoint's weights: they would load if followed
+    os.symlink(outside, os.path.join(d, ST))
+    single = os.path.join(d, ST)
+    with pytest.raises(W.WeightsError) as ei:
+        W.checkpoint_files(d)
+    assert str(ei.value) == (f"{single} is a symlink to {outside}, outside it; the weights must be a file inside "
+                             f"the checkpoint directory {d!r}"), str(ei.value)
+    with pytest.raises(W.WeightsError, match="is a symlink to"):
+        baro_jax.load(d)
+    os.makedirs(os.path.join(d, "blobs"))  # a symlink that stays inside loads
+    os.remove(single)
+    os.rename(outside, os.path.join(d, "blobs", "w"))
+    os.symlink(os.path.join("blobs", "w"), single)
+    assert W.checkpoint_files(d) == [single]
+
+
 def test_weight_map_inside_the_checkpoint_loads(tmp_path):
     """Entries that stay inside load: a sub directory, './', a symlink within, and the Hugging Face
     hub cache (snapshots/<rev>/ files are symlinks to the repository's blobs/)."""

@@ -90,9 +90,11 @@ def gpu_platform():
     return cc.gpu_platform()
 
 
-def host_store(gate_up, down):
-    """The host store baro_moe_host reads one layer's routed experts from (custom_calls.HostStore)."""
-    return cc.host_store(gate_up, down)
+def host_store(gate_up, down, *, unsafe_share=False):
+    """The host store baro_moe_host reads one layer's routed experts from (custom_calls.HostStore):
+    its own copy of the arrays, or, with unsafe_share, the arrays themselves (the caller keeps them
+    alive while any graph built with it runs)."""
+    return cc.host_store(gate_up, down, unsafe_share=unsafe_share)
 
 
 def fetch_ring(n_max: int):

@@ -422,13 +422,14 @@ def has_host_ops(ops) -> bool:
 
 def host_stores(layers, ops) -> tuple:
     """One host store (ops.host_store) per layer over its routed experts: the addresses
-    baro_moe_host reads the misses from (the arrays stay alive inside them)."""
+    baro_moe_host reads the misses from. The stores share the layers' arrays (no second copy of
+    most of the host memory): the tier runner never deletes or donates them."""
     out = []
     for lp in layers:
         gu, dn = (lp["moe"][k] for k in EXPERT_KEYS)
         if isinstance(gu, np.ndarray):  # no host memory kind (CPU without one): the same bytes as an array
             gu, dn = jax.device_put(gu), jax.device_put(dn)
-        out.append(ops.host_store(gu, dn))
+        out.append(ops.host_store(gu, dn, unsafe_share=True))
     return tuple(out)
 
 

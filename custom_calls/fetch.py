@@ -77,9 +77,9 @@ class FetchRing:
                 raise ValueError(f"{OP}: {name} has been deleted (or donated: fetch returns the pools to use next)")
         C.rank(OP, "pool_gu", pool_gu, 3)
         S = pool_gu.shape[0]
-        C.array(OP, "pool_gu", pool_gu, (S,) + tuple(host.gate_up.shape[1:]), C.BF16, dtype_note=C.BF16_NOTE)
-        C.array(OP, "pool_dn", pool_dn, (S,) + tuple(host.down.shape[1:]), C.BF16, dtype_note=C.BF16_NOTE)
-        E = host.gate_up.shape[0]
+        C.array(OP, "pool_gu", pool_gu, (S,) + host.gate_up_shape[1:], C.BF16, dtype_note=C.BF16_NOTE)
+        C.array(OP, "pool_dn", pool_dn, (S,) + host.down_shape[1:], C.BF16, dtype_note=C.BF16_NOTE)
+        E = host.gate_up_shape[0]
         if n and (experts.min() < 0 or experts.max() >= E or slots.min() < 0 or slots.max() >= S):
             raise ValueError(f"{OP}: experts must be in [0, E={E}) and slots in [0, S={S}), got "
                              f"experts {experts.tolist()} and slots {slots.tolist()}")

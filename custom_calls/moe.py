@@ -3,7 +3,6 @@ SwiGLU experts combined in slot order, plus the sigmoid-gated shared expert."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import jax
@@ -121,38 +120,80 @@ OP_ROUTE = "baro_moe_route"
 OP_HOST_SMALL = "baro_moe_host_small"
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
 class HostStore:
     """The routed experts of one layer where baro_moe_host reads the ones with no pool slot:
-    gate_up [E, 2I, D] and down [E, D, I] bf16, kept alive here, and their addresses, which go
-    into the call as attributes (a compiled graph holds them: the store must not move or be
-    freed while it runs, so keep this object as long as the graph). On a GPU the arrays must be
-    in pinned host memory (staging.to_store); the handler checks the device can read them.
+    gate_up [E, 2I, D] and down [E, D, I] bf16. Their addresses go into the call as attributes,
+    so a compiled graph holds them for as long as it exists, and no check can run when a cached
+    graph is called again. Hence the store owns its arrays: it is built from a copy of the two
+    arrays given, which nothing outside it can reach, so deleting or donating those arrays
+    afterwards frees nothing a graph reads. A jit's cache holds the store (a static argument, or
+    a closure's), so the copy lives as long as the graphs built with it. On a GPU the arrays must
+    be in pinned host memory (staging.to_store); the handler checks the device can read them.
     Hashable by identity, so it can be a static argument of a jit.
 
-    Built from the two arrays only (host_store(gate_up, down), or HostStore(gate_up, down)): the
-    addresses are read from them, never given, so a store cannot point at memory it does not
-    hold. Every use checks the arrays are still alive (not deleted or donated)."""
-    gate_up: jax.Array
-    down: jax.Array
-    gate_up_addr: int = dataclasses.field(init=False)
-    down_addr: int = dataclasses.field(init=False)
+    unsafe_share=True skips the copy (a tier store is most of the host memory): the store then
+    shares the given arrays, and the caller must keep them alive, undeleted and undonated, while
+    any graph built with the store may run. The tier runner's store does (staging never frees
+    its expert arrays). Every use outside a compiled graph checks the arrays are alive."""
+    __slots__ = ("_gate_up", "_down", "gate_up_addr", "down_addr", "shared")
 
-    def __post_init__(self):
+    def __init__(self, gate_up, down, *, unsafe_share: bool = False):
         op = "baro_moe_host"
-        C.rank(op, "host gate_up", self.gate_up, 3)
-        _check_experts(op, self.gate_up, self.down, self.gate_up.shape[2], "host gate_up", "host down")
-        object.__setattr__(self, "gate_up_addr", _address(op, "host gate_up", self.gate_up))
-        object.__setattr__(self, "down_addr", _address(op, "host down", self.down))
+        C.rank(op, "host gate_up", gate_up, 3)
+        _check_experts(op, gate_up, down, gate_up.shape[2], "host gate_up", "host down")
+        if not isinstance(unsafe_share, bool):
+            raise TypeError(f"{op}: unsafe_share must be a bool, got {type(unsafe_share).__name__}")
+        own = {}
+        for name, x in (("gate_up", gate_up), ("down", down)):
+            addr = _address(op, f"host {name}", x)
+            if not unsafe_share:
+                x = _private_copy(x)
+                addr = _address(op, f"host {name}", x)
+            own[name] = (x, addr)
+        for k, v in (("_gate_up", own["gate_up"][0]), ("_down", own["down"][0]), ("gate_up_addr", own["gate_up"][1]),
+                     ("down_addr", own["down"][1]), ("shared", unsafe_share)):
+            object.__setattr__(self, k, v)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a HostStore is read-only (its addresses are read from the arrays it holds): "
+                             f"cannot set {name}")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"a HostStore is read-only (its addresses are read from the arrays it holds): "
+                             f"cannot delete {name}")
+
+    @property
+    def gate_up_shape(self) -> tuple:
+        return tuple(self._gate_up.shape)
+
+    @property
+    def down_shape(self) -> tuple:
+        return tuple(self._down.shape)
+
+    @property
+    def device(self):
+        return next(iter(self._gate_up.devices()))
 
     def check_alive(self, op: str) -> None:
-        """Raises unless both arrays are alive where the store's addresses say."""
-        for name, x, addr in (("gate_up", self.gate_up, self.gate_up_addr), ("down", self.down, self.down_addr)):
+        """Raises unless both arrays are alive where the store's addresses say (only a shared
+        store's can be freed from outside)."""
+        for name, x, addr in (("gate_up", self._gate_up, self.gate_up_addr), ("down", self._down, self.down_addr)):
             if x.is_deleted():
                 raise ValueError(f"{op}: the host store's {name} array has been deleted (or donated); build a new "
                                  "store from live arrays")
             if _address(op, f"host {name}", x) != addr:
                 raise ValueError(f"{op}: the host store's {name} array moved since the store was built")
+
+    def __repr__(self):
+        return (f"HostStore(gate_up {list(self.gate_up_shape)}, down {list(self.down_shape)} on {self.device}"
+                f"{', shared' if self.shared else ''})")
+
+
+def _private_copy(x):
+    """A copy of x in the same memory of the same device, whose buffer no other array holds."""
+    y = jax.device_put(x, x.sharding, may_alias=False)
+    y.block_until_ready()
+    return y
 
 
 def _address(op, name, x) -> int:
@@ -171,10 +212,10 @@ def _address(op, name, x) -> int:
     return int(x.addressable_data(0).unsafe_buffer_pointer())
 
 
-def host_store(gate_up, down) -> HostStore:
+def host_store(gate_up, down, *, unsafe_share: bool = False) -> HostStore:
     """A HostStore of one layer's routed experts (see HostStore), checked: bf16 [E, 2I, D] and
-    [E, D, I]."""
-    return HostStore(gate_up, down)
+    [E, D, I]; its own copy of them unless unsafe_share."""
+    return HostStore(gate_up, down, unsafe_share=unsafe_share)
 
 
 def moe_host(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate, top_k,
@@ -192,14 +233,14 @@ def moe_host(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shar
     m, D, k = _check_slots_call("baro_moe_host", h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up,
                                 shared_down, shared_gate, top_k)
     E = router.shape[0]
-    if tuple(host.gate_up.shape) != (E,) + tuple(w_gate_up_pool.shape[1:]) or \
-            tuple(host.down.shape) != (E,) + tuple(w_down_pool.shape[1:]):
+    if host.gate_up_shape != (E,) + tuple(w_gate_up_pool.shape[1:]) or \
+            host.down_shape != (E,) + tuple(w_down_pool.shape[1:]):
         raise ValueError(f"baro_moe_host: the host store must hold all E={E} experts at the pool's shapes: "
-                         f"gate_up {list(host.gate_up.shape)} vs pool {list(w_gate_up_pool.shape)}, "
-                         f"down {list(host.down.shape)} vs pool {list(w_down_pool.shape)}")
+                         f"gate_up {list(host.gate_up_shape)} vs pool {list(w_gate_up_pool.shape)}, "
+                         f"down {list(host.down_shape)} vs pool {list(w_down_pool.shape)}")
     if not small_call(m):
         raise ValueError(f"baro_moe_host: serves decode-sized calls (m <= 16 rows, BARO_CMDBUF_OPS unset), got m={m}")
-    plat = _xla_platform(next(iter(host.gate_up.devices())))
+    plat = _xla_platform(host.device)
     if plat == "ROCM":  # refused here, not by the handler (see _check_host_gpu)
         raise ValueError("baro_moe_host: reading experts from the host store is CUDA-only so far (ROCm: use "
                          "the cache path, BARO_TIER_DECODE=cache)")

@@ -225,17 +225,49 @@ def test_host_store_refuses_raw_addresses():
     with pytest.raises(TypeError):
         cc.HostStore(gu, dn, addr, addr)  # addresses are read from the arrays, never given
     store = cc.HostStore(gu, dn)
-    assert store.gate_up_addr == int(gu.addressable_data(0).unsafe_buffer_pointer())
-    with pytest.raises(ValueError, match="init=False"):
-        dataclasses.replace(store, gate_up_addr=addr)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        store.gate_up_addr = addr
+    own = {int(gu.addressable_data(0).unsafe_buffer_pointer()), int(dn.addressable_data(0).unsafe_buffer_pointer())}
+    assert store.gate_up_addr not in own and store.down_addr not in own  # its own copy
+    shared = cc.HostStore(gu, dn, unsafe_share=True)
+    assert shared.gate_up_addr == int(gu.addressable_data(0).unsafe_buffer_pointer())
+    for s in (store, shared):
+        with pytest.raises(AttributeError, match="a HostStore is read-only"):
+            s.gate_up_addr = addr
+        with pytest.raises(AttributeError, match="a HostStore is read-only"):
+            s._gate_up = other_gu
+        with pytest.raises(AttributeError, match="a HostStore is read-only"):
+            del s.down_addr
+    with pytest.raises(TypeError, match="unsafe_share must be a bool"):
+        cc.HostStore(gu, dn, unsafe_share="no")
+
+
+def test_a_store_outlives_the_arrays_it_was_built_from_in_a_cached_graph():
+    """The addresses are baked into the compiled graph, where no check runs on a later call: the
+    store's own copy keeps them valid when the arrays it was built from are deleted."""
+    rng = np.random.default_rng(17)
+    gu, dn = (jnp.asarray(bf16(rng, 5, 32, 32)), jnp.asarray(bf16(rng, 5, 32, 16)))
+    want_gu, want_dn = np.asarray(gu).copy(), np.asarray(dn).copy()
+    store = cc.host_store(gu, dn)
+    args = moe_host_args()
+    graph = jax.jit(lambda *a: cc.moe_host(*a, top_k=2, host=store))
+    first = np.asarray(graph(*args))
+    gu.delete()
+    dn.delete()
+    junk = [jnp.asarray(bf16(rng, 5, 32, 32)) for _ in range(4)]  # reuse of freed buffers, if any were
+    again = np.asarray(graph(*args))  # the cached graph: no Python check runs here
+    assert again.tobytes() == first.tobytes()
+    ref = cc.moe_host(*args, top_k=2, host=cc.host_store(jnp.asarray(want_gu), jnp.asarray(want_dn)))
+    assert np.asarray(ref).tobytes() == first.tobytes()
+    assert np.asarray(cc.moe_host(*args, top_k=2, host=store)).tobytes() == first.tobytes()  # every use
+    pg, pd = cc.FetchRing(2, entries=2).fetch(jnp.zeros((2, 32, 32), jnp.bfloat16),
+                                              jnp.zeros((2, 32, 16), jnp.bfloat16), store, [4], [1])
+    assert np.asarray(pg)[1].tobytes() == want_gu[4].tobytes() and np.asarray(pd)[1].tobytes() == want_dn[4].tobytes()
+    del junk
 
 
 @pytest.mark.parametrize("which", ["gate_up", "down"])
-def test_a_deleted_store_is_refused_by_every_use(which):
+def test_a_deleted_shared_store_is_refused_by_every_use(which):
     gu, dn = store_arrays()
-    store = cc.host_store(gu, dn)
+    store = cc.host_store(gu, dn, unsafe_share=True)
     ring = cc.FetchRing(2, entries=2)
     pools = (jnp.zeros((2, 32, 32), jnp.bfloat16), jnp.zeros((2, 32, 16), jnp.bfloat16))
     ring.fetch(*pools, store, [1], [0])  # alive: fine

@@ -35,17 +35,67 @@ def _prefill(params, pool, slot, tokens, pos, n_valid, rope, *, cfg, ops, all_lo
     return logits, Pool.put_slot_state(pool, slot, st)
 
 
-def _decode(params, pool, tokens, running, pos, rope, *, cfg, ops):
+def _decode(params, pool, tokens, running, pos, rope, *, cfg, ops, guard: bool, top_n):
+    """One decode step of every slot: (logits [P, V], logprob rows [P, V], the greedy ids [P],
+    their logprobs [P] and the top_n (ids, values) of every row, the pool). guard: keep the state of the slots that do
+    not run (one holds a prompt half prefilled); without it their conv and delta rows are left
+    as the step wrote them (free or finished slots, cleared before a new sequence takes them)."""
     slots = jnp.where(running, jnp.arange(tokens.shape[0], dtype=jnp.int32), -1)
     logits, new = M.decode_rows(params, pool, tokens, slots, pos, rope, cfg=cfg, ops=ops)
-    return logits, Pool.keep_running(pool, new, running)
+    pool = Pool.keep_running(pool, new, running) if guard else new
+    ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # greedy's rule: ties to the lower id
+    lp = None if top_n is None else row_logprobs(ops, logits)
+    return (logits, lp) + _picked(lp, ids, top_n) + (pool,)
+
+
+def _picked(lp, ids, top_n):
+    """(ids, the logprob of each row's id, top_n ids, top_n values) from the logprob rows lp;
+    None for what is not asked."""
+    if top_n is None:
+        return ids, None, None, None
+    chosen = jnp.take_along_axis(lp, ids[:, None], axis=1)[:, 0]
+    if not top_n:
+        return ids, chosen, None, None
+    vals, top = jax.lax.top_k(lp, top_n)  # ties to the lower id, as np.argsort(-lp, kind="stable")
+    return ids, chosen, top.astype(jnp.int32), vals
+
+
+def _decode_block(params, pool, tokens, running, pos, left, stops, rope, n=None, *, cfg, ops, guard: bool, top_n,
+                  block: int):
+    """Up to `block` greedy decode steps of every slot in one graph (n of them when given, a
+    traced count, so one graph serves every shorter block). A row stops on the device when its
+    id is in `stops` (end and stop ids, -1 padded) or when `left` (tokens it may still make)
+    reaches 0; a stopped row runs no more steps, so its state (with guard) and position stay
+    where its sequence ended. Returns (ids [block, P] (-1 where a row did not run), their
+    logprobs, top ids, top values (None when not asked), the pool)."""
+    P = tokens.shape[0]
+
+    def body(i, carry):
+        pool, tok, run, pos, left, out = carry
+        _, _, ids, lp, top, vals, pool = _decode(params, pool, tok, run, pos, rope, cfg=cfg, ops=ops, guard=guard,
+                                              top_n=top_n)
+        ids = jnp.where(run, ids, -1)
+        out = tuple(o if o is None else o.at[i].set(x) for o, x in zip(out, (ids, lp, top, vals)))
+        left = left - run.astype(jnp.int32)
+        go = run & (left > 0) & ~jnp.any(ids[:, None] == stops[None, :], axis=1)
+        return pool, jnp.where(run, ids, tok), go, pos + run.astype(jnp.int32), left, out
+
+    out = (jnp.full((block, P), -1, jnp.int32),
+           None if top_n is None else jnp.zeros((block, P), jnp.float32),
+           None if not top_n else jnp.zeros((block, P, top_n), jnp.int32),
+           None if not top_n else jnp.zeros((block, P, top_n), jnp.float32))
+    steps = block if n is None else n
+    pool, *_, out = jax.lax.fori_loop(0, steps, body, (pool, tokens, running, pos, left, out))
+    return out + (pool,)
 
 
 PREFILL = jax.jit(_prefill, static_argnames=("cfg", "ops", "all_logits"), donate_argnums=(1,))
-DECODE = jax.jit(_decode, static_argnames=("cfg", "ops"), donate_argnums=(1,))
+DECODE = jax.jit(_decode, static_argnames=("cfg", "ops", "guard", "top_n"), donate_argnums=(1,))
+DECODE_BLOCK = jax.jit(_decode_block, static_argnames=("cfg", "ops", "guard", "top_n", "block"), donate_argnums=(1,))
 CLEAR = jax.jit(Pool.clear_slot, donate_argnums=(0,))
 TAKE = jax.jit(Pool.slot_state)
 LOGPROBS = jax.jit(lambda logits, ops: row_logprobs(ops, logits), static_argnames=("ops",))
+PICK = jax.jit(lambda lp, rows, ids: lp[rows, ids])  # the logprobs of host-chosen ids
 
 
 def rows_attention_fallback(base_attention):
@@ -110,16 +160,23 @@ class BatchRun:
     """One generate_batch call: the pool, the scheduler, and the loop over steps."""
 
     def __init__(self, runner, tokenizer, sequences: list[Sequence], *, slots: int, length: int, chunk: int,
-                 logprobs: int, prompt_logprobs: bool, keep_states: bool, on_token=None):
+                 logprobs: int, prompt_logprobs: bool, keep_states: bool, on_token=None, block: int = 1):
         self.r, self.tok = runner, tokenizer
         self.cfg, self.ops = runner.cfg, pooled_ops(runner.ops)
         self.slots, self.length, self.chunk = slots, length, chunk
         self.top_n, self.want_prompt_lp, self.keep_states = logprobs, prompt_logprobs, keep_states
         self.on_token = on_token
+        self.block = block
         self.sched = Scheduler(sequences, slots)
         self.pool = Pool.init_pool(self.cfg, runner.dtype, slots, length)
-        self.steps = {"prefill": 0, "decode": 0}
+        self.steps = {"prefill": 0, "decode": 0, "decode_calls": 0}
         self.t0 = time.perf_counter()
+        # the ids a row stops at on the device: every sequence of a call shares them
+        ends = sorted(set().union(*(s.eos_ids | s.stop_ids for s in sequences))) if sequences else []
+        self.stops = jnp.asarray(np.array(ends or [-1], np.int32))
+        # host-side stops (a callback, stop strings) end a sequence after the device has run on:
+        # its tokens past the stop are dropped, but a kept state would have moved on
+        self.host_stops = on_token is not None or any(s.stop_strings for s in sequences)
 
     def run(self) -> list[Sequence]:
         while not self.sched.done:
@@ -128,9 +185,39 @@ class BatchRun:
             seq = self.sched.next_prefill()
             if seq is not None:
                 self._prefill_chunk(seq)
-            if self.sched.decoding():
-                self._decode_step()
+            decoding = self.sched.decoding()
+            if decoding:
+                k = self._block_length(decoding)
+                if k > 1:
+                    self._decode_block(decoding, k)
+                else:
+                    self._decode_step(decoding)
         return sorted(self.sched.finished, key=lambda s: s.index)
+
+    def _block_length(self, decoding) -> int:
+        """Decode steps the next call may run on the device: one while a prompt is being prefilled
+        (its chunks interleave with the steps) or a row needs the host for each token (sampled, a
+        kept state with host stops); else up to the block, no longer than the longest sequence has
+        left, and while others wait for a slot no longer than the first to finish by length."""
+        if self.block <= 1 or self.sched.next_prefill() is not None:
+            return 1
+        if any(not s.sampling.greedy for s in decoding) or (self.keep_states and self.host_stops):
+            return 1
+        left = [s.max_new_tokens - len(s.generated) for s in decoding]
+        return max(1, min(self.block, min(left) if self.sched.waiting else max(left)))
+
+    def _inputs(self, decoding):
+        P = self.slots
+        toks, pos, left = np.zeros((P,), np.int32), np.zeros((P,), np.int32), np.zeros((P,), np.int32)
+        running = np.zeros((P,), bool)
+        for seq in decoding:
+            toks[seq.slot], pos[seq.slot], running[seq.slot] = seq.generated[-1], seq.pos, True
+            left[seq.slot] = seq.max_new_tokens - len(seq.generated)
+        return toks, running, pos, left
+
+    def _guard(self, decoding) -> bool:
+        """Whether idle slots' states must be kept through the decode rows (see _decode)."""
+        return self.keep_states or len(decoding) < len(self.sched.running)
 
     # --- the two kinds of step ---------------------------------------------------------
     def _prefill_chunk(self, seq: Sequence):
@@ -152,23 +239,65 @@ class BatchRun:
         if seq.prefilled == len(seq.prompt_ids):
             if seq.max_new_tokens == 0:
                 self._finish(seq, "length")
-            else:
-                self._emit(seq, last, LOGPROBS(last[None], ops=self.ops)[0] if self._need_lp() else None)
+                return
+            t = choose(last, seq)
+            lp = top = None
+            if self._need_lp():
+                row = np.asarray(LOGPROBS(last[None], ops=self.ops)[0])
+                lp = row[t]
+                if self.top_n:
+                    best = np.argsort(-row, kind="stable")[:self.top_n]
+                    top = (best.astype(np.int64).tolist(), row[best].astype(np.float32))
+            self._record(seq, t, lp, top)
 
-    def _decode_step(self):
-        P = self.slots
-        toks = np.zeros((P,), np.int32)
-        pos = np.zeros((P,), np.int32)
-        running = np.zeros((P,), bool)
-        decoding = self.sched.decoding()
-        for seq in decoding:
-            toks[seq.slot], pos[seq.slot], running[seq.slot] = seq.generated[-1], seq.pos, True
-        logits, self.pool = DECODE(self.r.params, self.pool, jnp.asarray(toks), jnp.asarray(running),
-                                   jnp.asarray(pos), self.r.rope, cfg=self.cfg, ops=self.ops)
+    def _decode_step(self, decoding):
+        """One decode step: greedy ids from the device, sampled ones chosen here."""
+        toks, running, pos, _ = self._inputs(decoding)
+        logits, lp_rows, ids, lp, top, vals, self.pool = DECODE(
+            self.r.params, self.pool, jnp.asarray(toks), jnp.asarray(running), jnp.asarray(pos), self.r.rope,
+            cfg=self.cfg, ops=self.ops, guard=self._guard(decoding), top_n=self.top_n)
         self.steps["decode"] += 1
-        lp = LOGPROBS(logits, ops=self.ops) if self._need_lp() else None
+        self.steps["decode_calls"] += 1
+        ids = np.array(ids)  # a copy: sampled rows' ids are written in
+        sampled = [s for s in decoding if not s.sampling.greedy]
+        if sampled:
+            for s in sampled:
+                ids[s.slot] = choose(logits[s.slot], s)
+            if lp is not None:
+                rows = np.array([s.slot for s in sampled], np.int32)
+                picked = np.asarray(PICK(lp_rows, jnp.asarray(rows), jnp.asarray(ids[rows])))
+        lp = None if lp is None else np.array(lp)
+        if sampled and lp is not None:
+            lp[rows] = picked
+        top, vals = (None, None) if top is None else (np.asarray(top), np.asarray(vals))
         for seq in decoding:
-            self._emit(seq, logits[seq.slot], None if lp is None else lp[seq.slot])
+            r = seq.slot
+            self._record(seq, int(ids[r]), None if lp is None else lp[r],
+                         None if top is None else (top[r].astype(np.int64).tolist(), vals[r]))
+
+    def _decode_block(self, decoding, k: int):
+        """k greedy decode steps in one device call; then each sequence's tokens in order, up to
+        where it stopped (on the device, or here: a callback, a stop string)."""
+        toks, running, pos, left = self._inputs(decoding)
+        args = (self.r.params, self.pool, jnp.asarray(toks), jnp.asarray(running), jnp.asarray(pos),
+                jnp.asarray(left), self.stops, self.r.rope)
+        kw = dict(cfg=self.cfg, ops=self.ops, guard=self._guard(decoding), top_n=self.top_n, block=self.block)
+        if k == self.block:
+            ids, lp, top, vals, self.pool = DECODE_BLOCK(*args, **kw)
+        else:
+            ids, lp, top, vals, self.pool = DECODE_BLOCK(*args, jnp.int32(k), **kw)
+        self.steps["decode"] += k
+        self.steps["decode_calls"] += 1
+        ids = np.asarray(ids)
+        lp = None if lp is None else np.asarray(lp)
+        top, vals = (None, None) if top is None else (np.asarray(top), np.asarray(vals))
+        for seq in decoding:
+            r = seq.slot
+            for i in range(k):
+                if ids[i, r] < 0 or seq.finish_reason is not None:
+                    break
+                self._record(seq, int(ids[i, r]), None if lp is None else lp[i, r],
+                             None if top is None else (top[i, r].astype(np.int64).tolist(), vals[i, r]))
 
     # --- per sequence ---------------------------------------------------------------------
     def _need_lp(self) -> bool:
@@ -182,19 +311,18 @@ class BatchRun:
         for i, t in enumerate(nxt):
             seq.prompt_logprobs.append(np.float32(lp[i, t]))
 
-    def _emit(self, seq: Sequence, logits_row, lp_row):
-        t = choose(logits_row, seq)
+    def _record(self, seq: Sequence, t: int, lp, top):
+        """Token t is the sequence's next: its logprob and top (ids, values) when asked; then
+        whether it ends the sequence."""
         now = time.perf_counter() - self.t0
         if seq.first_token_s is None:
             seq.first_token_s = now
         seq.token_times.append(now)
         seq.generated.append(t)
-        if lp_row is not None:
-            lp_row = np.asarray(lp_row)
-            seq.logprobs.append(np.float32(lp_row[t]))
-            if self.top_n:
-                top = np.argsort(-lp_row, kind="stable")[:self.top_n]
-                seq.top_logprobs.append((top.astype(np.int64).tolist(), lp_row[top].astype(np.float32)))
+        if lp is not None:
+            seq.logprobs.append(np.float32(lp))
+            if top is not None:
+                seq.top_logprobs.append((top[0], np.asarray(top[1], np.float32)))
         keep = self.on_token(seq.index, t) if self.on_token else None
         if t in seq.eos_ids:
             self._finish(seq, "eos")
@@ -263,7 +391,8 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
                           stop_strings=stops, eos_ids=eos)
             for i, (x, m, s) in enumerate(zip(ids, news, samplings))]
     run = BatchRun(eng.runner, eng.tokenizer, seqs, slots=slots, length=length, chunk=chunk, logprobs=top_n,
-                   prompt_logprobs=prompt_logprobs, keep_states=keep_states, on_token=on_token)
+                   prompt_logprobs=prompt_logprobs, keep_states=keep_states, on_token=on_token,
+                   block=eng.runner.decode_block)
     t0 = time.perf_counter()
     done = run.run()
     dt = time.perf_counter() - t0

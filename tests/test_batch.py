@@ -124,13 +124,40 @@ def test_stops_and_finish_reasons(eng, alone):
     assert g.finish_reason == "stop" and word not in g.text and text.startswith(g.text)
 
 
+def test_a_sequence_stopped_inside_a_device_block_keeps_its_state_at_the_stop(eng, alone):
+    """Greedy rows run blocks of decode steps on the device; a row that meets a stop id mid-block
+    (or whose callback ends it) must end there: its tokens, logprobs and state are those of the
+    same sequence run alone for exactly as many tokens, while the other runs on."""
+    ref = alone[1]
+    cut_at = 5
+    cut = ref.generated_ids[cut_at]
+    assert cut not in ref.generated_ids[:cut_at]
+    o = next(i for i, a in enumerate(alone) if i != 1 and cut not in a.generated_ids and len(a.generated_ids) > 6)
+    want = eng.generate(PROMPTS[1], cut_at + 1, logprobs=2, keep_state=True)
+    n = len(want.prompt_ids) + len(want.generated_ids) - 1
+    for how in ("stop id", "callback"):
+        kw = dict(stop_token_ids=[cut]) if how == "stop id" else dict(on_token=lambda i, t: not (i == 0 and t == cut))
+        got = eng.generate_batch([PROMPTS[1], PROMPTS[o]], [NEW[1], NEW[o]], logprobs=2, keep_states=True,
+                                 max_batch=2, **kw)
+        assert got[0].finish_reason == "stop", how
+        assert got[0].generated_ids == want.generated_ids, how
+        assert [x.tobytes() for x in got[0].logprobs] == [x.tobytes() for x in want.logprobs], how
+        assert kv_rows(eng.cfg, want.state, n) == kv_rows(eng.cfg, got[0].state, n), how
+        assert same(eng.cfg, alone[o], got[1]) is None, how
+        steps = eng.last_batch_stats["steps"]
+        if how == "stop id":  # the device ran blocks of steps ...
+            assert steps["decode_calls"] < steps["decode"], steps
+        else:  # ... a callback with kept states runs one step per call
+            assert steps["decode_calls"] == steps["decode"], steps
+
+
 def test_no_compilation_per_request(eng):
     """The step graphs depend on the slot count, the pool's length and the chunk, not on the
     prompts: a second batch of other lengths compiles nothing."""
     eng.generate_batch(PROMPTS[:3], 4, max_batch=2, chunk=16)
-    sizes = (B.DECODE._cache_size(), B.PREFILL._cache_size())
+    sizes = (B.DECODE._cache_size(), B.DECODE_BLOCK._cache_size(), B.PREFILL._cache_size())
     eng.generate_batch(["a", "bb" * 30, "def g(x):\n    return x", "q"], [3, 7, 2, 5], max_batch=2, chunk=16)
-    assert (B.DECODE._cache_size(), B.PREFILL._cache_size()) == sizes
+    assert (B.DECODE._cache_size(), B.DECODE_BLOCK._cache_size(), B.PREFILL._cache_size()) == sizes
 
 
 @pytest.mark.parametrize("kw,msg", [

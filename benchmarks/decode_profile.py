@@ -12,6 +12,10 @@ call per token with --per-token), then runs
 - host-side launch events by name (cuLaunchKernel vs graph launches: whether XLA ran the step as
   command buffers, which is what --xla_gpu_enable_command_buffer decides; XLA_FLAGS is recorded).
 On CPU the "kernels" are the XLA thunks of the host plane (for a dry run of this script).
+With --batch B the step is generate_batch's: B sequence slots of a pool, each prefilled with its
+own --context random tokens, then decode steps of all B rows at once (batch.DECODE_BLOCK, greedy
+blocks of the runner's decode_block, the chosen token's logprob computed as generate_batch's
+default does); per-step numbers are per step of B tokens.
 With --devices N (expert parallel) the main numbers are the first device's (every device runs
 the same graph on its shard) and `per_device` gives each GPU plane's busy time, kernel count and
 collective time (NCCL kernels and all-gather thunks: what the experts' sharding costs).
@@ -105,6 +109,54 @@ def short(name: str) -> str:
     return name.strip()[:80]
 
 
+def batch_steps(eng, args, length: int):
+    """generate_batch's decode steps over args.batch slots, each slot prefilled with its own
+    args.context random tokens: steps(n) runs n steps of every row (greedy blocks of the runner's
+    decode_block) and returns the wall seconds per step, n times."""
+    import jax
+    import jax.numpy as jnp
+
+    from baro_jax import batch as BT
+    from baro_jax import pool as Pool
+
+    r, B = eng.runner, args.batch
+    ops = BT.pooled_ops(r.ops)
+    chunk = min(1024, args.context)
+    pool = Pool.init_pool(eng.cfg, r.dtype, B, length)
+    rng = np.random.default_rng(args.seed)
+    toks = np.zeros((B,), np.int32)
+    for slot in range(B):
+        ids = rng.integers(0, eng.cfg.vocab_size, args.context).astype(np.int32)
+        for p in range(0, len(ids), chunk):
+            part = np.zeros((chunk,), np.int32)
+            n = min(chunk, len(ids) - p)
+            part[:n] = ids[p:p + n]
+            logits, pool = BT.PREFILL(r.params, pool, jnp.int32(slot), jnp.asarray(part), jnp.int32(p), jnp.int32(n),
+                                      r.rope, cfg=eng.cfg, ops=ops, all_logits=False)
+        toks[slot] = int(np.argmax(np.asarray(logits)))
+    state = {"pool": pool, "tok": jnp.asarray(toks), "pos": np.full((B,), args.context, np.int32)}
+    block = r.decode_block
+    run = jnp.ones((B,), bool)
+    stops = jnp.asarray(np.array([-1], np.int32))
+
+    def steps(n):
+        if n % block:
+            raise SystemExit(f"decode_profile --batch: --steps and --warmup must be multiples of the decode block "
+                             f"{block}, got {n}")
+        t = time.perf_counter()
+        for _ in range(n // block):
+            left = jnp.full((B,), block, jnp.int32)
+            ids, lp, _, _, state["pool"] = BT.DECODE_BLOCK(
+                r.params, state["pool"], state["tok"], run, jnp.asarray(state["pos"]), left, stops, r.rope,
+                cfg=eng.cfg, ops=ops, guard=False, top_n=0, block=block)
+            state["tok"] = ids[-1]
+            state["pos"] = state["pos"] + block
+        jax.block_until_ready(state["pool"])
+        return [(time.perf_counter() - t) / n] * n
+
+    return steps
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--model", default="tiny")
@@ -127,8 +179,12 @@ def main(argv=None):
                          "--steps (direct@32: two full greedy blocks, direct@8: one shorter block)")
     ap.add_argument("--devices", type=int, default=None,
                     help="expert parallel over N devices (baro_jax.load(devices=N)); per-device busy and collective time")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="profile generate_batch's decode step over B sequence slots (resident mode)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.batch is not None and (args.batch < 1 or args.mode != "resident" or args.per_token):
+        ap.error("--batch B needs B >= 1, --mode resident and no --per-token")
     if args.mode == "tier" and args.device_budget_gb is None:
         ap.error("--mode tier needs --device-budget-gb")
     paths = [None] if args.mode != "tier" or not args.tier_paths else args.tier_paths.split(",")
@@ -149,13 +205,18 @@ def main(argv=None):
     decode_len = sum(args.warmup + 2 * n for n in path_steps) + 8  # every arm decodes from the same state onward
     eng = baro_jax.load(args.model, backend="ordered", max_context=max(args.context + decode_len, 64),
                         mode=args.mode, device_budget_gb=args.device_budget_gb, devices=args.devices)
+    if args.batch:
+        steps = batch_steps(eng, args, state_length(args.context + decode_len, eng.cfg.max_context))
+    else:
+        steps = None
     ids = [int(x) for x in np.random.default_rng(args.seed).integers(0, eng.cfg.vocab_size, args.context)]
-    pre = eng.prefill(ids, state=eng.new_state(state_length(args.context + decode_len, eng.cfg.max_context)))
-    logits, state = pre.logits, pre.state
-    pos = len(ids)
-    tok = int(np.argmax(np.asarray(logits)))
+    if not args.batch:
+        pre = eng.prefill(ids, state=eng.new_state(state_length(args.context + decode_len, eng.cfg.max_context)))
+        logits, state = pre.logits, pre.state
+        pos = len(ids)
+        tok = int(np.argmax(np.asarray(logits)))
 
-    def steps(n):
+    def one_steps(n):
         """n decode tokens as generate() runs them (greedy blocks on the device), or one
         decode_step call plus a host argmax per token with --per-token. Wall seconds per token."""
         nonlocal state, pos, tok
@@ -171,6 +232,7 @@ def main(argv=None):
             tok, pos = toks[-1], pos + n
         return [(time.perf_counter() - t) / n] * n
 
+    steps = steps or one_steps
     outs = []
     for path, n_steps in zip(paths, path_steps):
         if path is not None:  # the next tier decode path: a fresh cache, its pools as it sets them up
@@ -181,8 +243,9 @@ def main(argv=None):
         steps(args.warmup)
         walls = steps(n_steps)
         wall_ms = float(np.median(walls) * 1e3)
-        print(f"[decode_profile] {args.model} context {args.context}: median step {wall_ms:.3f} ms "
-              f"({1e3 / wall_ms:.1f} tok/s) over {n_steps} steps", flush=True)
+        rows_per_step = args.batch or 1
+        print(f"[decode_profile] {args.model} context {args.context}, {rows_per_step} row(s) per step: median step "
+              f"{wall_ms:.3f} ms ({rows_per_step * 1e3 / wall_ms:.1f} tok/s) over {n_steps} steps", flush=True)
 
         cache_report = eng.expert_cache_report() if args.mode == "tier" else None  # over the timed steps and warm-up
         if args.mode == "tier":
@@ -247,7 +310,7 @@ def main(argv=None):
         out = {
             "summary": {**provenance(), "model": args.model, "context": args.context, "steps": n,
                         "xla_flags": os.environ.get("XLA_FLAGS", ""), "per_token": args.per_token,
-                        "median_step_ms": wall_ms, "tok_per_s": 1e3 / wall_ms,
+                        "batch": args.batch, "median_step_ms": wall_ms, "tok_per_s": rows_per_step * 1e3 / wall_ms,
                         "traced_step_ms": traced_s * 1e3 / n, "device_busy_ms_per_step": busy,
                         "kernel_span_ms_per_step": span, "kernels_per_step": len(kernels) / n,
                         "planes": planes, "mode": args.mode, "device_budget_gb": args.device_budget_gb,

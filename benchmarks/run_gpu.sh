@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels rows blocked sanitize tiny ops row1 probe full attn_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels rows blocked sanitize tiny ops row1 probe full attn_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -279,6 +279,26 @@ stage_vs_peer() {
   local rc=${PIPESTATUS[0]}
   [ "$rc" = 124 ] && echo "speed.py killed at VS_TIMEOUT_S=${VS_TIMEOUT_S:-560}s; the JSON holds the lengths done"
   return "$rc"
+}
+# Many sequences (issue 29): aggregate decode tok/s of generate_batch at BATCH_SIZES (1k-token prompts,
+# BATCH_NEW new tokens, the first sequences of each batch checked against their runs alone), then
+# where one decode step's time goes at BATCH_PROFILE sizes (decode_profile.py --batch) and, unless
+# BATCH_GATE=0, the many-sequence identity gate (benchmarks/batch_identity.py: BATCH_GATE_N
+# sequences of 1 to BATCH_GATE_MAX_LEN tokens, staggered, half sampled, against their runs alone).
+stage_batch() {
+  timeout "${THROUGHPUT_TIMEOUT:-300}" python benchmarks/throughput.py --model qwen3.5-35b-a3b \
+    --batches "${BATCH_SIZES:-1,8,32,64}" --prompt-len 1024 --new-tokens "${BATCH_NEW:-64}" --check 2 \
+    --json "$OUT/throughput_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
+  local b
+  for b in ${BATCH_PROFILE:-64}; do
+    timeout 200 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --batch "$b" --context 1024 \
+      --steps 32 --warmup 32 --top 24 --json "$OUT/decode_profile_batch${b}_h200.json" 2>&1 \
+      | grep -v '^\[baro_jax\]' | tail -34
+  done
+  [ "${BATCH_GATE:-1}" = 0 ] || timeout "${BATCH_GATE_TIMEOUT:-400}" python benchmarks/batch_identity.py \
+    --model qwen3.5-35b-a3b --n "${BATCH_GATE_N:-64}" --max-len "${BATCH_GATE_MAX_LEN:-9000}" --new-tokens 32 \
+    --max-context 9216 --configs "${BATCH_GATE_CONFIGS:-n/4:256,n:1024}" \
+    --json "$OUT/batch_identity_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
 }
 # Teacher-forced agreement of the opt-in variants (bar 99%, benchmarks/agreement.py): $OUT/agreement_h200.json,
 # written after every prompt (the 8k prefill speeds first). Env: AGREE_CANDIDATES, AGREE_MAX_LEN (2049), AGREE_LIMIT

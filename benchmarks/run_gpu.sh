@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels rows blocked sanitize tiny ops row1 probe full attn_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels rows blocked sanitize tiny ops row1 probe full attn_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -287,7 +287,7 @@ stage_vs_peer() {
 # sequences of 1 to BATCH_GATE_MAX_LEN tokens, staggered, half sampled, against their runs alone).
 stage_batch() {
   timeout "${THROUGHPUT_TIMEOUT:-300}" python benchmarks/throughput.py --model qwen3.5-35b-a3b \
-    --batches "${BATCH_SIZES:-1,8,32,64}" --prompt-len 1024 --new-tokens "${BATCH_NEW:-64}" --check 2 \
+    --batches "${BATCH_SIZES:-1,8,32,64}" --prompt-len 1024 --new-tokens "${BATCH_NEW:-256}" --check 2 \
     --json "$OUT/throughput_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
   local b
   for b in ${BATCH_PROFILE:-64}; do
@@ -299,6 +299,18 @@ stage_batch() {
     --model qwen3.5-35b-a3b --n "${BATCH_GATE_N:-64}" --max-len "${BATCH_GATE_MAX_LEN:-9000}" --new-tokens 32 \
     --max-context 9216 --configs "${BATCH_GATE_CONFIGS:-n/4:256,n:1024}" \
     --json "$OUT/batch_identity_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
+}
+# The many-sequence decode step's kernel knobs (speed only, same bits): decode_profile.py --batch
+# BATCH_KNOBS_B (64) once per setting in BATCH_KNOBS, the step time and the kernels they move.
+stage_batch_knobs() {
+  local n=0 knob
+  for knob in "" ${BATCH_KNOBS:-BARO_ROWS16_RING=deep BARO_ROWS16_RING=light BARO_DELTA_ONE=4 BARO_DELTA_ONE=off}; do
+    echo "--- knobs: ${knob:-none}"
+    env $knob timeout 120 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --batch "${BATCH_KNOBS_B:-64}" \
+      --context 1024 --steps 32 --warmup 32 --top 6 --json "$OUT/decode_profile_batch${BATCH_KNOBS_B:-64}_knobs${n}_h200.json" \
+      2>&1 | grep -E "median step|traced:|  [0-9. ]+ ms " | head -8
+    n=$((n + 1))
+  done
 }
 # Teacher-forced agreement of the opt-in variants (bar 99%, benchmarks/agreement.py): $OUT/agreement_h200.json,
 # written after every prompt (the 8k prefill speeds first). Env: AGREE_CANDIDATES, AGREE_MAX_LEN (2049), AGREE_LIMIT

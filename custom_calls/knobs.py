@@ -103,6 +103,9 @@ _TABLE: tuple[Knob, ...] = (
          doc="off: few-row rmsnorm calls on the warp kernel instead of a block per row (csrc/gpu/norm.cu)"),
     Knob("BARO_DELTA_COLS", "choice", "32", choices=("32", "16"),
          doc="state columns per block of the CUDA delta rule (16: twice the blocks) (csrc/gpu/delta.cu)"),
+    Knob("BARO_DELTA_ONE", "choice", "3", choices=("3", "4", "off"),
+         doc="one-token delta calls: the one-token instance at 3 or 4 blocks per SM, or (off) the 32-token "
+             "kernel (csrc/gpu/delta.cu)"),
     Knob("BARO_GEMM_TILE", "choice", "auto", choices=("auto", "16", "simple", "64", "128"),
          doc="forces the GEMM tile config of every call of more than one row (csrc/gpu/matmul.cu)"),
     Knob("BARO_GEMM_SMALL", "choice", "rows16", choices=("rows16", "simple"),
@@ -110,6 +113,10 @@ _TABLE: tuple[Knob, ...] = (
              "(csrc/gpu/matmul.cu)"),
     Knob("BARO_GEMM_ROW1", "onoff", True,
          doc="off: one-row GEMMs on gemm_rows16 instead of the streaming gemm_row1 (csrc/gpu/matmul.cu)"),
+    Knob("BARO_ROWS16_RING", "choice", "auto", choices=("auto", "deep", "light"),
+         doc="gemm_rows16's cp.async ring: deep (8 stages, SwiGLU 6: one or two blocks per SM) or light (4, "
+             "SwiGLU 3: twice the blocks per SM); auto: light for grouped MoE calls, deep otherwise "
+             "(csrc/gpu/matmul.cu)"),
     Knob("BARO_PDL", "onoff", False,
          doc="on: a handler's later kernels as programmatic dependent launches on sm_90 (csrc/gpu/matmul.cu)"),
     Knob("BARO_ROW1_BPS", "int", 3, lo=1, hi=8,

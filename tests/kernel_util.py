@@ -64,19 +64,26 @@ MM_K, MM_N = 96, 40
 # "16-simple": the 16-row slots on the simple synchronous kernel instead of
 # gemm_rows16.cuh (env BARO_GEMM_SMALL=simple), which also runs every m = 1
 # call: the decode kernel and its predecessor must agree bit for bit.
-GEMM_TILES = ["16", "16-simple", "simple", "64", "128"]
+# "16-deep" / "16-light": gemm_rows16 with its deep or light cp.async ring (env
+# BARO_ROWS16_RING; "16" leaves the choice to the kernel: light for grouped calls).
+GEMM_TILES = ["16", "16-simple", "16-deep", "16-light", "simple", "64", "128"]
 
 
 def force_tile(monkeypatch, tile):
     if tile is None:
-        monkeypatch.delenv("BARO_GEMM_TILE", raising=False)
-        monkeypatch.delenv("BARO_GEMM_SMALL", raising=False)
+        for name in ("BARO_GEMM_TILE", "BARO_GEMM_SMALL", "BARO_ROWS16_RING"):
+            monkeypatch.delenv(name, raising=False)
         return
     monkeypatch.setenv("BARO_GEMM_TILE", tile.split("-")[0])
-    if tile.endswith("-simple"):
+    variant = tile.partition("-")[2]
+    if variant == "simple":
         monkeypatch.setenv("BARO_GEMM_SMALL", "simple")
     else:
         monkeypatch.delenv("BARO_GEMM_SMALL", raising=False)
+    if variant in ("deep", "light"):
+        monkeypatch.setenv("BARO_ROWS16_RING", variant)
+    else:
+        monkeypatch.delenv("BARO_ROWS16_RING", raising=False)
 
 
 def poison(dev, shape, dtype=jnp.float32):

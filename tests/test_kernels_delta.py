@@ -108,6 +108,36 @@ def delta_model_inputs(rng, m, nk, nv, dk, dv):
     return y, b, a, A_log, dt_bias, state
 
 
+# One-token calls run their own instance of the kernel on CUDA (one-token stage buffers, three or
+# four blocks per SM: BARO_DELTA_ONE) or, with the knob off, the 32-token kernel: each must give
+# the rows of a many-token call, and carry the state the same. Many heads side by side (nv = 96:
+# a decode step of several sequences folded into one row) as well as the model's own.
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", DELTA_GPU_SHAPES[:2] + [(24, 96, 128, 128)],
+                         ids=lambda s: "nk%d-nv%d-dk%d-dv%d" % s)
+def test_delta_one_token_instances(platform, shape, monkeypatch):
+    nk, nv, dk, dv = shape
+    m = 5
+    rng = np.random.default_rng(660 + nv + dk)
+    y, b, a, A_log, dt_bias, state = delta_model_inputs(rng, m, nk, nv, dk, dv)
+    consts = put(platform, A_log, dt_bias)
+    o_full, s_full = (np.asarray(r) for r in
+                      J_DELTA(*put(platform, y, b, a), *consts, put(platform, state), i32(m)))
+    for knob in ("3", "4", "off"):
+        monkeypatch.setenv("BARO_DELTA_ONE", knob)
+        st = put(platform, state)
+        for i in range(m):
+            poison(platform, (1, nv, dv))
+            o1, st = J_DELTA(*put(platform, y[i:i + 1], b[i:i + 1], a[i:i + 1]), *consts, st, i32(1))
+            assert_same_bits(np.asarray(o1)[0], o_full[i], f"delta {shape} BARO_DELTA_ONE={knob} row {i}")
+        assert_same_bits(np.asarray(st), s_full, f"delta {shape} BARO_DELTA_ONE={knob} state after {m} rows")
+        poison(platform, (1, nv, dv))
+        o0, s0 = J_DELTA(*put(platform, y[:1], b[:1], a[:1]), *consts, put(platform, state), i32(0))
+        assert np.all(np.asarray(o0) == 0) and np.asarray(s0).tobytes() == state.tobytes(), \
+            f"delta {shape} BARO_DELTA_ONE={knob}: a padded one-token row left a trace"
+    monkeypatch.delenv("BARO_DELTA_ONE")
+
+
 @pytest.mark.parametrize("shape", DELTA_GPU_SHAPES, ids=lambda s: "nk%d-nv%d-dk%d-dv%d" % s)
 @pytest.mark.parametrize("m", DELTA_GPU_M)
 def test_delta_blocks(platform, m, shape):

@@ -50,12 +50,15 @@ BARO_DEV int64_t delta_rows(const int32_t* p, int64_t m) {
 
 #if !BARO_HIP
 
-constexpr int kT = 32;  // tokens per staged batch
-
 // COLS: state columns per block (32, or 16 for two blocks per SM). It only
 // groups columns; every column's arithmetic is the same either way.
-template <int DK, int COLS>
+// KT: tokens per staged batch (32; 1 for one-token calls). It only groups
+// tokens into copies; every token runs the same code in the same order.
+// MINB: blocks per SM the registers must allow (__launch_bounds__).
+template <int DK, int COLS, int KT = 32, int MINB = 1>
 struct DeltaCfg {
+  static constexpr int kT = KT;
+  static constexpr int kMinBlocks = MINB;
   static constexpr int kCols = COLS;
   static constexpr int L = DK >= 32 ? 8 : 4;  // lanes per column
   static constexpr int R = DK / L;            // state rows per lane
@@ -64,9 +67,10 @@ struct DeltaCfg {
   static constexpr int kWarps = kThreads / BARO_WARP;
   // one stage buffer (floats): q[kT][DK] k[kT][DK] v[kT][kCols] gate[kT][2]
   static constexpr int kQ = 0, kK = kT * DK, kV = 2 * kT * DK, kG = 2 * kT * DK + kT * kCols;
-  static constexpr int kBuf = kG + 2 * kT;
-  static constexpr int kOpart = kT * kCols * L;  // o partials, after the two stage buffers
   static constexpr int kTileLd = kCols + 1;  // state tile row stride (bank spread)
+  // a stage buffer also carries the state tile in and out
+  static constexpr int kBuf = ((kG + 2 * kT > DK * kTileLd ? kG + 2 * kT : DK * kTileLd) + 3) / 4 * 4;
+  static constexpr int kOpart = kT * kCols * L;  // o partials, after the two stage buffers
   static constexpr int kNormRows = 8;        // rows one warp normalises together (ILP)
   static_assert(R % 4 == 0 && R >= 4, "lane rows come in float4 groups");
   static_assert(DK / 4 <= BARO_WARP, "one float4 per lane per q/k row");
@@ -86,9 +90,9 @@ BARO_DEV void cp_async4(float* smem, const float* gmem) {
 BARO_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 BARO_DEV void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-template <int DK, int COLS>
-__global__ void __launch_bounds__(DeltaCfg<DK, COLS>::kThreads) delta_kernel(DeltaArgs a) {
-  using Cf = DeltaCfg<DK, COLS>;
+template <typename Cf, int DK, int COLS>
+__global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(DeltaArgs a) {
+  constexpr int kT = Cf::kT;
   constexpr int kCols = COLS;
   constexpr int L = Cf::L, R = Cf::R, CW = Cf::CW, NT = Cf::kThreads, NW = Cf::kWarps;
   extern __shared__ __align__(16) float smem[];
@@ -373,19 +377,19 @@ __global__ void __launch_bounds__(DeltaCfg<DK, COLS>::kThreads) delta_kernel(Del
   }
 }
 
-template <int DK, int COLS>
+template <int DK, int COLS, int KT = 32, int MINB = 1>
 gpuError_t launch_delta_cols(const DeltaArgs& a, gpuStream_t stream) {
-  using Cf = DeltaCfg<DK, COLS>;
+  using Cf = DeltaCfg<DK, COLS, KT, MINB>;
   const int64_t col_blocks = (a.dv + COLS - 1) / COLS;
   if (col_blocks > 65535) return gpuErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(a.nv), static_cast<unsigned>(col_blocks));
   const size_t smem = sizeof(float) * (2 * Cf::kBuf + Cf::kOpart);  // 107,008 B for dk = 128, COLS = 32
   if (smem > 48 * 1024) {
     const gpuError_t e = cudaFuncSetAttribute(
-        delta_kernel<DK, COLS>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+        delta_kernel<Cf, DK, COLS>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (e != gpuSuccess) return e;
   }
-  delta_kernel<DK, COLS><<<grid, Cf::kThreads, smem, stream>>>(a);
+  delta_kernel<Cf, DK, COLS><<<grid, Cf::kThreads, smem, stream>>>(a);
   return gpuGetLastError();
 }
 
@@ -393,8 +397,17 @@ gpuError_t launch_delta_cols(const DeltaArgs& a, gpuStream_t stream) {
 // (two per SM). Speed only: the bits are the same. Read per call, as every knob.
 int delta_cols() { return baro::knobs::is(baro::knobs::kDeltaCols, "16") ? 16 : 32; }
 
+// One token (a decode step; many sequences' heads side by side in one call): a block's work is
+// one state tile in and out, so the time is copy latency, and the blocks an SM holds decide it.
+// One-token batches shrink the stage buffers to the tile (35 KB instead of 105 KB for dk = 128)
+// and the register bound lets three (or four, with a few spills) blocks share an SM instead
+// of two (BARO_DELTA_ONE=3|4; off: the 32-token kernel; same bits).
 template <int DK>
 gpuError_t launch_delta_dk(const DeltaArgs& a, gpuStream_t stream) {
+  namespace k = baro::knobs;
+  if (a.m == 1 && delta_cols() == 32 && !k::is(k::kDeltaOne, "off"))
+    return k::is(k::kDeltaOne, "4") ? launch_delta_cols<DK, 32, 1, 4>(a, stream)
+                                    : launch_delta_cols<DK, 32, 1, 3>(a, stream);
   return delta_cols() == 16 ? launch_delta_cols<DK, 16>(a, stream) : launch_delta_cols<DK, 32>(a, stream);
 }
 

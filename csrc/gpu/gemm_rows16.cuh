@@ -36,9 +36,13 @@ constexpr int kRows16Chunks = kRows16BK / 8;  // 16-byte chunks per W row per st
 // (K stages / stages in flight) copy latencies, so the ring is deep: 8 x 12 KB (SwiGLU
 // 6 x 20 KB), 2 blocks (SwiGLU 1) per SM. Measured on the H200: 12.0 us per GEMM on average
 // in a decode step with 4 stages, 12.6 with 8; m = 1 calls now run on gemm_row1.cuh.
-template <bool SWIGLU>
+// LIGHT halves the ring (4 x 12 KB, SwiGLU 3 x 20 KB) so twice the blocks share an SM: a
+// grouped MoE call of many sequences launches tens of blocks per SM, each a short K walk
+// (the down GEMM's K = I = 512 is 4 stages), where a block's fill and drain are its cost and
+// blocks side by side hide each other's. The ring depth never touches the arithmetic.
+template <bool SWIGLU, bool LIGHT = false>
 struct Rows16Cfg {
-  static constexpr int kStages = SWIGLU ? 6 : 8;
+  static constexpr int kStages = LIGHT ? (SWIGLU ? 3 : 4) : (SWIGLU ? 6 : 8);
   static constexpr int NT = SWIGLU ? 2 : 1;               // n-tiles per warp
   static constexpr int kWRows = kRows16Warps * NT * 8;    // W rows per block
   static constexpr int kOutCols = kRows16Warps * 8;       // output columns per block
@@ -52,9 +56,9 @@ struct Rows16Cfg {
 
 // Grid (row slots, ceil(out_n / 32)). Requires p.vec (K % 8 == 0, 16-byte
 // aligned A and W) and slot_rows <= 16.
-template <bool SWIGLU>
+template <bool SWIGLU, bool LIGHT>
 __global__ void __launch_bounds__(kRows16Threads) gemm_rows16_kernel(GemmParams p) {
-  using Cfg = Rows16Cfg<SWIGLU>;
+  using Cfg = Rows16Cfg<SWIGLU, LIGHT>;
   constexpr int NT = Cfg::NT;
   extern __shared__ __align__(16) uint16_t rows16_smem[];  // Cfg::kSmemBytes
 

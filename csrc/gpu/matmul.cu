@@ -103,7 +103,15 @@ GemmConfig gemm_pick(int64_t m, int64_t N) {
   if (m > 1 && forced_config(cfg)) return cfg;
   if (m == 1 && row1_enabled()) return GemmConfig::kRow1;
   if (m <= 16) return GemmConfig::kSmall;
-  if (m <= 64) return GemmConfig::kPipe64;
+  if (m <= 64) {
+    // A decode step of many sequences: one 64-row tile per 128 columns is only 16 blocks for
+    // N = 2048, each walking all of K alone (no split-K, for the order), far from the memory
+    // rate. 16-row slots give 4x the row slots and 4x the column tiles, and the slots of a
+    // column tile run side by side (grid x), so their W reads meet in L2. Wide N (the LM
+    // head) fills the machine with 64-row tiles, which read W once.
+    const int64_t blocks64 = (N + 127) / 128;
+    return blocks64 >= sm_count() ? GemmConfig::kPipe64 : GemmConfig::kSmall;
+  }
   // 128-row tiles halve the weight traffic per row but need enough blocks to
   // fill the machine; below about one block per SM the 64-row tiles win.
   const int64_t blocks128 = ((m + 127) / 128) * ((N + 127) / 128);
@@ -250,10 +258,26 @@ static gpuError_t launch_row1(const GemmParams& p, int64_t row_slots, gpuStream_
 }
 
 // The decode-shaped kernel (gemm_rows16.cuh) for 16-row slots with 16-byte loads.
+// The ring (BARO_ROWS16_RING): light for grouped calls (the MoE's experts, many short blocks
+// per SM), deep for plain ones (few blocks, each a long K walk); Rows16Cfg says why.
+static bool rows16_light(const GemmParams& p) {
+  namespace k = baro::knobs;
+  const int r = k::get(k::kRows16Ring);
+  if (r == k::word(k::kRows16Ring, "deep")) return false;
+  if (r == k::word(k::kRows16Ring, "light")) return true;
+  return p.tiles != nullptr;
+}
+
+template <bool SWIGLU, bool LIGHT>
+static gpuError_t launch_rows16_ring(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
+  return launch_tiled<Rows16Cfg<SWIGLU, LIGHT>, gemm_rows16_kernel<SWIGLU, LIGHT>, kRows16Threads, SWIGLU>(
+      p, row_slots, stream);
+}
+
 template <bool SWIGLU>
 static gpuError_t launch_rows16(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
-  return launch_tiled<Rows16Cfg<SWIGLU>, gemm_rows16_kernel<SWIGLU>, kRows16Threads, SWIGLU>(p, row_slots,
-                                                                                             stream);
+  return rows16_light(p) ? launch_rows16_ring<SWIGLU, true>(p, row_slots, stream)
+                         : launch_rows16_ring<SWIGLU, false>(p, row_slots, stream);
 }
 #endif
 

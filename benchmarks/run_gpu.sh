@@ -290,7 +290,7 @@ stage_batch() {
     --batches "${BATCH_SIZES:-1,8,32,64}" --prompt-len 1024 --new-tokens "${BATCH_NEW:-256}" --check 2 \
     --json "$OUT/throughput_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
   local b
-  for b in ${BATCH_PROFILE:-64}; do
+  for b in ${BATCH_PROFILE:-1 8 64}; do
     timeout 200 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --batch "$b" --context 1024 \
       --steps 32 --warmup 32 --top 24 --json "$OUT/decode_profile_batch${b}_h200.json" 2>&1 \
       | grep -v '^\[baro_jax\]' | tail -34

@@ -115,7 +115,8 @@ _TABLE: tuple[Knob, ...] = (
          doc="off: one-row GEMMs on gemm_rows16 instead of the streaming gemm_row1 (csrc/gpu/matmul.cu)"),
     Knob("BARO_ROWS16_RING", "choice", "auto", choices=("auto", "deep", "light"),
          doc="gemm_rows16's cp.async ring: deep (8 stages, SwiGLU 6: one or two blocks per SM) or light (4, "
-             "SwiGLU 3: twice the blocks per SM); auto: light for grouped MoE calls, deep otherwise "
+             "SwiGLU 3: twice the blocks per SM); auto: light for grouped MoE calls and grids of 4 blocks per SM, "
+             "deep otherwise "
              "(csrc/gpu/matmul.cu)"),
     Knob("BARO_PDL", "onoff", False,
          doc="on: a handler's later kernels as programmatic dependent launches on sm_90 (csrc/gpu/matmul.cu)"),

@@ -15,8 +15,10 @@ def log_softmax(logits):
     """logits[m, V] f32 -> [m, V] f32: (x - max) - log(sum(exp(x - max))) per row.
 
     The max and the sum run in one order per row that depends on V only (CPU: j ascending, one
-    fp32 chain from +0; GPU: one block of 256 threads per row, thread t summing j = t, t + 256,
-    ... in order, then a fixed tree), so m rows at once give the bytes of one call per row.
+    fp32 chain from +0; CUDA sm_90: a cluster of 8 blocks per row, each reducing one contiguous
+    eighth of the row (thread t summing every 256th entry from t, then a fixed tree) and the
+    eight sums added in piece order; older GPUs and HIP: one block per row over the whole row),
+    so m rows at once give the bytes of one call per row.
     A row of all -inf gives NaN everywhere (its max is -inf and -inf - -inf is NaN), so does a
     row holding +inf or NaN; -inf entries in a row with a finite max give -inf.
     """

@@ -107,10 +107,11 @@ GemmConfig gemm_pick(int64_t m, int64_t N) {
     // A decode step of many sequences: one 64-row tile per 128 columns is only 16 blocks for
     // N = 2048, each walking all of K alone (no split-K, for the order), far from the memory
     // rate. 16-row slots give 4x the row slots and 4x the column tiles, and the slots of a
-    // column tile run side by side (grid x), so their W reads meet in L2. Wide N (the LM
-    // head) fills the machine with 64-row tiles, which read W once.
+    // column tile run side by side (grid x), so their W reads meet in L2. From about half a
+    // block per SM the 64-row tiles win, reading W and A once (H200, 64 rows: N = 12352,
+    // K = 2048 in 26 us on 64-row tiles, 60 on 16-row slots; N = 2048, K = 4096 in 42 and 23).
     const int64_t blocks64 = (N + 127) / 128;
-    return blocks64 >= sm_count() ? GemmConfig::kPipe64 : GemmConfig::kSmall;
+    return 2 * blocks64 >= sm_count() ? GemmConfig::kPipe64 : GemmConfig::kSmall;
   }
   // 128-row tiles halve the weight traffic per row but need enough blocks to
   // fill the machine; below about one block per SM the 64-row tiles win.
@@ -258,14 +259,16 @@ static gpuError_t launch_row1(const GemmParams& p, int64_t row_slots, gpuStream_
 }
 
 // The decode-shaped kernel (gemm_rows16.cuh) for 16-row slots with 16-byte loads.
-// The ring (BARO_ROWS16_RING): light for grouped calls (the MoE's experts, many short blocks
-// per SM), deep for plain ones (few blocks, each a long K walk); Rows16Cfg says why.
-static bool rows16_light(const GemmParams& p) {
+// The ring (BARO_ROWS16_RING): light where the grid has blocks to spare (a grouped MoE call,
+// four or more blocks per SM), deep where a few blocks
+// must each keep many copies in flight; Rows16Cfg says why. (H200, 64 sequences: the MoE's two
+// grouped GEMMs 0.35 ms per layer light, 0.53 deep.)
+static bool rows16_light(const GemmParams& p, int64_t row_slots, int64_t n_tiles) {
   namespace k = baro::knobs;
   const int r = k::get(k::kRows16Ring);
   if (r == k::word(k::kRows16Ring, "deep")) return false;
   if (r == k::word(k::kRows16Ring, "light")) return true;
-  return p.tiles != nullptr;
+  return p.tiles != nullptr || row_slots * n_tiles >= 4 * static_cast<int64_t>(sm_count());
 }
 
 template <bool SWIGLU, bool LIGHT>
@@ -276,8 +279,9 @@ static gpuError_t launch_rows16_ring(const GemmParams& p, int64_t row_slots, gpu
 
 template <bool SWIGLU>
 static gpuError_t launch_rows16(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
-  return rows16_light(p) ? launch_rows16_ring<SWIGLU, true>(p, row_slots, stream)
-                         : launch_rows16_ring<SWIGLU, false>(p, row_slots, stream);
+  const int64_t n_tiles = ((SWIGLU ? p.swiglu_I : p.N) + kRows16Warps * 8 - 1) / (kRows16Warps * 8);
+  return rows16_light(p, row_slots, n_tiles) ? launch_rows16_ring<SWIGLU, true>(p, row_slots, stream)
+                                             : launch_rows16_ring<SWIGLU, false>(p, row_slots, stream);
 }
 #endif
 

@@ -304,7 +304,7 @@ stage_batch() {
 # BATCH_KNOBS_B (64) once per setting in BATCH_KNOBS, the step time and the kernels they move.
 stage_batch_knobs() {
   local n=0 knob
-  for knob in "" ${BATCH_KNOBS:-BARO_ROWS16_RING=deep BARO_ROWS16_RING=light BARO_DELTA_ONE=4 BARO_DELTA_ONE=off}; do
+  for knob in "" ${BATCH_KNOBS:-BARO_DELTA_ONE=heads BARO_DELTA_ONE=off}; do
     echo "--- knobs: ${knob:-none}"
     env $knob timeout 120 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --batch "${BATCH_KNOBS_B:-64}" \
       --context 1024 --steps 32 --warmup 32 --top 6 --json "$OUT/decode_profile_batch${BATCH_KNOBS_B:-64}_knobs${n}_h200.json" \

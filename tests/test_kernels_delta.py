@@ -108,8 +108,9 @@ def delta_model_inputs(rng, m, nk, nv, dk, dv):
     return y, b, a, A_log, dt_bias, state
 
 
-# One-token calls run their own instance of the kernel on CUDA (one-token stage buffers, three or
-# four blocks per SM: BARO_DELTA_ONE) or, with the knob off, the 32-token kernel: each must give
+# One-token calls run their own instance of the kernel on CUDA (one-token stage buffers, three
+# blocks per SM, the grid in either order: BARO_DELTA_ONE) or, with the knob off, the 32-token
+# kernel: each must give
 # the rows of a many-token call, and carry the state the same. Many heads side by side (nv = 96:
 # a decode step of several sequences folded into one row) as well as the model's own.
 @pytest.mark.gpu
@@ -123,7 +124,7 @@ def test_delta_one_token_instances(platform, shape, monkeypatch):
     consts = put(platform, A_log, dt_bias)
     o_full, s_full = (np.asarray(r) for r in
                       J_DELTA(*put(platform, y, b, a), *consts, put(platform, state), i32(m)))
-    for knob in ("3", "4", "off"):
+    for knob in ("cols", "heads", "off"):
         monkeypatch.setenv("BARO_DELTA_ONE", knob)
         st = put(platform, state)
         for i in range(m):

@@ -288,7 +288,8 @@ stage_vs_peer() {
 stage_batch() {
   timeout "${THROUGHPUT_TIMEOUT:-300}" python benchmarks/throughput.py --model qwen3.5-35b-a3b \
     --batches "${BATCH_SIZES:-1,8,32,64}" --prompt-len 1024 --new-tokens "${BATCH_NEW:-256}" --check 2 \
-    --json "$OUT/throughput_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
+    ${BATCH_MIXED:+--mixed "$BATCH_MIXED"} --json "$OUT/throughput_h200.json" --png "$OUT/throughput_h200.png" 2>&1 \
+    | grep -v '^\[baro_jax\]' | tail -8
   local b
   for b in ${BATCH_PROFILE:-1 8 64}; do
     timeout 200 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --batch "$b" --context 1024 \

@@ -2,13 +2,19 @@
 
 For each B in --batches: B prompts of --prompt-len random tokens, --new-tokens greedy tokens each,
 one generate_batch call with B slots (the same call run once before, untimed, so that no graph
-compiles in the timed one). Reports
-the decode steps' aggregate tokens/s (tokens generated after each sequence's first, over the
-time from the first decode step to the end) and the whole call's. --check N compares the first
-N sequences of every batch with their runs alone (ids and logprob bytes). JSON with device,
-commit and date.
+compiles in the timed one). Reports the decode steps' aggregate tokens/s (tokens generated after
+each sequence's first, over the time from the last first token to the end) and the whole call's,
+beside the step's byte bound (decode_bound: the weights a step must read, the distinct routed
+experts B sequences touch per layer, the delta states read and written, the KV read, at
+--bandwidth-tbs). --check N compares the first N sequences of every batch with their runs alone
+(ids and logprob bytes). --mixed N:LEN adds a mixed-load row: N prompts of LEN tokens arrive
+behind the largest batch's sequences and prefill chunk by chunk while those decode; it reports
+the aggregate tokens/s and the time between a sequence's tokens as its callback saw them (p50 /
+p99 over all sequences' gaps). JSON with device, commit and date; --png plots tokens/s and the
+bound against B.
 
-    python benchmarks/throughput.py --model qwen3.5-35b-a3b --batches 1,8,32 --json out.json
+    python benchmarks/throughput.py --model qwen3.5-35b-a3b --batches 1,8,32,64 --mixed 4:8192 \
+        --json out.json --png out.png
 """
 from __future__ import annotations
 
@@ -18,9 +24,95 @@ import sys
 import time
 
 import numpy as np
+import jax
 
 import baro_jax
 from baro_jax.verify.records import provenance, write_json
+
+
+# The copy rate of one H200 as measured on these machines (device-to-device, bytes read and
+# written: /work/.library/device/KINDS.md, 2026-11-04), the ceiling the bound divides by.
+H200_COPY_TBS = 4.3
+
+
+def distinct_experts(E: int, k: int, B: int) -> float:
+    """Expected distinct routed experts B rows touch in a layer when each row picks k of E
+    uniformly (synthetic weights route about so): E * (1 - (1 - k/E)^B)."""
+    return E * (1.0 - (1.0 - k / E) ** B)
+
+
+def decode_bound(eng, B: int, context: int, bandwidth_tbs: float) -> dict:
+    """The bytes one decode step of B sequences at `context` positions must move, and the
+    tokens/s that caps: every weight but the routed experts once, each distinct routed expert
+    once per layer, each sequence's delta state read and written, its KV read."""
+    from baro_jax.config import FULL
+
+    cfg = eng.cfg
+    leaves = jax.tree_util.tree_leaves(eng.params)
+    total = sum(x.size * x.dtype.itemsize for x in leaves)
+    layers = eng.params["layers"]
+    routed = sum(lp["moe"][n].size * lp["moe"][n].dtype.itemsize for lp in layers for n in ("gate_up", "down"))
+    E = int(layers[0]["moe"]["gate_up"].shape[0])
+    per_expert = routed / (E * len(layers))
+    experts = distinct_experts(E, cfg.top_k, B)
+    n_full = sum(t == FULL for t in cfg.layer_types)
+    n_lin = len(cfg.layer_types) - n_full
+    delta = 2 * B * n_lin * cfg.lin_v_heads * cfg.lin_k_dim * cfg.lin_v_dim * 4
+    kv = B * n_full * 2 * context * cfg.num_kv_heads * cfg.head_dim * 2
+    step = (total - routed) + experts * per_expert * len(layers) + delta + kv
+    return {"bytes_per_step": step, "distinct_experts_per_layer": experts,
+            "step_ms": step / (bandwidth_tbs * 1e12) * 1e3, "tokens_per_s": B * bandwidth_tbs * 1e12 / step}
+
+
+def mixed_row(eng, args, B: int, rng) -> dict:
+    """B sequences of --prompt-len tokens and N of LEN behind them in one generate_batch call of
+    B + N slots: the long prompts prefill a chunk per step while the short ones decode."""
+    n, _, length = args.mixed.partition(":")
+    n, length = int(n), int(length)
+    prompts = [[int(t) for t in rng.integers(0, eng.cfg.vocab_size, args.prompt_len)] for _ in range(B)]
+    prompts += [[int(t) for t in rng.integers(0, eng.cfg.vocab_size, length)] for _ in range(n)]
+    kw = dict(max_batch=B + n, chunk=args.chunk, stop_at_eos=False)
+    eng.generate_batch(prompts, args.new_tokens, **kw)  # compiles
+    times: dict = {}
+
+    def on_token(i, _tok):
+        times.setdefault(i, []).append(time.perf_counter())
+
+    t0 = time.perf_counter()
+    res = eng.generate_batch(prompts, args.new_tokens, on_token=on_token, **kw)
+    wall = time.perf_counter() - t0
+    gaps = np.concatenate([np.diff(v) for v in times.values() if len(v) > 1]) * 1e3
+    short = np.concatenate([np.diff(times[i]) for i in range(B) if len(times.get(i, [])) > 1]) * 1e3
+    gen = sum(len(r.generated_ids) for r in res)
+    return {"decoding": B, "arriving": n, "arriving_len": length, "generated_tokens": gen, "wall_seconds": wall,
+            "aggregate_tokens_per_s": gen / wall,
+            "gap_ms_p50": float(np.percentile(gaps, 50)), "gap_ms_p99": float(np.percentile(gaps, 99)),
+            "decoding_gap_ms_p50": float(np.percentile(short, 50)),
+            "decoding_gap_ms_p99": float(np.percentile(short, 99)),
+            "steps": dict(eng.last_batch_stats["steps"])}
+
+
+def plot(rows, path: str, title: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bs = [r["batch"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(bs, [r["decode_tokens_per_s"] for r in rows], "o-", label="generate_batch decode (each checked alone)")
+    ax.plot(bs, [r["bound"]["tokens_per_s"] for r in rows], "k--", label="byte bound (weights, experts, states)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(bs)
+    ax.set_xticklabels([str(b) for b in bs])
+    ax.set_xlabel("sequences decoding at once (B)")
+    ax.set_ylabel("aggregate decode tokens/s")
+    ax.set_title(title, fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
 
 
 def main(argv=None) -> int:
@@ -32,10 +124,19 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=1024, help="prefill rows per step (default: 1024)")
     ap.add_argument("--check", type=int, default=2, help="sequences per batch compared with their run alone")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mixed", default=None, metavar="N:LEN",
+                    help="a mixed-load row: N prompts of LEN tokens arriving behind the largest batch")
+    ap.add_argument("--bandwidth-tbs", type=float, default=H200_COPY_TBS,
+                    help=f"the memory rate the byte bound divides by (default {H200_COPY_TBS}: an H200's copy rate)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--png", default=None)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    ctx = args.prompt_len + args.new_tokens
+    if args.mixed is not None:
+        n, _, length = args.mixed.partition(":")
+        if not (n.isdigit() and length.isdigit() and int(n) >= 1 and int(length) >= 1):
+            ap.error(f"--mixed takes N:LEN, two positive integers, got {args.mixed!r}")
+    ctx = max(args.prompt_len, int(args.mixed.partition(":")[2]) if args.mixed else 0) + args.new_tokens
     eng = baro_jax.load(args.model, max_context=max(ctx, 1024), seed=args.seed, progress=False)
     rng = np.random.default_rng(args.seed)
     rows, ok = [], True
@@ -63,14 +164,28 @@ def main(argv=None) -> int:
                "aggregate_tokens_per_s": gen / wall,
                "decode_tokens_per_s": dec_tokens / dec_time if dec_time > 0 else None,
                "steps": stats["steps"], "pool_length": stats["pool_length"], "chunk": stats["chunk"],
-               "equal_alone": checks}
+               "equal_alone": checks,
+               "bound": decode_bound(eng, B, args.prompt_len + args.new_tokens // 2, args.bandwidth_tbs)}
         rows.append(row)
         print(f"[throughput] B={B:3d}: {row['aggregate_tokens_per_s']:8.1f} tok/s whole call, decode "
-              f"{row['decode_tokens_per_s'] or 0:8.1f} tok/s, equal alone {checks}", flush=True)
+              f"{row['decode_tokens_per_s'] or 0:8.1f} tok/s (bound {row['bound']['tokens_per_s']:8.1f}), "
+              f"equal alone {checks}", flush=True)
+    mixed = None
+    if args.mixed:
+        mixed = mixed_row(eng, args, max(batches), rng)
+        print(f"[throughput] mixed: {mixed['arriving']} x {mixed['arriving_len']} tokens arriving while "
+              f"{mixed['decoding']} decode: {mixed['aggregate_tokens_per_s']:.1f} tok/s, time between the decoding "
+              f"sequences' tokens p50 {mixed['decoding_gap_ms_p50']:.2f} ms p99 {mixed['decoding_gap_ms_p99']:.2f} ms",
+              flush=True)
     out = {"summary": {"model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                       "pass": ok, **provenance()}, "rows": rows}
+                       "bandwidth_tbs": args.bandwidth_tbs, "pass": ok, **provenance()}, "rows": rows,
+           "mixed": mixed}
     if args.json:
         write_json(args.json, out)
+    if args.png:
+        s = out["summary"]
+        plot(rows, args.png, f"{args.model}, {args.prompt_len}-token prompts, {args.new_tokens} new each; "
+                             f"{s.get('device')} {str(s.get('commit'))[:7]} {str(s.get('date'))[:10]}")
     return 0 if ok else 1
 
 

@@ -1,5 +1,7 @@
 """Small pieces of the bench scripts that decide what a report says."""
-from benchmarks import decode_profile, sanitize_cover
+import pytest
+
+from benchmarks import decode_profile, sanitize_cover, throughput
 
 
 def test_profile_groups_kernels_by_name_without_templates_or_namespaces():
@@ -58,3 +60,21 @@ def test_sanitize_cover_counts_only_clean_runs_of_the_same_gpu_sources(tmp_path)
     for k in ("conv", "norm", "small_ops"):
         assert any(k in t for t in missing), f"{k}: an unclean or other-source run was counted"
     assert cover["covered"] == 5  # test_matmul[gpu-1, 2, 5, 64, 300]
+
+
+def test_throughput_bound_counts_distinct_experts_and_states():
+    """The byte bound of a decode step: B rows picking k of E experts touch E(1 - (1 - k/E)^B)
+    of them (k alone, all E in the limit); the step's bytes grow with B by the experts, the delta
+    states (read and written) and the KV, never below the weights without the routed experts."""
+    de = throughput.distinct_experts
+    assert de(256, 8, 1) == pytest.approx(8.0)
+    assert de(256, 8, 8) == pytest.approx(57.44, abs=0.01)
+    assert de(256, 8, 64) == pytest.approx(222.5, abs=0.1)
+    assert de(256, 8, 10_000) == pytest.approx(256.0)
+    import baro_jax
+
+    eng = baro_jax.load("tiny", progress=False)
+    b1, b8 = (throughput.decode_bound(eng, B, 100, 1.0) for B in (1, 8))
+    assert b1["bytes_per_step"] < b8["bytes_per_step"] < 8 * b1["bytes_per_step"]
+    assert b8["tokens_per_s"] == pytest.approx(8 * 1e12 / b8["bytes_per_step"])
+    assert throughput.decode_bound(eng, 1, 100, 2.0)["step_ms"] == pytest.approx(b1["step_ms"] / 2)

@@ -66,12 +66,13 @@ MM_K, MM_N = 96, 40
 # call: the decode kernel and its predecessor must agree bit for bit.
 # "16-deep" / "16-light": gemm_rows16 with its deep or light cp.async ring (env
 # BARO_ROWS16_RING; "16" leaves the choice to the kernel: light for grouped calls).
-GEMM_TILES = ["16", "16-simple", "16-deep", "16-light", "simple", "64", "128"]
+# "16-w2" / "16-w1": gemm_rows16 blocks of 2 or 1 warps (env BARO_ROWS16_WARPS).
+GEMM_TILES = ["16", "16-simple", "16-deep", "16-light", "16-w2", "16-w1", "simple", "64", "128"]
 
 
 def force_tile(monkeypatch, tile):
     if tile is None:
-        for name in ("BARO_GEMM_TILE", "BARO_GEMM_SMALL", "BARO_ROWS16_RING"):
+        for name in ("BARO_GEMM_TILE", "BARO_GEMM_SMALL", "BARO_ROWS16_RING", "BARO_ROWS16_WARPS"):
             monkeypatch.delenv(name, raising=False)
         return
     monkeypatch.setenv("BARO_GEMM_TILE", tile.split("-")[0])
@@ -84,6 +85,10 @@ def force_tile(monkeypatch, tile):
         monkeypatch.setenv("BARO_ROWS16_RING", variant)
     else:
         monkeypatch.delenv("BARO_ROWS16_RING", raising=False)
+    if variant in ("w2", "w1"):
+        monkeypatch.setenv("BARO_ROWS16_WARPS", variant[1:])
+    else:
+        monkeypatch.delenv("BARO_ROWS16_WARPS", raising=False)
 
 
 def poison(dev, shape, dtype=jnp.float32):

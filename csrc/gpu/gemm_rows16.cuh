@@ -26,8 +26,7 @@
 #if !BARO_HIP
 namespace baro_gpu {
 
-constexpr int kRows16Warps = 4;
-constexpr int kRows16Threads = kRows16Warps * BARO_WARP;
+constexpr int kRows16Warps = 4;  // warps per block by default (Rows16Cfg's WARPS)
 constexpr int kRows16BK = 128;                // k per stage: 8 mma k-steps
 constexpr int kRows16Ld = kRows16BK + 8;      // smem row stride (272 B: ldmatrix conflict-free)
 constexpr int kRows16Chunks = kRows16BK / 8;  // 16-byte chunks per W row per stage
@@ -40,25 +39,33 @@ constexpr int kRows16Chunks = kRows16BK / 8;  // 16-byte chunks per W row per st
 // grouped MoE call of many sequences launches tens of blocks per SM, each a short K walk
 // (the down GEMM's K = I = 512 is 4 stages), where a block's fill and drain are its cost and
 // blocks side by side hide each other's. The ring depth never touches the arithmetic.
-template <bool SWIGLU, bool LIGHT = false>
+// WARPS: warps per block, 8 output columns each. Fewer warps make narrower blocks, more of them:
+// a weight of few columns (the router, the shared expert) then still spreads over the SMs. The
+// K walk of every column is the same whatever the block's width.
+template <bool SWIGLU, bool LIGHT = false, int WARPS = kRows16Warps>
 struct Rows16Cfg {
+  static constexpr int kWarps = WARPS;
+  static constexpr int kThreads = WARPS * BARO_WARP;
   static constexpr int kStages = LIGHT ? (SWIGLU ? 3 : 4) : (SWIGLU ? 6 : 8);
   static constexpr int NT = SWIGLU ? 2 : 1;               // n-tiles per warp
-  static constexpr int kWRows = kRows16Warps * NT * 8;    // W rows per block
-  static constexpr int kOutCols = kRows16Warps * 8;       // output columns per block
+  static constexpr int kWRows = WARPS * NT * 8;           // W rows per block
+  static constexpr int kOutCols = WARPS * 8;              // output columns per block
   static constexpr int kStageElems = (16 + kWRows) * kRows16Ld;  // A tile, then W rows
   static constexpr int kSmemBytes = kStages * kStageElems * 2;
-  static constexpr int kCopies = kWRows * kRows16Chunks / kRows16Threads;  // W, per thread per stage
-  static constexpr int kACopies = 16 * kRows16Chunks / kRows16Threads;      // A, per thread per stage
-  static_assert(kWRows * kRows16Chunks % kRows16Threads == 0, "copy split");
-  static_assert(16 * kRows16Chunks % kRows16Threads == 0, "copy split");
+  static constexpr int kCopies = kWRows * kRows16Chunks / kThreads;  // W, per thread per stage
+  static constexpr int kACopies = 16 * kRows16Chunks / kThreads;      // A, per thread per stage
+  static_assert(kWRows * kRows16Chunks % kThreads == 0, "copy split");
+  static_assert(16 * kRows16Chunks % kThreads == 0, "copy split");
+  static_assert(kThreads % kRows16Chunks == 0, "whole W rows per copy step");
 };
 
 // Grid (row slots, ceil(out_n / 32)). Requires p.vec (K % 8 == 0, 16-byte
 // aligned A and W) and slot_rows <= 16.
-template <bool SWIGLU, bool LIGHT>
-__global__ void __launch_bounds__(kRows16Threads) gemm_rows16_kernel(GemmParams p) {
-  using Cfg = Rows16Cfg<SWIGLU, LIGHT>;
+template <bool SWIGLU, bool LIGHT, int WARPS>
+__global__ void __launch_bounds__(WARPS * BARO_WARP) gemm_rows16_kernel(GemmParams p) {
+  using Cfg = Rows16Cfg<SWIGLU, LIGHT, WARPS>;
+  constexpr int kRows16Warps = Cfg::kWarps;
+  constexpr int kRows16Threads = Cfg::kThreads;
   constexpr int NT = Cfg::NT;
   extern __shared__ __align__(16) uint16_t rows16_smem[];  // Cfg::kSmemBytes
 
@@ -78,7 +85,7 @@ __global__ void __launch_bounds__(kRows16Threads) gemm_rows16_kernel(GemmParams 
   // ---- copies: chunk tid & 15 of stage rows (tid >> 4) + 8 i; A rows 0..15, then W ----
   const int cp_chunk = tid & (kRows16Chunks - 1);
   const int cp_row = tid / kRows16Chunks;
-  constexpr int kRowStep = kRows16Threads / kRows16Chunks;  // 8
+  constexpr int kRowStep = kRows16Threads / kRows16Chunks;  // 8 with 4 warps
   int64_t a_off[Cfg::kACopies];  // -1: a row past the slot (zero-filled)
 #pragma unroll
   for (int i = 0; i < Cfg::kACopies; ++i) {

@@ -271,17 +271,41 @@ static bool rows16_light(const GemmParams& p, int64_t row_slots, int64_t n_tiles
   return p.tiles != nullptr || row_slots * n_tiles >= 4 * static_cast<int64_t>(sm_count());
 }
 
-template <bool SWIGLU, bool LIGHT>
+template <bool SWIGLU, bool LIGHT, int WARPS>
 static gpuError_t launch_rows16_ring(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
-  return launch_tiled<Rows16Cfg<SWIGLU, LIGHT>, gemm_rows16_kernel<SWIGLU, LIGHT>, kRows16Threads, SWIGLU>(
-      p, row_slots, stream);
+  using Cfg = Rows16Cfg<SWIGLU, LIGHT, WARPS>;
+  return launch_tiled<Cfg, gemm_rows16_kernel<SWIGLU, LIGHT, WARPS>, Cfg::kThreads, SWIGLU>(p, row_slots, stream);
+}
+
+// Warps per block (BARO_ROWS16_WARPS): 4, unless four-warp blocks would leave SMs idle, then 2
+// or 1 (narrower blocks, up to 4x as many). A plain call's blocks are all real; a grouped call's
+// grid is an upper bound (tiles past the routed ones exit at once), so it keeps 4.
+static int rows16_warps(const GemmParams& p, int64_t row_slots, int64_t out_n) {
+  namespace k = baro::knobs;
+  const int w = k::get(k::kRows16Warps);
+  if (w == k::word(k::kRows16Warps, "4")) return 4;
+  if (w == k::word(k::kRows16Warps, "2")) return 2;
+  if (w == k::word(k::kRows16Warps, "1")) return 1;
+  if (p.tiles != nullptr) return 4;
+  const int64_t blocks4 = row_slots * ((out_n + 31) / 32);
+  const int64_t sms = sm_count();
+  return blocks4 * 2 <= sms ? 1 : blocks4 <= sms ? 2 : 4;
+}
+
+template <bool SWIGLU, bool LIGHT>
+static gpuError_t launch_rows16_warps(const GemmParams& p, int64_t row_slots, int warps, gpuStream_t stream) {
+  if (warps == 1) return launch_rows16_ring<SWIGLU, LIGHT, 1>(p, row_slots, stream);
+  if (warps == 2) return launch_rows16_ring<SWIGLU, LIGHT, 2>(p, row_slots, stream);
+  return launch_rows16_ring<SWIGLU, LIGHT, 4>(p, row_slots, stream);
 }
 
 template <bool SWIGLU>
 static gpuError_t launch_rows16(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
-  const int64_t n_tiles = ((SWIGLU ? p.swiglu_I : p.N) + kRows16Warps * 8 - 1) / (kRows16Warps * 8);
-  return rows16_light(p, row_slots, n_tiles) ? launch_rows16_ring<SWIGLU, true>(p, row_slots, stream)
-                                             : launch_rows16_ring<SWIGLU, false>(p, row_slots, stream);
+  const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
+  const int warps = rows16_warps(p, row_slots, out_n);
+  const int64_t n_tiles = (out_n + warps * 8 - 1) / (warps * 8);
+  return rows16_light(p, row_slots, n_tiles) ? launch_rows16_warps<SWIGLU, true>(p, row_slots, warps, stream)
+                                             : launch_rows16_warps<SWIGLU, false>(p, row_slots, warps, stream);
 }
 #endif
 

@@ -301,9 +301,9 @@ class BatchRun:
         if sampled:
             for s in sampled:
                 ids[s.slot] = choose(logits[s.slot], s)
-            if lp is not None:
+            if lp is not None:  # every row's pick, so that one graph serves any number of sampled rows
                 rows = np.array([s.slot for s in sampled], np.int32)
-                picked = np.asarray(PICK(lp_rows, jnp.asarray(rows), jnp.asarray(ids[rows])))
+                picked = np.asarray(PICK(lp_rows, jnp.arange(self.slots, dtype=jnp.int32), jnp.asarray(ids)))[rows]
         lp = None if lp is None else np.array(lp)
         if sampled and lp is not None:
             lp[rows] = picked

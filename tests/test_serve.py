@@ -18,7 +18,7 @@ from baro_jax.tokenizer import render_chat
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-SLOTS, QUEUE, MAX_CONTEXT, MAX_BODY = 16, 48, 1024, 64 << 10
+SLOTS, QUEUE, MAX_CONTEXT, MAX_BODY = 8, 56, 1024, 64 << 10
 ID = {"return_tokens_as_token_ids": True}
 P1 = "def fib(n):\n    if n < 2:\n"
 P2 = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        self"
@@ -35,7 +35,7 @@ def eng(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(eng):
-    srv = Server(eng, port=0, model_name="tiny", max_batch=SLOTS, max_queue=QUEUE, max_logprobs=5, chunk=64,
+    srv = Server(eng, port=0, model_name="tiny", max_batch=SLOTS, max_queue=QUEUE, max_logprobs=5, chunk=32,
                  max_body_bytes=MAX_BODY)
     srv.start()
     yield srv
@@ -320,7 +320,7 @@ def test_full_queue_is_503_and_disconnects_free_the_slots(server):
 
 
 REQS = [dict(prompt=p, max_tokens=n, **s) for p, n in
-        ((P1, 12), (P2, 9), ("import os\n", 14), ("for i in range(10):\n    print(", 7), ("x", 10), (P1 + "    ", 11))
+        ((P1, 10), (P2, 8), ("import os\n", 10), ("for i in range(10):\n    print(", 6), ("x", 8), (P1 + "    ", 9))
         for s in ({"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "seed": 1234})]
 
 

@@ -59,6 +59,7 @@ class Server:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((self.host, self.port))
+            sock.listen(2048)  # clients may connect (into the backlog) before uvicorn accepts
         except OSError:
             sock.close()
             raise

@@ -215,11 +215,21 @@ class BatchRun:
     def step(self) -> list[Sequence]:
         """One round: waiting sequences into free slots, one prefill chunk, one decode step (or a
         block of greedy steps). Returns the sequences that finished since the last round."""
+        self.prefill_half()
+        self.decode_half()
+        return self.sched.drain_finished()
+
+    def prefill_half(self):
+        """A round's first half: admit, then one prefill chunk (a prompt that completes gets its
+        first token here, which a server can send before the decode half runs)."""
         for seq in self.sched.admit():
             self.pool = CLEAR(self.pool, jnp.int32(seq.slot))
         seq = self.sched.next_prefill()
         if seq is not None:
             self._prefill_chunk(seq)
+
+    def decode_half(self):
+        """A round's second half: one decode step of every running sequence, or a block of them."""
         decoding = self.sched.decoding()
         if decoding:
             k = self._block_length(decoding)
@@ -227,7 +237,6 @@ class BatchRun:
                 self._decode_block(decoding, k)
             else:
                 self._decode_step(decoding)
-        return self.sched.drain_finished()
 
     def _block_length(self, decoding) -> int:
         """Decode steps the next call may run on the device: one while a prompt is being prefilled

@@ -78,3 +78,18 @@ def test_bad_flags_are_one_line_and_status_2(capsys, args, msg):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(msg), err
+
+
+def test_serve_bench_dry_run_checks_every_response(bench_script, tmp_path):
+    """benchmarks/serve_bench.py on tiny: each level's responses equal their references, and the
+    JSON says where and from what it ran."""
+    out = tmp_path / "serve.json"
+    r = bench_script("serve_bench", "--clients", "1,3", "--prompt-len", "8", "--new-tokens", "5", "--chunk", "16",
+                     "--json", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads(out.read_text())
+    assert d["summary"]["pass"] and [row["clients"] for row in d["rows"]] == [1, 3]
+    for row in d["rows"]:
+        assert row["equal_solo"] == row["requests"] == row["clients"] and row["output_tokens"] == 5 * row["requests"]
+        assert row["ttft_p50_s"] > 0 and row["health"]["free_slots"] == row["health"]["slots"]
+    assert d["summary"]["commit"] and d["summary"]["device"].startswith("cpu")

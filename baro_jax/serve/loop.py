@@ -1,4 +1,4 @@
-"""The engine loop: one thread owns the device and runs the pool's rounds (batch.BatchRun.step).
+"""The engine loop: one thread owns the device and runs the pool's rounds (batch.BatchRun's halves).
 
 The front end never touches the pool: it hands jobs (one sequence each) and cancellations to an
 inbox, and receives each job's tokens through the job's sink, a thread-safe callback. Between two
@@ -141,8 +141,13 @@ class EngineLoop:
                 self._fail_all("the server is shutting down")
                 return
             try:
-                with self.engine.exclusive():
-                    self.run.step()
+                # a new sequence's first token goes out before the decode half (up to a block of
+                # greedy steps) runs: time to first token is a prefill's, not a prefill's and a block's
+                for half in (self.run.prefill_half, self.run.decode_half):
+                    with self.engine.exclusive():
+                        half()
+                    self._publish()
+                self.run.sched.drain_finished()
             except Exception as e:  # a device or engine failure: fail what runs, start a fresh pool
                 traceback.print_exc(file=sys.stderr)
                 self.stats["failed_rounds"] += 1
@@ -151,7 +156,6 @@ class EngineLoop:
                     self.run = batch.open_run(self.engine, **self._pool_args)
                 continue
             self.stats["rounds"] += 1
-            self._publish()
 
     def _add(self, job: Job):
         try:
@@ -162,8 +166,10 @@ class EngineLoop:
         self._jobs[id(job.seq)] = job
 
     def _publish(self):
-        """Hand each job what is new since the last round; forget the ended ones."""
-        for key, job in list(self._jobs.items()):
+        """Hand each job what is new since the last round; forget the ended ones. The health
+        snapshot is taken first, so a client that has its answer sees its slot free."""
+        self._snap()
+        for job in list(self._jobs.values()):
             seq = job.seq
             if (not job.prompt_sent and seq.want_prompt_logprobs and seq.prompt_logprobs is not None
                     and seq.prefilled == len(seq.prompt_ids)):
@@ -178,7 +184,6 @@ class EngineLoop:
             if seq.finish_reason is not None:
                 self.stats["finished"] += 1
                 self._end(job, ("done", job, seq.finish_reason))
-        self._snap()
 
     def _snap(self):
         sched = self.run.sched

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels rows blocked sanitize tiny ops row1 probe full attn_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels rows blocked sanitize tiny ops row1 probe full attn_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -299,6 +299,14 @@ stage_batch() {
     --model qwen3.5-35b-a3b --n "${BATCH_GATE_N:-64}" --max-len "${BATCH_GATE_MAX_LEN:-9000}" --new-tokens 32 \
     --max-context 9216 --configs "${BATCH_GATE_CONFIGS:-n/4:256,n:1024}" \
     --json "$OUT/batch_identity_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
+}
+# The OpenAI-compatible server under load (issue 30): SERVE_CLIENTS concurrent streaming clients per level
+# (1k-token random prompts, SERVE_NEW new tokens, every other request sampled), throughput, TTFT and ITL
+# p50/p99, every response's ids and logprob bytes checked against Engine.generate alone: $OUT/serve_h200.json.
+stage_serve() {
+  timeout "${SERVE_TIMEOUT:-560}" python benchmarks/serve_bench.py --model qwen3.5-35b-a3b \
+    --clients "${SERVE_CLIENTS:-1,16,64}" --prompt-len "${SERVE_PROMPT_LEN:-1024}" --new-tokens "${SERVE_NEW:-128}" \
+    --json "$OUT/serve_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
 }
 # Teacher-forced agreement of the opt-in variants (bar 99%, benchmarks/agreement.py): $OUT/agreement_h200.json,
 # written after every prompt (the 8k prefill speeds first). Env: AGREE_CANDIDATES, AGREE_MAX_LEN (2049), AGREE_LIMIT

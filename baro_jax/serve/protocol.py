@@ -79,12 +79,25 @@ def _show(v) -> str:
     return r if len(r) <= 40 else r[:37] + "..."
 
 
-def integer(body: dict, name: str, default=None, *, lo: int | None = None, hi: int | None = None):
+def _get(body: dict, name: str, default, ok, want: str):
+    """body[name] when it is there and ok(value); default when absent or null; else a 400 saying
+    what was wanted and what came."""
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise bad(f"{name} must be an integer, got {kind_of(v)} {_show(v)}", name)
+    if not ok(v):
+        raise bad(f"{name} must be {want}, got {kind_of(v)} {_show(v)}", name)
+    return v
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def integer(body: dict, name: str, default=None, *, lo: int | None = None, hi: int | None = None):
+    v = _get(body, name, None, _is_int, "an integer")
+    if v is None:
+        return default
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]" if lo is not None else f"<= {hi}"
         raise bad(f"{name} must be {rng}, got {v}", name)
@@ -92,30 +105,17 @@ def integer(body: dict, name: str, default=None, *, lo: int | None = None, hi: i
 
 
 def number(body: dict, name: str, default=None):
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-        raise bad(f"{name} must be a finite number, got {kind_of(v)} {_show(v)}", name)
-    return float(v)
+    v = _get(body, name, None, lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v),
+             "a finite number")
+    return default if v is None else float(v)
 
 
 def boolean(body: dict, name: str, default: bool = False) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad(f"{name} must be true or false, got {kind_of(v)} {_show(v)}", name)
-    return v
+    return _get(body, name, default, lambda v: isinstance(v, bool), "true or false")
 
 
 def string(body: dict, name: str, default=None):
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise bad(f"{name} must be a string, got {kind_of(v)} {_show(v)}", name)
-    return v
+    return _get(body, name, default, lambda v: isinstance(v, str), "a string")
 
 
 def token_ids(v, name: str, vocab: int) -> list:
@@ -123,7 +123,7 @@ def token_ids(v, name: str, vocab: int) -> list:
     if not isinstance(v, list):
         raise bad(f"{name} must be a list of token ids, got {kind_of(v)}", name)
     for i, t in enumerate(v):
-        if isinstance(t, bool) or not isinstance(t, int):
+        if not _is_int(t):
             raise bad(f"{name}[{i}] must be an integer token id, got {kind_of(t)} {_show(t)}", name)
         if not 0 <= t < vocab:
             raise bad(f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab})", name)
@@ -267,7 +267,7 @@ def _prompts(v, limits: Limits, encode) -> list:
     if not isinstance(v, list) or not v:
         raise bad(f"prompt must be a string, a list of token ids, or a non-empty list of either; got "
                   f"{kind_of(v) if v != [] else 'an empty list'}", "prompt")
-    if all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+    if all(_is_int(x) for x in v):
         return [one(v, "prompt")]
     if not all(isinstance(x, (str, list)) for x in v):
         bad_one = next(x for x in v if not isinstance(x, (str, list)))

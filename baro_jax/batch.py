@@ -416,20 +416,20 @@ def _per_prompt(name, value, n, check):
     return [v] * n
 
 
-def check_batchable(eng, what: str = "generate_batch"):
+def check_batchable(eng, what: str = "generate_batch",
+                    hint: str = "load without mode='tier', or run the prompts one at a time with generate()"):
     if eng.runner.placement != "resident":
-        raise ValueError(f"{what} runs resident mode (and expert parallel) so far, not {eng.mode!r}: "
-                         "load without mode='tier', or run the prompts one at a time with generate()")
+        raise ValueError(f"{what} runs resident mode (and expert parallel) so far, not {eng.mode!r}: {hint}")
     if eng.cfg.delta_rule != "token":
         raise ValueError(f"{what} runs the per-token delta rule so far (delta_rule 'token')")
 
 
 def open_run(eng, *, max_batch: int, length: int, chunk: int, logprobs: int | None, stop_width: int,
-             what: str = "the pool") -> BatchRun:
+             what: str = "the pool", hint: str = "load without mode='tier'") -> BatchRun:
     """An empty BatchRun of max_batch slots of `length` positions that sequences join with add()
     and leave with cancel(), stepped by its owner (a server's engine loop). Its graphs are fixed
     here, so nothing compiles per request. A pool the device budget cannot hold is refused now."""
-    check_batchable(eng, what)
+    check_batchable(eng, what, hint)
     slots = _slots(eng, max_batch, max_batch, length, chunk)
     return BatchRun(eng.runner, eng.tokenizer, [], slots=slots, length=length, chunk=chunk, logprobs=logprobs,
                     keep_states=False, block=eng.runner.decode_block, stop_width=stop_width)

@@ -73,6 +73,8 @@ def test_a_signal_lets_the_running_stream_finish_and_exits_0(sig):
     (["--max-body-mb", "0"], "error: --max-body-mb must be > 0, got 0.0"),
     (["--max-batchh", "3"], "error: unrecognized arguments: --max-batchh 3"),
     (["--model", "/no/such/dir"], "error: "),
+    (["--mode", "tier", "--max-context", "1024"], "error: the server runs resident mode (and expert parallel) so "
+                                                  "far, not 'tier': start it without --mode tier"),
 ])
 def test_bad_flags_are_one_line_and_status_2(capsys, args, msg):
     assert main(args) == 2

@@ -16,7 +16,6 @@ import dataclasses
 import queue
 import sys
 import threading
-import time
 import traceback
 from typing import Callable
 
@@ -52,7 +51,8 @@ class EngineLoop:
         self.engine = engine
         self._pool_args = dict(max_batch=max_batch, length=engine.cfg.max_context,
                                chunk=min(chunk, engine.cfg.max_context), logprobs=max_logprobs,
-                               stop_width=len(engine.eos_ids) + max_stop_ids, what="the server")
+                               stop_width=len(engine.eos_ids) + max_stop_ids, what="the server",
+                               hint="start it without --mode tier (BARO_TIER)")
         with engine.exclusive():
             self.run = batch.open_run(engine, **self._pool_args)
         self.slots, self.length, self.chunk = self.run.slots, self.run.length, self.run.chunk
@@ -107,18 +107,6 @@ class EngineLoop:
         self._inbox.put(("stop", None))
         if self._thread.is_alive():
             self._thread.join(timeout)
-
-    def drain(self, timeout: float) -> bool:
-        """Refuse new work and wait up to `timeout` seconds for what was taken in to end."""
-        with self._lock:
-            self._stopping = True
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            with self._lock:
-                if self._taken == 0:
-                    return True
-            time.sleep(0.05)
-        return False
 
     # --- the engine thread --------------------------------------------------------------------
     def _main(self):

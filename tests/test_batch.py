@@ -153,10 +153,13 @@ def test_a_sequence_stopped_inside_a_device_block_keeps_its_state_at_the_stop(en
 
 def test_no_compilation_per_request(eng):
     """The step graphs depend on the slot count, the pool's length and the chunk, not on the
-    prompts: a second batch of other lengths compiles nothing."""
+    prompts: once a few batches have run (a decode step with and without idle slots' states
+    kept, a whole and a shorter block: a handful of graphs, each compiled at its first use), a
+    batch of other lengths compiles nothing."""
     eng.generate_batch(PROMPTS[:3], 4, max_batch=2, chunk=16)
-    sizes = (B.DECODE._cache_size(), B.DECODE_BLOCK._cache_size(), B.PREFILL._cache_size())
     eng.generate_batch(["a", "bb" * 30, "def g(x):\n    return x", "q"], [3, 7, 2, 5], max_batch=2, chunk=16)
+    sizes = (B.DECODE._cache_size(), B.DECODE_BLOCK._cache_size(), B.PREFILL._cache_size())
+    eng.generate_batch(["import sys", "z" * 41, "for k in d:", "yy"], [6, 2, 9, 4], max_batch=2, chunk=16)
     assert (B.DECODE._cache_size(), B.DECODE_BLOCK._cache_size(), B.PREFILL._cache_size()) == sizes
 
 

@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     n = max(levels) * args.requests_per_client
 
     import baro_jax
-    from baro_jax.serve import Server
+    from baro_jax.serve.server import Server
     from baro_jax.shapes import state_length
     from baro_jax.verify.records import provenance, write_json
 

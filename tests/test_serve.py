@@ -13,7 +13,7 @@ import pytest
 
 import baro_jax
 from bad_input_util import tiny_copy
-from baro_jax.serve import Server
+from baro_jax.serve.server import Server
 from baro_jax.tokenizer import render_chat
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"

@@ -6,7 +6,6 @@ line on stderr); 130 interrupted while loading; 1 an internal error.
 """
 from __future__ import annotations
 
-import os
 import signal
 import sys
 
@@ -133,7 +132,7 @@ def _say(line: str):
 
 def main(argv=None) -> int:
     from ..config import ConfigError
-    from ..settings import SettingsError
+    from ..settings import Settings, SettingsError
     from ..tokenizer import TokenizerError
 
     try:
@@ -147,10 +146,18 @@ def main(argv=None) -> int:
             OSError) as e:
         _say(f"error: {e}")
         return EXIT_BAD_REQUEST
+    except ImportError as e:
+        _say(f"error: the server needs the serve extra (pip install \"baro_jax[serve]\"): {e}")
+        return EXIT_BAD_REQUEST
     except Exception as e:
-        if os.environ.get("BARO_TRACEBACK"):
+        try:
+            show = Settings.resolve().traceback
+        except ValueError:
+            show = False
+        if show:
             raise
-        _say(f"error: internal error: {type(e).__name__}: {e} (BARO_TRACEBACK=1 shows the traceback)")
+        _say(f"error: internal error: {type(e).__name__}: {e} (please report it; BARO_TRACEBACK=1 shows the "
+             "traceback)")
         return 1
 
 

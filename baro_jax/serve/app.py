@@ -192,7 +192,7 @@ class Run:
             self.open -= 1
         elif kind == "error":
             self.open -= 1
-            raise ApiError(503 if "shutting down" in ev[2] else 500, ev[2], type="server_error")
+            raise ApiError(ev[3], ev[2], type="server_error" if ev[3] >= 500 else "invalid_request_error")
         return kind, c, None, None, None
 
     async def collect(self) -> Response:

@@ -38,7 +38,7 @@ class Job:
 
     Events: ("prompt", job) once the prompt logprobs are in (when asked); ("tokens", job, ids,
     logprobs, tops) as tokens come; ("done", job, finish_reason) at the end; ("error", job,
-    message) when the engine fails or stops before the sequence ends."""
+    message, HTTP status) when the engine fails or stops before the sequence ends."""
     seq: Sequence
     choice: int
     sink: Callable
@@ -126,7 +126,7 @@ class EngineLoop:
                         if id(job.seq) in self._jobs and self.run.cancel(job.seq):
                             self.stats["cancelled"] += 1
             if stop:
-                self._fail_all("the server is shutting down")
+                self._fail_all("the server is shutting down", 503)
                 return
             try:
                 # a new sequence's first token goes out before the decode half (up to a block of
@@ -139,7 +139,7 @@ class EngineLoop:
             except Exception as e:  # a device or engine failure: fail what runs, start a fresh pool
                 traceback.print_exc(file=sys.stderr)
                 self.stats["failed_rounds"] += 1
-                self._fail_all(f"internal error in the engine: {type(e).__name__}: {e}")
+                self._fail_all(f"internal error in the engine: {type(e).__name__}: {e}", 500)
                 with self.engine.exclusive():
                     self.run = batch.open_run(self.engine, **self._pool_args)
                 continue
@@ -149,7 +149,7 @@ class EngineLoop:
         try:
             self.run.add(job.seq)
         except ValueError as e:  # the front end checks first; this is the pool's own word
-            self._end(job, ("error", job, str(e)))
+            self._end(job, ("error", job, str(e), 400))
             return
         self._jobs[id(job.seq)] = job
 
@@ -185,14 +185,14 @@ class EngineLoop:
             self._taken -= 1
         _send(job, event)
 
-    def _fail_all(self, message: str):
+    def _fail_all(self, message: str, status: int):
         for job in list(self._jobs.values()):
             self.run.cancel(job.seq)
-            self._end(job, ("error", job, message))
+            self._end(job, ("error", job, message, status))
         for kind, jobs in self._drain_inbox():
             if kind == "add":
                 for job in jobs:
-                    self._end(job, ("error", job, message))
+                    self._end(job, ("error", job, message, status))
         self.run.sched.drain_finished()
         self._snap()
 

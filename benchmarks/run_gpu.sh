@@ -300,14 +300,6 @@ stage_batch() {
     --max-context 9216 --configs "${BATCH_GATE_CONFIGS:-n/4:256,n:1024}" \
     --json "$OUT/batch_identity_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
 }
-# The OpenAI-compatible server under load (issue 30): SERVE_CLIENTS concurrent streaming clients per level
-# (1k-token random prompts, SERVE_NEW new tokens, every other request sampled), throughput, TTFT and ITL
-# p50/p99, every response's ids and logprob bytes checked against Engine.generate alone: $OUT/serve_h200.json.
-stage_serve() {
-  timeout "${SERVE_TIMEOUT:-560}" python benchmarks/serve_bench.py --model qwen3.5-35b-a3b \
-    --clients "${SERVE_CLIENTS:-1,16,64}" --prompt-len "${SERVE_PROMPT_LEN:-1024}" --new-tokens "${SERVE_NEW:-128}" \
-    --json "$OUT/serve_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
-}
 # Teacher-forced agreement of the opt-in variants (bar 99%, benchmarks/agreement.py): $OUT/agreement_h200.json,
 # written after every prompt (the 8k prefill speeds first). Env: AGREE_CANDIDATES, AGREE_MAX_LEN (2049), AGREE_LIMIT
 # (0: every prompt; 23 prompts take ~280 s on the H200), AGREE_CHUNK (1024), AGREE_TIMEOUT (560).
@@ -316,6 +308,14 @@ stage_agreement() {
     --candidate "${AGREE_CANDIDATES:-xla,attn-fast,delta-chunk}" --prompts benchmarks/prompts/identity_gpu.jsonl \
     --max-len "${AGREE_MAX_LEN:-2049}" --limit "${AGREE_LIMIT:-0}" --new-tokens 64 --chunk "${AGREE_CHUNK:-1024}" --max-context "${AGREE_MAX_CONTEXT:-8192}" \
     --speed-length "${AGREE_SPEED_LEN:-8192}" --json "$OUT/agreement_h200.json" 2>&1 | tee "$OUT/agreement.log" | tail -16
+}
+# The OpenAI-compatible server under load (issue 30): SERVE_CLIENTS concurrent streaming clients per level
+# (1k-token random prompts, SERVE_NEW new tokens, every other request sampled), throughput, TTFT and ITL
+# p50/p99, every response's ids and logprob bytes checked against Engine.generate alone: $OUT/serve_h200.json.
+stage_serve() {
+  timeout "${SERVE_TIMEOUT:-560}" python benchmarks/serve_bench.py --model qwen3.5-35b-a3b \
+    --clients "${SERVE_CLIENTS:-1,16,64}" --prompt-len "${SERVE_PROMPT_LEN:-1024}" --new-tokens "${SERVE_NEW:-128}" \
+    --json "$OUT/serve_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
 }
 for s in "$@"; do log "$s"; "stage_$s" || log "stage $s FAILED"; done
 log done

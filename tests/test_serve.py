@@ -382,3 +382,20 @@ def test_many_clients_each_get_their_solo_bytes(server, solo):
             assert end["free_slots"] == start["free_slots"] == SLOTS
 
     asyncio.run(main())
+
+
+def test_streamed_text_never_splits_a_character_or_shows_a_stop_string():
+    """The pieces a stream sends: no half UTF-8 character, nothing that may be the start of a
+    stop string until it is known not to be; at the end, the rest (cut before the stop string
+    when one ended the text)."""
+    from baro_jax.serve.render import TextStream
+    from baro_jax.tokenizer import ByteTokenizer
+
+    ts = TextStream(ByteTokenizer(), ("ab",))
+    e = list("é".encode())
+    assert [ts.feed([ord("x")]), ts.feed(e[:1]), ts.feed(e[1:]), ts.feed([ord("a")])] == ["x", "", "é", ""]
+    assert ts.feed([ord("c")]) == "ac"  # 'a' was held back: it could have begun 'ab'
+    assert ts.feed([ord("a"), ord("b"), ord("z")]) == "" and ts.finish("stop") == ""
+    assert ts.text == "xéac"
+    ts = TextStream(ByteTokenizer(), ())
+    assert ts.feed(e[:1]) == "" and ts.finish("length") == "\ufffd"  # cut off mid-character: as decoded whole

@@ -399,3 +399,29 @@ def test_streamed_text_never_splits_a_character_or_shows_a_stop_string():
     assert ts.text == "xéac"
     ts = TextStream(ByteTokenizer(), ())
     assert ts.feed(e[:1]) == "" and ts.finish("length") == "\ufffd"  # cut off mid-character: as decoded whole
+
+
+def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(eng, server, monkeypatch):
+    """A round that raises (a device lost, say) ends the requests it held with a 500 naming the
+    error; the loop starts a fresh pool and the next request gets its bytes as before."""
+    from baro_jax.batch import BatchRun
+
+    real, failed = BatchRun.decode_half, []
+
+    def decode_half(self):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("device lost")
+        return real(self)
+
+    monkeypatch.setattr(BatchRun, "decode_half", decode_half)
+    with httpx.Client(base_url=server.url, timeout=60) as h:
+        before = h.get("/health").json()["failed_rounds"]
+        r = h.post(C, json={"prompt": P1, "max_tokens": 5, "temperature": 0})
+        assert r.status_code == 500 and r.json()["error"]["message"] == \
+            "internal error in the engine: RuntimeError: device lost"
+        r = h.post(C, json={"prompt": P1, "max_tokens": 5, "temperature": 0, "logprobs": 0})
+        assert r.status_code == 200
+        check_completion(r.json()["choices"][0], eng.generate(P1, 5, logprobs=0), 0)
+        health = h.get("/health").json()
+        assert health["failed_rounds"] == before + 1 and health["alive"] and health["free_slots"] == SLOTS

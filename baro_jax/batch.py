@@ -6,6 +6,8 @@ the prefill chunk, never on a prompt's length (no compilation per request):
   forward (model.forward, the same graph as a prefill alone) over `chunk` rows, put back;
 - a decode step of every slot (model.decode_rows): one row per sequence, idle slots' rows
   discarded.
+BatchRun.step() runs one round (admit, a prefill chunk, a decode step or block); sequences may be
+added and cancelled between rounds, which is how a server keeps one pool running.
 Both compute each row exactly as the sequence alone would (the kernels are row-invariant, the
 conv and delta rows fold into one row of more channels, attention reads each row's own slot),
 so generate_batch gives every sequence the bytes of generate() alone, which equal its replay.
@@ -64,7 +66,7 @@ def _decode_block(params, pool, tokens, running, pos, left, stops, rope, n=None,
                   block: int):
     """Up to `block` greedy decode steps of every slot in one graph (n of them when given, a
     traced count, so one graph serves every shorter block). A row stops on the device when its
-    id is in `stops` (end and stop ids, -1 padded) or when `left` (tokens it may still make)
+    id is in its row of `stops` [P, W] (its end and stop ids, -1 padded) or when `left` (tokens it may still make)
     reaches 0; a stopped row runs no more steps, so its state (with guard) and position stay
     where its sequence ended. Returns (ids [block, P] (-1 where a row did not run), their
     logprobs, top ids, top values (None when not asked), the pool)."""
@@ -77,7 +79,7 @@ def _decode_block(params, pool, tokens, running, pos, left, stops, rope, n=None,
         ids = jnp.where(run, ids, -1)
         out = tuple(o if o is None else o.at[i].set(x) for o, x in zip(out, (ids, lp, top, vals)))
         left = left - run.astype(jnp.int32)
-        go = run & (left > 0) & ~jnp.any(ids[:, None] == stops[None, :], axis=1)
+        go = run & (left > 0) & ~jnp.any(ids[:, None] == stops, axis=1)
         return pool, jnp.where(run, ids, tok), go, pos + run.astype(jnp.int32), left, out
 
     out = (jnp.full((block, P), -1, jnp.int32),
@@ -95,6 +97,7 @@ DECODE_BLOCK = jax.jit(_decode_block, static_argnames=("cfg", "ops", "guard", "t
 CLEAR = jax.jit(Pool.clear_slot, donate_argnums=(0,))
 TAKE = jax.jit(Pool.slot_state)
 LOGPROBS = jax.jit(lambda logits, ops: row_logprobs(ops, logits), static_argnames=("ops",))
+TOP = jax.jit(lambda lp, k: jax.lax.top_k(lp, k), static_argnames=("k",))  # ties to the lower id
 PICK = jax.jit(lambda lp, rows, ids: lp[rows, ids])  # the logprobs of host-chosen ids
 
 
@@ -157,42 +160,83 @@ def choose(logits_row, seq: Sequence) -> int:
 
 
 class BatchRun:
-    """One generate_batch call: the pool, the scheduler, and the loop over steps."""
+    """A pool of sequence slots, the scheduler, and the rounds of steps over them: one
+    generate_batch call, or a server's pool that sequences join and leave while it runs.
+
+    logprobs: None (none), 0 (each chosen token's) or k (also the k most likely, for every
+    sequence: a caller wanting fewer takes a prefix). stop_width: end and stop ids a row may carry
+    to the device (None: the most any of `sequences` has); a graph is compiled per width."""
 
     def __init__(self, runner, tokenizer, sequences: list[Sequence], *, slots: int, length: int, chunk: int,
-                 logprobs: int, prompt_logprobs: bool, keep_states: bool, on_token=None, block: int = 1):
+                 logprobs: int | None, keep_states: bool, on_token=None, block: int = 1, stop_width: int | None = None):
         self.r, self.tok = runner, tokenizer
         self.cfg, self.ops = runner.cfg, pooled_ops(runner.ops)
         self.slots, self.length, self.chunk = slots, length, chunk
-        self.top_n, self.want_prompt_lp, self.keep_states = logprobs, prompt_logprobs, keep_states
+        self.top_n, self.keep_states = logprobs, keep_states
         self.on_token = on_token
         self.block = block
-        self.sched = Scheduler(sequences, slots)
+        self.sched = Scheduler([], slots)
         self.pool = Pool.init_pool(self.cfg, runner.dtype, slots, length)
         self.steps = {"prefill": 0, "decode": 0, "decode_calls": 0}
         self.t0 = time.perf_counter()
-        # the ids a row stops at on the device: every sequence of a call shares them
-        ends = sorted(set().union(*(s.eos_ids | s.stop_ids for s in sequences))) if sequences else []
-        self.stops = jnp.asarray(np.array(ends or [-1], np.int32))
+        self.stop_width = max([1] + [len(_device_stops(s)) for s in sequences]) if stop_width is None else stop_width
         # host-side stops (a callback, stop strings) end a sequence after the device has run on:
         # its tokens past the stop are dropped, but a kept state would have moved on
-        self.host_stops = on_token is not None or any(s.stop_strings for s in sequences)
+        self.host_stops = on_token is not None
+        for seq in sequences:
+            self.add(seq)
+
+    def add(self, seq: Sequence):
+        """A sequence joins: it takes a slot at a later round, when one is free."""
+        if len(_device_stops(seq)) > self.stop_width:
+            raise ValueError(f"a sequence with {len(_device_stops(seq))} end and stop ids; this pool carries at "
+                             f"most {self.stop_width} per sequence")
+        n = len(seq.prompt_ids)
+        if max(n, n + seq.max_new_tokens - 1) > self.length:  # the last new token is never fed back
+            raise ValueError(f"a sequence of {len(seq.prompt_ids)} prompt tokens and {seq.max_new_tokens} new "
+                             f"ones does not fit a pool of {self.length} positions per slot")
+        self.host_stops = self.host_stops or bool(seq.stop_strings)
+        self.sched.add(seq)
+
+    def cancel(self, seq: Sequence) -> bool:
+        """End a sequence now (finish_reason "cancelled"); its slot is free for the next round."""
+        return self.sched.cancel(seq)
+
+    @property
+    def done(self) -> bool:
+        return self.sched.done
 
     def run(self) -> list[Sequence]:
+        done = []
         while not self.sched.done:
-            for seq in self.sched.admit():
-                self.pool = CLEAR(self.pool, jnp.int32(seq.slot))
-            seq = self.sched.next_prefill()
-            if seq is not None:
-                self._prefill_chunk(seq)
-            decoding = self.sched.decoding()
-            if decoding:
-                k = self._block_length(decoding)
-                if k > 1:
-                    self._decode_block(decoding, k)
-                else:
-                    self._decode_step(decoding)
-        return sorted(self.sched.finished, key=lambda s: s.index)
+            done += self.step()
+        return sorted(done, key=lambda s: s.index)
+
+    def step(self) -> list[Sequence]:
+        """One round: waiting sequences into free slots, one prefill chunk, one decode step (or a
+        block of greedy steps). Returns the sequences that finished since the last round."""
+        self.prefill_half()
+        self.decode_half()
+        return self.sched.drain_finished()
+
+    def prefill_half(self):
+        """A round's first half: admit, then one prefill chunk (a prompt that completes gets its
+        first token here, which a server can send before the decode half runs)."""
+        for seq in self.sched.admit():
+            self.pool = CLEAR(self.pool, jnp.int32(seq.slot))
+        seq = self.sched.next_prefill()
+        if seq is not None:
+            self._prefill_chunk(seq)
+
+    def decode_half(self):
+        """A round's second half: one decode step of every running sequence, or a block of them."""
+        decoding = self.sched.decoding()
+        if decoding:
+            k = self._block_length(decoding)
+            if k > 1:
+                self._decode_block(decoding, k)
+            else:
+                self._decode_step(decoding)
 
     def _block_length(self, decoding) -> int:
         """Decode steps the next call may run on the device: one while a prompt is being prefilled
@@ -210,10 +254,13 @@ class BatchRun:
         P = self.slots
         toks, pos, left = np.zeros((P,), np.int32), np.zeros((P,), np.int32), np.zeros((P,), np.int32)
         running = np.zeros((P,), bool)
+        stops = np.full((P, self.stop_width), -1, np.int32)
         for seq in decoding:
             toks[seq.slot], pos[seq.slot], running[seq.slot] = seq.generated[-1], seq.pos, True
             left[seq.slot] = seq.max_new_tokens - len(seq.generated)
-        return toks, running, pos, left
+            ends = _device_stops(seq)
+            stops[seq.slot, :len(ends)] = ends
+        return toks, running, pos, left, stops
 
     def _guard(self, decoding) -> bool:
         """Whether idle slots' states must be kept through the decode rows (see _decode)."""
@@ -225,7 +272,7 @@ class BatchRun:
         part = seq.prompt_ids[p:p + self.chunk]
         toks = np.zeros((self.chunk,), np.int32)
         toks[:len(part)] = part
-        all_logits = self.want_prompt_lp
+        all_logits = seq.want_prompt_logprobs
         logits, self.pool = PREFILL(self.r.params, self.pool, jnp.int32(seq.slot), jnp.asarray(toks), jnp.int32(p),
                                     jnp.int32(len(part)), self.r.rope, cfg=self.cfg, ops=self.ops,
                                     all_logits=all_logits)
@@ -252,7 +299,7 @@ class BatchRun:
 
     def _decode_step(self, decoding):
         """One decode step: greedy ids from the device, sampled ones chosen here."""
-        toks, running, pos, _ = self._inputs(decoding)
+        toks, running, pos, _, _ = self._inputs(decoding)
         logits, lp_rows, ids, lp, top, vals, self.pool = DECODE(
             self.r.params, self.pool, jnp.asarray(toks), jnp.asarray(running), jnp.asarray(pos), self.r.rope,
             cfg=self.cfg, ops=self.ops, guard=self._guard(decoding), top_n=self.top_n)
@@ -263,9 +310,9 @@ class BatchRun:
         if sampled:
             for s in sampled:
                 ids[s.slot] = choose(logits[s.slot], s)
-            if lp is not None:
+            if lp is not None:  # every row's pick, so that one graph serves any number of sampled rows
                 rows = np.array([s.slot for s in sampled], np.int32)
-                picked = np.asarray(PICK(lp_rows, jnp.asarray(rows), jnp.asarray(ids[rows])))
+                picked = np.asarray(PICK(lp_rows, jnp.arange(self.slots, dtype=jnp.int32), jnp.asarray(ids)))[rows]
         lp = None if lp is None else np.array(lp)
         if sampled and lp is not None:
             lp[rows] = picked
@@ -278,9 +325,9 @@ class BatchRun:
     def _decode_block(self, decoding, k: int):
         """k greedy decode steps in one device call; then each sequence's tokens in order, up to
         where it stopped (on the device, or here: a callback, a stop string)."""
-        toks, running, pos, left = self._inputs(decoding)
+        toks, running, pos, left, stops = self._inputs(decoding)
         args = (self.r.params, self.pool, jnp.asarray(toks), jnp.asarray(running), jnp.asarray(pos),
-                jnp.asarray(left), self.stops, self.r.rope)
+                jnp.asarray(left), jnp.asarray(stops), self.r.rope)
         kw = dict(cfg=self.cfg, ops=self.ops, guard=self._guard(decoding), top_n=self.top_n, block=self.block)
         if k == self.block:
             ids, lp, top, vals, self.pool = DECODE_BLOCK(*args, **kw)
@@ -306,10 +353,20 @@ class BatchRun:
     def _prompt_logprobs(self, seq, p, part, logits):
         if seq.prompt_logprobs is None:
             seq.prompt_logprobs = [None]
-        lp = np.asarray(LOGPROBS(logits, ops=self.ops))
+            seq.prompt_top_logprobs = [None] if seq.prompt_top_n else None
+        rows = LOGPROBS(logits, ops=self.ops)
+        lp = np.asarray(rows)
         nxt = seq.prompt_ids[p + 1:p + len(part) + 1]  # the token each row predicts
         for i, t in enumerate(nxt):
             seq.prompt_logprobs.append(np.float32(lp[i, t]))
+        if seq.prompt_top_n:
+            # on the device: a host argsort of every prompt row over a large vocabulary is slow;
+            # one k per pool (the widest asked) so that one graph serves every request
+            k = max(self.top_n or 0, seq.prompt_top_n)
+            vals, top = (np.asarray(x) for x in TOP(rows, k))
+            for i in range(len(nxt)):
+                seq.prompt_top_logprobs.append((top[i, :seq.prompt_top_n].astype(np.int64).tolist(),
+                                                vals[i, :seq.prompt_top_n].astype(np.float32)))
 
     def _record(self, seq: Sequence, t: int, lp, top):
         """Token t is the sequence's next: its logprob and top (ids, values) when asked; then
@@ -342,6 +399,10 @@ class BatchRun:
 
 
 
+def _device_stops(seq: Sequence) -> list:
+    return sorted(seq.eos_ids | seq.stop_ids)
+
+
 DEFAULT_BATCH_CHUNK = 256  # prefill rows per step of a batch (the step's token budget for a prompt)
 MAX_DEFAULT_SLOTS = 64
 
@@ -355,14 +416,29 @@ def _per_prompt(name, value, n, check):
     return [v] * n
 
 
+def check_batchable(eng, what: str = "generate_batch",
+                    hint: str = "load without mode='tier', or run the prompts one at a time with generate()"):
+    if eng.runner.placement != "resident":
+        raise ValueError(f"{what} runs resident mode (and expert parallel) so far, not {eng.mode!r}: {hint}")
+    if eng.cfg.delta_rule != "token":
+        raise ValueError(f"{what} runs the per-token delta rule so far (delta_rule 'token')")
+
+
+def open_run(eng, *, max_batch: int, length: int, chunk: int, logprobs: int | None, stop_width: int,
+             what: str = "the pool", hint: str = "load without mode='tier'") -> BatchRun:
+    """An empty BatchRun of max_batch slots of `length` positions that sequences join with add()
+    and leave with cancel(), stepped by its owner (a server's engine loop). Its graphs are fixed
+    here, so nothing compiles per request. A pool the device budget cannot hold is refused now."""
+    check_batchable(eng, what, hint)
+    slots = _slots(eng, max_batch, max_batch, length, chunk)
+    return BatchRun(eng.runner, eng.tokenizer, [], slots=slots, length=length, chunk=chunk, logprobs=logprobs,
+                    keep_states=False, block=eng.runner.decode_block, stop_width=stop_width)
+
+
 def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_logprobs, max_batch, chunk, stop,
                    stop_token_ids, stop_at_eos, keep_states, on_token, sequence_type):
     """Engine.generate_batch's body (see there)."""
-    if eng.runner.placement != "resident":
-        raise ValueError(f"generate_batch runs resident mode (and expert parallel) so far, not {eng.mode!r}: "
-                         "load without mode='tier', or run the prompts one at a time with generate()")
-    if eng.cfg.delta_rule != "token":
-        raise ValueError("generate_batch runs the per-token delta rule so far (delta_rule 'token')")
+    check_batchable(eng)
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
         raise TypeError(f"generate_batch: prompts must be a list of prompts (texts or token-id lists), "
                         f"got {type(prompts).__name__}")
@@ -388,20 +464,18 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
     chunk = checks.as_int("chunk", chunk, lo=1) if chunk is not None else min(DEFAULT_BATCH_CHUNK, length)
     slots = _slots(eng, n, max_batch, length, chunk)
     seqs = [sequence_type(index=i, prompt_ids=x, max_new_tokens=m, sampling=s, stop_ids=stop_ids,
-                          stop_strings=stops, eos_ids=eos)
+                          stop_strings=stops, eos_ids=eos, want_prompt_logprobs=bool(prompt_logprobs))
             for i, (x, m, s) in enumerate(zip(ids, news, samplings))]
     run = BatchRun(eng.runner, eng.tokenizer, seqs, slots=slots, length=length, chunk=chunk, logprobs=top_n,
-                   prompt_logprobs=prompt_logprobs, keep_states=keep_states, on_token=on_token,
-                   block=eng.runner.decode_block)
+                   keep_states=keep_states, on_token=on_token, block=eng.runner.decode_block)
     t0 = time.perf_counter()
     done = run.run()
     dt = time.perf_counter() - t0
     out = []
     for seq in done:
         text = eng.tokenizer.decode(seq.generated)
-        if seq.finish_reason == "stop" and stops:  # the text ends before the stop string, as the peers do
-            cut = [text.find(s) for s in stops if s in text]
-            text = text[:min(cut)] if cut else text
+        if seq.finish_reason == "stop":
+            text = cut_at_stop(text, stops)
         gaps = np.diff(seq.token_times) if len(seq.token_times) > 1 else np.zeros(0)
         out.append(GenerateResult(
             prompt_ids=seq.prompt_ids, generated_ids=seq.generated, text=text,
@@ -416,6 +490,13 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
                             "steps": dict(run.steps), "seconds": dt,
                             "generated_tokens": sum(len(s.generated) for s in done)}
     return out
+
+
+def cut_at_stop(text: str, stops) -> str:
+    """The text up to the first stop string in it (what a stopped sequence returns, as the peers
+    do); the whole text when none is in it."""
+    cut = [text.find(s) for s in stops if s in text]
+    return text[:min(cut)] if cut else text
 
 
 def _stop_strings(stop):

@@ -11,6 +11,7 @@ One Engine may be shared by threads: its calls run one at a time (a lock). A cal
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -59,16 +60,11 @@ def resolve_backend(settings: Settings) -> Settings:
 
 
 def _serialised(method):
-    """One call at a time per Engine; a call that raises (KeyboardInterrupt included) lets the
-    runner repair what the cut may have left half-done before the exception goes on."""
+    """One call at a time per Engine (Engine.exclusive)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        with self._lock:
-            try:
-                return method(self, *args, **kwargs)
-            except BaseException:
-                self.runner.recover()
-                raise
+        with self.exclusive():
+            return method(self, *args, **kwargs)
 
     return call
 
@@ -95,6 +91,18 @@ class Engine:
             runner = RUNNERS[settings.mode](cfg, params, self._make_ops(settings), settings)
         runner.settings = settings
         self.runner = runner
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Hold the engine for a stretch of device work of one's own (a server's batch round):
+        other calls wait meanwhile. Work that raises (KeyboardInterrupt included) lets the runner
+        repair what the cut may have left half-done before the exception goes on."""
+        with self._lock:
+            try:
+                yield self
+            except BaseException:
+                self.runner.recover()
+                raise
 
     # The settings a loaded engine may change (tune): none of them moves a weight or changes a bit.
     TUNABLE = ("prefill", "chunk", "decode_block", "tier_decode", "tier_fetch", "tier_adapt")

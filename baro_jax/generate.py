@@ -50,11 +50,19 @@ def _prog() -> str:
     return "baro-jax"
 
 
+def setting_help(field: str) -> str:
+    """A settings flag's help: its documentation, default and variable, from settings.SPECS."""
+    from .settings import SPEC_BY_FIELD, _default_text
+
+    spec = SPEC_BY_FIELD[field]
+    env = f"; env {spec.env}" if spec.env else ""
+    return f"{spec.doc} (default: {_default_text(spec)}{env})".replace("%", "%%")
+
+
 def _parser():
     import argparse
 
-    from .settings import (BACKENDS, DELTA_RULES, DTYPES, ENGINE_MODES, PREFILL_MODES, SPEC_BY_FIELD, VARIANTS,
-                           _default_text)
+    from .settings import BACKENDS, DELTA_RULES, DTYPES, ENGINE_MODES, PREFILL_MODES, VARIANTS
 
     class Parser(argparse.ArgumentParser):
         # argparse prints a usage block and exits; the CLI's failures are one line and an exit code
@@ -66,12 +74,7 @@ def _parser():
                 _say(message.rstrip("\n"))
             raise _ParserExit(status)
 
-    def setting(field: str) -> str:
-        """A settings flag's help: its documentation, default and variable, from settings.SPECS."""
-        spec = SPEC_BY_FIELD[field]
-        env = f"; env {spec.env}" if spec.env else ""
-        return f"{spec.doc} (default: {_default_text(spec)}{env})".replace("%", "%%")
-
+    setting = setting_help
     p = Parser(prog=_prog(), description=__doc__.split("\n\n")[0], allow_abbrev=False,
                epilog=__doc__.split("\n\n", 1)[1].replace("\n", " ").strip())
     p.add_argument("--model", default="tiny", metavar="DIR|NAME",
@@ -134,7 +137,7 @@ def _request(args):
         raise UsageError(f"max_new_tokens (--max-new-tokens) must be >= 0, got {args.max_new_tokens}")
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed).validate()
     prompt = _prompt(args)
-    cfg = _model_config(args.model, settings)
+    cfg = model_config(args.model, settings)
     if cfg is None:  # load() names what is wrong with --model, before any work
         return settings, sampling, prompt
     # the engine's checks, over the config alone: the same rules and words as after loading
@@ -159,7 +162,7 @@ class _Unloaded:
         self.cfg = cfg
 
 
-def _model_config(model: str, settings):
+def model_config(model: str, settings):
     """--model's config (config.json or the preset), None when --model is neither: cheap, no weights."""
     from .config import PRESETS, load_config, preset
     from .loading import TINY_CHECKPOINT

@@ -3,7 +3,8 @@
 A fixed pool of `slots` sequence slots (pool.py). Waiting sequences take free slots in arrival
 order; a sequence with prompt tokens left gets the next prefill chunk (one chunk per step, the
 oldest first); every sequence whose prompt is in decodes one token per decode step, all of them
-in one call. A finished sequence frees its slot at once, for the next waiting one. Nothing here
+in one call. A finished sequence frees its slot at once, for the next waiting one. Sequences may join while
+others run (add) and leave before they end (cancel), as a server's requests do. Nothing here
 depends on another sequence's numbers: the scheduler decides only when a sequence's rows run,
 never how (every row's arithmetic is its own), so a sequence's bytes are the same in any batch.
 """
@@ -25,12 +26,15 @@ class Sequence:
     stop_ids: frozenset = frozenset()
     stop_strings: tuple = ()
     eos_ids: frozenset = frozenset()
+    want_prompt_logprobs: bool = False
+    prompt_top_n: int = 0      # the k most likely ids and values at each prompt position too
     slot: int | None = None
     prefilled: int = 0         # prompt tokens in the slot's state
     generated: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     top_logprobs: list = dataclasses.field(default_factory=list)
     prompt_logprobs: list | None = None
+    prompt_top_logprobs: list | None = None
     finish_reason: str | None = None
     state: tuple | None = None  # the slot's state when it finished (when asked)
     first_token_s: float | None = None
@@ -49,9 +53,35 @@ class Sequence:
 class Scheduler:
     def __init__(self, sequences, slots: int):
         self.waiting = collections.deque(sequences)
+        self.slots = slots
         self.free = list(range(slots - 1, -1, -1))  # pop() gives slot 0 first
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.finished: list[Sequence] = []
+
+    def add(self, seq: Sequence):
+        """A sequence that arrives while others run: it waits behind the ones already waiting."""
+        self.waiting.append(seq)
+
+    def cancel(self, seq: Sequence) -> bool:
+        """End a sequence before its end (finish_reason "cancelled"): a waiting one never runs, a
+        running one gives its slot back for the next admit. Whether it was still waiting or running."""
+        if seq.finish_reason is not None:
+            return False
+        if seq.slot is not None and self.running.get(seq.slot) is seq:
+            self.finish(seq, "cancelled")
+            return True
+        try:
+            self.waiting.remove(seq)
+        except ValueError:
+            return False
+        seq.finish_reason = "cancelled"
+        self.finished.append(seq)
+        return True
+
+    def drain_finished(self) -> list[Sequence]:
+        """The sequences finished since the last call (a long-running loop keeps none of them)."""
+        out, self.finished = self.finished, []
+        return out
 
     @property
     def done(self) -> bool:

@@ -153,10 +153,23 @@ def _template_line(tb, name: str):
     return lines[-1] if lines else None
 
 
+class NoChatTemplate(TokenizerError):
+    """The checkpoint has no chat template; the message says why (no entry, no tokenizer files)."""
+
+
 def apply_chat_template(tok, user_text: str) -> str:
     """The user text wrapped in the checkpoint's chat template (as transformers renders it, with a
     generation prompt). A missing template, a template Jinja cannot parse or render, or one that
     refuses the conversation is a ValueError naming the template file, the line and the reason."""
+    try:
+        return render_chat(tok, [{"role": "user", "content": user_text}])
+    except NoChatTemplate as e:
+        raise TokenizerError(f"--chat was given but {e}") from None
+
+
+def render_chat(tok, messages: list) -> str:
+    """A conversation (a list of {"role", "content"} dicts) in the checkpoint's chat template, with
+    a generation prompt; errors as apply_chat_template's (NoChatTemplate when there is none)."""
     template = getattr(tok, "chat_template", None)
     if not template:
         src = getattr(tok, "source", None)
@@ -164,7 +177,7 @@ def apply_chat_template(tok, user_text: str) -> str:
                  "nor chat_template.jinja)" if src and getattr(tok, "_tok", None) is not None else
                  f"the checkpoint {src!r} has no tokenizer files, so no chat template" if src else
                  "this model has no chat template (a preset has no tokenizer files)")
-        raise TokenizerError(f"--chat was given but {where}")
+        raise NoChatTemplate(where)
     try:
         import jinja2
     except ImportError as e:
@@ -180,7 +193,7 @@ def apply_chat_template(tok, user_text: str) -> str:
     except jinja2.TemplateSyntaxError as e:
         raise TokenizerError(f"{name}: chat template syntax error at line {e.lineno}: {e.message}") from None
     try:
-        return compiled.render(messages=[{"role": "user", "content": user_text}], tools=None, documents=None,
+        return compiled.render(messages=messages, tools=None, documents=None,
                                add_generation_prompt=True, **getattr(tok, "special_tokens", {}))
     except _TemplateRaised as e:
         line = _template_line(e.__traceback__, name)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels rows blocked sanitize tiny ops row1 probe full attn_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels rows blocked sanitize tiny ops row1 probe full attn_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -321,6 +321,14 @@ stage_agreement() {
     --candidate "${AGREE_CANDIDATES:-xla,attn-fast,delta-chunk}" --prompts benchmarks/prompts/identity_gpu.jsonl \
     --max-len "${AGREE_MAX_LEN:-2049}" --limit "${AGREE_LIMIT:-0}" --new-tokens 64 --chunk "${AGREE_CHUNK:-1024}" --max-context "${AGREE_MAX_CONTEXT:-8192}" \
     --speed-length "${AGREE_SPEED_LEN:-8192}" --json "$OUT/agreement_h200.json" 2>&1 | tee "$OUT/agreement.log" | tail -16
+}
+# The OpenAI-compatible server under load (issue 30): SERVE_CLIENTS concurrent streaming clients per level
+# (1k-token random prompts, SERVE_NEW new tokens, every other request sampled), throughput, TTFT and ITL
+# p50/p99, every response's ids and logprob bytes checked against Engine.generate alone: $OUT/serve_h200.json.
+stage_serve() {
+  timeout "${SERVE_TIMEOUT:-560}" python benchmarks/serve_bench.py --model qwen3.5-35b-a3b \
+    --clients "${SERVE_CLIENTS:-1,16,64}" --prompt-len "${SERVE_PROMPT_LEN:-1024}" --new-tokens "${SERVE_NEW:-128}" \
+    --json "$OUT/serve_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
 }
 for s in "$@"; do log "$s"; "stage_$s" || log "stage $s FAILED"; done
 log done

@@ -153,10 +153,13 @@ def test_a_sequence_stopped_inside_a_device_block_keeps_its_state_at_the_stop(en
 
 def test_no_compilation_per_request(eng):
     """The step graphs depend on the slot count, the pool's length and the chunk, not on the
-    prompts: a second batch of other lengths compiles nothing."""
+    prompts: once a few batches have run (a decode step with and without idle slots' states
+    kept, a whole and a shorter block: a handful of graphs, each compiled at its first use), a
+    batch of other lengths compiles nothing."""
     eng.generate_batch(PROMPTS[:3], 4, max_batch=2, chunk=16)
-    sizes = (B.DECODE._cache_size(), B.DECODE_BLOCK._cache_size(), B.PREFILL._cache_size())
     eng.generate_batch(["a", "bb" * 30, "def g(x):\n    return x", "q"], [3, 7, 2, 5], max_batch=2, chunk=16)
+    sizes = (B.DECODE._cache_size(), B.DECODE_BLOCK._cache_size(), B.PREFILL._cache_size())
+    eng.generate_batch(["import sys", "z" * 41, "for k in d:", "yy"], [6, 2, 9, 4], max_batch=2, chunk=16)
     assert (B.DECODE._cache_size(), B.DECODE_BLOCK._cache_size(), B.PREFILL._cache_size()) == sizes
 
 
@@ -182,3 +185,37 @@ def test_tier_mode_says_it_is_not_batched_yet():
     tier = baro_jax.load("tiny", mode="tier", progress=False)
     with pytest.raises(ValueError, match="generate_batch runs resident mode"):
         tier.generate_batch(["a"], 2)
+
+
+def test_sequences_join_and_leave_a_running_pool(eng, alone):
+    """A pool kept running (a server's): sequences added between rounds and one cancelled while it
+    decodes get their bytes alone; the cancelled one's tokens are a prefix of its run alone, and
+    every slot is free again at the end."""
+    from baro_jax.scheduler import Sequence
+
+    run = B.open_run(eng, max_batch=3, length=1024, chunk=16, logprobs=2, stop_width=4)
+    seqs = {i: Sequence(index=i, prompt_ids=alone[i].prompt_ids, max_new_tokens=NEW[i], sampling=baro_jax.Sampling(),
+                        eos_ids=eng.eos_ids) for i in (0, 1, 3, 5, 6)}
+    run.add(seqs[1])
+    run.add(seqs[3])
+    finished = run.step() + run.step()
+    run.add(seqs[0])  # joins while 1 and 3 run
+    while not seqs[1].generated:
+        finished += run.step()
+    assert run.cancel(seqs[1]) and not run.cancel(seqs[1])
+    run.add(seqs[5])
+    run.add(seqs[6])
+    assert run.cancel(seqs[6])  # still waiting: it never runs
+    while not run.done:
+        finished += run.step()
+    assert sorted(s.index for s in finished) == [0, 1, 3, 5, 6]
+    assert seqs[6].finish_reason == "cancelled" and not seqs[6].generated
+    cut = seqs[1]
+    assert cut.finish_reason == "cancelled" and 0 < len(cut.generated) < NEW[1]
+    assert cut.generated == alone[1].generated_ids[:len(cut.generated)]
+    for i in (0, 3, 5):
+        s, a = seqs[i], alone[i]
+        assert s.generated == a.generated_ids and s.finish_reason == a.finish_reason, i
+        assert [x.tobytes() for x in s.logprobs] == [x.tobytes() for x in a.logprobs], i
+        assert [(t, v.tobytes()) for t, v in s.top_logprobs] == [(t, v.tobytes()) for t, v in a.top_logprobs], i
+    assert len(run.sched.free) == run.slots == 3 and not run.sched.running

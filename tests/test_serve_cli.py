@@ -1,0 +1,97 @@
+"""python -m baro_jax.serve as a process: it names its address, a SIGTERM or SIGINT while a
+response streams lets that response finish and ends the process with status 0; bad flags are one
+line and status 2."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from baro_jax.serve.__main__ import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _start():
+    proc = subprocess.Popen([sys.executable, "-m", "baro_jax.serve", "--model", "tiny", "--port", "0", "--max-batch",
+                             "2", "--max-context", "1024", "--shutdown-timeout", "60"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
+    lines = []
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"serving 'tiny' on (http://\S+)", line)
+        if m:
+            return proc, m.group(1), lines
+    proc.kill()
+    raise AssertionError("the server did not start:\n" + "".join(lines))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_lets_the_running_stream_finish_and_exits_0(sig):
+    proc, url, lines = _start()
+    try:
+        got, first = [], threading.Event()
+
+        def client():
+            body = {"prompt": "def f(x):\n", "max_tokens": 60, "temperature": 0.5, "seed": 2, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        got.append(line[6:])
+                        first.set()
+
+        t = threading.Thread(target=client)
+        t.start()
+        assert first.wait(120), "no token came"
+        proc.send_signal(sig)
+        t.join(120)
+        _, rest = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, "".join(lines) + rest
+    assert f"server stopped ({signal.Signals(sig).name})" in rest
+    assert got[-1] == "[DONE]"
+    chunks = [json.loads(g)["choices"][0] for g in got[:-1]]
+    assert sum(len(c["token_ids"]) for c in chunks) == 60 and chunks[-1]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--max-batch", "0"], "error: --max-batch must be >= 1, got 0"),
+    (["--max-queue", "-1"], "error: --max-queue must be >= 0, got -1"),
+    (["--port", "70000"], "error: --port must be in [0, 65535], got 70000"),
+    (["--max-body-mb", "0"], "error: --max-body-mb must be > 0, got 0.0"),
+    (["--max-batchh", "3"], "error: unrecognized arguments: --max-batchh 3"),
+    (["--model", "/no/such/dir"], "error: "),
+    (["--mode", "tier", "--max-context", "1024"], "error: the server runs resident mode (and expert parallel) so "
+                                                  "far, not 'tier': start it without --mode tier"),
+])
+def test_bad_flags_are_one_line_and_status_2(capsys, args, msg):
+    assert main(args) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[baro_jax]")]
+    assert len(err) == 1 and err[0].startswith(msg), err  # after the loading lines, when it got that far
+
+
+def test_serve_bench_dry_run_checks_every_response(bench_script, tmp_path):
+    """benchmarks/serve_bench.py on tiny: each level's responses equal their references, and the
+    JSON says where and from what it ran."""
+    out = tmp_path / "serve.json"
+    r = bench_script("serve_bench", "--clients", "1,3", "--prompt-len", "8", "--new-tokens", "5", "--chunk", "16",
+                     "--json", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads(out.read_text())
+    assert d["summary"]["pass"] and [row["clients"] for row in d["rows"]] == [1, 3]
+    for row in d["rows"]:
+        assert row["equal_solo"] == row["requests"] == row["clients"] and row["output_tokens"] == 5 * row["requests"]
+        assert row["ttft_p50_s"] > 0 and row["health"]["free_slots"] == row["health"]["slots"]
+    assert d["summary"]["commit"] and d["summary"]["device"].startswith("cpu")

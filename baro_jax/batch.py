@@ -69,7 +69,9 @@ def _decode_block(params, pool, tokens, running, pos, left, stops, rope, n=None,
     id is in its row of `stops` [P, W] (its end and stop ids, -1 padded) or when `left` (tokens it may still make)
     reaches 0; a stopped row runs no more steps, so its state (with guard) and position stay
     where its sequence ended. Returns (ids [block, P] (-1 where a row did not run), their
-    logprobs, top ids, top values (None when not asked), the pool)."""
+    logprobs, top ids, top values (None when not asked), the pool, and (tokens, running, pos,
+    left) after the block: the next block's inputs, so that it can be queued before this one's
+    ids are read)."""
     P = tokens.shape[0]
 
     def body(i, carry):
@@ -87,8 +89,8 @@ def _decode_block(params, pool, tokens, running, pos, left, stops, rope, n=None,
            None if not top_n else jnp.zeros((block, P, top_n), jnp.int32),
            None if not top_n else jnp.zeros((block, P, top_n), jnp.float32))
     steps = block if n is None else n
-    pool, *_, out = jax.lax.fori_loop(0, steps, body, (pool, tokens, running, pos, left, out))
-    return out + (pool,)
+    pool, tok, run, pos, left, out = jax.lax.fori_loop(0, steps, body, (pool, tokens, running, pos, left, out))
+    return out + (pool, (tok, run, pos, left))
 
 
 PREFILL = jax.jit(_prefill, static_argnames=("cfg", "ops", "all_logits"), donate_argnums=(1,))
@@ -168,8 +170,13 @@ class BatchRun:
     to the device (None: the most any of `sequences` has); a graph is compiled per width."""
 
     def __init__(self, runner, tokenizer, sequences: list[Sequence], *, slots: int, length: int, chunk: int,
-                 logprobs: int | None, keep_states: bool, on_token=None, block: int = 1, stop_width: int | None = None):
+                 logprobs: int | None, keep_states: bool, on_token=None, block: int = 1, stop_width: int | None = None,
+                 chain: bool = True):
         self.r, self.tok = runner, tokenizer
+        # chain: greedy blocks run one ahead while nothing waits for a slot (the next block queued
+        # from the last one's outputs before its ids are read), so the device does not idle while
+        # the host reads a block; a server turns it off to take new requests between blocks
+        self.chain = chain
         self.cfg, self.ops = runner.cfg, pooled_ops(runner.ops)
         self.slots, self.length, self.chunk = slots, length, chunk
         self.top_n, self.keep_states = logprobs, keep_states
@@ -177,7 +184,7 @@ class BatchRun:
         self.block = block
         self.sched = Scheduler([], slots)
         self.pool = Pool.init_pool(self.cfg, runner.dtype, slots, length)
-        self.steps = {"prefill": 0, "decode": 0, "decode_calls": 0}
+        self.steps = {"prefill": 0, "decode": 0, "decode_calls": 0, "chained_calls": 0}
         self.t0 = time.perf_counter()
         self.stop_width = max([1] + [len(_device_stops(s)) for s in sequences]) if stop_width is None else stop_width
         # host-side stops (a callback, stop strings) end a sequence after the device has run on:
@@ -324,17 +331,42 @@ class BatchRun:
 
     def _decode_block(self, decoding, k: int):
         """k greedy decode steps in one device call; then each sequence's tokens in order, up to
-        where it stopped (on the device, or here: a callback, a stop string)."""
+        where it stopped (on the device, or here: a callback, a stop string). With chain, more
+        blocks follow while the sequences have tokens left and nothing waits for a slot, each
+        queued before the previous one's ids are read: a row the device stopped does not run in
+        them, and a row stopped here (a callback, a stop string) costs at most one block."""
         toks, running, pos, left, stops = self._inputs(decoding)
-        args = (self.r.params, self.pool, jnp.asarray(toks), jnp.asarray(running), jnp.asarray(pos),
-                jnp.asarray(left), jnp.asarray(stops), self.r.rope)
+        carry = tuple(jnp.asarray(x) for x in (toks, running, pos, left))
+        stops = jnp.asarray(stops)
         kw = dict(cfg=self.cfg, ops=self.ops, guard=self._guard(decoding), top_n=self.top_n, block=self.block)
-        if k == self.block:
-            ids, lp, top, vals, self.pool = DECODE_BLOCK(*args, **kw)
-        else:
-            ids, lp, top, vals, self.pool = DECODE_BLOCK(*args, jnp.int32(k), **kw)
-        self.steps["decode"] += k
-        self.steps["decode_calls"] += 1
+        unqueued = {seq.slot: seq.max_new_tokens - len(seq.generated) for seq in decoding}
+        pending = None
+        while k > 0:
+            args = (self.r.params, self.pool) + carry + (stops, self.r.rope)
+            if k == self.block:
+                ids, lp, top, vals, self.pool, carry = DECODE_BLOCK(*args, **kw)
+            else:
+                ids, lp, top, vals, self.pool, carry = DECODE_BLOCK(*args, jnp.int32(k), **kw)
+            self.steps["decode"] += k
+            self.steps["decode_calls"] += 1
+            self.steps["chained_calls"] += pending is not None
+            for slot in unqueued:
+                unqueued[slot] -= k
+            if pending is not None:
+                self._record_block(decoding, *pending)
+            pending = (k, ids, lp, top, vals)
+            k = self._chain_length(decoding, unqueued)
+        self._record_block(decoding, *pending)
+
+    def _chain_length(self, decoding, unqueued) -> int:
+        """Steps of the next chained block: 0 (end the chain) unless chaining is on, nothing
+        waits for a slot, and a sequence not yet seen to finish has tokens past those queued."""
+        if not self.chain or self.sched.waiting:
+            return 0
+        left = [unqueued[s.slot] for s in decoding if s.finish_reason is None]
+        return min(self.block, max(left)) if left and max(left) > 0 else 0
+
+    def _record_block(self, decoding, k: int, ids, lp, top, vals):
         ids = np.asarray(ids)
         lp = None if lp is None else np.asarray(lp)
         top, vals = (None, None) if top is None else (np.asarray(top), np.asarray(vals))
@@ -432,7 +464,7 @@ def open_run(eng, *, max_batch: int, length: int, chunk: int, logprobs: int | No
     check_batchable(eng, what, hint)
     slots = _slots(eng, max_batch, max_batch, length, chunk)
     return BatchRun(eng.runner, eng.tokenizer, [], slots=slots, length=length, chunk=chunk, logprobs=logprobs,
-                    keep_states=False, block=eng.runner.decode_block, stop_width=stop_width)
+                    keep_states=False, block=eng.runner.decode_block, stop_width=stop_width, chain=False)
 
 
 def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_logprobs, max_batch, chunk, stop,

@@ -146,7 +146,7 @@ def batch_steps(eng, args, length: int):
         t = time.perf_counter()
         for _ in range(n // block):
             left = jnp.full((B,), block, jnp.int32)
-            ids, lp, _, _, state["pool"] = BT.DECODE_BLOCK(
+            ids, lp, _, _, state["pool"], _ = BT.DECODE_BLOCK(
                 r.params, state["pool"], state["tok"], run, jnp.asarray(state["pos"]), left, stops, r.rope,
                 cfg=eng.cfg, ops=ops, guard=False, top_n=0, block=block)
             state["tok"] = ids[-1]

@@ -151,6 +151,35 @@ def test_a_sequence_stopped_inside_a_device_block_keeps_its_state_at_the_stop(en
             assert steps["decode_calls"] == steps["decode"], steps
 
 
+def test_chained_blocks_give_the_bytes_alone(eng, alone):
+    """With nothing waiting for a slot, greedy blocks run one ahead (each queued from the last
+    one's outputs before its ids are read): every sequence still gets its bytes alone, a row that
+    ends on the device (its length, a stop id) stops there inside the chain, and one stopped here
+    by a callback costs at most the block in flight."""
+    old = eng.settings.decode_block
+    eng.tune(decode_block=3)
+    try:
+        got = eng.generate_batch(PROMPTS, NEW, logprobs=2, keep_states=True, max_batch=len(PROMPTS))
+        assert eng.last_batch_stats["steps"]["chained_calls"] > 0, eng.last_batch_stats
+        for a, b in zip(alone, got):
+            assert same(eng.cfg, a, b) is None, same(eng.cfg, a, b)
+        ref = alone[3]
+        cut = ref.generated_ids[7]
+        assert cut not in ref.generated_ids[:7]
+        want = eng.generate(PROMPTS[3], 8, logprobs=2, keep_state=True)
+        for kw in (dict(stop_token_ids=[cut]), dict(on_token=lambda i, t: not (i == 0 and t == cut))):
+            got = eng.generate_batch([PROMPTS[3], PROMPTS[0]], [NEW[3], 30], logprobs=2, max_batch=2,
+                                     stop_at_eos=False, **kw)
+            assert eng.last_batch_stats["steps"]["chained_calls"] > 0, eng.last_batch_stats
+            assert got[0].finish_reason == "stop" and got[0].generated_ids == want.generated_ids, kw
+            assert [x.tobytes() for x in got[0].logprobs] == [x.tobytes() for x in want.logprobs], kw
+            other = eng.generate(PROMPTS[0], 30, logprobs=2, stop_at_eos=False)
+            assert got[1].generated_ids == other.generated_ids, kw
+            assert [x.tobytes() for x in got[1].logprobs] == [x.tobytes() for x in other.logprobs], kw
+    finally:
+        eng.tune(decode_block=old)
+
+
 def test_no_compilation_per_request(eng):
     """The step graphs depend on the slot count, the pool's length and the chunk, not on the
     prompts: once a few batches have run (a decode step with and without idle slots' states

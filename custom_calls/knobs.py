@@ -119,8 +119,8 @@ _TABLE: tuple[Knob, ...] = (
              "deep otherwise "
              "(csrc/gpu/matmul.cu)"),
     Knob("BARO_ROWS16_WARPS", "choice", "auto", choices=("auto", "4", "2", "1"),
-         doc="gemm_rows16's warps per block (8 output columns each); auto: 4, or 2 / 1 where four-warp blocks "
-             "would leave SMs idle (csrc/gpu/matmul.cu)"),
+         doc="gemm_rows16's warps per block (8 output columns each); auto: 4, or 1 for a SwiGLU GEMM whose "
+             "four-warp blocks would leave half the SMs idle (csrc/gpu/matmul.cu)"),
     Knob("BARO_PDL", "onoff", False,
          doc="on: a handler's later kernels as programmatic dependent launches on sm_90 (csrc/gpu/matmul.cu)"),
     Knob("BARO_ROW1_BPS", "int", 3, lo=1, hi=8,

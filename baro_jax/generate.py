@@ -84,6 +84,13 @@ def _parser():
     src.add_argument("--prompt", metavar="TEXT", help="the prompt text (default: a few lines of Python, the demo prompt)")
     src.add_argument("--prompt-file", metavar="FILE", help="read the prompt text (UTF-8) from this file (default: none)")
     src.add_argument("--prompt-ids", metavar="IDS", help="the prompt as comma-separated token ids, e.g. 1,2,3 (default: none)")
+    src.add_argument("--prompts-file", metavar="FILE.jsonl",
+                     help="many prompts at once (generate_batch): one JSON object per line, {\"prompt\": TEXT} or "
+                          "{\"ids\": [...]}, optionally with max_new_tokens, seed, temperature, top_k, top_p; one "
+                          "JSON line per prompt out, in input order (default: none)")
+    p.add_argument("--max-batch", type=int, default=None, metavar="N",
+                   help="with --prompts-file: sequences decoding at once (default: as many as the prompts, at most "
+                        "64, as the device budget allows)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the checkpoint's chat template (default: off)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
@@ -136,6 +143,12 @@ def _request(args):
     if args.max_new_tokens < 0:
         raise UsageError(f"max_new_tokens (--max-new-tokens) must be >= 0, got {args.max_new_tokens}")
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed).validate()
+    if args.max_batch is not None and args.prompts_file is None:
+        raise UsageError("--max-batch is for --prompts-file (many prompts at once)")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.prompts_file is not None:
+        return settings, sampling, _batch_request(args, settings, sampling)
     prompt = _prompt(args)
     cfg = model_config(args.model, settings)
     if cfg is None:  # load() names what is wrong with --model, before any work
@@ -153,6 +166,83 @@ def _request(args):
                              "not --prompt-ids")
         prompt = _chat(args.model, text)
     return settings, sampling, prompt
+
+
+PROMPT_LINE_KEYS = ("prompt", "ids", "max_new_tokens", "seed", "temperature", "top_k", "top_p")
+
+
+def _batch_request(args, settings, sampling) -> list:
+    """--prompts-file's lines as [(prompt, max_new_tokens, Sampling)], each checked (and against
+    the model's config where it is known) before any weight is read; errors name the line."""
+    import json
+
+    from .checks import token_ids
+    from .engine import Engine
+    from .sampling import Sampling
+
+    try:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--prompts-file {args.prompts_file!r} is not UTF-8 text ({e.reason} at byte {e.start})") \
+            from None
+    except OSError as e:
+        raise UsageError(f"--prompts-file {args.prompts_file!r}: cannot read it ({e.strerror or e})") from None
+    cfg = model_config(args.model, settings)
+    unloaded = _Unloaded(cfg) if cfg is not None else None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--prompts-file {args.prompts_file!r} line {n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise UsageError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        unknown = sorted(set(obj) - set(PROMPT_LINE_KEYS))
+        if unknown:
+            raise UsageError(f"{where}: unknown field(s) {', '.join(unknown)} (allowed: {', '.join(PROMPT_LINE_KEYS)})")
+        if ("prompt" in obj) == ("ids" in obj):
+            raise UsageError(f"{where}: give exactly one of \"prompt\" (text) and \"ids\" (token ids)")
+        if "prompt" in obj:
+            prompt = obj["prompt"]
+            if not isinstance(prompt, str) or not prompt:
+                raise UsageError(f"{where}: \"prompt\" must be non-empty text")
+            if args.chat:
+                prompt = _chat(args.model, prompt)
+        else:
+            prompt = obj["ids"]
+            if not isinstance(prompt, list) or not prompt or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise UsageError(f"{where}: \"ids\" must be a non-empty list of integers")
+            if args.chat:
+                raise UsageError(f"{where}: --chat wraps prompt text in the chat template; \"ids\" are not text")
+        news = obj.get("max_new_tokens", args.max_new_tokens)
+        if not isinstance(news, int) or isinstance(news, bool) or news < 0:
+            raise UsageError(f"{where}: \"max_new_tokens\" must be an integer >= 0, got {news!r}")
+        fields = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                  "seed": sampling.seed}
+        for key, kind in (("temperature", (int, float)), ("top_p", (int, float)), ("top_k", int), ("seed", int)):
+            if key in obj:
+                v = obj[key]
+                if not isinstance(v, kind) or isinstance(v, bool):
+                    raise UsageError(f"{where}: \"{key}\" must be a number, got {v!r}")
+                fields[key] = v
+        try:
+            sp = Sampling(fields["temperature"], fields["top_k"], fields["top_p"], fields["seed"]).validate()
+            if unloaded is not None:
+                sp = Engine.sampling_for(unloaded, sp)
+                if isinstance(prompt, list):
+                    prompt = token_ids(prompt, cfg.vocab_size)
+                    Engine.check_fits(unloaded, len(prompt), news)
+        except ValueError as e:
+            raise UsageError(f"{where}: {e}") from None
+        out.append((prompt, news, sp))
+    if not out:
+        raise UsageError(f"--prompts-file {args.prompts_file!r} holds no prompt (one JSON object per line)")
+    return out
 
 
 class _Unloaded:
@@ -223,6 +313,8 @@ def _run(argv, interrupt) -> int:
 
     eng = loading.load(args.model, settings=settings, seed=args.seed, progress=not args.json)
     interrupt.check()
+    if args.prompts_file is not None:
+        return _run_batch(eng, args, prompt, interrupt)
     streamer = None
     if not args.json:
         _say(f"[baro_jax] running on {_device_name()} | {_what_runs(eng)}")
@@ -254,6 +346,44 @@ def _run(argv, interrupt) -> int:
         _say(f"\n[{res.model} | {_what_ran(eng, res)} | prefill {res.prefill_mode}: {len(res.prompt_ids)} tokens "
              f"in {res.prefill_seconds:.3f}s ({res.prefill_tokens_per_s:.1f} tok/s) | "
              f"decode {res.decode_tokens_per_s:.1f} tok/s]")
+    return 0
+
+
+def _run_batch(eng, args, requests, interrupt) -> int:
+    """--prompts-file: every prompt through one generate_batch call, a JSON line each (input
+    order) on stdout, progress (sequences done, tokens, tok/s) on stderr."""
+    import json
+    import time
+
+    prompts, news, samplings = (list(x) for x in zip(*requests))
+    total = sum(news)
+    t0, state = time.perf_counter(), {"tokens": 0, "last": 0.0}
+    if not args.json:
+        _say(f"[baro_jax] running on {_device_name()} | {_what_runs(eng)} | {len(prompts)} prompts")
+
+    def on_token(_index, _token):
+        interrupt.check()
+        state["tokens"] += 1
+        now = time.perf_counter() - t0
+        if now - state["last"] >= PROGRESS_EVERY_S:
+            state["last"] = now
+            _say(f"[baro_jax] {state['tokens']} tokens of at most {total}, {state['tokens'] / now:.1f} tok/s, "
+                 f"{now:.1f}s")
+
+    results = eng.generate_batch(prompts, news, sampling=samplings, logprobs=0, max_batch=args.max_batch,
+                                 on_token=on_token)
+    interrupt.check()
+    for i, res in enumerate(results):
+        out = res.to_json()
+        for key in ("prefill_seconds", "prefill_tokens_per_s", "decode_tokens_per_s", "expert_cache",
+                    "top_logprobs", "prompt_logprobs"):
+            out.pop(key, None)  # a batch's timings are the batch's (below), not one prompt's
+        _write_out(json.dumps({"index": i, **out}) + "\n")
+    stats = eng.last_batch_stats
+    if not args.json:
+        _say(f"[{eng.name} | {_what_runs(eng)} | {len(results)} prompts, {stats['generated_tokens']} tokens in "
+             f"{stats['seconds']:.2f}s ({stats['generated_tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s) | "
+             f"{stats['slots']} slots]")
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 # Only what the Ctrl-C handler needs is imported at the top: main() installs it first, and every
 # other import (jax's takes seconds) happens after, so that a Ctrl-C during one is an exit 130.
+import contextlib
 import os
 import signal
 import sys
@@ -306,9 +307,15 @@ def _run(argv, interrupt) -> int:
     import json
 
     args = parse_args(argv)
+    # The native libraries (jaxlib, numpy, tokenizers, the kernel library) load with these imports;
+    # a KeyboardInterrupt raised inside one's initialisation can crash the process (SIGSEGV or an
+    # abort, seen under load on a Ctrl-C a fraction of a second after start), so they run to their
+    # end and the Ctrl-C is acted on after them.
+    with interrupt.deferred():
+        from . import loading  # through the module: the tests check that a bad flag never reaches load()
+    interrupt.check()
     settings, sampling, prompt = _request(args)
     interrupt.check()
-    from . import loading  # through the module: the tests check that a bad flag never reaches load()
     from .config import PRESETS
 
     eng = loading.load(args.model, settings=settings, seed=args.seed, progress=not args.json)
@@ -605,6 +612,7 @@ class _Interrupt:
         self.previous = None
         self.previous_hook = None
         self.installed = False
+        self.deferring = False
 
     def install(self):
         try:
@@ -639,7 +647,18 @@ class _Interrupt:
         if self.seen:
             self._exit_now()
         self.seen = True
-        raise KeyboardInterrupt
+        if not self.deferring:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Inside: a first Ctrl-C is only recorded (check() raises it after); a second still ends
+        the process at once."""
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
 
     def _exit_now(self, *_):
         if not self.reported:

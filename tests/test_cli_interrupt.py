@@ -116,6 +116,28 @@ def test_ctrl_c_after_the_package_import(delay):
     assert_interrupted(p.returncode, err.decode())
 
 
+def test_ctrl_c_during_the_native_imports_under_load():
+    """A Ctrl-C a fraction of a second after start lands inside jaxlib's (or numpy's, the
+    tokenizers') module initialisation on a busy machine; raised there it crashed the process
+    (SIGSEGV, abort) about one time in ten with CPU hogs beside it. The CLI defers it to the
+    end of those imports: exit 130 at every delay."""
+    code = ("import os, sys\nimport baro_jax\nos.write(2, b'imported\\n')\n"
+            "from baro_jax.generate import main\nsys.exit(main())\n")
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    try:
+        for k in range(12):
+            p = subprocess.Popen([sys.executable, "-c", code, *ARGS], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, env=_env())
+            assert p.stderr.readline() == b"imported\n"
+            time.sleep(0.05 + 0.025 * k)
+            p.send_signal(signal.SIGINT)
+            out, err = p.communicate(timeout=300)
+            assert_interrupted(p.returncode, err.decode())
+    finally:
+        for h in hogs:
+            h.kill()
+
+
 def _startup_s() -> float:
     """How long this interpreter takes to run a first line of a program here (site, .pth files):
     before that, SIGINT is Python's own business, not the CLI's."""

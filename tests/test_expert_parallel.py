@@ -20,7 +20,7 @@ def test_n_devices_bytes_equal_one(n):
     r = subprocess.run([sys.executable, CHILD, str(n), "tiny", "tiny-random"], capture_output=True, text=True,
                        timeout=300, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("OK ") == (13 if n == 1 else 7), r.stdout  # n = 1: also the per-pair kernels forced
+    assert r.stdout.count("OK ") == (14 if n == 1 else 8), r.stdout  # n = 1: also the per-pair kernels forced
 
 
 def test_devices_argument_errors():

@@ -182,7 +182,7 @@ class BatchRun:
         self.top_n, self.keep_states = logprobs, keep_states
         self.on_token = on_token
         self.block = block
-        self.sched = Scheduler([], slots)
+        self.sched = Scheduler(slots)
         self.pool = Pool.init_pool(self.cfg, runner.dtype, slots, length)
         self.steps = {"prefill": 0, "decode": 0, "decode_calls": 0, "chained_calls": 0}
         self.t0 = time.perf_counter()

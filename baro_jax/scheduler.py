@@ -51,9 +51,8 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, sequences, slots: int):
-        self.waiting = collections.deque(sequences)
-        self.slots = slots
+    def __init__(self, slots: int):
+        self.waiting: collections.deque = collections.deque()  # add() appends
         self.free = list(range(slots - 1, -1, -1))  # pop() gives slot 0 first
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.finished: list[Sequence] = []

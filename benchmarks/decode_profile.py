@@ -109,6 +109,32 @@ def short(name: str) -> str:
     return name.strip()[:80]
 
 
+def one_sequence_steps(eng, args, length: int):
+    """One sequence prefilled with args.context random tokens: steps(n) runs n decode tokens as
+    generate() runs them (greedy blocks on the device), or one decode_step call plus a host argmax
+    per token with --per-token, and returns the wall seconds per token, n times."""
+    import jax
+
+    ids = [int(x) for x in np.random.default_rng(args.seed).integers(0, eng.cfg.vocab_size, args.context)]
+    pre = eng.prefill(ids, state=eng.new_state(length))
+    st = {"state": pre.state, "pos": len(ids), "tok": int(np.argmax(np.asarray(pre.logits)))}
+
+    def steps(n):
+        t = time.perf_counter()
+        if args.per_token:
+            for _ in range(n):
+                lg, st["state"] = eng.decode_step(st["tok"], st["state"], st["pos"])
+                st["tok"] = int(np.argmax(np.asarray(lg)))
+                st["pos"] += 1
+        else:
+            toks, st["state"] = eng.greedy_decode(st["tok"], st["state"], st["pos"], n)
+            jax.block_until_ready(st["state"])
+            st["tok"], st["pos"] = toks[-1], st["pos"] + n
+        return [(time.perf_counter() - t) / n] * n
+
+    return steps
+
+
 def batch_steps(eng, args, length: int):
     """generate_batch's decode steps over args.batch slots, each slot prefilled with its own
     args.context random tokens: steps(n) runs n steps of every row (greedy blocks of the runner's
@@ -205,34 +231,8 @@ def main(argv=None):
     decode_len = sum(args.warmup + 2 * n for n in path_steps) + 8  # every arm decodes from the same state onward
     eng = baro_jax.load(args.model, backend="ordered", max_context=max(args.context + decode_len, 64),
                         mode=args.mode, device_budget_gb=args.device_budget_gb, devices=args.devices)
-    if args.batch:
-        steps = batch_steps(eng, args, state_length(args.context + decode_len, eng.cfg.max_context))
-    else:
-        steps = None
-    ids = [int(x) for x in np.random.default_rng(args.seed).integers(0, eng.cfg.vocab_size, args.context)]
-    if not args.batch:
-        pre = eng.prefill(ids, state=eng.new_state(state_length(args.context + decode_len, eng.cfg.max_context)))
-        logits, state = pre.logits, pre.state
-        pos = len(ids)
-        tok = int(np.argmax(np.asarray(logits)))
-
-    def one_steps(n):
-        """n decode tokens as generate() runs them (greedy blocks on the device), or one
-        decode_step call plus a host argmax per token with --per-token. Wall seconds per token."""
-        nonlocal state, pos, tok
-        t = time.perf_counter()
-        if args.per_token:
-            for _ in range(n):
-                lg, state = eng.decode_step(tok, state, pos)
-                tok = int(np.argmax(np.asarray(lg)))
-                pos += 1
-        else:
-            toks, state = eng.greedy_decode(tok, state, pos, n)
-            jax.block_until_ready(state)
-            tok, pos = toks[-1], pos + n
-        return [(time.perf_counter() - t) / n] * n
-
-    steps = steps or one_steps
+    length = state_length(args.context + decode_len, eng.cfg.max_context)
+    steps = batch_steps(eng, args, length) if args.batch else one_sequence_steps(eng, args, length)
     outs = []
     for path, n_steps in zip(paths, path_steps):
         if path is not None:  # the next tier decode path: a fresh cache, its pools as it sets them up

@@ -67,8 +67,7 @@ def decode_bound(eng, B: int, context: int, bandwidth_tbs: float) -> dict:
 def mixed_row(eng, args, B: int, rng) -> dict:
     """B sequences of --prompt-len tokens and N of LEN behind them in one generate_batch call of
     B + N slots: the long prompts prefill a chunk per step while the short ones decode."""
-    n, _, length = args.mixed.partition(":")
-    n, length = int(n), int(length)
+    n, length = args.mixed
     prompts = [[int(t) for t in rng.integers(0, eng.cfg.vocab_size, args.prompt_len)] for _ in range(B)]
     prompts += [[int(t) for t in rng.integers(0, eng.cfg.vocab_size, length)] for _ in range(n)]
     kw = dict(max_batch=B + n, chunk=args.chunk, stop_at_eos=False)
@@ -136,7 +135,8 @@ def main(argv=None) -> int:
         n, _, length = args.mixed.partition(":")
         if not (n.isdigit() and length.isdigit() and int(n) >= 1 and int(length) >= 1):
             ap.error(f"--mixed takes N:LEN, two positive integers, got {args.mixed!r}")
-    ctx = max(args.prompt_len, int(args.mixed.partition(":")[2]) if args.mixed else 0) + args.new_tokens
+        args.mixed = (int(n), int(length))
+    ctx = max(args.prompt_len, args.mixed[1] if args.mixed else 0) + args.new_tokens
     eng = baro_jax.load(args.model, max_context=max(ctx, 1024), seed=args.seed, progress=False)
     rng = np.random.default_rng(args.seed)
     rows, ok = [], True

@@ -181,14 +181,7 @@ def _batch_request(args, settings, sampling) -> list:
     from .engine import Engine
     from .sampling import Sampling
 
-    try:
-        with open(args.prompts_file, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except UnicodeDecodeError as e:
-        raise UsageError(f"--prompts-file {args.prompts_file!r} is not UTF-8 text ({e.reason} at byte {e.start})") \
-            from None
-    except OSError as e:
-        raise UsageError(f"--prompts-file {args.prompts_file!r}: cannot read it ({e.strerror or e})") from None
+    lines = _read_text("--prompts-file", args.prompts_file).splitlines()
     cfg = model_config(args.model, settings)
     unloaded = _Unloaded(cfg) if cfg is not None else None
     out = []
@@ -277,6 +270,17 @@ def _chat(model: str, text: str) -> str:
     return apply_chat_template(tok, text)
 
 
+def _read_text(flag: str, path: str) -> str:
+    """The UTF-8 text of a file a flag names; a usage error naming the flag and file otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{flag} {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise UsageError(f"{flag} {path!r}: cannot read it ({e.strerror or e})") from None
+
+
 def _prompt(args):
     """The prompt: text (from --prompt, --prompt-file or the demo) or --prompt-ids' ids, unchecked
     against the model."""
@@ -286,14 +290,7 @@ def _prompt(args):
         except ValueError:
             raise UsageError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
     if args.prompt_file is not None:
-        try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                text = f.read()
-        except UnicodeDecodeError as e:
-            raise UsageError(f"--prompt-file {args.prompt_file!r} is not UTF-8 text ({e.reason} at byte {e.start})") \
-                from None
-        except OSError as e:
-            raise UsageError(f"--prompt-file {args.prompt_file!r}: cannot read it ({e.strerror or e})") from None
+        text = _read_text("--prompt-file", args.prompt_file)
         if not text:
             raise UsageError(f"--prompt-file {args.prompt_file!r} is empty: the prompt needs at least one token")
         return text

@@ -31,11 +31,14 @@ def test_matmul(platform, m):
     assert_close(full, ref_matmul(x, w), 1e-5, "matmul vs float64")
 
 
-@pytest.mark.parametrize("m,K", [(2, 200), (17, 2056), (130, 203), (300, 200), (300, 2056)])
+@pytest.mark.parametrize("m,K", [(2, 200), (17, 2056), (130, 203), (300, 200), (300, 2056), (17, 272),
+                                 (300, 1040)])
 def test_matmul_tiles(platform, m, K, monkeypatch):
     """Several row and N tiles of the large configs, K past a whole BK (200,
     2056 = 16*128 + 8: a half-filled last 16-step) and K % 8 != 0 (203: no
-    16-byte loads, the simple kernel walks each 128-row slot in sub-tiles)."""
+    16-byte loads, the simple kernel walks each 128-row slot in sub-tiles);
+    K % 16 == 0 (272, 1040) puts forced 16-row slots on the stream (19 slots at
+    m = 300), the others on gemm_rows16."""
     N = 264  # 2 full 128-column tiles and a partial one
     rng = np.random.default_rng(900 + m + K)
     x, w = bf16(rng, m, K), bf16(rng, N, K)
@@ -86,6 +89,42 @@ def test_matmul_row1(platform, N, K, monkeypatch):
             assert_same_bits(one[0], full[i], f"matmul N={N} K={K} row {i} one-row call (ROW1={knob})")
     monkeypatch.delenv("BARO_GEMM_ROW1", raising=False)
     assert_close(full[:3], ref_matmul(x[:3], w), 1e-5, f"matmul N={N} K={K} vs float64")
+
+
+# The stream over 16-row slots (gemm_row1.cuh, SLOT16: every GEMM of 2 to 16 rows, and of up to
+# 64 when 64-row tiles would leave SMs idle) against the pipelined 130-row call and gemm_rows16,
+# under the stream's speed knobs: units of 1, 2 or 4 n-tiles, 128-wide k stages (many per unit),
+# one warp per SM (each warp wraps over many units), 16-byte cp.async copies. m = 2 (rows 1..15
+# of the A fragment zero), 7, 16 (a full slot), 17 (a second slot of one row), 40 and 64 (slots
+# of one column unit side by side). N = 1, 40 (a partial 8-column unit), 264, 4801 (more units
+# than warps); K = 96 (one stage), 272 and 1040 (a partial last stage).
+STREAM_KNOBS = [{}, {"BARO_GEMM_SMALL": "rows16"}, {"BARO_ROW1_NT": "1"}, {"BARO_ROW1_NT": "2"},
+                {"BARO_ROW1_NT": "4"}, {"BARO_ROW1_KCHUNK": "128"}, {"BARO_ROW1_BPS": "1"},
+                {"BARO_ROW1_COPY": "lsu"}]
+
+
+@pytest.mark.parametrize("N,K", [(1, 272), (40, 96), (264, 1040), (4801, 272)])
+def test_matmul_stream16(platform, N, K, monkeypatch):
+    if platform.platform != "gpu":
+        pytest.skip("the 16-row stream is a CUDA kernel")
+    rng = np.random.default_rng(1700 + N + K)
+    x, w = bf16(rng, 130, K), bf16(rng, N, K)
+    wd = put(platform, w)
+    full = np.asarray(jax.jit(lambda a, b: cc.matmul(a, b))(put(platform, x), wd))  # pipelined tiles
+    names = sorted({n for kn in STREAM_KNOBS for n in kn})
+    for m in (2, 7, 16, 17, 40, 64):
+        lo = int(rng.integers(0, 130 - m + 1))  # a fresh window of rows each time
+        for knobs in STREAM_KNOBS:
+            for n in names:
+                monkeypatch.delenv(n, raising=False)
+            for n, v in knobs.items():
+                monkeypatch.setenv(n, v)
+            poison(platform, (m, N))  # a fresh jit: the launcher reads the knobs when the graph is built
+            got = np.asarray(jax.jit(lambda a, b: cc.matmul(a, b))(put(platform, x[lo:lo + m]), wd))
+            assert np.all(np.isfinite(got)), f"matmul N={N} K={K} m={m} {knobs}: elements unwritten"
+            assert_same_bits(got, full[lo:lo + m], f"matmul N={N} K={K} m={m} {knobs} vs the 130-row call")
+    for n in names:
+        monkeypatch.delenv(n, raising=False)
 
 
 def test_matmul_errors(platform):

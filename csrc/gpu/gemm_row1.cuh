@@ -22,8 +22,18 @@
 // fragments are ldmatrix of the W rows (== load_b_nk). So the row gets the bits
 // of the 16-row and 64/128-row tiles; the kernel tests compare them.
 //
-// Requires (launcher): p.vec, K % 16 == 0, slot_rows == 1. Reads p.W_tail / p.W_last
-// (gemm.cuh) where set: the one-token MoE's shared gate and shared expert.
+// SLOT16: the same stream over slots of up to 16 rows (a decode step of 2 to 64 sequences, or a
+// grouped MoE call of few rows per expert). gemm_rows16 walks such a slot with a few 4-warp
+// blocks, each reading all of K for its 32 columns: 73 us per layer for the projections,
+// router and shared expert at 8 rows on the H200, where one row here takes about half. The
+// mma is 16 rows wide anyway, so more rows cost A loads, not mmas. A stage then carries the
+// slot's rows after the W rows (ring.a_rows of them, the same padded stride), the A fragment
+// takes rows g and g + 8 below the slot's row count and exact zeros past it (load_a of a tile
+// whose rows past the slot are zero: gemm_rows16's words), and units run column-major, so the
+// slots of one column unit stream the same W rows side by side and meet in L2.
+//
+// Requires (launcher): p.vec, K % 16 == 0, slot_rows == (SLOT16 ? 16 : 1). Reads p.W_tail /
+// p.W_last (gemm.cuh) where set: the one-token MoE's shared gate and shared expert.
 #pragma once
 
 #include <cstdint>
@@ -63,24 +73,31 @@ __host__ __device__ constexpr int64_t row1_route_max_tiles() { return (kRow1Rout
 struct Row1Ring {
   int kchunk;       // k elements per stage (a multiple of 128)
   int stages;       // ring slots, 2..kRow1MaxStages
-  int stage_bytes;  // W rows then the A row
+  int stage_bytes;  // W rows then the A rows
   int lsu;          // 1: 16-byte cp.async per lane (the load/store path) instead of bulk copies
   int n_k;          // k stages per unit: ceil(K / kchunk), from the launcher
 };
 
-// Where a warp is in its unit list: unit u = slot * ups + cu, advanced by the grid stride
-// with adds only. The 64-bit divisions this replaces (u / ups per unit, s % stages and
+// Stage bytes: the W rows at the padded stride, then room for a_rows A rows: one row unpadded,
+// or (SLOT16) as many as any slot of the call holds, at the padded stride.
+__host__ __device__ constexpr int row1_stage_bytes(int w_rows, int kchunk, int a_rows) {
+  return w_rows * row1_row_bytes(kchunk) + (a_rows == 1 ? 2 * kchunk : a_rows * row1_row_bytes(kchunk));
+}
+
+// Where a warp is in its unit list: unit u = hi * n_lo + lo, advanced by the grid stride with
+// adds only. One-row slots run slot-major (hi = slot, lo = column unit, n_lo = units per slot);
+// SLOT16 column-major (hi = column unit, lo = slot, n_lo = slots). The 64-bit divisions this replaces (u / ups per unit, s % stages and
 // s / stages per ring stage) are software routines of ~100 dependent instructions each, and
 // the ones before a warp's first copy delayed every GEMM's first byte. 32-bit is enough: the
 // launcher keeps slots * ups below 2^31.
 struct Row1Cursor {
-  uint32_t slot, cu;
-  BARO_DEV void advance(uint32_t d_slot, uint32_t d_cu, uint32_t ups) {
-    slot += d_slot;
-    cu += d_cu;
-    if (cu >= ups) {
-      cu -= ups;
-      ++slot;
+  uint32_t hi, lo;
+  BARO_DEV void advance(uint32_t d_hi, uint32_t d_lo, uint32_t n_lo) {
+    hi += d_hi;
+    lo += d_lo;
+    if (lo >= n_lo) {
+      lo -= n_lo;
+      ++hi;
     }
   }
 };
@@ -131,11 +148,12 @@ BARO_DEV void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;
 //     warp that counts a unit's last slot computes out for those columns: the slot-order
 //     fmaf over the pairs from 0, then + sigmoid(sgl) * the shared row, moe_combine_kernel's
 //     expressions (the kernel tests compare the two), so the combine launch goes.
-template <bool SWIGLU, int NT, int MOE = Row1Moe::kNone>
+template <bool SWIGLU, int NT, int MOE = Row1Moe::kNone, bool SLOT16 = false>
 __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int64_t row_slots, Row1Ring ring) {
   using Cfg = Row1Cfg<SWIGLU, NT>;
   constexpr int T = Cfg::kTiles;
   static_assert(MOE == Row1Moe::kNone || (MOE == Row1Moe::kRoute) == SWIGLU, "route on gate/up, combine on down");
+  static_assert(MOE == Row1Moe::kNone || !SLOT16, "the fused route and combine are one token's");
   extern __shared__ __align__(128) uint8_t row1_smem[];
   grid_dependency_wait();  // p.pdl launches: the previous kernel's results first
 
@@ -186,16 +204,17 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
   int64_t slots = tiles != nullptr ? static_cast<int64_t>(*n_tiles) : row_slots;
   if (slots > row_slots) slots = row_slots;  // the tile list's capacity (what the grid was sized for)
   const uint32_t units = static_cast<uint32_t>(slots * ups);  // < 2^31 (launcher)
-  const uint32_t first = blockIdx.x, step = gridDim.x, ups32 = static_cast<uint32_t>(ups);
+  const uint32_t first = blockIdx.x, step = gridDim.x;
   if (first >= units) return;
+  const uint32_t n_lo = static_cast<uint32_t>(SLOT16 ? slots : ups);
   const uint32_t my_units = (units - first + step - 1) / step;
   const int64_t K = p.K;
   const int kchunk = ring.kchunk, ST = ring.stages;
   const int rowb = row1_row_bytes(kchunk);
   const int n_k = ring.n_k;
   const int64_t total = static_cast<int64_t>(my_units) * n_k;  // stages this warp streams
-  const uint32_t d_slot = step / ups32, d_cu = step - d_slot * ups32;  // the grid stride in (slot, cu)
-  const Row1Cursor start{first / ups32, first - (first / ups32) * ups32};
+  const uint32_t d_hi = step / n_lo, d_lo = step - d_hi * n_lo;  // the grid stride in (hi, lo)
+  const Row1Cursor start{first / n_lo, first - (first / n_lo) * n_lo};
 
   const uint32_t bar0 = smem_u32(row1_smem);
   const uint32_t stage0 = bar0 + kRow1BarBytes;
@@ -206,19 +225,21 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
 
   // Where unit j's slot row and columns are. Every lane computes the same values.
   struct Unit {
-    const uint16_t* a;  // the slot's A row
+    const uint16_t* a;  // the slot's first A row
     const uint16_t* w;  // the group's W
-    int64_t c0, row;    // first output column, output row
+    int64_t c0, row;    // first output column, first output row
     int64_t cu;         // column unit within the slot
     int nc;             // valid output columns of the unit (1..8 NT)
+    int rc;             // rows of the slot (1 unless SLOT16)
   };
   auto unit = [&](const Row1Cursor& at) {
     Unit r;
-    const int64_t slot = at.slot;
-    r.cu = at.cu;
+    const int64_t slot = SLOT16 ? at.lo : at.hi;
+    r.cu = SLOT16 ? at.hi : at.lo;
     r.c0 = r.cu * Cfg::kOutCols;
     int64_t group = 0, r0 = 0, rc = 0;
-    gemm_slot(p, tiles, n_tiles, slot, group, r0, rc);  // rc == 1: slot < slots, slot_rows == 1
+    gemm_slot(p, tiles, n_tiles, slot, group, r0, rc);  // slot < slots: 1 <= rc <= slot_rows
+    r.rc = SLOT16 ? static_cast<int>(rc) : 1;
     const int64_t ar = a_rows != nullptr ? static_cast<int64_t>(a_rows[r0]) : r0;
     r.a = p.A + ar * p.lda;
     if (p.W_last != nullptr && group == p.last_group)
@@ -234,8 +255,8 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
 
   // Stage s of the flat (unit, k-stage) stream into ring slot s % ST: smem row i < kWRows
   // gets W row i's kchunk-wide piece (rows of columns past out_n are not copied: their
-  // accumulators are never stored, and a column never mixes into another), row kWRows the
-  // A row's piece.
+  // accumulators are never stored, and a column never mixes into another), rows kWRows + i
+  // the slot's A row i's piece (i < rc; rows past the slot are not read, the fragments zero them).
   uint32_t pj = 0;
   int pkt = 0, pslot = 0;  // the producer's unit, k stage and ring slot
   Row1Cursor pat = start;
@@ -248,8 +269,13 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
     const int64_t k0 = static_cast<int64_t>(pkt) * kchunk;
     const uint32_t kb = static_cast<uint32_t>((K - k0 < kchunk ? K - k0 : kchunk) * 2);
     const int live = SWIGLU ? 2 * pu.nc : pu.nc;  // W rows copied (the nc gate and nc up rows)
+    const int rows = Cfg::kWRows + pu.rc;          // smem rows of the stage
     auto src_row = [&](int r) -> const uint16_t* {  // global start of smem row r's piece, or null
-      if (r == Cfg::kWRows) return pu.a + k0;
+      if (r >= Cfg::kWRows) {
+        const int i = r - Cfg::kWRows;
+        if (!SLOT16 || i == 0 || a_rows == nullptr) return pu.a + i * p.lda + k0;
+        return p.A + static_cast<int64_t>(a_rows[pu.row + i]) * p.lda + k0;
+      }
       const int col = SWIGLU ? (r % Cfg::kOutCols) : r;  // output column of the row, from c0
       if (col >= pu.nc) return nullptr;
       const int64_t wrow = (SWIGLU && r >= Cfg::kOutCols ? p.swiglu_I : 0) + pu.c0 + col;
@@ -259,17 +285,17 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
     };
     if (ring.lsu) {  // every lane copies 16-byte chunks of the stage's rows, then arrives
       const int per_row = static_cast<int>(kb / 16);
-      for (int c = lane; c < (Cfg::kWRows + 1) * per_row; c += BARO_WARP) {
+      for (int c = lane; c < rows * per_row; c += BARO_WARP) {
         const int r = c / per_row, q = c - r * per_row;
         const uint16_t* src = src_row(r);
         if (src != nullptr) cp_async16(dst + r * rowb + 16 * q, src + 8 * q, true);
       }
       cp_async_arrive(bar);
     } else {  // lane 0 arms the barrier with the byte count, then one bulk copy per row
-      if (lane == 0) mbar_expect_tx(bar, kb * static_cast<uint32_t>(live + 1));
+      if (lane == 0) mbar_expect_tx(bar, kb * static_cast<uint32_t>(live + pu.rc));
       __syncwarp();
       fence_proxy_async();
-      for (int r = lane; r <= Cfg::kWRows; r += BARO_WARP) {
+      for (int r = lane; r < rows; r += BARO_WARP) {
         const uint16_t* src = src_row(r);
         if (src != nullptr) bulk_copy(dst + r * rowb, src, kb, bar);
       }
@@ -277,7 +303,7 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
     if (++pkt == n_k) {
       pkt = 0;
       if (++pj < my_units) {
-        pat.advance(d_slot, d_cu, ups32);
+        pat.advance(d_hi, d_lo, n_lo);
         pu = unit(pat);
       }
     }
@@ -318,15 +344,30 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
         for (int b = 0; b < T; ++b)
           ldsm_x4(base + b * 8 * rowb + b_lane + (k8 + 2 * h) * 32, fb[b][2 * h].r[0], fb[b][2 * h].r[1],
                   fb[b][2 * h + 1].r[0], fb[b][2 * h + 1].r[1]);
-      // load_a's words of a tile whose row 0 is the slot's row and rows 1..15 are zero
+      // load_a's words of a tile whose rows are the slot's rows (one, or rc), the rest zero
       FragA fa[8];
+      if constexpr (SLOT16) {
+        const int ars = rowb / 2;  // A rows at the W rows' padded stride: rows g spread over banks
+        const bool lo = g < cu.rc, hi = g + 8 < cu.rc;
+        const uint16_t* a_lo = a_s + g * ars;
+        const uint16_t* a_hi = a_s + (g + 8) * ars;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int k = (k8 + j) * 16 + 2 * t;
-        fa[j].r[0] = g == 0 ? lds32(a_s + k) : 0u;
-        fa[j].r[1] = 0u;
-        fa[j].r[2] = g == 0 ? lds32(a_s + k + 8) : 0u;
-        fa[j].r[3] = 0u;
+        for (int j = 0; j < 8; ++j) {
+          const int k = (k8 + j) * 16 + 2 * t;
+          fa[j].r[0] = lo ? lds32(a_lo + k) : 0u;
+          fa[j].r[1] = hi ? lds32(a_hi + k) : 0u;
+          fa[j].r[2] = lo ? lds32(a_lo + k + 8) : 0u;
+          fa[j].r[3] = hi ? lds32(a_hi + k + 8) : 0u;
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int k = (k8 + j) * 16 + 2 * t;
+          fa[j].r[0] = g == 0 ? lds32(a_s + k) : 0u;
+          fa[j].r[1] = 0u;
+          fa[j].r[2] = g == 0 ? lds32(a_s + k + 8) : 0u;
+          fa[j].r[3] = 0u;
+        }
       }
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -344,7 +385,24 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
     }
     if (++ckt == n_k) {  // unit done: row 0 lives in lanes 0..3 (g == 0), columns 2t, 2t + 1
       ckt = 0;
-      if (g == 0) {
+      if constexpr (SLOT16) {  // rows g (acc 0, 1) and g + 8 (acc 2, 3)
+        const bool out2 = p.out2 != 0;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int r = g + 8 * e;
+          if (r >= cu.rc) continue;
+#pragma unroll
+          for (int b = 0; b < NT; ++b) {
+            const int c = 8 * b + 2 * t;
+            const int64_t orow = (cu.row + r) * p.ldc + cu.c0 + c;
+            if (SWIGLU)
+              store_pair(p.Act + orow, f32_to_bf16(siluf_(acc[b][2 * e]) * acc[NT + b][2 * e]),
+                         f32_to_bf16(siluf_(acc[b][2 * e + 1]) * acc[NT + b][2 * e + 1]), c, cu.nc, out2);
+            else
+              store_pair(p.C + orow, acc[b][2 * e], acc[b][2 * e + 1], c, cu.nc, out2);
+          }
+        }
+      } else if (g == 0) {
         const bool out2 = p.out2 != 0;
 #pragma unroll
         for (int b = 0; b < NT; ++b) {
@@ -387,7 +445,7 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
         }
       }
       if (++cj < my_units) {
-        cat.advance(d_slot, d_cu, ups32);
+        cat.advance(d_hi, d_lo, n_lo);
         cu = unit(cat);
       }
     }

@@ -47,10 +47,12 @@ static bool forced_config(GemmConfig& cfg) {
   return true;
 }
 
-// Test knob: BARO_GEMM_SMALL=simple runs 16-row slots on the simple synchronous
-// kernel instead of gemm_rows16 (both give the same bits; tests compare them);
-// one-row calls then run there too.
+// Test knob: BARO_GEMM_SMALL picks the kernel of 16-row slots: stream (gemm_row1.cuh's stream
+// over 16-row slots, where K % 16 == 0), rows16 (gemm_rows16.cuh) or simple (the simple
+// synchronous kernel; one-row calls then run there too). All give the same bits; the tests
+// compare them.
 [[maybe_unused]] static bool small_simple() { return baro::knobs::is(baro::knobs::kGemmSmall, "simple"); }
+[[maybe_unused]] static bool small_stream() { return baro::knobs::is(baro::knobs::kGemmSmall, "stream"); }
 
 // Test knob: BARO_GEMM_ROW1=off runs one-row calls on gemm_rows16 instead of
 // gemm_row1 (same bits; the tests compare the two). Read per call.
@@ -197,9 +199,10 @@ static Row1Plan row1_plan() {
   return r;
 }
 
-template <bool SWIGLU, int NT, int MOE>
+// a_rows: the A rows a stage must hold (1, or SLOT16's most rows in any slot).
+template <bool SWIGLU, int NT, int MOE, bool SLOT16>
 static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t grid, const Row1Plan& plan,
-                                 gpuStream_t stream) {
+                                 int a_rows, gpuStream_t stream) {
   using Cfg = Row1Cfg<SWIGLU, NT>;
   constexpr int extra = MOE == Row1Moe::kRoute ? kRow1RouteBytes : 0;  // the route after the ring
   const int ring_bytes = 233472 / plan.bps - 1024 - kRow1BarBytes - extra;  // an SM's smem over its blocks
@@ -212,7 +215,7 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
   const int64_t k128 = (p.K + 127) / 128 * 128;
   while (ring.kchunk > 128 && ring.kchunk / 2 >= k128) ring.kchunk /= 2;  // no wider than K
   for (;;) {
-    ring.stage_bytes = Cfg::kWRows * row1_row_bytes(ring.kchunk) + 2 * ring.kchunk;
+    ring.stage_bytes = row1_stage_bytes(Cfg::kWRows, ring.kchunk, a_rows);
     ring.stages = ring_bytes / ring.stage_bytes;
     if (ring.stages >= plan.min_stages || ring.kchunk <= 128) break;
     ring.kchunk = ring.kchunk / 2 / 128 * 128 > 128 ? ring.kchunk / 2 / 128 * 128 : 128;
@@ -222,18 +225,21 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
   ring.n_k = static_cast<int>((p.K + ring.kchunk - 1) / ring.kchunk);
   const int smem = kRow1BarBytes + ring.stages * ring.stage_bytes + extra;
   static std::atomic<uint64_t> smem_done{0};
-  gpuError_t e = allow_smem(gemm_row1_kernel<SWIGLU, NT, MOE>, 233472 - 1024, smem_done);  // any bps
+  constexpr auto kernel = gemm_row1_kernel<SWIGLU, NT, MOE, SLOT16>;
+  gpuError_t e = allow_smem(kernel, 233472 - 1024, smem_done);  // any bps
   if (e != gpuSuccess) return e;
   if (p.pdl)
-    return launch_dependent(gemm_row1_kernel<SWIGLU, NT, MOE>, dim3(static_cast<unsigned>(grid)), dim3(BARO_WARP),
-                            static_cast<size_t>(smem), stream, p, row_slots, ring);
-  gemm_row1_kernel<SWIGLU, NT, MOE><<<static_cast<unsigned>(grid), BARO_WARP, smem, stream>>>(p, row_slots, ring);
+    return launch_dependent(kernel, dim3(static_cast<unsigned>(grid)), dim3(BARO_WARP), static_cast<size_t>(smem),
+                            stream, p, row_slots, ring);
+  kernel<<<static_cast<unsigned>(grid), BARO_WARP, smem, stream>>>(p, row_slots, ring);
   return gpuGetLastError();
 }
 
-template <bool SWIGLU, int MOE>
+template <bool SWIGLU, int MOE, bool SLOT16 = false>
 static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
   const Row1Plan plan = row1_plan();
+  // a plain call's slots hold min(M, 16) rows at most; a grouped call's tiles up to 16
+  const int a_rows = !SLOT16 ? 1 : p.tiles == nullptr && p.M < 16 ? static_cast<int>(p.M) : 16;
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t warps = static_cast<int64_t>(plan.bps) * sm_count();
   auto units = [&](int nt) { return row_slots * ((out_n + 8 * nt - 1) / (8 * nt)); };
@@ -242,9 +248,9 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
   int nt = plan.nt;
   if (nt == 0) nt = !SWIGLU && units(4) >= enough ? 4 : units(2) >= enough ? 2 : 1;
   if constexpr (!SWIGLU)
-    if (nt >= 4) return launch_row1_nt<SWIGLU, 4, MOE>(p, row_slots, grid(4), plan, stream);
-  if (nt >= 2) return launch_row1_nt<SWIGLU, 2, MOE>(p, row_slots, grid(2), plan, stream);
-  return launch_row1_nt<SWIGLU, 1, MOE>(p, row_slots, grid(1), plan, stream);
+    if (nt >= 4) return launch_row1_nt<SWIGLU, 4, MOE, SLOT16>(p, row_slots, grid(4), plan, a_rows, stream);
+  if (nt >= 2) return launch_row1_nt<SWIGLU, 2, MOE, SLOT16>(p, row_slots, grid(2), plan, a_rows, stream);
+  return launch_row1_nt<SWIGLU, 1, MOE, SLOT16>(p, row_slots, grid(1), plan, a_rows, stream);
 }
 
 // The one-token MoE's route rides on the SwiGLU (gate/up) GEMM, its combine on the plain
@@ -395,6 +401,11 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
     }
     if (swiglu) return gpuErrorInvalidValue;  // callers check gemm_vec_ok first
     cfg = GemmConfig::kLarge;  // no 16-byte loads: the simple kernel walks the slot in sub-tiles
+  }
+  if (cfg == GemmConfig::kSmall && p.vec && small_stream() && p.K % 16 == 0) {
+    if (row_slots > 0x7fffffffLL) return gpuErrorInvalidValue;
+    return swiglu ? launch_row1_moe<true, Row1Moe::kNone, true>(p, row_slots, stream)
+                  : launch_row1_moe<false, Row1Moe::kNone, true>(p, row_slots, stream);
   }
   if (cfg == GemmConfig::kSmall && p.vec && !small_simple()) {
     return swiglu ? launch_rows16<true>(p, row_slots, stream) : launch_rows16<false>(p, row_slots, stream);

@@ -108,10 +108,11 @@ _TABLE: tuple[Knob, ...] = (
              "(cols) or the heads adjacent (heads), or the 32-token kernel (off) (csrc/gpu/delta.cu)"),
     Knob("BARO_GEMM_TILE", "choice", "auto", choices=("auto", "16", "simple", "64", "128"),
          doc="forces the GEMM tile config of every call of more than one row (csrc/gpu/matmul.cu)"),
-    Knob("BARO_GEMM_SMALL", "choice", "stream", choices=("stream", "rows16", "simple"),
+    Knob("BARO_GEMM_SMALL", "choice", "auto", choices=("auto", "stream", "rows16", "simple"),
          doc="the kernel of 16-row slots (GEMMs of 2 to 16 rows, narrow ones of up to 64, grouped MoE calls of "
-             "few rows per expert): stream (gemm_row1's stream over 16-row slots), rows16 (gemm_rows16), or "
-             "simple (the simple synchronous GEMM, one-row calls too) (csrc/gpu/matmul.cu)"),
+             "few rows per expert): stream (gemm_row1's stream over 16-row slots), rows16 (gemm_rows16), "
+             "simple (the simple synchronous GEMM, one-row calls too); auto: the stream for a plain GEMM of "
+             "2 to 16 rows, rows16 otherwise (csrc/gpu/matmul.cu)"),
     Knob("BARO_GEMM_ROW1", "onoff", True,
          doc="off: one-row GEMMs on gemm_rows16 instead of the streaming gemm_row1 (csrc/gpu/matmul.cu)"),
     Knob("BARO_ROWS16_RING", "choice", "auto", choices=("auto", "deep", "light"),

@@ -61,8 +61,9 @@ MM_K, MM_N = 96, 40
 # and 64x64 kernels, the pipelined 64x128 and 128x128 ones. Every config must
 # give the bits of the one-row (decode, 16x32) call. Forcing is GPU-only and
 # speed-only; on CPU the knob is ignored.
-# "16": the 16-row slots on the default kernel (env BARO_GEMM_SMALL unset: gemm_row1.cuh's
-# stream over 16-row slots where K % 16 == 0); "16-lsu": that stream with 16-byte cp.async
+# "16": the 16-row slots on the default kernels (env BARO_GEMM_SMALL unset: gemm_row1.cuh's
+# stream for a plain call of one slot where K % 16 == 0, else gemm_rows16); "16-stream": every
+# 16-row slot on that stream (env BARO_GEMM_SMALL=stream), "16-lsu": so, with 16-byte cp.async
 # copies instead of bulk ones (env BARO_ROW1_COPY=lsu).
 # "16-simple": the 16-row slots on the simple synchronous kernel (env
 # BARO_GEMM_SMALL=simple), which also runs every m = 1 call: the decode kernels and
@@ -70,7 +71,7 @@ MM_K, MM_N = 96, 40
 # "16-rows16": gemm_rows16.cuh (env BARO_GEMM_SMALL=rows16); "16-deep" / "16-light": it with
 # its deep or light cp.async ring (env BARO_ROWS16_RING; otherwise the kernel chooses: light
 # for grouped calls); "16-w2" / "16-w1": its blocks of 2 or 1 warps (env BARO_ROWS16_WARPS).
-GEMM_TILES = ["16", "16-lsu", "16-simple", "16-rows16", "16-deep", "16-light", "16-w2", "16-w1", "simple", "64",
+GEMM_TILES = ["16", "16-stream", "16-lsu", "16-simple", "16-rows16", "16-deep", "16-light", "16-w2", "16-w1", "simple", "64",
               "128"]
 _TILE_KNOBS = ("BARO_GEMM_TILE", "BARO_GEMM_SMALL", "BARO_ROWS16_RING", "BARO_ROWS16_WARPS", "BARO_ROW1_COPY")
 
@@ -90,6 +91,8 @@ def force_tile(monkeypatch, tile):
         monkeypatch.setenv("BARO_ROWS16_RING", variant)
     if variant in ("w2", "w1"):
         monkeypatch.setenv("BARO_ROWS16_WARPS", variant[1:])
+    if variant in ("stream", "lsu"):
+        monkeypatch.setenv("BARO_GEMM_SMALL", "stream")
     if variant == "lsu":
         monkeypatch.setenv("BARO_ROW1_COPY", "lsu")
 

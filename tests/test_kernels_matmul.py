@@ -91,16 +91,17 @@ def test_matmul_row1(platform, N, K, monkeypatch):
     assert_close(full[:3], ref_matmul(x[:3], w), 1e-5, f"matmul N={N} K={K} vs float64")
 
 
-# The stream over 16-row slots (gemm_row1.cuh, SLOT16: every GEMM of 2 to 16 rows, and of up to
-# 64 when 64-row tiles would leave SMs idle) against the pipelined 130-row call and gemm_rows16,
-# under the stream's speed knobs: units of 1, 2 or 4 n-tiles, 128-wide k stages (many per unit),
+# The stream over 16-row slots (gemm_row1.cuh, SLOT16: by default plain GEMMs of 2 to 16 rows;
+# BARO_GEMM_SMALL=stream: every 16-row slot, up to 64 rows when 64-row tiles would leave SMs
+# idle) against the pipelined 130-row call and gemm_rows16, under the stream's speed knobs: units of 1, 2 or 4 n-tiles, 128-wide k stages (many per unit),
 # one warp per SM (each warp wraps over many units), 16-byte cp.async copies. m = 2 (rows 1..15
 # of the A fragment zero), 7, 16 (a full slot), 17 (a second slot of one row), 40 and 64 (slots
 # of one column unit side by side). N = 1, 40 (a partial 8-column unit), 264, 4801 (more units
 # than warps); K = 96 (one stage), 272 and 1040 (a partial last stage).
-STREAM_KNOBS = [{}, {"BARO_GEMM_SMALL": "rows16"}, {"BARO_ROW1_NT": "1"}, {"BARO_ROW1_NT": "2"},
-                {"BARO_ROW1_NT": "4"}, {"BARO_ROW1_KCHUNK": "128"}, {"BARO_ROW1_BPS": "1"},
-                {"BARO_ROW1_COPY": "lsu"}]
+STREAM_KNOBS = [{}, {"BARO_GEMM_SMALL": "rows16"}] + [
+    {"BARO_GEMM_SMALL": "stream", **kn} for kn in (
+        {}, {"BARO_ROW1_NT": "1"}, {"BARO_ROW1_NT": "2"}, {"BARO_ROW1_NT": "4"}, {"BARO_ROW1_KCHUNK": "128"},
+        {"BARO_ROW1_BPS": "1"}, {"BARO_ROW1_COPY": "lsu"})]
 
 
 @pytest.mark.parametrize("N,K", [(1, 272), (40, 96), (264, 1040), (4801, 272)])

@@ -38,7 +38,8 @@ def test_moe(platform, m):
 # D = 136 and I = 72 cross a BK of 64 with a half-filled last 16-step, and
 # 2I = 144 gives two N tiles of the fused SwiGLU epilogue (64 columns each);
 # D = 36 has no 16-byte loads (simple kernel, separate SwiGLU pass). D = 256, I = 80: every K a
-# multiple of 16, so the 16-row slots run on the stream of gemm_row1.cuh (9 rows: by default).
+# multiple of 16, so the forced "16-stream" tiles run the grouped slots on gemm_row1.cuh's stream
+# and 9 rows its plain GEMMs (the shared expert) by default.
 @pytest.mark.parametrize("m,D,I", [(5, 136, 72), (64, 136, 72), (300, 136, 72), (700, 136, 72),
                                    (300, 36, 20), (9, 256, 80), (64, 256, 80)])
 def test_moe_tiles(platform, m, D, I, monkeypatch):

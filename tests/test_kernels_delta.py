@@ -108,34 +108,50 @@ def delta_model_inputs(rng, m, nk, nv, dk, dv):
     return y, b, a, A_log, dt_bias, state
 
 
-# One-token calls run their own instance of the kernel on CUDA (one-token stage buffers, three
-# blocks per SM, the grid in either order: BARO_DELTA_ONE) or, with the knob off, the 32-token
-# kernel: each must give
-# the rows of a many-token call, and carry the state the same. Many heads side by side (nv = 96:
-# a decode step of several sequences folded into one row) as well as the model's own.
+# One-token calls run their own instances of the kernel on CUDA (BARO_DELTA_ONE: cols and heads,
+# one-token stage buffers, three blocks per SM, the grid in either order; pipe, a persistent grid
+# whose blocks walk the (head, column block) tiles with the next tiles' state in flight) or, with
+# the knob off, the 32-token kernel: each must give the rows of a many-token call, and carry the
+# state the same, aliased in place (donated) or not. Many heads side by side (a decode step of
+# several sequences folded into one row) as well as the model's own. The shapes reach pipe's edges:
+# dv = 80 and 36 (a last column block of 16 and 4), dv = 50 and 7 (no 16-byte copies: dv % 4 != 0),
+# dk = 16 and 32 (4 lanes per column, one copy pass), odd head counts (39, 3 x 13), and 13
+# sequences' 416 heads: 1664 tiles, more than the H200's 132 SMs x 3 blocks, so every block's
+# loop wraps its 4-buffer ring, unevenly (4 or 5 tiles a block).
+DELTA_ONE_KNOBS = ("cols", "heads", "pipe", "off")
+DELTA_ONE_SHAPES = DELTA_GPU_SHAPES[:2] + [(24, 96, 128, 128), (3, 39, 32, 50), (2, 6, 16, 20),
+                                          (1, 3, 16, 7), (13, 39, 64, 96), (208, 416, 128, 128)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", DELTA_GPU_SHAPES[:2] + [(24, 96, 128, 128)],
-                         ids=lambda s: "nk%d-nv%d-dk%d-dv%d" % s)
+@pytest.mark.parametrize("shape", DELTA_ONE_SHAPES, ids=lambda s: "nk%d-nv%d-dk%d-dv%d" % s)
 def test_delta_one_token_instances(platform, shape, monkeypatch):
     nk, nv, dk, dv = shape
     m = 5
-    rng = np.random.default_rng(660 + nv + dk)
+    rng = np.random.default_rng(660 + nv + dk + dv)
     y, b, a, A_log, dt_bias, state = delta_model_inputs(rng, m, nk, nv, dk, dv)
     consts = put(platform, A_log, dt_bias)
     o_full, s_full = (np.asarray(r) for r in
                       J_DELTA(*put(platform, y, b, a), *consts, put(platform, state), i32(m)))
-    for knob in ("cols", "heads", "off"):
+    yg, bg, ag = (garbage_like(rng, 1, x) for x in (y, b, a))  # a padded row's inputs
+    for knob in DELTA_ONE_KNOBS:
         monkeypatch.setenv("BARO_DELTA_ONE", knob)
-        st = put(platform, state)
-        for i in range(m):
+        for fn, what in ((J_DELTA, "aliased"), (J_DELTA_DONATE, "donated")):
+            st = put(platform, state)
+            for i in range(m):
+                poison(platform, (1, nv, dv))
+                poison(platform, (nv, dk, dv))
+                o1, st = fn(*put(platform, y[i:i + 1], b[i:i + 1], a[i:i + 1]), *consts, st, i32(1))
+                assert_same_bits(np.asarray(o1)[0], o_full[i],
+                                 f"delta {shape} BARO_DELTA_ONE={knob} row {i} ({what})")
+            assert_same_bits(np.asarray(st), s_full, f"delta {shape} BARO_DELTA_ONE={knob} state after {m} rows "
+                                                     f"({what})")
             poison(platform, (1, nv, dv))
-            o1, st = J_DELTA(*put(platform, y[i:i + 1], b[i:i + 1], a[i:i + 1]), *consts, st, i32(1))
-            assert_same_bits(np.asarray(o1)[0], o_full[i], f"delta {shape} BARO_DELTA_ONE={knob} row {i}")
-        assert_same_bits(np.asarray(st), s_full, f"delta {shape} BARO_DELTA_ONE={knob} state after {m} rows")
-        poison(platform, (1, nv, dv))
-        o0, s0 = J_DELTA(*put(platform, y[:1], b[:1], a[:1]), *consts, put(platform, state), i32(0))
-        assert np.all(np.asarray(o0) == 0) and np.asarray(s0).tobytes() == state.tobytes(), \
-            f"delta {shape} BARO_DELTA_ONE={knob}: a padded one-token row left a trace"
+            poison(platform, (nv, dk, dv))
+            o0, s0 = fn(*put(platform, yg, bg, ag), *consts, put(platform, state), i32(0))
+            assert np.asarray(o0).tobytes() == np.zeros((1, nv, dv), np.float32).tobytes() and \
+                np.asarray(s0).tobytes() == state.tobytes(), \
+                f"delta {shape} BARO_DELTA_ONE={knob}: a padded one-token row left a trace ({what})"
     monkeypatch.delenv("BARO_DELTA_ONE")
 
 

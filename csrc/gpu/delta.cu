@@ -28,6 +28,11 @@
 // of m and of the row's slot in the batch) and computes exp(g), beta per token
 // with fixed per-row code. No scratch buffers: command-buffer compatible.
 //
+// The arithmetic of all of it (row sums and scales of q/k, the gates, decay and kv, the
+// butterflies, the update, o's partials and their tree) is one set of device helpers
+// (delta_sumsq4 .. delta_o_sum), shared by delta_kernel and by the pipelined one-token kernel
+// delta_one_kernel (BARO_DELTA_ONE=pipe), so both run one order.
+//
 // HIP keeps the simple kernel (one thread per column, sequential chains over
 // all dk rows): it has no cp.async, and 64 KB of LDS does not fit the stages.
 #include <cmath>
@@ -92,6 +97,95 @@ BARO_DEV void cp_async4(float* smem, const float* gmem) {
 }
 BARO_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 BARO_DEV void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+template <int N>
+BARO_DEV void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// ---- The arithmetic, one copy for every instance (the order of the top comment) ----
+
+// A lane's part of a q/k row's sum of squares: its float4 as an fmaf chain (x, y, z, w).
+BARO_DEV float delta_sumsq4(float4 x) {
+  float acc = 0.0f;
+  acc = fmaf(x.x, x.x, acc);
+  acc = fmaf(x.y, x.y, acc);
+  acc = fmaf(x.z, x.z, acc);
+  acc = fmaf(x.w, x.w, acc);
+  return acc;
+}
+// The whole row's sum (after the warp's 16..1 butterfly) -> the row's scale.
+BARO_DEV float delta_rnorm(float ss) { return 1.0f / sqrtf(ss + 1e-6f); }
+// Normalised q (sc = scale) or k (sc = 1: x * 1.0f is exact).
+BARO_DEV float4 delta_scale4(float4 x, float r, float sc) {
+  return make_float4((x.x * r) * sc, (x.y * r) * sc, (x.z * r) * sc, (x.w * r) * sc);
+}
+// (exp(g), beta) of one token and head from its raw b, a.
+BARO_DEV float2 delta_gates(float b, float a, float neg_exp_A, float dt_bias) {
+  const float beta = sigmoidf_(b);
+  const float g = neg_exp_A * softplusf_(a + dt_bias);
+  return make_float2(expf(g), beta);
+}
+// S *= exp(g) (rounded) on the lane's rows, and the lane's kv partial from the decayed S:
+// a0 over u = 0, 2 and a1 over u = 1, 3, i ascending, then a0 + a1.
+template <int R>
+BARO_DEV float delta_decay_kv(float (&s)[R], const float4 (&k)[R / 4], float e) {
+  float a0 = 0.0f, a1 = 0.0f;
+#pragma unroll
+  for (int i = 0; i < R / 4; ++i) {
+    float* si = s + 4 * i;
+    si[0] = si[0] * e;
+    a0 = fmaf(si[0], k[i].x, a0);
+    si[1] = si[1] * e;
+    a1 = fmaf(si[1], k[i].y, a1);
+    si[2] = si[2] * e;
+    a0 = fmaf(si[2], k[i].z, a0);
+    si[3] = si[3] * e;
+    a1 = fmaf(si[3], k[i].w, a1);
+  }
+  return a0 + a1;
+}
+// kv over the L lanes of a column: xor butterfly, offsets 16, 8, .. 32/L (every lane of the
+// column ends with the same bits).
+template <int CW>
+BARO_DEV float delta_kv_sum(float kv) {
+#pragma unroll
+  for (int off = BARO_WARP / 2; off >= CW; off >>= 1) kv = kv + shfl_xor(kv, off);
+  return kv;
+}
+// S = fmaf(k, d, S) on the lane's rows.
+template <int R>
+BARO_DEV void delta_update(float (&s)[R], const float4 (&k)[R / 4], float d) {
+#pragma unroll
+  for (int i = 0; i < R / 4; ++i) {
+    float* si = s + 4 * i;
+    si[0] = fmaf(k[i].x, d, si[0]);
+    si[1] = fmaf(k[i].y, d, si[1]);
+    si[2] = fmaf(k[i].z, d, si[2]);
+    si[3] = fmaf(k[i].w, d, si[3]);
+  }
+}
+// The lane's o partial: b0 over u = 0, 2 and b1 over u = 1, 3, i ascending, then b0 + b1.
+template <int R>
+BARO_DEV float delta_o_partial(const float (&s)[R], const float4 (&q)[R / 4]) {
+  float b0 = 0.0f, b1 = 0.0f;
+#pragma unroll
+  for (int i = 0; i < R / 4; ++i) {
+    b0 = fmaf(s[4 * i + 0], q[i].x, b0);
+    b1 = fmaf(s[4 * i + 1], q[i].y, b1);
+    b0 = fmaf(s[4 * i + 2], q[i].z, b0);
+    b1 = fmaf(s[4 * i + 3], q[i].w, b1);
+  }
+  return b0 + b1;
+}
+// o of a column from its L lanes' partials p[sub]: ((p0 + p1) + (p2 + p3)) + ((p4 + p5) +
+// (p6 + p7)) for L = 8, (p0 + p1) + (p2 + p3) for L = 4. flush_o adds the partials staged in
+// shared memory in that tree; in registers it is the xor butterfly with the offsets ascending
+// (sub ^ 1, sub ^ 2, sub ^ 4: lane offsets CW, 2 CW, ..), the same sums (a + b == b + a).
+BARO_DEV float delta_o_tree4(float4 x) { return (x.x + x.y) + (x.z + x.w); }
+template <int CW>
+BARO_DEV float delta_o_sum(float o) {
+#pragma unroll
+  for (int off = CW; off < BARO_WARP; off <<= 1) o = o + shfl_xor(o, off);
+  return o;
+}
 
 template <typename Cf, int DK, int COLS>
 __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(DeltaArgs a) {
@@ -184,12 +278,7 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
           const float* p = buf + (rho < nt ? Cf::kQ + rho * DK : Cf::kK + (rho - nt) * DK);
           x[g] = *reinterpret_cast<const float4*>(p + 4 * lane);
         }
-        float acc = 0.0f;
-        acc = fmaf(x[g].x, x[g].x, acc);
-        acc = fmaf(x[g].y, x[g].y, acc);
-        acc = fmaf(x[g].z, x[g].z, acc);
-        acc = fmaf(x[g].w, x[g].w, acc);
-        ss[g] = acc;
+        ss[g] = delta_sumsq4(x[g]);
       }
 #pragma unroll
       for (int off = BARO_WARP / 2; off >= 1; off >>= 1) {
@@ -200,11 +289,10 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
       for (int g = 0; g < G; ++g) {
         const int rho = base + g * NW;
         if (rho < 2 * nt && mine) {
-          const float r = 1.0f / sqrtf(ss[g] + 1e-6f);
-          const float sc = rho < nt ? scale : 1.0f;  // x * 1.0f is exact
+          const float r = delta_rnorm(ss[g]);
+          const float sc = rho < nt ? scale : 1.0f;
           float* p = buf + (rho < nt ? Cf::kQ + rho * DK : Cf::kK + (rho - nt) * DK);
-          *reinterpret_cast<float4*>(p + 4 * lane) =
-              make_float4((x[g].x * r) * sc, (x[g].y * r) * sc, (x[g].z * r) * sc, (x[g].w * r) * sc);
+          *reinterpret_cast<float4*>(p + 4 * lane) = delta_scale4(x[g], r, sc);
         }
       }
     }
@@ -212,10 +300,9 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
     const int gt = tid - (NT - BARO_WARP);
     for (int tt = gt; tt >= 0 && tt < nt; tt += BARO_WARP) {
       float* gp = buf + Cf::kG + 2 * tt;
-      const float beta = sigmoidf_(gp[0]);
-      const float g = neg_exp_A * softplusf_(gp[1] + dt_bias);
-      gp[0] = expf(g);
-      gp[1] = beta;
+      const float2 eb = delta_gates(gp[0], gp[1], neg_exp_A, dt_bias);
+      gp[0] = eb.x;
+      gp[1] = eb.y;
     }
   };
 
@@ -254,27 +341,13 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
       float o;
       if constexpr (L == 8) {
         const float4 x1 = p[1];
-        o = ((x0.x + x0.y) + (x0.z + x0.w)) + ((x1.x + x1.y) + (x1.z + x1.w));
+        o = delta_o_tree4(x0) + delta_o_tree4(x1);
       } else {
-        o = (x0.x + x0.y) + (x0.z + x0.w);
+        o = delta_o_tree4(x0);
       }
       a.o[((t0 + tt) * nv + j) * dv + c0 + cc] = o;
     }
   };
-  // Lane's o partial of one token from the state after its update: a0 over
-  // u = 0, 2 and a1 over u = 1, 3, i ascending, then a0 + a1.
-  auto o_partial = [&](const float4 (&qq)[R / 4]) {
-    float b0 = 0.0f, b1 = 0.0f;
-#pragma unroll
-    for (int i = 0; i < R / 4; ++i) {
-      b0 = fmaf(s[4 * i + 0], qq[i].x, b0);
-      b1 = fmaf(s[4 * i + 1], qq[i].y, b1);
-      b0 = fmaf(s[4 * i + 2], qq[i].z, b0);
-      b1 = fmaf(s[4 * i + 3], qq[i].w, b1);
-    }
-    return b0 + b1;
-  };
-
   int b = 0;
   int64_t prev_t0 = 0;
   int prev_nt = 0;
@@ -311,25 +384,11 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
     // One token: kk holds its k (loaded one token ahead), kn receives the
     // next token's. Two register sets, called alternately, so no copies.
     auto step = [&](int tt, const float4 (&kk)[R / 4], float4 (&kn)[R / 4]) {
-      float a0 = 0.0f, a1 = 0.0f, b0 = 0.0f, b1 = 0.0f;
-#pragma unroll
-      for (int i = 0; i < R / 4; ++i) {
-        float* si = s + 4 * i;
-        b0 = fmaf(si[0], qq[i].x, b0);  // o partial of token tt - 1 (o_partial's order)
-        b1 = fmaf(si[1], qq[i].y, b1);
-        b0 = fmaf(si[2], qq[i].z, b0);
-        b1 = fmaf(si[3], qq[i].w, b1);
-        si[0] = si[0] * eb.x;
-        a0 = fmaf(si[0], kk[i].x, a0);
-        si[1] = si[1] * eb.x;
-        a1 = fmaf(si[1], kk[i].y, a1);
-        si[2] = si[2] * eb.x;
-        a0 = fmaf(si[2], kk[i].z, a0);
-        si[3] = si[3] * eb.x;
-        a1 = fmaf(si[3], kk[i].w, a1);
-      }
-      if (tt > 0) op[(tt - 1) * kCols * L] = b0 + b1;
-      float kv = a0 + a1;
+      // o partial of token tt - 1 (from the state before this token's decay) and this
+      // token's decay and kv: two independent chains the unrolled code interleaves.
+      const float ob = delta_o_partial<R>(s, qq);
+      const float kvp = delta_decay_kv<R>(s, kk, eb.x);
+      if (tt > 0) op[(tt - 1) * kCols * L] = ob;
       const float v = has ? vv[tt * kCols] : 0.0f;
       const float beta = eb.y;
       const int tn = tt + 1 < nt ? tt + 1 : tt;
@@ -339,17 +398,9 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
         kn[i] = k4[tn * (DK / 4) + L * i];
       }
       eb = gg[tn];
-#pragma unroll
-      for (int off = BARO_WARP / 2; off >= CW; off >>= 1) kv = kv + shfl_xor(kv, off);
+      const float kv = delta_kv_sum<CW>(kvp);
       const float d = (v - kv) * beta;
-#pragma unroll
-      for (int i = 0; i < R / 4; ++i) {
-        float* si = s + 4 * i;
-        si[0] = fmaf(kk[i].x, d, si[0]);
-        si[1] = fmaf(kk[i].y, d, si[1]);
-        si[2] = fmaf(kk[i].z, d, si[2]);
-        si[3] = fmaf(kk[i].w, d, si[3]);
-      }
+      delta_update<R>(s, kk, d);
     };
     int tt = 0;
     for (; tt + 1 < nt; tt += 2) {
@@ -357,7 +408,7 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
       step(tt + 1, kb, ka);
     }
     if (tt < nt) step(tt, ka, kb);
-    op[(nt - 1) * kCols * L] = o_partial(qq);
+    op[(nt - 1) * kCols * L] = delta_o_partial<R>(s, qq);
     prev_t0 = t0;
     prev_nt = nt;
   }
@@ -378,6 +429,236 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
     const int r = i / kCols, cc = i % kCols;
     if (cc < ncols) Sout[static_cast<int64_t>(r) * dv + cc] = tile[r * Cf::kTileLd + cc];
   }
+}
+
+// ---- One token, pipelined: a persistent grid over (head, column block) tiles ----
+//
+// A one-token call is one state tile in and out per (head, column block) and little
+// arithmetic, so the time is the copies. Each block walks the tiles w = blockIdx.x,
+// + gridDim.x, .. (a head's column blocks adjacent) through a ring of P + 2 buffers: while
+// tile n computes, tiles n+1 .. n+P are in flight (cp.async, one group each) and tile n-1
+// drains from shared memory to state_out in 16-byte coalesced stores. One barrier per tile.
+// The arithmetic is delta_kernel's for one token, through the same helpers: every warp forms
+// the q and k row sums itself (delta_kernel's normalise: a lane's float4, then the 16..1
+// butterfly) and scales its lanes' float4s; the gates by delta_gates; o's lane partials summed
+// by the ascending butterfly, flush_o's tree. No scratch: command-buffer compatible.
+template <int DK, int P, int MINB>
+struct DeltaOneCfg {
+  static constexpr int kDk = DK;
+  static constexpr int kCols = 32;
+  static constexpr int L = DK >= 32 ? 8 : 4;  // lanes per column, as DeltaCfg
+  static constexpr int R = DK / L;
+  static constexpr int CW = BARO_WARP / L;
+  static constexpr int kThreads = kCols * L;
+  static constexpr int kMinBlocks = MINB;
+  static constexpr int kAhead = P;         // tiles in flight while one computes
+  static constexpr int kBufs = P + 2;      // + the computing tile + the draining one
+  // one buffer (floats): state tile [DK][32] (16-byte chunks swizzled by row), q[DK], k[DK],
+  // v[32], then b, a, A_log, dt_bias of the head
+  static constexpr int kQ = DK * kCols, kK = kQ + DK, kV = kK + DK, kG = kV + kCols;
+  static constexpr int kBuf = kG + 4;
+  static_assert(kBuf % 4 == 0 && kQ % 4 == 0 && kV % 4 == 0, "16-byte slots");
+  static_assert(R % 4 == 0 && DK / 4 <= BARO_WARP, "as DeltaCfg");
+  // The tile's element (r, c): row r of 32 floats, its 16-byte chunk c / 4 xor-ed with the
+  // lane group of r, so a warp's register loads and stores (8 rows x 4 columns for L = 8,
+  // 4 rows x 8 columns for L = 4) and the row-wise 16-byte copies are conflict-free.
+  static BARO_DEV int at(int r, int c) {
+    return r * kCols + ((((c >> 2) ^ (((r >> 2) & (L - 1)) * (8 / L))) << 2) | (c & 3));
+  }
+};
+
+// VEC: 16-byte copies of the state and of y (aligned, dv a multiple of 4), else 4-byte ones.
+template <typename Cf, bool VEC>
+__global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks)
+    delta_one_kernel(DeltaArgs a, int ncb, int tiles) {
+  constexpr int DK = Cf::kDk, kCols = Cf::kCols;
+  constexpr int L = Cf::L, R = Cf::R, CW = Cf::CW, NT = Cf::kThreads, NB = Cf::kBufs, P = Cf::kAhead;
+  extern __shared__ __align__(16) float smem[];
+
+  const int tid = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
+  const int cl = warp * CW + lane % CW;  // this lane's column within the tile
+  const int sub = lane / CW;             // which rows of the column
+  const int nk = a.nk, nv = a.nv, dv = a.dv, group = nv / nk;
+  const bool run = delta_rows(a.n_valid, 1) > 0;  // n_valid 0: o = 0, the state copied through
+  const float scale = a.scale;
+  const int G = static_cast<int>(gridDim.x);
+
+  // 16-byte copies (VEC): thread tid moves the chunk of columns cq .. cq + 3 of rows
+  // cr + kRowsPer * p; the swizzle repeats every 4 L rows, so one smem offset and stride.
+  constexpr int kChunks = kCols / 4, kRowsPer = NT / kChunks, kPasses = DK / kRowsPer;
+  static_assert(kRowsPer % (4 * L) == 0 && DK % kRowsPer == 0, "whole passes");
+  static_assert(DK / 2 + kChunks <= NT, "q, k, v chunks in one pass");
+  const int cr = tid / kChunks, cq = 4 * (tid % kChunks);
+  const int soff = Cf::at(cr, cq);
+  const int64_t goff = static_cast<int64_t>(cr) * dv + cq;
+  // 4-byte copies (!VEC): thread tid moves column ec of rows er + L * p.
+  const int ec = tid % kCols, er = tid / kCols;
+
+  // Tile w's state, q/k rows of its key head, v columns and gate scalars into buf (one group,
+  // empty past the last tile, so the group count stays one per tile).
+  auto fetch = [&](int w, float* buf) {
+    if (w < tiles) {
+      const int j = w / ncb, c0 = (w % ncb) * kCols;
+      const int ncols = imin(kCols, dv - c0), kh = j / group;
+      const float* Sin = a.state_in + static_cast<int64_t>(j) * DK * dv + c0;
+      const float* yq = a.y + static_cast<int64_t>(kh) * DK;
+      const float* yk = a.y + static_cast<int64_t>(nk + kh) * DK;
+      const float* yv = a.y + static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(j) * dv + c0;
+      if constexpr (VEC) {
+#pragma unroll
+        for (int p = 0; p < kPasses; ++p) {
+          float* dst = buf + soff + p * kRowsPer * kCols;
+          if (cq < ncols)
+            cp_async16(dst, Sin + goff + static_cast<int64_t>(p) * kRowsPer * dv);
+          else
+            *reinterpret_cast<float4*>(dst) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+        if (tid < DK / 4)
+          cp_async16(buf + Cf::kQ + 4 * tid, yq + 4 * tid);
+        else if (tid < DK / 2)
+          cp_async16(buf + Cf::kK + 4 * (tid - DK / 4), yk + 4 * (tid - DK / 4));
+        else if (tid < DK / 2 + kChunks && 4 * (tid - DK / 2) < ncols)
+          cp_async16(buf + Cf::kV + 4 * (tid - DK / 2), yv + 4 * (tid - DK / 2));
+      } else {
+        const float* src = Sin + static_cast<int64_t>(er) * dv + ec;
+#pragma unroll 1
+        for (int r = er; r < DK; r += NT / kCols, src += static_cast<int64_t>(NT / kCols) * dv) {
+          if (ec < ncols)
+            cp_async4(buf + Cf::at(r, ec), src);
+          else
+            buf[Cf::at(r, ec)] = 0.0f;
+        }
+        for (int i = tid; i < 2 * DK + kCols; i += NT) {
+          if (i < DK)
+            cp_async4(buf + Cf::kQ + i, yq + i);
+          else if (i < 2 * DK)
+            cp_async4(buf + Cf::kK + (i - DK), yk + (i - DK));
+          else if (i - 2 * DK < ncols)
+            cp_async4(buf + Cf::kV + (i - 2 * DK), yv + (i - 2 * DK));
+        }
+      }
+      if (tid < 4) {
+        const float* src = tid == 0 ? a.b : tid == 1 ? a.a : tid == 2 ? a.A_log : a.dt_bias;
+        cp_async4(buf + Cf::kG + tid, src + j);
+      }
+    }
+    cp_async_commit();
+  };
+
+  // Tile w's state from buf to state_out, 16-byte rows of the column block where they fit.
+  auto drain = [&](int w, const float* buf) {
+    const int j = w / ncb, c0 = (w % ncb) * kCols;
+    const int ncols = imin(kCols, dv - c0);
+    float* Sout = a.state_out + static_cast<int64_t>(j) * DK * dv + c0;
+    if constexpr (VEC) {
+      if (cq < ncols) {
+#pragma unroll
+        for (int p = 0; p < kPasses; ++p)
+          *reinterpret_cast<float4*>(Sout + goff + static_cast<int64_t>(p) * kRowsPer * dv) =
+              *reinterpret_cast<const float4*>(buf + soff + p * kRowsPer * kCols);
+      }
+    } else if (ec < ncols) {
+      float* dst = Sout + static_cast<int64_t>(er) * dv + ec;
+#pragma unroll 1
+      for (int r = er; r < DK; r += NT / kCols, dst += static_cast<int64_t>(NT / kCols) * dv) *dst = buf[Cf::at(r, ec)];
+    }
+  };
+
+  // The lane's rows 4 * (sub + L * i) + u of column cl: one offset per (i, u) past `base`.
+  const int base = Cf::at(4 * sub, cl);
+
+  int w = static_cast<int>(blockIdx.x);
+#pragma unroll
+  for (int p = 0; p < P; ++p) fetch(w + p * G, smem + p * Cf::kBuf);
+  int nb = 0;  // buffer of tile w
+  for (; w < tiles; w += G, nb = nb + 1 == NB ? 0 : nb + 1) {
+    float* buf = smem + nb * Cf::kBuf;
+    // Tile w has landed (own copies) and is visible (barrier); the barrier also ends the
+    // previous iteration: its drain of tile w - 2G (buffer nb - 2, reused below) and its
+    // writes of tile w - G's new state (drained below).
+    cp_async_wait<P - 1>();
+    __syncthreads();
+    const int nf = nb + P >= NB ? nb + P - NB : nb + P;
+    fetch(w + P * G, smem + nf * Cf::kBuf);
+    if (w >= G) drain(w - G, smem + (nb == 0 ? NB - 1 : nb - 1) * Cf::kBuf);
+
+    const int j = w / ncb, c0 = (w % ncb) * kCols;
+    const bool has = cl < dv - c0;
+    if (!run) {
+      if (sub == 0 && has) a.o[static_cast<int64_t>(j) * dv + c0 + cl] = 0.0f;
+      continue;  // the tile goes out as it came in
+    }
+    const float4* q4 = reinterpret_cast<const float4*>(buf + Cf::kQ);
+    const float4* k4 = reinterpret_cast<const float4*>(buf + Cf::kK);
+    // q and k row sums, both rows in every warp (delta_kernel's normalise, per row)
+    float ssq = 0.0f, ssk = 0.0f;
+    {
+      const bool mine = lane < DK / 4;
+      const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      ssq = delta_sumsq4(mine ? q4[lane] : z);
+      ssk = delta_sumsq4(mine ? k4[lane] : z);
+#pragma unroll
+      for (int off = BARO_WARP / 2; off >= 1; off >>= 1) {
+        ssq = ssq + shfl_xor(ssq, off);
+        ssk = ssk + shfl_xor(ssk, off);
+      }
+    }
+    const float* gp = buf + Cf::kG;
+    const float2 eb = delta_gates(gp[0], gp[1], -expf(gp[2]), gp[3]);
+    const float rk = delta_rnorm(ssk);
+    float s[R];
+    float4 kk[R / 4];
+#pragma unroll
+    for (int i = 0; i < R / 4; ++i) {
+      kk[i] = delta_scale4(k4[sub + L * i], rk, 1.0f);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) s[4 * i + u] = buf[base + (4 * L * i + u) * kCols];
+    }
+    const float kv = delta_kv_sum<CW>(delta_decay_kv<R>(s, kk, eb.x));
+    const float v = has ? buf[Cf::kV + cl] : 0.0f;
+    const float d = (v - kv) * eb.y;
+    delta_update<R>(s, kk, d);
+    const float rq = delta_rnorm(ssq);
+    float4 qq[R / 4];
+#pragma unroll
+    for (int i = 0; i < R / 4; ++i) qq[i] = delta_scale4(q4[sub + L * i], rq, scale);
+    const float o = delta_o_sum<CW>(delta_o_partial<R>(s, qq));
+    if (sub == 0 && has) a.o[static_cast<int64_t>(j) * dv + c0 + cl] = o;
+    // the new state over the old, each lane on the elements it read (drained next iteration)
+#pragma unroll
+    for (int i = 0; i < R / 4; ++i)
+#pragma unroll
+      for (int u = 0; u < 4; ++u) buf[base + (4 * L * i + u) * kCols] = s[4 * i + u];
+  }
+  // the last tile
+  if (w >= G) {  // always: the grid is at most one block per tile
+    __syncthreads();
+    drain(w - G, smem + (nb == 0 ? NB - 1 : nb - 1) * Cf::kBuf);
+  }
+}
+
+template <int DK, int P, int MINB>
+gpuError_t launch_delta_one(const DeltaArgs& a, gpuStream_t stream) {
+  using Cf = DeltaOneCfg<DK, P, MINB>;
+  const int ncb = (a.dv + Cf::kCols - 1) / Cf::kCols;
+  const int64_t tiles = static_cast<int64_t>(a.nv) * ncb;  // < 2^30 (launch_delta_dk)
+  const int64_t slots = static_cast<int64_t>(MINB) * sm_count();
+  const unsigned grid = static_cast<unsigned>(tiles < slots ? tiles : slots);
+  // 16-byte copies: aligned rows of y and of the state (dv a multiple of 4 floats)
+  const bool vec = is_aligned(a.y, 16) && is_aligned(a.state_in, 16) && is_aligned(a.state_out, 16) &&
+                   (a.dv & 3) == 0;
+  const size_t smem = sizeof(float) * Cf::kBufs * Cf::kBuf;  // 70,208 B for dk = 128, P = 2
+  auto kernel = vec ? delta_one_kernel<Cf, true> : delta_one_kernel<Cf, false>;
+  if (smem > 48 * 1024) {
+    gpuError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    // MINB blocks of 70 KB need most of the SM's 228 KB as shared memory (the kernel reads
+    // nothing through L1)
+    if (e == gpuSuccess)
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+    if (e != gpuSuccess) return e;
+  }
+  kernel<<<grid, Cf::kThreads, smem, stream>>>(a, ncb, static_cast<int>(tiles));
+  return gpuGetLastError();
 }
 
 template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false>
@@ -407,11 +688,14 @@ int delta_cols() { return baro::knobs::is(baro::knobs::kDeltaCols, "16") ? 16 : 
 // and the register bound lets three blocks share an SM instead of two: 135 us instead of 165
 // per layer for 64 sequences on the H200 (four blocks, with spills, 139). BARO_DELTA_ONE: cols
 // (a head's column blocks adjacent in the grid), heads (the heads adjacent, as the 32-token
-// kernel), off (the 32-token kernel). Same bits.
+// kernel), pipe (delta_one_kernel: a persistent grid, three blocks per SM, two tiles in flight
+// per block while one computes and one drains), off (the 32-token kernel). Same bits.
 template <int DK>
 gpuError_t launch_delta_dk(const DeltaArgs& a, gpuStream_t stream) {
   namespace k = baro::knobs;
   if (a.m == 1 && delta_cols() == 32 && !k::is(k::kDeltaOne, "off")) {
+    if (k::is(k::kDeltaOne, "pipe") && static_cast<int64_t>(a.nv) * ((a.dv + 31) / 32) < (int64_t{1} << 30))
+      return launch_delta_one<DK, 2, 3>(a, stream);
     if (k::is(k::kDeltaOne, "cols") && a.nv <= 65535) return launch_delta_cols<DK, 32, 1, 3, true>(a, stream);
     return launch_delta_cols<DK, 32, 1, 3>(a, stream);
   }

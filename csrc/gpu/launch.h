@@ -17,6 +17,8 @@ namespace baro_gpu {
 
 // Host helpers of the launchers.
 inline bool is_aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
+// The current device's SM count, read once per device (132 when it cannot be read; 0 on HIP).
+int sm_count();
 
 // kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch on sm_90
 // (portability.h grid_dependency_wait; the kernel must call it first): for the second and later

@@ -99,7 +99,7 @@ bool pdl_enabled() {
 #endif
 }
 
-static int sm_count() {
+int sm_count() {
 #if BARO_HIP
   return 0;  // unused on HIP
 #else

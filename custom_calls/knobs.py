@@ -103,10 +103,11 @@ _TABLE: tuple[Knob, ...] = (
          doc="off: few-row rmsnorm calls on the warp kernel instead of a block per row (csrc/gpu/norm.cu)"),
     Knob("BARO_DELTA_COLS", "choice", "32", choices=("32", "16"),
          doc="state columns per block of the CUDA delta rule (16: twice the blocks) (csrc/gpu/delta.cu)"),
-    Knob("BARO_DELTA_ONE", "choice", "cols", choices=("cols", "heads", "pipe", "off"),
+    Knob("BARO_DELTA_ONE", "choice", "auto", choices=("auto", "cols", "heads", "pipe", "off"),
          doc="one-token delta calls: the one-token instance with a head's column blocks adjacent in the grid "
              "(cols) or the heads adjacent (heads), the pipelined persistent instance (pipe: the next tiles' "
-             "state in flight while one computes), or the 32-token kernel (off) (csrc/gpu/delta.cu)"),
+             "state in flight while one computes), or the 32-token kernel (off); auto: pipe when the call has "
+             "more state tiles than the GPU has SMs (many sequences), cols otherwise (csrc/gpu/delta.cu)"),
     Knob("BARO_GEMM_TILE", "choice", "auto", choices=("auto", "16", "simple", "64", "128"),
          doc="forces the GEMM tile config of every call of more than one row (csrc/gpu/matmul.cu)"),
     Knob("BARO_GEMM_SMALL", "choice", "auto", choices=("auto", "stream", "rows16", "simple"),

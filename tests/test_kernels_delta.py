@@ -108,7 +108,8 @@ def delta_model_inputs(rng, m, nk, nv, dk, dv):
     return y, b, a, A_log, dt_bias, state
 
 
-# One-token calls run their own instances of the kernel on CUDA (BARO_DELTA_ONE: cols and heads,
+# One-token calls run their own instances of the kernel on CUDA (BARO_DELTA_ONE: auto, its choice of
+# pipe or cols by the call's tile count; cols and heads,
 # one-token stage buffers, three blocks per SM, the grid in either order; pipe, a persistent grid
 # whose blocks walk the (head, column block) tiles with the next tiles' state in flight) or, with
 # the knob off, the 32-token kernel: each must give the rows of a many-token call, and carry the
@@ -118,7 +119,7 @@ def delta_model_inputs(rng, m, nk, nv, dk, dv):
 # dk = 16 and 32 (4 lanes per column, one copy pass), odd head counts (39, 3 x 13), and 13
 # sequences' 416 heads: 1664 tiles, more than the H200's 132 SMs x 3 blocks, so every block's
 # loop wraps its 4-buffer ring, unevenly (4 or 5 tiles a block).
-DELTA_ONE_KNOBS = ("cols", "heads", "pipe", "off")
+DELTA_ONE_KNOBS = ("auto", "cols", "heads", "pipe", "off")
 DELTA_ONE_SHAPES = DELTA_GPU_SHAPES[:2] + [(24, 96, 128, 128), (3, 39, 32, 50), (2, 6, 16, 20),
                                           (1, 3, 16, 7), (13, 39, 64, 96), (208, 416, 128, 128)]
 

@@ -76,7 +76,7 @@ inline constexpr Knob kKnobs[kCount] = {
     {"BARO_NORM_GENERIC", Kind::kOnOff, nullptr, 0, 0, 0},
     {"BARO_NORM_ROW_BLOCK", Kind::kOnOff, nullptr, 0, 0, 1},
     {"BARO_DELTA_COLS", Kind::kChoice, "32|16", 0, 0, 0},
-    {"BARO_DELTA_ONE", Kind::kChoice, "cols|heads|pipe|off", 0, 0, 0},
+    {"BARO_DELTA_ONE", Kind::kChoice, "auto|cols|heads|pipe|off", 0, 0, 0},
     {"BARO_GEMM_TILE", Kind::kChoice, "auto|16|simple|64|128", 0, 0, 0},
     {"BARO_GEMM_SMALL", Kind::kChoice, "auto|stream|rows16|simple", 0, 0, 0},
     {"BARO_GEMM_ROW1", Kind::kOnOff, nullptr, 0, 0, 1},

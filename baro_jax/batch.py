@@ -175,11 +175,16 @@ class BatchRun:
 
     logprobs: None (none), 0 (each chosen token's) or k (also the k most likely, for every
     sequence: a caller wanting fewer takes a prefix). stop_width: end and stop ids a row may carry
-    to the device (None: the most any of `sequences` has); a graph is compiled per width."""
+    to the device (None: the most any of `sequences` has); a graph is compiled per width.
+    prefill_budget: prompt rows a round may prefill, in whole chunks (None: one chunk; a prompt's
+    last, partial chunk counts as a whole one: its graph runs `chunk` rows all the same). More
+    shortens the wait for a first token when many prompts arrive together, at the price of a
+    longer gap between the running sequences' tokens in those rounds; a prompt's chunks are
+    the same either way, so no sequence's bytes change."""
 
     def __init__(self, runner, tokenizer, sequences: list[Sequence], *, slots: int, length: int, chunk: int,
                  logprobs: int | None, keep_states: bool, on_token=None, block: int = 1, stop_width: int | None = None,
-                 chain: bool = True):
+                 chain: bool = True, prefill_budget: int | None = None):
         self.r, self.tok = runner, tokenizer
         # chain: greedy blocks run one ahead while nothing waits for a slot (the next block queued
         # from the last one's outputs before its ids are read), so the device does not idle while
@@ -187,6 +192,7 @@ class BatchRun:
         self.chain = chain
         self.cfg, self.ops = runner.cfg, pooled_ops(runner.ops)
         self.slots, self.length, self.chunk = slots, length, chunk
+        self.prefill_budget = chunk if prefill_budget is None else prefill_budget
         self.top_n, self.keep_states = logprobs, keep_states
         self.on_token = on_token
         self.block = block
@@ -235,13 +241,18 @@ class BatchRun:
         return self.sched.drain_finished()
 
     def prefill_half(self):
-        """A round's first half: admit, then one prefill chunk (a prompt that completes gets its
-        first token here, which a server can send before the decode half runs)."""
+        """A round's first half: admit, then prefill chunks, oldest prompt first, until the round's
+        prefill budget is spent (at least one chunk; a prompt that completes gets its first token
+        here, which a server can send before the decode half runs)."""
         for seq in self.sched.admit():
             self.pool = CLEAR(self.pool, jnp.int32(seq.slot))
-        seq = self.sched.next_prefill()
-        if seq is not None:
+        spent = 0
+        while spent < self.prefill_budget:
+            seq = self.sched.next_prefill()
+            if seq is None:
+                break
             self._prefill_chunk(seq)
+            spent += self.chunk
 
     def decode_half(self):
         """A round's second half: one decode step of every running sequence, or a block of them."""
@@ -466,14 +477,16 @@ def check_batchable(eng, what: str = "generate_batch",
 
 
 def open_run(eng, *, max_batch: int, length: int, chunk: int, logprobs: int | None, stop_width: int,
-             what: str = "the pool", hint: str = "load without mode='tier'") -> BatchRun:
+             prefill_budget: int | None = None, what: str = "the pool",
+             hint: str = "load without mode='tier'") -> BatchRun:
     """An empty BatchRun of max_batch slots of `length` positions that sequences join with add()
     and leave with cancel(), stepped by its owner (a server's engine loop). Its graphs are fixed
     here, so nothing compiles per request. A pool the device budget cannot hold is refused now."""
     check_batchable(eng, what, hint)
     slots = _slots(eng, max_batch, max_batch, length, chunk)
     return BatchRun(eng.runner, eng.tokenizer, [], slots=slots, length=length, chunk=chunk, logprobs=logprobs,
-                    keep_states=False, block=eng.runner.decode_block, stop_width=stop_width, chain=False)
+                    keep_states=False, block=eng.runner.decode_block, stop_width=stop_width, chain=False,
+                    prefill_budget=prefill_budget)
 
 
 def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_logprobs, max_batch, chunk, stop,

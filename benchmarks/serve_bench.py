@@ -115,6 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sampled-every", type=int, default=2, help="every k-th request samples; 0: all greedy")
     ap.add_argument("--max-batch", type=int, default=None, help="server slots (default: the most clients)")
     ap.add_argument("--chunk", type=int, default=256, help="the server's prefill chunk (default: %(default)s)")
+    ap.add_argument("--prefill-budget", type=int, default=None,
+                    help="the server's prompt rows per round (default: the server's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -137,7 +139,8 @@ def main(argv=None) -> int:
     print(f"[serve_bench] {n} references alone in {time.perf_counter() - t0:.1f}s", flush=True)
 
     slots = args.max_batch or max(levels)
-    srv = Server(eng, port=0, max_batch=slots, max_queue=n, chunk=args.chunk, max_logprobs=0)
+    budget = {} if args.prefill_budget is None else {"prefill_budget": args.prefill_budget}
+    srv = Server(eng, port=0, max_batch=slots, max_queue=n, chunk=args.chunk, max_logprobs=0, **budget)
     url = srv.start()
     rows, ok = [], True
     try:
@@ -171,6 +174,7 @@ def main(argv=None) -> int:
             out = {"summary": {"model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                                "requests_per_client": args.requests_per_client, "sampled_every": args.sampled_every,
                                "slots": srv.loop.slots, "pool_length": srv.loop.length, "chunk": srv.loop.chunk,
+                               "prefill_budget": srv.loop.run.prefill_budget,
                                "decode_block": eng.settings.decode_block, "backend": eng.backend, "pass": ok,
                                **provenance()},
                    "rows": rows}

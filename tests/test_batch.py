@@ -59,6 +59,38 @@ def same(cfg, a, b):
     return None
 
 
+def test_a_prefill_budget_runs_several_chunks_a_round_with_the_bytes_alone(eng, alone):
+    """prefill_budget: a round prefills whole chunks, oldest prompt first, until the budget is spent
+    (here up to 3 chunks of 8 rows, across prompts); every sequence still gets its bytes alone, and
+    the prompts are in in fewer rounds than one chunk a round takes."""
+    from baro_jax.scheduler import Sequence
+
+    def run_all(budget):
+        run = B.open_run(eng, max_batch=4, length=1024, chunk=8, logprobs=2, stop_width=4, prefill_budget=budget)
+        seqs = [Sequence(index=i, prompt_ids=alone[i].prompt_ids, max_new_tokens=NEW[i],
+                         sampling=baro_jax.Sampling(), eos_ids=eng.eos_ids) for i in (1, 3, 5, 6)]
+        for s in seqs:
+            run.add(s)
+        rounds = 0
+        while any(s.prefilled < len(s.prompt_ids) for s in seqs):
+            before = run.steps["prefill"]
+            run.step()
+            rounds += 1
+            assert run.steps["prefill"] - before <= max(1, (budget or 8) // 8)
+        while not run.done:
+            run.step()
+        return seqs, rounds, run.steps["prefill"]
+
+    one, rounds_one, chunks = run_all(None)
+    three, rounds_three, chunks3 = run_all(24)
+    assert chunks == chunks3 and rounds_three < rounds_one and rounds_three >= -(-chunks // 3)
+    for s1, s3 in zip(one, three):
+        a = alone[s1.index]
+        for s in (s1, s3):
+            assert s.generated == a.generated_ids and s.finish_reason == a.finish_reason, s.index
+            assert [x.tobytes() for x in s.logprobs] == [x.tobytes() for x in a.logprobs], s.index
+
+
 @pytest.mark.parametrize("max_batch,chunk", [(1, 16), (3, 7), (8, 32)])
 def test_each_sequence_equals_its_run_alone(eng, alone, max_batch, chunk):
     """Mixed lengths (1 token to several chunks), fewer slots than prompts (sequences join as

@@ -69,6 +69,7 @@ def test_a_signal_lets_the_running_stream_finish_and_exits_0(sig):
 @pytest.mark.parametrize("args,msg", [
     (["--max-batch", "0"], "error: --max-batch must be >= 1, got 0"),
     (["--max-queue", "-1"], "error: --max-queue must be >= 0, got -1"),
+    (["--prefill-budget", "0"], "error: --prefill-budget must be >= 1, got 0"),
     (["--port", "70000"], "error: --port must be in [0, 65535], got 70000"),
     (["--max-body-mb", "0"], "error: --max-body-mb must be > 0, got 0.0"),
     (["--max-batchh", "3"], "error: unrecognized arguments: --max-batchh 3"),
@@ -87,10 +88,11 @@ def test_serve_bench_dry_run_checks_every_response(bench_script, tmp_path):
     JSON says where and from what it ran."""
     out = tmp_path / "serve.json"
     r = bench_script("serve_bench", "--clients", "1,3", "--prompt-len", "8", "--new-tokens", "5", "--chunk", "16",
-                     "--json", out)
+                     "--prefill-budget", "48", "--json", out)
     assert r.returncode == 0, r.stdout + r.stderr
     d = json.loads(out.read_text())
     assert d["summary"]["pass"] and [row["clients"] for row in d["rows"]] == [1, 3]
+    assert d["summary"]["prefill_budget"] == 48
     for row in d["rows"]:
         assert row["equal_solo"] == row["requests"] == row["clients"] and row["output_tokens"] == 5 * row["requests"]
         assert row["ttft_p50_s"] > 0 and row["health"]["free_slots"] == row["health"]["slots"]

@@ -51,6 +51,10 @@ def _parser():
                         "(default: %(default)s)")
     p.add_argument("--chunk", type=int, default=DEFAULTS["chunk"], metavar="N",
                    help="prefill rows per step, the token budget of a prompt's chunk (default: %(default)s)")
+    p.add_argument("--prefill-budget", type=int, default=DEFAULTS["prefill_budget"], metavar="N",
+                   help="prompt rows prefilled per round, in whole chunks, before the running sequences' next "
+                        "decode step: more gives first tokens sooner when many prompts arrive together, and "
+                        "the running ones' next token later (default: %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=DEFAULTS["max_body_bytes"] / 2**20, metavar="MB",
                    help="the largest request body, in MiB (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=DEFAULTS["shutdown_timeout"], metavar="S",
@@ -69,7 +73,7 @@ def _parser():
 
 
 def _check(args):
-    for name in ("max_batch", "max_logprobs", "chunk"):
+    for name in ("max_batch", "max_logprobs", "chunk", "prefill_budget"):
         if getattr(args, name) < (0 if name == "max_logprobs" else 1):
             raise UsageError(f"--{name.replace('_', '-')} must be >= {0 if name == 'max_logprobs' else 1}, "
                              f"got {getattr(args, name)}")
@@ -107,6 +111,7 @@ def _run(argv) -> int:
     eng = loading.load(args.model, settings=settings, seed=args.seed, progress=True)
     server = Server(eng, host=args.host, port=args.port, model_name=args.served_model_name or args.model,
                     max_batch=args.max_batch, max_queue=args.max_queue, chunk=args.chunk,
+                    prefill_budget=args.prefill_budget,
                     max_logprobs=args.max_logprobs, max_body_bytes=int(args.max_body_mb * 2**20),
                     shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
     try:

@@ -4,7 +4,8 @@ The front end never touches the pool: it hands jobs (one sequence each) and canc
 inbox, and receives each job's tokens through the job's sink, a thread-safe callback. Between two
 rounds the loop takes in what arrived, so a new request waits at most one round (a prefill chunk
 and a decode step, or a block of at most decode_block greedy steps) before it is scheduled, and a
-cancelled one gives its slot back at the next round. The pool's slots and length are fixed when
+cancelled one gives its slot back at the next round. A round prefills up to prefill_budget prompt
+rows (whole chunks): prompts that arrive together get their first tokens in fewer rounds. The pool's slots and length are fixed when
 the loop starts, so its graphs compile once.
 
 Admission is bounded: a request is refused (Overloaded) when the sequences already taken in
@@ -47,10 +48,12 @@ class Job:
 
 
 class EngineLoop:
-    def __init__(self, engine, *, max_batch: int, max_queue: int, chunk: int, max_logprobs: int, max_stop_ids: int):
+    def __init__(self, engine, *, max_batch: int, max_queue: int, chunk: int, max_logprobs: int, max_stop_ids: int,
+                 prefill_budget: int | None = None):
         self.engine = engine
         self._pool_args = dict(max_batch=max_batch, length=engine.cfg.max_context,
                                chunk=min(chunk, engine.cfg.max_context), logprobs=max_logprobs,
+                               prefill_budget=prefill_budget,
                                stop_width=len(engine.eos_ids) + max_stop_ids, what="the server",
                                hint="start it without --mode tier (BARO_TIER)")
         with engine.exclusive():

@@ -441,7 +441,20 @@ class BatchRun:
             self._finish(seq, "length")
 
     def _stopped_by_string(self, seq) -> bool:
-        text = self.tok.decode(seq.generated)
+        """Whether a stop string is in the text now. It was not before this token, so a new one
+        ends in this token's bytes and starts at most its length in bytes back: a window of
+        recent tokens whose text holds that many bytes, plus 4 spare tokens before it that absorb
+        what a decode starting mid-character or after a dropped leading space changes at the
+        window's start, holds it. A token is a byte or more of text, except special tokens a
+        decode may drop: the window doubles while its text is short. Decoding the whole text
+        at every token instead costs the square of the length (2,000 tokens: about 2 million
+        token decodes a sequence)."""
+        gen = seq.generated
+        need = max(len(s.encode("utf-8")) for s in seq.stop_strings)
+        w = need
+        while w < len(gen) and len(self.tok.decode(gen[-w:]).encode("utf-8")) < need:
+            w *= 2
+        text = self.tok.decode(gen[-(w + 4):])
         return any(s in text for s in seq.stop_strings)
 
     def _finish(self, seq: Sequence, reason: str):

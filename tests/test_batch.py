@@ -156,6 +156,26 @@ def test_stops_and_finish_reasons(eng, alone):
     assert g.finish_reason == "stop" and word not in g.text and text.startswith(g.text)
 
 
+def test_stop_strings_end_where_the_whole_text_first_holds_them(eng):
+    """A stop string ends its sequence at the first token after which the whole decoded text holds
+    it (the check decodes a window of recent tokens): for substrings of a free run's text at many
+    places and lengths (inside a token, across tokens, the whole text), and several at once."""
+    free = eng.generate(PROMPTS[3], 40, stop_at_eos=False)
+    dec = eng.tokenizer.decode
+    ids, text = free.generated_ids, dec(free.generated_ids)
+    rng = np.random.default_rng(7)
+    stops = [[text[a:a + n]] for a, n in zip(rng.integers(0, len(text) - 1, 12), rng.integers(1, 9, 12))]
+    stops += [[text[-3:]], [text], [text[5:7], text[20:30]], ["\u0000never"]]
+    for stop in stops:
+        stop = [s for s in stop if s]
+        want = next((k for k in range(1, len(ids) + 1) if any(s in dec(ids[:k]) for s in stop)), None)
+        got = eng.generate_batch([PROMPTS[3]], 40, stop=stop, stop_at_eos=False)[0]
+        if want is None:
+            assert got.generated_ids == ids and got.finish_reason == "length", stop
+        else:
+            assert got.generated_ids == ids[:want] and got.finish_reason == "stop", (stop, want, len(got.generated_ids))
+
+
 def test_a_sequence_stopped_inside_a_device_block_keeps_its_state_at_the_stop(eng, alone):
     """Greedy rows run blocks of decode steps on the device; a row that meets a stop id mid-block
     (or whose callback ends it) must end there: its tokens, logprobs and state are those of the

@@ -503,7 +503,7 @@ def open_run(eng, *, max_batch: int, length: int, chunk: int, logprobs: int | No
 
 
 def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_logprobs, max_batch, chunk, stop,
-                   stop_token_ids, stop_at_eos, keep_states, on_token, sequence_type):
+                   stop_token_ids, stop_at_eos, keep_states, on_token, sequence_type, prefill_budget=None):
     """Engine.generate_batch's body (see there)."""
     check_batchable(eng)
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
@@ -530,11 +530,14 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
     length = state_length(max(len(x) + m for x, m in zip(ids, news)), eng.cfg.max_context)
     chunk = checks.as_int("chunk", chunk, lo=1) if chunk is not None else min(DEFAULT_BATCH_CHUNK, length)
     slots = _slots(eng, n, max_batch, length, chunk)
+    if prefill_budget is not None:
+        prefill_budget = checks.as_int("prefill_budget", prefill_budget, lo=1)
     seqs = [sequence_type(index=i, prompt_ids=x, max_new_tokens=m, sampling=s, stop_ids=stop_ids,
                           stop_strings=stops, eos_ids=eos, want_prompt_logprobs=bool(prompt_logprobs))
             for i, (x, m, s) in enumerate(zip(ids, news, samplings))]
     run = BatchRun(eng.runner, eng.tokenizer, seqs, slots=slots, length=length, chunk=chunk, logprobs=top_n,
-                   keep_states=keep_states, on_token=on_token, block=eng.runner.decode_block)
+                   keep_states=keep_states, on_token=on_token, block=eng.runner.decode_block,
+                   prefill_budget=prefill_budget)
     t0 = time.perf_counter()
     done = run.run()
     dt = time.perf_counter() - t0
@@ -554,6 +557,7 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
             top_logprobs=seq.top_logprobs if top_n else None,
             prompt_logprobs=seq.prompt_logprobs if prompt_logprobs else None, finish_reason=seq.finish_reason))
     eng.last_batch_stats = {"sequences": n, "slots": slots, "pool_length": length, "chunk": chunk,
+                            "prefill_budget": run.prefill_budget,
                             "steps": dict(run.steps), "seconds": dt,
                             "generated_tokens": sum(len(s.generated) for s in done)}
     return out

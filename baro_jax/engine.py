@@ -569,7 +569,8 @@ class Engine:
     def generate_batch(self, prompts, max_new_tokens=64, *, sampling=None, logprobs: int = 0,
                        prompt_logprobs: bool = False, max_batch: int | None = None, chunk: int | None = None,
                        stop=None, stop_token_ids=None, stop_at_eos: bool = True, keep_states: bool = False,
-                       on_token: Callable[[int, int], object] | None = None) -> list[GenerateResult]:
+                       on_token: Callable[[int, int], object] | None = None,
+                       prefill_budget: int | None = None) -> list[GenerateResult]:
         """Continue many prompts at once; one GenerateResult per prompt, in input order.
 
         Each sequence gets exactly the bytes it gets alone (generate(prompt) with the same
@@ -578,7 +579,10 @@ class Engine:
         one for all, or one per prompt. logprobs: 0 (the chosen token's log-probability) or k
         (also the k most likely). prompt_logprobs: each prompt token's log-probability. max_batch:
         sequence slots (None: as many as the prompts, at most 64 and what the device budget
-        holds); chunk: prefill rows per step (None: 256, at most the pool's length). stop: strings
+        holds); chunk: prefill rows per step (None: 256, at most the pool's length);
+        prefill_budget: prompt rows prefilled per round, in whole chunks, before the running
+        sequences' next step (None: one chunk; more gets many prompts going sooner and makes
+        the running ones wait longer in those rounds; the bytes are the same). stop: strings
         that end a sequence; stop_token_ids: ids that do; end-of-sequence ids end it too
         (stop_at_eos). on_token(i, id): each token of prompt i as it is chosen; returning False
         ends that sequence (finish_reason "stop"). keep_states: each result carries its
@@ -586,7 +590,7 @@ class Engine:
         return batch.generate_batch(self, prompts, max_new_tokens, sampling=sampling, logprobs=logprobs,
                                 prompt_logprobs=prompt_logprobs, max_batch=max_batch, chunk=chunk, stop=stop,
                                 stop_token_ids=stop_token_ids, stop_at_eos=stop_at_eos, keep_states=keep_states,
-                                on_token=on_token, sequence_type=Sequence)
+                                on_token=on_token, sequence_type=Sequence, prefill_budget=prefill_budget)
 
     def score(self, prompt, continuation, *, chunk: int | None = None) -> np.ndarray:
         """The log-probabilities [len(continuation)] float32 of `continuation`'s tokens after

@@ -92,6 +92,9 @@ def _parser():
     p.add_argument("--max-batch", type=int, default=None, metavar="N",
                    help="with --prompts-file: sequences decoding at once (default: as many as the prompts, at most "
                         "64, as the device budget allows)")
+    p.add_argument("--prefill-budget", type=int, default=None, metavar="N",
+                   help="with --prompts-file: prompt rows prefilled per round, in whole chunks of 256, before the "
+                        "running sequences' next step; the bytes are the same (default: one chunk)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the checkpoint's chat template (default: off)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
@@ -148,6 +151,10 @@ def _request(args):
         raise UsageError("--max-batch is for --prompts-file (many prompts at once)")
     if args.max_batch is not None and args.max_batch < 1:
         raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.prefill_budget is not None and args.prompts_file is None:
+        raise UsageError("--prefill-budget is for --prompts-file (many prompts at once)")
+    if args.prefill_budget is not None and args.prefill_budget < 1:
+        raise UsageError(f"--prefill-budget must be >= 1, got {args.prefill_budget}")
     if args.prompts_file is not None:
         return settings, sampling, _batch_request(args, settings, sampling)
     prompt = _prompt(args)
@@ -375,7 +382,7 @@ def _run_batch(eng, args, requests, interrupt) -> int:
                  f"{now:.1f}s")
 
     results = eng.generate_batch(prompts, news, sampling=samplings, logprobs=0, max_batch=args.max_batch,
-                                 on_token=on_token)
+                                 on_token=on_token, prefill_budget=args.prefill_budget)
     interrupt.check()
     for i, res in enumerate(results):
         out = res.to_json()

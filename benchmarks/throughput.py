@@ -70,7 +70,7 @@ def mixed_row(eng, args, B: int, rng) -> dict:
     n, length = args.mixed
     prompts = [[int(t) for t in rng.integers(0, eng.cfg.vocab_size, args.prompt_len)] for _ in range(B)]
     prompts += [[int(t) for t in rng.integers(0, eng.cfg.vocab_size, length)] for _ in range(n)]
-    kw = dict(max_batch=B + n, chunk=args.chunk, stop_at_eos=False)
+    kw = dict(max_batch=B + n, chunk=args.chunk, stop_at_eos=False, prefill_budget=args.prefill_budget)
     eng.generate_batch(prompts, args.new_tokens, **kw)  # compiles
     times: dict = {}
 
@@ -121,6 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=1024, help="prefill rows per step (default: 1024)")
+    ap.add_argument("--prefill-budget", type=int, default=None,
+                    help="prompt rows prefilled per round, whole chunks (default: one chunk)")
     ap.add_argument("--check", type=int, default=2, help="sequences per batch compared with their run alone")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mixed", default=None, metavar="N:LEN",
@@ -144,9 +146,11 @@ def main(argv=None) -> int:
         prompts = [[int(t) for t in rng.integers(0, eng.cfg.vocab_size, args.prompt_len)] for _ in range(B)]
         # the same call first: it compiles every graph the timed one runs (the prefill chunk, the
         # one-step decode, the full and the shorter greedy blocks)
-        eng.generate_batch(prompts, args.new_tokens, max_batch=B, chunk=args.chunk, stop_at_eos=False)
+        eng.generate_batch(prompts, args.new_tokens, max_batch=B, chunk=args.chunk, stop_at_eos=False,
+                           prefill_budget=args.prefill_budget)
         t0 = time.perf_counter()
-        res = eng.generate_batch(prompts, args.new_tokens, max_batch=B, chunk=args.chunk, stop_at_eos=False)
+        res = eng.generate_batch(prompts, args.new_tokens, max_batch=B, chunk=args.chunk, stop_at_eos=False,
+                                 prefill_budget=args.prefill_budget)
         wall = time.perf_counter() - t0
         stats = dict(eng.last_batch_stats)
         first = [r.prefill_seconds for r in res]  # each sequence's first token, seconds from the start
@@ -164,6 +168,7 @@ def main(argv=None) -> int:
                "aggregate_tokens_per_s": gen / wall,
                "decode_tokens_per_s": dec_tokens / dec_time if dec_time > 0 else None,
                "steps": stats["steps"], "pool_length": stats["pool_length"], "chunk": stats["chunk"],
+               "prefill_budget": stats["prefill_budget"],
                "equal_alone": checks,
                "bound": decode_bound(eng, B, args.prompt_len + args.new_tokens // 2, args.bandwidth_tbs)}
         rows.append(row)

@@ -81,6 +81,10 @@ def test_a_prefill_budget_runs_several_chunks_a_round_with_the_bytes_alone(eng, 
             run.step()
         return seqs, rounds, run.steps["prefill"]
 
+    got = eng.generate_batch([PROMPTS[i] for i in (1, 3, 5, 6)], [NEW[i] for i in (1, 3, 5, 6)], logprobs=2,
+                             max_batch=4, chunk=8, prefill_budget=24)
+    for i, r in zip((1, 3, 5, 6), got):
+        assert same(eng.cfg, alone[i], r) is None, i
     one, rounds_one, chunks = run_all(None)
     three, rounds_three, chunks3 = run_all(24)
     assert chunks == chunks3 and rounds_three < rounds_one and rounds_three >= -(-chunks // 3)
@@ -253,6 +257,8 @@ def test_no_compilation_per_request(eng):
     (dict(stop=[""]), "stop must be a string or a list of non-empty strings"),
     (dict(stop_token_ids=[10**6]), "outside the vocabulary"),
     (dict(on_token=5), "on_token must be a callable"),
+    (dict(prefill_budget=0), "prefill_budget must be >= 1"),
+    (dict(prefill_budget=2.5), "prefill_budget must be an integer"),
     (dict(sampling=baro_jax.Sampling(top_k=3)), "temperature is 0"),
 ])
 def test_bad_batch_arguments(eng, kw, msg):

@@ -26,7 +26,7 @@ def write(tmp_path, lines, raw=None):
 def test_each_line_equals_its_run_alone(tmp_path, capsys):
     path = write(tmp_path, LINES)
     rc = generate.main(["--prompts-file", path, "--max-new-tokens", "5", "--max-batch", "2", "--seed", "4",
-                        "--json"])
+                        "--prefill-budget", "512", "--json"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     rows = [json.loads(x) for x in out.splitlines()]
@@ -72,6 +72,7 @@ def test_bad_lines_are_refused_before_the_model_loads(tmp_path, capsys, monkeypa
 
 @pytest.mark.parametrize("args,msg", [
     (("--prompt", "a", "--max-batch", "2"), "--max-batch is for --prompts-file"),
+    (("--prompt", "a", "--prefill-budget", "512"), "--prefill-budget is for --prompts-file"),
     (("--prompts-file", "/nonexistent.jsonl"), "cannot read it (No such file or directory)"),
     (("--prompts-file", "P", "--prompt", "a"), "not allowed with argument"),
 ])

@@ -288,7 +288,7 @@ stage_vs_peer() {
 stage_batch() {
   timeout "${THROUGHPUT_TIMEOUT:-300}" python benchmarks/throughput.py --model qwen3.5-35b-a3b \
     --batches "${BATCH_SIZES:-1,8,32,64}" --prompt-len 1024 --new-tokens "${BATCH_NEW:-256}" --check 2 \
-    ${BATCH_MIXED:+--mixed "$BATCH_MIXED"} --json "$OUT/throughput_h200.json" --png "$OUT/throughput_h200.png" 2>&1 \
+    ${BATCH_MIXED:+--mixed "$BATCH_MIXED"} ${BATCH_PREFILL_BUDGET:+--prefill-budget "$BATCH_PREFILL_BUDGET"} --json "$OUT/throughput_h200.json" --png "$OUT/throughput_h200.png" 2>&1 \
     | grep -v '^\[baro_jax\]' | tail -8
   local b
   for b in ${BATCH_PROFILE:-1 8 64}; do
@@ -328,7 +328,7 @@ stage_agreement() {
 stage_serve() {  # needs the server's wheels in .whl (benchmarks/serve_wheels.sh, carried): the machine has none
   install_whl
   timeout "${SERVE_TIMEOUT:-560}" python benchmarks/serve_bench.py --model qwen3.5-35b-a3b \
-    --clients "${SERVE_CLIENTS:-1,16,64}" --prompt-len "${SERVE_PROMPT_LEN:-1024}" --new-tokens "${SERVE_NEW:-128}" \
+    --clients "${SERVE_CLIENTS:-1,16,64}" ${SERVE_PREFILL_BUDGET:+--prefill-budget "$SERVE_PREFILL_BUDGET"} --prompt-len "${SERVE_PROMPT_LEN:-1024}" --new-tokens "${SERVE_NEW:-128}" \
     --json "$OUT/serve_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
 }
 for s in "$@"; do log "$s"; "stage_$s" || log "stage $s FAILED"; done

@@ -360,16 +360,24 @@ async def _ask(h, q, stream: bool, drop_after=None):
 def test_many_clients_each_get_their_solo_bytes(server, solo):
     """Every distinct request alone through the API, then 64 at once, then 32 clients streaming or
     not of which some hang up mid-stream: each completed answer is its Engine.generate run, bytes;
-    the slots all come back."""
+    the slots all come back. Each phase opens its own connections: one reused after idling past
+    uvicorn's 5 s keep-alive can be closed by the server just as a request goes out on it (an
+    httpx.ReadError before any response, seen once in CI under load), which is the client's
+    retry to make, not what this test is about."""
+    def client():
+        return httpx.AsyncClient(base_url=server.url, timeout=120, limits=httpx.Limits(max_connections=80))
+
     async def main():
-        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=httpx.Limits(max_connections=80)) as h:
+        async with client() as h:
             start = await _wait_idle(h)
             for q, ref in zip(REQS, solo):
                 check_completion(await _ask(h, q, stream=False), ref, 2)
+        async with client() as h:
             which = [i % len(REQS) for i in range(64)]
             got = await asyncio.gather(*(_ask(h, REQS[w], stream=False) for w in which))
             for w, c in zip(which, got):
                 check_completion(c, solo[w], 2)
+        async with client() as h:
             which = [(7 * i) % len(REQS) for i in range(32)]
             drops = [3 if i % 4 == 1 else None for i in range(32)]
             got = await asyncio.gather(*(_ask(h, REQS[w], stream=i % 2 == 1, drop_after=d)
@@ -378,6 +386,7 @@ def test_many_clients_each_get_their_solo_bytes(server, solo):
             for w, c in zip(which, got):
                 if c is not None:
                     check_completion(c, solo[w], 2)
+        async with client() as h:
             end = await _wait_idle(h)
             assert end["free_slots"] == start["free_slots"] == SLOTS
 

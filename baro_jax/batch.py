@@ -407,10 +407,14 @@ class BatchRun:
             seq.prompt_logprobs = [None]
             seq.prompt_top_logprobs = [None] if seq.prompt_top_n else None
         rows = LOGPROBS(logits, ops=self.ops)
-        lp = np.asarray(rows)
         nxt = seq.prompt_ids[p + 1:p + len(part) + 1]  # the token each row predicts
-        for i, t in enumerate(nxt):
-            seq.prompt_logprobs.append(np.float32(lp[i, t]))
+        # each row's one value picked on the device: the rows themselves are chunk x vocabulary
+        # floats (256 x 248k: 254 MB a chunk to bring over)
+        want = np.zeros((rows.shape[0],), np.int32)
+        want[:len(nxt)] = nxt
+        lp = np.asarray(PICK(rows, jnp.arange(rows.shape[0], dtype=jnp.int32), jnp.asarray(want)))
+        for i in range(len(nxt)):
+            seq.prompt_logprobs.append(np.float32(lp[i]))
         if seq.prompt_top_n:
             # on the device: a host argsort of every prompt row over a large vocabulary is slow;
             # one k per pool (the widest asked) so that one graph serves every request
@@ -561,6 +565,27 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
                             "steps": dict(run.steps), "seconds": dt,
                             "generated_tokens": sum(len(s.generated) for s in done)}
     return out
+
+
+def score_batch(eng, prompts, continuations, *, chunk, max_batch) -> list:
+    """Engine.score_batch's body (see there)."""
+    for name, v in (("prompts", prompts), ("continuations", continuations)):
+        if isinstance(v, (str, bytes)) or not hasattr(v, "__len__"):
+            raise TypeError(f"score_batch: {name} must be a list (of texts or token-id lists), got {type(v).__name__}")
+    if len(prompts) != len(continuations):
+        raise ValueError(f"score_batch: {len(prompts)} prompts and {len(continuations)} continuations (one each)")
+    ps = [eng.check_ids(eng.encode(p)) for p in prompts]
+    cs = [eng.check_ids(eng.encode(c)) for c in continuations]
+    for i, (p, c) in enumerate(zip(ps, cs)):
+        if not p:
+            raise ValueError(f"score_batch: prompt {i} is empty (the first token has no log-probability)")
+        if not c:
+            raise ValueError(f"score_batch: continuation {i} is empty")
+    if not ps:
+        return []
+    res = eng.generate_batch([p + c for p, c in zip(ps, cs)], 0, prompt_logprobs=True, max_batch=max_batch,
+                             chunk=chunk, stop_at_eos=False)
+    return [np.asarray(r.prompt_logprobs[len(p):], np.float32) for p, r in zip(ps, res)]
 
 
 def cut_at_stop(text: str, stops) -> str:

@@ -603,6 +603,15 @@ class Engine:
         lp = self.forced_logprobs(ids, chunk=chunk, start=len(p) - 1)
         return np.asarray([lp[i, t] for i, t in enumerate(c)], np.float32)
 
+    def score_batch(self, prompts, continuations, *, chunk: int | None = None,
+                    max_batch: int | None = None) -> list[np.ndarray]:
+        """score() of many (prompt, continuation) pairs at once, one float32 array per pair in
+        input order, each the bytes score(prompt, continuation) gives alone: every pair runs as a
+        sequence of the many-sequence pool (its prompt and continuation prefilled, each position's
+        log-probability kept, nothing generated). prompts and continuations: texts or token-id
+        lists, as many of one as of the other; max_batch and chunk as generate_batch's."""
+        return batch.score_batch(self, prompts, continuations, chunk=chunk, max_batch=max_batch)
+
     def forced_logprobs(self, ids, chunk: int | None = None, start: int = 0) -> np.ndarray:
         """log_softmax rows [n - start, V] of forced_logits (the ordered row-wise op)."""
         logits = self.forced_logits(ids, chunk=chunk, start=start)

@@ -140,6 +140,26 @@ def test_prompt_logprobs_and_score(eng):
         assert s.tobytes() == np.asarray(r.logprobs, np.float32).tobytes()
 
 
+def test_score_batch_gives_each_pair_its_score_alone(eng, alone):
+    """score_batch: each pair's log-probabilities are score()'s bytes alone, which are the bytes
+    the sampler saw generating that continuation; texts and id lists, pairs of any lengths, fewer
+    slots than pairs; bad arguments are named."""
+    pairs = [(alone[i].prompt_ids, alone[i].generated_ids) for i in (0, 1, 3, 6)]
+    pairs += [("def f(x):", " return x + 1"), ([5], [9, 9, 9])]
+    got = eng.score_batch([p for p, _ in pairs], [c for _, c in pairs], max_batch=2, chunk=16)
+    assert len(got) == len(pairs)
+    for (p, c), g in zip(pairs, got):
+        assert g.dtype == np.float32 and g.tobytes() == eng.score(p, c).tobytes(), (p, c)
+    for i, g in zip((0, 1, 3, 6), got):
+        assert g.tobytes() == np.asarray(alone[i].logprobs, np.float32).tobytes()
+    assert eng.score_batch([], []) == []
+    for args, msg in ((("a", ["b"]), "prompts must be a list"), ((["a"], ["b", "c"]), "1 prompts and 2"),
+                      ((["a", ""], ["b", "c"]), "prompt 1 is empty"), ((["a"], [[]]), "continuation 0 is empty"),
+                      ((["a"], [[10**7]]), "outside the vocabulary")):
+        with pytest.raises((TypeError, ValueError), match=msg):
+            eng.score_batch(*args)
+
+
 def test_stops_and_finish_reasons(eng, alone):
     ref = alone[1]
     text = eng.tokenizer.decode(ref.generated_ids)

@@ -51,10 +51,11 @@ static bool forced_config(GemmConfig& cfg) {
 // over 16-row slots, where K % 16 == 0), rows16 (gemm_rows16.cuh) or simple (the simple
 // synchronous kernel; one-row calls then run there too); auto: the stream for a plain call of
 // one slot (2 to 16 rows), gemm_rows16 otherwise. All give the same bits; the tests compare them.
-// Measured on the H200 (decode steps of 8 and 64 sequences, 6eb5b4e): one slot streams faster
-// (8 rows: in_proj 23.9 -> 21.6 us, out_proj 18.0 -> 15.5, router 9.7 -> 7.0, the shared
-// expert's gate 9.7 -> 6.7); several slots do not (64 rows, out_proj 22.5 -> 46: the slots of a
-// column unit read W again through L2), nor grouped MoE calls (8 sequences: gate/up 75 -> 95).
+// Measured on the H200 (decode steps of 8 and 64 sequences, 6eb5b4e, both kernels in one run):
+// one slot streams a little faster (8 rows: in_proj 23.1 -> 22.0 us, out_proj 15.7 -> 15.2,
+// router 8.3 -> 7.0, the shared expert's gate 8.1 -> 6.7); several slots do not (64 rows,
+// out_proj 22.5 -> 46: the slots of a column unit read W again through L2), nor grouped MoE
+// calls (8 sequences: gate/up 76.5 -> 97.1). docs/PERF.md has the table.
 [[maybe_unused]] static bool small_simple() { return baro::knobs::is(baro::knobs::kGemmSmall, "simple"); }
 [[maybe_unused]] static bool small_stream(const GemmParams& p) {
   namespace k = baro::knobs;

@@ -154,8 +154,7 @@ def draw(logits_row, seq: Sequence):
     """The sequence's next token from its logits row [V], as a device scalar not yet read
     (sampling.Sampler's rule, the same jitted calls on the same row: greedy, or its seed's key
     for this token index). A step's sampled rows are all dispatched before any is read: one
-    transfer for the step, not one round trip per row (64 sampled rows cost about 100 ms per
-    step read one by one on the H200)."""
+    transfer for the step, not one round trip per row."""
     s = seq.sampling
     if s.greedy:
         return greedy(logits_row)
@@ -192,7 +191,9 @@ class BatchRun:
         self.chain = chain
         self.cfg, self.ops = runner.cfg, pooled_ops(runner.ops)
         self.slots, self.length, self.chunk = slots, length, chunk
-        self.prefill_budget = chunk if prefill_budget is None else prefill_budget
+        # at least one chunk a round, or prompts would never be prefilled
+        self.prefill_budget = chunk if prefill_budget is None else checks.as_int("prefill_budget", prefill_budget,
+                                                                                   lo=1)
         self.top_n, self.keep_states = logprobs, keep_states
         self.on_token = on_token
         self.block = block
@@ -537,8 +538,6 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
     length = state_length(max(len(x) + m for x, m in zip(ids, news)), eng.cfg.max_context)
     chunk = checks.as_int("chunk", chunk, lo=1) if chunk is not None else min(DEFAULT_BATCH_CHUNK, length)
     slots = _slots(eng, n, max_batch, length, chunk)
-    if prefill_budget is not None:
-        prefill_budget = checks.as_int("prefill_budget", prefill_budget, lo=1)
     seqs = [sequence_type(index=i, prompt_ids=x, max_new_tokens=m, sampling=s, stop_ids=stop_ids,
                           stop_strings=stops, eos_ids=eos, want_prompt_logprobs=bool(prompt_logprobs))
             for i, (x, m, s) in enumerate(zip(ids, news, samplings))]

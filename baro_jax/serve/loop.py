@@ -5,8 +5,8 @@ inbox, and receives each job's tokens through the job's sink, a thread-safe call
 rounds the loop takes in what arrived, so a new request waits at most one round (a prefill chunk
 and a decode step, or a block of at most decode_block greedy steps) before it is scheduled, and a
 cancelled one gives its slot back at the next round. A round prefills up to prefill_budget prompt
-rows (whole chunks): prompts that arrive together get their first tokens in fewer rounds. The pool's slots and length are fixed when
-the loop starts, so its graphs compile once.
+rows (whole chunks): prompts that arrive together get their first tokens in fewer rounds. The
+pool's slots and length are fixed when the loop starts, so its graphs compile once.
 
 Admission is bounded: a request is refused (Overloaded) when the sequences already taken in
 (waiting, in the inbox, or holding a slot) leave no room for its own among slots + max_queue.

@@ -104,13 +104,15 @@ def moe_scratch_bytes(cfg: Config, m: int, fused: bool = True) -> int:
     the library is not built (then no baro_moe runs).
 
     fused: gate/up runs with the SwiGLU in its epilogue (CUDA's GEMM configs at prefill sizes), so
-    there is no fp32 gu buffer; HIP never fuses (gemm_fused_swiglu_ok). m == 1 counts the
-    one-token fold's extra grouped row and logit and its tail counters whenever I == Is (an upper
-    bound: moe_plan has more conditions)."""
+    there is no fp32 gu buffer; HIP never fuses (gemm_fused_swiglu_ok). It counts the fold's
+    pieces (the shared gate's logits, the shared expert's m grouped rows, the tail counters)
+    wherever moe_plan may fold: one token when I == Is; m rows when the router GEMM (m <= 64) or
+    the grouped GEMMs (under 8 pairs per expert) run on 16-row slots (an upper bound: moe_plan
+    has more conditions)."""
     if m <= 0:
         return 0
     E, k, I, Is, D = cfg.num_experts, cfg.top_k, cfg.moe_inter, cfg.shared_inter, cfg.hidden_size
-    fold = m == 1 and I == Is
+    fold = I == Is if m == 1 else (m <= 64 or m * k < 8 * E)
     n = kernel_scratch_bytes("moe", m=m, E=E, k=k, I=I, Is=Is, D=D, fold=fold, fused=fused, tail=fold, stage=False)
     return 0 if n is None else n
 

@@ -90,7 +90,8 @@ _TABLE: tuple[Knob, ...] = (
          doc="1: the opt-in sm_90a wgmma prefill attention where it runs; require: an error where it would fall "
              "back (tests) (csrc/gpu/attention_fa.cuh)"),
     Knob("BARO_MOE_FOLD", "onoff", True,
-         doc="off: the one-token MoE as separate launches instead of the fold (csrc/gpu/moe.cu)"),
+         doc="off: the shared expert and its gate as GEMMs of their own instead of folded into the router and "
+             "grouped GEMMs (one token; many rows on 16-row slots) (csrc/gpu/moe.cu)"),
     Knob("BARO_MOE_TAIL", "choice", "1", choices=("1", "0", "combine"),
          doc="the fold's route and combine inside the grouped GEMMs (1), as their own kernels (0), or only the "
              "combine inside (combine) (csrc/gpu/moe.cu)"),

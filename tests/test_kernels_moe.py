@@ -272,6 +272,56 @@ def test_moe_top_k_past_a_warp(platform):
     assert_close(full, ref_moe(h, *w, k), 1e-3, f"moe top_k={k} vs float64")
 
 
+# Many rows with I == Is (CUDA): the shared gate as the router GEMM's column E and the shared
+# expert as ceil(m / 16) more tiles of the grouped GEMMs (moe.cu MoePlan::share, gate_tail)
+# wherever those run on 16-row slots, against BARO_MOE_FOLD=0 (GEMMs of their own) and each row
+# alone (the one-token fold). m = 17..64 take the allocator's scratch (no _small twin); m = 100
+# groups in two chunks with the router on 64-row tiles (share without gate_tail); forced 16-row
+# tiles at m = 300 share through the two-chunk grouping. The stream and gemm_rows16 both read
+# W_last / W_tail; the simple kernel cannot, so the fold is off there. D = 136: no K % 16, so no
+# stream; E = 8 gives several pairs per expert.
+SHARE_ARMS = [("default", {}), ("BARO_MOE_FOLD=0", {"BARO_MOE_FOLD": "0"}), ("stream", {"BARO_GEMM_SMALL": "stream"}),
+              ("rows16", {"BARO_GEMM_SMALL": "rows16"}), ("simple", {"BARO_GEMM_SMALL": "simple"}),
+              ("rows16 light 1 warp", {"BARO_GEMM_SMALL": "rows16", "BARO_ROWS16_RING": "light",
+                                       "BARO_ROWS16_WARPS": "1"})]
+
+
+@pytest.mark.parametrize("m,E,D,I,k,tile", [(2, 256, 256, 80, 8, None), (5, 8, 136, 72, 2, None),
+                                            (16, 256, 256, 80, 8, None), (17, 256, 256, 80, 8, None),
+                                            (33, 8, 136, 72, 2, None), (64, 256, 256, 80, 8, None),
+                                            (100, 256, 256, 80, 8, None), (300, 256, 256, 80, 8, "16")])
+def test_moe_shared_folded(platform, m, E, D, I, k, tile, monkeypatch):
+    rng = np.random.default_rng(1700 + m + E)
+    h = bf16(rng, m, D)
+    w = moe_weights_sized(rng, E, D, I, I)
+    wd = put(platform, *w)
+    got = {}
+    for name, knobs in SHARE_ARMS:
+        set_knobs(monkeypatch, {})
+        force_tile(monkeypatch, tile)
+        for kn, v in knobs.items():
+            monkeypatch.setenv(kn, v)
+        poison(platform, (m, D))  # a fresh jit: the launcher reads the knobs when the graph is built
+        got[name] = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h), *wd))
+        assert np.all(np.isfinite(got[name])), f"moe m={m} E={E} left elements unwritten ({name})"
+    for name, arr in got.items():
+        assert_same_bits(arr, got["BARO_MOE_FOLD=0"], f"moe m={m} E={E} D={D}: {name} vs BARO_MOE_FOLD=0")
+    set_knobs(monkeypatch, {})
+    force_tile(monkeypatch, None)
+    for i in sorted({0, m // 2, m - 1}):
+        poison(platform, (1, D))
+        one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h[i:i + 1]), *wd))
+        assert_same_bits(one[0], got["default"][i], f"moe m={m} E={E} row {i} vs one-row call")
+    pgu, pdn, slots = pool_for(w[1], w[2], range(E), E + 3, rng)
+    force_tile(monkeypatch, tile)
+    poison(platform, (m, D))
+    pooled = np.asarray(jax.jit(lambda *a: cc.moe_slots(*a, top_k=k))(
+        *put(platform, h, w[0], pgu, pdn, slots, w[3], w[4], w[5])))
+    assert_same_bits(pooled, got["default"], f"moe_slots m={m} E={E} (every expert at a pool slot)")
+    force_tile(monkeypatch, None)
+    assert_close(got["default"], ref_moe(h, *w, k), 1e-3, f"moe m={m} E={E} vs float64")
+
+
 # One token through a slot table with I == Is: the fold (top-k and grouping in one warp,
 # the shared expert as one more grouped row) reading experts at their pool slots gives the
 # bytes of moe, folded or not (BARO_MOE_FOLD=0), with the route and combine inside the

@@ -20,10 +20,11 @@ def moe_by_hand(m, E, k, I, Is, D, fold, fused, tail, stage):
     if m == 0:
         return 0
     P = m * k
-    R = P + fold
-    max_tiles = P // (1 if m == 1 else 16) + min(E, P) + 1
+    R = P + fold * m  # the folded shared expert's rows
+    bm = 1 if m == 1 else 16
+    max_tiles = P // bm + min(E, P) + (-(-m // bm) if fold else 1)
     chunks = -(-P // 512)
-    pieces = [4 * (m * E + fold), 4 * P, 4 * P, 4 * R, 4 * P, 12 * max_tiles, 4, 4 * chunks * E,
+    pieces = [4 * (m * E + fold * m), 4 * P, 4 * P, 4 * R, 4 * P, 12 * max_tiles, 4, 4 * chunks * E,
               0 if fused else 4 * P * 2 * I, 2 * R * I, 4 * R * D, 4 * m * 2 * Is, 2 * m * Is, 4 * m * D, 4 * m,
               4 * ((D + 7) // 8) if tail else 0, 2 * k * 2 * I * D if stage else 0, 2 * k * D * I if stage else 0]
     return sum(up(b) for b in pieces if b)
@@ -98,9 +99,9 @@ def test_budget_plans_the_kernels_moe_scratch():
     from baro_jax.config import preset
     cfg = preset("qwen3.5-35b-a3b")
     E, k, I, Is, D = cfg.num_experts, cfg.top_k, cfg.moe_inter, cfg.shared_inter, cfg.hidden_size
-    for m in (1, 2, 37, 8192):
+    for m in (1, 2, 37, 64, 65, 255, 256, 8192):
         for fused in (True, False):
-            fold = int(m == 1 and I == Is)
+            fold = int(I == Is) if m == 1 else int(m <= 64 or m * k < 8 * E)
             assert budget.moe_scratch_bytes(cfg, m, fused) == moe_by_hand(m, E, k, I, Is, D, fold, fused, fold, 0)
     assert budget.moe_scratch_bytes(cfg, 0) == 0
 

@@ -22,16 +22,21 @@ constexpr int64_t kMinGroupBM = 16;   // smallest GEMM BM of m > 1 calls: sizes 
 
 // What of the optional pieces a call's plan (moe.cu moe_plan) uses.
 struct MoePlanFlags {
-  bool fold = false;   // the one-token fold: the shared expert as one more grouped row, its gate as a logit
+  bool fold = false;   // the shared gate as a logit, the shared expert as m more grouped rows (moe.cu MoePlan)
   bool fused = true;   // gate/up with the SwiGLU in its epilogue: no fp32 gu buffer
   bool tail = false;   // the route and combine inside the grouped GEMMs: the down GEMM's counters
   bool stage = false;  // baro_moe_host: the misses staged in the scratch, one slot per pair
 };
 
-// The tile list's length for the smallest BM (one-row tiles only when m == 1).
-constexpr int64_t moe_max_tiles(int64_t m, int64_t E, int64_t k) {
-  const int64_t P = m * k, bm = m == 1 ? 1 : kMinGroupBM;
-  return P / bm + (E < P ? E : P) + 1;
+// The tile list's length for tiles of bm rows: the routed pairs' tiles, then one more, or room
+// for the folded shared expert's m rows. The scratch holds the smallest BM's (one-row tiles only
+// when m == 1).
+constexpr int64_t moe_tiles_for(int64_t m, int64_t E, int64_t k, int64_t bm, bool fold) {
+  const int64_t P = m * k;
+  return P / bm + (E < P ? E : P) + (fold ? (m + bm - 1) / bm : 1);
+}
+constexpr int64_t moe_max_tiles(int64_t m, int64_t E, int64_t k, bool fold) {
+  return moe_tiles_for(m, E, k, m == 1 ? 1 : kMinGroupBM, fold);
 }
 constexpr int64_t moe_chunks(int64_t m, int64_t k) { return (m * k + kGroupChunk - 1) / kGroupChunk; }
 constexpr int64_t moe_tail_counters(int64_t D) { return (D + 7) / 8; }
@@ -51,13 +56,13 @@ inline MoeOffsets moe_layout(int64_t m, int64_t E, int64_t k, int64_t I, int64_t
     off += up256(bytes);
     return at;
   };
-  const int64_t P = m * k, R = P + (f.fold ? 1 : 0);  // grouped rows: the pairs, and the folded shared expert
-  o.logits = take(4 * (m * E + (f.fold ? 1 : 0)));
+  const int64_t P = m * k, R = P + (f.fold ? m : 0);  // grouped rows: the pairs, and the folded shared expert
+  o.logits = take(4 * (m * E + (f.fold ? m : 0)));  // fold: the shared gate's logit after each row's E
   o.ids = take(4 * P);
   o.wts = take(4 * P);
   o.srow = take(4 * R);
   o.inv = take(4 * P);
-  o.tiles = take(4 * 3 * moe_max_tiles(m, E, k));
+  o.tiles = take(4 * 3 * moe_max_tiles(m, E, k, f.fold));
   o.n_tiles = take(4);
   o.cnt = take(4 * moe_chunks(m, k) * E);
   o.gu = f.fused ? -1 : take(4 * P * 2 * I);

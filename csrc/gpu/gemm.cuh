@@ -76,10 +76,11 @@ struct GemmParams {
   // written to Act (row stride ldc) instead of C. N must equal 2 * swiglu_I.
   uint16_t* Act = nullptr;
   int64_t swiglu_I = 0;
-  // gemm_row1 only (launch_gemm refuses them elsewhere), for the one-token MoE
-  // (moe.cu): W rows n >= n_split come from W_tail (row n - n_split, stride ldw): the
-  // shared gate's row after the router's E; a tile of group last_group (never a real
-  // group: negative) reads W_last instead of W + group * w_group_stride: the shared expert.
+  // gemm_row1 and gemm_rows16 only (launch_gemm refuses them elsewhere: gemm_split_w_runs),
+  // for the MoE's fold (moe.cu): W rows n >= n_split come from W_tail (row n - n_split,
+  // stride ldw): the shared gate's row after the router's E; a tile of group last_group
+  // (never a real group: negative) reads W_last instead of W + group * w_group_stride: the
+  // shared expert.
   const uint16_t* W_tail = nullptr;
   int64_t n_split = 0;
   const uint16_t* W_last = nullptr;

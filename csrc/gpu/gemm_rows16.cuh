@@ -97,7 +97,9 @@ __global__ void __launch_bounds__(WARPS * BARO_WARP) gemm_rows16_kernel(GemmPara
       a_off[i] = ar * p.lda + cp_chunk * 8;
     }
   }
-  const uint16_t* wbase = p.W + group * p.w_group_stride;
+  // The folded shared expert's tiles read W_last, and plain W rows n >= n_split read W_tail
+  // (moe.cu's fold: the shared gate after the router's rows); gemm.cuh's GemmParams.
+  const uint16_t* wbase = p.W_last != nullptr && group == p.last_group ? p.W_last : p.W + group * p.w_group_stride;
   const uint16_t* w_src[Cfg::kCopies];
   bool w_ok[Cfg::kCopies];
 #pragma unroll
@@ -113,7 +115,10 @@ __global__ void __launch_bounds__(WARPS * BARO_WARP) gemm_rows16_kernel(GemmPara
       wrow = c0 + j;
     }
     w_ok[i] = rel < nc;
-    w_src[i] = wbase + (w_ok[i] ? wrow : 0) * p.ldw + cp_chunk * 8;
+    if (!w_ok[i]) wrow = 0;
+    w_src[i] = (p.W_tail != nullptr && wrow >= p.n_split ? p.W_tail + (wrow - p.n_split) * p.ldw
+                                                          : wbase + wrow * p.ldw) +
+               cp_chunk * 8;
   }
   const uint32_t smem0 = smem_u32(rows16_smem);
   auto load_stage = [&](int kt, int slot) {

@@ -65,8 +65,11 @@ GemmConfig gemm_pick_grouped(int64_t pairs, int64_t groups, int64_t rows);
 // 16-byte loads possible (the pipelined kernel; otherwise the simple one runs).
 bool gemm_vec_ok(const GemmParams& p);
 // kRow1 runs gemm_row1 on these operands (not its kSmall fallback): CUDA, the knob on,
-// 16-byte loads, K % 16 == 0. The only kernel that reads p.W_tail / p.W_last.
+// 16-byte loads, K % 16 == 0. The only kernel that reads p.W_host.
 bool gemm_row1_runs(const GemmParams& p);
+// launch_gemm(p, cfg, ...) runs a kernel that reads p.W_tail / p.W_last (gemm_row1, or for
+// kSmall gemm_row1's 16-row stream and gemm_rows16; CUDA only) and, for kRow1, p.W_host.
+bool gemm_split_w_runs(const GemmParams& p, GemmConfig cfg);
 // p.moe (the one-token MoE's route on gate/up, combine on down) can run: kRow1 on gemm_row1,
 // grouped, k <= 32, the pointers its kind needs, the route's tiles within its shared memory.
 bool gemm_row1_moe_ok(const GemmParams& p, GemmConfig cfg);

@@ -346,6 +346,19 @@ bool gemm_row1_runs(const GemmParams& p) {
 #endif
 }
 
+bool gemm_split_w_runs(const GemmParams& p, GemmConfig cfg) {
+#if BARO_HIP
+  (void)p;
+  (void)cfg;
+  return false;
+#else
+  if (cfg == GemmConfig::kRow1) return gemm_row1_runs(p);
+  // kSmall runs gemm_row1's 16-row stream or gemm_rows16 (launch_gemm below), never the simple
+  // kernel, when 16-byte loads are possible and the knob does not ask for the simple one
+  return cfg == GemmConfig::kSmall && p.W_host == nullptr && gemm_vec_ok(p) && !small_simple();
+#endif
+}
+
 int64_t row1_moe_route_max_tiles() {
 #if BARO_HIP
   return 0;
@@ -378,8 +391,8 @@ bool gemm_row1_moe_ok(const GemmParams& p, GemmConfig cfg) {
 gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStream_t stream) {
   const bool swiglu = p.Act != nullptr;
   if (row_slots <= 0 || p.N <= 0) return gpuSuccess;  // nothing to compute
-  const bool split_w = p.W_tail != nullptr || p.W_last != nullptr || p.W_host != nullptr;  // gemm_row1 alone reads them
-  if (split_w && (cfg != GemmConfig::kRow1 || !gemm_row1_runs(p) || (p.W_last != nullptr && p.last_group >= 0)))
+  const bool split_w = p.W_tail != nullptr || p.W_last != nullptr || p.W_host != nullptr;
+  if (split_w && (!gemm_split_w_runs(p, cfg) || (p.W_last != nullptr && p.last_group >= 0)))
     return gpuErrorInvalidValue;
   if (p.moe.kind != Row1Moe::kNone && !gemm_row1_moe_ok(p, cfg)) return gpuErrorInvalidValue;
   if (swiglu && (!gemm_fused_swiglu_ok(cfg) || p.N != 2 * p.swiglu_I)) return gpuErrorInvalidValue;

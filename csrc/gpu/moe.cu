@@ -43,19 +43,20 @@ constexpr int kCombineAhead = 8;       // slots whose values moe_combine_kernel 
 
 template <int kPer>
 __global__ void __launch_bounds__(kTopkWarps * BARO_WARP)
-    moe_topk_kernel(float* __restrict__ probs, int32_t* __restrict__ ids, float* __restrict__ wts,
+    moe_topk_kernel(float* __restrict__ probs, int64_t ld, int32_t* __restrict__ ids, float* __restrict__ wts,
                     int64_t m, int E, int k) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kTopkWarps + warp_id();
   if (row >= m) return;
-  topk_row<kPer>(probs + row * E, ids + row * k, wts + row * k, E, k);
+  topk_row<kPer>(probs + row * ld, ids + row * k, wts + row * k, E, k);
 }
-static gpuError_t launch_topk(float* probs, int32_t* ids, float* wts, int64_t m, int E, int k,
+// ld: the logits' row stride (E, or E + 1 with the shared gate's logit after each row's E)
+static gpuError_t launch_topk(float* probs, int64_t ld, int32_t* ids, float* wts, int64_t m, int E, int k,
                               gpuStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((m + kTopkWarps - 1) / kTopkWarps);
   const auto topk = E <= BARO_WARP * kTopkRegPerSmall ? moe_topk_kernel<kTopkRegPerSmall>
                     : E <= BARO_WARP * kTopkRegPer    ? moe_topk_kernel<kTopkRegPer>
                                                       : moe_topk_kernel<0>;
-  topk<<<blocks, kTopkWarps * BARO_WARP, 0, stream>>>(probs, ids, wts, m, E, k);
+  topk<<<blocks, kTopkWarps * BARO_WARP, 0, stream>>>(probs, ld, ids, wts, m, E, k);
   return gpuGetLastError();
 }
 
@@ -70,6 +71,8 @@ static gpuError_t launch_topk(float* probs, int32_t* ids, float* wts, int64_t m,
 //  3. place: per chunk, pairs in ascending p take consecutive positions.
 // A call with one chunk (P <= kGroupChunk: decode, short chunks) runs the
 // same three steps in one block (moe_group_one_kernel), saving two launches.
+// share_rows > 0 (launch_moe's fold of m > 1 rows): the shared expert is group share_group at
+// sorted positions [P, P + share_rows), row i at P + i, in tiles of bm after the routed ones.
 
 __global__ void __launch_bounds__(kGroupThreads)
     moe_count_kernel(const int32_t* __restrict__ ids, int64_t P, int E, int32_t* __restrict__ cnt) {
@@ -106,7 +109,8 @@ BARO_DEV int64_t block_scan_incl(int64_t v, int64_t* sh) {
 // tiles (baro_moe_pairs: another shard's expert; its rows are never computed nor read).
 BARO_DEV void group_scan(int32_t* cnt, int n_chunks, int E, int bm, int32_t* __restrict__ tiles,
                          int32_t* __restrict__ n_tiles, int64_t max_tiles, int64_t* sh,
-                         const int32_t* __restrict__ slots, int S, int skip) {
+                         const int32_t* __restrict__ slots, int S, int skip, int64_t share_base,
+                         int share_rows, int share_group) {
   const int tid = threadIdx.x;
   const int per = (E + kScanThreads - 1) / kScanThreads;  // contiguous experts per thread
   const int e_lo = imin(tid * per, E), e_hi = imin(e_lo + per, E);
@@ -143,15 +147,31 @@ BARO_DEV void group_scan(int32_t* cnt, int n_chunks, int E, int bm, int32_t* __r
     }
     off = run;
   }
-  if (tid == kScanThreads - 1) *n_tiles = static_cast<int32_t>(nt < max_tiles ? nt : max_tiles);
+  if (tid == kScanThreads - 1) {  // its nt is the routed tiles' total
+    for (int st = 0; st < share_rows; st += bm, ++nt) {
+      if (nt < max_tiles) {
+        tiles[3 * nt + 0] = share_group;
+        tiles[3 * nt + 1] = static_cast<int32_t>(share_base + st);
+        tiles[3 * nt + 2] = share_rows - st < bm ? share_rows - st : bm;
+      }
+    }
+    *n_tiles = static_cast<int32_t>(nt < max_tiles ? nt : max_tiles);
+  }
+}
+// srow[share_base + i] = i: the shared expert's rows (group_scan's share_rows).
+BARO_DEV void share_rows_place(int32_t* __restrict__ srow, int64_t share_base, int share_rows) {
+  for (int i = threadIdx.x; i < share_rows; i += blockDim.x) srow[share_base + i] = i;
 }
 
 __global__ void __launch_bounds__(kScanThreads)
     moe_scan_kernel(int32_t* __restrict__ cnt, int n_chunks, int E, int bm,
                     int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles, int64_t max_tiles,
-                    const int32_t* __restrict__ slots, int S, int skip) {
+                    const int32_t* __restrict__ slots, int S, int skip, int32_t* __restrict__ srow,
+                    int64_t share_base, int share_rows, int share_group) {
   __shared__ int64_t sh[kScanThreads];
-  group_scan(cnt, n_chunks, E, bm, tiles, n_tiles, max_tiles, sh, slots, S, skip);
+  group_scan(cnt, n_chunks, E, bm, tiles, n_tiles, max_tiles, sh, slots, S, skip, share_base, share_rows,
+             share_group);
+  share_rows_place(srow, share_base, share_rows);
 }
 
 // One warp walks the chunk's pairs in ascending p, 32 at a time: a lane's rank
@@ -165,6 +185,7 @@ BARO_DEV void group_place(const int32_t* sid, int32_t* pos, int n, int64_t base,
     const int len = imin(BARO_WARP, n - s0);
     const int e = q < n ? sid[q] : -1;
     int rank = 0, same = 0;
+#if BARO_HIP
     for (int j = 0; j < len; ++j) {
       const int ej = sid[s0 + j];
       if (ej == e) {
@@ -172,6 +193,15 @@ BARO_DEV void group_place(const int32_t* sid, int32_t* pos, int n, int64_t base,
         if (j < lane) rank += 1;
       }
     }
+#else
+    // the same two counts from one match over the warp (lanes past n hold -1, no expert): the
+    // loop above, 32 shared-memory reads a lane per step, was most of the grouping's 13 us at
+    // 512 pairs (H200, 64 sequences)
+    (void)len;
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    same = __popc(peers);
+    rank = __popc(peers & ((1u << lane) - 1u));
+#endif
     int32_t at = 0;
     if (q < n) at = pos[e] + rank;
     warp_sync();  // every lane has read pos[e] before the first lane of e advances it
@@ -208,7 +238,8 @@ __global__ void __launch_bounds__(kScanThreads)
     moe_group_one_kernel(const int32_t* __restrict__ ids, int P, int k, int E, int bm,
                          int32_t* __restrict__ srow, int32_t* __restrict__ inv,
                          int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles,
-                         int64_t max_tiles, const int32_t* __restrict__ slots, int S, int skip) {
+                         int64_t max_tiles, const int32_t* __restrict__ slots, int S, int skip,
+                         int share_rows, int share_group) {
   __shared__ int64_t sh[kScanThreads];
   __shared__ int32_t sid[kGroupChunk];
   extern __shared__ int32_t pos[];  // [E]: counts, then running positions
@@ -218,7 +249,9 @@ __global__ void __launch_bounds__(kScanThreads)
   __syncthreads();
   for (int q = tid; q < P; q += kScanThreads) atomicAdd(&pos[sid[q]], 1);
   __syncthreads();
-  group_scan(pos, 1, E, bm, tiles, n_tiles, max_tiles, sh, slots, S, skip);  // pos[e] = expert offset
+  group_scan(pos, 1, E, bm, tiles, n_tiles, max_tiles, sh, slots, S, skip, P, share_rows,
+             share_group);  // pos[e] = expert offset
+  share_rows_place(srow, P, share_rows);
   __syncthreads();
   if (tid < BARO_WARP) group_place(sid, pos, P, 0, k, srow, inv);
 }
@@ -250,7 +283,7 @@ __global__ void __launch_bounds__(kElemThreads)
   }
 }
 
-// out[i][d] = routed + sigmoid(sgl[i]) * sout[i][d],
+// out[i][d] = routed + sigmoid(sgl[i * sgl_ld]) * sout[i][d],
 // routed = fma over slots in order of w[i,s] * ys[inv[i*k+s]][d], from 0 (inv == nullptr:
 // ys holds the pairs in (row, slot) order, baro_moe_combine's y).
 // V consecutive d per thread (16-byte loads when V = 4); the arithmetic of
@@ -259,7 +292,7 @@ template <int V>
 __global__ void __launch_bounds__(kElemThreads)
     moe_combine_kernel(const float* __restrict__ ys, const int32_t* __restrict__ inv,
                        const float* __restrict__ wts, const float* __restrict__ sout,
-                       const float* __restrict__ sgl, float* __restrict__ out, int64_t m,
+                       const float* __restrict__ sgl, int64_t sgl_ld, float* __restrict__ out, int64_t m,
                        int64_t D, int k, const int32_t* __restrict__ ids,
                        const int32_t* __restrict__ slots, int S) {
   grid_dependency_wait();  // launch_dependent in the one-token fold
@@ -317,7 +350,7 @@ __global__ void __launch_bounds__(kElemThreads)
         }
       }
     }
-    const float sg = sigmoidf_(sgl[i]);
+    const float sg = sigmoidf_(sgl[i * sgl_ld]);
     const float* so = sout + i * D + d;
     float* o = out + i * D + d;
 #pragma unroll
@@ -373,9 +406,9 @@ static Row1Moe moe_row1_tail(const MoeArgs& a, const MoeScratch& s, int kind) {
 // Sizes the tile list for the smallest BM, so it holds any config's tiles (one-row
 // tiles only when m == 1: gemm_pick_grouped picks kRow1 for one token only).
 // The tile list for tiles of bm rows; the scratch holds the smallest BM's (scratch_layout.h).
-static int64_t moe_max_tiles(const MoeArgs& a, int bm) {
-  const int64_t P = a.m * a.top_k;
-  return P / bm + (a.E < P ? a.E : P) + 1;
+// folded: the layout's fold flag (moe_layout), room for the shared expert's ceil(m / bm) tiles.
+static int64_t moe_max_tiles(const MoeArgs& a, int bm, bool folded) {
+  return baro::scratch::moe_tiles_for(a.m, a.E, a.top_k, bm, folded);
 }
 
 static int64_t moe_chunks(const MoeArgs& a) { return baro::scratch::moe_chunks(a.m, a.top_k); }
@@ -394,10 +427,19 @@ static int64_t moe_chunks(const MoeArgs& a) { return baro::scratch::moe_chunks(a
 // BARO_MOE_TAIL=combine: 4, the route kernel (which zeroes the counters) and the combine inside
 // the down GEMM (on the H200 the per-warp route cost the gate/up GEMM ~6 us, the route kernel
 // 4.6 us plus a gap: docs/PERF.md).
+// share (m > 1, the grouped GEMMs on 16-row slots: a decode step of many sequences): the fold's
+// shared expert for m rows, ceil(m / bm) more tiles of the grouped gate/up and down GEMMs
+// (rows P + i), instead of a gate/up and a down GEMM of its own. gate_tail (m > 1): the shared
+// gate's logit as the router GEMM's column E. Each saves launches whose cost was their K walk,
+// not their bytes (H200, 64 sequences: 12.6 + 5.0 + 8.0 us a layer). Same bits: the same dots
+// in the same order, computed by other launches. BARO_MOE_FOLD=0 turns all three off.
 struct MoePlan {
   GemmConfig cfg;
   bool fused;
   bool fold;
+  bool share;
+  bool gate_tail;
+  bool folded() const { return fold || share || gate_tail; }  // the layout's fold pieces
   bool tail;        // the combine inside the down GEMM
   bool tail_route;  // and the route inside the gate/up GEMM
   // baro_moe_host: the routed experts with no slot are copied from the host store into the
@@ -434,6 +476,23 @@ static GemmParams moe_down_params(const MoeArgs& a, const uint16_t* act) {
 
 static bool aligned16(const void* p) { return is_aligned(p, 16); }
 
+// The router GEMM with the shared gate's row after the router's E (N = E + 1, row stride
+// E + 1 in the logits): the fold and gate_tail (C and the launch are the caller's).
+static GemmParams moe_router_params(const MoeArgs& a) {
+  GemmParams p;
+  p.A = a.h;
+  p.lda = a.D;
+  p.W = a.router;
+  p.ldw = a.D;
+  p.W_tail = a.s_gate;
+  p.n_split = a.E;
+  p.M = a.m;
+  p.N = a.E + 1;
+  p.K = a.D;
+  p.ldc = a.E + 1;
+  return p;
+}
+
 static MoePlan moe_plan(const MoeArgs& a) {
   MoePlan pl;
   pl.cfg = gemm_pick_grouped(a.m * a.top_k, a.E, a.m);
@@ -444,9 +503,21 @@ static MoePlan moe_plan(const MoeArgs& a) {
             a.top_k <= BARO_WARP && a.E <= BARO_WARP * kTopkRegPer && baro::knobs::on(baro::knobs::kMoeFold) &&
             gemm_row1_runs(gu) && gemm_row1_runs(down) && aligned16(a.router) && aligned16(a.s_gate) &&
             aligned16(a.s_gate_up) && aligned16(a.s_down);
-  pl.tail = pl.fold && !baro::knobs::is(baro::knobs::kMoeTail, "0") && moe_max_tiles(a, 1) <= row1_moe_route_max_tiles();
+  pl.tail = pl.fold && !baro::knobs::is(baro::knobs::kMoeTail, "0") && moe_max_tiles(a, 1, true) <= row1_moe_route_max_tiles();
   pl.stage = pl.fold && a.host_gu != nullptr && !baro::knobs::is(baro::knobs::kMoeHost, "direct");
   pl.tail_route = pl.tail && !baro::knobs::is(baro::knobs::kMoeTail, "combine") && !pl.stage;  // the copies need the ids first
+  const bool fold_knob = baro::knobs::on(baro::knobs::kMoeFold);
+  GemmParams sgu = gu, sdn = down;
+  sgu.W_last = a.s_gate_up;
+  sgu.last_group = kSharedGroup;
+  sdn.W_last = a.s_down;
+  sdn.last_group = kSharedGroup;
+  pl.share = !pl.fold && a.m > 1 && fold_knob && pl.fused && a.Is > 0 && a.I == a.Is && a.host_gu == nullptr &&
+             !a.skip_unslotted && aligned16(a.s_gate_up) && aligned16(a.s_down) &&
+             gemm_split_w_runs(sgu, pl.cfg) && gemm_split_w_runs(sdn, pl.cfg);
+  GemmParams rt = moe_router_params(a);
+  pl.gate_tail = !pl.fold && a.m > 1 && fold_knob && a.s_gate != nullptr && a.Is > 0 && aligned16(a.s_gate) &&
+                 gemm_split_w_runs(rt, gemm_pick(a.m, a.E + 1));
   return pl;
 }
 
@@ -455,7 +526,7 @@ static MoePlan moe_plan(const MoeArgs& a) {
 static size_t moe_layout(const MoeArgs& a, char* base, MoeScratch* s) {
   const MoePlan pl = moe_plan(a);
   baro::scratch::MoePlanFlags f;
-  f.fold = pl.fold;
+  f.fold = pl.folded();
   f.fused = pl.fused;
   f.tail = pl.tail;
   f.stage = pl.stage;
@@ -551,24 +622,14 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
                                  gpuStream_t stream) {
   const int64_t m = a.m, P = a.m * a.top_k, D = a.D, E = a.E, I = a.I;
   const int bm = gemm_bm(pl.cfg);
-  const int64_t max_tiles = moe_max_tiles(a, bm);
+  const int64_t max_tiles = moe_max_tiles(a, bm, pl.folded());
   const int64_t n_chunks = moe_chunks(a);
   if (n_chunks > 0x7fffffffLL) return gpuErrorInvalidValue;
   const size_t cnt_smem = sizeof(int32_t) * static_cast<size_t>(E);
   if (pl.fold) {
     // 1. router logits [E] and the shared gate's logit after them, one GEMM
-    GemmParams p;
-    p.A = a.h;
-    p.lda = D;
-    p.W = a.router;
-    p.ldw = D;
-    p.W_tail = a.s_gate;
-    p.n_split = E;
-    p.M = 1;
-    p.N = E + 1;
-    p.K = D;
+    GemmParams p = moe_router_params(a);
     p.C = s.logits;
-    p.ldc = E + 1;
     BARO_MOE_TRY(launch_gemm(p, GemmConfig::kRow1, 1, stream));
     // 2-3. top-k and grouping, the shared expert's tile last (tail: in the gate/up GEMM)
     if (!pl.tail_route) {
@@ -582,15 +643,24 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
       if (pl.stage) BARO_MOE_TRY(stage_misses(a, s, stream));
     }
   } else {
-  // 1. router logits [m, E]
-  BARO_MOE_TRY(launch_matmul(a.h, a.router, s.logits, m, E, D, stream));
+  // 1. router logits [m, E] (gate_tail: [m, E + 1], the shared gate's logit last)
+  if (pl.gate_tail) {
+    GemmParams p = moe_router_params(a);
+    p.C = s.logits;
+    const GemmConfig rcfg = gemm_pick(m, E + 1);
+    BARO_MOE_TRY(launch_gemm(p, rcfg, (m + gemm_bm(rcfg) - 1) / gemm_bm(rcfg), stream));
+  } else {
+    BARO_MOE_TRY(launch_matmul(a.h, a.router, s.logits, m, E, D, stream));
+  }
   // 2. softmax + top-k per row
-  BARO_MOE_TRY(launch_topk(s.logits, s.ids, s.wts, m, static_cast<int>(E), a.top_k, stream));
-  // 3. group pairs by expert (tiles of bm pairs)
+  BARO_MOE_TRY(launch_topk(s.logits, pl.gate_tail ? E + 1 : E, s.ids, s.wts, m, static_cast<int>(E), a.top_k,
+                           stream));
+  // 3. group pairs by expert (tiles of bm pairs), share: the shared expert's tiles last
+  const int share_rows = pl.share ? static_cast<int>(m) : 0;
   if (n_chunks == 1) {
     moe_group_one_kernel<<<1, kScanThreads, cnt_smem, stream>>>(
         s.ids, static_cast<int>(P), a.top_k, static_cast<int>(E), bm, s.srow, s.inv, s.tiles,
-        s.n_tiles, max_tiles, a.slots, static_cast<int>(a.S), a.skip_unslotted ? 1 : 0);
+        s.n_tiles, max_tiles, a.slots, static_cast<int>(a.S), a.skip_unslotted ? 1 : 0, share_rows, kSharedGroup);
   } else {
     moe_count_kernel<<<static_cast<unsigned>(n_chunks), kGroupThreads, cnt_smem, stream>>>(
         s.ids, P, static_cast<int>(E), s.cnt);
@@ -598,7 +668,8 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     moe_scan_kernel<<<1, kScanThreads, 0, stream>>>(s.cnt, static_cast<int>(n_chunks),
                                                     static_cast<int>(E), bm, s.tiles, s.n_tiles,
                                                     max_tiles, a.slots, static_cast<int>(a.S),
-                                                    a.skip_unslotted ? 1 : 0);
+                                                    a.skip_unslotted ? 1 : 0, s.srow, P, share_rows,
+                                                    kSharedGroup);
     BARO_MOE_TRY(gpuGetLastError());
     moe_place_kernel<<<static_cast<unsigned>(n_chunks), kGroupThreads,
                        cnt_smem + sizeof(int32_t) * kGroupChunk, stream>>>(
@@ -612,9 +683,11 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     p.a_rows = s.srow;
     p.tiles = s.tiles;
     p.n_tiles = s.n_tiles;
-    if (pl.fold) {  // the shared expert's gate/up rows for the last tile
+    if (pl.fold || pl.share) {  // the shared expert's gate/up rows for the last tiles
       p.W_last = a.s_gate_up;
       p.last_group = kSharedGroup;
+    }
+    if (pl.fold) {
       p.W_host = pl.stage ? s.stage_gu : a.host_gu;
       p.w_host_mapped = pl.stage ? 0 : 1;
       p.pdl = 1;  // after the router GEMM (and the route kernel, and the staging copies)
@@ -651,9 +724,11 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     p.ldc = D;
     p.tiles = s.tiles;
     p.n_tiles = s.n_tiles;
-    if (pl.fold) {
+    if (pl.fold || pl.share) {
       p.W_last = a.s_down;
       p.last_group = kSharedGroup;
+    }
+    if (pl.fold) {
       p.W_host = pl.stage ? s.stage_dn : a.host_dn;
       p.w_host_mapped = pl.stage ? 0 : 1;
       p.pdl = 1;
@@ -672,24 +747,29 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
 }
 
 // Step 7: out = routed + sigmoid(sgl) * sout, routed the slot-order fma over the pairs of ys
-// (through inv, or in (row, slot) order when inv == nullptr).
+// (through inv, or in (row, slot) order when inv == nullptr); row i's gate logit at sgl[i * sgl_ld].
 static gpuError_t combine(const MoeArgs& a, const float* ys, const int32_t* inv, const float* wts,
-                          const float* sout, const float* sgl, const int32_t* ids, gpuStream_t stream) {
+                          const float* sout, const float* sgl, int64_t sgl_ld, const int32_t* ids,
+                          gpuStream_t stream) {
   const int64_t m = a.m, D = a.D;
   const bool v4 = D % 4 == 0 && aligned16(a.out) && aligned16(ys);
   const int32_t* slots = nan_row_slots(a);
   // always after the kernels that made ys in this handler
   if (v4)
     return launch_dependent(moe_combine_kernel<4>, dim3(elem_blocks(m * D / 4)), dim3(kElemThreads), 0, stream, ys,
-                            inv, wts, sout, sgl, a.out, m, D, a.top_k, ids, slots, static_cast<int>(a.S));
+                            inv, wts, sout, sgl, sgl_ld, a.out, m, D, a.top_k, ids, slots, static_cast<int>(a.S));
   return launch_dependent(moe_combine_kernel<1>, dim3(elem_blocks(m * D)), dim3(kElemThreads), 0, stream, ys, inv,
-                          wts, sout, sgl, a.out, m, D, a.top_k, ids, slots, static_cast<int>(a.S));
+                          wts, sout, sgl, sgl_ld, a.out, m, D, a.top_k, ids, slots, static_cast<int>(a.S));
 }
 
-// Step 6: the shared expert's output sout [m, D] and its gate logit sgl [m].
-static gpuError_t shared_expert(const MoeArgs& a, const MoeScratch& s, gpuStream_t stream) {
-  BARO_MOE_TRY(shared_swiglu(a, s, stream));
-  BARO_MOE_TRY(launch_matmul(s.sact, a.s_down, s.sout, a.m, a.D, a.Is, stream));
+// Step 6: the shared expert's output sout [m, D] (unless folded) and its gate logit sgl [m]
+// (unless gate_tail put it after the router's).
+static gpuError_t shared_expert(const MoeArgs& a, const MoeScratch& s, const MoePlan& pl, gpuStream_t stream) {
+  if (!pl.share) {
+    BARO_MOE_TRY(shared_swiglu(a, s, stream));
+    BARO_MOE_TRY(launch_matmul(s.sact, a.s_down, s.sout, a.m, a.D, a.Is, stream));
+  }
+  if (pl.gate_tail) return gpuSuccess;
   return launch_matmul(a.h, a.s_gate, s.sgl, a.m, 1, a.D, stream);
 }
 
@@ -706,9 +786,12 @@ gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream) {
   BARO_MOE_TRY(routed_experts(a, s, pl, stream));  // 1-5 (fold: and 6; tail: and 7)
   if (pl.tail) return gpuSuccess;
   if (pl.fold)  // the shared expert's output is grouped row P, its gate logit after the router's
-    return combine(a, s.ys, s.inv, s.wts, s.ys + a.top_k * a.D, s.logits + a.E, s.ids, stream);
-  BARO_MOE_TRY(shared_expert(a, s, stream));  // 6
-  return combine(a, s.ys, s.inv, s.wts, s.sout, s.sgl, s.ids, stream);  // 7
+    return combine(a, s.ys, s.inv, s.wts, s.ys + a.top_k * a.D, s.logits + a.E, 1, s.ids, stream);
+  BARO_MOE_TRY(shared_expert(a, s, pl, stream));  // 6
+  // share: row i of the shared expert is grouped row P + i; gate_tail: its logit is column E
+  const float* sout = pl.share ? s.ys + a.m * a.top_k * a.D : s.sout;
+  const float* sgl = pl.gate_tail ? s.logits + a.E : s.sgl;
+  return combine(a, s.ys, s.inv, s.wts, sout, sgl, pl.gate_tail ? a.E + 1 : 1, s.ids, stream);  // 7
 }
 
 // ---- expert parallel: baro_moe_pairs and baro_moe_combine ----
@@ -804,8 +887,9 @@ gpuError_t launch_moe_combine(const MoeArgs& a, const float* y, const float* w, 
   moe_combine_layout(a, static_cast<char*>(scratch), &s);
   MoeArgs b = a;
   b.slots = nullptr;
-  BARO_MOE_TRY(shared_expert(b, s, stream));
-  return combine(b, y, nullptr, w, s.sout, s.sgl, nullptr, stream);
+  const MoePlan separate{};  // the shared expert and its gate as GEMMs of their own
+  BARO_MOE_TRY(shared_expert(b, s, separate, stream));
+  return combine(b, y, nullptr, w, s.sout, s.sgl, 1, nullptr, stream);
 }
 
 // baro_moe_route: steps 1-2 of launch_moe (the same kernels), ids straight into the result.
@@ -822,7 +906,7 @@ gpuError_t launch_moe_route(const uint16_t* h, const uint16_t* router, int32_t* 
   float* wts = reinterpret_cast<float*>(static_cast<char*>(scratch) +
                                         ((sizeof(float) * m * E + 255) & ~static_cast<size_t>(255)));
   BARO_MOE_TRY(launch_matmul(h, router, logits, m, E, D, stream));
-  return launch_topk(logits, ids, wts, m, static_cast<int>(E), k, stream);
+  return launch_topk(logits, E, ids, wts, m, static_cast<int>(E), k, stream);
 }
 
 }  // namespace baro_gpu

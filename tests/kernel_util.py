@@ -71,9 +71,15 @@ MM_K, MM_N = 96, 40
 # "16-rows16": gemm_rows16.cuh (env BARO_GEMM_SMALL=rows16); "16-deep" / "16-light": it with
 # its deep or light cp.async ring (env BARO_ROWS16_RING; otherwise the kernel chooses: light
 # for grouped calls); "16-w2" / "16-w1": its blocks of 2 or 1 warps (env BARO_ROWS16_WARPS).
-GEMM_TILES = ["16", "16-stream", "16-lsu", "16-simple", "16-rows16", "16-deep", "16-light", "16-w2", "16-w1", "simple", "64",
-              "128"]
-_TILE_KNOBS = ("BARO_GEMM_TILE", "BARO_GEMM_SMALL", "BARO_ROWS16_RING", "BARO_ROWS16_WARPS", "BARO_ROW1_COPY")
+# "64" / "128": the pipelined kernel with the ring its grid picks (deep at these tests' sizes);
+# "-shallow" / "-deep": its 3-stage or 8 (BM 64) / 6 (BM 128) stage ring (env BARO_PIPE_RING).
+# "16-tall" / "16-tall_light": gemm_rows16 with slots of 32 or 64 rows for plain GEMMs of more than
+# 16 rows (env BARO_ROWS16_TALL=on; the deep ring at these sizes, or the light one).
+GEMM_TILES = ["16", "16-stream", "16-lsu", "16-simple", "16-rows16", "16-deep", "16-light", "16-w2", "16-w1", "16-tall",
+              "16-tall_light", "simple", "64",
+              "64-shallow", "128", "128-shallow", "128-deep"]
+_TILE_KNOBS = ("BARO_GEMM_TILE", "BARO_GEMM_SMALL", "BARO_ROWS16_RING", "BARO_ROWS16_WARPS", "BARO_ROW1_COPY",
+               "BARO_PIPE_RING", "BARO_ROWS16_TALL")
 
 
 def force_tile(monkeypatch, tile):
@@ -85,10 +91,16 @@ def force_tile(monkeypatch, tile):
     variant = tile.partition("-")[2]
     if variant == "simple":
         monkeypatch.setenv("BARO_GEMM_SMALL", "simple")
-    elif variant in ("rows16", "deep", "light", "w2", "w1"):
+    elif variant in ("rows16", "deep", "light", "w2", "w1", "tall", "tall_light") and tile.startswith("16"):
         monkeypatch.setenv("BARO_GEMM_SMALL", "rows16")
-    if variant in ("deep", "light"):
+    if variant.startswith("tall"):
+        monkeypatch.setenv("BARO_ROWS16_TALL", "on")
+    if variant == "tall_light":
+        monkeypatch.setenv("BARO_ROWS16_RING", "light")
+    if variant in ("deep", "light") and tile.startswith("16"):
         monkeypatch.setenv("BARO_ROWS16_RING", variant)
+    if variant in ("deep", "shallow") and not tile.startswith("16"):
+        monkeypatch.setenv("BARO_PIPE_RING", variant)
     if variant in ("w2", "w1"):
         monkeypatch.setenv("BARO_ROWS16_WARPS", variant[1:])
     if variant in ("stream", "lsu"):

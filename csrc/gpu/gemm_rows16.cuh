@@ -42,28 +42,35 @@ constexpr int kRows16Chunks = kRows16BK / 8;  // 16-byte chunks per W row per st
 // WARPS: warps per block, 8 output columns each. Fewer warps make narrower blocks, more of them:
 // a weight of few columns (the router, the shared expert) then still spreads over the SMs. The
 // K walk of every column is the same whatever the block's width.
-template <bool SWIGLU, bool LIGHT = false, int WARPS = kRows16Warps>
+// MT: m16 tiles per slot (plain GEMMs only; 1 elsewhere). A slot of 32 or 64 rows reads its W
+// columns once where 16-row slots read them once per slot: at 64 rows out_proj's 4 slots of a
+// column block read the same W four times through L2. Each output element's accumulator and
+// K walk are unchanged.
+template <bool SWIGLU, bool LIGHT = false, int WARPS = kRows16Warps, int MT = 1>
 struct Rows16Cfg {
   static constexpr int kWarps = WARPS;
+  static constexpr int kARows = 16 * MT;                  // A rows per stage
   static constexpr int kThreads = WARPS * BARO_WARP;
   static constexpr int kStages = LIGHT ? (SWIGLU ? 3 : 4) : (SWIGLU ? 6 : 8);
   static constexpr int NT = SWIGLU ? 2 : 1;               // n-tiles per warp
   static constexpr int kWRows = WARPS * NT * 8;           // W rows per block
   static constexpr int kOutCols = WARPS * 8;              // output columns per block
-  static constexpr int kStageElems = (16 + kWRows) * kRows16Ld;  // A tile, then W rows
+  static constexpr int kStageElems = (kARows + kWRows) * kRows16Ld;  // A tiles, then W rows
   static constexpr int kSmemBytes = kStages * kStageElems * 2;
   static constexpr int kCopies = kWRows * kRows16Chunks / kThreads;  // W, per thread per stage
-  static constexpr int kACopies = 16 * kRows16Chunks / kThreads;      // A, per thread per stage
+  static constexpr int kACopies = kARows * kRows16Chunks / kThreads;  // A, per thread per stage
   static_assert(kWRows * kRows16Chunks % kThreads == 0, "copy split");
-  static_assert(16 * kRows16Chunks % kThreads == 0, "copy split");
+  static_assert(kARows * kRows16Chunks % kThreads == 0, "copy split");
+  static_assert(MT == 1 || !SWIGLU, "tall slots for plain GEMMs only");
   static_assert(kThreads % kRows16Chunks == 0, "whole W rows per copy step");
 };
 
-// Grid (row slots, ceil(out_n / 32)). Requires p.vec (K % 8 == 0, 16-byte
-// aligned A and W) and slot_rows <= 16.
-template <bool SWIGLU, bool LIGHT, int WARPS>
+// Grid (row slots, ceil(out_n / (8 WARPS))). Requires p.vec (K % 8 == 0, 16-byte
+// aligned A and W) and slot_rows <= 16 MT.
+template <bool SWIGLU, bool LIGHT, int WARPS, int MT = 1>
 __global__ void __launch_bounds__(WARPS * BARO_WARP) gemm_rows16_kernel(GemmParams p) {
-  using Cfg = Rows16Cfg<SWIGLU, LIGHT, WARPS>;
+  using Cfg = Rows16Cfg<SWIGLU, LIGHT, WARPS, MT>;
+  constexpr int kARows = Cfg::kARows;
   constexpr int kRows16Warps = Cfg::kWarps;
   constexpr int kRows16Threads = Cfg::kThreads;
   constexpr int NT = Cfg::NT;
@@ -71,7 +78,7 @@ __global__ void __launch_bounds__(WARPS * BARO_WARP) gemm_rows16_kernel(GemmPara
 
   int64_t group = 0, r0 = 0, rc64 = 0;
   if (!gemm_slot(p, blockIdx.x, group, r0, rc64)) return;
-  const int rc = static_cast<int>(rc64 < 16 ? rc64 : 16);
+  const int rc = static_cast<int>(rc64 < kARows ? rc64 : kARows);
   const int64_t c0 = static_cast<int64_t>(blockIdx.y) * Cfg::kOutCols;
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   if (c0 >= out_n) return;
@@ -82,7 +89,7 @@ __global__ void __launch_bounds__(WARPS * BARO_WARP) gemm_rows16_kernel(GemmPara
   const int64_t K = p.K;
   const int n_k = static_cast<int>((K + kRows16BK - 1) / kRows16BK);
 
-  // ---- copies: chunk tid & 15 of stage rows (tid >> 4) + 8 i; A rows 0..15, then W ----
+  // ---- copies: chunk tid & 15 of stage rows (tid >> 4) + 8 i; A rows 0..16 MT - 1, then W ----
   const int cp_chunk = tid & (kRows16Chunks - 1);
   const int cp_row = tid / kRows16Chunks;
   constexpr int kRowStep = kRows16Threads / kRows16Chunks;  // 8 with 4 warps
@@ -133,15 +140,17 @@ __global__ void __launch_bounds__(WARPS * BARO_WARP) gemm_rows16_kernel(GemmPara
 #pragma unroll
     for (int i = 0; i < Cfg::kCopies; ++i) {
       const bool ok = w_ok[i] && k_ok;
-      cp_async16(base + 2 * (16 + kRowStep * i) * kRows16Ld, ok ? w_src[i] + k0 : p.W, ok);
+      cp_async16(base + 2 * (kARows + kRowStep * i) * kRows16Ld, ok ? w_src[i] + k0 : p.W, ok);
     }
   };
 
-  float acc[NT][4];
+  float acc[MT][NT][4];
 #pragma unroll
-  for (int b = 0; b < NT; ++b)
+  for (int t = 0; t < MT; ++t)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[b][i] = 0.0f;
+    for (int b = 0; b < NT; ++b)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[t][b][i] = 0.0f;
 
 #pragma unroll
   for (int s = 0; s < Cfg::kStages - 1; ++s) {
@@ -156,7 +165,7 @@ __global__ void __launch_bounds__(WARPS * BARO_WARP) gemm_rows16_kernel(GemmPara
   const int b_lrow = lane & 7, b_lchunk = lane >> 3;
   int b_row[NT];
 #pragma unroll
-  for (int b = 0; b < NT; ++b) b_row[b] = 16 + (b * kRows16Warps + warp) * 8 + b_lrow;
+  for (int b = 0; b < NT; ++b) b_row[b] = kARows + (b * kRows16Warps + warp) * 8 + b_lrow;
 
   for (int kt = 0; kt < n_k; ++kt) {
     cp_async_wait<Cfg::kStages - 2>();
@@ -179,11 +188,14 @@ __global__ void __launch_bounds__(WARPS * BARO_WARP) gemm_rows16_kernel(GemmPara
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (k0 + kk2 * 32 + h * 16 < K) {  // uniform: steps wholly past K are skipped
-            FragA fa;  // zeros past K and past the slot come from the copies
-            ldsm_x4(base + 2 * (a_lrow * kRows16Ld + kk2 * 32 + h * 16 + a_lchunk * 8), fa.r[0],
-                    fa.r[1], fa.r[2], fa.r[3]);
 #pragma unroll
-            for (int b = 0; b < NT; ++b) mma_16816(acc[b], fa, fb[b][h]);
+            for (int t = 0; t < MT; ++t) {
+              FragA fa;  // zeros past K and past the slot come from the copies
+              ldsm_x4(base + 2 * ((16 * t + a_lrow) * kRows16Ld + kk2 * 32 + h * 16 + a_lchunk * 8), fa.r[0],
+                      fa.r[1], fa.r[2], fa.r[3]);
+#pragma unroll
+              for (int b = 0; b < NT; ++b) mma_16816(acc[t][b], fa, fb[b][h]);
+            }
           }
         }
       }
@@ -195,15 +207,18 @@ __global__ void __launch_bounds__(WARPS * BARO_WARP) gemm_rows16_kernel(GemmPara
   const int c = warp * 8 + 2 * t;
   const bool out2 = p.out2 != 0;
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int r = g + 8 * e;
-    if (r >= rc) continue;
-    const int64_t orow = (r0 + r) * p.ldc;
-    if (SWIGLU)
-      store_pair(p.Act + orow + c0 + c, f32_to_bf16(siluf_(acc[0][2 * e]) * acc[1][2 * e]),
-                 f32_to_bf16(siluf_(acc[0][2 * e + 1]) * acc[1][2 * e + 1]), c, nc, out2);
-    else
-      store_pair(p.C + orow + c0 + c, acc[0][2 * e], acc[0][2 * e + 1], c, nc, out2);
+  for (int t = 0; t < MT; ++t) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int r = 16 * t + g + 8 * e;
+      if (r >= rc) continue;
+      const int64_t orow = (r0 + r) * p.ldc;
+      if (SWIGLU)
+        store_pair(p.Act + orow + c0 + c, f32_to_bf16(siluf_(acc[t][0][2 * e]) * acc[t][1][2 * e]),
+                   f32_to_bf16(siluf_(acc[t][0][2 * e + 1]) * acc[t][1][2 * e + 1]), c, nc, out2);
+      else
+        store_pair(p.C + orow + c0 + c, acc[t][0][2 * e], acc[t][0][2 * e + 1], c, nc, out2);
+    }
   }
 }
 

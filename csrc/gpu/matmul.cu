@@ -175,8 +175,27 @@ static gpuError_t launch_tiled(const GemmParams& p, int64_t row_slots, gpuStream
   return gpuGetLastError();
 }
 
+// The ring (BARO_PIPE_RING): shallow where blocks share SMs (prefill: 3 stages, 2-3 blocks per
+// SM), deep where the grid has at most one block per SM and each block's K walk is the cost: a
+// decode step of many sequences (in_proj at 64 rows is 97 blocks of 64 x 128, whose two stages
+// in flight kept each SM near 32 GB/s; H200, 25.4 us against 11.8 at the copy rate). 8 stages of
+// 24 KB at BM 64, 6 of 32 KB at 128 (192 KB). The depth never touches the arithmetic.
+constexpr int kPipeDeepStages64 = 8, kPipeDeepStages128 = 6;
+static bool pipe_deep(const GemmParams& p, int64_t row_slots) {
+  namespace k = baro::knobs;
+  const int r = k::get(k::kPipeRing);
+  if (r == k::word(k::kPipeRing, "deep")) return true;
+  if (r == k::word(k::kPipeRing, "shallow")) return false;
+  const bool swiglu = p.Act != nullptr;
+  const int64_t out_n = swiglu ? p.swiglu_I : p.N, cols = swiglu ? 64 : 128;  // BN 128 in both configs
+  return row_slots * ((out_n + cols - 1) / cols) <= sm_count();
+}
 template <int BM, int BN, int WM, int WN, bool SWIGLU>
 static gpuError_t launch_pipe(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
+  constexpr int kDeep = BM >= 128 ? kPipeDeepStages128 : kPipeDeepStages64;
+  if (pipe_deep(p, row_slots))
+    return launch_tiled<PipeCfg<BM, BN, WM, WN, kDeep, SWIGLU>, gemm_pipe_kernel<BM, BN, WM, WN, kDeep, SWIGLU>,
+                        kPipeThreads, SWIGLU>(p, row_slots, stream);
   return launch_tiled<PipeCfg<BM, BN, WM, WN, kPipeStages, SWIGLU>,
                       gemm_pipe_kernel<BM, BN, WM, WN, kPipeStages, SWIGLU>, kPipeThreads, SWIGLU>(
       p, row_slots, stream);
@@ -286,10 +305,23 @@ static bool rows16_light(const GemmParams& p, int64_t row_slots, int64_t n_tiles
   return p.tiles != nullptr || row_slots * n_tiles >= 4 * static_cast<int64_t>(sm_count());
 }
 
-template <bool SWIGLU, bool LIGHT, int WARPS>
+template <bool SWIGLU, bool LIGHT, int WARPS, int MT = 1>
 static gpuError_t launch_rows16_ring(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
-  using Cfg = Rows16Cfg<SWIGLU, LIGHT, WARPS>;
-  return launch_tiled<Cfg, gemm_rows16_kernel<SWIGLU, LIGHT, WARPS>, Cfg::kThreads, SWIGLU>(p, row_slots, stream);
+  using Cfg = Rows16Cfg<SWIGLU, LIGHT, WARPS, MT>;
+  return launch_tiled<Cfg, gemm_rows16_kernel<SWIGLU, LIGHT, WARPS, MT>, Cfg::kThreads, SWIGLU>(p, row_slots, stream);
+}
+
+// m16 tiles per slot of a plain GEMM (BARO_ROWS16_TALL): 2 or 4 for more than 16 rows where the
+// GEMM is wide enough (N >= 1024: 32 or more four-warp column blocks) that fewer row slots still
+// fill the SMs, else 1. H200, 64 sequences: out_proj (N 2048, K 4096) was 22.9 us on four
+// 16-row slots, whose column blocks each read the same W through L2.
+static int rows16_tall(const GemmParams& p) {
+  namespace k = baro::knobs;
+  if (p.tiles != nullptr || p.Act != nullptr || p.M <= 16) return 1;
+  const int t = k::get(k::kRows16Tall);
+  if (t == k::word(k::kRows16Tall, "off")) return 1;
+  if (t == k::word(k::kRows16Tall, "auto") && p.N < 1024) return 1;
+  return p.M <= 32 ? 2 : 4;
 }
 
 // Warps per block (BARO_ROWS16_WARPS): 4, except a plain SwiGLU call whose four-warp blocks would
@@ -319,6 +351,20 @@ static gpuError_t launch_rows16_warps(const GemmParams& p, int64_t row_slots, in
 
 template <bool SWIGLU>
 static gpuError_t launch_rows16(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
+  if constexpr (!SWIGLU) {
+    const int mt = rows16_tall(p);
+    if (mt > 1) {  // slots of 16 mt rows, four-warp blocks
+      GemmParams q = p;
+      q.slot_rows = 16 * mt;
+      const int64_t slots = (p.M + q.slot_rows - 1) / q.slot_rows;
+      const bool light = rows16_light(q, slots, (p.N + 31) / 32);
+      if (mt == 2)
+        return light ? launch_rows16_ring<false, true, 4, 2>(q, slots, stream)
+                     : launch_rows16_ring<false, false, 4, 2>(q, slots, stream);
+      return light ? launch_rows16_ring<false, true, 4, 4>(q, slots, stream)
+                   : launch_rows16_ring<false, false, 4, 4>(q, slots, stream);
+    }
+  }
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int warps = rows16_warps(p, row_slots, out_n);
   const int64_t n_tiles = (out_n + warps * 8 - 1) / (warps * 8);

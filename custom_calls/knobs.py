@@ -126,9 +126,9 @@ _TABLE: tuple[Knob, ...] = (
     Knob("BARO_ROWS16_WARPS", "choice", "auto", choices=("auto", "4", "2", "1"),
          doc="gemm_rows16's warps per block (8 output columns each); auto: 4, or 1 for a SwiGLU GEMM whose "
              "four-warp blocks would leave half the SMs idle (csrc/gpu/matmul.cu)"),
-    Knob("BARO_ROWS16_TALL", "choice", "auto", choices=("auto", "off", "on"),
-         doc="gemm_rows16's slots of a plain GEMM of more than 16 rows: on: 32 or 64 rows (one W read per "
-             "column block), off: 16; auto: on where N >= 1024 (csrc/gpu/matmul.cu)"),
+    Knob("BARO_ROWS16_TALL", "choice", "off", choices=("off", "on"),
+         doc="on: gemm_rows16's slots of a plain GEMM of more than 16 rows hold 32 or 64 rows (one W read per "
+             "column block; slower at 64 sequences on the H200) instead of 16 (csrc/gpu/matmul.cu)"),
     Knob("BARO_PIPE_RING", "choice", "auto", choices=("auto", "deep", "shallow"),
          doc="the pipelined 64/128-row GEMM's cp.async ring: shallow (3 stages: two or three blocks per SM) or "
              "deep (8 stages at 64-row tiles, 6 at 128: one block per SM); auto: deep when the grid has no more blocks than "

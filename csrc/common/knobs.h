@@ -84,7 +84,7 @@ inline constexpr Knob kKnobs[kCount] = {
     {"BARO_GEMM_ROW1", Kind::kOnOff, nullptr, 0, 0, 1},
     {"BARO_ROWS16_RING", Kind::kChoice, "auto|deep|light", 0, 0, 0},
     {"BARO_ROWS16_WARPS", Kind::kChoice, "auto|4|2|1", 0, 0, 0},
-    {"BARO_ROWS16_TALL", Kind::kChoice, "auto|off|on", 0, 0, 0},
+    {"BARO_ROWS16_TALL", Kind::kChoice, "off|on", 0, 0, 0},
     {"BARO_PIPE_RING", Kind::kChoice, "auto|deep|shallow", 0, 0, 0},
     {"BARO_PDL", Kind::kOnOff, nullptr, 0, 0, 0},
     {"BARO_ROW1_BPS", Kind::kInt, nullptr, 1, 8, 3},

@@ -176,10 +176,11 @@ static gpuError_t launch_tiled(const GemmParams& p, int64_t row_slots, gpuStream
 }
 
 // The ring (BARO_PIPE_RING): shallow where blocks share SMs (prefill: 3 stages, 2-3 blocks per
-// SM), deep where the grid has at most one block per SM and each block's K walk is the cost: a
-// decode step of many sequences (in_proj at 64 rows is 97 blocks of 64 x 128, whose two stages
-// in flight kept each SM near 32 GB/s; H200, 25.4 us against 11.8 at the copy rate). 8 stages of
-// 24 KB at BM 64, 6 of 32 KB at 128 (192 KB). The depth never touches the arithmetic.
+// SM), deep where the grid has at most one block per SM: a decode step of many sequences
+// (in_proj at 64 rows is 97 blocks of 64 x 128; 11.8 us at the copy rate). 8 stages of 24 KB at
+// BM 64, 6 of 32 KB at 128 (192 KB). H200, 64 sequences, one run (247591d): in_proj 25.7 ->
+// 24.7 us, the pipelined GEMMs 1.31 -> 1.27 ms a step: the ring was not what held them. The
+// depth never touches the arithmetic.
 constexpr int kPipeDeepStages64 = 8, kPipeDeepStages128 = 6;
 static bool pipe_deep(const GemmParams& p, int64_t row_slots) {
   namespace k = baro::knobs;
@@ -311,16 +312,16 @@ static gpuError_t launch_rows16_ring(const GemmParams& p, int64_t row_slots, gpu
   return launch_tiled<Cfg, gemm_rows16_kernel<SWIGLU, LIGHT, WARPS, MT>, Cfg::kThreads, SWIGLU>(p, row_slots, stream);
 }
 
-// m16 tiles per slot of a plain GEMM (BARO_ROWS16_TALL): 2 or 4 for more than 16 rows where the
-// GEMM is wide enough (N >= 1024: 32 or more four-warp column blocks) that fewer row slots still
-// fill the SMs, else 1. H200, 64 sequences: out_proj (N 2048, K 4096) was 22.9 us on four
-// 16-row slots, whose column blocks each read the same W through L2.
+// m16 tiles per slot of a plain GEMM of more than 16 rows (BARO_ROWS16_TALL=on: 2 or 4; else 1).
+// Opt-in: a 64-row slot reads each W column block once where four 16-row slots read it four
+// times through L2, but it was slower. H200, 64 sequences, one run (247591d): out_proj (N 2048,
+// K 4096) 22.7 -> 30.4 us, the step 21.61 -> 21.86 ms: 64 four-warp blocks each pull 768 KB
+// through one SM, where 256 blocks of 384 KB spread over all of them
+// (decode_profile_batch64_tall_{off,on}_247591d_h200.json).
 static int rows16_tall(const GemmParams& p) {
   namespace k = baro::knobs;
   if (p.tiles != nullptr || p.Act != nullptr || p.M <= 16) return 1;
-  const int t = k::get(k::kRows16Tall);
-  if (t == k::word(k::kRows16Tall, "off")) return 1;
-  if (t == k::word(k::kRows16Tall, "auto") && p.N < 1024) return 1;
+  if (!k::is(k::kRows16Tall, "on")) return 1;
   return p.M <= 32 ? 2 : 4;
 }
 

@@ -42,6 +42,7 @@
 namespace baro_gpu {
 bool pdl_enabled() { return false; }  // matmul.cu's, not linked here: plain launches
 void attention_wgmma_set_loads(int tma);  // attention_wgmma.cu: 1 TMA, 0 the cp.async rings
+int attention_wgmma_last_loads();         // the path the last launch took (1 TMA, 0 rings)
 }  // namespace baro_gpu
 
 using namespace baro_gpu;
@@ -280,17 +281,21 @@ static bool check_case(const Inputs& in, int64_t m, int64_t pos0, int64_t nv, in
   for (int tma : {1, 0}) {
     poison(in.out_wg, n);
     const bool ran = run_wg(in, m, tma);
+    const int took = attention_wgmma_last_loads();
+    // TMA where the head dim has it (128, 256), else the rings: a fallback fails the case
+    const bool path_ok = took == (tma && (hd == 128 || hd == 256) ? 1 : 0);
     CK(cudaDeviceSynchronize());
     CK(cudaGetLastError());
     const auto wg = fetch(in.out_wg, n);
     const Cmp wf = compare(wg, fa, all, H, hd), wd = compare(wg, de, dec, H, hd);
     const Cmp pz = compare(wg, zeros, pad, H, hd);
-    const bool ok = ran && wf.differ == 0 && wf.unwritten == 0 && wd.differ == 0 && wd.unwritten == 0 &&
+    const bool ok = ran && path_ok && wf.differ == 0 && wf.unwritten == 0 && wd.differ == 0 && wd.unwritten == 0 &&
                     fd.differ == 0 && pz.differ == 0;
-    std::printf("{\"case\": \"%s\", \"loads\": \"%s\", \"m\": %lld, \"pos0\": %lld, \"n_valid\": %lld, "
-                "\"S\": %lld, \"ran_wgmma\": %s, \"decode_rows\": %zu, %s, %s, %s, %s, \"equal\": %s}\n",
-                in.sh.name, tma ? "tma" : "rings", (long long)m, (long long)pos0, (long long)nv, (long long)in.S,
-                ran ? "true" : "false", dec.size(), wf.json("wgmma_vs_default").c_str(),
+    std::printf("{\"case\": \"%s\", \"loads\": \"%s\", \"took\": \"%s\", \"m\": %lld, \"pos0\": %lld, "
+                "\"n_valid\": %lld, \"S\": %lld, \"ran_wgmma\": %s, \"decode_rows\": %zu, %s, %s, %s, %s, "
+                "\"equal\": %s}\n",
+                in.sh.name, tma ? "tma" : "rings", took == 1 ? "tma" : took == 0 ? "rings" : "none", (long long)m,
+                (long long)pos0, (long long)nv, (long long)in.S, ran ? "true" : "false", dec.size(), wf.json("wgmma_vs_default").c_str(),
                 wd.json("wgmma_vs_decode").c_str(), fd.json("default_vs_decode").c_str(),
                 pz.json("wgmma_padding_vs_zero").c_str(), ok ? "true" : "false");
     std::fflush(stdout);
@@ -384,14 +389,16 @@ int main(int argc, char** argv) {
         CK(cudaMemcpy(in.scalars, sc, sizeof sc, cudaMemcpyHostToDevice));
         const float t_fa = time_ms([&] { run_fa(in, m); }, 10);
         const float t_wg = time_ms([&] { run_wg(in, m, 1); }, 10);
+        const int took = attention_wgmma_last_loads();
         const float t_wr = time_ms([&] { run_wg(in, m, 0); }, 10);
+        attention_wgmma_set_loads(1);
         // causal pairs of the chunk: row i sees pos0 + i + 1 keys; 4 flops per (pair, head dim, q head)
         const double pairs = static_cast<double>(m) * pos0 + static_cast<double>(m) * (m + 1) / 2;
         const double flop = 4.0 * pairs * sh.hd * sh.H;
         std::printf("{\"timing\": \"%s\", \"m\": %lld, \"pos0\": %lld, \"S\": %lld, \"default_ms\": %.3f, "
-                    "\"wgmma_ms\": %.3f, \"wgmma_rings_ms\": %.3f, \"default_tflops\": %.1f, "
+                    "\"wgmma_ms\": %.3f, \"wgmma_took\": \"%s\", \"wgmma_rings_ms\": %.3f, \"default_tflops\": %.1f, "
                     "\"wgmma_tflops\": %.1f, \"wgmma_rings_tflops\": %.1f, \"reps\": 10, \"stat\": \"median\"}\n",
-                    sh.name, (long long)m, (long long)pos0, (long long)S_big, t_fa, t_wg, t_wr, flop / t_fa / 1e9,
+                    sh.name, (long long)m, (long long)pos0, (long long)S_big, t_fa, t_wg, took == 1 ? "tma" : "rings", t_wr, flop / t_fa / 1e9,
                     flop / t_wg / 1e9, flop / t_wr / 1e9);
         std::fflush(stdout);
       }

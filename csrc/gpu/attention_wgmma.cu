@@ -728,8 +728,10 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #endif
 }
 
-// The K/V path of the head dims that have both (attention_wgmma_set_loads; the harness times both).
+// The K/V path of the head dims that have both (attention_wgmma_set_loads; the harness times both),
+// and the path the last launch took (attention_wgmma_last_loads).
 static std::atomic<int> g_wg_tma{1};
+static std::atomic<int> g_wg_last{-1};
 
 // The driver's tensor-map encoder, looked up once through the runtime; null where it is absent.
 static PFN_cuTensorMapEncodeTiled_v12000 wg_encoder() {
@@ -779,9 +781,12 @@ gpuError_t wg_launch(const AttentionArgs& a, unsigned tiles, gpuStream_t stream)
   WgMaps maps{};
   if constexpr (wg_tma_ok<kHd>()) {
     if (g_wg_tma.load(std::memory_order_relaxed) != 0 && wg_encode(&maps.k, a.k_cache, a) &&
-        wg_encode(&maps.v, a.v_cache, a))
+        wg_encode(&maps.v, a.v_cache, a)) {
+      g_wg_last.store(1, std::memory_order_relaxed);
       return wg_launch_one<kHd, true>(a, maps, tiles, stream);
+    }
   }
+  g_wg_last.store(0, std::memory_order_relaxed);
   return wg_launch_one<kHd, false>(a, maps, tiles, stream);
 }
 
@@ -811,6 +816,14 @@ void attention_wgmma_set_loads(int tma) {
   g_wg_tma.store(tma, std::memory_order_relaxed);
 #else
   (void)tma;
+#endif
+}
+// 1: the last launch took TMA, 0: the rings, -1: none yet (so a check cannot pass on a fallback).
+int attention_wgmma_last_loads() {
+#if BARO_WGMMA_BUILT
+  return g_wg_last.load(std::memory_order_relaxed);
+#else
+  return -1;
 #endif
 }
 

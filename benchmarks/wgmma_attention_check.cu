@@ -9,9 +9,10 @@
 // decode, default vs decode: the last is this harness's own control), outputs poisoned first; on
 // a difference the first (token, head, dim), the rows and dims that differ and the largest gap
 // in bf16 units. Then timings of both kernels at the model's shape (median of device events).
-// The wgmma kernel runs twice per case and per timing: its K/V by TMA (the default, hd 128 and
-// 256; the other head dims take the rings either way) and by the cp.async rings; each case line
-// names its path ("loads").
+// The wgmma kernel runs three times per case and per timing: its K/V by TMA (the default, hd 128
+// and 256; the other head dims take the rings either way), by TMA in clusters of two CTAs that
+// multicast the blocks both tiles read ("pairs", experimental), and by the cp.async rings; each
+// case line names its path ("loads") and the one the launch took ("took").
 //
 // Build and run (the GPU machine, ~1 min). Whole-program objects (-c), as gpu.cmake builds the
 // library: with -dc the fp32 division slow paths become external calls and ptxas then waits for
@@ -26,7 +27,7 @@
 //   nvcc -arch=sm_90a /tmp/wg.o /tmp/chk.o -o /tmp/wgmma_attention_check
 //   /tmp/wgmma_attention_check [commit] [all|quick|time|profile] > results.jsonl
 // (quick: the checks alone; time: the full-size times alone; profile: one launch of each kernel at
-// the 32k chunk, for ncu: the default, then wgmma by TMA, then wgmma by the rings)
+// the 32k chunk, for ncu: the default, then wgmma by TMA, by TMA pairs, by the rings)
 // Exit status 0 only when every comparison is equal and every output element was written.
 #include <algorithm>
 #include <cstdio>
@@ -41,8 +42,8 @@
 
 namespace baro_gpu {
 bool pdl_enabled() { return false; }  // matmul.cu's, not linked here: plain launches
-void attention_wgmma_set_loads(int tma);  // attention_wgmma.cu: 1 TMA, 0 the cp.async rings
-int attention_wgmma_last_loads();         // the path the last launch took (1 TMA, 0 rings)
+void attention_wgmma_set_loads(int tma);  // attention_wgmma.cu: 1 TMA, 2 TMA pairs, 0 the cp.async rings
+int attention_wgmma_last_loads();         // the path the last launch took (same numbers)
 }  // namespace baro_gpu
 
 using namespace baro_gpu;
@@ -240,6 +241,7 @@ static std::vector<uint16_t> fetch(const uint16_t* p, size_t n) {
 }
 
 static std::string g_commit = "unknown", g_device, g_date;
+static const char* loads_name(int l) { return l == 1 ? "tma" : l == 2 ? "pairs" : l == 0 ? "rings" : "none"; }
 
 // One (m, pos0, n_valid) case: bits of all three, the wgmma kernel by each K/V path (one line
 // each); returns true when all equal and written.
@@ -278,12 +280,12 @@ static bool check_case(const Inputs& in, int64_t m, int64_t pos0, int64_t nv, in
   std::vector<int64_t> pad;
   for (int64_t i = nv; i < m; ++i) pad.push_back(i);
   bool ok_all = true;
-  for (int tma : {1, 0}) {
+  for (int tma : {1, 2, 0}) {
     poison(in.out_wg, n);
     const bool ran = run_wg(in, m, tma);
     const int took = attention_wgmma_last_loads();
     // TMA where the head dim has it (128, 256), else the rings: a fallback fails the case
-    const bool path_ok = took == (tma && (hd == 128 || hd == 256) ? 1 : 0);
+    const bool path_ok = took == (hd == 128 || hd == 256 ? tma : 0);
     CK(cudaDeviceSynchronize());
     CK(cudaGetLastError());
     const auto wg = fetch(in.out_wg, n);
@@ -294,7 +296,7 @@ static bool check_case(const Inputs& in, int64_t m, int64_t pos0, int64_t nv, in
     std::printf("{\"case\": \"%s\", \"loads\": \"%s\", \"took\": \"%s\", \"m\": %lld, \"pos0\": %lld, "
                 "\"n_valid\": %lld, \"S\": %lld, \"ran_wgmma\": %s, \"decode_rows\": %zu, %s, %s, %s, %s, "
                 "\"equal\": %s}\n",
-                in.sh.name, tma ? "tma" : "rings", took == 1 ? "tma" : took == 0 ? "rings" : "none", (long long)m,
+                in.sh.name, loads_name(tma), loads_name(took), (long long)m,
                 (long long)pos0, (long long)nv, (long long)in.S, ran ? "true" : "false", dec.size(), wf.json("wgmma_vs_default").c_str(),
                 wd.json("wgmma_vs_decode").c_str(), fd.json("default_vs_decode").c_str(),
                 pz.json("wgmma_padding_vs_zero").c_str(), ok ? "true" : "false");
@@ -359,6 +361,7 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(in.scalars, sc, sizeof sc, cudaMemcpyHostToDevice));
     run_fa(in, m);
     run_wg(in, m, 1);
+    run_wg(in, m, 2);
     run_wg(in, m, 0);
     CK(cudaDeviceSynchronize());
     free_inputs(in);
@@ -390,16 +393,19 @@ int main(int argc, char** argv) {
         const float t_fa = time_ms([&] { run_fa(in, m); }, 10);
         const float t_wg = time_ms([&] { run_wg(in, m, 1); }, 10);
         const int took = attention_wgmma_last_loads();
+        const float t_wp = time_ms([&] { run_wg(in, m, 2); }, 10);
+        const int took_p = attention_wgmma_last_loads();
         const float t_wr = time_ms([&] { run_wg(in, m, 0); }, 10);
         attention_wgmma_set_loads(1);
         // causal pairs of the chunk: row i sees pos0 + i + 1 keys; 4 flops per (pair, head dim, q head)
         const double pairs = static_cast<double>(m) * pos0 + static_cast<double>(m) * (m + 1) / 2;
         const double flop = 4.0 * pairs * sh.hd * sh.H;
         std::printf("{\"timing\": \"%s\", \"m\": %lld, \"pos0\": %lld, \"S\": %lld, \"default_ms\": %.3f, "
-                    "\"wgmma_ms\": %.3f, \"wgmma_took\": \"%s\", \"wgmma_rings_ms\": %.3f, \"default_tflops\": %.1f, "
+                    "\"wgmma_ms\": %.3f, \"wgmma_took\": \"%s\", \"wgmma_pairs_ms\": %.3f, \"pairs_took\": \"%s\", "
+                    "\"wgmma_rings_ms\": %.3f, \"default_tflops\": %.1f, "
                     "\"wgmma_tflops\": %.1f, \"wgmma_rings_tflops\": %.1f, \"reps\": 10, \"stat\": \"median\"}\n",
-                    sh.name, (long long)m, (long long)pos0, (long long)S_big, t_fa, t_wg, took == 1 ? "tma" : "rings", t_wr, flop / t_fa / 1e9,
-                    flop / t_wg / 1e9, flop / t_wr / 1e9);
+                    sh.name, (long long)m, (long long)pos0, (long long)S_big, t_fa, t_wg, loads_name(took), t_wp,
+                    loads_name(took_p), t_wr, flop / t_fa / 1e9, flop / t_wg / 1e9, flop / t_wr / 1e9);
         std::fflush(stdout);
       }
       free_inputs(in);

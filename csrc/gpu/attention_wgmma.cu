@@ -35,7 +35,9 @@
 //    rows 512 B long, Hkv*hd*2 B apart: a 2-D box, not one contiguous run) in the 128-byte
 //    swizzle, completing on one mbarrier per ring stage. wgmma reads K K-major and V N-major
 //    (trans-b) through swizzled descriptors (wg_kdesc, wg_vdesc). Whole 128-byte lines, no
-//    thread issues per-16-byte copies, and no per-step proxy fence.
+//    thread issues per-16-byte copies, and no per-step proxy fence. attention_wgmma_set_loads(2)
+//    (experimental, for timing): clusters of two adjacent tiles multicast the blocks both read,
+//    each CTA copying half the boxes (half the L2 reads; see wg_tma_tile_pair).
 //  - the cp.async rings (hd 32 and 64; attention_wgmma_set_loads(0) for all): Q's blocked layout
 //    for K and V too (V N-major: LBO hd*16 B to the next 8 keys, SBO 128 B to the next 8 dims),
 //    8 consecutive threads filling one block.
@@ -119,9 +121,10 @@ struct WgLayout {
   static constexpr int kP = kV + kVStages * kTile;
   static constexpr int kRed = kP + kWgRows * kFaPld * 2;
   static constexpr int kBar = kRed + 4 * kWgRows * 4;  // [max|sum][half][row], then the mbarriers
-  // TMA: full-barriers of the K then the V stages; 1 KB of slack to put the tiles on the 1024-byte
-  // boundary the 128-byte swizzle pattern repeats on (the same address bits for TMA and wgmma).
-  static constexpr int kTotal = kTma ? kBar + 8 * (kKStages + kVStages) + 1024 : kBar;
+  // TMA: full-barriers of the K then the V stages, then (pairs) their empty-barriers; 1 KB of slack
+  // to put the tiles on the 1024-byte boundary the 128-byte swizzle pattern repeats on (the same
+  // address bits for TMA and wgmma).
+  static constexpr int kTotal = kTma ? kBar + 16 * (kKStages + kVStages) + 1024 : kBar;
   static_assert(!kTma || (kTile % 1024 == 0 && wg_tma_ok<kHd>()), "swizzled tiles on 1 KB");
   static_assert(kTotal <= 227 * 1024, "shared memory of one block");
 };
@@ -196,6 +199,53 @@ BARO_DEV void wg_tma_tile(uint16_t* dst, const CUtensorMap* map, int kh, int j0,
 #pragma unroll
   for (int q = 0; q < kHd / 64; ++q) wg_tma_box(d + q * kFaKB * 128, map, kh * kHd + 64 * q, j0, bar);
 }
+// ---- Pairs (attention_wgmma_set_loads(2)): clusters of two CTAs on adjacent tiles of one kv
+// head. Both need the same K/V blocks up to the shorter one's last; for those each CTA copies
+// half the boxes and multicasts them into both, halving the L2 reads (every tile reads all of
+// its KV: ~60 GB per 8k chunk at 32k). A stage is refilled with a shared block only after both
+// CTAs released it: each one's issuing thread arrives on both CTAs' empty-barrier of the stage
+// (count 2), then waits on its own. The layouts match, so a multicast lands at the same offsets
+// and completes on the same full-barrier in each CTA; a CTA's own arrival carries the block's
+// whole byte count, the peer's bytes may land before it (the phase waits for the arrival).
+BARO_DEV uint32_t wg_cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+BARO_DEV void wg_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// Arrival on the mbarrier at this CTA's offset bar in CTA rank of the cluster (itself included).
+// It releases a stage whose reads (wgmma, waited for) and zero fills (fenced for the async proxy)
+// all came before the CTA barrier this thread passed: the peer's copies into the stage follow
+// it causally, so no cluster-scope release (a GPU-wide MEMBAR and an L1 invalidate per arrival
+// in SASS) is needed.
+BARO_DEV void wg_mbar_arrive_cta(uint32_t bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+// One box into the same offset dst of both CTAs of the pair, completing on bar in each.
+BARO_DEV void wg_tma_box_pair(uint32_t dst, const CUtensorMap* map, int x, int j0, uint32_t bar) {
+  const uint16_t mask = 3;
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(j0), "r"(bar), "h"(mask)
+      : "memory");
+}
+// A block both CTAs of the pair need: this CTA's arrival with the block's whole byte count, and its
+// half of the boxes (those of its rank's parity) into both.
+template <int kHd>
+BARO_DEV void wg_tma_tile_pair(uint16_t* dst, const CUtensorMap* map, int kh, int j0, uint32_t bar, uint32_t rank) {
+  static_assert(kHd / 64 % 2 == 0, "boxes split evenly over the pair");
+  wg_mbar_expect(bar, kFaKB * kHd * 2);
+  const uint32_t d = fa_smem_addr(dst);
+#pragma unroll
+  for (int q = static_cast<int>(rank); q < kHd / 64; q += 2)
+    wg_tma_box_pair(d + q * kFaKB * 128, map, kh * kHd + 64 * q, j0, bar);
+}
+
 // Rows first.. of a swizzled tile to zero: fa_issue_tile's zero fill of rows past the last
 // written cache row (TMA brings whatever the cache holds there; P V must see finite zeros, as
 // attn_fa_kernel does). A row's chunks stay inside its own 128 bytes of each box, so the
@@ -478,10 +528,12 @@ BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __r
 }
 
 // Grid (tiles, Hkv): tile x of kv head y, the tiles last-first (attn_fa_kernel's serial mode).
-// kTma: K/V by TMA through maps (wg_launch); else the cp.async rings, maps unused.
-template <int kHd, bool kTma>
+// kTma: K/V by TMA through maps (wg_launch); else the cp.async rings, maps unused. kPair (with
+// kTma): launched in clusters of 2 along x, blocks both tiles need multicast (see wg_tma_tile_pair).
+template <int kHd, bool kTma, bool kPair>
 __global__ void __launch_bounds__(kWgThreads, 1)
     attn_wgmma_kernel(AttentionArgs a, const __grid_constant__ WgMaps maps) {
+  static_assert(kTma || !kPair, "pairs share TMA copies");
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = WgLayout<kHd, kTma>;
   constexpr int hd = kHd;
@@ -506,7 +558,13 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int64_t nrows = m * G;
   const int64_t tile = gridDim.x - 1 - blockIdx.x;
   const int64_t R0 = tile * kWgRows;
-  if (R0 >= nrows) return;
+  if (R0 >= nrows) {  // the pad of an odd tile count (pairs): the peer's two cluster barriers
+    if constexpr (kPair) {
+      wg_cluster_sync();
+      wg_cluster_sync();
+    }
+    return;
+  }
   const int64_t pos = *a.pos;
   const int64_t nvld = clamp_nvalid(a.n_valid, m);
   const int64_t R_last = (R0 + kWgRows < nrows ? R0 + kWgRows : nrows) - 1;
@@ -527,19 +585,63 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   // is refilled only after the barrier that ends every thread's wait on its previous use, so no
   // waiter can miss a phase.
   const uint32_t kbar = fa_smem_addr(smem + L::kBar), vbar = kbar + 8 * L::kKStages;
+  const uint32_t kempty = kbar + 8 * (L::kKStages + L::kVStages), vempty = kempty + 8 * L::kKStages;
+  // Pairs: blocks below `common` are the ones both tiles of the cluster read (the peer's count by
+  // the same rule as b_end: both CTAs get the same number); the longer tile copies the rest alone.
+  int common = 0;
+  uint32_t rank = 0;
+  if constexpr (kPair) {
+    rank = wg_cluster_rank();
+    const int64_t pR0 = (static_cast<int64_t>(gridDim.x) - 1 - (blockIdx.x ^ 1u)) * kWgRows;
+    int p_blocks = 0;
+    if (pR0 < nrows) {
+      const int64_t pR_last = (pR0 + kWgRows < nrows ? pR0 + kWgRows : nrows) - 1;
+      int64_t p_lim = pos + pR_last / G;
+      if (p_lim > a.S - 1) p_lim = a.S - 1;
+      p_blocks = p_lim < 0 ? 0 : static_cast<int>(p_lim / kFaKB + 1);
+    }
+    common = p_blocks < b_end ? p_blocks : b_end;
+  }
+  // Block bl into its stage of one ring (thread 0): multicast half of it for a shared block, all
+  // of it alone otherwise. A shared block refilling a used stage first releases that stage in
+  // both CTAs (the barrier just passed ended this CTA's reads of it) and waits for the peer's
+  // release: the (bl / stages)-th use of the stage, so its empty-barrier's phase bl / stages - 1.
+  auto issue = [&](uint16_t* ring, const CUtensorMap* map, uint32_t full, uint32_t empty, int stages, int bl,
+                   bool refill) {
+    if constexpr (kTma) {
+      const int st = bl % stages;
+      uint16_t* dst = ring + st * tile_el;
+      if constexpr (kPair) {
+        if (bl < common) {
+          if (refill && bl >= stages) {
+            wg_mbar_arrive_cta(empty + 8 * st, 0);
+            wg_mbar_arrive_cta(empty + 8 * st, 1);
+            wg_mbar_wait(empty + 8 * st, (bl / stages - 1) & 1);
+          }
+          wg_tma_tile_pair<kHd>(dst, map, kh, bl * kFaKB, full + 8 * st, rank);
+          return;
+        }
+      }
+      wg_tma_tile<kHd>(dst, map, kh, bl * kFaKB, full + 8 * st);
+    }
+  };
   if constexpr (kTma) {
     if (threadIdx.x == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.k)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.v)) : "memory");
       for (int s = 0; s < L::kKStages + L::kVStages; ++s) wg_mbar_init(kbar + 8 * s, 1);
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // for the TMA unit
+      if constexpr (kPair)  // one arrival from each CTA of the pair
+        for (int s = 0; s < L::kKStages + L::kVStages; ++s) wg_mbar_init(kempty + 8 * s, 2);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // for the TMA unit, the peer
     }
-    __syncthreads();  // the barriers initialised before anyone waits on them
-    if (threadIdx.x == 0) {  // the first blocks in flight while Q is normed
-      for (int j = 0; j < L::kVLead && j < b_end; ++j)
-        wg_tma_tile<kHd>(V0 + j * tile_el, &maps.v, kh, j * kFaKB, vbar + 8 * j);
-      for (int j = 0; j < L::kKLead && j < b_end; ++j)
-        wg_tma_tile<kHd>(K0 + j * tile_el, &maps.k, kh, j * kFaKB, kbar + 8 * j);
+    // the barriers initialised before anyone (pairs: the peer's copies and arrivals too) uses them
+    if constexpr (kPair)
+      wg_cluster_sync();
+    else
+      __syncthreads();
+    if (threadIdx.x == 0) {  // the first blocks in flight while Q is normed (first uses of stages)
+      for (int j = 0; j < L::kVLead && j < b_end; ++j) issue(V0, &maps.v, vbar, vempty, L::kVStages, j, false);
+      for (int j = 0; j < L::kKLead && j < b_end; ++j) issue(K0, &maps.k, kbar, kempty, L::kKStages, j, false);
     }
   } else {
   // The first blocks in flight while Q is normed: the groups steps -kKLead..-1 would have
@@ -648,12 +750,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     if constexpr (kTma) {
       if (threadIdx.x == 0) {
         const int bv = b + L::kVLead, bk = b + L::kKLead;
-        if (bv < b_end)
-          wg_tma_tile<kHd>(V0 + (bv % L::kVStages) * tile_el, &maps.v, kh, bv * kFaKB,
-                           vbar + 8 * (bv % L::kVStages));
-        if (bk < b_end)
-          wg_tma_tile<kHd>(K0 + (bk % L::kKStages) * tile_el, &maps.k, kh, bk * kFaKB,
-                           kbar + 8 * (bk % L::kKStages));
+        if (bv < b_end) issue(V0, &maps.v, vbar, vempty, L::kVStages, bv, true);
+        if (bk < b_end) issue(K0, &maps.k, kbar, kempty, L::kKStages, bk, true);
       }
     } else {
       if (b + L::kVLead < b_end)
@@ -722,6 +820,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       }
     }
   }
+  // Pairs: neither CTA leaves while the other may still arrive on its barriers.
+  if constexpr (kPair) wg_cluster_sync();
 #else
   (void)a;  // built for sm_90a only (gpu.cmake, .ci/compile_gpu.sh)
   (void)maps;
@@ -770,20 +870,49 @@ template <int kHd, bool kTma>
 gpuError_t wg_launch_one(const AttentionArgs& a, const WgMaps& maps, unsigned tiles, gpuStream_t stream) {
   constexpr int smem = WgLayout<kHd, kTma>::kTotal;  // 202 KB at hd 256 (TMA: 203)
   const gpuError_t e =
-      cudaFuncSetAttribute(attn_wgmma_kernel<kHd, kTma>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      cudaFuncSetAttribute(attn_wgmma_kernel<kHd, kTma, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != gpuSuccess) return e;
-  return launch_dependent(attn_wgmma_kernel<kHd, kTma>, dim3(tiles, static_cast<unsigned>(a.Hkv), 1u),
+  return launch_dependent(attn_wgmma_kernel<kHd, kTma, false>, dim3(tiles, static_cast<unsigned>(a.Hkv), 1u),
                           dim3(kWgThreads), smem, stream, a, maps);  // after the cache write
+}
+
+// Pairs: clusters of 2 along the tiles (an even count: the pad CTA only meets the cluster
+// barriers), with launch_dependent's programmatic serialisation where it is on.
+template <int kHd>
+gpuError_t wg_launch_pair(const AttentionArgs& a, const WgMaps& maps, unsigned tiles, gpuStream_t stream) {
+  constexpr int smem = WgLayout<kHd, true>::kTotal;
+  gpuError_t e =
+      cudaFuncSetAttribute(attn_wgmma_kernel<kHd, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != gpuSuccess) return e;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(tiles + (tiles & 1u), static_cast<unsigned>(a.Hkv), 1u);
+  cfg.blockDim = dim3(kWgThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 2;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  unsigned n = 1;
+  if (pdl_enabled()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = n;
+  return cudaLaunchKernelEx(&cfg, attn_wgmma_kernel<kHd, true, true>, a, maps);
 }
 
 template <int kHd>
 gpuError_t wg_launch(const AttentionArgs& a, unsigned tiles, gpuStream_t stream) {
   WgMaps maps{};
   if constexpr (wg_tma_ok<kHd>()) {
-    if (g_wg_tma.load(std::memory_order_relaxed) != 0 && wg_encode(&maps.k, a.k_cache, a) &&
-        wg_encode(&maps.v, a.v_cache, a)) {
-      g_wg_last.store(1, std::memory_order_relaxed);
-      return wg_launch_one<kHd, true>(a, maps, tiles, stream);
+    const int mode = g_wg_tma.load(std::memory_order_relaxed);
+    if (mode != 0 && tiles < 0xffffffffu && wg_encode(&maps.k, a.k_cache, a) && wg_encode(&maps.v, a.v_cache, a)) {
+      g_wg_last.store(mode == 2 ? 2 : 1, std::memory_order_relaxed);
+      return mode == 2 ? wg_launch_pair<kHd>(a, maps, tiles, stream) : wg_launch_one<kHd, true>(a, maps, tiles, stream);
     }
   }
   g_wg_last.store(0, std::memory_order_relaxed);
@@ -808,8 +937,8 @@ static bool wg_device_is_sm90() {
 
 namespace baro_gpu {
 
-// Which K/V path attn_wgmma_kernel takes where the head dim has both: 1 (the default) TMA, 0 the
-// cp.async rings. Not a knob (the library never sets it): wgmma_attention_check.cu declares it
+// Which K/V path attn_wgmma_kernel takes where the head dim has them: 1 (the default) TMA, 2 TMA
+// in multicasting pairs (experimental), 0 the cp.async rings. Not a knob (the library never sets it): wgmma_attention_check.cu declares it
 // to time and check both paths in one run.
 void attention_wgmma_set_loads(int tma) {
 #if BARO_WGMMA_BUILT
@@ -818,7 +947,7 @@ void attention_wgmma_set_loads(int tma) {
   (void)tma;
 #endif
 }
-// 1: the last launch took TMA, 0: the rings, -1: none yet (so a check cannot pass on a fallback).
+// 1: the last launch took TMA, 2: TMA pairs, 0: the rings, -1: none yet (so a check cannot pass on a fallback).
 int attention_wgmma_last_loads() {
 #if BARO_WGMMA_BUILT
   return g_wg_last.load(std::memory_order_relaxed);

@@ -308,8 +308,8 @@ static bool check_case(const Inputs& in, int64_t m, int64_t pos0, int64_t nv, in
     std::printf("{\"case\": \"%s\", \"loads\": \"%s\", \"took\": \"%s\", \"m\": %lld, \"pos0\": %lld, "
                 "\"n_valid\": %lld, \"S\": %lld, \"ran_wgmma\": %s, \"decode_rows\": %zu, %s, %s, %s, %s, "
                 "\"equal\": %s}\n",
-                in.sh.name, loads_name(tma), loads_name(took), (long long)m,
-                (long long)pos0, (long long)nv, (long long)in.S, ran ? "true" : "false", dec.size(), wf.json("wgmma_vs_default").c_str(),
+                in.sh.name, loads_name(tma), loads_name(took), (long long)m, (long long)pos0, (long long)nv,
+                (long long)in.S, ran ? "true" : "false", dec.size(), wf.json("wgmma_vs_default").c_str(),
                 wd.json("wgmma_vs_decode").c_str(), fd.json("default_vs_decode").c_str(),
                 pz.json("wgmma_padding_vs_zero").c_str(), ok ? "true" : "false");
     std::fflush(stdout);

@@ -186,7 +186,8 @@ BARO_DEV void wg_mbar_wait(uint32_t bar, uint32_t parity) {
 // Rows past the tensor's S come back as zeros.
 BARO_DEV void wg_tma_box(uint32_t dst, const CUtensorMap* map, int x, int j0, uint32_t bar) {
   asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(j0), "r"(bar)
       : "memory");
 }
@@ -828,7 +829,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #endif
 }
 
-// The K/V path of the head dims that have both (attention_wgmma_set_loads; the harness times both),
+// The K/V path of the head dims that have TMA (attention_wgmma_set_loads; the harness times each),
 // and the path the last launch took (attention_wgmma_last_loads).
 static std::atomic<int> g_wg_tma{1};
 static std::atomic<int> g_wg_last{-1};
@@ -938,8 +939,8 @@ static bool wg_device_is_sm90() {
 namespace baro_gpu {
 
 // Which K/V path attn_wgmma_kernel takes where the head dim has them: 1 (the default) TMA, 2 TMA
-// in multicasting pairs (experimental), 0 the cp.async rings. Not a knob (the library never sets it): wgmma_attention_check.cu declares it
-// to time and check both paths in one run.
+// in multicasting pairs (experimental), 0 the cp.async rings. Not a knob (the library never sets
+// it): wgmma_attention_check.cu declares it to time and check every path in one run.
 void attention_wgmma_set_loads(int tma) {
 #if BARO_WGMMA_BUILT
   g_wg_tma.store(tma, std::memory_order_relaxed);

@@ -9,18 +9,26 @@
 // decode, default vs decode: the last is this harness's own control), outputs poisoned first; on
 // a difference the first (token, head, dim), the rows and dims that differ and the largest gap
 // in bf16 units. Then timings of both kernels at the model's shape (median of device events).
+// The wgmma kernel runs three times per case and per timing: its K/V by TMA (the default, hd 128
+// and 256; the other head dims take the rings either way), by TMA in clusters of two CTAs that
+// multicast the blocks both tiles read ("pairs", experimental), and by the cp.async rings; each
+// case line names its path ("loads") and the one the launch took ("took"). WGMMA_LOADS picks
+// and orders them (default "1,0,2": TMA, rings, pairs; a hang in one leaves the lines before it).
 //
-// Build and run (the GPU machine, ~1 min):
+// Build and run (the GPU machine, ~1 min). Whole-program objects (-c), as gpu.cmake builds the
+// library: with -dc the fp32 division slow paths become external calls and ptxas then waits for
+// every wgmma before the next (40 WARPGROUP.DEPBAR per kernel instead of 4), so the kernel timed
+// would not be the library's (the 2026-12-02 times in attn_wgmma_h200.json were built that way).
 //   nvcc -O3 -std=c++17 --fmad=false -Xcompiler=-fno-fast-math -DBARO_WGMMA=1 \
 //     --generate-code=arch=compute_90a,code=sm_90a -Icsrc/gpu -Icsrc/common \
-//     -dc csrc/gpu/attention_wgmma.cu -o /tmp/wg.o
+//     -c csrc/gpu/attention_wgmma.cu -o /tmp/wg.o
 //   nvcc -O3 -std=c++17 --fmad=false -Xcompiler=-fno-fast-math \
 //     "--generate-code=arch=compute_90,code=[compute_90,sm_90]" -Icsrc/gpu -Icsrc/common \
-//     -dc benchmarks/wgmma_attention_check.cu -o /tmp/chk.o
+//     -c benchmarks/wgmma_attention_check.cu -o /tmp/chk.o
 //   nvcc -arch=sm_90a /tmp/wg.o /tmp/chk.o -o /tmp/wgmma_attention_check
 //   /tmp/wgmma_attention_check [commit] [all|quick|time|profile] > results.jsonl
 // (quick: the checks alone; time: the full-size times alone; profile: one launch of each kernel at
-// the 32k chunk, for ncu)
+// the 32k chunk, for ncu: the default, then wgmma by TMA, by TMA pairs, by the rings)
 // Exit status 0 only when every comparison is equal and every output element was written.
 #include <algorithm>
 #include <cstdio>
@@ -35,6 +43,8 @@
 
 namespace baro_gpu {
 bool pdl_enabled() { return false; }  // matmul.cu's, not linked here: plain launches
+void attention_wgmma_set_loads(int tma);  // attention_wgmma.cu: 1 TMA, 2 TMA pairs, 0 the cp.async rings
+int attention_wgmma_last_loads();         // the path the last launch took (same numbers)
 }  // namespace baro_gpu
 
 using namespace baro_gpu;
@@ -158,7 +168,8 @@ static void run_fa(const Inputs& in, int64_t m) {
   unsetenv("BARO_ATTN_WGMMA");
   CK(fa_launch(b, nullptr, 0));
 }
-static bool run_wg(const Inputs& in, int64_t m) {
+static bool run_wg(const Inputs& in, int64_t m, int tma = 1) {
+  attention_wgmma_set_loads(tma);
   AttentionArgs b = args_for(in, m);
   b.out = in.out_wg;
   bool ran = false;
@@ -231,8 +242,21 @@ static std::vector<uint16_t> fetch(const uint16_t* p, size_t n) {
 }
 
 static std::string g_commit = "unknown", g_device, g_date;
+static const char* loads_name(int l) { return l == 1 ? "tma" : l == 2 ? "pairs" : l == 0 ? "rings" : "none"; }
+// The wgmma K/V paths to run, in order (WGMMA_LOADS, e.g. "1,0"); unknown entries are skipped.
+static std::vector<int> g_loads = {1, 0, 2};
+static void read_loads() {
+  const char* e = std::getenv("WGMMA_LOADS");
+  if (e == nullptr || *e == 0) return;
+  g_loads.clear();
+  for (const char* c = e; *c; ++c)
+    if (*c >= '0' && *c <= '2') g_loads.push_back(*c - '0');
+  if (g_loads.empty()) g_loads = {1, 0, 2};  // nothing recognised: not a vacuous pass
+}
+static bool runs(int l) { return std::find(g_loads.begin(), g_loads.end(), l) != g_loads.end(); }
 
-// One (m, pos0, n_valid) case: bits of all three; returns true when all equal and written.
+// One (m, pos0, n_valid) case: bits of all three, the wgmma kernel by each K/V path (one line
+// each); returns true when all equal and written.
 static bool check_case(const Inputs& in, int64_t m, int64_t pos0, int64_t nv, int64_t dec_max, std::mt19937& g) {
   const int H = in.sh.H, hd = in.sh.hd;
   const size_t n = static_cast<size_t>(m) * H * hd;
@@ -242,10 +266,8 @@ static bool check_case(const Inputs& in, int64_t m, int64_t pos0, int64_t nv, in
   const int32_t sc[3] = {static_cast<int32_t>(pos0), static_cast<int32_t>(nv), 1};
   CK(cudaMemcpy(in.scalars, sc, sizeof sc, cudaMemcpyHostToDevice));
   poison(in.out_fa, n);
-  poison(in.out_wg, n);
   poison(in.out_dec, n);
   run_fa(in, m);
-  const bool ran = run_wg(in, m);
   // the decode rows: every valid row, or dec_max of them drawn at random (always the first and last)
   std::vector<int64_t> valid, dec;
   for (int64_t i = 0; i < nv; ++i) valid.push_back(i);
@@ -261,24 +283,40 @@ static bool check_case(const Inputs& in, int64_t m, int64_t pos0, int64_t nv, in
   run_decode(in, dec);
   CK(cudaDeviceSynchronize());
   CK(cudaGetLastError());
-  const auto fa = fetch(in.out_fa, n), wg = fetch(in.out_wg, n), de = fetch(in.out_dec, n);
+  const auto fa = fetch(in.out_fa, n), de = fetch(in.out_dec, n);
   std::vector<int64_t> all;
   for (int64_t i = 0; i < m; ++i) all.push_back(i);
-  const Cmp wf = compare(wg, fa, all, H, hd), wd = compare(wg, de, dec, H, hd), fd = compare(fa, de, dec, H, hd);
+  const Cmp fd = compare(fa, de, dec, H, hd);
   // rows past n_valid come back as zeros from both prefill kernels
   std::vector<uint16_t> zeros(n, 0);
   std::vector<int64_t> pad;
   for (int64_t i = nv; i < m; ++i) pad.push_back(i);
-  const Cmp pz = compare(wg, zeros, pad, H, hd);
-  const bool ok = ran && wf.differ == 0 && wf.unwritten == 0 && wd.differ == 0 && wd.unwritten == 0 &&
-                  fd.differ == 0 && pz.differ == 0;
-  std::printf("{\"case\": \"%s\", \"m\": %lld, \"pos0\": %lld, \"n_valid\": %lld, \"S\": %lld, \"ran_wgmma\": %s, "
-              "\"decode_rows\": %zu, %s, %s, %s, %s, \"equal\": %s}\n",
-              in.sh.name, (long long)m, (long long)pos0, (long long)nv, (long long)in.S, ran ? "true" : "false",
-              dec.size(), wf.json("wgmma_vs_default").c_str(), wd.json("wgmma_vs_decode").c_str(),
-              fd.json("default_vs_decode").c_str(), pz.json("wgmma_padding_vs_zero").c_str(), ok ? "true" : "false");
-  std::fflush(stdout);
-  return ok;
+  bool ok_all = true;
+  for (int tma : g_loads) {
+    poison(in.out_wg, n);
+    const bool ran = run_wg(in, m, tma);
+    const int took = attention_wgmma_last_loads();
+    // TMA where the head dim has it (128, 256), else the rings: a fallback fails the case
+    const bool path_ok = took == (hd == 128 || hd == 256 ? tma : 0);
+    CK(cudaDeviceSynchronize());
+    CK(cudaGetLastError());
+    const auto wg = fetch(in.out_wg, n);
+    const Cmp wf = compare(wg, fa, all, H, hd), wd = compare(wg, de, dec, H, hd);
+    const Cmp pz = compare(wg, zeros, pad, H, hd);
+    const bool ok = ran && path_ok && wf.differ == 0 && wf.unwritten == 0 && wd.differ == 0 && wd.unwritten == 0 &&
+                    fd.differ == 0 && pz.differ == 0;
+    std::printf("{\"case\": \"%s\", \"loads\": \"%s\", \"took\": \"%s\", \"m\": %lld, \"pos0\": %lld, "
+                "\"n_valid\": %lld, \"S\": %lld, \"ran_wgmma\": %s, \"decode_rows\": %zu, %s, %s, %s, %s, "
+                "\"equal\": %s}\n",
+                in.sh.name, loads_name(tma), loads_name(took), (long long)m, (long long)pos0, (long long)nv,
+                (long long)in.S, ran ? "true" : "false", dec.size(), wf.json("wgmma_vs_default").c_str(),
+                wd.json("wgmma_vs_decode").c_str(), fd.json("default_vs_decode").c_str(),
+                pz.json("wgmma_padding_vs_zero").c_str(), ok ? "true" : "false");
+    std::fflush(stdout);
+    ok_all &= ok;
+  }
+  attention_wgmma_set_loads(1);
+  return ok_all;
 }
 
 // Median of `reps` launches of one kernel (device events), after two warm-ups.
@@ -306,6 +344,7 @@ static float time_ms(F f, int reps) {
 
 int main(int argc, char** argv) {
   if (argc > 1) g_commit = argv[1];
+  read_loads();
   const char* mode = argc > 2 ? argv[2] : "all";
   const bool checks = std::strcmp(mode, "time") && std::strcmp(mode, "profile");
   const bool timing = std::strcmp(mode, "quick") && std::strcmp(mode, "profile");
@@ -334,7 +373,7 @@ int main(int argc, char** argv) {
     const int32_t sc[3] = {static_cast<int32_t>(pos0), static_cast<int32_t>(m), 1};
     CK(cudaMemcpy(in.scalars, sc, sizeof sc, cudaMemcpyHostToDevice));
     run_fa(in, m);
-    run_wg(in, m);
+    for (int l : g_loads) run_wg(in, m, l);
     CK(cudaDeviceSynchronize());
     free_inputs(in);
     return 0;
@@ -363,15 +402,24 @@ int main(int argc, char** argv) {
         const int32_t sc[3] = {static_cast<int32_t>(pos0), static_cast<int32_t>(m), 1};
         CK(cudaMemcpy(in.scalars, sc, sizeof sc, cudaMemcpyHostToDevice));
         const float t_fa = time_ms([&] { run_fa(in, m); }, 10);
-        const float t_wg = time_ms([&] { run_wg(in, m); }, 10);
+        // -1: a path WGMMA_LOADS left out
+        const float t_wg = runs(1) ? time_ms([&] { run_wg(in, m, 1); }, 10) : -1.0f;
+        const int took = runs(1) ? attention_wgmma_last_loads() : -1;
+        const float t_wr = runs(0) ? time_ms([&] { run_wg(in, m, 0); }, 10) : -1.0f;
+        const float t_wp = runs(2) ? time_ms([&] { run_wg(in, m, 2); }, 10) : -1.0f;
+        const int took_p = runs(2) ? attention_wgmma_last_loads() : -1;
+        attention_wgmma_set_loads(1);
         // causal pairs of the chunk: row i sees pos0 + i + 1 keys; 4 flops per (pair, head dim, q head)
         const double pairs = static_cast<double>(m) * pos0 + static_cast<double>(m) * (m + 1) / 2;
         const double flop = 4.0 * pairs * sh.hd * sh.H;
         std::printf("{\"timing\": \"%s\", \"m\": %lld, \"pos0\": %lld, \"S\": %lld, \"default_ms\": %.3f, "
-                    "\"wgmma_ms\": %.3f, \"default_tflops\": %.1f, \"wgmma_tflops\": %.1f, \"reps\": 10, "
+                    "\"wgmma_ms\": %.3f, \"wgmma_took\": \"%s\", \"wgmma_pairs_ms\": %.3f, \"pairs_took\": \"%s\", "
+                    "\"wgmma_rings_ms\": %.3f, \"default_tflops\": %.1f, "
+                    "\"wgmma_tflops\": %.1f, \"wgmma_pairs_tflops\": %.1f, \"wgmma_rings_tflops\": %.1f, \"reps\": 10, "
                     "\"stat\": \"median\"}\n",
-                    sh.name, (long long)m, (long long)pos0, (long long)S_big, t_fa, t_wg, flop / t_fa / 1e9,
-                    flop / t_wg / 1e9);
+                    sh.name, (long long)m, (long long)pos0, (long long)S_big, t_fa, t_wg, loads_name(took), t_wp,
+                    loads_name(took_p), t_wr, flop / t_fa / 1e9, flop / t_wg / 1e9, flop / t_wp / 1e9,
+                    flop / t_wr / 1e9);
         std::fflush(stdout);
       }
       free_inputs(in);

@@ -26,25 +26,37 @@
 // the split end skips it. Later blocks and splits are never merged for it (its limit is below
 // them), as in attn_fa_kernel.
 //
-// Shared memory operands (Q, K, V) are stored as 8 x 8 blocks of 128 contiguous bytes: element
-// (r, c) of a [rows][hd] tile at block (r/8, c/8) = ((r/8)*(hd/8) + c/8) * 128 B, row r%8 at
-// 16 B. wgmma reads that without swizzle: Q and K K-major (LBO 128 B to the next 8 head dims,
-// SBO hd*16 B to the next 8 rows), V N-major (trans-b; LBO hd*16 B to the next 8 keys, SBO
-// 128 B to the next 8 dims). cp.async fills a block with 8 consecutive threads (conflict-free).
+// Shared memory operands. Q is stored as 8 x 8 blocks of 128 contiguous bytes: element (r, c) of
+// a [rows][hd] tile at block (r/8, c/8) = ((r/8)*(hd/8) + c/8) * 128 B, row r%8 at 16 B, which
+// wgmma reads without swizzle (K-major: LBO 128 B to the next 8 head dims, SBO hd*16 B to the
+// next 8 rows). K and V take one of two paths, the same values in either:
+//  - TMA (the default at hd 128 and 256): one thread issues cp.async.bulk.tensor copies of
+//    64-position x 64-dim boxes (the caches are [S][Hkv][hd], so a block of one kv head is 64
+//    rows 512 B long, Hkv*hd*2 B apart: a 2-D box, not one contiguous run) in the 128-byte
+//    swizzle, completing on one mbarrier per ring stage. wgmma reads K K-major and V N-major
+//    (trans-b) through swizzled descriptors (wg_kdesc, wg_vdesc). Whole 128-byte lines, no
+//    thread issues per-16-byte copies, and no per-step proxy fence. attention_wgmma_set_loads(2)
+//    (experimental, for timing): clusters of two adjacent tiles multicast the blocks both read,
+//    each CTA copying half the boxes (half the L2 reads; see wg_tma_tile_pair).
+//  - the cp.async rings (hd 32 and 64; attention_wgmma_set_loads(0) for all): Q's blocked layout
+//    for K and V too (V N-major: LBO hd*16 B to the next 8 keys, SBO 128 B to the next 8 dims),
+//    8 consecutive threads filling one block.
+// Rows past the last written cache row are zeros on both paths (attn_fa_kernel's rule: P V must
+// not meet stale values): the rings copy 0 bytes for them, the TMA path writes the zeros over
+// the landed block (only the blocks that hold such rows).
 //
 // Schedule: one tile per block, 256 threads, one block per SM (202 KB of shared memory at hd
-// 256); K blocks stream in by cp.async two (hd 256) or three blocks ahead of their step and V
-// blocks one or two (WgLayout), and each dot is waited for right after it is issued (the softmax
-// does not yet overlap a wgmma).
-// What it costs (H200, the 32k prompt's last 8k chunk at hd 256; attn_wgmma_h200.json): 25.9 ms
-// against attn_fa_kernel's 20.8, but 11.5 against 16.6 when both leave out their in-loop copies
-// (a timing-only variant), so the copies are where it loses. Likely why: wg_issue_tile has each
-// warp read 8 rows x 64 bytes (8 consecutive threads fill one 8 x 8 block without bank
-// conflicts), half a 128-byte line per row, where fa_issue_tile reads whole rows, so the same
-// bytes take twice the L2 requests (ncu: L2 throughput 84% against 42%, hit rate 99% for both).
-// Whole-line copies need a layout where one row's 8 chunks fall in 8 different bank groups:
-// 8 x 8 blocks 144 bytes apart along the head dim (LBO 144 for Q and K, SBO 144 for V; 226 KB at
-// hd 256 with these rings), or wgmma's 128-byte swizzle.
+// 256, 203 with TMA); K blocks are in flight two (hd 256) or three blocks ahead of their step
+// and V blocks one or two (WgLayout), and each dot is waited for right after it is issued (the
+// softmax does not yet overlap a wgmma).
+// What the rings cost (H200, the 32k prompt's last 8k chunk at hd 256; attn_wgmma_h200.json):
+// 25.9 ms against attn_fa_kernel's 20.8, 11.5 against 16.6 without the in-loop copies. Those
+// times were taken with the harness built -dc, where every wgmma was serialised (see
+// benchmarks/wgmma_attention_check.cu); the library's build is not. The rings lose on copies:
+// each warp reads 8 rows x 64 bytes, half a 128-byte line per row, so the same bytes take twice
+// the L2 requests (ncu: L2 throughput 84% against 42%, hit rate 99% for both). The TMA path
+// fetches whole lines in 8 KB boxes.
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -60,6 +72,9 @@
 
 #if BARO_WGMMA_BUILT
 
+#include <cuda.h>  // CUtensorMap (the encoder is looked up through the runtime: no libcuda link)
+#include <cudaTypedefs.h>
+
 // Shared with attn_fa_kernel: the KV block and split, the norm + rotary element, the n_valid clamp.
 #include "attention_common.cuh"
 
@@ -74,7 +89,15 @@ constexpr int kWgRows = kFaBigPairs * kFaPairRows;  // 64: attn_fa_kernel's pref
 constexpr int kWgThreads = 2 * 128;                 // two warpgroups
 static_assert(kFaKB == kAttnKB && kWgRows == 64, "the tile and block of attn_fa_kernel");
 
+// kTma: K and V tiles arrive by TMA (cp.async.bulk.tensor) in wgmma's 128-byte swizzle, their
+// completion counted on one mbarrier per ring stage; only head dims whose warpgroup half is whole
+// 64-dim boxes (128, 256) take it. Otherwise the cp.async rings (the first version).
 template <int kHd>
+constexpr bool wg_tma_ok() {
+  return kHd == 128 || kHd == 256;
+}
+
+template <int kHd, bool kTma = false>
 struct WgLayout {
   static constexpr int kChunks = kHd / 8;  // 8 x 8 blocks per 8 rows
   static constexpr int kNt = kHd / 16;     // 8-dim chunks of a warpgroup's half of the head dims
@@ -97,7 +120,13 @@ struct WgLayout {
   static constexpr int kV = kK + kKStages * kTile;
   static constexpr int kP = kV + kVStages * kTile;
   static constexpr int kRed = kP + kWgRows * kFaPld * 2;
-  static constexpr int kTotal = kRed + 4 * kWgRows * 4;  // [max|sum][half][row]
+  static constexpr int kBar = kRed + 4 * kWgRows * 4;  // [max|sum][half][row], then the mbarriers
+  // TMA: full-barriers of the K then the V stages, then (pairs) their empty-barriers; 1 KB of slack
+  // to put the tiles on the 1024-byte boundary the 128-byte swizzle pattern repeats on (the same
+  // address bits for TMA and wgmma).
+  static constexpr int kTotal = kTma ? kBar + 16 * (kKStages + kVStages) + 1024 : kBar;
+  static_assert(!kTma || (kTile % 1024 == 0 && wg_tma_ok<kHd>()), "swizzled tiles on 1 KB");
+  static_assert(kTotal <= 227 * 1024, "shared memory of one block");
 };
 
 // Element (r, c) of a [rows][kHd] operand tile (see the header comment).
@@ -126,6 +155,109 @@ BARO_DEV void wg_issue_tile(uint16_t* __restrict__ dst, const uint16_t* __restri
   }
 }
 
+// ---- The TMA path: tensor maps, mbarriers, swizzled tiles ----
+// The caches as 2-D tensors of [S][Hkv * hd] bf16 (a position's heads side by side), one box =
+// 64 positions x 64 head dims of one kv head (128 bytes a row: one swizzle span). A K or V tile
+// is kHd / 64 boxes, each 8 KB: box q holds dims 64q.. of the 64 rows, row r at 128 r, its eight
+// 16-byte chunks permuted by r % 8 (the 128-byte swizzle).
+struct WgMaps {
+  CUtensorMap k, v;
+};
+
+BARO_DEV void wg_mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// The issuing thread's arrival, announcing the bytes the stage's TMA copies will complete.
+BARO_DEV void wg_mbar_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Until the phase of this parity has completed (the stage's bytes have all landed).
+BARO_DEV void wg_mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// One box: rows j0.. of the cache from column x (kh * hd + 64 q), completion counted on bar.
+// Rows past the tensor's S come back as zeros.
+BARO_DEV void wg_tma_box(uint32_t dst, const CUtensorMap* map, int x, int j0, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(j0), "r"(bar)
+      : "memory");
+}
+// Block (rows j0..j0+63) of kv head kh into tile dst: the arrival with its byte count, then the
+// kHd / 64 boxes. One thread.
+template <int kHd>
+BARO_DEV void wg_tma_tile(uint16_t* dst, const CUtensorMap* map, int kh, int j0, uint32_t bar) {
+  wg_mbar_expect(bar, kFaKB * kHd * 2);
+  const uint32_t d = fa_smem_addr(dst);
+#pragma unroll
+  for (int q = 0; q < kHd / 64; ++q) wg_tma_box(d + q * kFaKB * 128, map, kh * kHd + 64 * q, j0, bar);
+}
+// ---- Pairs (attention_wgmma_set_loads(2)): clusters of two CTAs on adjacent tiles of one kv
+// head. Both need the same K/V blocks up to the shorter one's last; for those each CTA copies
+// half the boxes and multicasts them into both, halving the L2 reads (every tile reads all of
+// its KV: ~60 GB per 8k chunk at 32k). A stage is refilled with a shared block only after both
+// CTAs released it: each one's issuing thread arrives on both CTAs' empty-barrier of the stage
+// (count 2), then waits on its own. The layouts match, so a multicast lands at the same offsets
+// and completes on the same full-barrier in each CTA; a CTA's own arrival carries the block's
+// whole byte count, the peer's bytes may land before it (the phase waits for the arrival).
+BARO_DEV uint32_t wg_cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+BARO_DEV void wg_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// Arrival on the mbarrier at this CTA's offset bar in CTA rank of the cluster (itself included).
+// It releases a stage whose reads (wgmma, waited for) and zero fills (fenced for the async proxy)
+// all came before the CTA barrier this thread passed: the peer's copies into the stage follow
+// it causally, so no cluster-scope release (a GPU-wide MEMBAR and an L1 invalidate per arrival
+// in SASS) is needed.
+BARO_DEV void wg_mbar_arrive_cta(uint32_t bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+// One box into the same offset dst of both CTAs of the pair, completing on bar in each.
+BARO_DEV void wg_tma_box_pair(uint32_t dst, const CUtensorMap* map, int x, int j0, uint32_t bar) {
+  const uint16_t mask = 3;
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(j0), "r"(bar), "h"(mask)
+      : "memory");
+}
+// A block both CTAs of the pair need: this CTA's arrival with the block's whole byte count, and its
+// half of the boxes (those of its rank's parity) into both.
+template <int kHd>
+BARO_DEV void wg_tma_tile_pair(uint16_t* dst, const CUtensorMap* map, int kh, int j0, uint32_t bar, uint32_t rank) {
+  static_assert(kHd / 64 % 2 == 0, "boxes split evenly over the pair");
+  wg_mbar_expect(bar, kFaKB * kHd * 2);
+  const uint32_t d = fa_smem_addr(dst);
+#pragma unroll
+  for (int q = static_cast<int>(rank); q < kHd / 64; q += 2)
+    wg_tma_box_pair(d + q * kFaKB * 128, map, kh * kHd + 64 * q, j0, bar);
+}
+
+// Rows first.. of a swizzled tile to zero: fa_issue_tile's zero fill of rows past the last
+// written cache row (TMA brings whatever the cache holds there; P V must see finite zeros, as
+// attn_fa_kernel does). A row's chunks stay inside its own 128 bytes of each box, so the
+// permutation does not matter. Every thread; the caller fences for the async proxy and syncs.
+template <int kHd>
+BARO_DEV void wg_zero_rows(uint16_t* tile, int first) {
+  uint4* p = reinterpret_cast<uint4*>(tile);
+  for (int i = threadIdx.x; i < kFaKB * kHd / 8; i += kWgThreads)
+    if (((i >> 3) & (kFaKB - 1)) >= first) p[i] = make_uint4(0u, 0u, 0u, 0u);
+}
+
 // ---- wgmma (PTX ISA: asynchronous warpgroup matrix multiply) ----
 // Shared-memory matrix descriptor, no swizzle, base offset 0: start address, leading and stride
 // byte offsets, each in 16-byte units.
@@ -133,6 +265,31 @@ BARO_DEV uint64_t wg_desc(const void* p, uint32_t lbo, uint32_t sbo) {
   const uint32_t a = fa_smem_addr(p);
   return static_cast<uint64_t>((a & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
          (static_cast<uint64_t>(sbo >> 4) << 32);
+}
+// The same with the 128-byte swizzle (layout type 1): the tile's boxes must sit on 1024 bytes.
+BARO_DEV uint64_t wg_desc_sw128(const void* p, uint32_t lbo, uint32_t sbo) {
+  return wg_desc(p, lbo, sbo) | (static_cast<uint64_t>(1) << 62);
+}
+// B of S (K-major) for keys n0.. (a multiple of 8) and head dims k0..k0+15 of a K tile.
+// Blocked: 8 x 8 blocks, LBO the next 8 dims, SBO the next 8 keys. Swizzled: box k0 / 64, the 16
+// dims as a 32-byte step inside the 128-byte rows (the swizzle applies to the address wgmma
+// forms, as TMA's did), SBO 1024 the next 8 keys; LBO unused (16 dims never cross a row).
+template <int kHd, bool kTma>
+BARO_DEV uint64_t wg_kdesc(const uint16_t* Kt, int n0, int k0) {
+  if constexpr (kTma)
+    return wg_desc_sw128(Kt + (k0 / 64) * (kFaKB * 64) + n0 * 64 + (k0 % 64), 16, 1024);
+  else
+    return wg_desc(Kt + (n0 / 8) * (kHd / 8) * 64 + k0 * 8, 128, kHd / 8 * 128);
+}
+// B of P V (N-major, trans-b) for keys 16 kk..16 kk+15 and head dims d0.. (this warpgroup's half)
+// of a V tile. Blocked: LBO the next 8 keys, SBO the next 8 dims. Swizzled: box d0 / 64, keys at
+// 128 bytes, LBO = 8 KB the next 64 dims (the next box), SBO 1024 the next 8 keys.
+template <int kHd, bool kTma>
+BARO_DEV uint64_t wg_vdesc(const uint16_t* Vt, int kk, int d0) {
+  if constexpr (kTma)
+    return wg_desc_sw128(Vt + (d0 / 64) * (kFaKB * 64) + kk * 16 * 64, kFaKB * 128, 1024);
+  else
+    return wg_desc(Vt + (2 * kk * (kHd / 8) + d0 / 8) * 64, kHd / 8 * 128, 128);
 }
 BARO_DEV void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 BARO_DEV void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -240,12 +397,15 @@ BARO_DEV void wg_mma_pv(float (&d)[16][4], const FragA& a, uint64_t bdesc) {
 // Steps a-d of one KV block of 64 keys (from j0) for the tile: fa_block_step's statements with
 // pair -> w (this warp in its warpgroup), half -> the warpgroup, and the two dots on wgmma.
 // kMasked = false only when every row of the tile is real and its limit is >= j0 + 63.
-template <bool kMasked, int kHd>
+// kTma: Vt arrives by TMA, complete when phase vpar of the mbarrier vbar is; its rows vrows..
+// (past the last written cache row) are zeroed here. Otherwise by this thread's cp.async groups.
+template <bool kMasked, int kHd, bool kTma>
 BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __restrict__ Kt,
-                            const uint16_t* __restrict__ Vt, uint16_t* __restrict__ Ps,
+                            uint16_t* __restrict__ Vt, uint16_t* __restrict__ Ps,
                             float* __restrict__ red, int half, int w, int j0, const int (&lim)[2], float sl2,
-                            float (&o)[WgLayout<kHd>::kNt][4], float (&ms)[2], float (&ls)[2]) {
-  using L = WgLayout<kHd>;
+                            float (&o)[WgLayout<kHd>::kNt][4], float (&ms)[2], float (&ls)[2],
+                            uint32_t vbar, uint32_t vpar, int vrows) {
+  using L = WgLayout<kHd, kTma>;
   const int lane = lane_id();
   const int g = lane >> 2, t = lane & 3;
   const int nbase = half * 32;  // this warpgroup's S columns
@@ -261,8 +421,7 @@ BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __r
   wg_fence();
 #pragma unroll
   for (int k0 = 0; k0 < kHd; k0 += 16)
-    wg_mma_s(sacc, wg_desc(Qs + k0 * 8, 128, L::kRowGroup),
-             wg_desc(Kt + (nbase / 8) * (kHd / 8) * 64 + k0 * 8, 128, L::kRowGroup));
+    wg_mma_s(sacc, wg_desc(Qs + k0 * 8, 128, L::kRowGroup), wg_kdesc<kHd, kTma>(Kt, nbase, k0));
   wg_commit();
   wg_wait_all();
   wg_hold(sacc);
@@ -327,8 +486,16 @@ BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __r
       *reinterpret_cast<uint32_t*>(Ps + (rb + g + 8 * e) * kFaPld + c) =
           fa_pack_bf16x2(sacc[u][2 * e], sacc[u][2 * e + 1]);
     }
-  fa_cp_async_wait<L::kVWait>();  // this block's V, for P V below
-  wg_fence_proxy();
+  if constexpr (kTma) {
+    wg_mbar_wait(vbar, vpar);  // this block's V, for P V below
+    if (vrows < kFaKB) {  // uniform: the block holds rows past the last written one
+      wg_zero_rows<kHd>(Vt, vrows);
+      wg_fence_proxy();
+    }
+  } else {
+    fa_cp_async_wait<L::kVWait>();  // this block's V, for P V below
+    wg_fence_proxy();
+  }
   __syncthreads();
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
@@ -355,21 +522,26 @@ BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __r
   wg_fence();
 #pragma unroll
   for (int kk = 0; kk < kFaKB / 16; ++kk)
-    wg_mma_pv(o, pa[kk], wg_desc(Vt + (2 * kk * (kHd / 8) + half * (kHd / 16)) * 64, L::kRowGroup, 128));
+    wg_mma_pv(o, pa[kk], wg_vdesc<kHd, kTma>(Vt, kk, half * (kHd / 2)));
   wg_commit();
   wg_wait_all();
   wg_hold(o);
 }
 
 // Grid (tiles, Hkv): tile x of kv head y, the tiles last-first (attn_fa_kernel's serial mode).
-template <int kHd>
-__global__ void __launch_bounds__(kWgThreads, 1) attn_wgmma_kernel(AttentionArgs a) {
+// kTma: K/V by TMA through maps (wg_launch); else the cp.async rings, maps unused. kPair (with
+// kTma): launched in clusters of 2 along x, blocks both tiles need multicast (see wg_tma_tile_pair).
+template <int kHd, bool kTma, bool kPair>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    attn_wgmma_kernel(AttentionArgs a, const __grid_constant__ WgMaps maps) {
+  static_assert(kTma || !kPair, "pairs share TMA copies");
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using L = WgLayout<kHd>;
+  using L = WgLayout<kHd, kTma>;
   constexpr int hd = kHd;
   extern __shared__ uint4 wg_smem4[];
   grid_dependency_wait();  // launch_dependent: the cache write first
   char* smem = reinterpret_cast<char*>(wg_smem4);
+  if constexpr (kTma) smem += (1024u - (fa_smem_addr(wg_smem4) & 1023u)) & 1023u;  // kTotal has the slack
   uint16_t* Qs = reinterpret_cast<uint16_t*>(smem + L::kQ);
   uint16_t* K0 = reinterpret_cast<uint16_t*>(smem + L::kK);
   uint16_t* V0 = reinterpret_cast<uint16_t*>(smem + L::kV);
@@ -387,7 +559,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) attn_wgmma_kernel(AttentionArgs
   const int64_t nrows = m * G;
   const int64_t tile = gridDim.x - 1 - blockIdx.x;
   const int64_t R0 = tile * kWgRows;
-  if (R0 >= nrows) return;
+  if (R0 >= nrows) {  // the pad of an odd tile count (pairs): the peer's two cluster barriers
+    if constexpr (kPair) {
+      wg_cluster_sync();
+      wg_cluster_sync();
+    }
+    return;
+  }
   const int64_t pos = *a.pos;
   const int64_t nvld = clamp_nvalid(a.n_valid, m);
   const int64_t R_last = (R0 + kWgRows < nrows ? R0 + kWgRows : nrows) - 1;
@@ -403,6 +581,70 @@ __global__ void __launch_bounds__(kWgThreads, 1) attn_wgmma_kernel(AttentionArgs
   const int64_t row_stride = static_cast<int64_t>(a.Hkv) * hd;
   const uint16_t* kbase = a.k_cache + static_cast<int64_t>(kh) * hd;
   const uint16_t* vbase = a.v_cache + static_cast<int64_t>(kh) * hd;
+  // TMA: stage s of the K ring completes on kbar + 8 s, of the V ring on vbar + 8 s; block b's
+  // use of its stage is the (b / stages)-th, so it waits for the phase of that parity. A stage
+  // is refilled only after the barrier that ends every thread's wait on its previous use, so no
+  // waiter can miss a phase.
+  const uint32_t kbar = fa_smem_addr(smem + L::kBar), vbar = kbar + 8 * L::kKStages;
+  const uint32_t kempty = kbar + 8 * (L::kKStages + L::kVStages), vempty = kempty + 8 * L::kKStages;
+  // Pairs: blocks below `common` are the ones both tiles of the cluster read (the peer's count by
+  // the same rule as b_end: both CTAs get the same number); the longer tile copies the rest alone.
+  int common = 0;
+  uint32_t rank = 0;
+  if constexpr (kPair) {
+    rank = wg_cluster_rank();
+    const int64_t pR0 = (static_cast<int64_t>(gridDim.x) - 1 - (blockIdx.x ^ 1u)) * kWgRows;
+    int p_blocks = 0;
+    if (pR0 < nrows) {
+      const int64_t pR_last = (pR0 + kWgRows < nrows ? pR0 + kWgRows : nrows) - 1;
+      int64_t p_lim = pos + pR_last / G;
+      if (p_lim > a.S - 1) p_lim = a.S - 1;
+      p_blocks = p_lim < 0 ? 0 : static_cast<int>(p_lim / kFaKB + 1);
+    }
+    common = p_blocks < b_end ? p_blocks : b_end;
+  }
+  // Block bl into its stage of one ring (thread 0): multicast half of it for a shared block, all
+  // of it alone otherwise. A shared block refilling a used stage first releases that stage in
+  // both CTAs (the barrier just passed ended this CTA's reads of it) and waits for the peer's
+  // release: the (bl / stages)-th use of the stage, so its empty-barrier's phase bl / stages - 1.
+  auto issue = [&](uint16_t* ring, const CUtensorMap* map, uint32_t full, uint32_t empty, int stages, int bl,
+                   bool refill) {
+    if constexpr (kTma) {
+      const int st = bl % stages;
+      uint16_t* dst = ring + st * tile_el;
+      if constexpr (kPair) {
+        if (bl < common) {
+          if (refill && bl >= stages) {
+            wg_mbar_arrive_cta(empty + 8 * st, 0);
+            wg_mbar_arrive_cta(empty + 8 * st, 1);
+            wg_mbar_wait(empty + 8 * st, (bl / stages - 1) & 1);
+          }
+          wg_tma_tile_pair<kHd>(dst, map, kh, bl * kFaKB, full + 8 * st, rank);
+          return;
+        }
+      }
+      wg_tma_tile<kHd>(dst, map, kh, bl * kFaKB, full + 8 * st);
+    }
+  };
+  if constexpr (kTma) {
+    if (threadIdx.x == 0) {
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.k)) : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.v)) : "memory");
+      for (int s = 0; s < L::kKStages + L::kVStages; ++s) wg_mbar_init(kbar + 8 * s, 1);
+      if constexpr (kPair)  // one arrival from each CTA of the pair
+        for (int s = 0; s < L::kKStages + L::kVStages; ++s) wg_mbar_init(kempty + 8 * s, 2);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // for the TMA unit, the peer
+    }
+    // the barriers initialised before anyone (pairs: the peer's copies and arrivals too) uses them
+    if constexpr (kPair)
+      wg_cluster_sync();
+    else
+      __syncthreads();
+    if (threadIdx.x == 0) {  // the first blocks in flight while Q is normed (first uses of stages)
+      for (int j = 0; j < L::kVLead && j < b_end; ++j) issue(V0, &maps.v, vbar, vempty, L::kVStages, j, false);
+      for (int j = 0; j < L::kKLead && j < b_end; ++j) issue(K0, &maps.k, kbar, kempty, L::kKStages, j, false);
+    }
+  } else {
   // The first blocks in flight while Q is normed: the groups steps -kKLead..-1 would have
   // committed (V(j + kVLead), then K(j + kKLead)), empty where the block is < 0 or >= b_end, so
   // every step's waits count the same.
@@ -414,6 +656,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) attn_wgmma_kernel(AttentionArgs
     fa_cp_async_commit();
     if (bk < b_end) wg_issue_tile<kHd>(K0 + (bk % L::kKStages) * tile_el, kbase, row_stride, bk * kFaKB, lim_load);
     fa_cp_async_commit();
+  }
   }
 
   // Q tile (bf16): attn_fa_kernel's per-(token, head) warp code, stored blocked.
@@ -489,20 +732,38 @@ __global__ void __launch_bounds__(kWgThreads, 1) attn_wgmma_kernel(AttentionArgs
   };
 
   for (int b = b_begin; b < b_end; ++b) {
-    const uint16_t* Kt = K0 + (b % L::kKStages) * tile_el;
-    const uint16_t* Vt = V0 + (b % L::kVStages) * tile_el;
-    fa_cp_async_wait<L::kKWait>();  // block b's K (its V is waited for in the step, before P V)
-    wg_fence_proxy();  // block b, as written by this thread's cp.async, for wgmma
+    uint16_t* Kt = K0 + (b % L::kKStages) * tile_el;
+    uint16_t* Vt = V0 + (b % L::kVStages) * tile_el;
+    // Rows of block b up to the last written cache row; the rest are zeros for both paths.
+    const int rows_ok = lim_load - b * kFaKB + 1;
+    if constexpr (kTma) {
+      wg_mbar_wait(kbar + 8 * (b % L::kKStages), (b / L::kKStages) & 1);  // block b's K
+      if (rows_ok < kFaKB) {  // uniform over the block
+        wg_zero_rows<kHd>(Kt, rows_ok);
+        wg_fence_proxy();  // this thread's zeros, for wgmma
+      }
+    } else {
+      fa_cp_async_wait<L::kKWait>();  // block b's K (its V is waited for in the step, before P V)
+      wg_fence_proxy();  // block b, as written by this thread's cp.async, for wgmma
+    }
     __syncthreads();   // block b's K visible to all; every warp done with block b-1's buffers
     // into the buffers of block b-1 (the rings are kVLead + 1 and kKLead + 1 deep)
-    if (b + L::kVLead < b_end)
-      wg_issue_tile<kHd>(V0 + ((b + L::kVLead) % L::kVStages) * tile_el, vbase, row_stride,
-                         (b + L::kVLead) * kFaKB, lim_load);
-    fa_cp_async_commit();
-    if (b + L::kKLead < b_end)
-      wg_issue_tile<kHd>(K0 + ((b + L::kKLead) % L::kKStages) * tile_el, kbase, row_stride,
-                         (b + L::kKLead) * kFaKB, lim_load);
-    fa_cp_async_commit();
+    if constexpr (kTma) {
+      if (threadIdx.x == 0) {
+        const int bv = b + L::kVLead, bk = b + L::kKLead;
+        if (bv < b_end) issue(V0, &maps.v, vbar, vempty, L::kVStages, bv, true);
+        if (bk < b_end) issue(K0, &maps.k, kbar, kempty, L::kKStages, bk, true);
+      }
+    } else {
+      if (b + L::kVLead < b_end)
+        wg_issue_tile<kHd>(V0 + ((b + L::kVLead) % L::kVStages) * tile_el, vbase, row_stride,
+                           (b + L::kVLead) * kFaKB, lim_load);
+      fa_cp_async_commit();
+      if (b + L::kKLead < b_end)
+        wg_issue_tile<kHd>(K0 + ((b + L::kKLead) % L::kKStages) * tile_el, kbase, row_stride,
+                           (b + L::kKLead) * kFaKB, lim_load);
+      fa_cp_async_commit();
+    }
 
     if (b % kAttnSplitBlocks == 0) {  // a split starts: fresh online softmax
 #pragma unroll
@@ -524,10 +785,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) attn_wgmma_kernel(AttentionArgs
 
     // a-d for the tile. Only blocks that cross a row's position (the diagonal, or any block of
     // a tile with padding rows) need the masks.
+    const uint32_t vb = vbar + 8 * (b % L::kVStages), vp = (b / L::kVStages) & 1;
     if (j0 + kFaKB - 1 > lim_min)
-      wg_block_step<true, kHd>(Qs, Kt, Vt, Ps, red, half, w, j0, lim, sl2, o, ms, ls);
+      wg_block_step<true, kHd, kTma>(Qs, Kt, Vt, Ps, red, half, w, j0, lim, sl2, o, ms, ls, vb, vp, rows_ok);
     else
-      wg_block_step<false, kHd>(Qs, Kt, Vt, Ps, red, half, w, j0, lim, sl2, o, ms, ls);
+      wg_block_step<false, kHd, kTma>(Qs, Kt, Vt, Ps, red, half, w, j0, lim, sl2, o, ms, ls, vb, vp, rows_ok);
 
     // e. split done: in-order merge of the rows still active on this block.
     if ((b + 1) % kAttnSplitBlocks == 0 || b + 1 == b_end) {
@@ -559,19 +821,103 @@ __global__ void __launch_bounds__(kWgThreads, 1) attn_wgmma_kernel(AttentionArgs
       }
     }
   }
+  // Pairs: neither CTA leaves while the other may still arrive on its barriers.
+  if constexpr (kPair) wg_cluster_sync();
 #else
   (void)a;  // built for sm_90a only (gpu.cmake, .ci/compile_gpu.sh)
+  (void)maps;
 #endif
+}
+
+// The K/V path of the head dims that have TMA (attention_wgmma_set_loads; the harness times each),
+// and the path the last launch took (attention_wgmma_last_loads).
+static std::atomic<int> g_wg_tma{1};
+static std::atomic<int> g_wg_last{-1};
+
+// The driver's tensor-map encoder, looked up once through the runtime; null where it is absent.
+static PFN_cuTensorMapEncodeTiled_v12000 wg_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q);
+#else
+    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q);
+#endif
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      p = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// One cache as [S][Hkv * hd] with 64 x 64 boxes in the 128-byte swizzle (WgMaps); false where
+// the encoder or the alignment TMA needs is missing (the caller then takes the rings).
+static bool wg_encode(CUtensorMap* m, const uint16_t* cache, const AttentionArgs& a) {
+  const PFN_cuTensorMapEncodeTiled_v12000 enc = wg_encoder();
+  if (enc == nullptr || cache == nullptr || reinterpret_cast<uintptr_t>(cache) % 16 != 0 || a.S < 1) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(a.Hkv) * a.hd, static_cast<cuuint64_t>(a.S)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(a.Hkv) * a.hd * 2};  // bytes per position
+  const cuuint32_t box[2] = {64, kFaKB};
+  const cuuint32_t step[2] = {1, 1};
+  return enc(m, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<uint16_t*>(cache), dims, strides, box, step,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <int kHd, bool kTma>
+gpuError_t wg_launch_one(const AttentionArgs& a, const WgMaps& maps, unsigned tiles, gpuStream_t stream) {
+  constexpr int smem = WgLayout<kHd, kTma>::kTotal;  // 202 KB at hd 256 (TMA: 203)
+  const gpuError_t e =
+      cudaFuncSetAttribute(attn_wgmma_kernel<kHd, kTma, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != gpuSuccess) return e;
+  return launch_dependent(attn_wgmma_kernel<kHd, kTma, false>, dim3(tiles, static_cast<unsigned>(a.Hkv), 1u),
+                          dim3(kWgThreads), smem, stream, a, maps);  // after the cache write
+}
+
+// Pairs: clusters of 2 along the tiles (an even count: the pad CTA only meets the cluster
+// barriers), with launch_dependent's programmatic serialisation where it is on.
+template <int kHd>
+gpuError_t wg_launch_pair(const AttentionArgs& a, const WgMaps& maps, unsigned tiles, gpuStream_t stream) {
+  constexpr int smem = WgLayout<kHd, true>::kTotal;
+  gpuError_t e =
+      cudaFuncSetAttribute(attn_wgmma_kernel<kHd, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != gpuSuccess) return e;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(tiles + (tiles & 1u), static_cast<unsigned>(a.Hkv), 1u);
+  cfg.blockDim = dim3(kWgThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 2;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  unsigned n = 1;
+  if (pdl_enabled()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = n;
+  return cudaLaunchKernelEx(&cfg, attn_wgmma_kernel<kHd, true, true>, a, maps);
 }
 
 template <int kHd>
 gpuError_t wg_launch(const AttentionArgs& a, unsigned tiles, gpuStream_t stream) {
-  constexpr int smem = WgLayout<kHd>::kTotal;  // 202 KB at hd 256
-  const gpuError_t e =
-      cudaFuncSetAttribute(attn_wgmma_kernel<kHd>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e != gpuSuccess) return e;
-  return launch_dependent(attn_wgmma_kernel<kHd>, dim3(tiles, static_cast<unsigned>(a.Hkv), 1u),
-                          dim3(kWgThreads), smem, stream, a);  // after the cache write
+  WgMaps maps{};
+  if constexpr (wg_tma_ok<kHd>()) {
+    const int mode = g_wg_tma.load(std::memory_order_relaxed);
+    if (mode != 0 && tiles < 0xffffffffu && wg_encode(&maps.k, a.k_cache, a) && wg_encode(&maps.v, a.v_cache, a)) {
+      g_wg_last.store(mode == 2 ? 2 : 1, std::memory_order_relaxed);
+      return mode == 2 ? wg_launch_pair<kHd>(a, maps, tiles, stream) : wg_launch_one<kHd, true>(a, maps, tiles, stream);
+    }
+  }
+  g_wg_last.store(0, std::memory_order_relaxed);
+  return wg_launch_one<kHd, false>(a, maps, tiles, stream);
 }
 
 // The only device this file's code runs on: sm_90 (the sm_90a image; not forward compatible).
@@ -591,6 +937,25 @@ static bool wg_device_is_sm90() {
 #endif  // BARO_WGMMA_BUILT
 
 namespace baro_gpu {
+
+// Which K/V path attn_wgmma_kernel takes where the head dim has them: 1 (the default) TMA, 2 TMA
+// in multicasting pairs (experimental), 0 the cp.async rings. Not a knob (the library never sets
+// it): wgmma_attention_check.cu declares it to time and check every path in one run.
+void attention_wgmma_set_loads(int tma) {
+#if BARO_WGMMA_BUILT
+  g_wg_tma.store(tma, std::memory_order_relaxed);
+#else
+  (void)tma;
+#endif
+}
+// 1: the last launch took TMA, 2: TMA pairs, 0: the rings, -1: none yet (so a check cannot pass on a fallback).
+int attention_wgmma_last_loads() {
+#if BARO_WGMMA_BUILT
+  return g_wg_last.load(std::memory_order_relaxed);
+#else
+  return -1;
+#endif
+}
 
 gpuError_t launch_attention_wgmma(const AttentionArgs& a, void* scratch, gpuStream_t stream, bool* ran) {
   (void)scratch;  // serial mode: no split partials

@@ -55,7 +55,8 @@
 // benchmarks/wgmma_attention_check.cu); the library's build is not. The rings lose on copies:
 // each warp reads 8 rows x 64 bytes, half a 128-byte line per row, so the same bytes take twice
 // the L2 requests (ncu: L2 throughput 84% against 42%, hit rate 99% for both). The TMA path
-// fetches whole lines in 8 KB boxes.
+// fetches whole lines in 8 KB boxes: 13.9 ms against the default's 20.8 on the same chunk, the
+// pairs 16.5, every harness case byte-equal (wgmma_attention_check_{tma,pairs}_a1c85d2_h200.jsonl).
 #include <atomic>
 #include <cmath>
 #include <cstdint>

@@ -47,19 +47,31 @@ stage_full() {
   python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks "${GATE_CHUNKS:-256,1024,2048,8192}" --prompts benchmarks/prompts/identity_gpu.jsonl \
     --max-context "${GATE_MAX_CONTEXT:-16384}" --json "$OUT/identity_qwen35_h200.json" 2>&1 | tail -40
 }
-# The opt-in sm_90a prefill attention (BARO_ATTN_WGMMA=1, csrc/gpu/attention_wgmma.cu), first run:
-# the instruction probe (benchmarks/wgmma_probe.cu: its wgmma calls vs mma.sync, bytes), its byte test against the default kernel and one-row decode calls, the other attention tests
-# (the default path unchanged), the identity gate at full size with the knob (batched prefill on
-# the wgmma kernel == replay on the decode kernel), then prefill speed at WGMMA_LENGTHS with and
-# without the knob in one call, each length identity-checked. WGMMA_PARTS picks parts.
+# The opt-in sm_90a prefill attention (BARO_ATTN_WGMMA=1, csrc/gpu/attention_wgmma.cu): the
+# harness (benchmarks/wgmma_attention_check.cu: bytes against the default kernel and one decode
+# call per row, and both kernels' times, outside the library), its byte test in the library
+# against the default kernel and one-row decode calls, the other attention tests (the default
+# path unchanged), the identity gate at full size with the knob (batched prefill on the wgmma
+# kernel == replay on the decode kernel), then prefill speed at WGMMA_LENGTHS with and without
+# the knob in one call, each length identity-checked. WGMMA_PARTS picks parts (probe: the
+# instruction probe, benchmarks/wgmma_probe.cu, wgmma against mma.sync).
 stage_attn_wgmma() {
   local part
-  for part in ${WGMMA_PARTS:-probe tests gate speed}; do
+  for part in ${WGMMA_PARTS:-check tests gate speed}; do
     log "attn_wgmma part $part"
     case $part in
       probe) nvcc -O3 -std=c++17 --fmad=false -DBARO_WGMMA=1 --generate-code=arch=compute_90a,code=sm_90a \
                -Icsrc/gpu -Icsrc/common benchmarks/wgmma_probe.cu -o /tmp/wgmma_probe 2>&1 | tail -5
              timeout 60 /tmp/wgmma_probe | tee "$OUT/wgmma_probe_h200.jsonl" ;;
+      check) # benchmarks/wgmma_attention_check.cu, built -c as the library is (its header says why)
+             local f="-O3 -std=c++17 --fmad=false -Xcompiler=-fno-fast-math -Icsrc/gpu -Icsrc/common"
+             nvcc $f -DBARO_WGMMA=1 --generate-code=arch=compute_90a,code=sm_90a -c csrc/gpu/attention_wgmma.cu \
+                  -o /tmp/wg.o && nvcc $f "--generate-code=arch=compute_90,code=[compute_90,sm_90]" \
+                  -c benchmarks/wgmma_attention_check.cu -o /tmp/chk.o && nvcc -arch=sm_90a /tmp/wg.o /tmp/chk.o \
+                  -o /tmp/wgmma_attention_check 2>&1 | tail -5
+             WGMMA_LOADS=1,0 timeout 120 /tmp/wgmma_attention_check "${BARO_COMMIT:0:7}" all \
+               > "$OUT/wgmma_attention_check_h200.jsonl"; echo "check rc=$?" | tee -a "$OUT/stages.txt"
+             tail -3 "$OUT/wgmma_attention_check_h200.jsonl" | cut -c1-400 ;;
       tests) timeout 300 python -m pytest -m gpu tests/test_kernels_*.py -q -k "attention" -p no:cacheprovider 2>&1 \
                | tee "$OUT/gpu_kernel_tests_attn_wgmma_h200.txt" | tail -8 ;;
       gate) BARO_ATTN_WGMMA=1 python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks "${WGMMA_CHUNKS:-1024,8192}" \

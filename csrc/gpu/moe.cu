@@ -427,19 +427,20 @@ static int64_t moe_chunks(const MoeArgs& a) { return baro::scratch::moe_chunks(a
 // BARO_MOE_TAIL=combine: 4, the route kernel (which zeroes the counters) and the combine inside
 // the down GEMM (on the H200 the per-warp route cost the gate/up GEMM ~6 us, the route kernel
 // 4.6 us plus a gap: docs/PERF.md).
-// share (m > 1, the grouped GEMMs on 16-row slots: a decode step of many sequences): the fold's
-// shared expert for m rows, ceil(m / bm) more tiles of the grouped gate/up and down GEMMs
-// (rows P + i), instead of a gate/up and a down GEMM of its own. gate_tail (m > 1): the shared
-// gate's logit as the router GEMM's column E. Each saves launches whose cost was their K walk,
-// not their bytes (H200, 64 sequences: 12.6 + 5.0 + 8.0 us a layer). Same bits: the same dots
-// in the same order, computed by other launches. BARO_MOE_FOLD=0 turns all three off.
+// share: the shared expert as ceil(m / bm) more tiles of the grouped gate/up and down GEMMs
+// (rows P + i), instead of a gate/up and a down GEMM of its own; gate_tail: the shared gate's
+// logit as the router GEMM's column E. The fold has both; so do calls of m > 1 rows whose
+// GEMMs run on 16-row slots (a decode step of many sequences), where they save launches whose
+// cost was their K walk, not their bytes (H200, 64 sequences: 12.6 + 5.0 + 8.0 us a layer).
+// Same bits: the same dots in the same order, computed by other launches. BARO_MOE_FOLD=0
+// turns all of it off.
 struct MoePlan {
   GemmConfig cfg;
   bool fused;
   bool fold;
   bool share;
   bool gate_tail;
-  bool folded() const { return fold || share || gate_tail; }  // the layout's fold pieces
+  bool folded() const { return share || gate_tail; }  // the layout's fold pieces
   bool tail;        // the combine inside the down GEMM
   bool tail_route;  // and the route inside the gate/up GEMM
   // baro_moe_host: the routed experts with no slot are copied from the host store into the
@@ -512,12 +513,12 @@ static MoePlan moe_plan(const MoeArgs& a) {
   sgu.last_group = kSharedGroup;
   sdn.W_last = a.s_down;
   sdn.last_group = kSharedGroup;
-  pl.share = !pl.fold && a.m > 1 && fold_knob && pl.fused && a.Is > 0 && a.I == a.Is && a.host_gu == nullptr &&
-             !a.skip_unslotted && aligned16(a.s_gate_up) && aligned16(a.s_down) &&
-             gemm_split_w_runs(sgu, pl.cfg) && gemm_split_w_runs(sdn, pl.cfg);
+  pl.share = pl.fold || (a.m > 1 && fold_knob && pl.fused && a.Is > 0 && a.I == a.Is && a.host_gu == nullptr &&
+                         !a.skip_unslotted && aligned16(a.s_gate_up) && aligned16(a.s_down) &&
+                         gemm_split_w_runs(sgu, pl.cfg) && gemm_split_w_runs(sdn, pl.cfg));
   GemmParams rt = moe_router_params(a);
-  pl.gate_tail = !pl.fold && a.m > 1 && fold_knob && a.s_gate != nullptr && a.Is > 0 && aligned16(a.s_gate) &&
-                 gemm_split_w_runs(rt, gemm_pick(a.m, a.E + 1));
+  pl.gate_tail = pl.fold || (a.m > 1 && fold_knob && a.s_gate != nullptr && a.Is > 0 && aligned16(a.s_gate) &&
+                             gemm_split_w_runs(rt, gemm_pick(a.m, a.E + 1)));
   return pl;
 }
 
@@ -683,7 +684,7 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     p.a_rows = s.srow;
     p.tiles = s.tiles;
     p.n_tiles = s.n_tiles;
-    if (pl.fold || pl.share) {  // the shared expert's gate/up rows for the last tiles
+    if (pl.share) {  // the shared expert's gate/up rows for the last tiles
       p.W_last = a.s_gate_up;
       p.last_group = kSharedGroup;
     }
@@ -724,7 +725,7 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     p.ldc = D;
     p.tiles = s.tiles;
     p.n_tiles = s.n_tiles;
-    if (pl.fold || pl.share) {
+    if (pl.share) {
       p.W_last = a.s_down;
       p.last_group = kSharedGroup;
     }
@@ -785,9 +786,7 @@ gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream) {
     return gpuErrorInvalidValue;  // the handler says why first (moe_runs_fold)
   BARO_MOE_TRY(routed_experts(a, s, pl, stream));  // 1-5 (fold: and 6; tail: and 7)
   if (pl.tail) return gpuSuccess;
-  if (pl.fold)  // the shared expert's output is grouped row P, its gate logit after the router's
-    return combine(a, s.ys, s.inv, s.wts, s.ys + a.top_k * a.D, s.logits + a.E, 1, s.ids, stream);
-  BARO_MOE_TRY(shared_expert(a, s, pl, stream));  // 6
+  BARO_MOE_TRY(shared_expert(a, s, pl, stream));  // 6, what is not folded
   // share: row i of the shared expert is grouped row P + i; gate_tail: its logit is column E
   const float* sout = pl.share ? s.ys + a.m * a.top_k * a.D : s.sout;
   const float* sgl = pl.gate_tail ? s.logits + a.E : s.sgl;

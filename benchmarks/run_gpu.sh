@@ -31,12 +31,12 @@ stage_ops() { timeout "${OPS_TIMEOUT:-240}" python benchmarks/op_times.py --m "$
 # The decode GEMM's ring knobs at the model's decode shapes (benchmarks/row1_sweep.py).
 stage_row1() { timeout "${ROW1_TIMEOUT:-300}" python benchmarks/row1_sweep.py --json "$OUT/row1_sweep_h200.json" 2>&1 | tail -24; }
 # ncu stall reasons of the decode kernels at m = 1 (benchmarks/profile_gpu.sh 1): ~3 min.
-# The few-row GEMMs of decode steps of many sequences (in_proj, out_proj at NCU_ROWS_M rows): ncu's
+# The few-row GEMMs of decode steps of many sequences (in_proj, out_proj, the MoE at NCU_ROWS_M rows): ncu's
 # speed of light, memory workload (L2 and DRAM throughput) and warp stalls, one op_times process.
 stage_ncu_rows() {
   timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section WarpStateStats --section Occupancy --section LaunchStats -k "regex:gemm_" --launch-count "${NCU_ROWS_COUNT:-16}" \
-    python benchmarks/op_times.py --m "${NCU_ROWS_M:-8,64}" --ops "matmul gdn_in_proj,matmul gdn_out_proj" --reps 1 \
+    --section WarpStateStats --section Occupancy --section LaunchStats -k "regex:gemm_" --launch-count "${NCU_ROWS_COUNT:-28}" \
+    python benchmarks/op_times.py --m "${NCU_ROWS_M:-8,64}" --ops "${NCU_ROWS_OPS:-matmul gdn_in_proj,matmul gdn_out_proj,moe}" --reps 1 \
     --backends ordered > "$OUT/ncu_rows_h200.txt" 2>&1
   grep -E "^  [a-z_]+.*\(|Duration|Throughput|L2 Hit|Mem Busy|Max Bandwidth|Achieved Occupancy|Grid Size|Registers Per|Stall|Warp Cycles Per Issued" \
     "$OUT/ncu_rows_h200.txt" | head -150

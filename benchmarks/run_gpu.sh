@@ -34,12 +34,15 @@ stage_row1() { timeout "${ROW1_TIMEOUT:-300}" python benchmarks/row1_sweep.py --
 # The few-row GEMMs of decode steps of many sequences (in_proj, out_proj, the MoE at NCU_ROWS_M rows): ncu's
 # speed of light, memory workload (L2 and DRAM throughput) and warp stalls, one op_times process.
 stage_ncu_rows() {
-  timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+  # no preallocation: ncu saves and restores the memory a kernel may touch on every replay pass,
+  # and XLA's default pool is most of the card (the first try spent 48 s on one kernel)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section Occupancy --section LaunchStats -k "regex:gemm_" --launch-count "${NCU_ROWS_COUNT:-28}" \
     python benchmarks/op_times.py --m "${NCU_ROWS_M:-8,64}" --ops "${NCU_ROWS_OPS:-matmul gdn_in_proj,matmul gdn_out_proj,moe}" --reps 1 \
     --backends ordered > "$OUT/ncu_rows_h200.txt" 2>&1
   grep -E "^  [a-z_]+.*\(|Duration|Throughput|L2 Hit|Mem Busy|Max Bandwidth|Achieved Occupancy|Grid Size|Registers Per|Stall|Warp Cycles Per Issued" \
     "$OUT/ncu_rows_h200.txt" | head -150
+  pkill -f benchmarks/op_times.py; sleep 1  # a profiled child that outlived the timeout holds the card
 }
 stage_ncu_decode() { timeout "${NCU_TIMEOUT:-300}" bash benchmarks/profile_gpu.sh 1 2>&1 | tail -80; }
 stage_probe() {

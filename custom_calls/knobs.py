@@ -86,9 +86,10 @@ _TABLE: tuple[Knob, ...] = (
     Knob("BARO_ATTN_DUP", "onoff", False,
          doc="on: the CUDA decode attention tile runs one copy of its warp pair instead of two "
              "(csrc/gpu/attention_fa.cuh)"),
-    Knob("BARO_ATTN_WGMMA", "choice", "0", choices=("0", "1", "require"),
-         doc="1: the opt-in sm_90a wgmma prefill attention where it runs; require: an error where it would fall "
-             "back (tests) (csrc/gpu/attention_fa.cuh)"),
+    Knob("BARO_ATTN_WGMMA", "choice", "1", choices=("1", "0", "require"),
+         doc="1: the sm_90a wgmma prefill attention where it runs (the same bits as the mma.sync kernel); "
+             "0: the mma.sync prefill kernel everywhere; require: an error where it would fall back (tests) "
+             "(csrc/gpu/attention_fa.cuh)"),
     Knob("BARO_MOE_FOLD", "onoff", True,
          doc="off: the shared expert and its gate as GEMMs of their own instead of folded into the router and "
              "grouped GEMMs (one token; many rows on 16-row slots) (csrc/gpu/moe.cu)"),

@@ -274,8 +274,8 @@ def test_attention_decode_copies_same_bytes(platform, hd, monkeypatch):
     monkeypatch.delenv("BARO_PDL", raising=False)
 
 
-# The opt-in Hopper prefill kernel (BARO_ATTN_WGMMA, attention_wgmma.cu: wgmma, sm_90a) must give
-# the default prefill kernel's bytes and so the decode path's, row for row: the model's G = 8 at
+# The Hopper prefill kernel (BARO_ATTN_WGMMA, attention_wgmma.cu: wgmma, sm_90a; the default there)
+# must give the mma.sync prefill kernel's bytes (BARO_ATTN_WGMMA=0) and so the decode path's, row for row: the model's G = 8 at
 # head_dim 256 and G = 4 at 128 / 64, positions from 0 to past several 512-position splits, tiles
 # with padding rows (m = 5, 300) and a padded call (n_valid < rows). m <= 16 runs the decode tiles
 # whatever the knob says; those cases only check that the knob leaves them alone.

@@ -798,8 +798,9 @@ inline gpuError_t fa_launch(const AttentionArgs& a, void* scratch, gpuStream_t s
   const FaPlan p = fa_plan(a);
   if (p.tiles > 0x7fffffffLL || p.max_splits > 65535) return gpuErrorInvalidValue;
   const unsigned tiles = static_cast<unsigned>(p.tiles);
-  // BARO_ATTN_WGMMA=1: the opt-in sm_90a prefill kernel (the same bits) where the build, device and
-  // shape have it, else this one; =require (tests): an error instead of the fallback.
+  // BARO_ATTN_WGMMA=1 (default): the sm_90a prefill kernel (the same bits; K/V by TMA, 1.12x at 32k
+  // on the H200) where the build, device and shape have it, else this one; =0: this one always;
+  // =require (tests): an error instead of the fallback.
   const bool wg_need = !p.parallel && baro::knobs::is(baro::knobs::kAttnWgmma, "require");
   if (!p.parallel && (wg_need || baro::knobs::is(baro::knobs::kAttnWgmma, "1"))) {
     bool ran = false;

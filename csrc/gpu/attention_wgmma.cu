@@ -1,7 +1,7 @@
-// baro_attention prefill on Hopper (sm_90a only), opt-in (BARO_ATTN_WGMMA=1, attention_fa.cuh's
-// fa_launch): attn_fa_kernel's serial mode (the 64-row prefill tile) with its two dots moved from
-// mma.sync to wgmma, written to give the same bits for every row, so decode (attn_fa_kernel's
-// 16-row tiles) still equals prefill.
+// baro_attention prefill on Hopper (sm_90a only), the default there (BARO_ATTN_WGMMA=0: the
+// mma.sync kernel; attention_fa.cuh's fa_launch): attn_fa_kernel's serial mode (the 64-row prefill
+// tile) with its two dots moved from mma.sync to wgmma, written to give the same bits for every
+// row, so decode (attn_fa_kernel's 16-row tiles) still equals prefill.
 //
 // Why the bits are the same. attn_fa_kernel's prefill tile is 4 warp pairs; warp `half` of pair w
 // owns tile rows 16w..16w+15, S columns 32 half..32 half+31 of each KV block and head dims

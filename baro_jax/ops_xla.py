@@ -99,8 +99,9 @@ def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, *, 
 
 def conv(x, w, window, n_valid):
     """Depthwise causal conv (window 4) + SiLU; returns fp32 y and the new window. x wider
-    than w's C channels is the GDN projection: its first C columns in the window's dtype."""
-    if x.shape[1] != w.shape[0]:
+    than w's C channels, or of another dtype than the window, is the GDN projection: its first
+    C columns in the window's dtype (as the ordered op rounds them on load)."""
+    if x.shape[1] != w.shape[0] or x.dtype != window.dtype:
         x = x[:, :w.shape[0]].astype(window.dtype)
     m = x.shape[0]
     u = jnp.concatenate([window.astype(x.dtype), x], axis=0).astype(f32)

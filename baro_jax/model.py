@@ -169,32 +169,22 @@ def forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, all_
 # window [K-1, P, C] and the delta state [P, nv, dk, dv]. A decode step runs one row per slot. The
 # GEMMs, norms and the MoE are row-invariant, so rows of many sequences share their calls. The conv
 # and the delta rule treat channels and heads independently, so P rows of C channels (nv heads) run
-# as ONE row of P*C channels (P*nv heads): the m = 1 kernels a sequence runs alone, on the same
-# numbers. Attention reads each row's own slot (ops.attention_rows).
-
-def fold_rows(x):
-    """[P, ...] -> [1, P * ...]: P one-row problems as one row of P times the channels."""
-    return x.reshape(1, -1)
-
+# as ONE token of P*C channels (P*nv heads): the m = 1 kernels a sequence runs alone, on the same
+# numbers. Their rows mode reads each row's channels and heads where they sit (the projection's
+# row p, the pool's slot p) instead of a folded copy, which would cost a copy kernel per operand
+# per layer and step. Attention reads each row's own slot (ops.attention_rows).
 
 def gdn_rows(h, p, pool, cfg, ops):
     """gdn_block for one decode row per slot: h [P, D]; pool {"conv": [K-1, P, C], "ssm": [P, nv, dk, dv]}."""
     P = h.shape[0]
-    C, nv, nk, dk = cfg.conv_dim, cfg.lin_v_heads, cfg.lin_k_heads, cfg.lin_k_dim
+    C, nv = cfg.conv_dim, cfg.lin_v_heads
     nvdv = nv * cfg.lin_v_dim
     proj = ops.matmul(h, p["in_proj"])
     z_col, b_col, a_col = C, C + nvdv, C + nvdv + nv
     K1 = pool["conv"].shape[0]
-    y, window = ops.conv(fold_rows(proj[:, :C]), jnp.tile(p["conv"], (P, 1)), pool["conv"].reshape(K1, P * C),
-                         jnp.int32(1))
-    y = y.reshape(P, C)
-    qk = nk * dk
-    # the delta kernel reads [q of every head | k of every head | v of every head]: regroup by part
-    y1 = jnp.concatenate([fold_rows(y[:, :qk]), fold_rows(y[:, qk:2 * qk]), fold_rows(y[:, 2 * qk:])], axis=1)
-    o, ssm = ops.delta(y1, fold_rows(proj[:, b_col:b_col + nv]), fold_rows(proj[:, a_col:a_col + nv]),
-                       jnp.tile(p["A_log"], P), jnp.tile(p["dt_bias"], P),
-                       pool["ssm"].reshape((P * nv,) + pool["ssm"].shape[2:]), jnp.int32(1), nk=P * nk, dk=dk)
-    o = o.reshape(P, nv, cfg.lin_v_dim)
+    y, window = ops.conv(proj, p["conv"], pool["conv"].reshape(K1, P * C), jnp.int32(1), rows=True)
+    o, ssm = ops.delta(y, proj, proj, p["A_log"], p["dt_bias"], pool["ssm"].reshape((P * nv,) + pool["ssm"].shape[2:]),
+                       jnp.int32(1), nk=cfg.lin_k_heads, dk=cfg.lin_k_dim, b_col=b_col, a_col=a_col, rows=True)
     g = ops.gated_norm(o, proj, p["norm"], cfg.rms_eps, h.dtype, z_col=z_col)
     return ops.matmul(g, p["out"]), {"conv": window.reshape(K1, P, C), "ssm": ssm.reshape(pool["ssm"].shape)}
 

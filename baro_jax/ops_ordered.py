@@ -41,12 +41,12 @@ def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, *, 
     return cc.attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, eps=eps)
 
 
-def conv(x, w, window, n_valid):
-    return cc.conv(x, w, window, n_valid)
+def conv(x, w, window, n_valid, rows=False):
+    return cc.conv(x, w, window, n_valid, rows=rows)
 
 
-def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk, b_col=0, a_col=0):
-    return cc.delta(y, b, a, A_log, dt_bias, state, n_valid, b_col, a_col)
+def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk, b_col=0, a_col=0, rows=False):
+    return cc.delta(y, b, a, A_log, dt_bias, state, n_valid, b_col, a_col, rows=rows)
 
 
 def moe(h, router, gate_up, down, shared_gate_up, shared_down, shared_gate, *, top_k):

@@ -97,10 +97,17 @@ def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, *, 
     return o.astype(A).reshape(m, H * hd), k_cache, v_cache
 
 
-def conv(x, w, window, n_valid):
+def conv(x, w, window, n_valid, rows=False):
     """Depthwise causal conv (window 4) + SiLU; returns fp32 y and the new window. x wider
-    than w's C channels is the GDN projection: its first C columns in the window's dtype."""
-    if x.shape[1] != w.shape[0]:
+    than w's C channels, or of another dtype than the window, is the GDN projection: its first
+    C columns in the window's dtype (as the ordered op rounds them on load).
+    rows: x [P, W] is one token of each of P sequences, window [3, P*C] theirs side by side
+    (the ordered op's rows mode): the one-token conv on the rows folded into one row."""
+    if rows:
+        P, C = x.shape[0], w.shape[0]
+        y, window = conv(x[:, :C].astype(window.dtype).reshape(1, P * C), jnp.tile(w, (P, 1)), window, n_valid)
+        return y.reshape(P, C), window
+    if x.shape[1] != w.shape[0] or x.dtype != window.dtype:
         x = x[:, :w.shape[0]].astype(window.dtype)
     m = x.shape[0]
     u = jnp.concatenate([window.astype(x.dtype), x], axis=0).astype(f32)
@@ -128,9 +135,19 @@ def delta_inputs(y, b, a, A_log, dt_bias, *, nk, dk, nv, dv):
     return q, k, v, beta, g
 
 
-def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk, b_col=0, a_col=0):
+def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk, b_col=0, a_col=0, rows=False):
     """Gated delta rule over m rows, carrying the fp32 state [nv, dk, dv]; b and a hold a
-    row's nv gates at columns b_col / a_col."""
+    row's nv gates at columns b_col / a_col. rows: y [P, C] is one token of each of P
+    sequences, state [P*nv, dk, dv] theirs side by side (the ordered op's rows mode): the
+    one-token rule on the rows folded into one row of P*nv heads, [q | k | v] of every row."""
+    if rows:
+        P, nv = y.shape[0], A_log.shape[0]
+        qk = nk * dk
+        y1 = jnp.concatenate([y[:, :qk].reshape(1, -1), y[:, qk:2 * qk].reshape(1, -1), y[:, 2 * qk:].reshape(1, -1)],
+                             axis=1)
+        o, state = delta(y1, b[:, b_col:b_col + nv].reshape(1, -1), a[:, a_col:a_col + nv].reshape(1, -1),
+                         jnp.tile(A_log, P), jnp.tile(dt_bias, P), state, n_valid, nk=P * nk, dk=dk)
+        return o.reshape(P, nv, -1), state
     nv, _, dv = state.shape
     b, a = b[:, b_col:b_col + nv], a[:, a_col:a_col + nv]
     q, k, v, beta, g = delta_inputs(y, b, a, A_log, dt_bias, nk=nk, dk=dk, nv=nv, dv=dv)

@@ -128,10 +128,11 @@ def _fast_attention(ordered_attention, impl_setting: str):
 # ----------------------------------------------------------------------------- delta-chunk
 
 def _chunked_delta(ordered_delta):
-    def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk, b_col=0, a_col=0):
+    def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk, b_col=0, a_col=0, rows=False):
         m = y.shape[0]
-        if m == 1:  # decode stays on the ordered kernel
-            return ordered_delta(y, b, a, A_log, dt_bias, state, n_valid, nk=nk, dk=dk, b_col=b_col, a_col=a_col)
+        if m == 1 or rows:  # decode (one token, of one sequence or of many) stays on the ordered kernel
+            return ordered_delta(y, b, a, A_log, dt_bias, state, n_valid, nk=nk, dk=dk, b_col=b_col, a_col=a_col,
+                                 rows=rows)
         nv, _, dv = state.shape
         b, a = b[:, b_col:b_col + nv], a[:, a_col:a_col + nv]
         q, k, v, beta, g = ops_xla.delta_inputs(y, b, a, A_log, dt_bias, nk=nk, dk=dk, nv=nv, dv=dv)

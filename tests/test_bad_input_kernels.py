@@ -204,6 +204,122 @@ def test_moe_pairs_takes_every_base_in_range():
         assert np.all(np.asarray(y)[~local] == 0) and np.all(np.isfinite(np.asarray(y)))
 
 
+# ---- rows mode of conv_proj and delta ----
+# One token of each of P sequences in one call (rows=True / the `rows` attribute): the window and
+# the state hold the P sequences side by side, so their shapes carry P. A mismatch is refused by
+# the wrapper and, past it, by the handler, naming the operand; nothing is read out of bounds.
+
+RP, RC, RW, RNK, RNV, RDK, RDV = 3, 8, 13, 2, 4, 16, 16
+RCY = 2 * RNK * RDK + RNV * RDV
+
+
+def rows_conv_args(P=RP, win_cols=RP * RC, x_dtype=jnp.float32):
+    rng = np.random.default_rng(6)
+    return (jnp.asarray(f32(rng, P, RW)).astype(x_dtype), jnp.asarray(bf16(rng, RC, 4)),
+            jnp.asarray(bf16(rng, 3, win_cols)))
+
+
+def rows_delta_args(P=RP, state_rows=RP * RNV):
+    rng = np.random.default_rng(7)
+    return (jnp.asarray(f32(rng, P, RCY)), jnp.asarray(f32(rng, P, RNV)), jnp.asarray(f32(rng, P, RNV)),
+            jnp.asarray(f32(rng, RNV)), jnp.asarray(f32(rng, RNV)), jnp.asarray(f32(rng, state_rows, RDK, RDV)))
+
+
+ROWS_WRAPPER_CASES = {
+    "conv window of one sequence": (lambda: cc.conv(*rows_conv_args(win_cols=RC), 1, rows=True),
+                                    r"baro_conv_proj: window must have shape \[3, P\*C\] = \[3, 24\] with rows=True "
+                                    r"\(P=3 rows of x, C=8 from w\), got shape \[3, 8\]"),
+    "conv window one column short": (lambda: cc.conv(*rows_conv_args(win_cols=RP * RC - 1), 1, rows=True),
+                                     r"baro_conv_proj: window must have shape \[3, P\*C\] = \[3, 24\]"),
+    "conv bf16 x": (lambda: cc.conv(*rows_conv_args(x_dtype=jnp.bfloat16), 1, rows=True),
+                    r"baro_conv: rows=True takes x as the f32 projection \[P, W\] \(baro_conv_proj\), got dtype "
+                    r"bfloat16"),
+    "conv no rows": (lambda: cc.conv(*rows_conv_args(P=0, win_cols=0), 1, rows=True),
+                     r"baro_conv_proj: rows=True needs x \[P, W\] with P >= 1"),
+    "conv rows not a bool": (lambda: cc.conv(*rows_conv_args(), 1, rows=np.int64(1)),
+                             r"baro_conv: rows must be a static bool, got int64"),
+    "delta state of one sequence": (lambda: cc.delta(*rows_delta_args(state_rows=RNV), 1, rows=True),
+                                    r"baro_delta: state must have shape \[P\*nv, dk, dv\] = \[12, dk, dv\] with "
+                                    r"rows=True \(P=3 rows of y, nv=4 from A_log\), got shape \[4, 16, 16\]"),
+    "delta state one head over": (lambda: cc.delta(*rows_delta_args(state_rows=RP * RNV + 1), 1, rows=True),
+                                  r"baro_delta: state must have shape \[P\*nv, dk, dv\] = \[12, dk, dv\]"),
+    "delta no rows": (lambda: cc.delta(*rows_delta_args(P=0, state_rows=0), 1, rows=True),
+                      r"baro_delta: rows=True needs y \[P, C\] with P >= 1"),
+    "delta rows not a bool": (lambda: cc.delta(*rows_delta_args(), 1, rows=1),
+                              r"baro_delta: rows must be a static bool, got int"),
+}
+
+
+@pytest.mark.parametrize("case", list(ROWS_WRAPPER_CASES))
+def test_rows_mode_wrappers_refuse_mismatched_operands(case):
+    call, msg = ROWS_WRAPPER_CASES[case]
+    with pytest.raises(ValueError, match=msg):
+        call()
+
+
+def _conv_proj_call(P_out, C_out, win_cols):
+    S = jax.ShapeDtypeStruct
+    return jax.ffi.ffi_call("baro_conv_proj", (S((P_out, C_out), jnp.float32), S((3, win_cols), jnp.bfloat16)))
+
+
+def _delta_call(o_shape, state_rows):
+    S = jax.ShapeDtypeStruct
+    return jax.ffi.ffi_call("baro_delta", (S(o_shape, jnp.float32), S((state_rows, RDK, RDV), jnp.float32)))
+
+
+ROWS_HANDLER_CASES = {
+    "conv window of one sequence": (
+        lambda: _conv_proj_call(RP, RC, RC)(*rows_conv_args(win_cols=RC), jnp.int32(1), rows=np.int64(1)),
+        r"baro_conv_proj: window must have shape \[3, 24\], got \[3, 8\]"),
+    "conv y of the folded call": (
+        lambda: _conv_proj_call(1, RP * RC, RP * RC)(*rows_conv_args(), jnp.int32(1), rows=np.int64(1)),
+        r"baro_conv_proj: y \(result\) must have shape \[3, 8\], got \[1, 24\]"),
+    "conv rows 2": (
+        lambda: _conv_proj_call(RP, RC, RP * RC)(*rows_conv_args(), jnp.int32(1), rows=np.int64(2)),
+        r"baro_conv_proj: rows must be 0 or 1, got 2"),
+    "conv n_valid past the one token": (
+        lambda: _conv_proj_call(RP, RC, RP * RC)(*rows_conv_args(), jnp.int32(2), rows=np.int64(1)),
+        r"baro_conv_proj: n_valid must be in \[0, m=1\], got 2"),
+    "conv bf16 x": (
+        lambda: jax.ffi.ffi_call("baro_conv", (jax.ShapeDtypeStruct((RP, RC), jnp.float32),
+                                               jax.ShapeDtypeStruct((3, RP * RC), jnp.bfloat16)))(
+            rows_conv_args(x_dtype=jnp.bfloat16)[0][:, :RC], *rows_conv_args()[1:], jnp.int32(1), rows=np.int64(1)),
+        r"baro_conv: rows must be 0 \(rows mode takes the f32 projection x \[P, W\]: baro_conv_proj\), got 1"),
+    "delta state of one sequence": (
+        lambda: _delta_call((RP, RNV, RDV), RNV)(*rows_delta_args(state_rows=RNV), jnp.int32(1), b_col=np.int64(0),
+                                                 a_col=np.int64(0), rows=np.int64(1)),
+        r"baro_delta: state must have shape \[P\*nv, dk, dv\] in rows mode \(P=3 rows of y, nv=4 from A_log\), "
+        r"got \[4, 16, 16\]"),
+    "delta o of the folded call": (
+        lambda: _delta_call((1, RP * RNV, RDV), RP * RNV)(*rows_delta_args(), jnp.int32(1), b_col=np.int64(0),
+                                                          a_col=np.int64(0), rows=np.int64(1)),
+        r"baro_delta: o \(result\) must have shape \[3, 4, 16\], got \[1, 12, 16\]"),
+    "delta folded gates": (
+        lambda: _delta_call((RP, RNV, RDV), RP * RNV)(*(a.reshape(1, -1) if i in (1, 2) else a
+                                                        for i, a in enumerate(rows_delta_args())),
+                                                      jnp.int32(1), b_col=np.int64(0), a_col=np.int64(0),
+                                                      rows=np.int64(1)),
+        r"baro_delta: b must have shape \[3, W\] with b_col \+ nv <= W \(b_col=0, nv=4\), got \[1, 12\]"),
+    "delta rows -1": (
+        lambda: _delta_call((RP, RNV, RDV), RP * RNV)(*rows_delta_args(), jnp.int32(1), b_col=np.int64(0),
+                                                      a_col=np.int64(0), rows=np.int64(-1)),
+        r"baro_delta: rows must be 0 or 1, got -1"),
+    "delta n_valid past the one token": (
+        lambda: _delta_call((RP, RNV, RDV), RP * RNV)(*rows_delta_args(), jnp.int32(2), b_col=np.int64(0),
+                                                      a_col=np.int64(0), rows=np.int64(1)),
+        r"baro_delta: n_valid must be in \[0, m=1\], got 2"),
+}
+
+
+@pytest.mark.parametrize("case", list(ROWS_HANDLER_CASES))
+def test_rows_mode_handlers_refuse_mismatched_operands(case):
+    """Past the wrappers, a direct ffi_call: the handler returns InvalidArgument naming the operand."""
+    call, msg = ROWS_HANDLER_CASES[case]
+    with jax.default_device(CPU):
+        with pytest.raises(Exception, match=msg):
+            jax.block_until_ready(call())
+
+
 # ---- HostStore and FetchRing ----
 
 def store_arrays(E=5, D=32, I=16):

@@ -101,8 +101,9 @@ def test_conv_blocks(platform, m, C):
 # columns to bf16 on load, and gives the bytes of baro_conv on XLA's bf16 convert of the
 # slice (what the model ran before), y and window, for one row and many, padded calls, the
 # vector path (C % 8 == 0, W % 4 == 0) and the scalar one (C = 44 or W odd); the columns past
-# C are NaN and never read.
-@pytest.mark.parametrize("C,W", [(4104, 4104 + 60), (4104, 4104 + 61), (44, 44 + 9)])
+# C are NaN and never read. W = C: an f32 x of exactly C columns is the projection too (ops_xla
+# rounds it as well).
+@pytest.mark.parametrize("C,W", [(4104, 4104 + 60), (4104, 4104 + 61), (44, 44 + 9), (48, 48)])
 @pytest.mark.parametrize("m", [1, 2, 9, 37])
 def test_conv_reads_the_projection(platform, m, C, W):
     rng = np.random.default_rng(540 + m + W)
@@ -132,3 +133,78 @@ def test_conv_proj_errors(platform):
         cc.conv(put(platform, f32(rng, 2, 6)), w, win, 2)
     with pytest.raises(ValueError, match=r"baro_conv_proj: window must have shape \[3, 8\]"):
         cc.conv(put(platform, f32(rng, 2, 12)), w, win[:, :7], 2)
+
+
+# Rows mode (baro_conv_proj, rows=True): x [P, W] is one token of each of P sequences, the window
+# [3, P*C] theirs side by side (sequence p at columns p*C ..). Its bytes are those of the one-token
+# call on the P rows folded into one row of P*C channels with w tiled P times (model.gdn_rows before
+# rows mode), y and window, for n_valid 0 and 1, aliased and donated; and row p's are those of
+# sequence p's own one-token call on its window. C = 48 and 4104 (the GPU's 8-channel path; 4104
+# x 17 rows: 35 channel blocks), C = 44 (the one-channel path: C % 8 != 0) and W odd (no 16-byte
+# rows); the projection's columns past C are NaN and never read.
+CONV_ROWS_P = [1, 2, 3, 8, 17]
+
+
+def conv_folded(P, C):
+    """model.gdn_rows' conv before rows mode: the P rows folded into one row, w tiled."""
+    return jax.jit(lambda x, w, win, n: cc.conv(x[:, :C].reshape(1, P * C), jnp.tile(w, (P, 1)), win, n))
+
+
+@pytest.mark.parametrize("C,W", [(48, 48 + 20), (44, 44 + 9), (4104, 4104 + 60), (4104, 4104 + 61)])
+@pytest.mark.parametrize("P", CONV_ROWS_P)
+def test_conv_rows_mode(platform, P, C, W):
+    rng = np.random.default_rng(560 + 7 * P + W)
+    proj = np.full((P, W), np.nan, np.float32)
+    proj[:, :C] = f32(rng, P, C, scale=2.0)
+    w, win = bf16(rng, C, 4, scale=0.5), bf16(rng, 3, P * C)
+    wd, pj = put(platform, w, proj)
+    folded = conv_folded(P, C)
+    rows = jax.jit(lambda *a: cc.conv(*a, rows=True))
+    rows_donate = jax.jit(lambda *a: cc.conv(*a, rows=True), donate_argnums=(2,))
+    for nvld in (0, 1):
+        y_want, win_want = (np.asarray(r) for r in folded(pj, wd, put(platform, win), i32(nvld)))
+        for fn, what in ((rows, "aliased"), (rows_donate, "donated")):
+            poison(platform, (P, C))
+            y, wn = (np.asarray(r) for r in fn(pj, wd, put(platform, win), i32(nvld)))
+            assert y.shape == (P, C) and wn.shape == (3, P * C)
+            assert_same_bits(y, y_want.reshape(P, C), f"conv rows P={P} C={C} W={W} n_valid={nvld} y ({what})")
+            assert_same_bits(wn, win_want, f"conv rows P={P} C={C} W={W} n_valid={nvld} window ({what})")
+        if nvld == 0:
+            assert_same_bits(wn, win, f"conv rows P={P} C={C}: n_valid=0 changed the window")
+    # each row is its sequence alone: the one-token call on its own window
+    one = jax.jit(lambda *a: cc.conv(*a))
+    for p in range(P):
+        y1, w1 = one(put(platform, proj[p:p + 1]), wd, put(platform, win[:, p * C:(p + 1) * C]), i32(1))
+        assert_same_bits(np.asarray(y1)[0], y[p], f"conv rows P={P} C={C} row {p} vs its call alone: y")
+        assert_same_bits(np.asarray(w1), wn[:, p * C:(p + 1) * C], f"conv rows P={P} C={C} row {p} vs alone: window")
+    if platform.platform == "cpu":  # ops_xla's rows mode is its own folded call (on CPU only: XLA's own kernels)
+        import baro_jax.ops_xla as X
+        fx = jax.jit(lambda x, w, win, n: X.conv(x[:, :C].reshape(1, P * C), jnp.tile(w, (P, 1)), win, n))
+        want = fx(pj, wd, put(platform, win), i32(1))
+        got = X.conv(pj, wd, put(platform, win), i32(1), rows=True)
+        for g, w_, what in zip(got, want, ("y", "window")):
+            assert_same_bits(np.asarray(g).reshape(-1), np.asarray(w_).reshape(-1), f"ops_xla conv rows P={P}: {what}")
+
+
+def test_conv_rows_mode_errors(platform):
+    rng = np.random.default_rng(11)
+    P, C, W = 3, 8, 13
+    x, w, win = put(platform, f32(rng, P, W), bf16(rng, C, 4), bf16(rng, 3, P * C))
+    with pytest.raises(ValueError, match=r"baro_conv_proj: window must have shape \[3, P\*C\] = \[3, 24\] with "
+                                         r"rows=True \(P=3 rows of x, C=8 from w\), got shape \[3, 8\]"):
+        cc.conv(x, w, win[:, :C], 1, rows=True)
+    with pytest.raises(ValueError, match=r"baro_conv_proj: window must have shape \[3, P\*C\] = \[3, 24\] with "
+                                         r"rows=True .*got shape \[2, 24\]"):
+        cc.conv(x, w, win[:2], 1, rows=True)
+    with pytest.raises(ValueError, match=r"baro_conv: rows=True takes x as the f32 projection \[P, W\] "
+                                         r"\(baro_conv_proj\), got dtype bfloat16 \(shape \[3, 8\]\)"):
+        cc.conv(x[:, :C].astype(jnp.bfloat16), w, win, 1, rows=True)
+    with pytest.raises(ValueError, match=r"baro_conv_proj: x must have at least C=8 columns \(C from w\), "
+                                         r"got shape \[3, 6\]"):
+        cc.conv(x[:, :6], w, win, 1, rows=True)
+    with pytest.raises(ValueError, match=r"baro_conv_proj: rows=True needs x \[P, W\] with P >= 1, got shape \[0, 13\]"):
+        cc.conv(x[:0], w, win[:, :0], 1, rows=True)
+    with pytest.raises(ValueError, match=r"baro_conv: rows must be a static bool, got int"):
+        cc.conv(x, w, win, 1, rows=1)
+    with pytest.raises(ValueError, match=r"baro_conv: rows must be a static bool, got .*Tracer"):
+        jax.jit(cc.conv)(x, w, win, i32(1), True)

@@ -32,7 +32,7 @@ def _handler_validates_shapes():
     st = jnp.zeros((4, 16, 16), jnp.float32)
     call = jax.ffi.ffi_call("baro_delta", (jax.ShapeDtypeStruct((2, 4, 16), jnp.float32), st))
     y = jnp.zeros((2, 100), jnp.float32)
-    cols = dict(b_col=np.int64(0), a_col=np.int64(0))
+    cols = dict(b_col=np.int64(0), a_col=np.int64(0), rows=np.int64(0))
     with pytest.raises(Exception, match=r"baro_delta: y width 100 must be 2\*nk\*dk \+ nv\*dv"):
         call(y, jnp.zeros((2, 4)), jnp.zeros((2, 4)), jnp.zeros(4), jnp.zeros(4), st,
              jnp.int32(2), **cols)[0].block_until_ready()
@@ -41,7 +41,7 @@ def _handler_validates_shapes():
     with pytest.raises(Exception, match=r"baro_delta: b must have shape \[2, W\] with b_col \+ nv <= W "
                                         r"\(b_col=3, nv=4\), got \[2, 6\]"):
         call(y, jnp.zeros((2, 6)), jnp.zeros((2, 4)), jnp.zeros(4), jnp.zeros(4), st,
-             jnp.int32(2), b_col=np.int64(3), a_col=np.int64(0))[0].block_until_ready()
+             jnp.int32(2), b_col=np.int64(3), a_col=np.int64(0), rows=np.int64(0))[0].block_until_ready()
     call = jax.ffi.ffi_call("baro_gated_norm", jax.ShapeDtypeStruct((2, 8), jnp.bfloat16))
     with pytest.raises(Exception, match=r"baro_gated_norm: z must have shape \[2, W\] with z_col \+ nv\*dv <= W "
                                         r"\(z_col=5, nv\*dv=8\), got shape \[2, 12\]"):
@@ -52,7 +52,7 @@ def _handler_validates_shapes():
     with pytest.raises(Exception, match=r"baro_conv_proj: x must have at least C=8 columns \(C from w\), "
                                         r"got shape \[2, 6\]"):
         call(jnp.zeros((2, 6)), jnp.zeros((8, 4), jnp.bfloat16), jnp.zeros((3, 8), jnp.bfloat16),
-             jnp.int32(2))[0].block_until_ready()
+             jnp.int32(2), rows=np.int64(0))[0].block_until_ready()
 
 
 # Calls of <= 16 rows (decode) go through the _small ops (their GPU scratch is a result

@@ -195,3 +195,112 @@ def test_delta_blocks(platform, m, shape):
         o, s2 = seq_run(platform, delta_fn, [y, b, a], [A_log, dt_bias], state, [33, m - 33])
         assert_same_bits(o, o_full, f"delta {shape} m={m} split 33+rest o")
         assert_same_bits(s2, s_full, f"delta {shape} m={m} split 33+rest state")
+
+
+# Rows mode (rows=True): y [P, C] is one token of each of P sequences (each row laid out as a
+# one-row y), b and a the projection [P, W] read at b_col / a_col (its other columns NaN),
+# A_log / dt_bias [nv], the state [P*nv, dk, dv] their states side by side. Its bytes are those of
+# the one-token call on the rows folded into one row of P*nv heads ([q of every row | k of every
+# row | v of every row], A_log and dt_bias tiled: model.gdn_rows before rows mode), o and state, for
+# n_valid 0 and 1, aliased and donated, on every one-token instance on CUDA (BARO_DELTA_ONE; and
+# BARO_DELTA_COLS=16, the 16-column 32-token kernel); and row p's are those of sequence p's own
+# one-token call on its state. nk != nv, dv = 36, 50, 20, 7, 80 (last column blocks of 4, 18, 20,
+# 7, 16; no 16-byte copies for 50 and 7), dk = 16 .. 128; 17 rows of 39 heads: 1326 pipe tiles.
+DELTA_ROWS_SHAPES = [(2, 4, 16, 16), (1, 2, 64, 36), (3, 39, 32, 50), (2, 6, 16, 20), (1, 3, 16, 7),
+                     (2, 4, 128, 80)]
+DELTA_ROWS_P = [1, 2, 3, 8, 17]
+DELTA_ROWS_KNOBS = [("auto", "32"), ("cols", "32"), ("heads", "32"), ("pipe", "32"), ("off", "32"), ("auto", "16")]
+
+
+def delta_folded(P, nk, nv, dk, b_col, a_col):
+    """model.gdn_rows' delta before rows mode: the P rows folded into one row of P*nv heads."""
+    qk = nk * dk
+
+    def f(y, proj, A_log, dt_bias, state, n):
+        fold = lambda x: x.reshape(1, -1)
+        y1 = jnp.concatenate([fold(y[:, :qk]), fold(y[:, qk:2 * qk]), fold(y[:, 2 * qk:])], axis=1)
+        o, s = cc.delta(y1, fold(proj[:, b_col:b_col + nv]), fold(proj[:, a_col:a_col + nv]), jnp.tile(A_log, P),
+                        jnp.tile(dt_bias, P), state, n)
+        return o.reshape(P, nv, -1), s
+
+    return jax.jit(f)
+
+
+@pytest.mark.parametrize("shape", DELTA_ROWS_SHAPES, ids=lambda s: "nk%d-nv%d-dk%d-dv%d" % s)
+@pytest.mark.parametrize("P", DELTA_ROWS_P)
+def test_delta_rows_mode(platform, P, shape, monkeypatch):
+    nk, nv, dk, dv = shape
+    rng = np.random.default_rng(700 + 31 * P + nv + dk + dv)
+    y, b, a, A_log, dt_bias, _ = delta_model_inputs(rng, P, nk, nv, dk, dv)
+    state = f32(rng, P * nv, dk, dv, scale=0.5)
+    b_col, a_col = 3, 3 + nv + 2
+    proj = np.full((P, a_col + nv + 5), np.nan, np.float32)
+    proj[:, b_col:b_col + nv], proj[:, a_col:a_col + nv] = b, a
+    yd, pj, Al, dtb = put(platform, y, proj, A_log, dt_bias)
+    folded = delta_folded(P, nk, nv, dk, b_col, a_col)
+    rows_fn = lambda *x: cc.delta(*x, b_col=b_col, a_col=a_col, rows=True)
+    fns = ((jax.jit(rows_fn), "aliased"), (jax.jit(rows_fn, donate_argnums=(5,)), "donated"))
+    for knob in DELTA_ROWS_KNOBS if platform.platform == "gpu" else [None]:
+        if knob:
+            monkeypatch.setenv("BARO_DELTA_ONE", knob[0])
+            monkeypatch.setenv("BARO_DELTA_COLS", knob[1])
+        for nvld in (0, 1):
+            o_want, s_want = (np.asarray(r) for r in folded(yd, pj, Al, dtb, put(platform, state), i32(nvld)))
+            for fn, what in fns:
+                poison(platform, (P, nv, dv))
+                poison(platform, (P * nv, dk, dv))
+                o, s = (np.asarray(r) for r in fn(yd, pj, pj, Al, dtb, put(platform, state), i32(nvld)))
+                where = f"delta rows P={P} {shape} knobs {knob} n_valid={nvld} ({what})"
+                assert o.shape == (P, nv, dv) and s.shape == (P * nv, dk, dv)
+                assert_same_bits(o, o_want, f"{where}: o")
+                assert_same_bits(s, s_want, f"{where}: state")
+            if nvld == 0:
+                assert o.tobytes() == np.zeros_like(o).tobytes() and s.tobytes() == state.tobytes(), \
+                    f"delta rows P={P} {shape} knobs {knob}: n_valid=0 left a trace"
+        # each row is its sequence alone: the one-token call on its own state
+        one = jax.jit(lambda *x: cc.delta(*x, b_col=b_col, a_col=a_col))
+        for p in range(P):
+            o1, s1 = one(put(platform, y[p:p + 1]), *(put(platform, proj[p:p + 1]),) * 2, Al, dtb,
+                         put(platform, state[p * nv:(p + 1) * nv]), i32(1))
+            assert_same_bits(np.asarray(o1)[0], o[p], f"delta rows P={P} {shape} knobs {knob} row {p} vs alone: o")
+            assert_same_bits(np.asarray(s1), s[p * nv:(p + 1) * nv],
+                             f"delta rows P={P} {shape} knobs {knob} row {p} vs alone: state")
+    if platform.platform == "cpu":  # ops_xla's rows mode is its own folded call (on CPU only: XLA's own kernels)
+        import baro_jax.ops_xla as X
+        qk = nk * dk
+        fold = lambda x: x.reshape(1, -1)
+        y1 = jnp.concatenate([fold(yd[:, :qk]), fold(yd[:, qk:2 * qk]), fold(yd[:, 2 * qk:])], axis=1)
+        want = X.delta(y1, fold(pj[:, b_col:b_col + nv]), fold(pj[:, a_col:a_col + nv]), jnp.tile(Al, P),
+                       jnp.tile(dtb, P), put(platform, state), i32(1), nk=P * nk, dk=dk)
+        got = X.delta(yd, pj, pj, Al, dtb, put(platform, state), i32(1), nk=nk, dk=dk, b_col=b_col, a_col=a_col,
+                      rows=True)
+        for g, w_, what in zip(got, want, ("o", "state")):
+            assert_same_bits(np.asarray(g).reshape(-1), np.asarray(w_).reshape(-1), f"ops_xla delta rows P={P}: {what}")
+
+
+def test_delta_rows_mode_errors(platform):
+    rng = np.random.default_rng(12)
+    nk, nv, dk, dv, P = 2, 4, 16, 16, 3
+    y, b, a, A_log, dt_bias, _ = delta_model_inputs(rng, P, nk, nv, dk, dv)
+    y, b, a, A_log, dt_bias, state = put(platform, y, b, a, A_log, dt_bias, f32(rng, P * nv, dk, dv))
+    with pytest.raises(ValueError, match=r"baro_delta: state must have shape \[P\*nv, dk, dv\] = \[12, dk, dv\] with "
+                                         r"rows=True \(P=3 rows of y, nv=4 from A_log\), got shape \[4, 16, 16\]"):
+        cc.delta(y, b, a, A_log, dt_bias, state[:nv], 1, rows=True)
+    with pytest.raises(ValueError, match=r"baro_delta: state must have shape \[P\*nv, dk, dv\] = \[12, dk, dv\]"):
+        cc.delta(y, b, a, A_log, dt_bias, state[:-1], 1, rows=True)
+    with pytest.raises(ValueError, match=r"baro_delta: y must have shape \[m, 2\*nk\*dk \+ nv\*dv\]"):
+        cc.delta(y[:, :-4], b, a, A_log, dt_bias, state, 1, rows=True)
+    with pytest.raises(ValueError, match=r"baro_delta: dt_bias must have shape \[4\], got shape \[12\]"):
+        cc.delta(y, b, a, A_log, jnp.tile(dt_bias, P), state, 1, rows=True)
+    with pytest.raises(ValueError, match=r"baro_delta: b must have shape \[3, W\] with b_col \+ nv <= W "
+                                         r"\(b_col=0, nv=4\), got shape \[1, 12\]"):
+        cc.delta(y, b.reshape(1, -1), a, A_log, dt_bias, state, 1, rows=True)  # the folded gates
+    with pytest.raises(ValueError, match=r"baro_delta: a must have shape \[3, W\] with a_col \+ nv <= W "
+                                         r"\(a_col=2, nv=4\), got shape \[3, 4\]"):
+        cc.delta(y, b, a, A_log, dt_bias, state, 1, a_col=2, rows=True)
+    with pytest.raises(ValueError, match=r"baro_delta: rows=True needs y \[P, C\] with P >= 1"):
+        cc.delta(y[:0], b[:0], a[:0], A_log, dt_bias, state[:0], 1, rows=True)
+    with pytest.raises(ValueError, match=r"baro_delta: A_log must have rank 1, got shape \[4, 1\]"):
+        cc.delta(y, b, a, A_log[:, None], dt_bias, state, 1, rows=True)
+    with pytest.raises(ValueError, match=r"baro_delta: rows must be a static bool, got str"):
+        cc.delta(y, b, a, A_log, dt_bias, state, 1, rows="yes")

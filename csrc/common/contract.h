@@ -85,10 +85,20 @@ inline ::xla::ffi::Error check_matmul(const ::xla::ffi::Buffer<::xla::ffi::BF16>
 }
 
 struct DeltaDims {
-  int64_t m, C, nv, dk, dv, nk;
+  int64_t m, C, nv, dk, dv, nk;  // C, nv, nk: of one row of y
+  int64_t P = 1;                 // rows of y per token: P in rows mode (m = 1), else 1
   int64_t b_ld = 0, a_ld = 0;    // row strides of b and a (their widths)
   int64_t b_off = 0, a_off = 0;  // the first gate column of b and a
 };
+
+// The `rows` attribute of baro_conv_proj and baro_delta: 0, or 1 for rows mode (P sequences,
+// one token each, as one call: docs/FFI.md). "" when fine.
+inline std::string expect_rows_attr(const char* op, int64_t rows) {
+  if (rows == 0 || rows == 1) return "";
+  std::ostringstream s;
+  s << op << ": rows must be 0 or 1, got " << rows;
+  return s.str();
+}
 
 // b or a of baro_delta: col < 0, exactly [m, nv]; col >= 0, [m, W] with the nv gates of a row at
 // columns col .. col + nv (the model passes the GDN projection whole). Sets *ld to the width and
@@ -122,14 +132,30 @@ inline ::xla::ffi::Error check_delta(const ::xla::ffi::Buffer<::xla::ffi::F32>& 
                                      const ::xla::ffi::Buffer<::xla::ffi::F32>& o,
                                      const ::xla::ffi::Buffer<::xla::ffi::F32>& state_out,
                                      DeltaDims& d, const char* op = "baro_delta", int64_t b_col = -1,
-                                     int64_t a_col = -1) {
+                                     int64_t a_col = -1, int64_t rows = 0) {
+  BARO_RETURN_IF(expect_rows_attr(op, rows));
   BARO_RETURN_IF(expect_rank(op, "y", y, 2));
   BARO_RETURN_IF(expect_rank(op, "state", state, 3));
-  d.m = y.dimensions()[0];
   d.C = y.dimensions()[1];
-  d.nv = state.dimensions()[0];
   d.dk = state.dimensions()[1];
   d.dv = state.dimensions()[2];
+  if (rows) {  // row p of y is sequence p's token; its nv heads (from A_log) are state rows p*nv ..
+    BARO_RETURN_IF(expect_rank(op, "A_log", A_log, 1));
+    d.m = 1;
+    d.P = y.dimensions()[0];
+    d.nv = A_log.dimensions()[0];
+    BARO_CHECK(d.P >= 1 && d.nv >= 1, op,
+               "rows mode needs y [P, C] with P >= 1 and A_log [nv] with nv >= 1, got y "
+                   << dims_str(y.dimensions()) << " and A_log " << dims_str(A_log.dimensions()));
+    BARO_CHECK(state.dimensions()[0] == d.P * d.nv, op,
+               "state must have shape [P*nv, dk, dv] in rows mode (P=" << d.P << " rows of y, nv=" << d.nv
+                                                                      << " from A_log), got "
+                                                                      << dims_str(state.dimensions()));
+  } else {
+    d.m = y.dimensions()[0];
+    d.P = 1;
+    d.nv = state.dimensions()[0];
+  }
   BARO_CHECK(d.nv > 0 && d.dk > 0 && d.dv > 0, op,
              "state must have non-empty shape [nv, dk, dv], got " << dims_str(state.dimensions()));
   BARO_CHECK(d.C > d.nv * d.dv && (d.C - d.nv * d.dv) % (2 * d.dk) == 0, op,
@@ -138,13 +164,13 @@ inline ::xla::ffi::Error check_delta(const ::xla::ffi::Buffer<::xla::ffi::F32>& 
   d.nk = (d.C - d.nv * d.dv) / (2 * d.dk);
   BARO_CHECK(d.nv % d.nk == 0, op,
              "nv=" << d.nv << " value heads must be a multiple of nk=" << d.nk << " key heads");
-  BARO_RETURN_IF(expect_gate_columns(op, "b", b, d.m, d.nv, b_col, &d.b_ld, &d.b_off));
-  BARO_RETURN_IF(expect_gate_columns(op, "a", a, d.m, d.nv, a_col, &d.a_ld, &d.a_off));
+  BARO_RETURN_IF(expect_gate_columns(op, "b", b, d.m * d.P, d.nv, b_col, &d.b_ld, &d.b_off));
+  BARO_RETURN_IF(expect_gate_columns(op, "a", a, d.m * d.P, d.nv, a_col, &d.a_ld, &d.a_off));
   BARO_RETURN_IF(expect_shape(op, "A_log", A_log, {d.nv}));
   BARO_RETURN_IF(expect_shape(op, "dt_bias", dt_bias, {d.nv}));
   BARO_RETURN_IF(expect_shape(op, "n_valid", n_valid, {}));
-  BARO_RETURN_IF(expect_shape(op, "o (result)", o, {d.m, d.nv, d.dv}));
-  BARO_RETURN_IF(expect_shape(op, "state (result)", state_out, {d.nv, d.dk, d.dv}));
+  BARO_RETURN_IF(expect_shape(op, "o (result)", o, {d.m * d.P, d.nv, d.dv}));
+  BARO_RETURN_IF(expect_shape(op, "state (result)", state_out, {d.P * d.nv, d.dk, d.dv}));
   return ::xla::ffi::Error::Success();
 }
 
@@ -439,16 +465,51 @@ inline ::xla::ffi::Error check_add_rmsnorm(const ::xla::ffi::Buffer<::xla::ffi::
   return ::xla::ffi::Error::Success();
 }
 
-// baro_conv_proj's x: the f32 projection [m, W] with at least C = w's rows columns.
+// baro_conv's `rows` attribute: 0 only (rows mode reads the f32 projection: baro_conv_proj).
+inline std::string expect_no_rows_mode(const char* op, int64_t rows) {
+  if (rows == 0) return "";
+  std::ostringstream s;
+  s << op << ": rows must be 0 (rows mode takes the f32 projection x [P, W]: baro_conv_proj), got " << rows;
+  return s.str();
+}
+
+// baro_conv_proj's x: the f32 projection [m, W] with at least C = w's rows columns. Rows mode
+// (rows = 1): x's rows are P sequences' one token each, the call one token (m = 1) of P*C
+// channels; else P = 1.
 inline ::xla::ffi::Error check_conv_proj_x(const char* op, const ::xla::ffi::Buffer<::xla::ffi::F32>& x,
-                                           const ::xla::ffi::Buffer<::xla::ffi::BF16>& w, int64_t& m, int64_t& W,
-                                           int64_t& C) {
+                                           const ::xla::ffi::Buffer<::xla::ffi::BF16>& w, int64_t rows, int64_t& m,
+                                           int64_t& W, int64_t& C, int64_t& P) {
+  BARO_RETURN_IF(expect_rows_attr(op, rows));
   BARO_RETURN_IF(expect_rank(op, "x", x, 2));
   BARO_RETURN_IF(expect_rank(op, "w", w, 2));
   m = x.dimensions()[0];
   W = x.dimensions()[1];
   C = w.dimensions()[0];
   BARO_CHECK(C <= W, op, "x must have at least C=" << C << " columns (C from w), got shape " << dims_str(x.dimensions()));
+  P = 1;
+  if (rows) {
+    BARO_CHECK(m >= 1, op, "rows mode needs x [P, W] with P >= 1, got shape " << dims_str(x.dimensions()));
+    P = m;
+    m = 1;
+  }
+  return ::xla::ffi::Error::Success();
+}
+
+// baro_conv and baro_conv_proj past x, for m tokens of P rows of C channels (P > 1 in rows mode
+// only, where m = 1 and channel p*C + c of the call is row p's channel c): w [C, 4], window
+// [3, P*C], n_valid [], y (result) [m*P, C], window (result) [3, P*C].
+inline ::xla::ffi::Error check_conv_rest(const char* op, int64_t m, int64_t C, int64_t P,
+                                         const ::xla::ffi::Buffer<::xla::ffi::BF16>& w,
+                                         const ::xla::ffi::Buffer<::xla::ffi::BF16>& window,
+                                         const ::xla::ffi::Buffer<::xla::ffi::S32>& n_valid,
+                                         const ::xla::ffi::Buffer<::xla::ffi::F32>& y,
+                                         const ::xla::ffi::Buffer<::xla::ffi::BF16>& window_out) {
+  constexpr int64_t K = 4;
+  BARO_RETURN_IF(expect_shape(op, "w", w, {C, K}));
+  BARO_RETURN_IF(expect_shape(op, "window", window, {K - 1, P * C}));
+  BARO_RETURN_IF(expect_shape(op, "n_valid", n_valid, {}));
+  BARO_RETURN_IF(expect_shape(op, "y (result)", y, {m * P, C}));
+  BARO_RETURN_IF(expect_shape(op, "window (result)", window_out, {K - 1, P * C}));
   return ::xla::ffi::Error::Success();
 }
 

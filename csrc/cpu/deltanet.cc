@@ -13,17 +13,17 @@ namespace {
 
 constexpr int64_t kConvK = 4;  // kernel width; the window holds kConvK-1 rows
 
-// The conv over m rows whose input x(t, c) (bf16 bits) is row t, channel c < C: shared by
-// baro_conv (x bf16 [m, C]) and baro_conv_proj (x the f32 projection [m, W], rounded here).
+// The conv over m tokens of P rows of C channels (P > 1 in rows mode only, where m = 1), whose
+// input x(t, c) (bf16 bits) is token t, channel c < P*C; channel p*C + c takes w's row c. Shared by
+// baro_conv (x bf16 [m, C]) and baro_conv_proj (x the f32 projection [m, W], or [P, W] in rows
+// mode, rounded here).
 template <class X>
-ffi::Error conv_rows(const char* op, X x_at, int64_t m, int64_t C, ffi::Buffer<ffi::BF16> w,
+ffi::Error conv_rows(const char* op, X x_at, int64_t m, int64_t Cw, int64_t P, ffi::Buffer<ffi::BF16> w,
                      ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf,
                      ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::BF16> window_out) {
-  BARO_RETURN_IF(baro::expect_shape(op, "w", w, {C, kConvK}));
-  BARO_RETURN_IF(baro::expect_shape(op, "window", window, {kConvK - 1, C}));
-  BARO_RETURN_IF(baro::expect_shape(op, "n_valid", n_valid_buf, {}));
-  BARO_RETURN_IF(baro::expect_shape(op, "y (result)", *y, {m, C}));
-  BARO_RETURN_IF(baro::expect_shape(op, "window (result)", *window_out, {kConvK - 1, C}));
+  if (auto err = baro::check_conv_rest(op, m, Cw, P, w, window, n_valid_buf, *y, *window_out); err.failure())
+    return err;
+  const int64_t C = P * Cw;
   const int64_t n_valid = n_valid_buf.typed_data()[0];
   BARO_CHECK(n_valid >= 0 && n_valid <= m, op,
              "n_valid must be in [0, m=" << m << "], got " << n_valid);
@@ -42,7 +42,7 @@ ffi::Error conv_rows(const char* op, X x_at, int64_t m, int64_t C, ffi::Buffer<f
     for (int64_t c = c0; c < c1; ++c) {
       for (int64_t t = 0; t < m; ++t) {
         for (int64_t j = 0; j < kConvK; ++j) tap[j] = u(t - (kConvK - 1) + j, c);
-        yp[t * C + c] = baro::silu(baro::dot(wp + c * kConvK, tap, kConvK));
+        yp[t * C + c] = baro::silu(baro::dot(wp + c % Cw * kConvK, tap, kConvK));
       }
     }
   });
@@ -57,36 +57,39 @@ ffi::Error conv_rows(const char* op, X x_at, int64_t m, int64_t C, ffi::Buffer<f
 }
 
 ffi::Error ConvImpl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                    ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf,
+                    ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf, int64_t rows,
                     ffi::ResultBuffer<ffi::F32> y,
                     ffi::ResultBuffer<ffi::BF16> window_out) {
   const char* op = "baro_conv";
+  BARO_RETURN_IF(baro::expect_no_rows_mode(op, rows));
   BARO_RETURN_IF(baro::expect_rank(op, "x", x, 2));
   const int64_t m = x.dimensions()[0], C = x.dimensions()[1];
   const uint16_t* xp = x.typed_data();
-  return conv_rows(op, [&](int64_t t, int64_t c) { return xp[t * C + c]; }, m, C, w, window, n_valid_buf, y,
+  return conv_rows(op, [&](int64_t t, int64_t c) { return xp[t * C + c]; }, m, C, 1, w, window, n_valid_buf, y,
                    window_out);
 }
 
 // baro_conv_proj: x is the GDN input projection, f32 [m, W]; the conv input is its first C
-// columns rounded to bf16 (C from w), the rounding XLA's convert does before baro_conv.
+// columns rounded to bf16 (C from w), the rounding XLA's convert does before baro_conv. Rows mode:
+// x [P, W] is P sequences' one token each, run as one token of P*C channels (channel p*C + c from
+// row p), the window [3, P*C].
 ffi::Error ConvProjImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
-                        ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf,
+                        ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf, int64_t rows,
                         ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::BF16> window_out) {
   const char* op = "baro_conv_proj";
-  int64_t m = 0, W = 0, C = 0;
-  if (auto err = baro::check_conv_proj_x(op, x, w, m, W, C); err.failure()) return err;
+  int64_t m = 0, W = 0, C = 0, P = 1;
+  if (auto err = baro::check_conv_proj_x(op, x, w, rows, m, W, C, P); err.failure()) return err;
   const float* xp = x.typed_data();
-  return conv_rows(op, [&](int64_t t, int64_t c) { return baro::f32_to_bf16(xp[t * W + c]); }, m, C, w,
-                   window, n_valid_buf, y, window_out);
+  return conv_rows(op, [&](int64_t t, int64_t c) { return baro::f32_to_bf16(xp[(t + c / C) * W + c % C]); }, m, C,
+                   P, w, window, n_valid_buf, y, window_out);
 }
 
-// One delta-rule row's inputs for value head j (key head kh) of row i, the same for
+// One delta-rule row's inputs for value head j (key head kh) of y's row i, the same for
 // baro_delta and baro_delta_blocked: q = l2norm(q) * dk^-0.5, k = l2norm(k) (into q, k),
 // beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), v the row's value slice.
 struct DeltaInputs {
   const float *y, *b, *a, *A_log, *dt_bias;  // b, a: row i's gates at b[i * b_ld], a[i * a_ld]
-  int64_t C, nk, nv, dk, dv;
+  int64_t C, nk, nv, dk, dv;                 // C, nk, nv: of one row of y
   float scale;
   int64_t b_ld, a_ld;
 };
@@ -114,15 +117,18 @@ inline DeltaRow delta_row(const DeltaInputs& in, int64_t i, int64_t j, int64_t k
 ffi::Error DeltaImpl(ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
                      ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> A_log,
                      ffi::Buffer<ffi::F32> dt_bias, ffi::Buffer<ffi::F32> state,
-                     ffi::Buffer<ffi::S32> n_valid_buf, int64_t b_col, int64_t a_col,
+                     ffi::Buffer<ffi::S32> n_valid_buf, int64_t b_col, int64_t a_col, int64_t rows,
                      ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> state_out) {
   const char* op = "baro_delta";
   baro::DeltaDims dims;
   if (auto err = baro::check_delta(yb, b, a, A_log, dt_bias, state, n_valid_buf, *o, *state_out, dims, op,
-                                   b_col, a_col);
+                                   b_col, a_col, rows);
       err.failure())
     return err;
   const int64_t m = dims.m, C = dims.C, nv = dims.nv, dk = dims.dk, dv = dims.dv, nk = dims.nk;
+  // The call's value heads: rows mode's P rows of nv each, head j of y's row j / nv (local head
+  // j % nv); else nv of the m tokens' rows.
+  const int64_t H = dims.P * nv;
   const int64_t n_valid = n_valid_buf.typed_data()[0];
   BARO_CHECK(n_valid >= 0 && n_valid <= m, op,
              "n_valid must be in [0, m=" << m << "], got " << n_valid);
@@ -135,16 +141,16 @@ ffi::Error DeltaImpl(ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
   const int64_t ratio = nv / nk;
 
   for (int64_t i = n_valid; i < m; ++i)
-    std::fill(op_ + i * nv * dv, op_ + (i + 1) * nv * dv, 0.0f);
+    std::fill(op_ + i * H * dv, op_ + (i + 1) * H * dv, 0.0f);
 
   // Value heads are independent; each walks the valid rows in order.
-  baro::parallel_for(nv, 4.0 * n_valid * dk * dv, [&](int64_t j0, int64_t j1) {
+  baro::parallel_for(H, 4.0 * n_valid * dk * dv, [&](int64_t j0, int64_t j1) {
     std::vector<float> q(dk), k(dk), kv(dv), del(dv);
     for (int64_t j = j0; j < j1; ++j) {
-      const int64_t kh = j / ratio;
+      const int64_t seq = j / nv, jh = j % nv, kh = jh / ratio;  // y's row of head j: 0 unless rows mode
       float* S = S_all + j * dk * dv;
       for (int64_t i = 0; i < n_valid; ++i) {
-        const DeltaRow r = delta_row(in, i, j, kh, q.data(), k.data());
+        const DeltaRow r = delta_row(in, seq + i, jh, kh, q.data(), k.data());
         const float* vs = r.v;
         const float beta = r.beta;
         const float e = std::exp(r.g);
@@ -158,7 +164,7 @@ ffi::Error DeltaImpl(ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
             S[r * dv + d] = std::fma(k[r], del[d], S[r * dv + d]);
           }
         }
-        float* orow = op_ + i * nv * dv + j * dv;
+        float* orow = op_ + i * H * dv + j * dv;
         for (int64_t d = 0; d < dv; ++d) orow[d] = baro::dot(S + d, dv, q.data(), 1, dk);
       }
     }
@@ -300,6 +306,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvCpu, baro::KnobChecked<ConvImpl>::Call,
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // window
                                   .Arg<ffi::Buffer<ffi::S32>>()   // n_valid
+                                  .Attr<int64_t>("rows")          // 0 (rows mode is baro_conv_proj's)
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // window
 );
@@ -310,6 +317,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvProjCpu, baro::KnobChecked<ConvProjImpl>::
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // window
                                   .Arg<ffi::Buffer<ffi::S32>>()   // n_valid
+                                  .Attr<int64_t>("rows")          // 1: rows mode (x [P, W], window [3, P*C])
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // window
 );
@@ -325,6 +333,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroDeltaCpu, baro::KnobChecked<DeltaImpl>::Call,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // n_valid
                                   .Attr<int64_t>("b_col")  // b's first gate column (-1: b is [m, nv])
                                   .Attr<int64_t>("a_col")
+                                  .Attr<int64_t>("rows")  // 1: rows mode (y [P, C], state [P*nv, dk, dv])
                                   .Ret<ffi::Buffer<ffi::F32>>()  // o
                                   .Ret<ffi::Buffer<ffi::F32>>()  // state
 );

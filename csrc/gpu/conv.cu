@@ -10,6 +10,10 @@
 // tokens; it reads the three inputs before its first token from x, or from the
 // window for the first token block.
 //
+// Rows mode (baro_conv_proj, rows = 1): x [P, W] is P sequences' one token each, run as one
+// token of P*C channels; channel p*C + c reads x[p, c] and w[c] (a row index and a channel of
+// the row: addresses only, the arithmetic is the one-token call's).
+//
 // Window aliasing (win_out may be win_in): only token block 0 reads the old
 // window (t0 - 3 < 0 only there, since kConvRows >= 3), and each thread of it
 // reads only its own V columns. The same thread writes the new window of
@@ -99,26 +103,30 @@ BARO_DEV void store_f32(float* p, const float (&v)[V]) {
 // grid: (token blocks, channel blocks); block: kConvThreads channel groups.
 // Two blocks per SM: 16 warps keep enough 16-byte loads in flight.
 // TX: uint16_t (bf16 x [m, C]) or float (baro_conv_proj: x [m, ldx], rounded on load).
+// C: the call's channels (y and window row stride); Cx: the channels of one x row, C / P in rows
+// mode (m = 1), else C. V divides Cx, so a thread's channels are in one row.
 template <int V, class TX>
 __global__ void __launch_bounds__(kConvThreads, 2)
     conv_kernel(const TX* __restrict__ x, const uint16_t* __restrict__ w,
                 const uint16_t* win_in, uint16_t* win_out, const int32_t* __restrict__ n_valid,
-                float* __restrict__ y, int64_t m, int64_t C, int64_t ldx) {
+                float* __restrict__ y, int64_t m, int64_t C, int64_t ldx, int64_t Cx) {
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * kConvThreads + threadIdx.x) * V;
   if (c >= C) return;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kConvRows;
   const int64_t nv = blockIdx.x == 0 ? static_cast<int64_t>(*n_valid) : 0;  // early: its latency overlaps the rows'
+  const int64_t p = c / Cx, cx = c - p * Cx;  // x row (0 unless rows mode) and channel of channel c
+  const TX* const xc = x + p * ldx + cx;
 
-  float wf[V][kConvK];  // w[c + i][j]: the V channels' taps are V*4 contiguous bf16
+  float wf[V][kConvK];  // w[cx + i][j]: the V channels' taps are V*4 contiguous bf16
 #pragma unroll
   for (int q = 0; q < kConvK; ++q) {
-    const Raw<V> r = load_raw<V>(w + c * kConvK + q * V);
+    const Raw<V> r = load_raw<V>(w + cx * kConvK + q * V);
 #pragma unroll
     for (int i = 0; i < V; ++i) wf[(q * V + i) / kConvK][(q * V + i) % kConvK] = r.f(i);
   }
   // u row q = t + 3: the window for q < 3, else x row q - 3.
   auto load_u = [&](int64_t q) -> Raw<V> {
-    return q < kConvK - 1 ? load_raw<V>(win_in + q * C + c) : load_raw<V>(x + (q - (kConvK - 1)) * ldx + c);
+    return q < kConvK - 1 ? load_raw<V>(win_in + q * C + c) : load_raw<V>(xc + (q - (kConvK - 1)) * ldx);
   };
   Raw<V> hist[kConvK - 1];
 #pragma unroll
@@ -127,7 +135,7 @@ __global__ void __launch_bounds__(kConvThreads, 2)
   Raw<V> xr[kConvRows];
 #pragma unroll
   for (int r = 0; r < kConvRows; ++r)
-    if (t0 + r < m) xr[r] = load_raw<V>(x + (t0 + r) * ldx + c);
+    if (t0 + r < m) xr[r] = load_raw<V>(xc + (t0 + r) * ldx);
 #pragma unroll
   for (int r = 0; r < kConvRows; ++r) {
     if (t0 + r >= m) break;
@@ -160,14 +168,14 @@ __global__ void __launch_bounds__(kConvThreads, 2)
 template <int V, class TX>
 gpuError_t launch_conv_v(const TX* x, const uint16_t* w, const uint16_t* win_in,
                          uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m,
-                         int64_t C, int64_t ldx, gpuStream_t stream) {
+                         int64_t C, int64_t ldx, int64_t Cx, gpuStream_t stream) {
   const int64_t groups = (C + V - 1) / V;
   const int64_t cblocks = (groups + kConvThreads - 1) / kConvThreads;
   // Block row 0 exists even for m = 0: it writes the window.
   const int64_t tblocks = m > 0 ? (m + kConvRows - 1) / kConvRows : 1;
   if (cblocks > 65535 || tblocks > 0x7fffffffLL) return gpuErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(tblocks), static_cast<unsigned>(cblocks));
-  conv_kernel<V, TX><<<grid, kConvThreads, 0, stream>>>(x, w, win_in, win_out, n_valid, y, m, C, ldx);
+  conv_kernel<V, TX><<<grid, kConvThreads, 0, stream>>>(x, w, win_in, win_out, n_valid, y, m, C, ldx, Cx);
   return gpuGetLastError();
 }
 
@@ -182,19 +190,19 @@ gpuError_t launch_conv(const uint16_t* x, const uint16_t* w, const uint16_t* win
   if (C <= 0) return gpuSuccess;
   const bool vec = C % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(win_in) &&
                    aligned16(win_out) && aligned16(y);
-  return vec ? launch_conv_v<8>(x, w, win_in, win_out, n_valid, y, m, C, C, stream)
-             : launch_conv_v<1>(x, w, win_in, win_out, n_valid, y, m, C, C, stream);
+  return vec ? launch_conv_v<8>(x, w, win_in, win_out, n_valid, y, m, C, C, C, stream)
+             : launch_conv_v<1>(x, w, win_in, win_out, n_valid, y, m, C, C, C, stream);
 }
 
 gpuError_t launch_conv_proj(const float* x, int64_t ldx, const uint16_t* w, const uint16_t* win_in,
                             uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m, int64_t C,
-                            gpuStream_t stream) {
+                            int64_t P, gpuStream_t stream) {
   (void)gpuGetLastError();
-  if (C <= 0) return gpuSuccess;
+  if (C <= 0 || P <= 0) return gpuSuccess;
   const bool vec = C % 8 == 0 && ldx % 4 == 0 && aligned16(x) && aligned16(w) && aligned16(win_in) &&
                    aligned16(win_out) && aligned16(y);
-  return vec ? launch_conv_v<8>(x, w, win_in, win_out, n_valid, y, m, C, ldx, stream)
-             : launch_conv_v<1>(x, w, win_in, win_out, n_valid, y, m, C, ldx, stream);
+  return vec ? launch_conv_v<8>(x, w, win_in, win_out, n_valid, y, m, P * C, ldx, C, stream)
+             : launch_conv_v<1>(x, w, win_in, win_out, n_valid, y, m, P * C, ldx, C, stream);
 }
 
 }  // namespace baro_gpu
@@ -206,27 +214,24 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-// The operands after x and the results, for m rows of C channels (both ops).
-ffi::Error check_conv_rest(const char* op, int64_t m, int64_t C, const ffi::Buffer<ffi::BF16>& w,
+// The operands after x and the results, for m tokens of P rows of C channels (both ops; P > 1 in
+// rows mode only), and the grid's limit on the call's P*C channels.
+ffi::Error check_conv_rest(const char* op, int64_t m, int64_t C, int64_t P, const ffi::Buffer<ffi::BF16>& w,
                            const ffi::Buffer<ffi::BF16>& window, const ffi::Buffer<ffi::S32>& n_valid_buf,
                            const ffi::Buffer<ffi::F32>& y, const ffi::Buffer<ffi::BF16>& window_out) {
-  constexpr int64_t K = 4;
-  BARO_RETURN_IF(baro::expect_shape(op, "w", w, {C, K}));
-  BARO_RETURN_IF(baro::expect_shape(op, "window", window, {K - 1, C}));
-  BARO_RETURN_IF(baro::expect_shape(op, "n_valid", n_valid_buf, {}));
-  BARO_RETURN_IF(baro::expect_shape(op, "y (result)", y, {m, C}));
-  BARO_RETURN_IF(baro::expect_shape(op, "window (result)", window_out, {K - 1, C}));
-  BARO_CHECK(C <= 65535LL * 256, op, C << " channels, too many for the GPU grid");
+  if (auto err = baro::check_conv_rest(op, m, C, P, w, window, n_valid_buf, y, window_out); err.failure()) return err;
+  BARO_CHECK(P * C <= 65535LL * 256, op, P * C << " channels, too many for the GPU grid");
   return ffi::Error::Success();
 }
 
 ffi::Error ConvGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                       ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf,
+                       ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf, int64_t rows,
                        ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::BF16> window_out) {
   const char* op = "baro_conv";
+  BARO_RETURN_IF(baro::expect_no_rows_mode(op, rows));
   BARO_RETURN_IF(baro::expect_rank(op, "x", x, 2));
   const int64_t m = x.dimensions()[0], C = x.dimensions()[1];
-  if (auto err = check_conv_rest(op, m, C, w, window, n_valid_buf, *y, *window_out); err.failure()) return err;
+  if (auto err = check_conv_rest(op, m, C, 1, w, window, n_valid_buf, *y, *window_out); err.failure()) return err;
   // The kernel reads every old window value before the same thread replaces
   // it (see the top of this file): correct aliased or not, no copy needed.
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_conv(x.typed_data(), w.typed_data(),
@@ -237,17 +242,18 @@ ffi::Error ConvGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer
 }
 
 // baro_conv_proj: x is the GDN projection f32 [m, W]; its first C columns (C from w), rounded
-// to bf16 on load, are the conv input (the rounding XLA's convert does before baro_conv).
+// to bf16 on load, are the conv input (the rounding XLA's convert does before baro_conv). Rows
+// mode: x [P, W], one token of each of P sequences, window [3, P*C].
 ffi::Error ConvProjGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
-                           ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf,
+                           ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf, int64_t rows,
                            ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::BF16> window_out) {
   const char* op = "baro_conv_proj";
-  int64_t m = 0, W = 0, C = 0;
-  if (auto err = baro::check_conv_proj_x(op, x, w, m, W, C); err.failure()) return err;
-  if (auto err = check_conv_rest(op, m, C, w, window, n_valid_buf, *y, *window_out); err.failure()) return err;
+  int64_t m = 0, W = 0, C = 0, P = 1;
+  if (auto err = baro::check_conv_proj_x(op, x, w, rows, m, W, C, P); err.failure()) return err;
+  if (auto err = check_conv_rest(op, m, C, P, w, window, n_valid_buf, *y, *window_out); err.failure()) return err;
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_conv_proj(x.typed_data(), W, w.typed_data(), window.typed_data(),
                                                        window_out->typed_data(), n_valid_buf.typed_data(),
-                                                       y->typed_data(), m, C, stream));
+                                                       y->typed_data(), m, C, P, stream));
   return ffi::Error::Success();
 }
 
@@ -260,6 +266,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvProjGpu, baro::KnobChecked<ConvProjGpuImpl
                                   .Arg<ffi::Buffer<ffi::BF16>>()   // w
                                   .Arg<ffi::Buffer<ffi::BF16>>()   // window
                                   .Arg<ffi::Buffer<ffi::S32>>()    // n_valid
+                                  .Attr<int64_t>("rows")           // 1: rows mode (x [P, W], window [3, P*C])
                                   .Ret<ffi::Buffer<ffi::F32>>()    // y
                                   .Ret<ffi::Buffer<ffi::BF16>>(),  // window
                               {ffi::Traits::kCmdBufferCompatible});
@@ -271,6 +278,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvGpu, baro::KnobChecked<ConvGpuImpl>::Call,
                                   .Arg<ffi::Buffer<ffi::BF16>>()   // w
                                   .Arg<ffi::Buffer<ffi::BF16>>()   // window
                                   .Arg<ffi::Buffer<ffi::S32>>()    // n_valid
+                                  .Attr<int64_t>("rows")           // 0 (rows mode is baro_conv_proj's)
                                   .Ret<ffi::Buffer<ffi::F32>>()    // y
                                   .Ret<ffi::Buffer<ffi::BF16>>(),  // window
                               {ffi::Traits::kCmdBufferCompatible});

@@ -35,6 +35,10 @@
 //
 // HIP keeps the simple kernel (one thread per column, sequential chains over
 // all dk rows): it has no cp.async, and 64 KB of LDS does not fit the stages.
+//
+// Rows mode (DeltaArgs::rows = P > 1, one token): P sequences' rows of y, b and a side by side,
+// the state [P*nv, dk, dv]; every instance runs value head j of the P*nv as head j % nv of y's
+// row j / nv. Only addresses change: a row index and a head of the row per value head.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -199,34 +203,35 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
   const int c0 = static_cast<int>(Cf::kColsFast ? blockIdx.x : blockIdx.y) * kCols;
   const int cl = warp * CW + lane % CW;  // this lane's column within the block
   const int sub = lane / CW;             // which rows of the column
-  const int nk = a.nk, nv = a.nv, dv = a.dv;
+  const int nk = a.nk, nv = a.nv, dv = a.dv, H = a.rows * nv;
   const int ncols = imin(kCols, dv - c0);
   const bool has = cl < ncols;
-  const int kh = j / (nv / nk);
+  const int kh = (j % nv) / (nv / nk);  // head j is y's row j / nv's head j % nv (row 0 unless rows mode)
   const int64_t C = static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(nv) * dv;
   const int64_t m = a.m;
   const int64_t nvld = delta_rows(a.n_valid, m);
   // 16-byte copies need aligned rows: y aligned, and C, the v offset and c0
   // multiples of 4 floats (2*nk*DK always is; dv decides the rest).
   const bool vec = (reinterpret_cast<uintptr_t>(a.y) & 15u) == 0 && (dv & 3) == 0;
-  const float neg_exp_A = -expf(a.A_log[j]);
-  const float dt_bias = a.dt_bias[j];
+  const float neg_exp_A = -expf(a.A_log[j % nv]);
+  const float dt_bias = a.dt_bias[j % nv];
   const float scale = a.scale;
 
   // Padded rows leave no trace in the state and read as zeros.
   for (int64_t i = tid; i < (m - nvld) * ncols; i += NT) {
     const int64_t t = nvld + i / ncols;
-    a.o[(t * nv + j) * dv + c0 + i % ncols] = 0.0f;
+    a.o[(t * H + j) * dv + c0 + i % ncols] = 0.0f;
   }
 
   // Raw q/k rows of key head kh, this block's v columns, b and a for tokens
   // [t0, t0 + nt) into buf (one cp.async group).
   auto stage = [&](float* buf, int64_t t0, int nt) {
+    const int seq = j / nv, jh = j - seq * nv;  // (recomputed here: fewer registers live in the loop)
     if (vec) {
       constexpr int QC = DK / 4, VC = kCols / 4, PER = 2 * QC + VC;
       for (int i = tid; i < nt * PER; i += NT) {
         const int tt = i / PER, r = i % PER;
-        const float* row = a.y + (t0 + tt) * C;
+        const float* row = a.y + (seq + t0 + tt) * C;
         if (r < QC) {
           cp_async16(buf + Cf::kQ + tt * DK + 4 * r, row + kh * DK + 4 * r);
         } else if (r < 2 * QC) {
@@ -236,27 +241,27 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
           const int q = r - 2 * QC;
           if (4 * q < ncols)
             cp_async16(buf + Cf::kV + tt * kCols + 4 * q,
-                       row + static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(j) * dv + c0 + 4 * q);
+                       row + static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(jh) * dv + c0 + 4 * q);
         }
       }
     } else {
       constexpr int PER = 2 * DK + kCols;
       for (int i = tid; i < nt * PER; i += NT) {
         const int tt = i / PER, r = i % PER;
-        const float* row = a.y + (t0 + tt) * C;
+        const float* row = a.y + (seq + t0 + tt) * C;
         if (r < DK) {
           cp_async4(buf + Cf::kQ + tt * DK + r, row + kh * DK + r);
         } else if (r < 2 * DK) {
           cp_async4(buf + Cf::kK + tt * DK + (r - DK), row + (nk + kh) * DK + (r - DK));
         } else if (r - 2 * DK < ncols) {
           cp_async4(buf + Cf::kV + tt * kCols + (r - 2 * DK),
-                    row + static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(j) * dv + c0 + (r - 2 * DK));
+                    row + static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(jh) * dv + c0 + (r - 2 * DK));
         }
       }
     }
     for (int i = tid; i < 2 * nt; i += NT) {
-      const float* src = (i & 1) ? a.a + (t0 + (i >> 1)) * a.a_ld : a.b + (t0 + (i >> 1)) * a.b_ld;
-      cp_async4(buf + Cf::kG + i, src + j);
+      const float* src = (i & 1) ? a.a + (seq + t0 + (i >> 1)) * a.a_ld : a.b + (seq + t0 + (i >> 1)) * a.b_ld;
+      cp_async4(buf + Cf::kG + i, src + jh);
     }
     cp_async_commit();
   };
@@ -345,7 +350,7 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
       } else {
         o = delta_o_tree4(x0);
       }
-      a.o[((t0 + tt) * nv + j) * dv + c0 + cc] = o;
+      a.o[((t0 + tt) * H + j) * dv + c0 + cc] = o;
     }
   };
   int b = 0;
@@ -479,6 +484,7 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks)
   const int cl = warp * CW + lane % CW;  // this lane's column within the tile
   const int sub = lane / CW;             // which rows of the column
   const int nk = a.nk, nv = a.nv, dv = a.dv, group = nv / nk;
+  const int64_t C = static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(nv) * dv;  // y's row
   const bool run = delta_rows(a.n_valid, 1) > 0;  // n_valid 0: o = 0, the state copied through
   const float scale = a.scale;
   const int G = static_cast<int>(gridDim.x);
@@ -499,11 +505,13 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks)
   auto fetch = [&](int w, float* buf) {
     if (w < tiles) {
       const int j = w / ncb, c0 = (w % ncb) * kCols;
-      const int ncols = imin(kCols, dv - c0), kh = j / group;
+      const int seq = j / nv, jh = j - seq * nv;  // y's row of head j (0 unless rows mode), its head there
+      const int ncols = imin(kCols, dv - c0), kh = jh / group;
       const float* Sin = a.state_in + static_cast<int64_t>(j) * DK * dv + c0;
-      const float* yq = a.y + static_cast<int64_t>(kh) * DK;
-      const float* yk = a.y + static_cast<int64_t>(nk + kh) * DK;
-      const float* yv = a.y + static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(j) * dv + c0;
+      const float* yr = a.y + seq * C;
+      const float* yq = yr + static_cast<int64_t>(kh) * DK;
+      const float* yk = yr + static_cast<int64_t>(nk + kh) * DK;
+      const float* yv = yr + static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(jh) * dv + c0;
       if constexpr (VEC) {
 #pragma unroll
         for (int p = 0; p < kPasses; ++p) {
@@ -538,8 +546,8 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks)
         }
       }
       if (tid < 4) {
-        const float* src = tid == 0 ? a.b : tid == 1 ? a.a : tid == 2 ? a.A_log : a.dt_bias;
-        cp_async4(buf + Cf::kG + tid, src + j);
+        const float* src = tid == 0 ? a.b + seq * a.b_ld : tid == 1 ? a.a + seq * a.a_ld : tid == 2 ? a.A_log : a.dt_bias;
+        cp_async4(buf + Cf::kG + tid, src + jh);
       }
     }
     cp_async_commit();
@@ -641,7 +649,7 @@ template <int DK, int P, int MINB>
 gpuError_t launch_delta_one(const DeltaArgs& a, gpuStream_t stream) {
   using Cf = DeltaOneCfg<DK, P, MINB>;
   const int ncb = (a.dv + Cf::kCols - 1) / Cf::kCols;
-  const int64_t tiles = static_cast<int64_t>(a.nv) * ncb;  // < 2^30 (launch_delta_dk)
+  const int64_t tiles = static_cast<int64_t>(a.rows) * a.nv * ncb;  // < 2^30 (launch_delta_dk)
   const int64_t slots = static_cast<int64_t>(MINB) * sm_count();
   const unsigned grid = static_cast<unsigned>(tiles < slots ? tiles : slots);
   // 16-byte copies: aligned rows of y and of the state (dv a multiple of 4 floats)
@@ -665,9 +673,10 @@ template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false>
 gpuError_t launch_delta_cols(const DeltaArgs& a, gpuStream_t stream) {
   using Cf = DeltaCfg<DK, COLS, KT, MINB, COLS_FAST>;
   const int64_t col_blocks = (a.dv + COLS - 1) / COLS;
-  if (col_blocks > 65535 || (COLS_FAST && a.nv > 65535)) return gpuErrorInvalidValue;
-  const dim3 grid = COLS_FAST ? dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>(a.nv))
-                              : dim3(static_cast<unsigned>(a.nv), static_cast<unsigned>(col_blocks));
+  const int64_t heads = static_cast<int64_t>(a.rows) * a.nv;
+  if (col_blocks > 65535 || (COLS_FAST && heads > 65535)) return gpuErrorInvalidValue;
+  const dim3 grid = COLS_FAST ? dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>(heads))
+                              : dim3(static_cast<unsigned>(heads), static_cast<unsigned>(col_blocks));
   const size_t smem = sizeof(float) * (2 * Cf::kBuf + Cf::kOpart);  // 107,008 B for dk = 128, COLS = 32
   if (smem > 48 * 1024) {
     const gpuError_t e = cudaFuncSetAttribute(
@@ -697,10 +706,11 @@ template <int DK>
 gpuError_t launch_delta_dk(const DeltaArgs& a, gpuStream_t stream) {
   namespace k = baro::knobs;
   if (a.m == 1 && delta_cols() == 32 && !k::is(k::kDeltaOne, "off")) {
-    const int64_t tiles = static_cast<int64_t>(a.nv) * ((a.dv + 31) / 32);
+    const int64_t heads = static_cast<int64_t>(a.rows) * a.nv;
+    const int64_t tiles = heads * ((a.dv + 31) / 32);
     const bool pipe = k::is(k::kDeltaOne, "pipe") || (k::is(k::kDeltaOne, "auto") && tiles > sm_count());
     if (pipe && tiles < (int64_t{1} << 30)) return launch_delta_one<DK, 2, 3>(a, stream);
-    if ((k::is(k::kDeltaOne, "auto") || k::is(k::kDeltaOne, "cols")) && a.nv <= 65535)
+    if ((k::is(k::kDeltaOne, "auto") || k::is(k::kDeltaOne, "cols")) && heads <= 65535)
       return launch_delta_cols<DK, 32, 1, 3, true>(a, stream);
     return launch_delta_cols<DK, 32, 1, 3>(a, stream);
   }
@@ -719,8 +729,9 @@ __global__ void __launch_bounds__(kDeltaColsPerBlock) delta_kernel(DeltaArgs a) 
   const int j = blockIdx.x;  // value head
   const int c = static_cast<int>(blockIdx.y) * kDeltaColsPerBlock + static_cast<int>(threadIdx.x);
   const bool has = c < a.dv;
-  const int nk = a.nk, nv = a.nv, dv = a.dv;
-  const int kh = j / (nv / nk);
+  const int nk = a.nk, nv = a.nv, dv = a.dv, H = a.rows * nv;
+  const int seq = j / nv, jh = j - seq * nv;  // y's row of head j (0 unless rows mode), its head there
+  const int kh = jh / (nv / nk);
   const int64_t C = static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(nv) * dv;
   const int64_t m = a.m;
   const int64_t nvld = delta_rows(a.n_valid, m);
@@ -731,9 +742,9 @@ __global__ void __launch_bounds__(kDeltaColsPerBlock) delta_kernel(DeltaArgs a) 
 #pragma unroll
   for (int r = 0; r < DK; ++r) s[r] = has ? Sin[static_cast<int64_t>(r) * dv + c] : 0.0f;
 
-  const float A_log = a.A_log[j], dt_bias = a.dt_bias[j];
+  const float A_log = a.A_log[jh], dt_bias = a.dt_bias[jh];
   for (int64_t t = 0; t < nvld; ++t) {
-    const float* yr = a.y + t * C;
+    const float* yr = a.y + (seq + t) * C;
     __syncthreads();  // previous row's qn/kn/gates fully consumed
     if (warp == 0) {
       const float* q = yr + static_cast<int64_t>(kh) * DK;
@@ -744,8 +755,8 @@ __global__ void __launch_bounds__(kDeltaColsPerBlock) delta_kernel(DeltaArgs a) 
       const float rk = 1.0f / sqrtf(warp_sumsq(k, DK) + 1e-6f);
       for (int r = lane; r < DK; r += BARO_WARP) kn[r] = k[r] * rk;
       if (lane == 0) {
-        const float beta = sigmoidf_(a.b[t * a.b_ld + j]);
-        const float g = -expf(A_log) * softplusf_(a.a[t * a.a_ld + j] + dt_bias);
+        const float beta = sigmoidf_(a.b[(seq + t) * a.b_ld + jh]);
+        const float g = -expf(A_log) * softplusf_(a.a[(seq + t) * a.a_ld + jh] + dt_bias);
         gates[0] = expf(g);
         gates[1] = beta;
       }
@@ -759,7 +770,7 @@ __global__ void __launch_bounds__(kDeltaColsPerBlock) delta_kernel(DeltaArgs a) 
         s[r] = s[r] * e;
         kv = fmaf(s[r], kn[r], kv);
       }
-      const float v = yr[static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(j) * dv + c];
+      const float v = yr[static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(jh) * dv + c];
       const float d = (v - kv) * beta;
       float ov = 0.0f;
 #pragma unroll
@@ -767,11 +778,11 @@ __global__ void __launch_bounds__(kDeltaColsPerBlock) delta_kernel(DeltaArgs a) 
         s[r] = fmaf(kn[r], d, s[r]);
         ov = fmaf(s[r], qn[r], ov);
       }
-      a.o[(t * nv + j) * dv + c] = ov;
+      a.o[(t * H + j) * dv + c] = ov;
     }
   }
   if (has) {
-    for (int64_t t = nvld; t < m; ++t) a.o[(t * nv + j) * dv + c] = 0.0f;  // padded rows
+    for (int64_t t = nvld; t < m; ++t) a.o[(t * H + j) * dv + c] = 0.0f;  // padded rows
     float* Sout = a.state_out + static_cast<int64_t>(j) * DK * dv;
 #pragma unroll
     for (int r = 0; r < DK; ++r) Sout[static_cast<int64_t>(r) * dv + c] = s[r];
@@ -781,8 +792,9 @@ __global__ void __launch_bounds__(kDeltaColsPerBlock) delta_kernel(DeltaArgs a) 
 template <int DK>
 gpuError_t launch_delta_dk(const DeltaArgs& a, gpuStream_t stream) {
   const int64_t col_blocks = (a.dv + kDeltaColsPerBlock - 1) / kDeltaColsPerBlock;
-  if (col_blocks > 65535) return gpuErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(a.nv), static_cast<unsigned>(col_blocks));
+  const int64_t heads = static_cast<int64_t>(a.rows) * a.nv;
+  if (col_blocks > 65535 || heads > 0x7fffffffLL) return gpuErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(col_blocks));
   delta_kernel<DK><<<grid, kDeltaColsPerBlock, 0, stream>>>(a);
   return gpuGetLastError();
 }
@@ -795,7 +807,7 @@ bool delta_supported_dk(int dk) { return dk == 16 || dk == 32 || dk == 64 || dk 
 
 gpuError_t launch_delta(const DeltaArgs& a, gpuStream_t stream) {
   (void)gpuGetLastError();
-  if (a.nv <= 0 || a.dv <= 0) return gpuSuccess;
+  if (a.nv <= 0 || a.dv <= 0 || a.rows <= 0) return gpuSuccess;
   if (!delta_supported_dk(a.dk) || a.nk <= 0 || a.nv % a.nk != 0) return gpuErrorInvalidValue;
   switch (a.dk) {
     case 16: return launch_delta_dk<16>(a, stream);
@@ -818,18 +830,18 @@ namespace ffi = xla::ffi;
 ffi::Error DeltaGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> yb, ffi::Buffer<ffi::F32> b,
                         ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> A_log,
                         ffi::Buffer<ffi::F32> dt_bias, ffi::Buffer<ffi::F32> state,
-                        ffi::Buffer<ffi::S32> n_valid_buf, int64_t b_col, int64_t a_col,
+                        ffi::Buffer<ffi::S32> n_valid_buf, int64_t b_col, int64_t a_col, int64_t rows,
                         ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> state_out) {
   const char* op = "baro_delta";
   baro::DeltaDims dims;
   if (auto err = baro::check_delta(yb, b, a, A_log, dt_bias, state, n_valid_buf, *o, *state_out, dims, op,
-                                   b_col, a_col);
+                                   b_col, a_col, rows);
       err.failure())
     return err;
-  const int64_t m = dims.m, nv = dims.nv, dk = dims.dk, dv = dims.dv, nk = dims.nk;
+  const int64_t m = dims.m, nv = dims.nv, dk = dims.dk, dv = dims.dv, nk = dims.nk, P = dims.P;
   BARO_CHECK(baro_gpu::delta_supported_dk(static_cast<int>(dk)), op,
              "the GPU kernel supports key head dims 16, 32, 64, 128; got dk=" << dk);
-  BARO_CHECK(nv <= 0x7fffffffLL && dv <= 65535LL * baro_gpu::kDeltaColsPerBlock &&
+  BARO_CHECK(P * nv <= 0x7fffffffLL && dv <= 65535LL * baro_gpu::kDeltaColsPerBlock &&
                  nk <= 0x7fffffffLL,
              op, "state shape " << baro::dims_str(state.dimensions()) << " too large for the GPU grid");
 
@@ -852,6 +864,7 @@ ffi::Error DeltaGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> yb, ffi::Buffe
   args.nv = static_cast<int>(nv);
   args.dk = static_cast<int>(dk);
   args.dv = static_cast<int>(dv);
+  args.rows = static_cast<int>(P);
   args.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dk)));
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_delta(args, stream));
   return ffi::Error::Success();
@@ -871,6 +884,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroDeltaGpu, baro::KnobChecked<DeltaGpuImpl>::Cal
                                   .Arg<ffi::Buffer<ffi::S32>>()   // n_valid
                                   .Attr<int64_t>("b_col")  // b's first gate column (-1: b is [m, nv])
                                   .Attr<int64_t>("a_col")
+                                  .Attr<int64_t>("rows")  // 1: rows mode (y [P, C], state [P*nv, dk, dv])
                                   .Ret<ffi::Buffer<ffi::F32>>()   // o
                                   .Ret<ffi::Buffer<ffi::F32>>(),  // state
                               {ffi::Traits::kCmdBufferCompatible});

@@ -129,26 +129,30 @@ gpuError_t launch_attention_wgmma(const AttentionArgs& a, void* scratch, gpuStre
 gpuError_t launch_conv(const uint16_t* x, const uint16_t* w, const uint16_t* win_in,
                        uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m,
                        int64_t C, gpuStream_t stream);
-// x: f32 rows of width ldx >= C, rounded to bf16 on load (baro_conv_proj)
+// x: f32 rows of width ldx >= C, rounded to bf16 on load (baro_conv_proj). P > 1: rows mode (m = 1,
+// x [P, ldx], window [3, P*C], y [P, C]: one token of P*C channels, channel p*C + c from x[p, c]).
 gpuError_t launch_conv_proj(const float* x, int64_t ldx, const uint16_t* w, const uint16_t* win_in,
                             uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m, int64_t C,
-                            gpuStream_t stream);
+                            int64_t P, gpuStream_t stream);
+// Rows mode (rows = P > 1, m = 1): y, b and a hold P sequences' one token each, row p; the call's
+// value head j (of rows * nv) is row j / nv's head j % nv, key head (j % nv) / (nv / nk).
 struct DeltaArgs {
-  const float* y;  // [m, 2*nk*dk + nv*dv]
+  const float* y;  // [m * rows, 2*nk*dk + nv*dv]
   const float* b;  // row t's nv gates at b + t * b_ld
   const float* a;  // row t's at a + t * a_ld
-  const float* A_log;
-  const float* dt_bias;
-  const float* state_in;  // [nv, dk, dv]
+  const float* A_log;    // [nv]
+  const float* dt_bias;  // [nv]
+  const float* state_in;  // [rows * nv, dk, dv]
   float* state_out;       // may equal state_in
   const int32_t* n_valid;
-  float* o;  // [m, nv, dv]
+  float* o;  // [m, rows * nv, dv]
   int64_t m;
-  int nk, nv, dk, dv;
+  int nk, nv, dk, dv;  // nk, nv: the heads of one row of y
   float scale;
   int64_t b_ld, a_ld;
+  int rows = 1;  // rows of y per token
 };
-// State columns per delta block (grid: nv x ceil(dv / this)).
+// State columns per delta block (grid: rows * nv x ceil(dv / this)).
 constexpr int kDeltaColsPerBlock = BARO_HIP ? 64 : 32;
 bool delta_supported_dk(int dk);
 gpuError_t launch_delta(const DeltaArgs& a, gpuStream_t stream);

@@ -307,11 +307,12 @@ def check_runnable(target: str, args) -> None:
 SMALL_ROWS = 16  # calls of <= 16 rows (decode) take their GPU scratch as a result
 
 
-def small_call(m: int) -> bool:
+def small_call(m: int, rows: int = SMALL_ROWS) -> bool:
     """m rows go through the op's _small twin: its GPU handler allocates nothing, so it may run
-    inside XLA's command buffers (a decode step's graph). BARO_CMDBUF_OPS=0 keeps every call on
-    the ops that take scratch from XLA's allocator."""
-    return m <= SMALL_ROWS and knobs.knob("BARO_CMDBUF_OPS")
+    inside XLA's command buffers (a decode step's graph). `rows`: the most rows the op sends
+    there (the MoE's is BARO_MOE_SMALL_ROWS). BARO_CMDBUF_OPS=0 keeps every call on the ops that
+    take scratch from XLA's allocator."""
+    return m <= rows and knobs.knob("BARO_CMDBUF_OPS")
 
 
 def round256(n: int) -> int:

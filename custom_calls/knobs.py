@@ -3,8 +3,9 @@
 The C++ code reads its knobs through csrc/common/knobs.h, on every call (the kernel tests switch
 them between calls); this is the same table (tests/test_knobs.py checks the two agree, and that
 no getenv in csrc reads a name outside it) with a line on what each knob does and which file
-reads it. Two more are read here in Python: BARO_CMDBUF_OPS (custom_calls/_lib.py) and the
-loader's BARO_LIB_DIR. Every knob is a speed or test switch: none changes the bits.
+reads it. Three more are read here in Python: BARO_CMDBUF_OPS (custom_calls/_lib.py),
+BARO_MOE_SMALL_ROWS (custom_calls/moe.py) and the loader's BARO_LIB_DIR. Every knob is a speed
+or test switch: none changes the bits.
 
 Parsing is strict and matches knobs.h: an on/off knob takes 1/0, true/false, on/off, yes/no (any
 case), a choice knob one of its words, an integer knob a decimal integer in its range; empty
@@ -150,6 +151,10 @@ _TABLE: tuple[Knob, ...] = (
     Knob("BARO_CMDBUF_OPS", "onoff", True, reader="Python",
          doc="off: calls of <= 16 rows on the ops that take scratch from XLA's allocator instead of the _small "
              "twins that may run inside command buffers (custom_calls/_lib.py)"),
+    Knob("BARO_MOE_SMALL_ROWS", "int", 16, lo=1, hi=256, reader="Python",
+         doc="the most rows of a baro_moe / baro_moe_slots call that runs on its _small twin (its GPU scratch "
+             "a result, so it may run inside command buffers; a decode step of more sequences than this is "
+             "several graphs) (custom_calls/moe.py)"),
     Knob("BARO_LIB_DIR", "path", None, reader="Python", default_text="unset",
          doc="a directory searched first for libbaro_cpu.so / libbaro_cuda.so / libbaro_hip.so "
              "(custom_calls/_lib.py)"),

@@ -21,7 +21,7 @@ OP_SLOTS_SMALL = "baro_moe_slots_small"
 
 
 def small_scratch_bytes(m: int, D: int, E: int, I: int, Is: int, k: int) -> int:
-    """An upper bound of the GPU scratch of one baro_moe(_slots) call of m <= 16 rows: the
+    """An upper bound of the GPU scratch of one baro_moe(_slots) call of m rows (a _small twin's): the
     kernels' layout (csrc/common/scratch_layout.h, through the CPU library) with every optional
     piece of any plan counted (the one-token fold's extra row, the unfused gate/up buffer, the
     tail counters), since csrc/gpu/moe.cu moe_plan picks the plan per call. The handler checks
@@ -107,7 +107,9 @@ def _moe_call(op, op_small, args, router, w_gate_up, shared_down, k):
     decode-sized calls."""
     m, D = args[0].shape
     out_t = jax.ShapeDtypeStruct((m, D), C.F32)
-    if small_call(m):
+    # A decode step of more sequences than SMALL_ROWS would leave the command buffer at every
+    # MoE (41 graphs a step at 64 rows on the H200, a9ac1bb); its layout and handler serve any m.
+    if small_call(m, knob("BARO_MOE_SMALL_ROWS")):
         check_runnable(op_small, args)
         nbytes = small_scratch_bytes(m, D, router.shape[0], w_gate_up.shape[1] // 2, shared_down.shape[1], k)
         return ffi_call_small(op_small, [out_t], nbytes, args, top_k=np.int32(k))[0]

@@ -255,6 +255,41 @@ def test_moe_slots_same_bytes(platform, m):
         assert_same_bits(got, want, f"moe_slots m={m} S={S}")
 
 
+# BARO_MOE_SMALL_ROWS: calls of up to that many rows run on the _small twins (the GPU scratch a
+# result, so the call may sit inside a command buffer), with the bytes of the ops that take their
+# scratch from XLA's allocator; past it, and with BARO_CMDBUF_OPS=0, the plain op runs.
+@pytest.mark.parametrize("m", [17, 33, 64])
+def test_moe_small_rows_same_bytes(platform, m, monkeypatch):
+    rng = np.random.default_rng(1250 + m)
+    h = bf16(rng, m, MO_D)
+    router, gu, down, sgu, sdown, sgate = moe_weights(rng)
+    ids = np.asarray(J_ROUTE(*put(platform, h, router), top_k=MO_K))
+    pgu, pdn, slots = pool_for(gu, down, sorted(set(ids.reshape(-1).tolist())), MO_E + 3, rng)
+    calls = {"moe": (lambda *a: cc.moe(*a, top_k=MO_K), (h, router, gu, down, sgu, sdown, sgate)),
+             "moe_slots": (lambda *a: cc.moe_slots(*a, top_k=MO_K), (h, router, pgu, pdn, slots, sgu, sdown, sgate))}
+    for name, (fn, args) in calls.items():
+        got = {}
+        for rows, small in ((None, False), (str(m), True), (str(m - 1), False)):
+            if rows is None:
+                monkeypatch.delenv("BARO_MOE_SMALL_ROWS", raising=False)
+            else:
+                monkeypatch.setenv("BARO_MOE_SMALL_ROWS", rows)
+            dev = put(platform, *args)
+            f = jax.jit(lambda *a: fn(*a))  # a fresh function: the wrapper reads the knob when traced
+            hlo = f.lower(*dev).as_text()
+            assert (f"baro_{name}_small" in hlo) == small, f"{name} m={m} BARO_MOE_SMALL_ROWS={rows}: small={small}"
+            poison(platform, (m, MO_D))
+            got[rows] = np.asarray(f(*dev))
+            assert np.all(np.isfinite(got[rows])), f"{name} m={m} BARO_MOE_SMALL_ROWS={rows}: unwritten rows"
+        monkeypatch.setenv("BARO_CMDBUF_OPS", "0")
+        monkeypatch.setenv("BARO_MOE_SMALL_ROWS", str(m))
+        assert f"baro_{name}_small" not in jax.jit(lambda *a: fn(*a)).lower(*put(platform, *args)).as_text()
+        monkeypatch.delenv("BARO_CMDBUF_OPS")
+        for rows, arr in got.items():
+            assert_same_bits(arr, got[None], f"{name} m={m} BARO_MOE_SMALL_ROWS={rows} vs the default")
+    monkeypatch.delenv("BARO_MOE_SMALL_ROWS", raising=False)
+
+
 # top_k > 32: one warp routes a row, so slot s >= 32's weight is written (and renormalised)
 # by lane s % 32; one row of a batch, a row alone and the float64 reference agree.
 def test_moe_top_k_past_a_warp(platform):

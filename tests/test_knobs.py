@@ -70,9 +70,11 @@ def test_cpp_table_equals_the_python_table():
             # a default outside the range (BARO_CPU_THREADS' 0) is computed at run time
             assert k.default == (dflt if lo <= dflt <= hi else None), name
     python_only = {k.name for k in K.KNOBS.values() if k.reader == "Python"}
-    assert python_only == {"BARO_CMDBUF_OPS", "BARO_LIB_DIR"}
-    for name in python_only:  # and they are read where the table says
-        assert name in (ROOT / "custom_calls" / "_lib.py").read_text()
+    readers = {"BARO_CMDBUF_OPS": "_lib.py", "BARO_LIB_DIR": "_lib.py", "BARO_MOE_SMALL_ROWS": "moe.py"}
+    assert python_only == set(readers)
+    for name, file in readers.items():  # and they are read where the table says
+        assert f'knob("{name}")' in (ROOT / "custom_calls" / file).read_text() or name == "BARO_LIB_DIR", name
+        assert f"custom_calls/{file}" in K.BY_NAME[name].doc, name
 
 
 def test_knobs_table_lists_every_knob():
@@ -89,7 +91,7 @@ def test_knobs_table_lists_every_knob():
     ("BARO_PDL", "True", True), ("BARO_PDL", "yes", True), ("BARO_PDL", "", False),
     ("BARO_MOE_TAIL", "combine", "combine"), ("BARO_GEMM_TILE", "128", "128"), ("BARO_GEMM_TILE", "", "auto"),
     ("BARO_ROW1_BPS", "8", 8), ("BARO_ROW1_NT", "0", 0), ("BARO_CPU_THREADS", "+2", 2),
-    ("BARO_CMDBUF_OPS", "off", False),
+    ("BARO_CMDBUF_OPS", "off", False), ("BARO_MOE_SMALL_ROWS", "64", 64), ("BARO_MOE_SMALL_ROWS", "", 16),
 ])
 def test_knob_parses_the_allowed_values(name, text, want):
     assert K.knob(name, {name: text}) == want

@@ -120,6 +120,10 @@ _TABLE: tuple[Knob, ...] = (
              "2 to 16 rows, rows16 otherwise (csrc/gpu/matmul.cu)"),
     Knob("BARO_GEMM_ROW1", "onoff", True,
          doc="off: one-row GEMMs on gemm_rows16 instead of the streaming gemm_row1 (csrc/gpu/matmul.cu)"),
+    Knob("BARO_GEMM_WGMMA", "choice", "0", choices=("0", "1", "require"),
+         doc="1: plain GEMMs of 64 rows or more on the sm_90a wgmma + TMA kernel where it runs (the same bits as "
+             "the mma.sync kernels; opt-in, not yet run on a GPU); 0: the mma.sync kernels; require: an error "
+             "where it would fall back (tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_wgmma.cu)"),
     Knob("BARO_ROWS16_RING", "choice", "auto", choices=("auto", "deep", "light"),
          doc="gemm_rows16's cp.async ring: deep (8 stages, SwiGLU 6: one or two blocks per SM) or light (4, "
              "SwiGLU 3: twice the blocks per SM); auto: light for grouped MoE calls and grids of 4 blocks per SM, "

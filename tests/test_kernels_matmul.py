@@ -128,6 +128,53 @@ def test_matmul_stream16(platform, N, K, monkeypatch):
         monkeypatch.delenv(n, raising=False)
 
 
+# The opt-in sm_90a wgmma + TMA GEMM (csrc/gpu/gemm_wgmma.cu, BARO_GEMM_WGMMA): plain calls of
+# 64 rows or more, the same bytes as the mma.sync kernels. require turns a fallback into an error,
+# so the test cannot pass on the default kernel. m: one 64-row tile, one row past it, a tile short
+# of 128, exactly 128, partial last tiles; N: one 128-column tile, a partial one (200), many (2048),
+# and 1544 (12352 / 8: a partial last tile of a wide projection); K: one 64-wide stage, 2048, and
+# 2056 (K % 16 == 8: a half-filled last 16-step, the stage past it skipped). Both tile heights
+# (BARO_GEMM_TILE=64 / 128 pick BM) and the default pick.
+WGMMA_M = [64, 65, 127, 128, 300, 1024]
+
+
+@pytest.mark.parametrize("N,K", [(128, 64), (200, 2048), (2048, 64), (1544, 2048), (200, 2056), (128, 4096)])
+def test_matmul_wgmma_same_bytes(platform, N, K, monkeypatch):
+    if platform.platform != "gpu":
+        pytest.skip("BARO_GEMM_WGMMA picks a CUDA kernel")
+    # skip only on a GPU known not to be sm_90: a missing or differently spelled attribute runs the
+    # test, where BARO_GEMM_WGMMA=require turns a fallback into an error instead of a vacuous pass
+    cap = str(getattr(platform, "compute_capability", "") or "")
+    if cap and cap.replace(".", "") != "90":
+        pytest.skip(f"the wgmma GEMM runs on sm_90 only, this GPU is {cap} (elsewhere the knob falls back)")
+    rng = np.random.default_rng(2500 + N + K)
+    w = bf16(rng, N, K)
+    wd = put(platform, w)
+
+    def call(x, knob, tile=None):
+        force_tile(monkeypatch, tile)
+        monkeypatch.setenv("BARO_GEMM_WGMMA", knob)
+        poison(platform, (x.shape[0], N))  # a fresh jit: the launcher reads the knobs when the graph is built
+        out = np.asarray(jax.jit(lambda a, b: cc.matmul(a, b))(put(platform, x), wd))
+        monkeypatch.delenv("BARO_GEMM_WGMMA", raising=False)
+        force_tile(monkeypatch, None)
+        return out
+
+    for m in WGMMA_M:
+        x = bf16(rng, m, K)  # fresh inputs for every m
+        want = call(x, "0")
+        assert np.all(np.isfinite(want)), f"matmul N={N} K={K} m={m}: the default left elements unwritten"
+        for tile in (None, "64", "128"):
+            got = call(x, "require", tile)
+            assert np.all(np.isfinite(got)), f"matmul N={N} K={K} m={m} tile {tile}: wgmma left elements unwritten"
+            assert_same_bits(got, want, f"matmul N={N} K={K} m={m} tile {tile}: BARO_GEMM_WGMMA vs the default")
+        # the decode path: a row of the wgmma call against a one-row call
+        for i in sorted({0, m // 2, m - 1, int(rng.integers(0, m))}):
+            one = call(x[i:i + 1], "0")
+            assert_same_bits(one[0], got[i], f"matmul N={N} K={K} m={m} row {i}: wgmma vs one-row call")
+    assert_close(got, ref_matmul(x, w), 1e-5, f"matmul N={N} K={K} wgmma vs float64")
+
+
 def test_matmul_errors(platform):
     rng = np.random.default_rng(1)
     x, w = put(platform, bf16(rng, 3, 8), bf16(rng, 5, 8))

@@ -73,8 +73,8 @@
 
 #if BARO_WGMMA_BUILT
 
-#include <cuda.h>  // CUtensorMap (the encoder is looked up through the runtime: no libcuda link)
-#include <cudaTypedefs.h>
+// mbarriers, TMA boxes, wgmma descriptors and fences, the tensor-map encoder (shared with gemm_wgmma.cu)
+#include "wgmma_util.cuh"
 
 // Shared with attn_fa_kernel: the KV block and split, the norm + rotary element, the n_valid clamp.
 #include "attention_common.cuh"
@@ -165,33 +165,6 @@ struct WgMaps {
   CUtensorMap k, v;
 };
 
-BARO_DEV void wg_mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// The issuing thread's arrival, announcing the bytes the stage's TMA copies will complete.
-BARO_DEV void wg_mbar_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-// Until the phase of this parity has completed (the stage's bytes have all landed).
-BARO_DEV void wg_mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-// One box: rows j0.. of the cache from column x (kh * hd + 64 q), completion counted on bar.
-// Rows past the tensor's S come back as zeros.
-BARO_DEV void wg_tma_box(uint32_t dst, const CUtensorMap* map, int x, int j0, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(j0), "r"(bar)
-      : "memory");
-}
 // Block (rows j0..j0+63) of kv head kh into tile dst: the arrival with its byte count, then the
 // kHd / 64 boxes. One thread.
 template <int kHd>
@@ -259,18 +232,6 @@ BARO_DEV void wg_zero_rows(uint16_t* tile, int first) {
     if (((i >> 3) & (kFaKB - 1)) >= first) p[i] = make_uint4(0u, 0u, 0u, 0u);
 }
 
-// ---- wgmma (PTX ISA: asynchronous warpgroup matrix multiply) ----
-// Shared-memory matrix descriptor, no swizzle, base offset 0: start address, leading and stride
-// byte offsets, each in 16-byte units.
-BARO_DEV uint64_t wg_desc(const void* p, uint32_t lbo, uint32_t sbo) {
-  const uint32_t a = fa_smem_addr(p);
-  return static_cast<uint64_t>((a & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
-         (static_cast<uint64_t>(sbo >> 4) << 32);
-}
-// The same with the 128-byte swizzle (layout type 1): the tile's boxes must sit on 1024 bytes.
-BARO_DEV uint64_t wg_desc_sw128(const void* p, uint32_t lbo, uint32_t sbo) {
-  return wg_desc(p, lbo, sbo) | (static_cast<uint64_t>(1) << 62);
-}
 // B of S (K-major) for keys n0.. (a multiple of 8) and head dims k0..k0+15 of a K tile.
 // Blocked: 8 x 8 blocks, LBO the next 8 dims, SBO the next 8 keys. Swizzled: box k0 / 64, the 16
 // dims as a 32-byte step inside the 128-byte rows (the swizzle applies to the address wgmma
@@ -291,20 +252,6 @@ BARO_DEV uint64_t wg_vdesc(const uint16_t* Vt, int kk, int d0) {
     return wg_desc_sw128(Vt + (d0 / 64) * (kFaKB * 64) + kk * 16 * 64, kFaKB * 128, 1024);
   else
     return wg_desc(Vt + (2 * kk * (kHd / 8) + d0 / 8) * 64, kHd / 8 * 128, 128);
-}
-BARO_DEV void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-BARO_DEV void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-BARO_DEV void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// This thread's generic-proxy shared-memory writes (st.shared, completed cp.async) made visible
-// to the async proxy that wgmma reads through (then a barrier for the other threads').
-BARO_DEV void wg_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// Keeps the compiler from moving accumulator reads or writes across an asynchronous wgmma.
-template <int N>
-BARO_DEV void wg_hold(float (&d)[N][4]) {
-#pragma unroll
-  for (int j = 0; j < N; ++j)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[j][i])::"memory");
 }
 
 // d[4][4] += A[64 x 16] B[16 x 32], A and B from shared memory (K-major both: Q and K tiles).
@@ -835,24 +782,6 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 static std::atomic<int> g_wg_tma{1};
 static std::atomic<int> g_wg_last{-1};
 
-// The driver's tensor-map encoder, looked up once through the runtime; null where it is absent.
-static PFN_cuTensorMapEncodeTiled_v12000 wg_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q);
-#else
-    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q);
-#endif
-    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      p = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
 
 // One cache as [S][Hkv * hd] with 64 x 64 boxes in the 128-byte swizzle (WgMaps); false where
 // the encoder or the alignment TMA needs is missing (the caller then takes the rings).
@@ -921,17 +850,6 @@ gpuError_t wg_launch(const AttentionArgs& a, unsigned tiles, gpuStream_t stream)
   return wg_launch_one<kHd, false>(a, maps, tiles, stream);
 }
 
-// The only device this file's code runs on: sm_90 (the sm_90a image; not forward compatible).
-static bool wg_device_is_sm90() {
-  int dev = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return major == 9 && minor == 0;
-}
 
 }  // namespace baro_gpu
 

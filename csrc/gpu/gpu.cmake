@@ -50,16 +50,23 @@ elseif(_baro_gpu_mode STREQUAL "auto" OR _baro_gpu_mode STREQUAL "cuda")
     message(NOTICE "baro_jax: compiling the CUDA kernels (libbaro_cuda.so for CUDA architectures "
                    "${BARO_CUDA_ARCHS}, BARO_GPU=${BARO_GPU}): the longest step of the build, a minute or more on "
                    "a few cores.${_baro_driver_note}")
-    # attention_wgmma.cu uses wgmma, which only the arch-specific sm_90a target has: with 90 among
-    # the architectures it is built alone for sm_90a (its own object library, the same numerics
-    # flags) and linked in; otherwise it compiles with the others as its stub launcher.
-    set(_baro_wgmma_src "${_baro_gpu_dir}/attention_wgmma.cu")
+    # attention_wgmma.cu and gemm_wgmma.cu use wgmma, which only the arch-specific sm_90a target
+    # has: with 90 among the architectures they are built alone for sm_90a (their own object
+    # library, the same numerics flags) and linked in; otherwise they compile with the others as
+    # their stub launchers.
+    set(_baro_wgmma_srcs "${_baro_gpu_dir}/attention_wgmma.cu" "${_baro_gpu_dir}/gemm_wgmma.cu")
+    set(_baro_wgmma_present "")
+    foreach(_src IN LISTS _baro_wgmma_srcs)
+      if(EXISTS "${_src}")
+        list(APPEND _baro_wgmma_present "${_src}")
+      endif()
+    endforeach()
     set(_baro_wgmma_objects "")
     set(_baro_archs_90 ${BARO_CUDA_ARCHS})
     list(FILTER _baro_archs_90 INCLUDE REGEX "^90")
-    if(_baro_archs_90 AND EXISTS "${_baro_wgmma_src}")
-      list(REMOVE_ITEM _baro_gpu_sources "${_baro_wgmma_src}")
-      add_library(baro_cuda_wgmma OBJECT "${_baro_wgmma_src}")
+    if(_baro_archs_90 AND _baro_wgmma_present)
+      list(REMOVE_ITEM _baro_gpu_sources ${_baro_wgmma_present})
+      add_library(baro_cuda_wgmma OBJECT ${_baro_wgmma_present})
       set_target_properties(baro_cuda_wgmma PROPERTIES
         CUDA_ARCHITECTURES OFF
         CUDA_STANDARD 17

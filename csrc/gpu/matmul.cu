@@ -446,6 +446,22 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
   p.slot_rows = gemm_bm(cfg);
   p.vec = gemm_vec_ok(p) ? 1 : 0;
   p.out2 = swiglu ? (p.ldc % 2 == 0 && is_aligned(p.Act, 4)) : (p.ldc % 2 == 0 && is_aligned(p.C, 8));
+#if !BARO_HIP
+  // BARO_GEMM_WGMMA=1 (opt-in, untested on a GPU so far): plain dense calls of m >= 64 rows on the
+  // sm_90a wgmma + TMA kernel (gemm_wgmma.cu, the same bits as every config here) where the build,
+  // device and operands have it, else the config's kernel below; =require (tests): an error
+  // instead of that fallback. Whatever cfg the call picked: 128-row tiles where it picked them.
+  if (p.tiles == nullptr && p.a_rows == nullptr && !split_w && p.moe.kind == Row1Moe::kNone && p.M >= 64) {
+    namespace k = baro::knobs;
+    const bool wg_need = k::is(k::kGemmWgmma, "require");
+    if (wg_need || k::is(k::kGemmWgmma, "1")) {
+      bool ran = false;
+      const gpuError_t e = launch_gemm_wgmma(p, cfg == GemmConfig::kPipe128 ? 128 : 64, stream, &ran);
+      if (ran || e != gpuSuccess) return e;
+      if (wg_need) return gpuErrorInvalidValue;
+    }
+  }
+#endif
   if (cfg == GemmConfig::kRow1) {
 #if !BARO_HIP
     if (p.vec && p.K % 16 == 0)

@@ -1,0 +1,301 @@
+// baro_jax GPU: the opt-in Hopper (sm_90a) prefill GEMM, BARO_GEMM_WGMMA=1|require (matmul.cu's
+// launch_gemm): C[m, N] = A[m, K] . W[N, K]^T (bf16 in, fp32 accumulate) for plain dense calls of
+// at least 64 rows, with gemm_pipe_kernel's two epilogues (fp32 C, or the fused SwiGLU into bf16
+// Act), on wgmma with both operands in shared memory, brought in by TMA.
+//
+// Why the bits are gemm_pipe_kernel's (and so every other config's, decode's one-row kernel
+// included; docs/DESIGN.md §2). The value of an output element is decided by the chain of
+// tensor-core steps that touch it: gemm_pipe_kernel zeroes one fp32 accumulator and then adds one
+// mma.sync.m16n8k16 per 16-wide K step, ascending, skipping the steps wholly past K, with exact
+// zeros in the last partial step. Here each element also has exactly one fp32 accumulator (a
+// register of one thread of one consumer warpgroup), zeroed, and the K walk issues, for every
+// 64-wide K block in ascending order, its k16 wgmmas in ascending order into that accumulator
+// (scale-d 1 always: the first step adds to +0.0 as mma.sync does; steps wholly past K skipped
+// the same way, uniformly). A wgmma.m64nNk16 is, per output element, the same k16 step as
+// mma.sync.m16n8k16: the tensor core's fixed internal order over those 16 products and the one
+// addition into the accumulator; benchmarks/wgmma_probe.cu measured the two byte-equal for bf16
+// K walks on the H200, and attention_wgmma.cu relies on the same fact. Only the mapping of
+// elements to registers differs (warp w of a warpgroup holds rows 16w..16w+15; within every
+// 8-column chunk a thread holds the registers mma_16816 would give it), not any element's chain.
+// The operand values are the same bf16 bits: TMA copies A and W unchanged and fills positions
+// past M, N or K with zeros, as gemm_pipe_kernel's zero-sized cp.async does (and an element only
+// reads its own row of A and its own row of W, so padding rows never reach a stored value).
+// There is no split-K and no stream-K: a row's bits never depend on the call's row count or on
+// the tile the row lands in, so prefill through this kernel equals decode.
+//
+// Shape: BM x 128 output tiles (BM 128: two consumer warpgroups of 64 rows, or 64: one), one
+// m64n128k16 per consumer warpgroup per k16 step; a producer warp whose lane 0 issues the TMA
+// boxes (64 K-elements = 128 bytes x 64 rows, the 128-byte swizzle) into a kStages ring with a
+// full mbarrier (the producer's arrival with the stage's byte count, completed by the copies)
+// and an empty mbarrier (one arrival per consumer thread once its wgmmas reading the stage are
+// done) per stage. SwiGLU: the W tile's first 64 rows are gate rows c0.., the last 64 the up rows
+// I + c0.., so accumulator chunk j (gate column 8j..) and chunk j + 8 (the same up column) sit in
+// the same thread, which writes bf16(silu(g) * u) with gemm_pipe_kernel's expression.
+//
+// Untested on a GPU so far: compiled and inspected only (docs/PERF.md).
+#include <atomic>
+#include <cstdint>
+
+#include "common.cuh"
+#include "gemm.cuh"
+#include "launch.h"
+
+#if !BARO_HIP && defined(BARO_WGMMA) && BARO_WGMMA
+#define BARO_WGMMA_GEMM_BUILT 1
+#else
+#define BARO_WGMMA_GEMM_BUILT 0
+#endif
+
+#if BARO_WGMMA_GEMM_BUILT
+
+#include "wgmma_util.cuh"
+
+namespace baro_gpu {
+
+constexpr int kWgBK = 64;           // K elements per stage (one 128-byte swizzle span)
+constexpr int kWgBN = 128;          // W rows per tile
+constexpr int kWgBox = 64;          // rows per TMA box
+constexpr int kWgStages = 4;        // ring depth
+constexpr int kWgBoxBytes = kWgBox * kWgBK * 2;  // 8 KB
+
+template <int BM>
+struct WgGemmCfg {
+  static constexpr int kConsumers = BM / 64;             // consumer warpgroups
+  static constexpr int kThreads = kConsumers * 128 + 32;  // + the producer warp
+  static constexpr int kABytes = BM * kWgBK * 2;
+  static constexpr int kBBytes = kWgBN * kWgBK * 2;
+  static constexpr int kStageBytes = kABytes + kBBytes;   // what the stage's TMA copies complete
+  static constexpr int kBarOff = kWgStages * kStageBytes;  // full then empty barriers
+  static constexpr int kSmemBytes = kBarOff + 16 * kWgStages + 1024;  // + slack for the 1 KB alignment
+  static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "swizzled boxes on 1 KB");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
+};
+
+struct WgGemmMaps {
+  CUtensorMap a, w;
+};
+
+// d[16][4] += A[64 x 16] B[16 x 128], both from shared memory, K-major (no transpose).
+BARO_DEV void wg_mma_128(float (&d)[16][4], uint64_t adesc, uint64_t bdesc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+        "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+        "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "l"(adesc), "l"(bdesc), "r"(1));
+}
+
+// K-major operand rows row0.. (a multiple of 8) of a swizzled tile of 128-byte rows, at K step kk
+// (16 elements = 32 bytes inside the row; the swizzle applies to the address wgmma forms, as it
+// did to TMA's). SBO 1024: the next 8 rows; LBO unused (16 elements never cross a row). The same
+// form as attention_wgmma.cu's wg_kdesc on its TMA path.
+BARO_DEV uint64_t wg_gemm_desc(const uint8_t* tile, int row0, int kk) {
+  return wg_desc_sw128(tile + row0 * 128 + kk * 32, 16, 1024);
+}
+
+// Grid: x = BM-row tiles, y = 128-column W tiles (SwiGLU: 64 output columns). Threads: BM / 64
+// consumer warpgroups, then the producer warp.
+template <int BM, bool SWIGLU>
+__global__ void __launch_bounds__(WgGemmCfg<BM>::kThreads, 1)
+    gemm_wgmma_kernel(GemmParams p, const __grid_constant__ WgGemmMaps maps) {
+  using Cfg = WgGemmCfg<BM>;
+  extern __shared__ __align__(1024) uint8_t wg_gemm_smem[];
+  // the 128-byte swizzle repeats on 1024 bytes: TMA and wgmma must see the same address bits
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wg_gemm_smem) + 1023) & ~uintptr_t{1023});
+  const uint32_t bar0 = wg_smem_addr(smem + Cfg::kBarOff);
+  auto full = [&](int s) { return bar0 + 8 * s; };
+  auto empty = [&](int s) { return bar0 + 8 * (kWgStages + s); };
+
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * BM;
+  constexpr int kOutCols = SWIGLU ? kWgBN / 2 : kWgBN;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kOutCols;
+  const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
+  const int64_t K = p.K;
+  const int n_k = static_cast<int>((K + kWgBK - 1) / kWgBK);
+  const int tid = threadIdx.x;
+  constexpr int kConsumerThreads = Cfg::kConsumers * 128;
+
+  if (tid == kConsumerThreads) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.a)) : "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.w)) : "memory");
+    for (int s = 0; s < kWgStages; ++s) {
+      wg_mbar_init(full(s), 1);                  // the producer's arrival (+ the bytes)
+      wg_mbar_init(empty(s), kConsumerThreads);  // every consumer thread, once done with the stage
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // for the TMA unit
+  }
+  __syncthreads();  // the barriers initialised before anyone uses them; no block barrier after this
+
+  // the warp index through a shuffle: warp-uniform as far as the compiler can see (as CUTLASS does)
+  const int warp_u = __shfl_sync(0xffffffffu, tid / 32, 0);
+  if (warp_u >= kConsumerThreads / 32) {
+    // ---- producer: lane 0 of the last warp ----
+    if (tid != kConsumerThreads) return;
+    // W rows of the tile's two boxes: 128 consecutive rows, or (SwiGLU) 64 gate rows and the 64
+    // matching up rows
+    const int w_row0 = static_cast<int>(c0);
+    const int w_row1 = static_cast<int>(SWIGLU ? p.swiglu_I + c0 : c0 + kWgBox);
+    for (int kt = 0; kt < n_k; ++kt) {
+      const int s = kt % kWgStages;
+      if (kt >= kWgStages) wg_mbar_wait(empty(s), ((kt / kWgStages) - 1) & 1);  // the stage's last use done
+      uint8_t* st = smem + s * Cfg::kStageBytes;
+      const int k0 = kt * kWgBK;
+      wg_mbar_expect(full(s), Cfg::kStageBytes);  // out-of-bounds fills count as landed bytes
+#pragma unroll
+      for (int b = 0; b < BM / kWgBox; ++b)
+        wg_tma_box(wg_smem_addr(st + b * kWgBoxBytes), &maps.a, k0, static_cast<int>(r0) + b * kWgBox, full(s));
+      wg_tma_box(wg_smem_addr(st + Cfg::kABytes), &maps.w, k0, w_row0, full(s));
+      wg_tma_box(wg_smem_addr(st + Cfg::kABytes + kWgBoxBytes), &maps.w, k0, w_row1, full(s));
+    }
+    return;
+  }
+
+  // ---- consumers: warpgroup cg owns tile rows 64 cg..64 cg+63 ----
+  const int cg = warp_u >> 2;
+  float acc[16][4];
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+
+  for (int kt = 0; kt < n_k; ++kt) {
+    const int s = kt % kWgStages;
+    wg_mbar_wait(full(s), (kt / kWgStages) & 1);
+    const uint8_t* a_tile = smem + s * Cfg::kStageBytes;
+    const uint8_t* b_tile = a_tile + Cfg::kABytes;
+    const int64_t k0 = static_cast<int64_t>(kt) * kWgBK;
+    wg_fence();  // the accumulator registers, as the previous wgmmas and the zeroing left them
+    wg_hold(acc);
+#pragma unroll
+    for (int kk = 0; kk < kWgBK / 16; ++kk)
+      if (k0 + 16 * kk < K)  // uniform: skip steps wholly past K (gemm_pipe_kernel's rule)
+        wg_mma_128(acc, wg_gemm_desc(a_tile, 64 * cg, kk), wg_gemm_desc(b_tile, 0, kk));
+    wg_commit();
+    // the wgmmas of stage kt - 1 are done once at most this stage's group is in flight: release it
+    wg_wait<1>();
+    wg_hold(acc);
+    if (kt > 0) wg_mbar_arrive(empty((kt - 1) % kWgStages));
+  }
+  wg_wait_all();
+  wg_hold(acc);
+  // (the last stage is never refilled: no release needed)
+
+  // ---- epilogue: gemm_pipe_kernel's stores ----
+  const int lane = tid & 31, w = (tid >> 5) & 3;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t rc64 = p.M - r0;
+  const int rc = static_cast<int>(rc64 < BM ? rc64 : BM);
+  const int64_t nc64 = out_n - c0;
+  const int nc = static_cast<int>(nc64 < kOutCols ? nc64 : kOutCols);
+  const bool out2 = p.out2 != 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = 64 * cg + 16 * w + g + 8 * h;
+    if (r >= rc) continue;
+    const int64_t orow = (r0 + r) * p.ldc;
+    if constexpr (SWIGLU) {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const int c = 8 * q + 2 * t;
+        const float g0 = acc[q][2 * h], g1 = acc[q][2 * h + 1];
+        const float u0 = acc[q + 8][2 * h], u1 = acc[q + 8][2 * h + 1];
+        store_pair(p.Act + orow + c0 + c, f32_to_bf16(siluf_(g0) * u0), f32_to_bf16(siluf_(g1) * u1), c, nc, out2);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int c = 8 * j + 2 * t;
+        store_pair(p.C + orow + c0 + c, acc[j][2 * h], acc[j][2 * h + 1], c, nc, out2);
+      }
+    }
+  }
+}
+
+// A [rows][K] bf16 operand with row stride ld as a 2-D tensor map, 64 x 64 boxes in the 128-byte
+// swizzle, zeros outside; false where the encoder or TMA's alignment is missing.
+static bool wg_gemm_encode(CUtensorMap* m, const uint16_t* base, int64_t rows, int64_t K, int64_t ld) {
+  const PFN_cuTensorMapEncodeTiled_v12000 enc = wg_encoder();
+  if (enc == nullptr || base == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || (ld * 2) % 16 != 0 ||
+      rows < 1 || K < 1 || ld < K)
+    return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};  // bytes per row
+  const cuuint32_t box[2] = {kWgBK, kWgBox};
+  const cuuint32_t step[2] = {1, 1};
+  return enc(m, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<uint16_t*>(base), dims, strides, box, step,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <int BM, bool SWIGLU>
+static gpuError_t wg_gemm_launch(const GemmParams& p, const WgGemmMaps& maps, gpuStream_t stream) {
+  using Cfg = WgGemmCfg<BM>;
+  constexpr int kOutCols = SWIGLU ? kWgBN / 2 : kWgBN;
+  const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
+  const int64_t row_tiles = (p.M + BM - 1) / BM;
+  const int64_t n_tiles = (out_n + kOutCols - 1) / kOutCols;
+  const gpuError_t e = cudaFuncSetAttribute(gemm_wgmma_kernel<BM, SWIGLU>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  if (e != gpuSuccess) return e;
+  gemm_wgmma_kernel<BM, SWIGLU><<<dim3(static_cast<unsigned>(row_tiles), static_cast<unsigned>(n_tiles)),
+                                  Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
+  return gpuGetLastError();
+}
+
+}  // namespace baro_gpu
+
+#endif  // BARO_WGMMA_GEMM_BUILT
+
+namespace baro_gpu {
+
+gpuError_t launch_gemm_wgmma(const GemmParams& p, int bm, gpuStream_t stream, bool* ran) {
+  *ran = false;
+#if BARO_WGMMA_GEMM_BUILT
+  const bool swiglu = p.Act != nullptr;
+  // plain dense calls only: no grouped tiles, no row gather, no split W, no one-token MoE
+  if (p.tiles != nullptr || p.a_rows != nullptr || p.W_tail != nullptr || p.W_last != nullptr ||
+      p.W_host != nullptr || p.moe.kind != Row1Moe::kNone || p.w_group_stride != 0)
+    return gpuSuccess;
+  if (p.M < 64 || p.N <= 0 || p.K <= 0 || p.M > 0x7fffffffLL || p.N > 0x7fffffffLL || p.K > 0x7fffffffLL)
+    return gpuSuccess;
+  if (swiglu && (p.swiglu_I <= 0 || p.N != 2 * p.swiglu_I)) return gpuSuccess;
+  const int64_t out_n = swiglu ? p.swiglu_I : p.N;
+  const int64_t n_tiles = (out_n + (swiglu ? 63 : 127)) / (swiglu ? 64 : 128);
+  const int64_t row_tiles = (p.M + bm - 1) / bm;
+  if (n_tiles > 65535 || row_tiles > 0x7fffffffLL) return gpuSuccess;
+  if (!wg_device_is_sm90()) return gpuSuccess;
+  WgGemmMaps maps{};
+  if (!wg_gemm_encode(&maps.a, p.A, p.M, p.K, p.lda) || !wg_gemm_encode(&maps.w, p.W, p.N, p.K, p.ldw))
+    return gpuSuccess;
+  *ran = true;
+  if (swiglu)
+    return bm >= 128 ? wg_gemm_launch<128, true>(p, maps, stream) : wg_gemm_launch<64, true>(p, maps, stream);
+  return bm >= 128 ? wg_gemm_launch<128, false>(p, maps, stream) : wg_gemm_launch<64, false>(p, maps, stream);
+#else
+  (void)p;
+  (void)bm;
+  (void)stream;
+  return gpuSuccess;
+#endif
+}
+
+}  // namespace baro_gpu

@@ -1,0 +1,119 @@
+// baro_jax GPU: the Hopper (sm_90a) helpers shared by the wgmma kernels (attention_wgmma.cu,
+// gemm_wgmma.cu): mbarriers, TMA boxes, wgmma shared-memory descriptors and fences, and the
+// driver's tensor-map encoder. Include only from a translation unit built for sm_90a (gpu.cmake's
+// BARO_WGMMA object); the instructions here exist nowhere else.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (the encoder is looked up through the runtime: no libcuda link)
+#include <cudaTypedefs.h>
+
+#include <cstdint>
+
+#include "common.cuh"
+#include "portability.h"
+
+namespace baro_gpu {
+
+BARO_DEV uint32_t wg_smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+// ---- mbarriers ----
+BARO_DEV void wg_mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// The issuing thread's arrival, announcing the bytes the stage's TMA copies will complete.
+BARO_DEV void wg_mbar_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// A plain arrival (a consumer releasing a ring stage).
+BARO_DEV void wg_mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Until the phase of this parity has completed (the stage's bytes have all landed).
+BARO_DEV void wg_mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// ---- TMA ----
+// One 2-D box at (column x, row y) of the tensor map into shared memory dst, completion counted on
+// bar. Elements outside the tensor come back as zeros (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE).
+BARO_DEV void wg_tma_box(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
+// ---- wgmma (PTX ISA: asynchronous warpgroup matrix multiply) ----
+// Shared-memory matrix descriptor, no swizzle, base offset 0: start address, leading and stride
+// byte offsets, each in 16-byte units.
+BARO_DEV uint64_t wg_desc(const void* p, uint32_t lbo, uint32_t sbo) {
+  const uint32_t a = wg_smem_addr(p);
+  return static_cast<uint64_t>((a & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32);
+}
+// The same with the 128-byte swizzle (layout type 1): the tile's boxes must sit on 1024 bytes.
+BARO_DEV uint64_t wg_desc_sw128(const void* p, uint32_t lbo, uint32_t sbo) {
+  return wg_desc(p, lbo, sbo) | (static_cast<uint64_t>(1) << 62);
+}
+BARO_DEV void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+BARO_DEV void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+BARO_DEV void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Until at most N of this thread's committed wgmma groups are still in flight.
+template <int N>
+BARO_DEV void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// This thread's generic-proxy shared-memory writes (st.shared, completed cp.async) made visible
+// to the async proxy that wgmma reads through (then a barrier for the other threads').
+BARO_DEV void wg_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving accumulator reads or writes across an asynchronous wgmma.
+template <int N>
+BARO_DEV void wg_hold(float (&d)[N][4]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[j][i])::"memory");
+}
+
+// ---- host ----
+// The driver's tensor-map encoder, looked up once (per translation unit) through the runtime;
+// null where it is absent.
+static inline PFN_cuTensorMapEncodeTiled_v12000 wg_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q);
+#else
+    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q);
+#endif
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      p = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// The only device the sm_90a image runs on: sm_90 (not forward compatible).
+static inline bool wg_device_is_sm90() {
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return major == 9 && minor == 0;
+}
+
+}  // namespace baro_gpu

@@ -290,6 +290,37 @@ def test_moe_small_rows_same_bytes(platform, m, monkeypatch):
     monkeypatch.delenv("BARO_MOE_SMALL_ROWS", raising=False)
 
 
+# BARO_GEMM_WGMMA (csrc/gpu/gemm_wgmma.cu) inside the MoE: its plain GEMMs of 64 rows or more (the
+# router, and with BARO_MOE_FOLD=0 the shared expert's fused-SwiGLU gate/up and its down and gate
+# GEMMs) on the wgmma kernel; the same bytes as the default and as one row per call.
+@pytest.mark.parametrize("m", [64, 130])
+def test_moe_gemm_wgmma_same_bytes(platform, m, monkeypatch):
+    if platform.platform != "gpu":
+        pytest.skip("BARO_GEMM_WGMMA picks a CUDA kernel")
+    cap = str(getattr(platform, "compute_capability", "") or "")
+    if cap and cap.replace(".", "") != "90":
+        pytest.skip(f"the wgmma GEMM runs on sm_90 only, this GPU is {cap} (elsewhere the knob falls back)")
+    rng = np.random.default_rng(1270 + m)
+    h = bf16(rng, m, MO_D)
+    wd = put(platform, *moe_weights(rng))
+    for fold in ("1", "0"):
+        monkeypatch.setenv("BARO_MOE_FOLD", fold)
+        got = {}
+        for knob in ("0", "require"):
+            monkeypatch.setenv("BARO_GEMM_WGMMA", knob)
+            poison(platform, (m, MO_D))
+            f = jax.jit(lambda *a: cc.moe(*a, top_k=MO_K))  # a fresh jit: the launcher reads the knobs
+            got[knob] = np.asarray(f(put(platform, h), *wd))
+            assert np.all(np.isfinite(got[knob])), f"moe m={m} fold={fold} BARO_GEMM_WGMMA={knob}: unwritten rows"
+        assert_same_bits(got["require"], got["0"], f"moe m={m} fold={fold}: BARO_GEMM_WGMMA vs the default")
+        monkeypatch.setenv("BARO_GEMM_WGMMA", "0")
+        for i in (0, m - 1):
+            one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=MO_K))(put(platform, h[i:i + 1]), *wd))
+            assert_same_bits(one[0], got["require"][i], f"moe m={m} fold={fold} row {i}: wgmma vs one-row call")
+    monkeypatch.delenv("BARO_GEMM_WGMMA", raising=False)
+    monkeypatch.delenv("BARO_MOE_FOLD", raising=False)
+
+
 # top_k > 32: one warp routes a row, so slot s >= 32's weight is written (and renormalised)
 # by lane s % 32; one row of a batch, a row alone and the float64 reference agree.
 def test_moe_top_k_past_a_warp(platform):

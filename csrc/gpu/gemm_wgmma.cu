@@ -18,8 +18,10 @@
 // elements to registers differs (warp w of a warpgroup holds rows 16w..16w+15; within every
 // 8-column chunk a thread holds the registers mma_16816 would give it), not any element's chain.
 // The operand values are the same bf16 bits: TMA copies A and W unchanged and fills positions
-// past M, N or K with zeros, as gemm_pipe_kernel's zero-sized cp.async does (and an element only
-// reads its own row of A and its own row of W, so padding rows never reach a stored value).
+// past K with zeros, as gemm_pipe_kernel's zero-sized cp.async does. Rows past M or N are zeros
+// where their box is partly inside and stale shared memory where the box is wholly outside (not
+// issued); either way they only reach accumulator rows or columns that are never stored, since
+// an element reads only its own row of A and its own row of W.
 // There is no split-K and no stream-K: a row's bits never depend on the call's row count or on
 // the tile the row lands in, so prefill through this kernel equals decode.
 //
@@ -64,7 +66,7 @@ struct WgGemmCfg {
   static constexpr int kThreads = kConsumers * 128 + 32;  // + the producer warp
   static constexpr int kABytes = BM * kWgBK * 2;
   static constexpr int kBBytes = kWgBN * kWgBK * 2;
-  static constexpr int kStageBytes = kABytes + kBBytes;   // what the stage's TMA copies complete
+  static constexpr int kStageBytes = kABytes + kBBytes;   // a ring stage: A tile, then W tile
   static constexpr int kBarOff = kWgStages * kStageBytes;  // full then empty barriers
   static constexpr int kSmemBytes = kBarOff + 16 * kWgStages + 1024;  // + slack for the 1 KB alignment
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "swizzled boxes on 1 KB");
@@ -154,17 +156,26 @@ __global__ void __launch_bounds__(WgGemmCfg<BM>::kThreads, 1)
     // matching up rows
     const int w_row0 = static_cast<int>(c0);
     const int w_row1 = static_cast<int>(SWIGLU ? p.swiglu_I + c0 : c0 + kWgBox);
+    // Boxes wholly past M or N are not issued (no copy depends on TMA's handling of a box with
+    // no element inside): their shared memory keeps whatever it held, which only ever reaches
+    // accumulator rows past M or columns past N, never stored. A box partly inside is zero-filled
+    // past the edge, and its whole size counts as landed bytes.
+    const int64_t rows_left = p.M - r0;
+    const int a_boxes = rows_left >= BM ? BM / kWgBox : static_cast<int>((rows_left + kWgBox - 1) / kWgBox);
+    const bool w_box1 = SWIGLU || c0 + kWgBox < p.N;
+    const uint32_t stage_bytes = static_cast<uint32_t>((a_boxes + 1 + (w_box1 ? 1 : 0)) * kWgBoxBytes);
     for (int kt = 0; kt < n_k; ++kt) {
       const int s = kt % kWgStages;
       if (kt >= kWgStages) wg_mbar_wait(empty(s), ((kt / kWgStages) - 1) & 1);  // the stage's last use done
       uint8_t* st = smem + s * Cfg::kStageBytes;
       const int k0 = kt * kWgBK;
-      wg_mbar_expect(full(s), Cfg::kStageBytes);  // out-of-bounds fills count as landed bytes
+      wg_mbar_expect(full(s), stage_bytes);
 #pragma unroll
       for (int b = 0; b < BM / kWgBox; ++b)
-        wg_tma_box(wg_smem_addr(st + b * kWgBoxBytes), &maps.a, k0, static_cast<int>(r0) + b * kWgBox, full(s));
+        if (b < a_boxes)
+          wg_tma_box(wg_smem_addr(st + b * kWgBoxBytes), &maps.a, k0, static_cast<int>(r0) + b * kWgBox, full(s));
       wg_tma_box(wg_smem_addr(st + Cfg::kABytes), &maps.w, k0, w_row0, full(s));
-      wg_tma_box(wg_smem_addr(st + Cfg::kABytes + kWgBoxBytes), &maps.w, k0, w_row1, full(s));
+      if (w_box1) wg_tma_box(wg_smem_addr(st + Cfg::kABytes + kWgBoxBytes), &maps.w, k0, w_row1, full(s));
     }
     return;
   }
@@ -185,10 +196,16 @@ __global__ void __launch_bounds__(WgGemmCfg<BM>::kThreads, 1)
     const int64_t k0 = static_cast<int64_t>(kt) * kWgBK;
     wg_fence();  // the accumulator registers, as the previous wgmmas and the zeroing left them
     wg_hold(acc);
+    if (k0 + kWgBK <= K) {  // the whole stage inside K: the four steps back to back
 #pragma unroll
-    for (int kk = 0; kk < kWgBK / 16; ++kk)
-      if (k0 + 16 * kk < K)  // uniform: skip steps wholly past K (gemm_pipe_kernel's rule)
+      for (int kk = 0; kk < kWgBK / 16; ++kk)
         wg_mma_128(acc, wg_gemm_desc(a_tile, 64 * cg, kk), wg_gemm_desc(b_tile, 0, kk));
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kWgBK / 16; ++kk)
+        if (k0 + 16 * kk < K)  // uniform: skip steps wholly past K (gemm_pipe_kernel's rule)
+          wg_mma_128(acc, wg_gemm_desc(a_tile, 64 * cg, kk), wg_gemm_desc(b_tile, 0, kk));
+    }
     wg_commit();
     // the wgmmas of stage kt - 1 are done once at most this stage's group is in flight: release it
     wg_wait<1>();

@@ -800,8 +800,8 @@ static bool wg_encode(CUtensorMap* m, const uint16_t* cache, const AttentionArgs
 template <int kHd, bool kTma>
 gpuError_t wg_launch_one(const AttentionArgs& a, const WgMaps& maps, unsigned tiles, gpuStream_t stream) {
   constexpr int smem = WgLayout<kHd, kTma>::kTotal;  // 202 KB at hd 256 (TMA: 203)
-  const gpuError_t e =
-      cudaFuncSetAttribute(attn_wgmma_kernel<kHd, kTma, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  static std::atomic<uint64_t> smem_done{0};
+  const gpuError_t e = allow_smem(attn_wgmma_kernel<kHd, kTma, false>, smem, smem_done);
   if (e != gpuSuccess) return e;
   return launch_dependent(attn_wgmma_kernel<kHd, kTma, false>, dim3(tiles, static_cast<unsigned>(a.Hkv), 1u),
                           dim3(kWgThreads), smem, stream, a, maps);  // after the cache write
@@ -812,8 +812,8 @@ gpuError_t wg_launch_one(const AttentionArgs& a, const WgMaps& maps, unsigned ti
 template <int kHd>
 gpuError_t wg_launch_pair(const AttentionArgs& a, const WgMaps& maps, unsigned tiles, gpuStream_t stream) {
   constexpr int smem = WgLayout<kHd, true>::kTotal;
-  gpuError_t e =
-      cudaFuncSetAttribute(attn_wgmma_kernel<kHd, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  static std::atomic<uint64_t> smem_done{0};
+  gpuError_t e = allow_smem(attn_wgmma_kernel<kHd, true, true>, smem, smem_done);
   if (e != gpuSuccess) return e;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(tiles + (tiles & 1u), static_cast<unsigned>(a.Hkv), 1u);

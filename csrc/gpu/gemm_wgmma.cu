@@ -270,8 +270,8 @@ static gpuError_t wg_gemm_launch(const GemmParams& p, const WgGemmMaps& maps, gp
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t row_tiles = (p.M + BM - 1) / BM;
   const int64_t n_tiles = (out_n + kOutCols - 1) / kOutCols;
-  const gpuError_t e = cudaFuncSetAttribute(gemm_wgmma_kernel<BM, SWIGLU>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  static std::atomic<uint64_t> smem_done{0};
+  const gpuError_t e = allow_smem(gemm_wgmma_kernel<BM, SWIGLU>, Cfg::kSmemBytes, smem_done);
   if (e != gpuSuccess) return e;
   gemm_wgmma_kernel<BM, SWIGLU><<<dim3(static_cast<unsigned>(row_tiles), static_cast<unsigned>(n_tiles)),
                                   Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);

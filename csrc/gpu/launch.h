@@ -5,6 +5,7 @@
 // Device scalars (pos, n_valid) are read by the kernels.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -47,6 +48,24 @@ gpuError_t launch_dependent(void (*kernel)(K...), dim3 grid, dim3 block, size_t 
   kernel<<<grid, block, smem, stream>>>(static_cast<A&&>(args)...);
   return gpuGetLastError();
 }
+
+#if !BARO_HIP
+// >48 KB of dynamic shared memory must be opted into per kernel and device;
+// done once per (instantiation, device). Harmless to repeat on a race. `done`
+// belongs to the caller's instantiation: every pipelined kernel has the same
+// function type, so a static here would be shared by all of them.
+template <typename Kernel>
+inline gpuError_t allow_smem(Kernel kernel, int bytes, std::atomic<uint64_t>& done) {
+  int dev = 0;
+  gpuError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const uint64_t bit = dev >= 0 && dev < 64 ? (uint64_t{1} << dev) : 0;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess && bit != 0) done.fetch_or(bit, std::memory_order_release);
+  return e;
+}
+#endif
 
 // ---- GEMM (matmul.cu) ----
 // kSmall 16 x 32 and kLarge 64 x 64: the simple synchronous kernel (decode,

@@ -144,22 +144,6 @@ GemmConfig gemm_pick_grouped(int64_t pairs, int64_t groups, int64_t rows) {
 
 
 #if !BARO_HIP
-// >48 KB of dynamic shared memory must be opted into per kernel and device;
-// done once per (instantiation, device). Harmless to repeat on a race. `done`
-// belongs to the caller's instantiation: every pipelined kernel has the same
-// function type, so a static here would be shared by all of them.
-template <typename Kernel>
-static gpuError_t allow_smem(Kernel kernel, int bytes, std::atomic<uint64_t>& done) {
-  int dev = 0;
-  gpuError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  const uint64_t bit = dev >= 0 && dev < 64 ? (uint64_t{1} << dev) : 0;
-  if (bit != 0 && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (e == cudaSuccess && bit != 0) done.fetch_or(bit, std::memory_order_release);
-  return e;
-}
-
 // Grid (row slots, output-column tiles) of one dynamic-smem kernel. Kernel is a template
 // argument, so each kernel has its own opt-in flag (see allow_smem).
 template <typename Cfg, auto Kernel, int kThreads, bool SWIGLU>

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels rows blocked sanitize tiny ops row1 probe full attn_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels rows blocked sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -95,6 +95,28 @@ stage_attn_wgmma() {
                  --json "$OUT/speed_attn_wgmma${knob}_h200.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3
              done ;;
       *) echo "attn_wgmma: unknown part $part" ;;
+    esac
+  done
+}
+# The opt-in sm_90a prefill GEMM (BARO_GEMM_WGMMA, csrc/gpu/gemm_wgmma.cu): its byte tests against the
+# default kernel and one-row calls (first, under a short limit: a wrong mbarrier count would hang),
+# prefill speed at GEMM_WGMMA_LENGTHS with the knob 0 and 1 in one call (each identity-checked), and
+# the identity gate at full size with the knob. GEMM_WGMMA_PARTS picks parts.
+stage_gemm_wgmma() {
+  local part
+  for part in ${GEMM_WGMMA_PARTS:-tests speed gate}; do
+    log "gemm_wgmma part $part"
+    case $part in
+      tests) timeout "${GEMM_WGMMA_TEST_TIMEOUT:-150}" python -m pytest -m gpu tests/test_kernels_matmul.py tests/test_kernels_moe.py \
+               -q -k "wgmma or small_rows" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_kernel_tests_gemm_wgmma_h200.txt" | tail -12 ;;
+      speed) for knob in 0 1; do
+               BARO_GEMM_WGMMA=$knob timeout 240 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
+                 --lengths "${GEMM_WGMMA_LENGTHS:-8192,32768}" --chunk auto --decode-tokens 16 --check-tail 32 \
+                 --json "$OUT/speed_gemm_wgmma${knob}_h200.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3
+             done ;;
+      gate) BARO_GEMM_WGMMA=1 python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks "${GEMM_WGMMA_CHUNKS:-1024,8192}" \
+              --prompts benchmarks/prompts/identity_gpu.jsonl --max-context 16384 --json "$OUT/identity_gemm_wgmma_h200.json" 2>&1 | tail -4 ;;
+      *) echo "gemm_wgmma: unknown part $part" ;;
     esac
   done
 }

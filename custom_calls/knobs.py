@@ -120,10 +120,10 @@ _TABLE: tuple[Knob, ...] = (
              "2 to 16 rows, rows16 otherwise (csrc/gpu/matmul.cu)"),
     Knob("BARO_GEMM_ROW1", "onoff", True,
          doc="off: one-row GEMMs on gemm_rows16 instead of the streaming gemm_row1 (csrc/gpu/matmul.cu)"),
-    Knob("BARO_GEMM_WGMMA", "choice", "0", choices=("0", "1", "require"),
+    Knob("BARO_GEMM_WGMMA", "choice", "1", choices=("1", "0", "require"),
          doc="1: plain GEMMs of 64 rows or more on the sm_90a wgmma + TMA kernel where it runs (the same bits as "
-             "the mma.sync kernels; opt-in, not yet run on a GPU); 0: the mma.sync kernels; require: an error "
-             "where it would fall back (tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_wgmma.cu)"),
+             "the mma.sync kernels); 0: the mma.sync kernels everywhere; require: an error where it would fall "
+             "back (tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_wgmma.cu)"),
     Knob("BARO_ROWS16_RING", "choice", "auto", choices=("auto", "deep", "light"),
          doc="gemm_rows16's cp.async ring: deep (8 stages, SwiGLU 6: one or two blocks per SM) or light (4, "
              "SwiGLU 3: twice the blocks per SM); auto: light for grouped MoE calls and grids of 4 blocks per SM, "
@@ -155,7 +155,7 @@ _TABLE: tuple[Knob, ...] = (
     Knob("BARO_CMDBUF_OPS", "onoff", True, reader="Python",
          doc="off: calls of <= 16 rows on the ops that take scratch from XLA's allocator instead of the _small "
              "twins that may run inside command buffers (custom_calls/_lib.py)"),
-    Knob("BARO_MOE_SMALL_ROWS", "int", 16, lo=1, hi=256, reader="Python",
+    Knob("BARO_MOE_SMALL_ROWS", "int", 64, lo=1, hi=256, reader="Python",
          doc="the most rows of a baro_moe / baro_moe_slots call that runs on its _small twin (its GPU scratch "
              "a result, so it may run inside command buffers; a decode step of more sequences than this is "
              "several graphs) (custom_calls/moe.py)"),

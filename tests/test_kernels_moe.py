@@ -258,8 +258,10 @@ def test_moe_slots_same_bytes(platform, m):
 # BARO_MOE_SMALL_ROWS: calls of up to that many rows run on the _small twins (the GPU scratch a
 # result, so the call may sit inside a command buffer), with the bytes of the ops that take their
 # scratch from XLA's allocator; past it, and with BARO_CMDBUF_OPS=0, the plain op runs.
-@pytest.mark.parametrize("m", [17, 33, 64])
+@pytest.mark.parametrize("m", [17, 33, 64, 65])
 def test_moe_small_rows_same_bytes(platform, m, monkeypatch):
+    from custom_calls.knobs import KNOBS
+    default_small = m <= KNOBS["BARO_MOE_SMALL_ROWS"].default
     rng = np.random.default_rng(1250 + m)
     h = bf16(rng, m, MO_D)
     router, gu, down, sgu, sdown, sgate = moe_weights(rng)
@@ -269,7 +271,7 @@ def test_moe_small_rows_same_bytes(platform, m, monkeypatch):
              "moe_slots": (lambda *a: cc.moe_slots(*a, top_k=MO_K), (h, router, pgu, pdn, slots, sgu, sdown, sgate))}
     for name, (fn, args) in calls.items():
         got = {}
-        for rows, small in ((None, False), (str(m), True), (str(m - 1), False)):
+        for rows, small in ((None, default_small), (str(m), True), (str(m - 1), False)):
             if rows is None:
                 monkeypatch.delenv("BARO_MOE_SMALL_ROWS", raising=False)
             else:

@@ -91,7 +91,7 @@ def test_knobs_table_lists_every_knob():
     ("BARO_PDL", "True", True), ("BARO_PDL", "yes", True), ("BARO_PDL", "", False),
     ("BARO_MOE_TAIL", "combine", "combine"), ("BARO_GEMM_TILE", "128", "128"), ("BARO_GEMM_TILE", "", "auto"),
     ("BARO_ROW1_BPS", "8", 8), ("BARO_ROW1_NT", "0", 0), ("BARO_CPU_THREADS", "+2", 2),
-    ("BARO_CMDBUF_OPS", "off", False), ("BARO_MOE_SMALL_ROWS", "64", 64), ("BARO_MOE_SMALL_ROWS", "", 16),
+    ("BARO_CMDBUF_OPS", "off", False), ("BARO_MOE_SMALL_ROWS", "16", 16), ("BARO_MOE_SMALL_ROWS", "", 64),
 ])
 def test_knob_parses_the_allowed_values(name, text, want):
     assert K.knob(name, {name: text}) == want

@@ -1,4 +1,4 @@
-// baro_jax GPU: the opt-in Hopper (sm_90a) prefill GEMM, BARO_GEMM_WGMMA=1|require (matmul.cu's
+// baro_jax GPU: the Hopper (sm_90a) prefill GEMM, the default there (BARO_GEMM_WGMMA=0: off; matmul.cu's
 // launch_gemm): C[m, N] = A[m, K] . W[N, K]^T (bf16 in, fp32 accumulate) for plain dense calls of
 // at least 64 rows, with gemm_pipe_kernel's two epilogues (fp32 C, or the fused SwiGLU into bf16
 // Act), on wgmma with both operands in shared memory, brought in by TMA.

@@ -99,7 +99,7 @@ bool gemm_fused_swiglu_ok(GemmConfig cfg);
 // Enqueues the config's kernel over grid (row_slots, N tiles). Fills
 // p.slot_rows, p.vec, p.out2. Grouped tiles must hold <= gemm_bm(cfg) rows.
 gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStream_t stream);
-// The opt-in Hopper prefill GEMM (gemm_wgmma.cu, BARO_GEMM_WGMMA=1|require; launch_gemm calls it):
+// The Hopper prefill GEMM (gemm_wgmma.cu, on unless BARO_GEMM_WGMMA=0; launch_gemm calls it):
 // a plain dense call (no grouped tiles, a_rows, W_tail / W_last / W_host, one-token MoE) of
 // m >= 64 rows on wgmma + TMA in bm-row tiles (64 or 128), fp32 C or the fused SwiGLU, giving
 // gemm_pipe_kernel's bits. Enqueues nothing and sets *ran = false where it is not built (no sm_90

@@ -431,10 +431,10 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
   p.vec = gemm_vec_ok(p) ? 1 : 0;
   p.out2 = swiglu ? (p.ldc % 2 == 0 && is_aligned(p.Act, 4)) : (p.ldc % 2 == 0 && is_aligned(p.C, 8));
 #if !BARO_HIP
-  // BARO_GEMM_WGMMA=1 (opt-in, untested on a GPU so far): plain dense calls of m >= 64 rows on the
-  // sm_90a wgmma + TMA kernel (gemm_wgmma.cu, the same bits as every config here) where the build,
-  // device and operands have it, else the config's kernel below; =require (tests): an error
-  // instead of that fallback. Whatever cfg the call picked: 128-row tiles where it picked them.
+  // BARO_GEMM_WGMMA=1 (the default): plain dense calls of m >= 64 rows on the sm_90a wgmma + TMA
+  // kernel (gemm_wgmma.cu, the same bits as every config here) where the build, device and
+  // operands have it, else the config's kernel below; =require (tests): an error instead of that
+  // fallback. Whatever cfg the call picked: 128-row tiles where it picked them.
   if (p.tiles == nullptr && p.a_rows == nullptr && !split_w && p.moe.kind == Row1Moe::kNone && p.M >= 64) {
     namespace k = baro::knobs;
     const bool wg_need = k::is(k::kGemmWgmma, "require");

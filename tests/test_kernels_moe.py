@@ -343,7 +343,7 @@ def test_moe_top_k_past_a_warp(platform):
 # Many rows with I == Is (CUDA): the shared gate as the router GEMM's column E and the shared
 # expert as ceil(m / 16) more tiles of the grouped GEMMs (moe.cu MoePlan::share, gate_tail)
 # wherever those run on 16-row slots, against BARO_MOE_FOLD=0 (GEMMs of their own) and each row
-# alone (the one-token fold). m = 17..64 take the allocator's scratch (no _small twin); m = 100
+# alone (the one-token fold). m = 17..64 run on the _small twin (BARO_MOE_SMALL_ROWS, 64); m = 100
 # groups in two chunks with the router on 64-row tiles (share without gate_tail); forced 16-row
 # tiles at m = 300 share through the two-chunk grouping. The stream and gemm_rows16 both read
 # W_last / W_tail; the simple kernel cannot, so the fold is off there. D = 136: no K % 16, so no

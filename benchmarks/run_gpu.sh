@@ -98,10 +98,12 @@ stage_attn_wgmma() {
     esac
   done
 }
-# The opt-in sm_90a prefill GEMM (BARO_GEMM_WGMMA, csrc/gpu/gemm_wgmma.cu): its byte tests against the
+# The sm_90a prefill GEMM (BARO_GEMM_WGMMA, csrc/gpu/gemm_wgmma.cu): its byte tests against the
 # default kernel and one-row calls (first, under a short limit: a wrong mbarrier count would hang),
-# prefill speed at GEMM_WGMMA_LENGTHS with the knob 0 and 1 in one call (each identity-checked), and
-# the identity gate at full size with the knob. GEMM_WGMMA_PARTS picks parts.
+# prefill speed at GEMM_WGMMA_LENGTHS once per setting in GEMM_WGMMA_SETTINGS (in one call, each
+# identity-checked: speed_gemm_wgmma<i>_h200.json), and the identity gate at full size with
+# GEMM_WGMMA_GATE_ENV. GEMM_WGMMA_PARTS picks parts. The grouped down GEMM:
+# GEMM_WGMMA_SETTINGS="BARO_GEMM_WGMMA_GROUPED=0 BARO_GEMM_WGMMA_GROUPED=1" GEMM_WGMMA_GATE_ENV=BARO_GEMM_WGMMA_GROUPED=1.
 stage_gemm_wgmma() {
   local part
   for part in ${GEMM_WGMMA_PARTS:-tests speed gate}; do
@@ -109,12 +111,15 @@ stage_gemm_wgmma() {
     case $part in
       tests) timeout "${GEMM_WGMMA_TEST_TIMEOUT:-150}" python -m pytest -m gpu tests/test_kernels_matmul.py tests/test_kernels_moe.py \
                -q -k "wgmma or small_rows" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_kernel_tests_gemm_wgmma_h200.txt" | tail -12 ;;
-      speed) for knob in 0 1; do
-               BARO_GEMM_WGMMA=$knob timeout 240 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
+      speed) local n=0 setting
+             for setting in ${GEMM_WGMMA_SETTINGS:-BARO_GEMM_WGMMA=0 BARO_GEMM_WGMMA=1}; do
+               echo "--- $setting"
+               env "$setting" timeout 240 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
                  --lengths "${GEMM_WGMMA_LENGTHS:-8192,32768}" --chunk auto --decode-tokens 16 --check-tail 32 \
-                 --json "$OUT/speed_gemm_wgmma${knob}_h200.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3
+                 --json "$OUT/speed_gemm_wgmma${n}_h200.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3
+               n=$((n + 1))
              done ;;
-      gate) BARO_GEMM_WGMMA=1 python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks "${GEMM_WGMMA_CHUNKS:-1024,8192}" \
+      gate) env ${GEMM_WGMMA_GATE_ENV:-BARO_GEMM_WGMMA=1} python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks "${GEMM_WGMMA_CHUNKS:-1024,8192}" \
               --prompts benchmarks/prompts/identity_gpu.jsonl --max-context 16384 --json "$OUT/identity_gemm_wgmma_h200.json" 2>&1 | tail -4 ;;
       *) echo "gemm_wgmma: unknown part $part" ;;
     esac

@@ -294,23 +294,33 @@ def test_moe_small_rows_same_bytes(platform, m, monkeypatch):
 
 # BARO_GEMM_WGMMA (csrc/gpu/gemm_wgmma.cu) inside the MoE: its plain GEMMs of 64 rows or more (the
 # router, and with BARO_MOE_FOLD=0 the shared expert's fused-SwiGLU gate/up and its down and gate
-# GEMMs) on the wgmma kernel; the same bytes as the default and as one row per call.
-@pytest.mark.parametrize("m", [64, 130])
-def test_moe_gemm_wgmma_same_bytes(platform, m, monkeypatch):
+# GEMMs) and the grouped down GEMM (tiles of 64 rows where the pairs per expert average 8 to 63,
+# of 128 from 64: m = 300 and 700 here; BARO_GEMM_WGMMA_GROUPED=1) on the wgmma kernel; the same bytes as the default and as
+# one row per call. require fails the call where the down GEMM would fall back. D x I: the small
+# shape (K = I = 16, one partial stage) and 256 x 136 (K past two 64-wide stages, a partial third).
+@pytest.mark.parametrize("m,E,D,I", [(64, None, None, None), (130, None, None, None), (300, None, None, None),
+                                     (200, 16, 256, 136), (700, 16, 256, 136)])
+def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, monkeypatch):
     if platform.platform != "gpu":
         pytest.skip("BARO_GEMM_WGMMA picks a CUDA kernel")
     cap = str(getattr(platform, "compute_capability", "") or "")
     if cap and cap.replace(".", "") != "90":
         pytest.skip(f"the wgmma GEMM runs on sm_90 only, this GPU is {cap} (elsewhere the knob falls back)")
     rng = np.random.default_rng(1270 + m)
-    h = bf16(rng, m, MO_D)
-    wd = put(platform, *moe_weights(rng))
+    if E is None:
+        D = MO_D
+        weights = moe_weights(rng)
+    else:
+        weights = moe_weights_sized(rng, E, D, I, I)
+    h = bf16(rng, m, D)
+    wd = put(platform, *weights)
     for fold in ("1", "0"):
         monkeypatch.setenv("BARO_MOE_FOLD", fold)
         got = {}
         for knob in ("0", "require"):
             monkeypatch.setenv("BARO_GEMM_WGMMA", knob)
-            poison(platform, (m, MO_D))
+            monkeypatch.setenv("BARO_GEMM_WGMMA_GROUPED", "1" if knob == "require" else "0")
+            poison(platform, (m, D))
             f = jax.jit(lambda *a: cc.moe(*a, top_k=MO_K))  # a fresh jit: the launcher reads the knobs
             got[knob] = np.asarray(f(put(platform, h), *wd))
             assert np.all(np.isfinite(got[knob])), f"moe m={m} fold={fold} BARO_GEMM_WGMMA={knob}: unwritten rows"
@@ -320,6 +330,7 @@ def test_moe_gemm_wgmma_same_bytes(platform, m, monkeypatch):
             one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=MO_K))(put(platform, h[i:i + 1]), *wd))
             assert_same_bits(one[0], got["require"][i], f"moe m={m} fold={fold} row {i}: wgmma vs one-row call")
     monkeypatch.delenv("BARO_GEMM_WGMMA", raising=False)
+    monkeypatch.delenv("BARO_GEMM_WGMMA_GROUPED", raising=False)
     monkeypatch.delenv("BARO_MOE_FOLD", raising=False)
 
 

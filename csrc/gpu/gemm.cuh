@@ -71,6 +71,10 @@ struct GemmParams {
   int64_t ldc = 0;
   const int32_t* tiles = nullptr;    // [max_tiles][3] = (group, row_start, row_count)
   const int32_t* n_tiles = nullptr;  // device scalar (tiles != nullptr)
+  // Grouped calls, for the wgmma GEMM's tensor maps (gemm_wgmma.cu; 0: unknown, it does not run):
+  // the groups W holds and, where A is read in place (a_rows == nullptr), the rows of A.
+  int64_t w_groups = 0;
+  int64_t a_total_rows = 0;
   // Fused SwiGLU (pipelined kernel only): W holds 2*swiglu_I rows (gate rows
   // [0, I), up rows [I, 2I)); act[s][j] = bf16(silu(g[s][j]) * u[s][j]) is
   // written to Act (row stride ldc) instead of C. N must equal 2 * swiglu_I.

@@ -34,7 +34,10 @@
 // I + c0.., so accumulator chunk j (gate column 8j..) and chunk j + 8 (the same up column) sit in
 // the same thread, which writes bf16(silu(g) * u) with gemm_pipe_kernel's expression.
 //
-// Untested on a GPU so far: compiled and inspected only (docs/PERF.md).
+// Grouped calls (BARO_GEMM_WGMMA_GROUPED=1, opt-in): the MoE's down GEMM in prefill, whose A rows
+// (the sorted pairs' activations) are read in place: one block per tile of the tile list, W's
+// boxes from the tile's group. Plain calls passed their byte tests on the H200 (0695bc5); the
+// grouped path is compiled and inspected only so far (docs/PERF.md).
 #include <atomic>
 #include <cstdint>
 
@@ -73,6 +76,7 @@ struct WgGemmCfg {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
 };
 
+// a: A's rows; w: W's rows, groups one after the other (row group * N + n of a grouped call)
 struct WgGemmMaps {
   CUtensorMap a, w;
 };
@@ -114,8 +118,9 @@ BARO_DEV uint64_t wg_gemm_desc(const uint8_t* tile, int row0, int kk) {
   return wg_desc_sw128(tile + row0 * 128 + kk * 32, 16, 1024);
 }
 
-// Grid: x = BM-row tiles, y = 128-column W tiles (SwiGLU: 64 output columns). Threads: BM / 64
-// consumer warpgroups, then the producer warp.
+// Grid: x = BM-row tiles (grouped: the tile list's slots, gemm_slot's (group, rows) each), y =
+// 128-column W tiles (SwiGLU: 64 output columns). Threads: BM / 64 consumer warpgroups, then the
+// producer warp.
 template <int BM, bool SWIGLU>
 __global__ void __launch_bounds__(WgGemmCfg<BM>::kThreads, 1)
     gemm_wgmma_kernel(GemmParams p, const __grid_constant__ WgGemmMaps maps) {
@@ -127,7 +132,17 @@ __global__ void __launch_bounds__(WgGemmCfg<BM>::kThreads, 1)
   auto full = [&](int s) { return bar0 + 8 * s; };
   auto empty = [&](int s) { return bar0 + 8 * (kWgStages + s); };
 
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * BM;
+  // A grouped tile's rows sit at r0.. of A and C (the sorted pairs), its W rows at group * N..;
+  // rows of A past the tile (the next tile's) and W rows past N (the next group's) only reach
+  // accumulator rows and columns that are never stored, as TMA's zero fill past the edges does.
+  int64_t group = 0, r0 = 0, rows = 0;
+  if (p.tiles != nullptr) {
+    if (!gemm_slot(p, blockIdx.x, group, r0, rows)) return;  // the whole block: no barrier is met yet
+  } else {
+    r0 = static_cast<int64_t>(blockIdx.x) * BM;
+    rows = p.M - r0;
+  }
+  const int rc = static_cast<int>(rows < BM ? rows : BM);  // grouped tiles hold at most BM (launcher)
   constexpr int kOutCols = SWIGLU ? kWgBN / 2 : kWgBN;
   const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kOutCols;
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
@@ -154,14 +169,14 @@ __global__ void __launch_bounds__(WgGemmCfg<BM>::kThreads, 1)
     if (tid != kConsumerThreads) return;
     // W rows of the tile's two boxes: 128 consecutive rows, or (SwiGLU) 64 gate rows and the 64
     // matching up rows
-    const int w_row0 = static_cast<int>(c0);
-    const int w_row1 = static_cast<int>(SWIGLU ? p.swiglu_I + c0 : c0 + kWgBox);
+    const int64_t w_base = group * p.N;
+    const int w_row0 = static_cast<int>(w_base + c0);
+    const int w_row1 = static_cast<int>(w_base + (SWIGLU ? p.swiglu_I + c0 : c0 + kWgBox));
     // Boxes wholly past M or N are not issued (no copy depends on TMA's handling of a box with
     // no element inside): their shared memory keeps whatever it held, which only ever reaches
     // accumulator rows past M or columns past N, never stored. A box partly inside is zero-filled
     // past the edge, and its whole size counts as landed bytes.
-    const int64_t rows_left = p.M - r0;
-    const int a_boxes = rows_left >= BM ? BM / kWgBox : static_cast<int>((rows_left + kWgBox - 1) / kWgBox);
+    const int a_boxes = (rc + kWgBox - 1) / kWgBox;
     const bool w_box1 = SWIGLU || c0 + kWgBox < p.N;
     const uint32_t stage_bytes = static_cast<uint32_t>((a_boxes + 1 + (w_box1 ? 1 : 0)) * kWgBoxBytes);
     for (int kt = 0; kt < n_k; ++kt) {
@@ -219,8 +234,6 @@ __global__ void __launch_bounds__(WgGemmCfg<BM>::kThreads, 1)
   // ---- epilogue: gemm_pipe_kernel's stores ----
   const int lane = tid & 31, w = (tid >> 5) & 3;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t rc64 = p.M - r0;
-  const int rc = static_cast<int>(rc64 < BM ? rc64 : BM);
   const int64_t nc64 = out_n - c0;
   const int nc = static_cast<int>(nc64 < kOutCols ? nc64 : kOutCols);
   const bool out2 = p.out2 != 0;
@@ -264,11 +277,11 @@ static bool wg_gemm_encode(CUtensorMap* m, const uint16_t* base, int64_t rows, i
 }
 
 template <int BM, bool SWIGLU>
-static gpuError_t wg_gemm_launch(const GemmParams& p, const WgGemmMaps& maps, gpuStream_t stream) {
+static gpuError_t wg_gemm_launch(const GemmParams& p, const WgGemmMaps& maps, int64_t row_tiles,
+                                 gpuStream_t stream) {
   using Cfg = WgGemmCfg<BM>;
   constexpr int kOutCols = SWIGLU ? kWgBN / 2 : kWgBN;
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
-  const int64_t row_tiles = (p.M + BM - 1) / BM;
   const int64_t n_tiles = (out_n + kOutCols - 1) / kOutCols;
   static std::atomic<uint64_t> smem_done{0};
   const gpuError_t e = allow_smem(gemm_wgmma_kernel<BM, SWIGLU>, Cfg::kSmemBytes, smem_done);
@@ -284,32 +297,49 @@ static gpuError_t wg_gemm_launch(const GemmParams& p, const WgGemmMaps& maps, gp
 
 namespace baro_gpu {
 
-gpuError_t launch_gemm_wgmma(const GemmParams& p, int bm, gpuStream_t stream, bool* ran) {
+gpuError_t launch_gemm_wgmma(const GemmParams& p, int bm, int64_t row_slots, gpuStream_t stream, bool* ran) {
   *ran = false;
 #if BARO_WGMMA_GEMM_BUILT
   const bool swiglu = p.Act != nullptr;
-  // plain dense calls only: no grouped tiles, no row gather, no split W, no one-token MoE
-  if (p.tiles != nullptr || p.a_rows != nullptr || p.W_tail != nullptr || p.W_last != nullptr ||
-      p.W_host != nullptr || p.moe.kind != Row1Moe::kNone || p.w_group_stride != 0)
+  const bool grouped = p.tiles != nullptr;
+  // no row gather (TMA boxes are whole row ranges), no split W, no one-token MoE
+  if (p.a_rows != nullptr || p.W_tail != nullptr || p.W_last != nullptr || p.W_host != nullptr ||
+      p.moe.kind != Row1Moe::kNone)
     return gpuSuccess;
-  if (p.M < 64 || p.N <= 0 || p.K <= 0 || p.M > 0x7fffffffLL || p.N > 0x7fffffffLL || p.K > 0x7fffffffLL)
+  constexpr int64_t kI32 = 0x7fffffffLL;  // TMA coordinates are 32-bit
+  if (p.N <= 0 || p.K <= 0 || p.N > kI32 || p.K > kI32) return gpuSuccess;
+  // A's rows and W's rows as the tensor maps see them: grouped, the tile list's rows of A read in
+  // place and every group of W, groups one after the other (w_group_stride == N * ldw)
+  int64_t a_rows = p.M, w_rows = p.N, row_tiles = (p.M + bm - 1) / bm;
+  if (grouped) {
+    if (p.n_tiles == nullptr || p.slot_rows > bm || p.a_total_rows < 1 || p.w_groups < 1 ||
+        p.w_group_stride != p.N * p.ldw || p.w_groups > kI32 / p.N)
+      return gpuSuccess;
+    a_rows = p.a_total_rows;
+    w_rows = p.w_groups * p.N;
+    row_tiles = row_slots;
+  } else if (p.M < 64 || p.w_group_stride != 0) {
     return gpuSuccess;
+  }
+  if (a_rows > kI32 || row_tiles < 1 || row_tiles > kI32) return gpuSuccess;
   if (swiglu && (p.swiglu_I <= 0 || p.N != 2 * p.swiglu_I)) return gpuSuccess;
   const int64_t out_n = swiglu ? p.swiglu_I : p.N;
   const int64_t n_tiles = (out_n + (swiglu ? 63 : 127)) / (swiglu ? 64 : 128);
-  const int64_t row_tiles = (p.M + bm - 1) / bm;
-  if (n_tiles > 65535 || row_tiles > 0x7fffffffLL) return gpuSuccess;
+  if (n_tiles > 65535) return gpuSuccess;
   if (!wg_device_is_sm90()) return gpuSuccess;
   WgGemmMaps maps{};
-  if (!wg_gemm_encode(&maps.a, p.A, p.M, p.K, p.lda) || !wg_gemm_encode(&maps.w, p.W, p.N, p.K, p.ldw))
+  if (!wg_gemm_encode(&maps.a, p.A, a_rows, p.K, p.lda) || !wg_gemm_encode(&maps.w, p.W, w_rows, p.K, p.ldw))
     return gpuSuccess;
   *ran = true;
   if (swiglu)
-    return bm >= 128 ? wg_gemm_launch<128, true>(p, maps, stream) : wg_gemm_launch<64, true>(p, maps, stream);
-  return bm >= 128 ? wg_gemm_launch<128, false>(p, maps, stream) : wg_gemm_launch<64, false>(p, maps, stream);
+    return bm >= 128 ? wg_gemm_launch<128, true>(p, maps, row_tiles, stream)
+                     : wg_gemm_launch<64, true>(p, maps, row_tiles, stream);
+  return bm >= 128 ? wg_gemm_launch<128, false>(p, maps, row_tiles, stream)
+                   : wg_gemm_launch<64, false>(p, maps, row_tiles, stream);
 #else
   (void)p;
   (void)bm;
+  (void)row_slots;
   (void)stream;
   return gpuSuccess;
 #endif

@@ -434,13 +434,19 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
   // BARO_GEMM_WGMMA=1 (the default): plain dense calls of m >= 64 rows on the sm_90a wgmma + TMA
   // kernel (gemm_wgmma.cu, the same bits as every config here) where the build, device and
   // operands have it, else the config's kernel below; =require (tests): an error instead of that
-  // fallback. Whatever cfg the call picked: 128-row tiles where it picked them.
-  if (p.tiles == nullptr && p.a_rows == nullptr && !split_w && p.moe.kind == Row1Moe::kNone && p.M >= 64) {
+  // fallback. Whatever cfg the call picked: 128-row tiles where it picked them. Grouped calls
+  // (the MoE's down GEMM in prefill) where their tiles are the pipelined kernel's 64 or 128 rows
+  // and A is read in place, with BARO_GEMM_WGMMA_GROUPED=1 (opt-in, not yet run on a GPU): a
+  // block per tile, as gemm_pipe_kernel.
+  const bool wg_plain = p.tiles == nullptr && p.M >= 64;
+  const bool wg_grouped = p.tiles != nullptr && (cfg == GemmConfig::kPipe64 || cfg == GemmConfig::kPipe128) &&
+                          baro::knobs::on(baro::knobs::kGemmWgmmaGrouped);
+  if ((wg_plain || wg_grouped) && p.a_rows == nullptr && !split_w && p.moe.kind == Row1Moe::kNone) {
     namespace k = baro::knobs;
     const bool wg_need = k::is(k::kGemmWgmma, "require");
     if (wg_need || k::is(k::kGemmWgmma, "1")) {
       bool ran = false;
-      const gpuError_t e = launch_gemm_wgmma(p, cfg == GemmConfig::kPipe128 ? 128 : 64, stream, &ran);
+      const gpuError_t e = launch_gemm_wgmma(p, cfg == GemmConfig::kPipe128 ? 128 : 64, row_slots, stream, &ran);
       if (ran || e != gpuSuccess) return e;
       if (wg_need) return gpuErrorInvalidValue;
     }

@@ -725,6 +725,8 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     p.ldc = D;
     p.tiles = s.tiles;
     p.n_tiles = s.n_tiles;
+    p.w_groups = a.slots != nullptr ? a.S : E;  // the pool's slots or the experts
+    p.a_total_rows = P + (pl.share ? m : 0);    // act: the pairs, then the shared expert's rows
     if (pl.share) {
       p.W_last = a.s_down;
       p.last_group = kSharedGroup;

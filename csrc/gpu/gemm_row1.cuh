@@ -97,7 +97,7 @@ struct Row1Ring {
   int n_k;          // k stages per unit: ceil(K / kchunk), from the launcher
   // ASHARED only (0 otherwise):
   int a_rowb = 0;   // the A region's row stride, 2 K + 16 bytes
-  int a_bytes = 0;  // the A region, a_rows rows rounded up to 128 bytes
+  int a_bytes = 0;  // the A region: row1_a_bytes(the call's most rows, K)
   int a_per = 0;    // k stages per A piece
   int n_ka = 0;     // A pieces: ceil(n_k / a_per) <= kRow1AsPieces
 };
@@ -105,6 +105,12 @@ struct Row1Ring {
 // ASHARED: the A region's row stride. 2 K + 16 bytes keeps the 8 rows g of a fragment load on
 // distinct banks for every K % 16 == 0 (K / 2 + 4 words per row), as the stages' padding does.
 __host__ __device__ constexpr int64_t row1_a_row_bytes(int64_t K) { return K * 2 + 16; }
+// The A region: rows rows, then 256 bytes, rounded up to 128. A fragment group loads its 8 k-steps
+// whatever the stage holds (the mmas past K are skipped), so the last stage's loads reach up to
+// 7 steps (224 bytes) past K: inside the pad, not in a warp's ring that a copy may be filling.
+__host__ __device__ constexpr int64_t row1_a_bytes(int rows, int64_t K) {
+  return (rows * row1_a_row_bytes(K) + 256 + 127) / 128 * 128;
+}
 
 // Stage bytes: the W rows at the padded stride, then room for a_rows A rows: one row unpadded,
 // or (SLOT16) as many as any slot of the call holds, at the padded stride.

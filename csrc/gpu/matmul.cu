@@ -241,8 +241,8 @@ static void row1_ring(Row1Ring& ring, const GemmParams& p, const Row1Plan& plan,
 // a_rows: the A rows a stage must hold (1, or SLOT16's most rows in any slot). grid: one-warp
 // blocks. ASHARED: blocks of up to plan.bps warps, one block per SM (fewer warps per block when
 // there are fewer units than bps per SM, so the units still spread over the SMs), A beside the
-// warps' rings; where it does not leave room for two 128-wide stages per warp (16 rows of K over
-// about 6000), the plain SLOT16 instance runs instead (the same bits).
+// warps' rings; where A leaves no room for two 128-wide stages per warp (16 rows of K above about
+// 5,500 at three warps of 4 n-tiles), the plain SLOT16 instance runs instead (the same bits).
 template <bool SWIGLU, int NT, int MOE, bool SLOT16, bool ASHARED = false>
 static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t grid, const Row1Plan& plan,
                                  int a_rows, gpuStream_t stream) {
@@ -264,11 +264,11 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
     warps = static_cast<int>(per_sm < plan.bps ? per_sm : plan.bps);
     blocks = (units + warps - 1) / warps;
     if (blocks > sms) blocks = sms;
-    ring.a_rowb = static_cast<int>(row1_a_row_bytes(p.K));
-    const int64_t a_bytes = (static_cast<int64_t>(a_rows) * row1_a_row_bytes(p.K) + 127) / 128 * 128;
+    const int64_t a_bytes = row1_a_bytes(a_rows, p.K);
     const int64_t left = 233472 - 1024 - kRow1AsBarBytes - a_bytes;  // one block per SM
     row1_ring(ring, p, plan, Cfg::kWRows, 0, left > 0 ? static_cast<int>(left / warps) : 0);
     if (ring.stages < 2) return launch_row1_nt<SWIGLU, NT, MOE, SLOT16, false>(p, row_slots, grid, plan, a_rows, stream);
+    ring.a_rowb = static_cast<int>(row1_a_row_bytes(p.K));  // A fits: < 2^31
     ring.a_bytes = static_cast<int>(a_bytes);
     ring.a_per = (ring.n_k + kRow1AsPieces - 1) / kRow1AsPieces;
     ring.n_ka = (ring.n_k + ring.a_per - 1) / ring.a_per;

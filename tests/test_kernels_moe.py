@@ -401,6 +401,51 @@ def test_moe_shared_folded(platform, m, E, D, I, k, tile, monkeypatch):
     assert_close(got["default"], ref_moe(h, *w, k), 1e-3, f"moe m={m} E={E} vs float64")
 
 
+# The MoE's plain GEMMs of 2 to 16 rows on the stream's blocks that share one copy of A
+# (BARO_ROW1_ASHARED=1; opt-in, first run on a GPU pending) against the knob off and each row
+# alone, at the model's D = 2048, E = 256, top_k = 8 and shared expert (Is = 512): with the fold
+# (BARO_MOE_FOLD=1) the router GEMM carries the shared gate's row from W_tail (K 2048, N 257); I = 64
+# != Is keeps the shared expert out of the grouped GEMMs, so its gate/up is a plain SwiGLU GEMM
+# (K 2048, N 2 x 512) and its down a plain one (K 512, N 2048); without the fold the router is
+# N = 256 and the shared gate a GEMM of one column (one unit, one warp). The grouped expert GEMMs
+# stay on their kernels. Under one warp per block and units of 1 and 2 n-tiles too.
+ASHARED_MOE_KNOBS = [{}, {"BARO_ROW1_BPS": "1"}, {"BARO_ROW1_NT": "1"}, {"BARO_ROW1_NT": "2"}]
+ASHARED_MOE_NAMES = KNOB_NAMES_ONE_ROW + ("BARO_ROW1_ASHARED", "BARO_ROW1_BPS", "BARO_ROW1_NT", "BARO_GEMM_SMALL")
+
+
+@pytest.mark.parametrize("fold", ["1", "0"])
+def test_moe_row1_ashared(platform, fold, monkeypatch):
+    if platform.platform != "gpu":
+        pytest.skip("the shared-A stream is a CUDA kernel")
+    E, D, I, Is, k = 256, 2048, 64, 512, 8
+    rng = np.random.default_rng(3300 + int(fold))
+    w = moe_weights_sized(rng, E, D, I, Is)
+    wd = put(platform, *w)
+
+    def call(h, knobs):
+        for kn in ASHARED_MOE_NAMES:
+            monkeypatch.delenv(kn, raising=False)
+        for kn, v in {"BARO_MOE_FOLD": fold, **knobs}.items():
+            monkeypatch.setenv(kn, v)
+        poison(platform, (h.shape[0], D))  # a fresh jit: the launcher reads the knobs when the graph is built
+        out = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h), *wd))
+        assert np.all(np.isfinite(out)), f"moe m={h.shape[0]} fold={fold} {knobs}: elements unwritten"
+        return out
+
+    for m in (2, 3, 8, 13, 16):
+        h = bf16(rng, m, D)  # fresh inputs for every m
+        want = call(h, {"BARO_ROW1_ASHARED": "0"})
+        for knobs in ASHARED_MOE_KNOBS:
+            got = call(h, {"BARO_ROW1_ASHARED": "1", **knobs})
+            assert_same_bits(got, want, f"moe m={m} fold={fold} {knobs}: BARO_ROW1_ASHARED=1 vs off")
+        for i in range(m):
+            one = call(h[i:i + 1], {"BARO_ROW1_ASHARED": "1"})
+            assert_same_bits(one[0], want[i], f"moe m={m} fold={fold} row {i}: one-row call vs the batch")
+    for kn in ASHARED_MOE_NAMES:
+        monkeypatch.delenv(kn, raising=False)
+    assert_close(want, ref_moe(h, *w, k), 1e-3, f"moe m={m} fold={fold} vs float64")
+
+
 # One token through a slot table with I == Is: the fold (top-k and grouping in one warp,
 # the shared expert as one more grouped row) reading experts at their pool slots gives the
 # bytes of moe, folded or not (BARO_MOE_FOLD=0), with the route and combine inside the

@@ -156,10 +156,11 @@ _TABLE: tuple[Knob, ...] = (
     Knob("BARO_ROW1_COPY", "choice", "bulk", choices=("bulk", "lsu"),
          doc="gemm_row1's ring fill: the copy engine's bulk copies or 16-byte cp.async per lane "
              "(csrc/gpu/matmul.cu)"),
-    Knob("BARO_ROW1_ASHARED", "onoff", False,
-         doc="on: a plain GEMM of 2 to 16 rows on the stream's blocks of up to BARO_ROW1_BPS warps (one per "
-             "SM) that load the rows' A once and share it, each warp streaming its own W (the same bits; "
-             "opt-in until measured on a GPU) (csrc/gpu/matmul.cu, csrc/gpu/gemm_row1.cuh)"),
+    Knob("BARO_ROW1_ASHARED", "choice", "0", choices=("0", "1", "require"),
+         doc="1: a plain GEMM of 2 to 16 rows on the stream's blocks of up to BARO_ROW1_BPS warps (one per "
+             "SM) that load the rows' A once and share it, each warp streaming its own W, where A fits beside "
+             "the rings (the same bits; opt-in until measured on a GPU); require: an error where a call on the "
+             "16-row stream cannot take it (tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_row1.cuh)"),
     Knob("BARO_CMDBUF_OPS", "onoff", True, reader="Python",
          doc="off: calls of <= 16 rows on the ops that take scratch from XLA's allocator instead of the _small "
              "twins that may run inside command buffers (custom_calls/_lib.py)"),

@@ -216,11 +216,14 @@ static Row1Plan row1_plan() {
 
 // BARO_ROW1_ASHARED=1 (opt-in until measured on a GPU; the same bits): a plain call of 2 to 16
 // rows (one 16-row slot, no tile list, no gathered rows, no host store) runs the stream's ASHARED
-// instance, whose blocks share one copy of the slot's A (gemm_row1.cuh). Read per call.
-static bool row1_ashared(const GemmParams& p, int64_t row_slots) {
-  return baro::knobs::on(baro::knobs::kRow1Ashared) && row_slots == 1 && p.tiles == nullptr && p.a_rows == nullptr &&
-         p.W_host == nullptr && p.W_last == nullptr && p.moe.kind == Row1Moe::kNone;
+// instance, whose blocks share one copy of the slot's A (gemm_row1.cuh). =require (tests): a call
+// on the 16-row stream that it cannot take fails instead of running the default instance, so a
+// byte test cannot pass on the default. Read per call.
+static bool row1_ashared_takes(const GemmParams& p, int64_t row_slots) {
+  return row_slots == 1 && p.tiles == nullptr && p.a_rows == nullptr && p.W_host == nullptr && p.W_last == nullptr &&
+         p.moe.kind == Row1Moe::kNone;
 }
+static bool row1_ashared_required() { return baro::knobs::is(baro::knobs::kRow1Ashared, "require"); }
 
 // The ring of `ring_bytes` per warp: the largest k piece (<= kchunk_max, no wider than K) of
 // which min_stages fit; ring.stages < 2 when not even 128-wide pieces do.
@@ -267,7 +270,10 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
     const int64_t a_bytes = row1_a_bytes(a_rows, p.K);
     const int64_t left = 233472 - 1024 - kRow1AsBarBytes - a_bytes;  // one block per SM
     row1_ring(ring, p, plan, Cfg::kWRows, 0, left > 0 ? static_cast<int>(left / warps) : 0);
-    if (ring.stages < 2) return launch_row1_nt<SWIGLU, NT, MOE, SLOT16, false>(p, row_slots, grid, plan, a_rows, stream);
+    if (ring.stages < 2) {
+      if (row1_ashared_required()) return gpuErrorInvalidValue;
+      return launch_row1_nt<SWIGLU, NT, MOE, SLOT16, false>(p, row_slots, grid, plan, a_rows, stream);
+    }
     ring.a_rowb = static_cast<int>(row1_a_row_bytes(p.K));  // A fits: < 2^31
     ring.a_bytes = static_cast<int>(a_bytes);
     ring.a_per = (ring.n_k + kRow1AsPieces - 1) / kRow1AsPieces;
@@ -303,7 +309,10 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
   int nt = plan.nt;
   if (nt == 0) nt = !SWIGLU && units(4) >= enough ? 4 : units(2) >= enough ? 2 : 1;
   if constexpr (SLOT16 && MOE == Row1Moe::kNone) {
-    if (row1_ashared(p, row_slots)) {  // the same unit widths, blocks sharing A
+    namespace k = baro::knobs;
+    const bool on = !k::is(k::kRow1Ashared, "0");
+    if (on && !row1_ashared_takes(p, row_slots) && row1_ashared_required()) return gpuErrorInvalidValue;
+    if (on && row1_ashared_takes(p, row_slots)) {  // the same unit widths, blocks sharing A
       if constexpr (!SWIGLU)
         if (nt >= 4) return launch_row1_nt<SWIGLU, 4, MOE, SLOT16, true>(p, row_slots, grid(4), plan, a_rows, stream);
       if (nt >= 2) return launch_row1_nt<SWIGLU, 2, MOE, SLOT16, true>(p, row_slots, grid(2), plan, a_rows, stream);

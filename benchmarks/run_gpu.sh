@@ -355,6 +355,8 @@ stage_batch() {
 }
 # The many-sequence decode step's kernel knobs (speed only, same bits): decode_profile.py --batch
 # BATCH_KNOBS_B (64) once per setting in BATCH_KNOBS, the step time and the kernels they move.
+# The shared-A stream at B = 8 (docs/PERF.md 2026-12-05), after its byte tests
+# (KERNELS_K=ashared ... kernels): BATCH_KNOBS_B=8 BATCH_KNOBS=BARO_ROW1_ASHARED=1 ... batch_knobs
 stage_batch_knobs() {
   local n=0 knob
   for knob in "" ${BATCH_KNOBS:-BARO_DELTA_ONE=heads BARO_DELTA_ONE=off}; do

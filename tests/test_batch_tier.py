@@ -159,3 +159,34 @@ def test_server_pool_runs_tier_mode(tier, alone):
             assert lps.tobytes() == np.asarray(alone[i].logprobs, np.float32).tobytes(), i
     finally:
         srv.stop(30)
+
+
+def test_batch_identity_gate_in_tier_mode_against_a_resident_reference(bench_script, tmp_path):
+    """benchmarks/batch_identity.py --mode tier --reference-json (run_gpu.sh's batch_tier stage on
+    tiny): every batch sequence equals its tier run alone and every tier run alone its resident
+    one; a reference whose digest differs fails the gate, one of other sequences is an error."""
+    import json
+
+    args = ("--n", "4", "--max-len", "24", "--new-tokens", "3", "--configs", "n:8", "--replay", "0")
+    ref, out = tmp_path / "resident.json", tmp_path / "tier.json"
+    r = bench_script("batch_identity", *args, "--json", ref)
+    assert r.returncode == 0, r.stdout + r.stderr
+    tier = ("--mode", "tier", "--cache-slots", "3", "--reference-json", ref, "--json", out)
+    r = bench_script("batch_identity", *args, *tier)
+    assert r.returncode == 0 and "runs alone vs" in r.stdout and "4/4 equal" in r.stdout, r.stdout + r.stderr
+    s = json.loads(out.read_text())["summary"]
+    assert s["pass"] and s["mode"] == "tier" and s["reference"]["differing"] == [] and s["expert_cache"]
+    from baro_jax.verify import batch_identity as bi
+
+    got = json.loads(out.read_text())
+    d = json.loads(ref.read_text())
+    d["sequences"][2]["digest"] = "0" * 64
+    ref.write_text(json.dumps(d))
+    acc = bi.compare_reference(got["sequences"], str(ref))
+    assert acc["differing"] == [2] and acc["compared"] == 4
+    assert not bi.BatchIdentityReport(sequences=got["sequences"], rows=got["rows"], reference=acc).ok
+    n = d["sequences"][1]["new_tokens"]
+    d["sequences"][1]["new_tokens"] += 1
+    ref.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=f"sequence 1 has new_tokens {n + 1} there, {n} here: not the same sequences"):
+        bi.compare_reference(got["sequences"], str(ref))

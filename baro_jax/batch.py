@@ -6,6 +6,8 @@ the prefill chunk, never on a prompt's length (no compilation per request):
   forward (model.forward, the same graph as a prefill alone) over `chunk` rows, put back;
 - a decode step of every slot (model.decode_rows): one row per sequence, idle slots' rows
   discarded.
+Tier mode runs the same two steps from its Python layer loops (tier_prefill, tier_decode: the
+slot's state through the staged forward; staging.decode_rows), one decode step per call.
 BatchRun.step() runs one round (admit, a prefill chunk, a decode step or block); sequences may be
 added and cancelled between rounds, which is how a server keeps one pool running.
 Both compute each row exactly as the sequence alone would (the kernels are row-invariant, the

@@ -28,6 +28,10 @@ every layer's experts per token instead (correct, slow). On the H200 the copy
 overlaps the compute (benchmarks/tier_overlap.py: both / max(copy, compute) =
 0.96 at chunk 4096, 0.99 at 8192, benchmarks/results/tier_overlap_h200.json).
 
+A decode step of many sequences (batch.py's pool) runs one row per slot from a Python loop too
+(decode_rows): per layer the rows' mixer and routing, then the MoE over every row with the union
+of their experts made resident in the cache, or the layer staged whole when the union is larger.
+
 The TierRunner (tier.py) drives all of this behind the runner interface.
 """
 from __future__ import annotations

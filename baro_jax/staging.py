@@ -408,10 +408,15 @@ def cached_forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, op
 def _rows_mixer(x, h, lp, st, cos, sin, slots, pos, running, *, kind, cfg, ops, guard: bool, route: bool):
     """model.rows_mixer on one layer's pool; guard: idle slots keep their conv and delta state (the
     batch decode step's keep_running, per layer so that the pool's layers can be donated one by
-    one); route: also the MoE's expert ids of every row (ops.moe_route)."""
+    one); route: also the MoE's expert ids of every row (ops.moe_route). An idle row's MoE input
+    is zeroed: its output is discarded, and a zero row routes to the same few experts every step,
+    where its own would add up to top_k experts to the union the cache must hold (the MoE treats
+    rows apart, so a running row's bytes do not change)."""
     x, h2, new = M.rows_mixer(x, h, lp, st, kind, cfg, ops, cos, sin, slots, pos)
     if guard:
         new = Pool.keep_running((st,), (new,), running)[0]
+    if route:
+        h2 = jax.numpy.where(running[:, None], h2, jax.numpy.zeros_like(h2))
     return x, h2, (ops.moe_route(h2, lp["moe"]["router"], top_k=cfg.top_k) if route else None), new
 
 

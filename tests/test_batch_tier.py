@@ -106,6 +106,33 @@ def test_tier_score_batch_equals_resident(res, tier):
     assert got[0].tobytes() == tier.score(prompts[0], conts[0]).tobytes()
 
 
+def test_idle_slots_do_not_widen_the_union(tier, alone):
+    """A pool of four slots, three of them left holding the states of sequences that ended, one
+    sequence decoding, a cache of 2 x top_k slots: the idle rows' MoE input is zeroed, so they
+    route where a zero row does and every layer's union fits the cache (their own states would
+    route them apart); the sequence gets its bytes alone."""
+    from baro_jax.scheduler import Sequence
+
+    def seq(i, n):
+        return Sequence(index=i, prompt_ids=alone[i].prompt_ids, max_new_tokens=n, sampling=baro_jax.Sampling(),
+                        eos_ids=tier.eos_ids)
+
+    cache = tier.runner.use_expert_cache(2 * tier.cfg.top_k)
+    run = B.open_run(tier, max_batch=4, length=CONTEXT, chunk=64, logprobs=2, stop_width=4)
+    for i in (0, 2, 4):  # each ends at its first token, its slot's state left as it was
+        run.add(seq(i, 1))
+    run.run()
+    s = seq(3, NEW[3])
+    run.add(s)
+    cache.reset_stats()
+    run.run()
+    tier.runner.use_expert_cache(None)
+    assert run.slots == 4 and run.steps["decode"] == NEW[3] - 1
+    assert cache.staged_layers == 0 and cache.hits + cache.misses > 0, cache.stats()
+    assert s.generated == alone[3].generated_ids
+    assert [x.tobytes() for x in s.logprobs] == [x.tobytes() for x in alone[3].logprobs]
+
+
 def test_tier_pool_compiles_nothing_per_request(tier):
     """The layer graphs of a tier decode step depend on the slot count and the pool, not on the
     prompts: a batch of other lengths compiles none."""

@@ -341,9 +341,9 @@ class BatchRun:
         toks = np.zeros((self.chunk,), np.int32)
         toks[:len(part)] = part
         all_logits = seq.want_prompt_logprobs
-        logits, self.pool = self._prefill_step(self.r.params, self.pool, jnp.int32(seq.slot), jnp.asarray(toks), jnp.int32(p),
-                                    jnp.int32(len(part)), self.r.rope, cfg=self.cfg, ops=self.ops,
-                                    all_logits=all_logits)
+        logits, self.pool = self._prefill_step(self.r.params, self.pool, jnp.int32(seq.slot), jnp.asarray(toks),
+                                               jnp.int32(p), jnp.int32(len(part)), self.r.rope, cfg=self.cfg,
+                                               ops=self.ops, all_logits=all_logits)
         self.steps["prefill"] += 1
         seq.prefilled += len(part)
         if all_logits:

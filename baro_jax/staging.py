@@ -303,7 +303,8 @@ class ExpertCache:
     def stats(self) -> dict:
         return {"slots_per_layer": self.slots, "layers": len(self.pools), "hits": self.hits,
                 "misses": self.misses, "evictions": self.evictions, "hit_rate": self.hit_rate,
-                "staged_layers": self.staged_layers, "route_seconds": self.route_seconds, "copy_seconds": self.copy_seconds}
+                "staged_layers": self.staged_layers, "route_seconds": self.route_seconds,
+                "copy_seconds": self.copy_seconds}
 
     def reset_stats(self):
         self.hits = self.misses = self.evictions = self.staged_layers = 0

@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     replay = (args.replay_indices if args.replay_indices is not None
               else bi.spread(range(args.n), lengths, args.replay, args.replay_max_len))
     configs_txt = ",".join(f"{'auto' if b is None else b}:{'auto' if c is None else c}" for b, c in args.configs)
-    print(f"batch identity: model={args.model} backend={args.backend} mode={args.mode} n={args.n} lengths {min(lengths)}..{max(lengths)} "
+    print(f"batch identity: model={args.model} backend={args.backend} mode={args.mode} n={args.n}"
+          f" lengths {min(lengths)}..{max(lengths)} "
           f"new tokens {min(news)}..{max(news)} sampled={sum(not s.greedy for s in sps)} configs={configs_txt} "
           f"replay={replay}", flush=True)
     extra = {"model": args.model, "backend": args.backend, "mode": args.mode, "n": args.n, "max_len": args.max_len,
@@ -151,8 +152,8 @@ def main(argv=None) -> int:
         extra["expert_cache"] = eng.expert_cache_report()
         cache = eng.runner.cache
         if cache is not None:
-            print(f"expert cache: {cache.slots} slots per layer; in the runs: {cache.hits} hits, {cache.misses} misses, "
-                  f"{cache.staged_layers} layers of decode steps staged whole")
+            print(f"expert cache: {cache.slots} slots per layer; in the runs: {cache.hits} hits, {cache.misses} "
+                  f"misses, {cache.staged_layers} layers of decode steps staged whole")
     verify.write_json(args.json, rep.to_json(**extra))
     s = rep.summary()
     print(f"runs alone {s['alone_seconds']:.1f}s, replay alone {s['replay_seconds']:.1f}s "

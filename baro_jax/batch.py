@@ -6,6 +6,8 @@ the prefill chunk, never on a prompt's length (no compilation per request):
   forward (model.forward, the same graph as a prefill alone) over `chunk` rows, put back;
 - a decode step of every slot (model.decode_rows): one row per sequence, idle slots' rows
   discarded.
+Tier mode runs the same two steps from its Python layer loops (tier_prefill, tier_decode: the
+slot's state through the staged forward; staging.decode_rows), one decode step per call.
 BatchRun.step() runs one round (admit, a prefill chunk, a decode step or block); sequences may be
 added and cancelled between rounds, which is how a server keeps one pool running.
 Both compute each row exactly as the sequence alone would (the kernels are row-invariant, the
@@ -42,12 +44,22 @@ def _decode(params, pool, tokens, running, pos, rope, *, cfg, ops, guard: bool, 
     their logprobs [P] and the top_n (ids, values) of every row, the pool). guard: keep the state of the slots that do
     not run (one holds a prompt half prefilled); without it their conv and delta rows are left
     as the step wrote them (free or finished slots, cleared before a new sequence takes them)."""
-    slots = jnp.where(running, jnp.arange(tokens.shape[0], dtype=jnp.int32), -1)
-    logits, new = M.decode_rows(params, pool, tokens, slots, pos, rope, cfg=cfg, ops=ops)
+    logits, new = M.decode_rows(params, pool, tokens, _row_slots(running), pos, rope, cfg=cfg, ops=ops)
     pool = Pool.keep_running(pool, new, running) if guard else new
+    return _rows_out(logits, ops=ops, top_n=top_n) + (pool,)
+
+
+def _row_slots(running):
+    """decode_rows' slots: row r reads and writes slot r when it runs, nothing (-1) when idle."""
+    return jnp.where(running, jnp.arange(running.shape[0], dtype=jnp.int32), -1)
+
+
+def _rows_out(logits, *, ops, top_n):
+    """A decode step's logits [P, V] -> (logits, logprob rows, the greedy ids, their logprobs, the
+    top_n (ids, values) of every row); None for what is not asked."""
     ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # greedy's rule: ties to the lower id
     lp = None if top_n is None else row_logprobs(ops, logits)
-    return (logits, lp) + _picked(lp, ids, top_n) + (pool,)
+    return (logits, lp) + _picked(lp, ids, top_n)
 
 
 def _picked(lp, ids, top_n):
@@ -98,9 +110,34 @@ DECODE = jax.jit(_decode, static_argnames=("cfg", "ops", "guard", "top_n"), dona
 DECODE_BLOCK = jax.jit(_decode_block, static_argnames=("cfg", "ops", "guard", "top_n", "block"), donate_argnums=(1,))
 CLEAR = jax.jit(Pool.clear_slot, donate_argnums=(0,))
 TAKE = jax.jit(Pool.slot_state)
+PUT = jax.jit(Pool.put_slot_state, donate_argnums=(0,))
+ROWS_OUT = jax.jit(_rows_out, static_argnames=("ops", "top_n"))
+ROW_SLOTS = jax.jit(_row_slots)
 LOGPROBS = jax.jit(lambda logits, ops: row_logprobs(ops, logits), static_argnames=("ops",))
 TOP = jax.jit(lambda lp, k: jax.lax.top_k(lp, k), static_argnames=("k",))  # ties to the lower id
 PICK = jax.jit(lambda lp, rows, ids: lp[rows, ids])  # the logprobs of host-chosen ids
+
+
+# Tier mode's steps (routed experts in host memory): the same contracts as PREFILL and DECODE, run
+# by the runner's Python layer loops (staging.py), which stage the experts layer by layer.
+def tier_prefill(runner):
+    """PREFILL in tier mode: the slot's state out of the pool, the runner's own forward over the
+    chunk (generate()'s prefill, so its bytes), the state back in."""
+    def prefill(params, pool, slot, tokens, pos, n_valid, rope, *, cfg, ops, all_logits: bool):
+        logits, st = runner.forward(TAKE(pool, slot), tokens, pos, n_valid, all_logits=all_logits)
+        return logits, PUT(pool, slot, st)
+
+    return prefill
+
+
+def tier_decode(runner):
+    """DECODE in tier mode: the runner's per-layer rows (TierRunner.decode_rows), then the same
+    ids, logprobs and top rows."""
+    def decode(params, pool, tokens, running, pos, rope, *, cfg, ops, guard: bool, top_n):
+        logits, pool = runner.decode_rows(pool, tokens, ROW_SLOTS(running), running, pos, ops=ops, guard=guard)
+        return ROWS_OUT(logits, ops=ops, top_n=top_n) + (pool,)
+
+    return decode
 
 
 def rows_attention_fallback(base_attention):
@@ -196,7 +233,11 @@ class BatchRun:
                                                                                    lo=1)
         self.top_n, self.keep_states = logprobs, keep_states
         self.on_token = on_token
-        self.block = block
+        # tier mode stages experts from Python per layer and step: no device loop over steps
+        tier = runner.placement == "tier"
+        self.block = 1 if tier else block
+        self._prefill_step = tier_prefill(runner) if tier else PREFILL
+        self._decode_rows_step = tier_decode(runner) if tier else DECODE
         self.sched = Scheduler(slots)
         self.pool = Pool.init_pool(self.cfg, runner.dtype, slots, length)
         self.steps = {"prefill": 0, "decode": 0, "decode_calls": 0, "chained_calls": 0}
@@ -300,9 +341,9 @@ class BatchRun:
         toks = np.zeros((self.chunk,), np.int32)
         toks[:len(part)] = part
         all_logits = seq.want_prompt_logprobs
-        logits, self.pool = PREFILL(self.r.params, self.pool, jnp.int32(seq.slot), jnp.asarray(toks), jnp.int32(p),
-                                    jnp.int32(len(part)), self.r.rope, cfg=self.cfg, ops=self.ops,
-                                    all_logits=all_logits)
+        logits, self.pool = self._prefill_step(self.r.params, self.pool, jnp.int32(seq.slot), jnp.asarray(toks),
+                                               jnp.int32(p), jnp.int32(len(part)), self.r.rope, cfg=self.cfg,
+                                               ops=self.ops, all_logits=all_logits)
         self.steps["prefill"] += 1
         seq.prefilled += len(part)
         if all_logits:
@@ -330,7 +371,7 @@ class BatchRun:
     def _decode_step(self, decoding):
         """One decode step: greedy ids from the device, sampled ones chosen here."""
         toks, running, pos, _, _ = self._inputs(decoding)
-        logits, lp_rows, ids, lp, top, vals, self.pool = DECODE(
+        logits, lp_rows, ids, lp, top, vals, self.pool = self._decode_rows_step(
             self.r.params, self.pool, jnp.asarray(toks), jnp.asarray(running), jnp.asarray(pos), self.r.rope,
             cfg=self.cfg, ops=self.ops, guard=self._guard(decoding), top_n=self.top_n)
         self.steps["decode"] += 1
@@ -489,21 +530,21 @@ def _per_prompt(name, value, n, check):
     return [v] * n
 
 
-def check_batchable(eng, what: str = "generate_batch",
-                    hint: str = "load without mode='tier', or run the prompts one at a time with generate()"):
-    if eng.runner.placement != "resident":
-        raise ValueError(f"{what} runs resident mode (and expert parallel) so far, not {eng.mode!r}: {hint}")
+def check_batchable(eng, what: str = "generate_batch"):
+    """Refuse what the pool cannot run: every placement can (resident, tier, expert parallel), but
+    the pool holds no pending delta block, which delta_rule 'blocked' keeps per sequence."""
     if eng.cfg.delta_rule != "token":
-        raise ValueError(f"{what} runs the per-token delta rule so far (delta_rule 'token')")
+        raise ValueError(f"{what} runs the per-token delta rule (delta_rule 'token', BARO_DELTA=token), not "
+                         f"{eng.cfg.delta_rule!r}: the sequence pool holds no pending delta block; run the prompts "
+                         "one at a time with generate()")
 
 
 def open_run(eng, *, max_batch: int, length: int, chunk: int, logprobs: int | None, stop_width: int,
-             prefill_budget: int | None = None, what: str = "the pool",
-             hint: str = "load without mode='tier'") -> BatchRun:
+             prefill_budget: int | None = None, what: str = "the pool") -> BatchRun:
     """An empty BatchRun of max_batch slots of `length` positions that sequences join with add()
     and leave with cancel(), stepped by its owner (a server's engine loop). Its graphs are fixed
     here, so nothing compiles per request. A pool the device budget cannot hold is refused now."""
-    check_batchable(eng, what, hint)
+    check_batchable(eng, what)
     slots = _slots(eng, max_batch, max_batch, length, chunk)
     return BatchRun(eng.runner, eng.tokenizer, [], slots=slots, length=length, chunk=chunk, logprobs=logprobs,
                     keep_states=False, block=eng.runner.decode_block, stop_width=stop_width, chain=False,
@@ -617,8 +658,12 @@ def _slots(eng, n: int, max_batch, length: int, chunk: int) -> int:
         slots = min(checks.as_int("max_batch", max_batch, lo=1), n)  # more slots than prompts would idle
     else:
         slots = min(n, MAX_DEFAULT_SLOTS)
-    fit = budget.batch_slots(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, slots, eng.devices or 1)
-    if fit < 1:
+    tier = eng.runner.placement == "tier"
+    fit = budget.batch_slots(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, slots, eng.devices or 1,
+                             eng.runner.cache_slots if tier else None)
+    if fit < 1 and tier:
+        budget.check_tier(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, eng.runner.cache_slots)
+    elif fit < 1:
         budget.check_resident(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, eng.devices or 1)
     if max_batch is not None and fit < slots:
         raise MemoryError(f"max_batch {slots} slots of {length} positions do not fit the device budget beside the "

@@ -356,15 +356,21 @@ def largest_tier_chunk(cfg: Config, dtype, device_budget_gb: float | None, state
 
 
 def batch_slots(cfg: Config, dtype, device_budget_gb: float | None, length: int, chunk: int, want: int,
-                devices: int = 1) -> int:
+                devices: int = 1, tier_cache_slots: int | None = None) -> int:
     """How many of `want` sequence slots of `length` positions (generate_batch's pool) fit beside
     the weights, the larger of a prefill chunk's and a decode step's activations, the decode step's
     logits and logprobs rows, and two slots' worth of copies (a prefill chunk takes its slot's state
-    out of the pool and puts it back)."""
+    out of the pool and puts it back). tier_cache_slots: tier mode with its decode expert cache of
+    that many slots per layer (0: none), whose weights on the device are tier_parts' (None:
+    resident mode)."""
     limit, _ = budget_bytes(device_budget_gb)
     if limit is None:
         return want
     per = state_bytes(cfg, dtype, length)
-    fixed = sum(p.bytes for p in resident_parts(cfg, dtype, 0, max(chunk, want), devices))
+    if tier_cache_slots is None:
+        parts = resident_parts(cfg, dtype, 0, max(chunk, want), devices)
+    else:  # the pool's slots are its state: tier_parts' one-sequence state is left out
+        parts = [p for p in tier_parts(cfg, dtype, 0, max(chunk, want), tier_cache_slots) if p.name != "state"]
+    fixed = sum(p.bytes for p in parts)
     fixed += 2 * want * cfg.vocab_size * 4 + 2 * per + runtime_reserve_bytes(limit)
     return int(max(0, min(want, (limit - fixed) // per)))

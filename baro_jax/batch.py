@@ -518,6 +518,19 @@ def _device_stops(seq: Sequence) -> list:
 
 
 DEFAULT_BATCH_CHUNK = 256  # prefill rows per step of a batch (the step's token budget for a prompt)
+TIER_MAX_BATCH_CHUNK = 1024
+
+
+def default_chunk(eng, ids, news, length: int) -> int:
+    """The prefill chunk of a batch when none is given. Resident: DEFAULT_BATCH_CHUNK, short enough
+    that a round's prefill does not hold the decoding sequences long. Tier: every prefill pass moves
+    all of a layer's routed experts over the host link whatever its rows, so a chunk of 256 would
+    pay that once per 256 tokens; the runner's own pick for the longest prompt instead, up to
+    TIER_MAX_BATCH_CHUNK rows so that the chunk's activations leave the pool its slots."""
+    if eng.runner.placement != "tier":
+        return min(DEFAULT_BATCH_CHUNK, length)
+    i = max(range(len(ids)), key=lambda j: len(ids[j]))
+    return max(1, min(TIER_MAX_BATCH_CHUNK, length, eng.pick_chunk(len(ids[i]), news[i])))
 MAX_DEFAULT_SLOTS = 64
 
 
@@ -577,7 +590,7 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
     for i, (x, m) in enumerate(zip(ids, news)):
         eng.check_fits(len(x), m)
     length = state_length(max(len(x) + m for x, m in zip(ids, news)), eng.cfg.max_context)
-    chunk = checks.as_int("chunk", chunk, lo=1) if chunk is not None else min(DEFAULT_BATCH_CHUNK, length)
+    chunk = checks.as_int("chunk", chunk, lo=1) if chunk is not None else default_chunk(eng, ids, news, length)
     slots = _slots(eng, n, max_batch, length, chunk)
     seqs = [sequence_type(index=i, prompt_ids=x, max_new_tokens=m, sampling=s, stop_ids=stop_ids,
                           stop_strings=stops, eos_ids=eos, want_prompt_logprobs=bool(prompt_logprobs))

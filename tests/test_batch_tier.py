@@ -217,3 +217,16 @@ def test_batch_identity_gate_in_tier_mode_against_a_resident_reference(bench_scr
     ref.write_text(json.dumps(d))
     with pytest.raises(ValueError, match=f"sequence 1 has new_tokens {n + 1} there, {n} here: not the same sequences"):
         bi.compare_reference(got["sequences"], str(ref))
+
+
+def test_tier_default_chunk_is_the_runners_pick(res, tier):
+    """Tier mode's default batch chunk is the runner's pick for the longest prompt (every pass
+    moves all the experts), not resident mode's 256; the bytes are the same either way."""
+    prompt = list(np.random.default_rng(5).integers(1, 200, size=300))
+    want = res.generate_batch([prompt, "x"], 2, logprobs=0, keep_states=True)
+    assert res.last_batch_stats["chunk"] == B.DEFAULT_BATCH_CHUNK
+    got = tier.generate_batch([prompt, "x"], 2, logprobs=0, keep_states=True)
+    assert res.last_batch_stats["chunk"] == B.DEFAULT_BATCH_CHUNK
+    assert tier.last_batch_stats["chunk"] == min(B.TIER_MAX_BATCH_CHUNK, tier.last_batch_stats["pool_length"],
+                                                 tier.pick_chunk(300, 2)) > B.DEFAULT_BATCH_CHUNK
+    check_equal(res.cfg, want, got, "tier default chunk")

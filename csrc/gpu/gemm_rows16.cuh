@@ -82,21 +82,6 @@ struct Rows16Copy {
   bool w_ok[Cfg::kCopies];             // false: a column outside the block's window (zero-filled)
 };
 
-// The A copies of slot rows [r0, r0 + rc) (gathered through a_rows).
-template <typename Cfg>
-BARO_DEV void rows16_a_offsets(Rows16Copy<Cfg>& cp, const GemmParams& p, int64_t r0, int rc) {
-#pragma unroll
-  for (int i = 0; i < Cfg::kACopies; ++i) {
-    const int r = cp.cp_row + Rows16Copy<Cfg>::kRowStep * i;
-    cp.a_off[i] = -1;
-    if (r < rc) {
-      const int64_t s = r0 + r;
-      const int64_t ar = p.a_rows != nullptr ? static_cast<int64_t>(p.a_rows[s]) : s;
-      cp.a_off[i] = ar * p.lda + cp.cp_chunk * 8;
-    }
-  }
-}
-
 // The W copies of output columns [lo, hi) relative to c0 (SwiGLU: their gate and up rows); the
 // other rows of the block are zero-filled without a read. The folded shared expert's tiles read
 // W_last, and plain W rows n >= n_split read W_tail (moe.cu's fold: the shared gate after the
@@ -372,7 +357,7 @@ __global__ void __launch_bounds__(WARPS * BARO_WARP) gemm_rows16_kernel(GemmPara
 // WARPS with rem s <= G), one piece per block, so the tail is spread over up to G blocks, each
 // reading 1/s of a block's W bytes. A block streams all its items' stages through one ring
 // without draining between them (the next item's first stages land while the last ones of the
-// current item are multiplied).
+// current item are multiplied), its tile and A row reads made an item early.
 // Bits: every output element is still one warp's fp32 fragment of the same mma chain over the
 // same A and W fragments in ascending K (rows16_mma_stage, its accumulator zeroed at the item's
 // first stage), stored by the same expression (rows16_store); only which block computes it, and
@@ -399,9 +384,8 @@ __global__ void __launch_bounds__(WARPS * BARO_WARP) gemm_rows16_persist_kernel(
   if (n_items == 0) return;
   const int n_k = static_cast<int>((p.K + kRows16BK - 1) / kRows16BK);
 
-  // item q of this block: its tile, column block and window of warps [w_lo, w_hi)
-  auto item = [&](int64_t q, int64_t& group, int64_t& r0, int& rc, int64_t& c0, int& nc, int& w_lo, int& w_hi) {
-    int64_t i;
+  // item q of this block: its index i (tile i % T of column block i / T), window of warps [w_lo, w_hi)
+  auto item_of = [&](int64_t q, int64_t& i, int& w_lo, int& w_hi) {
     if (q < R) {
       i = q * G + b;
       w_lo = 0;
@@ -412,13 +396,21 @@ __global__ void __launch_bounds__(WARPS * BARO_WARP) gemm_rows16_persist_kernel(
       w_lo = static_cast<int>(b % s) * width;
       w_hi = w_lo + width;
     }
-    c0 = (i / T) * Cfg::kOutCols;
-    nc = out_n - c0 < Cfg::kOutCols ? static_cast<int>(out_n - c0) : Cfg::kOutCols;
-    int64_t rc64 = 0;
-    // (a tile always holds rows; were one empty, rc 0 would store nothing.) The window does not
-    // wait on this read: the consumer needs r0 and rc only at the item's epilogue.
-    if (!gemm_slot(p, i % T, group, r0, rc64)) rc64 = 0;
-    rc = static_cast<int>(rc64 < Cfg::kARows ? rc64 : Cfg::kARows);
+  };
+  // item q's tile from the tile list; past this block's items (the loader's look-ahead) none, and
+  // nothing read. (A tile always holds rows; were one empty, rc 0 would store nothing.)
+  struct Tile {
+    int64_t group = 0, r0 = 0;
+    int rc = 0;
+  };
+  auto tile_of = [&](int64_t q, Tile& tl) {
+    tl.rc = 0;
+    if (q >= n_items) return;
+    int64_t i, rc64 = 0;
+    int w_lo, w_hi;
+    item_of(q, i, w_lo, w_hi);
+    if (!gemm_slot(p, i % T, tl.group, tl.r0, rc64)) rc64 = 0;
+    tl.rc = static_cast<int>(rc64 < Cfg::kARows ? rc64 : Cfg::kARows);
   };
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -427,17 +419,41 @@ __global__ void __launch_bounds__(WARPS * BARO_WARP) gemm_rows16_persist_kernel(
   cp.cp_chunk = tid & (kRows16Chunks - 1);
   cp.cp_row = tid / kRows16Chunks;
 
-  // the loader: the next stage to copy is stage lkt of item lq
+  // The loader: the next stage to copy is stage lkt of item lq. The reads behind an item's copy
+  // sources (its tile, then its rows' A row ids through a_rows) are made an item early, so that
+  // starting an item issues its copies without waiting on them while the ring still holds the
+  // previous item's stages: at item lq's start, l_tile is its tile and a_next its copies' A rows
+  // (-1: past the tile), read when item lq - 1 started; l_tile_next is item lq + 1's tile.
   int64_t lq = 0;
   int lkt = 0;
+  Tile l_tile, l_tile_next;
+  int32_t a_next[Cfg::kACopies];
+  auto a_rows_of = [&](const Tile& tl) {
+#pragma unroll
+    for (int i = 0; i < Cfg::kACopies; ++i) {
+      const int r = cp.cp_row + Rows16Copy<Cfg>::kRowStep * i;
+      a_next[i] = -1;
+      if (r < tl.rc) a_next[i] = p.a_rows != nullptr ? p.a_rows[tl.r0 + r] : static_cast<int32_t>(tl.r0 + r);
+    }
+  };
+  tile_of(0, l_tile);
+  a_rows_of(l_tile);
+  tile_of(1, l_tile_next);
   auto load_next = [&](int slot) {
     if (lq >= n_items) return;
-    if (lkt == 0) {  // a new item: its copies' sources (one tile-list and a_rows read per item)
-      int64_t group, r0, c0;
-      int rc, nc, w_lo, w_hi;
-      item(lq, group, r0, rc, c0, nc, w_lo, w_hi);
-      rows16_a_offsets(cp, p, r0, rc);
-      rows16_w_sources<Cfg, SWIGLU>(cp, p, group, c0, 8 * w_lo, 8 * w_hi < nc ? 8 * w_hi : nc);
+    if (lkt == 0) {  // a new item: its copies' sources, then the look-ahead's reads
+      int64_t i;
+      int w_lo, w_hi;
+      item_of(lq, i, w_lo, w_hi);
+      const int64_t c0 = (i / T) * Cfg::kOutCols;
+      const int nc = out_n - c0 < Cfg::kOutCols ? static_cast<int>(out_n - c0) : Cfg::kOutCols;
+#pragma unroll
+      for (int a = 0; a < Cfg::kACopies; ++a)
+        cp.a_off[a] = a_next[a] >= 0 ? static_cast<int64_t>(a_next[a]) * p.lda + cp.cp_chunk * 8 : -1;
+      rows16_w_sources<Cfg, SWIGLU>(cp, p, l_tile.group, c0, 8 * w_lo, 8 * w_hi < nc ? 8 * w_hi : nc);
+      l_tile = l_tile_next;
+      a_rows_of(l_tile);
+      tile_of(lq + 2, l_tile_next);
     }
     rows16_load_stage(cp, p, smem0, lkt, slot);
     if (++lkt == n_k) lkt = 0, ++lq;
@@ -464,10 +480,16 @@ __global__ void __launch_bounds__(WARPS * BARO_WARP) gemm_rows16_persist_kernel(
     __syncthreads();  // stage gs visible; stage gs-1 consumed by every warp
     load_next(static_cast<int>((gs + kS - 1) % kS));
     cp_async_commit();
-    if (kt == 0) {
-      int64_t group;
+    if (kt == 0) {  // the item's epilogue needs its tile only after its K walk: no wait here
+      int64_t it;
       int w_lo, w_hi;
-      item(gs / n_k, group, r0, rc, c0, nc, w_lo, w_hi);
+      item_of(gs / n_k, it, w_lo, w_hi);
+      Tile tl;
+      tile_of(gs / n_k, tl);
+      r0 = tl.r0;
+      rc = tl.rc;
+      c0 = (it / T) * Cfg::kOutCols;
+      nc = out_n - c0 < Cfg::kOutCols ? static_cast<int>(out_n - c0) : Cfg::kOutCols;
       mine = warp >= w_lo && warp < w_hi;
 #pragma unroll
       for (int bb = 0; bb < NT; ++bb)

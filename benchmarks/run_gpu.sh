@@ -357,6 +357,12 @@ stage_batch() {
 # BATCH_KNOBS_B (64) once per setting in BATCH_KNOBS, the step time and the kernels they move.
 # The shared-A stream at B = 8 (docs/PERF.md 2026-12-05), after its byte tests
 # (KERNELS_K=ashared ... kernels): BATCH_KNOBS_B=8 BATCH_KNOBS=BARO_ROW1_ASHARED=1 ... batch_knobs
+# The persistent schedule of the grouped 16-row MoE GEMMs (BARO_ROWS16_PERSIST, docs/PERF.md 2026-12-05):
+# its byte tests, then a B = 8 step with the knob off (the "" run) and on, then B = 64 (no loss there):
+#   OUT=dir KERNELS_K=rows16_persist BATCH_KNOBS_B=8 BATCH_KNOBS=BARO_ROWS16_PERSIST=1 bash benchmarks/run_gpu.sh build kernels batch_knobs
+#   OUT=dir BATCH_KNOBS_B=64 BATCH_KNOBS=BARO_ROWS16_PERSIST=1 bash benchmarks/run_gpu.sh batch_knobs
+# and the per-call times and SM activity of gate/up and down, off then on (gemm_rows16_persist_kernel):
+#   OUT=dir NCU_ROWS_OPS=moe bash benchmarks/run_gpu.sh ncu_rows; OUT=dir/on BARO_ROWS16_PERSIST=1 NCU_ROWS_OPS=moe bash benchmarks/run_gpu.sh ncu_rows
 stage_batch_knobs() {
   local n=0 knob
   for knob in "" ${BATCH_KNOBS:-BARO_DELTA_ONE=heads BARO_DELTA_ONE=off}; do

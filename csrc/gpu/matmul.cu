@@ -393,6 +393,46 @@ static gpuError_t launch_rows16_warps(const GemmParams& p, int64_t row_slots, in
   return launch_rows16_ring<SWIGLU, LIGHT, 4>(p, row_slots, stream);
 }
 
+// BARO_ROWS16_PERSIST=1 (opt-in until measured on a GPU; the same bits): a grouped call that would
+// run four-warp blocks on the light ring runs gemm_rows16_persist_kernel instead (gemm_rows16.cuh
+// says what it does and why) on SMs x (the blocks of it an SM holds) blocks, no more than the
+// call's most items. =require (tests): a grouped call here that it cannot take (BARO_ROWS16_WARPS
+// or BARO_ROWS16_RING asking for another instance) fails instead of running the default, so a byte
+// test cannot pass on the default. Plain calls are not its business: they run as before.
+static bool rows16_persist_takes(const GemmParams& p, int64_t row_slots, int warps) {
+  return p.tiles != nullptr && warps == 4 && rows16_light(p, row_slots, 0);
+}
+template <bool SWIGLU>
+static gpuError_t launch_rows16_persist(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
+  using Cfg = Rows16Cfg<SWIGLU, true, 4, 1>;
+  constexpr auto kernel = gemm_rows16_persist_kernel<SWIGLU, 4>;
+  const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
+  // the most blocks with work: every tile used and every item split into WARPS column pieces
+  // (a call of fewer items than resident blocks spreads its W reads over more SMs that way)
+  const int64_t items = row_slots * ((out_n + Cfg::kOutCols - 1) / Cfg::kOutCols) * 4;
+  static std::atomic<uint64_t> smem_done{0};
+  gpuError_t e = allow_smem(kernel, Cfg::kSmemBytes, smem_done);
+  if (e != gpuSuccess) return e;
+  // blocks of it an SM holds (smem, threads, registers), read once per device: the grid must be
+  // resident at once, or the blocks that start late are the thin last wave again
+  static std::atomic<int> per_sm_cache[64];
+  int dev = 0, per_sm = 0;
+  e = cudaGetDevice(&dev);
+  if (e != gpuSuccess) return e;
+  if (dev >= 0 && dev < 64) per_sm = per_sm_cache[dev].load(std::memory_order_relaxed);
+  if (per_sm <= 0) {
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, Cfg::kSmemBytes);
+    if (e != gpuSuccess) return e;
+    if (per_sm <= 0) return gpuErrorInvalidValue;
+    if (dev >= 0 && dev < 64) per_sm_cache[dev].store(per_sm, std::memory_order_relaxed);
+  }
+  int64_t grid = static_cast<int64_t>(sm_count()) * per_sm;
+  if (grid > items) grid = items;
+  if (grid <= 0 || grid > 0x7fffffffLL) return gpuErrorInvalidValue;
+  kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  return gpuGetLastError();
+}
+
 template <bool SWIGLU>
 static gpuError_t launch_rows16(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
   if constexpr (!SWIGLU) {
@@ -411,6 +451,14 @@ static gpuError_t launch_rows16(const GemmParams& p, int64_t row_slots, gpuStrea
   }
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int warps = rows16_warps(p, row_slots, out_n);
+  if (p.tiles != nullptr) {
+    namespace k = baro::knobs;
+    const int persist = k::get(k::kRows16Persist);
+    if (persist != k::word(k::kRows16Persist, "0")) {
+      if (rows16_persist_takes(p, row_slots, warps)) return launch_rows16_persist<SWIGLU>(p, row_slots, stream);
+      if (persist == k::word(k::kRows16Persist, "require")) return gpuErrorInvalidValue;
+    }
+  }
   const int64_t n_tiles = (out_n + warps * 8 - 1) / (warps * 8);
   return rows16_light(p, row_slots, n_tiles) ? launch_rows16_warps<SWIGLU, true>(p, row_slots, warps, stream)
                                              : launch_rows16_warps<SWIGLU, false>(p, row_slots, warps, stream);

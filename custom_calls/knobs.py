@@ -124,10 +124,11 @@ _TABLE: tuple[Knob, ...] = (
          doc="1: plain GEMMs of 64 rows or more on the sm_90a wgmma + TMA kernel where it runs (the same bits as "
              "the mma.sync kernels); 0: the mma.sync kernels everywhere; require: an error where it would fall "
              "back (tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_wgmma.cu)"),
-    Knob("BARO_GEMM_WGMMA_GROUPED", "onoff", False,
-         doc="on: the MoE's grouped down GEMM of prefill (tiles of 64 or 128 rows) on the wgmma kernel too, "
-             "where BARO_GEMM_WGMMA lets it run (the same bits; opt-in until measured on a GPU) "
-             "(csrc/gpu/matmul.cu, csrc/gpu/gemm_wgmma.cu)"),
+    Knob("BARO_GEMM_WGMMA_GROUPED", "choice", "0", choices=("0", "1", "down"),
+         doc="1: the MoE's grouped GEMMs of prefill (tiles of 64 or 128 rows) on the wgmma kernel too, where "
+             "BARO_GEMM_WGMMA lets it run: the down GEMM (A read in place) and the gate/up GEMM with the fused "
+             "SwiGLU (A's rows gathered by the kernel's producer warp); down: the down GEMM only; 0: neither "
+             "(the same bits; opt-in until measured on a GPU) (csrc/gpu/matmul.cu, csrc/gpu/gemm_wgmma.cu)"),
     Knob("BARO_ROWS16_RING", "choice", "auto", choices=("auto", "deep", "light"),
          doc="gemm_rows16's cp.async ring: deep (8 stages, SwiGLU 6: one or two blocks per SM) or light (4, "
              "SwiGLU 3: twice the blocks per SM); auto: light for grouped MoE calls and grids of 4 blocks per SM, "

@@ -294,13 +294,27 @@ def test_moe_small_rows_same_bytes(platform, m, monkeypatch):
 
 # BARO_GEMM_WGMMA (csrc/gpu/gemm_wgmma.cu) inside the MoE: its plain GEMMs of 64 rows or more (the
 # router, and with BARO_MOE_FOLD=0 the shared expert's fused-SwiGLU gate/up and its down and gate
-# GEMMs) and the grouped down GEMM (tiles of 64 rows where the pairs per expert average 8 to 63,
-# of 128 from 64: m = 300 and 700 here; BARO_GEMM_WGMMA_GROUPED=1) on the wgmma kernel; the same bytes as the default and as
-# one row per call. require fails the call where the down GEMM would fall back. D x I: the small
-# shape (K = I = 16, one partial stage) and 256 x 136 (K past two 64-wide stages, a partial third).
-@pytest.mark.parametrize("m,E,D,I", [(64, None, None, None), (130, None, None, None), (300, None, None, None),
-                                     (200, 16, 256, 136), (700, 16, 256, 136)])
-def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, monkeypatch):
+# GEMMs) and the grouped GEMMs (tiles of 64 rows where the pairs per expert average 8 to 63, of 128
+# from 64: m = 300 and 700 here): BARO_GEMM_WGMMA_GROUPED=down the down GEMM (A read in place), =1
+# the gate/up GEMM with the fused SwiGLU too (A's rows gathered by the producer warp's cp.async);
+# the same bytes as the default and as one row per call. require fails the call where a grouped
+# GEMM the setting names would fall back, so these bytes are the wgmma kernel's. D x I: the small
+# shape (K = D = 32 for gate/up, K = I = 16 for down: one partial stage), 256 x 136 (gate/up K = 256:
+# four whole stages; down K past two, a partial third), and the model's own routed experts (D 2048,
+# E 256, top 8, I 512: 8192 pairs, 64-row tiles, the gate/up K walk of 32 stages that wraps the
+# ring eight times), whose weights are drawn on the device (1.5 GB of bf16).
+def _device_moe_weights(platform, seed, E, D, I, Is):
+    """moe_weights_sized's six arrays drawn by jax.random on the device, scaled by 1 / sqrt(K)."""
+    shapes = ((E, D), (E, 2 * I, D), (E, D, I), (2 * Is, D), (D, Is), (1, D))
+    keys = jax.random.split(jax.device_put(jax.random.PRNGKey(seed), platform), len(shapes))
+    return tuple(jax.jit(lambda k, sh=sh: (jax.random.normal(k, sh, jnp.float32) / float(np.sqrt(sh[-1])))
+                         .astype(jnp.bfloat16))(key) for key, sh in zip(keys, shapes))
+
+
+@pytest.mark.parametrize("m,E,D,I,k", [(64, None, None, None, MO_K), (130, None, None, None, MO_K),
+                                       (300, None, None, None, MO_K), (200, 16, 256, 136, MO_K),
+                                       (700, 16, 256, 136, MO_K), (1024, 256, 2048, 512, 8)])
+def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, k, monkeypatch):
     if platform.platform != "gpu":
         pytest.skip("BARO_GEMM_WGMMA picks a CUDA kernel")
     cap = str(getattr(platform, "compute_capability", "") or "")
@@ -309,26 +323,33 @@ def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, monkeypatch):
     rng = np.random.default_rng(1270 + m)
     if E is None:
         D = MO_D
-        weights = moe_weights(rng)
+        wd = put(platform, *moe_weights(rng))
+    elif D >= 2048:
+        wd = _device_moe_weights(platform, 1270 + m, E, D, I, I)
     else:
-        weights = moe_weights_sized(rng, E, D, I, I)
+        wd = put(platform, *moe_weights_sized(rng, E, D, I, I))
     h = bf16(rng, m, D)
-    wd = put(platform, *weights)
+    # (BARO_GEMM_WGMMA, BARO_GEMM_WGMMA_GROUPED): the mma.sync kernels, the down GEMM alone on
+    # wgmma, both grouped GEMMs on wgmma
+    settings = (("0", "0"), ("require", "down"), ("require", "1"))
     for fold in ("1", "0"):
         monkeypatch.setenv("BARO_MOE_FOLD", fold)
         got = {}
-        for knob in ("0", "require"):
+        for knob, grouped in settings:
             monkeypatch.setenv("BARO_GEMM_WGMMA", knob)
-            monkeypatch.setenv("BARO_GEMM_WGMMA_GROUPED", "1" if knob == "require" else "0")
+            monkeypatch.setenv("BARO_GEMM_WGMMA_GROUPED", grouped)
             poison(platform, (m, D))
-            f = jax.jit(lambda *a: cc.moe(*a, top_k=MO_K))  # a fresh jit: the launcher reads the knobs
-            got[knob] = np.asarray(f(put(platform, h), *wd))
-            assert np.all(np.isfinite(got[knob])), f"moe m={m} fold={fold} BARO_GEMM_WGMMA={knob}: unwritten rows"
-        assert_same_bits(got["require"], got["0"], f"moe m={m} fold={fold}: BARO_GEMM_WGMMA vs the default")
+            f = jax.jit(lambda *a: cc.moe(*a, top_k=k))  # a fresh jit: the launcher reads the knobs
+            got[grouped] = np.asarray(f(put(platform, h), *wd))
+            assert np.all(np.isfinite(got[grouped])), \
+                f"moe m={m} fold={fold} BARO_GEMM_WGMMA={knob} GROUPED={grouped}: unwritten rows"
+        for grouped in ("down", "1"):
+            assert_same_bits(got[grouped], got["0"],
+                             f"moe m={m} fold={fold} BARO_GEMM_WGMMA_GROUPED={grouped} vs the default")
         monkeypatch.setenv("BARO_GEMM_WGMMA", "0")
         for i in (0, m - 1):
-            one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=MO_K))(put(platform, h[i:i + 1]), *wd))
-            assert_same_bits(one[0], got["require"][i], f"moe m={m} fold={fold} row {i}: wgmma vs one-row call")
+            one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h[i:i + 1]), *wd))
+            assert_same_bits(one[0], got["1"][i], f"moe m={m} fold={fold} row {i}: wgmma vs one-row call")
     monkeypatch.delenv("BARO_GEMM_WGMMA", raising=False)
     monkeypatch.delenv("BARO_GEMM_WGMMA_GROUPED", raising=False)
     monkeypatch.delenv("BARO_MOE_FOLD", raising=False)

@@ -34,10 +34,25 @@
 // I + c0.., so accumulator chunk j (gate column 8j..) and chunk j + 8 (the same up column) sit in
 // the same thread, which writes bf16(silu(g) * u) with gemm_pipe_kernel's expression.
 //
-// Grouped calls (BARO_GEMM_WGMMA_GROUPED=1, opt-in): the MoE's down GEMM in prefill, whose A rows
-// (the sorted pairs' activations) are read in place: one block per tile of the tile list, W's
-// boxes from the tile's group. Plain calls passed their byte tests on the H200 (0695bc5); the
-// grouped path is compiled and inspected only so far (docs/PERF.md).
+// Grouped calls (BARO_GEMM_WGMMA_GROUPED, opt-in): one block per tile of the tile list, W's boxes
+// from the tile's group. The MoE's down GEMM in prefill reads its A rows (the sorted pairs'
+// activations) in place through A's tensor map (=1 and =down). Its gate/up GEMM (=1 only) cannot:
+// pair row s reads token row a_rows[s], and a TMA box is a range of contiguous rows. There
+// (GATHER) the producer is a whole warp: every stage it copies the tile's A rows with 16-byte
+// cp.async, row r's 16-byte chunk c at r * 128 + ((c ^ (r & 7)) << 4) of the stage (the 128-byte
+// swizzle TMA writes and the descriptors read), zero bytes for rows past the tile and chunks past
+// K (the zeros TMA would give), while its lane 0 still brings W's boxes by TMA. The copies are
+// generic-proxy writes and wgmma reads through the async proxy, so a lane waits for its own copies
+// of stage kt - kGatherLag (cp.async.wait_group), fences them for the async proxy
+// (fence.proxy.async: the same writer-side order attention_wgmma.cu's cp.async rings use before
+// their barrier) and only then arrives on the stage's full barrier (33 arrivals: lane 0's with the
+// W bytes, then the 32 lanes' once their copies are visible). The operand bits are the same either
+// way (A's bf16 rows, unchanged, zeros past K), so are the chains: GATHER changes who writes the
+// shared memory, not one wgmma. The SwiGLU epilogue is the one below, gemm_pipe_kernel's
+// expression on the same fp32 gate and up values. No extra bytes, launches or scratch: the A rows
+// cross L2 once per column tile, as gemm_pipe_kernel's own gathered cp.async copies do.
+// Plain calls passed their byte tests on the H200 (0695bc5); the grouped paths are compiled and
+// inspected only so far (docs/PERF.md).
 #include <atomic>
 #include <cstdint>
 
@@ -63,7 +78,14 @@ constexpr int kWgBox = 64;          // rows per TMA box
 constexpr int kWgStages = 4;        // ring depth
 constexpr int kWgBoxBytes = kWgBox * kWgBK * 2;  // 8 KB
 
-template <int BM>
+// GATHER: the producer lags its arrivals kGatherLag stages behind its copies (the copies of three
+// stages in flight, as gemm_pipe_kernel's ring keeps two). It must stay below kWgStages - 1: the
+// producer's wait for stage kt's empty barrier needs the consumers past stage kt - kWgStages + 1,
+// whose full barrier the producer completes at stage kt - kWgStages + 1 + kGatherLag (< kt).
+constexpr int kGatherLag = 2;
+static_assert(kGatherLag < kWgStages - 1, "the gather's lagged arrivals would wait on themselves");
+
+template <int BM, bool GATHER = false>
 struct WgGemmCfg {
   static constexpr int kConsumers = BM / 64;             // consumer warpgroups
   static constexpr int kThreads = kConsumers * 128 + 32;  // + the producer warp
@@ -71,7 +93,10 @@ struct WgGemmCfg {
   static constexpr int kBBytes = kWgBN * kWgBK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;   // a ring stage: A tile, then W tile
   static constexpr int kBarOff = kWgStages * kStageBytes;  // full then empty barriers
-  static constexpr int kSmemBytes = kBarOff + 16 * kWgStages + 1024;  // + slack for the 1 KB alignment
+  // GATHER: the tile's A row ids (-1 past its rows), read by the producer warp every stage
+  static constexpr int kRowOff = kBarOff + 16 * kWgStages;
+  static constexpr int kSmemBytes = kRowOff + (GATHER ? 4 * BM : 0) + 1024;  // + slack for the 1 KB alignment
+  static constexpr int kFullArrivals = GATHER ? 1 + 32 : 1;  // lane 0's expect_tx (+ the gather lanes')
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "swizzled boxes on 1 KB");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
 };
@@ -120,11 +145,11 @@ BARO_DEV uint64_t wg_gemm_desc(const uint8_t* tile, int row0, int kk) {
 
 // Grid: x = BM-row tiles (grouped: the tile list's slots, gemm_slot's (group, rows) each), y =
 // 128-column W tiles (SwiGLU: 64 output columns). Threads: BM / 64 consumer warpgroups, then the
-// producer warp.
-template <int BM, bool SWIGLU>
-__global__ void __launch_bounds__(WgGemmCfg<BM>::kThreads, 1)
+// producer warp. GATHER (grouped, p.a_rows): A's rows by the producer warp's cp.async (maps.a unused).
+template <int BM, bool SWIGLU, bool GATHER>
+__global__ void __launch_bounds__(WgGemmCfg<BM, GATHER>::kThreads, 1)
     gemm_wgmma_kernel(GemmParams p, const __grid_constant__ WgGemmMaps maps) {
-  using Cfg = WgGemmCfg<BM>;
+  using Cfg = WgGemmCfg<BM, GATHER>;
   extern __shared__ __align__(1024) uint8_t wg_gemm_smem[];
   // the 128-byte swizzle repeats on 1024 bytes: TMA and wgmma must see the same address bits
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wg_gemm_smem) + 1023) & ~uintptr_t{1023});
@@ -152,10 +177,10 @@ __global__ void __launch_bounds__(WgGemmCfg<BM>::kThreads, 1)
   constexpr int kConsumerThreads = Cfg::kConsumers * 128;
 
   if (tid == kConsumerThreads) {
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.a)) : "memory");
+    if (!GATHER) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.a)) : "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.w)) : "memory");
     for (int s = 0; s < kWgStages; ++s) {
-      wg_mbar_init(full(s), 1);                  // the producer's arrival (+ the bytes)
+      wg_mbar_init(full(s), Cfg::kFullArrivals);  // the producer's arrival(s) (+ the bytes)
       wg_mbar_init(empty(s), kConsumerThreads);  // every consumer thread, once done with the stage
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // for the TMA unit
@@ -165,8 +190,9 @@ __global__ void __launch_bounds__(WgGemmCfg<BM>::kThreads, 1)
   // the warp index through a shuffle: warp-uniform as far as the compiler can see (as CUTLASS does)
   const int warp_u = __shfl_sync(0xffffffffu, tid / 32, 0);
   if (warp_u >= kConsumerThreads / 32) {
-    // ---- producer: lane 0 of the last warp ----
-    if (tid != kConsumerThreads) return;
+    // ---- producer: lane 0 of the last warp (GATHER: the whole warp) ----
+    const int lane = tid & 31;
+    if (!GATHER && lane != 0) return;
     // W rows of the tile's two boxes: 128 consecutive rows, or (SwiGLU) 64 gate rows and the 64
     // matching up rows
     const int64_t w_base = group * p.N;
@@ -178,6 +204,48 @@ __global__ void __launch_bounds__(WgGemmCfg<BM>::kThreads, 1)
     // past the edge, and its whole size counts as landed bytes.
     const int a_boxes = (rc + kWgBox - 1) / kWgBox;
     const bool w_box1 = SWIGLU || c0 + kWgBox < p.N;
+    if constexpr (GATHER) {
+      // lane l copies 16-byte chunk l & 7 of rows (l >> 3) + 4 i: eight lanes make one row's 128
+      // contiguous bytes (whole L2 sectors), as gemm_pipe_kernel's copies
+      int32_t* a_idx = reinterpret_cast<int32_t*>(smem + Cfg::kRowOff);
+      for (int r = lane; r < BM; r += 32) a_idx[r] = r < rc ? p.a_rows[r0 + r] : -1;
+      __syncwarp();  // the ids, for the warp's other lanes
+      const int chunk = lane & 7, row_l = lane >> 3;
+      const uint32_t w_bytes = static_cast<uint32_t>((1 + (w_box1 ? 1 : 0)) * kWgBoxBytes);
+      const uint16_t* a_col = p.A + chunk * 8;
+      for (int kt = 0; kt < n_k; ++kt) {
+        const int s = kt % kWgStages;
+        if (kt >= kWgStages) wg_mbar_wait(empty(s), ((kt / kWgStages) - 1) & 1);  // every lane: it writes the stage
+        uint8_t* st = smem + s * Cfg::kStageBytes;
+        const int64_t k0 = static_cast<int64_t>(kt) * kWgBK;
+        if (lane == 0) {
+          wg_mbar_expect(full(s), w_bytes);
+          wg_tma_box(wg_smem_addr(st + Cfg::kABytes), &maps.w, static_cast<int>(k0), w_row0, full(s));
+          if (w_box1)
+            wg_tma_box(wg_smem_addr(st + Cfg::kABytes + kWgBoxBytes), &maps.w, static_cast<int>(k0), w_row1, full(s));
+        }
+        const bool k_ok = k0 + chunk * 8 < K;  // K % 8 == 0 (launcher): a chunk is wholly inside or past K
+        const uint32_t a_st = wg_smem_addr(st);
+#pragma unroll
+        for (int i = 0; i < BM / 4; ++i) {
+          const int r = row_l + 4 * i;
+          const int32_t idx = a_idx[r];
+          const bool ok = idx >= 0 && k_ok;
+          cp_async16(a_st + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? a_col + static_cast<int64_t>(idx) * p.lda + k0 : p.A,
+                     ok);
+        }
+        cp_async_commit();
+        if (kt >= kGatherLag) {  // stage kt - lag: this lane's copies landed, made visible to wgmma
+          cp_async_wait<kGatherLag>();
+          wg_fence_proxy();
+          wg_mbar_arrive(full((kt - kGatherLag) % kWgStages));
+        }
+      }
+      cp_async_wait<0>();  // the last stages' copies (and none left in flight at exit)
+      wg_fence_proxy();
+      for (int kt = n_k > kGatherLag ? n_k - kGatherLag : 0; kt < n_k; ++kt) wg_mbar_arrive(full(kt % kWgStages));
+      return;
+    }
     const uint32_t stage_bytes = static_cast<uint32_t>((a_boxes + 1 + (w_box1 ? 1 : 0)) * kWgBoxBytes);
     for (int kt = 0; kt < n_k; ++kt) {
       const int s = kt % kWgStages;
@@ -276,17 +344,17 @@ static bool wg_gemm_encode(CUtensorMap* m, const uint16_t* base, int64_t rows, i
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <int BM, bool SWIGLU>
+template <int BM, bool SWIGLU, bool GATHER = false>
 static gpuError_t wg_gemm_launch(const GemmParams& p, const WgGemmMaps& maps, int64_t row_tiles,
                                  gpuStream_t stream) {
-  using Cfg = WgGemmCfg<BM>;
+  using Cfg = WgGemmCfg<BM, GATHER>;
   constexpr int kOutCols = SWIGLU ? kWgBN / 2 : kWgBN;
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t n_tiles = (out_n + kOutCols - 1) / kOutCols;
   static std::atomic<uint64_t> smem_done{0};
-  const gpuError_t e = allow_smem(gemm_wgmma_kernel<BM, SWIGLU>, Cfg::kSmemBytes, smem_done);
+  const gpuError_t e = allow_smem(gemm_wgmma_kernel<BM, SWIGLU, GATHER>, Cfg::kSmemBytes, smem_done);
   if (e != gpuSuccess) return e;
-  gemm_wgmma_kernel<BM, SWIGLU><<<dim3(static_cast<unsigned>(row_tiles), static_cast<unsigned>(n_tiles)),
+  gemm_wgmma_kernel<BM, SWIGLU, GATHER><<<dim3(static_cast<unsigned>(row_tiles), static_cast<unsigned>(n_tiles)),
                                   Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
   return gpuGetLastError();
 }
@@ -302,20 +370,23 @@ gpuError_t launch_gemm_wgmma(const GemmParams& p, int bm, int64_t row_slots, gpu
 #if BARO_WGMMA_GEMM_BUILT
   const bool swiglu = p.Act != nullptr;
   const bool grouped = p.tiles != nullptr;
-  // no row gather (TMA boxes are whole row ranges), no split W, no one-token MoE
-  if (p.a_rows != nullptr || p.W_tail != nullptr || p.W_last != nullptr || p.W_host != nullptr ||
-      p.moe.kind != Row1Moe::kNone)
+  // A row gather only in grouped SwiGLU calls (the MoE's gate/up, the one such call: GATHER, with
+  // 16-byte copies: K, lda multiples of 8 and A on 16 bytes, p.vec); no split W, no one-token MoE
+  const bool gather = p.a_rows != nullptr;
+  if (gather && (!grouped || !swiglu || p.vec == 0 || p.K % 8 != 0)) return gpuSuccess;
+  if (p.W_tail != nullptr || p.W_last != nullptr || p.W_host != nullptr || p.moe.kind != Row1Moe::kNone)
     return gpuSuccess;
   constexpr int64_t kI32 = 0x7fffffffLL;  // TMA coordinates are 32-bit
   if (p.N <= 0 || p.K <= 0 || p.N > kI32 || p.K > kI32) return gpuSuccess;
   // A's rows and W's rows as the tensor maps see them: grouped, the tile list's rows of A read in
-  // place and every group of W, groups one after the other (w_group_stride == N * ldw)
+  // place (gather: no map of A) and every group of W, groups one after the other
+  // (w_group_stride == N * ldw)
   int64_t a_rows = p.M, w_rows = p.N, row_tiles = (p.M + bm - 1) / bm;
   if (grouped) {
-    if (p.n_tiles == nullptr || p.slot_rows > bm || p.a_total_rows < 1 || p.w_groups < 1 ||
+    if (p.n_tiles == nullptr || p.slot_rows > bm || (!gather && p.a_total_rows < 1) || p.w_groups < 1 ||
         p.w_group_stride != p.N * p.ldw || p.w_groups > kI32 / p.N)
       return gpuSuccess;
-    a_rows = p.a_total_rows;
+    a_rows = gather ? 1 : p.a_total_rows;
     w_rows = p.w_groups * p.N;
     row_tiles = row_slots;
   } else if (p.M < 64 || p.w_group_stride != 0) {
@@ -328,9 +399,12 @@ gpuError_t launch_gemm_wgmma(const GemmParams& p, int bm, int64_t row_slots, gpu
   if (n_tiles > 65535) return gpuSuccess;
   if (!wg_device_is_sm90()) return gpuSuccess;
   WgGemmMaps maps{};
-  if (!wg_gemm_encode(&maps.a, p.A, a_rows, p.K, p.lda) || !wg_gemm_encode(&maps.w, p.W, w_rows, p.K, p.ldw))
+  if ((!gather && !wg_gemm_encode(&maps.a, p.A, a_rows, p.K, p.lda)) || !wg_gemm_encode(&maps.w, p.W, w_rows, p.K, p.ldw))
     return gpuSuccess;
   *ran = true;
+  if (gather)
+    return bm >= 128 ? wg_gemm_launch<128, true, true>(p, maps, row_tiles, stream)
+                     : wg_gemm_launch<64, true, true>(p, maps, row_tiles, stream);
   if (swiglu)
     return bm >= 128 ? wg_gemm_launch<128, true>(p, maps, row_tiles, stream)
                      : wg_gemm_launch<64, true>(p, maps, row_tiles, stream);

@@ -101,9 +101,10 @@ bool gemm_fused_swiglu_ok(GemmConfig cfg);
 gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStream_t stream);
 // The Hopper prefill GEMM (gemm_wgmma.cu, on unless BARO_GEMM_WGMMA=0; launch_gemm calls it):
 // a plain dense call of m >= 64 rows, or a grouped one (tiles of at most bm rows, row_slots of
-// them, p.w_groups and p.a_total_rows set), with no a_rows, W_tail / W_last / W_host or
-// one-token MoE, on wgmma + TMA in bm-row tiles (64 or 128), fp32 C or the fused SwiGLU, giving
-// gemm_pipe_kernel's bits. Enqueues nothing and sets *ran = false where it is not built (no sm_90
+// them, p.w_groups set, and p.a_total_rows where A is read in place; a_rows only with the fused
+// SwiGLU and p.vec: the rows copied by the producer warp's cp.async), with no W_tail / W_last /
+// W_host or one-token MoE, on wgmma + TMA in bm-row tiles (64 or 128), fp32 C or the fused
+// SwiGLU, giving gemm_pipe_kernel's bits. Enqueues nothing and sets *ran = false where it is not built (no sm_90
 // in the architectures, HIP), the device is not sm_90, or the call or its alignment does not fit;
 // the caller then runs its own kernel. p.out2 must be filled (launch_gemm does).
 gpuError_t launch_gemm_wgmma(const GemmParams& p, int bm, int64_t row_slots, gpuStream_t stream, bool* ran);

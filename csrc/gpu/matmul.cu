@@ -542,14 +542,16 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
   // kernel (gemm_wgmma.cu, the same bits as every config here) where the build, device and
   // operands have it, else the config's kernel below; =require (tests): an error instead of that
   // fallback. Whatever cfg the call picked: 128-row tiles where it picked them. Grouped calls
-  // (the MoE's down GEMM in prefill) where their tiles are the pipelined kernel's 64 or 128 rows
-  // and A is read in place, with BARO_GEMM_WGMMA_GROUPED=1 (opt-in, not yet run on a GPU): a
-  // block per tile, as gemm_pipe_kernel.
-  const bool wg_plain = p.tiles == nullptr && p.M >= 64;
+  // where their tiles are the pipelined kernel's 64 or 128 rows, a block per tile as
+  // gemm_pipe_kernel (opt-in, not yet run on a GPU): BARO_GEMM_WGMMA_GROUPED=down the MoE's down
+  // GEMM of prefill (A read in place), =1 its gate/up GEMM with the fused SwiGLU too (A's rows
+  // gathered through a_rows by the kernel's producer warp).
+  namespace k = baro::knobs;
+  const bool wg_plain = p.tiles == nullptr && p.M >= 64 && p.a_rows == nullptr;
   const bool wg_grouped = p.tiles != nullptr && (cfg == GemmConfig::kPipe64 || cfg == GemmConfig::kPipe128) &&
-                          baro::knobs::on(baro::knobs::kGemmWgmmaGrouped);
-  if ((wg_plain || wg_grouped) && p.a_rows == nullptr && !split_w && p.moe.kind == Row1Moe::kNone) {
-    namespace k = baro::knobs;
+                          (k::is(k::kGemmWgmmaGrouped, "1") ||
+                           (p.a_rows == nullptr && k::is(k::kGemmWgmmaGrouped, "down")));
+  if ((wg_plain || wg_grouped) && !split_w && p.moe.kind == Row1Moe::kNone) {
     const bool wg_need = k::is(k::kGemmWgmma, "require");
     if (wg_need || k::is(k::kGemmWgmma, "1")) {
       bool ran = false;

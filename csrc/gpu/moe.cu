@@ -684,6 +684,7 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     p.a_rows = s.srow;
     p.tiles = s.tiles;
     p.n_tiles = s.n_tiles;
+    p.w_groups = a.slots != nullptr ? a.S : E;  // for the wgmma GEMM's map of W (BARO_GEMM_WGMMA_GROUPED=1)
     if (pl.share) {  // the shared expert's gate/up rows for the last tiles
       p.W_last = a.s_gate_up;
       p.last_group = kSharedGroup;

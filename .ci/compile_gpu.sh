@@ -22,9 +22,10 @@ SRCS=(csrc/gpu/*.cu)
 SYMBOLS=(BaroMatmulGpu BaroRmsnormGpu BaroGatedNormGpu BaroAttentionGpu BaroConvGpu BaroDeltaGpu BaroDeltaBlockedGpu BaroMoeGpu BaroMoeSlotsGpu BaroMoeHostSmallGpu BaroMoeRouteGpu BaroMoePairsGpu BaroMoeCombineGpu BaroAttentionRowsGpu BaroLogSoftmaxGpu)
 INC=(-Icsrc/gpu -Icsrc/common -isystem "$FFI")
 JOBS="$(nproc 2>/dev/null || echo 2)"
-# attention_wgmma.cu uses wgmma, which only the arch-specific sm_90a target has: with sm_90 it is
-# built for sm_90a alone (BARO_WGMMA=1), otherwise as its stub launcher with the others' flags.
-WGMMA_SRC=attention_wgmma
+# attention_wgmma.cu and gemm_wgmma.cu use wgmma, which only the arch-specific sm_90a target has
+# (gpu.cmake's BARO_WGMMA object): with sm_90 they are built for sm_90a alone (BARO_WGMMA=1),
+# otherwise as their stub launchers with the others' flags.
+WGMMA_SRCS=(attention_wgmma gemm_wgmma)
 WGMMA_CUDA_FLAGS=(--generate-code=arch=compute_90a,code=sm_90a -DBARO_WGMMA=1)
 
 # compile_all <label> <compiler-and-flags...>: compiles SRCS in parallel into $OUT/<label>/
@@ -35,7 +36,7 @@ compile_all() {
   for src in "${SRCS[@]}"; do
     local name; name="$(basename "$src" .cu)"
     local cmd=("$@") f
-    if [ "$label" = cuda ] && [ "$name" = "$WGMMA_SRC" ] && [[ "$CUDA_ARCH" == 90* ]]; then
+    if [ "$label" = cuda ] && [[ " ${WGMMA_SRCS[*]} " == *" $name "* ]] && [[ "$CUDA_ARCH" == 90* ]]; then
       cmd=()
       for f in "$@"; do case "$f" in --generate-code=*) ;; *) cmd+=("$f") ;; esac; done
       cmd+=("${WGMMA_CUDA_FLAGS[@]}")
@@ -78,8 +79,10 @@ if [ "${BARO_CI_SKIP_CUDA:-0}" != "1" ]; then
     grep -h -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT"/cuda/*.log \
       | sed -E "s/ptxas info +: //; s/Compiling entry function '([^']+)'.*/\1/" \
       | paste - - - | (c++filt 2>/dev/null || cat) | sed -E 's/\(baro_gpu::[A-Za-z]+\)//' || true
-    if [[ "$CUDA_ARCH" == 90* ]] && [ -f "$OUT/cuda/$WGMMA_SRC.o" ]; then  # information: the wgmma kernel is real
-      echo "== CUDA: $WGMMA_SRC.cu for sm_90a: $(grep -c 'Compiling entry' "$OUT/cuda/$WGMMA_SRC.log") kernels"
+    if [[ "$CUDA_ARCH" == 90* ]]; then  # information: the wgmma kernels are real
+      for w in "${WGMMA_SRCS[@]}"; do
+        [ -f "$OUT/cuda/$w.o" ] && echo "== CUDA: $w.cu for sm_90a: $(grep -c 'Compiling entry' "$OUT/cuda/$w.log") kernels"
+      done
     fi
     echo "== CUDA: libbaro_cuda.so OK"
   else

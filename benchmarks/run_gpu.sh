@@ -102,8 +102,14 @@ stage_attn_wgmma() {
 # default kernel and one-row calls (first, under a short limit: a wrong mbarrier count would hang),
 # prefill speed at GEMM_WGMMA_LENGTHS once per setting in GEMM_WGMMA_SETTINGS (in one call, each
 # identity-checked: speed_gemm_wgmma<i>_h200.json), and the identity gate at full size with
-# GEMM_WGMMA_GATE_ENV. GEMM_WGMMA_PARTS picks parts. The grouped down GEMM:
-# GEMM_WGMMA_SETTINGS="BARO_GEMM_WGMMA_GROUPED=0 BARO_GEMM_WGMMA_GROUPED=1" GEMM_WGMMA_GATE_ENV=BARO_GEMM_WGMMA_GROUPED=1.
+# GEMM_WGMMA_GATE_ENV. GEMM_WGMMA_PARTS picks parts. The MoE's grouped GEMMs (docs/PERF.md
+# 2026-12-05; BARO_GEMM_WGMMA_GROUPED=down: the down GEMM, =1: the gate/up GEMM with A's rows
+# gathered by the producer warp too), the next GPU run, after `build`, the tests first (the
+# model-shape MoE case at 1024 tokens needs more than the default limit):
+#   OUT=dir GEMM_WGMMA_TEST_TIMEOUT=300 \
+#     GEMM_WGMMA_SETTINGS="BARO_GEMM_WGMMA_GROUPED=0 BARO_GEMM_WGMMA_GROUPED=down BARO_GEMM_WGMMA_GROUPED=1" \
+#     GEMM_WGMMA_GATE_ENV=BARO_GEMM_WGMMA_GROUPED=1 bash benchmarks/run_gpu.sh build gemm_wgmma
+# (speed_gemm_wgmma{0,1,2}_h200.json: off, down, both; each at 8k and 32k, identity-checked).
 stage_gemm_wgmma() {
   local part
   for part in ${GEMM_WGMMA_PARTS:-tests speed gate}; do

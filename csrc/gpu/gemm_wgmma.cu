@@ -191,8 +191,7 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, GATHER>::kThreads, 1)
   const int warp_u = __shfl_sync(0xffffffffu, tid / 32, 0);
   if (warp_u >= kConsumerThreads / 32) {
     // ---- producer: lane 0 of the last warp (GATHER: the whole warp) ----
-    const int lane = tid & 31;
-    if (!GATHER && lane != 0) return;
+    if (!GATHER && tid != kConsumerThreads) return;
     // W rows of the tile's two boxes: 128 consecutive rows, or (SwiGLU) 64 gate rows and the 64
     // matching up rows
     const int64_t w_base = group * p.N;
@@ -207,6 +206,7 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, GATHER>::kThreads, 1)
     if constexpr (GATHER) {
       // lane l copies 16-byte chunk l & 7 of rows (l >> 3) + 4 i: eight lanes make one row's 128
       // contiguous bytes (whole L2 sectors), as gemm_pipe_kernel's copies
+      const int lane = tid & 31;
       int32_t* a_idx = reinterpret_cast<int32_t*>(smem + Cfg::kRowOff);
       for (int r = lane; r < BM; r += 32) a_idx[r] = r < rc ? p.a_rows[r0 + r] : -1;
       __syncwarp();  // the ids, for the warp's other lanes

@@ -116,8 +116,9 @@ def rows_attention_fallback(base_attention):
         for r in range(qkv.shape[0]):
             live = slots[r] >= 0
             row = jnp.where(live, table[jnp.maximum(slots[r], 0)], -1)  # a padding row's cache goes nowhere
+            at = jnp.where(live, pos[r], 0)  # a padding row's position may be anything
             o, k, v = base_attention(qkv[r:r + 1], q_norm, k_norm, cos[r:r + 1], sin[r:r + 1],
-                                     Pool.gather_cache(k_pages, row), Pool.gather_cache(v_pages, row), pos[r],
+                                     Pool.gather_cache(k_pages, row), Pool.gather_cache(v_pages, row), at,
                                      jnp.int32(1), num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps)
             k_pages = Pool.scatter_cache(k_pages, row, k)
             v_pages = Pool.scatter_cache(v_pages, row, v)
@@ -347,7 +348,8 @@ class BatchRun:
         """One decode step: greedy ids from the device, sampled ones chosen here."""
         toks, running, pos, _, _ = self._inputs(decoding)
         logits, lp_rows, ids, lp, top, vals, self.pool = DECODE(
-            self.r.params, self.pool, self.table(), jnp.asarray(toks), jnp.asarray(running), jnp.asarray(pos), self.r.rope,
+            self.r.params, self.pool, self.table(), jnp.asarray(toks), jnp.asarray(running), jnp.asarray(pos),
+            self.r.rope,
             cfg=self.cfg, ops=self.ops, guard=self._guard(decoding), top_n=self.top_n)
         self.steps["decode"] += 1
         self.steps["decode_calls"] += 1

@@ -165,14 +165,15 @@ def forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, all_
 
 
 # --- many sequences: one decode row per sequence slot ----------------------------------------------
-# The pool holds every slot's state (pool.py): attention KV in pages [NP, page, Hkv, hd] mapped by one
-# page table [P, S / page], the conv window [K-1, P, C] and the delta state [P, nv, dk, dv]. A decode step runs one row per slot. The
-# GEMMs, norms and the MoE are row-invariant, so rows of many sequences share their calls. The conv
-# and the delta rule treat channels and heads independently, so P rows of C channels (nv heads) run
-# as ONE token of P*C channels (P*nv heads): the m = 1 kernels a sequence runs alone, on the same
-# numbers. Their rows mode reads each row's channels and heads where they sit (the projection's
-# row p, the pool's slot p) instead of a folded copy, which would cost a copy kernel per operand
-# per layer and step. Attention reads each row's own slot through the table (ops.attention_rows).
+# The pool holds every slot's state (pool.py): attention KV in pages [NP, page, Hkv, hd] mapped by
+# one page table [P, S / page], the conv window [K-1, P, C] and the delta state [P, nv, dk, dv]. A
+# decode step runs one row per slot. The GEMMs, norms and the MoE are row-invariant, so rows of
+# many sequences share their calls. The conv and the delta rule treat channels and heads
+# independently, so P rows of C channels (nv heads) run as ONE token of P*C channels (P*nv heads):
+# the m = 1 kernels a sequence runs alone, on the same numbers. Their rows mode reads each row's
+# channels and heads where they sit (the projection's row p, the pool's slot p) instead of a
+# folded copy, which would cost a copy kernel per operand per layer and step. Attention reads each
+# row's own slot through the table (ops.attention_rows).
 
 def gdn_rows(h, p, pool, cfg, ops):
     """gdn_block for one decode row per slot: h [P, D]; pool {"conv": [K-1, P, C], "ssm": [P, nv, dk, dv]}."""
@@ -197,10 +198,10 @@ def attention_rows(h, p, pool, table, cfg, ops, cos, sin, slots, pos):
 
 
 def decode_rows(params, pool, table, tokens, slots, pos, rope, *, cfg: Config, ops):
-    """One decode step for every slot of the pool (its page table `table`): row r is slot r's token at position pos[r];
-    slots[r] is r for a running sequence and -1 for a slot with nothing to decode (its attention
-    row writes and reads nothing; its conv and delta rows run on its state, which the caller
-    keeps as it was). Returns (logits [P, V] fp32, new pool)."""
+    """One decode step for every slot of the pool (attention KV through the page table `table`):
+    row r is slot r's token at position pos[r]; slots[r] is r for a running sequence and -1 for
+    a slot with nothing to decode (its attention row writes and reads nothing; its conv and delta
+    rows run on its state, which the caller keeps as it was). Returns (logits [P, V] fp32, new pool)."""
     x = embed(params, tokens)
     cos, sin = rope[0][pos], rope[1][pos]
     h = first_norm(params["layers"][0], x, cfg, ops)

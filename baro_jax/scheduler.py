@@ -5,8 +5,8 @@ sequences take free slots in arrival order, each with the pages of its prompt an
 reserved up front; while the oldest waiting one finds too few free pages, it and those behind it
 wait. A sequence with prompt tokens left gets the next prefill chunk (one chunk per step, the
 oldest first); every sequence whose prompt is in decodes one token per decode step, all of them
-in one call. A finished sequence frees its slot and its pages at once, for the next waiting one. Sequences may join while
-others run (add) and leave before they end (cancel), as a server's requests do. Nothing here
+in one call. A finished sequence frees its slot and its pages at once, for the next waiting one.
+Sequences may join while others run (add) and leave before they end (cancel), as a server's requests do. Nothing here
 depends on another sequence's numbers: the scheduler decides only when a sequence's rows run,
 never how (every row's arithmetic is its own), so a sequence's bytes are the same in any batch.
 """

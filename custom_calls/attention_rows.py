@@ -112,7 +112,8 @@ def attention_rows(qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, table, slot,
         refuse_unmet(OP, [(False, "the HIP kernel is not written yet (CUDA and CPU have it)")])
     check_gpu_limits(OP, args, [(hd % 16 == 0 and hd <= 256, f"head_dim={hd} (a multiple of 16, at most 256)"),
                                 (H <= 65535, f"H={H} q heads (at most 65535)"),
-                                (-(-S // SPLIT) <= 65535, f"a pool of S={S} positions (at most 65535 splits of {SPLIT})"),
+                                (-(-S // SPLIT) <= 65535,
+                                 f"a table of S={S} positions (at most 65535 splits of {SPLIT})"),
                                 (m * max(1, -(-(H // Hkv) // 64)) < 2 ** 31, f"m={m} rows (the grid)")])
     check_runnable(OP, args)
     pages_t = jax.ShapeDtypeStruct((NP, page, Hkv, hd), C.BF16)

@@ -63,9 +63,10 @@ constexpr uint16_t kBf16Nan = 0x7fc0;
 
 enum RowKind { kRowValid = 0, kRowPad = 1, kRowBad = 2 };
 
-// Row r's view: the AttentionArgs of baro_attention's one-row call on its slot. Bad and padding
-// rows get only their qkv / out rows (the pools stay at slot 0 and are never touched for them).
-BARO_DEV int row_view(const AttentionRowsArgs& ra, int64_t r, AttentionArgs& a) {
+// Row r's view: the AttentionArgs of baro_attention's one-row call, its cache the pages of kv
+// (the slot's table row). Bad and padding rows get only their qkv / out rows (their kv is never
+// read).
+BARO_DEV int row_view(const AttentionRowsArgs& ra, int64_t r, AttentionArgs& a, KvPages& kv) {
   a = ra.a;
   const int hd = a.hd;
   a.m = 1;
@@ -79,10 +80,10 @@ BARO_DEV int row_view(const AttentionRowsArgs& ra, int64_t r, AttentionArgs& a) 
   const int32_t p = ra.a.pos[r];
   if (s == -1) return kRowPad;
   if (s < -1 || s >= ra.P || p < 0 || p >= ra.a.S) return kRowBad;
-  a.page_table = ra.table + static_cast<int64_t>(s) * ra.T;
-  a.page = ra.page;
-  a.num_pages = ra.NP;
-  if (attn_kv_row<true>(a, p, static_cast<int64_t>(a.Hkv) * hd) < 0) return kRowBad;  // nowhere to write
+  kv.table = ra.table + static_cast<int64_t>(s) * ra.T;
+  kv.page = ra.page;
+  kv.num_pages = ra.NP;
+  if (attn_kv_row(kv, p, static_cast<int64_t>(a.Hkv) * hd) < 0) return kRowBad;  // nowhere to write
   return kRowValid;
 }
 
@@ -110,8 +111,9 @@ __global__ void __launch_bounds__(kKvWarps * BARO_WARP) attn_rows_kv_write_kerne
   if (item >= ra.a.m * ra.a.Hkv) return;
   const int64_t r = item / ra.a.Hkv;
   AttentionArgs a;
-  if (row_view(ra, r, a) != kRowValid) return;
-  attn_kv_write_item<true>(a, item - r * ra.a.Hkv);  // item kh of the one-row call
+  KvPages kv;
+  if (row_view(ra, r, a, kv) != kRowValid) return;
+  attn_kv_write_item<true>(a, item - r * ra.a.Hkv, kv);  // item kh of the one-row call
 }
 
 // Grid (m * tiles, Hkv, splits or 1).
@@ -124,7 +126,8 @@ __global__ void __launch_bounds__(kPairs * 2 * kDup * BARO_WARP, 1)
   const int tile = static_cast<int>(blockIdx.x % tiles);
   const int kh = static_cast<int>(blockIdx.y);
   AttentionArgs a;
-  const int kind = row_view(ra, r, a);
+  KvPages kv;
+  const int kind = row_view(ra, r, a, kv);
   if (kind != kRowValid) {  // uniform for the block, before any barrier
     if (!kParallel && tile == 0 && blockIdx.z == 0) {  // parallel mode: the combine writes the row
       const int G = a.H / a.Hkv;
@@ -142,7 +145,7 @@ __global__ void __launch_bounds__(kPairs * 2 * kDup * BARO_WARP, 1)
     pml = reinterpret_cast<float*>(base + o_bytes);
   }
   attn_fa_tile<kPairs, kParallel, kHd, kDup, true>(a, po, pml, max_splits, rows_pad, tile, kh,
-                                             static_cast<int>(blockIdx.z));
+                                                   static_cast<int>(blockIdx.z), kv);
 }
 
 __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
@@ -154,7 +157,8 @@ __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
   if (item >= ra.a.m * per_row) return;
   const int64_t r = item / per_row, local = item - r * per_row;
   AttentionArgs a;
-  const int kind = row_view(ra, r, a);
+  KvPages kv;
+  const int kind = row_view(ra, r, a, kv);
   if (kind != kRowValid) {
     const int slice = static_cast<int>(local % kFaCombineSlices);
     const int h = static_cast<int>(local / kFaCombineSlices);

@@ -14,7 +14,7 @@ namespace baro_gpu {
 // ---- baro_attention_rows (attention_rows.cu) ----
 // a holds the call's m rows (qkv, cos, sin, out as baro_attention's), a.k_cache / a.v_cache the
 // KV pages [NP][page][Hkv][hd], a.S = T * page the positions a slot's table row maps, a.pos the
-// rows' positions [m]; a.n_valid and a.page_table are not read (each row's view sets them).
+// rows' positions [m]; a.n_valid is not read (each row's view sets it).
 // Slot s's position j lives in page table[s * T + j / page] (-1: none; reads as zeros), row
 // j % page. Row r: slot[r] in [0, P), pos[r] in [0, S) and its position's page mapped is attended
 // as baro_attention's one-row call on the contiguous cache the slot's pages stand for;

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 from . import budget, checks
 from . import model as M
 from . import pool as Pool
+from .block_manager import BlockManager, pages_for, positions_of
 from .logprobs import row_logprobs
 from .results import GenerateResult, check_logprobs
 from .sampling import Sampling, greedy, sample, token_key
-from .block_manager import BlockManager, pages_for, positions_of
 from .scheduler import Scheduler, Sequence
 from .settings import DEFAULT_KV_PAGE
 from .shapes import state_length

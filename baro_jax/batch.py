@@ -7,6 +7,8 @@ the prefill chunk, never on a prompt's length (no compilation per request):
   as a prefill alone) over `chunk` rows, put back (scattered into its pages);
 - a decode step of every slot (model.decode_rows): one row per sequence, idle slots' rows
   discarded.
+Tier mode runs the same two steps from its Python layer loops (tier_prefill, tier_decode: the
+slot's state through the staged forward; staging.decode_rows), one decode step per call.
 BatchRun.step() runs one round (admit, a prefill chunk, a decode step or block); sequences may be
 added and cancelled between rounds, which is how a server keeps one pool running.
 Both compute each row exactly as the sequence alone would (the kernels are row-invariant, the
@@ -45,12 +47,22 @@ def _decode(params, pool, table, tokens, running, pos, rope, *, cfg, ops, guard:
     their logprobs [P] and the top_n (ids, values) of every row, the pool). guard: keep the state of the slots that do
     not run (one holds a prompt half prefilled); without it their conv and delta rows are left
     as the step wrote them (free or finished slots, cleared before a new sequence takes them)."""
-    slots = jnp.where(running, jnp.arange(tokens.shape[0], dtype=jnp.int32), -1)
-    logits, new = M.decode_rows(params, pool, table, tokens, slots, pos, rope, cfg=cfg, ops=ops)
+    logits, new = M.decode_rows(params, pool, table, tokens, _row_slots(running), pos, rope, cfg=cfg, ops=ops)
     pool = Pool.keep_running(pool, new, running) if guard else new
+    return _rows_out(logits, ops=ops, top_n=top_n) + (pool,)
+
+
+def _row_slots(running):
+    """decode_rows' slots: row r reads and writes slot r when it runs, nothing (-1) when idle."""
+    return jnp.where(running, jnp.arange(running.shape[0], dtype=jnp.int32), -1)
+
+
+def _rows_out(logits, *, ops, top_n):
+    """A decode step's logits [P, V] -> (logits, logprob rows, the greedy ids, their logprobs, the
+    top_n (ids, values) of every row); None for what is not asked."""
     ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # greedy's rule: ties to the lower id
     lp = None if top_n is None else row_logprobs(ops, logits)
-    return (logits, lp) + _picked(lp, ids, top_n) + (pool,)
+    return (logits, lp) + _picked(lp, ids, top_n)
 
 
 def _picked(lp, ids, top_n):
@@ -101,9 +113,35 @@ DECODE = jax.jit(_decode, static_argnames=("cfg", "ops", "guard", "top_n"), dona
 DECODE_BLOCK = jax.jit(_decode_block, static_argnames=("cfg", "ops", "guard", "top_n", "block"), donate_argnums=(1,))
 CLEAR = jax.jit(Pool.clear_slot, donate_argnums=(0,))
 TAKE = jax.jit(Pool.slot_state)  # (pool, table, slot)
+PUT = jax.jit(Pool.put_slot_state, donate_argnums=(0,))  # (pool, table, slot, state)
+ROWS_OUT = jax.jit(_rows_out, static_argnames=("ops", "top_n"))
+ROW_SLOTS = jax.jit(_row_slots)
 LOGPROBS = jax.jit(lambda logits, ops: row_logprobs(ops, logits), static_argnames=("ops",))
 TOP = jax.jit(lambda lp, k: jax.lax.top_k(lp, k), static_argnames=("k",))  # ties to the lower id
 PICK = jax.jit(lambda lp, rows, ids: lp[rows, ids])  # the logprobs of host-chosen ids
+
+
+# Tier mode's steps (routed experts in host memory): the same contracts as PREFILL and DECODE, run
+# by the runner's Python layer loops (staging.py), which stage the experts layer by layer.
+def tier_prefill(runner):
+    """PREFILL in tier mode: the slot's state out of the pool, the runner's own forward over the
+    chunk (generate()'s prefill, so its bytes), the state back in."""
+    def prefill(params, pool, table, slot, tokens, pos, n_valid, rope, *, cfg, ops, all_logits: bool):
+        logits, st = runner.forward(TAKE(pool, table, slot), tokens, pos, n_valid, all_logits=all_logits)
+        return logits, PUT(pool, table, slot, st)
+
+    return prefill
+
+
+def tier_decode(runner):
+    """DECODE in tier mode: the runner's per-layer rows (TierRunner.decode_rows), then the same
+    ids, logprobs and top rows."""
+    def decode(params, pool, table, tokens, running, pos, rope, *, cfg, ops, guard: bool, top_n):
+        logits, pool = runner.decode_rows(pool, table, tokens, ROW_SLOTS(running), running, pos, ops=ops,
+                                          guard=guard)
+        return ROWS_OUT(logits, ops=ops, top_n=top_n) + (pool,)
+
+    return decode
 
 
 def rows_attention_fallback(base_attention):
@@ -206,7 +244,11 @@ class BatchRun:
                                                                                    lo=1)
         self.top_n, self.keep_states = logprobs, keep_states
         self.on_token = on_token
-        self.block = block
+        # tier mode stages experts from Python per layer and step: no device loop over steps
+        tier = runner.placement == "tier"
+        self.block = 1 if tier else block
+        self._prefill_step = tier_prefill(runner) if tier else PREFILL
+        self._decode_rows_step = tier_decode(runner) if tier else DECODE
         # a slot's table row maps whole pages: its cache is `length` rounded up to a page
         per_slot = -(-length // page)
         self.pages = slots * per_slot if pages is None else pages
@@ -316,10 +358,9 @@ class BatchRun:
         toks = np.zeros((self.chunk,), np.int32)
         toks[:len(part)] = part
         all_logits = seq.want_prompt_logprobs
-        logits, self.pool = PREFILL(self.r.params, self.pool, self.table(), jnp.int32(seq.slot), jnp.asarray(toks),
-                                    jnp.int32(p),
-                                    jnp.int32(len(part)), self.r.rope, cfg=self.cfg, ops=self.ops,
-                                    all_logits=all_logits)
+        logits, self.pool = self._prefill_step(self.r.params, self.pool, self.table(), jnp.int32(seq.slot),
+                                               jnp.asarray(toks), jnp.int32(p), jnp.int32(len(part)), self.r.rope,
+                                               cfg=self.cfg, ops=self.ops, all_logits=all_logits)
         self.steps["prefill"] += 1
         seq.prefilled += len(part)
         if all_logits:
@@ -347,7 +388,7 @@ class BatchRun:
     def _decode_step(self, decoding):
         """One decode step: greedy ids from the device, sampled ones chosen here."""
         toks, running, pos, _, _ = self._inputs(decoding)
-        logits, lp_rows, ids, lp, top, vals, self.pool = DECODE(
+        logits, lp_rows, ids, lp, top, vals, self.pool = self._decode_rows_step(
             self.r.params, self.pool, self.table(), jnp.asarray(toks), jnp.asarray(running), jnp.asarray(pos),
             self.r.rope,
             cfg=self.cfg, ops=self.ops, guard=self._guard(decoding), top_n=self.top_n)
@@ -504,6 +545,19 @@ def _device_stops(seq: Sequence) -> list:
 
 
 DEFAULT_BATCH_CHUNK = 256  # prefill rows per step of a batch (the step's token budget for a prompt)
+TIER_MAX_BATCH_CHUNK = 1024
+
+
+def default_chunk(eng, ids, news, length: int) -> int:
+    """The prefill chunk of a batch when none is given. Resident: DEFAULT_BATCH_CHUNK, short enough
+    that a round's prefill does not hold the decoding sequences long. Tier: every prefill pass moves
+    all of a layer's routed experts over the host link whatever its rows, so a chunk of 256 would
+    pay that once per 256 tokens; the runner's own pick for the longest prompt instead, up to
+    TIER_MAX_BATCH_CHUNK rows so that the chunk's activations leave the pool its slots."""
+    if eng.runner.placement != "tier":
+        return min(DEFAULT_BATCH_CHUNK, length)
+    i = max(range(len(ids)), key=lambda j: len(ids[j]))
+    return max(1, min(TIER_MAX_BATCH_CHUNK, length, eng.pick_chunk(len(ids[i]), news[i])))
 MAX_DEFAULT_SLOTS = 64
 
 
@@ -516,21 +570,21 @@ def _per_prompt(name, value, n, check):
     return [v] * n
 
 
-def check_batchable(eng, what: str = "generate_batch",
-                    hint: str = "load without mode='tier', or run the prompts one at a time with generate()"):
-    if eng.runner.placement != "resident":
-        raise ValueError(f"{what} runs resident mode (and expert parallel) so far, not {eng.mode!r}: {hint}")
+def check_batchable(eng, what: str = "generate_batch"):
+    """Refuse what the pool cannot run: every placement can (resident, tier, expert parallel), but
+    the pool holds no pending delta block, which delta_rule 'blocked' keeps per sequence."""
     if eng.cfg.delta_rule != "token":
-        raise ValueError(f"{what} runs the per-token delta rule so far (delta_rule 'token')")
+        raise ValueError(f"{what} runs the per-token delta rule (delta_rule 'token', BARO_DELTA=token), not "
+                         f"{eng.cfg.delta_rule!r}: the sequence pool holds no pending delta block; run the prompts "
+                         "one at a time with generate()")
 
 
 def open_run(eng, *, max_batch: int, length: int, chunk: int, logprobs: int | None, stop_width: int,
-             prefill_budget: int | None = None, what: str = "the pool",
-             hint: str = "load without mode='tier'") -> BatchRun:
+             prefill_budget: int | None = None, what: str = "the pool") -> BatchRun:
     """An empty BatchRun of max_batch slots of `length` positions that sequences join with add()
     and leave with cancel(), stepped by its owner (a server's engine loop). Its graphs are fixed
     here, so nothing compiles per request. A pool the device budget cannot hold is refused now."""
-    check_batchable(eng, what, hint)
+    check_batchable(eng, what)
     slots, pages = _slots(eng, max_batch, max_batch, length, chunk)
     return BatchRun(eng.runner, eng.tokenizer, [], slots=slots, length=length, chunk=chunk, logprobs=logprobs,
                     keep_states=False, block=eng.runner.decode_block, stop_width=stop_width, chain=False,
@@ -563,7 +617,7 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
     for i, (x, m) in enumerate(zip(ids, news)):
         eng.check_fits(len(x), m)
     length = state_length(max(len(x) + m for x, m in zip(ids, news)), eng.cfg.max_context)
-    chunk = checks.as_int("chunk", chunk, lo=1) if chunk is not None else min(DEFAULT_BATCH_CHUNK, length)
+    chunk = checks.as_int("chunk", chunk, lo=1) if chunk is not None else default_chunk(eng, ids, news, length)
     slots, pages = _slots(eng, n, max_batch, length, chunk, [positions_of(len(x), m) for x, m in zip(ids, news)])
     seqs = [sequence_type(index=i, prompt_ids=x, max_new_tokens=m, sampling=s, stop_ids=stop_ids,
                           stop_strings=stops, eos_ids=eos, want_prompt_logprobs=bool(prompt_logprobs))
@@ -650,9 +704,12 @@ def _slots(eng, n: int, max_batch, length: int, chunk: int, positions: list | No
         slots = min(n, MAX_DEFAULT_SLOTS)
     page = DEFAULT_KV_PAGE
     need = None if positions is None else [pages_for(p, page) for p in positions]
+    tier = eng.runner.placement == "tier"
     fit, pages = budget.batch_slots(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, slots, eng.devices or 1,
-                                    page=page)
-    if fit < 1:
+                                    eng.runner.cache_slots if tier else None, page=page)
+    if fit < 1 and tier:
+        budget.check_tier(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, eng.runner.cache_slots)
+    elif fit < 1:
         budget.check_resident(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, eng.devices or 1)
     if max_batch is not None and fit < slots:
         raise MemoryError(f"max_batch {slots} slots (each with at least one KV page of {page} positions) do not "

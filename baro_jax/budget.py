@@ -357,21 +357,28 @@ def largest_tier_chunk(cfg: Config, dtype, device_budget_gb: float | None, state
 
 
 def batch_slots(cfg: Config, dtype, device_budget_gb: float | None, length: int, chunk: int, want: int,
-                devices: int = 1, page: int = DEFAULT_KV_PAGE) -> tuple[int, int]:
+                devices: int = 1, tier_cache_slots: int | None = None,
+                page: int = DEFAULT_KV_PAGE) -> tuple[int, int]:
     """(slots, pages) of generate_batch's pool: how many of `want` sequence slots, and how many KV
-    pages of `page` positions (at most enough for every slot at `length`) fit
-    beside the weights, the larger of a prefill chunk's and a decode step's activations, the decode
-    step's logits and logprobs rows, and two contiguous one-sequence states of `length` positions
-    (a prefill chunk gathers its slot's state out of the pool and scatters it back). A slot costs
-    its linear layers' state; its KV costs only the pages its sequence holds, so short sequences
-    leave pages for more slots. Slots come first (each with at least one page), then pages."""
+    pages of `page` positions (at most enough for every slot at `length`) fit beside the weights,
+    the larger of a prefill chunk's and a decode step's activations, the decode step's logits and
+    logprobs rows, and two contiguous one-sequence states of `length` positions (a prefill chunk
+    gathers its slot's state out of the pool and scatters it back). A slot costs its linear
+    layers' state; its KV costs only the pages its sequence holds, so short sequences leave pages
+    for more slots. Slots come first (each with at least one page), then pages. tier_cache_slots:
+    tier mode with its decode expert cache of that many slots per layer (0: none), whose weights
+    on the device are tier_parts' (None: resident mode)."""
     T = -(-length // page)
     top = want * T
     limit, _ = budget_bytes(device_budget_gb)
     if limit is None:
         return want, top
     per_page, per_slot = pool_page_bytes(cfg, dtype, page), pool_slot_bytes(cfg, dtype)
-    fixed = sum(p.bytes for p in resident_parts(cfg, dtype, 0, max(chunk, want), devices))
+    if tier_cache_slots is None:
+        parts = resident_parts(cfg, dtype, 0, max(chunk, want), devices)
+    else:  # the pool's slots are its state: tier_parts' one-sequence state is left out
+        parts = [p for p in tier_parts(cfg, dtype, 0, max(chunk, want), tier_cache_slots) if p.name != "state"]
+    fixed = sum(p.bytes for p in parts)
     fixed += 2 * want * cfg.vocab_size * 4 + 2 * state_bytes(cfg, dtype, T * page) + runtime_reserve_bytes(limit)
     room = max(0, limit - fixed)
     slots = int(min(want, room // (per_slot + per_page)))

@@ -103,11 +103,15 @@ def layer_forward(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid, next_nor
     final norm), one call instead of two. (Tier decode runs layer_mixer, then the MoE through
     its expert cache: staging.py.)"""
     x, h2, st = layer_mixer(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid)
-    m = lp["moe"]
+    x, h = layer_moe(x, h2, lp["moe"], next_norm, cfg, ops)
+    return x, h, st
+
+
+def layer_moe(x, h2, m, next_norm, cfg, ops):
+    """The second half of a layer: x + moe(h2) and next_norm of it, m the layer's MoE params."""
     y = ops.moe(h2, m["router"], m["gate_up"], m["down"], m["shared_gate_up"], m["shared_down"],
                 m["shared_gate"], top_k=cfg.top_k)
-    x, h = ops.add_rmsnorm(x, y, next_norm, cfg.rms_eps, m["router"].dtype)
-    return x, h, st
+    return ops.add_rmsnorm(x, y, next_norm, cfg.rms_eps, m["router"].dtype)
 
 
 def first_norm(lp, x, cfg, ops):
@@ -197,25 +201,39 @@ def attention_rows(h, p, pool, table, cfg, ops, cos, sin, slots, pos):
     return ops.matmul(o, p["o"]), {"k": k, "v": v}
 
 
+def rows_prologue(params, tokens, pos, rope):
+    """Embedded rows and rope rows of one decode row per slot (row r at position pos[r])."""
+    return embed(params, tokens), rope[0][pos], rope[1][pos]
+
+
+def rows_mixer(x, h, lp, st, table, kind, cfg, ops, cos, sin, slots, pos):
+    """layer_mixer for one decode row per slot, st the layer's pool, table the pool's page table:
+    (x + mixer(h), norm2 of it, the layer's new pool). slots as decode_rows'."""
+    if kind == FULL:
+        y, st = attention_rows(h, lp["attn"], st, table, cfg, ops, cos, sin, slots, pos)
+    else:
+        y, st = gdn_rows(h, lp["gdn"], st, cfg, ops)
+    x, h2 = ops.add_rmsnorm(x, y, lp["post_norm"], cfg.rms_eps, lp["moe"]["router"].dtype)
+    return x, h2, st
+
+
+def rows_head(params, h, ops):
+    """Logits [P, V] fp32 of every row, from the final-normed rows h."""
+    return ops.matmul(h, params["lm_head"])
+
+
 def decode_rows(params, pool, table, tokens, slots, pos, rope, *, cfg: Config, ops):
     """One decode step for every slot of the pool (attention KV through the page table `table`):
     row r is slot r's token at position pos[r]; slots[r] is r for a running sequence and -1 for
     a slot with nothing to decode (its attention row writes and reads nothing; its conv and delta
-    rows run on its state, which the caller keeps as it was). Returns (logits [P, V] fp32, new pool)."""
-    x = embed(params, tokens)
-    cos, sin = rope[0][pos], rope[1][pos]
+    rows run on its state, which the caller keeps as it was). Returns (logits [P, V] fp32, new
+    pool). Tier mode runs the same rows_prologue, rows_mixer and MoE from a Python loop
+    (staging.decode_rows)."""
+    x, cos, sin = rows_prologue(params, tokens, pos, rope)
     h = first_norm(params["layers"][0], x, cfg, ops)
     new_pool = []
     for lp, st, kind, nn in zip(params["layers"], pool, cfg.layer_types, next_norms(params)):
-        A = lp["moe"]["router"].dtype
-        if kind == FULL:
-            y, st = attention_rows(h, lp["attn"], st, table, cfg, ops, cos, sin, slots, pos)
-        else:
-            y, st = gdn_rows(h, lp["gdn"], st, cfg, ops)
-        x, h2 = ops.add_rmsnorm(x, y, lp["post_norm"], cfg.rms_eps, A)
-        m = lp["moe"]
-        y = ops.moe(h2, m["router"], m["gate_up"], m["down"], m["shared_gate_up"], m["shared_down"],
-                    m["shared_gate"], top_k=cfg.top_k)
-        x, h = ops.add_rmsnorm(x, y, nn, cfg.rms_eps, A)
+        x, h2, st = rows_mixer(x, h, lp, st, table, kind, cfg, ops, cos, sin, slots, pos)
+        x, h = layer_moe(x, h2, lp["moe"], nn, cfg, ops)
         new_pool.append(st)
-    return ops.matmul(h, params["lm_head"]), tuple(new_pool)
+    return rows_head(params, h, ops), tuple(new_pool)

@@ -28,6 +28,10 @@ every layer's experts per token instead (correct, slow). On the H200 the copy
 overlaps the compute (benchmarks/tier_overlap.py: both / max(copy, compute) =
 0.96 at chunk 4096, 0.99 at 8192, benchmarks/results/tier_overlap_h200.json).
 
+A decode step of many sequences (batch.py's pool) runs one row per slot from a Python loop too
+(decode_rows): per layer the rows' mixer and routing, then the MoE over every row with the union
+of their experts made resident in the cache, or the layer staged whole when the union is larger.
+
 The TierRunner (tier.py) drives all of this behind the runner interface.
 """
 from __future__ import annotations
@@ -43,6 +47,7 @@ import jax
 from jax.sharding import SingleDeviceSharding
 
 from . import model as M
+from . import pool as Pool
 from .config import Config
 from .runner import greedy_steps
 from .settings import TIER_DECODE_PATHS, TIER_FETCH_PATHS
@@ -236,7 +241,8 @@ class ExpertCache:
     Counters: hits / misses (one per routed (token, expert) of a call, an expert routed
     twice by one call counted once), evictions, and the seconds spent waiting for the ids
     (route_seconds, the per-layer device-to-host round trip) and issuing the copies
-    (copy_seconds)."""
+    (copy_seconds); staged_layers: layers a decode step of many rows (decode_rows) staged whole
+    because its rows routed to more experts than the slots."""
 
     def __init__(self, cfg: Config, layers, slots: int, dev=None, fetch_path: str = "xla", ops=None):
         if fetch_path not in TIER_FETCH_PATHS:
@@ -256,6 +262,7 @@ class ExpertCache:
         self.lru = [collections.OrderedDict() for _ in layers]  # expert -> slot, least recent first
         self.free = [list(range(slots - 1, -1, -1)) for _ in layers]  # pop() gives slot 0 first
         self.hits = self.misses = self.evictions = 0
+        self.staged_layers = 0  # layers a decode step of many rows staged whole (decode_rows)
         self.route_seconds = self.copy_seconds = 0.0
         self.events = []  # (layer, expert, slot, evicted expert or -1) per miss: for tests
         self.keep_events = False
@@ -296,10 +303,11 @@ class ExpertCache:
     def stats(self) -> dict:
         return {"slots_per_layer": self.slots, "layers": len(self.pools), "hits": self.hits,
                 "misses": self.misses, "evictions": self.evictions, "hit_rate": self.hit_rate,
-                "route_seconds": self.route_seconds, "copy_seconds": self.copy_seconds}
+                "staged_layers": self.staged_layers, "route_seconds": self.route_seconds,
+                "copy_seconds": self.copy_seconds}
 
     def reset_stats(self):
-        self.hits = self.misses = self.evictions = 0
+        self.hits = self.misses = self.evictions = self.staged_layers = 0
         self.route_seconds = self.copy_seconds = 0.0
         self.events = []
 
@@ -395,6 +403,86 @@ def cached_forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, op
         new_state.append(st)
     logits = _EPILOGUE(_head_params(params), h, n_valid, cfg=cfg, ops=ops, all_logits=False)
     return logits, tuple(new_state)
+
+
+# --- many sequences: one decode row per pool slot (batch.py's decode step) ----------------------
+def _rows_mixer(x, h, lp, st, page_table, cos, sin, slots, pos, running, *, kind, cfg, ops, guard: bool,
+                route: bool):
+    """model.rows_mixer on one layer's pool (its KV pages through page_table); guard: idle slots keep their
+    conv and delta state (the batch decode step's keep_running, per layer so that the pool's layers can
+    be donated one by one); route: also the MoE's expert ids of every row (ops.moe_route). An idle row's
+    MoE input is zeroed: its output is discarded, and a zero row routes to the same few experts every
+    step, where its own would add up to top_k experts to the union the cache must hold (the MoE treats
+    rows apart, so a running row's bytes do not change)."""
+    x, h2, new = M.rows_mixer(x, h, lp, st, page_table, kind, cfg, ops, cos, sin, slots, pos)
+    if guard:
+        new = Pool.keep_running((st,), (new,), running)[0]
+    if route:
+        h2 = jax.numpy.where(running[:, None], h2, jax.numpy.zeros_like(h2))
+    return x, h2, (ops.moe_route(h2, lp["moe"]["router"], top_k=cfg.top_k) if route else None), new
+
+
+def _staged_moe(x, h2, moe, experts, next_norm, *, cfg, ops):
+    return M.layer_moe(x, h2, {**moe, **experts}, next_norm, cfg, ops)
+
+
+_ROWS_PROLOGUE = jax.jit(M.rows_prologue)
+_ROWS_MIXER = jax.jit(_rows_mixer, static_argnames=("kind", "cfg", "ops", "guard", "route"), donate_argnums=(0, 1, 3))
+_STAGED_MOE = jax.jit(_staged_moe, static_argnames=("cfg", "ops"), donate_argnums=(0,))
+_ROWS_HEAD = jax.jit(M.rows_head, static_argnames=("ops",))
+
+
+def decode_rows(params, pool, page_table, tokens, slots, running, pos, rope, *, cfg: Config, ops, guard: bool,
+                cache: "ExpertCache | None" = None, direct: "DirectDecode | None" = None):
+    """model.decode_rows' contract layer by layer (the pool's layers donated; page_table its page
+    table), idle slots' conv and
+    delta state kept when guard. A layer's MoE runs all P rows at once, so it needs every expert
+    any row routes to: with a cache, the union of the rows' ids is made resident (ensure: LRU
+    copies of the misses) and the MoE reads the slot table; a union larger than the cache's slots
+    stages the layer's whole experts, as prefill does (counted in cache.staged_layers). Without a
+    cache every layer is staged, the next layer's copy issued before this one computes. The same
+    MoE bytes either way (moe_slots is moe on the same weights). With `direct`, its slot tables
+    follow the layers whose pools changed. Returns (logits [P, V] fp32, new pool)."""
+    on_dev = device_sharding(next(iter(params["embed"].devices())))
+    layers = params["layers"]
+    n = len(layers)
+
+    def stage(i):
+        return jax.device_put(split_layer(layers[i])[1], on_dev)
+
+    if direct is not None and direct._last is not None:
+        # the cache's copies below donate its pools, which a direct graph may still be reading
+        jax.block_until_ready(direct._last)
+    x, cos, sin = _ROWS_PROLOGUE({"embed": params["embed"]}, tokens, pos, rope)
+    h = _FIRST_NORM(split_layer(layers[0])[0], x, cfg=cfg, ops=ops)
+    nxt = stage(0) if cache is None else None
+    changed, new_pool = set(), []
+    for i, (lp, st, kind, nn) in enumerate(zip(layers, pool, cfg.layer_types, M.next_norms(params))):
+        res = split_layer(lp)[0]
+        x, h2, ids, st = _ROWS_MIXER(x, h, res, st, page_table, cos, sin, slots, pos, running, kind=kind, cfg=cfg,
+                                     ops=ops, guard=guard, route=cache is not None)
+        new_pool.append(st)
+        if cache is None:
+            cur, nxt = nxt, (stage(i + 1) if i + 1 < n else None)
+            x, h = _STAGED_MOE(x, h2, res["moe"], cur, nn, cfg=cfg, ops=ops)
+            del cur
+            continue
+        t0 = time.perf_counter()
+        ids = np.asarray(ids)  # waits for this layer's mixer: the per-layer host round trip
+        cache.route_seconds += time.perf_counter() - t0
+        if len(np.unique(ids)) > cache.slots:
+            cache.staged_layers += 1
+            x, h = _STAGED_MOE(x, h2, res["moe"], stage(i), nn, cfg=cfg, ops=ops)
+            continue
+        misses = cache.misses
+        table = cache.ensure(i, ids)
+        if cache.misses != misses:
+            changed.add(i)
+        gu, dn = cache.pools[i]
+        x, h = _CACHED_MOE(x, h2, res["moe"], gu, dn, table, nn, cfg=cfg, ops=ops)
+    if direct is not None and changed:
+        direct.refresh(changed)
+    return _ROWS_HEAD(_head_params(params), h, ops=ops), tuple(new_pool)
 
 
 # --- direct tier decode: misses read from the host store inside the MoE call ------------------

@@ -15,6 +15,15 @@ baro_jax.verify.batch_identity.
         --json benchmarks/results/batch_identity_tiny_cpu.json
     python benchmarks/batch_identity.py --model qwen3.5-35b-a3b --n 64 --max-len 9000 \\
         --configs n/4:32,n:256,1:64 --json benchmarks/results/batch_identity_h200.json
+
+Tier mode (--mode tier: routed experts in host memory, the pool's steps from Python layer loops)
+checks its batches against its own runs alone; --reference-json names a resident run of the same
+arguments, whose runs alone each tier run alone must equal in bytes (digests), so every tier batch
+sequence equals its resident one:
+
+    python benchmarks/batch_identity.py --model tiny --n 8 --max-len 60 --json resident.json
+    python benchmarks/batch_identity.py --model tiny --n 8 --max-len 60 --mode tier --cache-slots 3 \\
+        --reference-json resident.json --json tier.json
 """
 from __future__ import annotations
 
@@ -29,6 +38,15 @@ def parse_args(argv=None):
     ap.add_argument("--model", default="tiny", help="tiny, a preset (qwen3.5-35b-a3b, ...) or a checkpoint directory")
     ap.add_argument("--backend", default="ordered", choices=["ordered", "xla"])
     ap.add_argument("--max-context", type=int, default=None)
+    ap.add_argument("--mode", default="resident", choices=["resident", "tier"],
+                    help="where the routed experts live (tier: pinned host memory, staged per layer)")
+    ap.add_argument("--device-budget-gb", type=float, default=None)
+    ap.add_argument("--cache-slots", type=int, default=None,
+                    help="tier mode: the decode expert cache's slots per layer (default: 64, at most E, fewer when "
+                         "the budget says so; 0: none, every decode step stages every layer)")
+    ap.add_argument("--reference-json", default=None,
+                    help="another batch_identity.py JSON of the same arguments (e.g. resident mode's): each "
+                         "sequence alone must have its bytes")
     ap.add_argument("--seed", type=int, default=0, help="a preset's weights")
     ap.add_argument("--n", type=int, default=16, help="sequences")
     ap.add_argument("--max-len", type=int, default=200, help="the longest prompt, in tokens")
@@ -98,7 +116,8 @@ def main(argv=None) -> int:
     news = bi.new_token_mix(args.n, args.min_new_tokens, args.new_tokens, seed=args.prompt_seed)
     need = max(x + m for x, m in zip(lengths, news))
     eng = baro_jax.load(args.model, backend=args.backend, max_context=args.max_context, seed=args.seed,
-                        progress=False)
+                        mode=args.mode, device_budget_gb=args.device_budget_gb,
+                        cache_slots=args.cache_slots if args.mode == "tier" else None, progress=False)
     if need > eng.cfg.max_context:
         raise SystemExit(f"error: the longest sequence needs {need} positions, more than max_context="
                          f"{eng.cfg.max_context} (--max-context, or a smaller --max-len / --new-tokens)")
@@ -114,10 +133,11 @@ def main(argv=None) -> int:
     replay = (args.replay_indices if args.replay_indices is not None
               else bi.spread(range(args.n), lengths, args.replay, args.replay_max_len))
     configs_txt = ",".join(f"{'auto' if b is None else b}:{'auto' if c is None else c}" for b, c in args.configs)
-    print(f"batch identity: model={args.model} backend={args.backend} n={args.n} lengths {min(lengths)}..{max(lengths)} "
+    print(f"batch identity: model={args.model} backend={args.backend} mode={args.mode} n={args.n}"
+          f" lengths {min(lengths)}..{max(lengths)} "
           f"new tokens {min(news)}..{max(news)} sampled={sum(not s.greedy for s in sps)} configs={configs_txt} "
           f"replay={replay}", flush=True)
-    extra = {"model": args.model, "backend": args.backend, "n": args.n, "max_len": args.max_len,
+    extra = {"model": args.model, "backend": args.backend, "mode": args.mode, "n": args.n, "max_len": args.max_len,
              "new_tokens": [args.min_new_tokens, args.new_tokens], "sampled": args.sampled,
              "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
              "prompt_seed": args.prompt_seed, "weights_seed": args.seed, "alone_chunk": args.alone_chunk,
@@ -126,12 +146,22 @@ def main(argv=None) -> int:
     # rewritten after the runs alone and after every configuration, so a run cut short keeps its rows
     rep = bi.run_batch_identity(eng, prompts, news, sps, args.configs, replay=replay, alone_chunk=args.alone_chunk,
                                 on_progress=lambda r: verify.write_json(args.json, r.partial_json(**extra)))
+    if args.reference_json:
+        rep.reference = bi.compare_reference(rep.sequences, args.reference_json)
+    if args.mode == "tier":  # over the whole run: the runs alone, then the batches' decode steps
+        extra["expert_cache"] = eng.expert_cache_report()
+        cache = eng.runner.cache
+        if cache is not None:
+            print(f"expert cache: {cache.slots} slots per layer; in the runs: {cache.hits} hits, {cache.misses} "
+                  f"misses, {cache.staged_layers} layers of decode steps staged whole")
     verify.write_json(args.json, rep.to_json(**extra))
     s = rep.summary()
     print(f"runs alone {s['alone_seconds']:.1f}s, replay alone {s['replay_seconds']:.1f}s "
           f"({s['replay_equal_alone']}/{s['replay_sequences']} equal batched prefill alone)")
     print(f"{'PASS' if rep.ok else 'FAIL'}: {s['rows_equal']}/{s['rows']} sequences x configurations equal alone"
-          + (f", {s['replay_rows_equal']}/{s['replay_rows']} equal replay alone" if s["replay_rows"] else ""))
+          + (f", {s['replay_rows_equal']}/{s['replay_rows']} equal replay alone" if s["replay_rows"] else "")
+          + (f"; runs alone vs {args.reference_json}: {rep.reference['compared'] - len(rep.reference['differing'])}/"
+             f"{rep.reference['compared']} equal" if rep.reference else ""))
     return 0 if rep.ok else 1
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels rows blocked sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels rows blocked sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -355,6 +355,14 @@ stage_batch() {
 }
 # The many-sequence decode step's kernel knobs (speed only, same bits): decode_profile.py --batch
 # BATCH_KNOBS_B (64) once per setting in BATCH_KNOBS, the step time and the kernels they move.
+# The shared-A stream at B = 8 (docs/PERF.md 2026-12-05), after its byte tests
+# (KERNELS_K=ashared ... kernels): BATCH_KNOBS_B=8 BATCH_KNOBS=BARO_ROW1_ASHARED=1 ... batch_knobs
+# The persistent schedule of the grouped 16-row MoE GEMMs (BARO_ROWS16_PERSIST, docs/PERF.md 2026-12-05):
+# its byte tests, then a B = 8 step with the knob off (the "" run) and on, then B = 64 (no loss there):
+#   OUT=dir KERNELS_K=rows16_persist BATCH_KNOBS_B=8 BATCH_KNOBS=BARO_ROWS16_PERSIST=1 bash benchmarks/run_gpu.sh build kernels batch_knobs
+#   OUT=dir BATCH_KNOBS_B=64 BATCH_KNOBS=BARO_ROWS16_PERSIST=1 bash benchmarks/run_gpu.sh batch_knobs
+# and the per-call times and SM activity of gate/up and down, off then on (gemm_rows16_persist_kernel):
+#   OUT=dir NCU_ROWS_OPS=moe bash benchmarks/run_gpu.sh ncu_rows; OUT=dir/on BARO_ROWS16_PERSIST=1 NCU_ROWS_OPS=moe bash benchmarks/run_gpu.sh ncu_rows
 stage_batch_knobs() {
   local n=0 knob
   for knob in "" ${BATCH_KNOBS:-BARO_DELTA_ONE=heads BARO_DELTA_ONE=off}; do
@@ -364,6 +372,35 @@ stage_batch_knobs() {
       2>&1 | grep -E "median step|traced:|  [0-9. ]+ ms " | head -8
     n=$((n + 1))
   done
+}
+# Tier mode runs the many-sequence pool (issue 29) as a 24 GB card: the many-sequence identity gate in
+# resident mode (no limit) writes the reference, then under XLA_PYTHON_CLIENT_MEM_FRACTION
+# (TIER_MEM_FRACTION, 0.17) and XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (TIER_HOST_GB, 110) the same gate in
+# tier mode at TIER_BUDGET_GB (22): every batch sequence equals its tier run alone, and every tier run
+# alone its resident one (--reference-json: ids, logprob and state bytes); then generate_batch
+# throughput in tier mode at BATCH_TIER_SIZES (1,4,16; 1k-token prompts, BATCH_TIER_NEW new tokens,
+# the first two of each batch checked alone) with the expert cache's counts per row. The cache has
+# BATCH_TIER_CACHE_SLOTS (32) slots a layer: the default (~51 at 22 GiB, sized beside one prefill)
+# leaves room for 2-4 pool slots of 2048 positions, 32 leaves 46. A decode step of many rows copies
+# the misses of the union of their experts (B = 4: ~31 of 256 a layer), or stages the whole layer
+# (1.5 GiB) when the union outgrows the cache (B = 16: ~100): ~1.3 s a step at the host link's
+# ~50 GB/s, so B = 16 is the staging-bound row. $OUT/batch_identity_{resident_ref,tier}_h200.json,
+# $OUT/throughput_tier_h200.json.
+stage_batch_tier() {
+  local common=(--model qwen3.5-35b-a3b --n "${BATCH_TIER_N:-16}" --max-len "${BATCH_TIER_MAX_LEN:-1100}" --new-tokens 16
+                --max-context 2048 --configs "${BATCH_TIER_CONFIGS:-n/4:256,n:1024}" --replay 2 --replay-max-len 256)
+  timeout "${BATCH_GATE_TIMEOUT:-400}" python benchmarks/batch_identity.py "${common[@]}" \
+    --json "$OUT/batch_identity_resident_ref_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -4
+  (
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=${TIER_MEM_FRACTION:-0.17} XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${TIER_HOST_GB:-110}
+    local tier=(--mode tier --device-budget-gb "${TIER_BUDGET_GB:-22}" --cache-slots "${BATCH_TIER_CACHE_SLOTS:-32}")
+    timeout "${BATCH_TIER_GATE_TIMEOUT:-560}" python benchmarks/batch_identity.py "${common[@]}" "${tier[@]}" \
+      --reference-json "$OUT/batch_identity_resident_ref_h200.json" \
+      --json "$OUT/batch_identity_tier_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -6
+    timeout "${THROUGHPUT_TIMEOUT:-560}" python benchmarks/throughput.py --model qwen3.5-35b-a3b "${tier[@]}" --batches "${BATCH_TIER_SIZES:-1,4,16}" --prompt-len 1024 \
+      --new-tokens "${BATCH_TIER_NEW:-32}" --chunk 1024 --check 2 --json "$OUT/throughput_tier_h200.json" 2>&1 \
+      | grep -v '^\[baro_jax\]' | tail -5
+  )
 }
 # Teacher-forced agreement of the opt-in variants (bar 99%, benchmarks/agreement.py): $OUT/agreement_h200.json,
 # written after every prompt (the 8k prefill speeds first). Env: AGREE_CANDIDATES, AGREE_MAX_LEN (2049), AGREE_LIMIT

@@ -15,6 +15,11 @@ bound against B.
 
     python benchmarks/throughput.py --model qwen3.5-35b-a3b --batches 1,8,32,64 --mixed 4:8192 \
         --json out.json --png out.png
+
+--mode tier runs the pool in tier mode (routed experts in host memory, one decode step a call, each
+layer's MoE through the decode expert cache or staged whole when the rows route to more experts than
+it holds); each row then records the cache's counts over its timed call (expert_cache), and the byte
+bound, which counts device memory only, is no bound on it.
 """
 from __future__ import annotations
 
@@ -117,6 +122,12 @@ def plot(rows, path: str, title: str):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
+    ap.add_argument("--mode", default="resident", choices=["resident", "tier"],
+                    help="where the routed experts live (tier: pinned host memory, staged per layer)")
+    ap.add_argument("--device-budget-gb", type=float, default=None)
+    ap.add_argument("--cache-slots", type=int, default=None,
+                    help="tier mode: the decode expert cache's slots per layer (default: 64, at most E, fewer when "
+                         "the budget says so; 0: none)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -139,7 +150,9 @@ def main(argv=None) -> int:
             ap.error(f"--mixed takes N:LEN, two positive integers, got {args.mixed!r}")
         args.mixed = (int(n), int(length))
     ctx = max(args.prompt_len, args.mixed[1] if args.mixed else 0) + args.new_tokens
-    eng = baro_jax.load(args.model, max_context=max(ctx, 1024), seed=args.seed, progress=False)
+    eng = baro_jax.load(args.model, max_context=max(ctx, 1024), seed=args.seed, mode=args.mode,
+                        device_budget_gb=args.device_budget_gb,
+                        cache_slots=args.cache_slots if args.mode == "tier" else None, progress=False)
     rng = np.random.default_rng(args.seed)
     rows, ok = [], True
     for B in batches:
@@ -148,11 +161,16 @@ def main(argv=None) -> int:
         # one-step decode, the full and the shorter greedy blocks)
         eng.generate_batch(prompts, args.new_tokens, max_batch=B, chunk=args.chunk, stop_at_eos=False,
                            prefill_budget=args.prefill_budget)
+        cache = eng.runner.cache if args.mode == "tier" else None
+        if cache is not None:
+            cache.reset_stats()
         t0 = time.perf_counter()
         res = eng.generate_batch(prompts, args.new_tokens, max_batch=B, chunk=args.chunk, stop_at_eos=False,
                                  prefill_budget=args.prefill_budget)
         wall = time.perf_counter() - t0
         stats = dict(eng.last_batch_stats)
+        # the decode steps' layers: experts from the cache (hits, misses copied) or staged whole
+        cache_stats = cache.stats() if cache is not None else None
         first = [r.prefill_seconds for r in res]  # each sequence's first token, seconds from the start
         gen = sum(len(r.generated_ids) for r in res)
         dec_time = wall - max(first)
@@ -171,10 +189,16 @@ def main(argv=None) -> int:
                "prefill_budget": stats["prefill_budget"],
                "equal_alone": checks,
                "bound": decode_bound(eng, B, args.prompt_len + args.new_tokens // 2, args.bandwidth_tbs)}
+        if args.mode == "tier":
+            row["expert_cache"] = cache_stats if cache is not None else {"slots_per_layer": 0,
+                                                                         "note": eng.runner.cache_note}
         rows.append(row)
+        ec = row.get("expert_cache")
+        where = (f"bound {row['bound']['tokens_per_s']:8.1f}" if ec is None else
+                 f"expert cache {ec['slots_per_layer']} slots: {ec.get('hits', 0)} hits, {ec.get('misses', 0)} misses, "
+                 f"{ec.get('staged_layers', 0)} layers staged whole")
         print(f"[throughput] B={B:3d}: {row['aggregate_tokens_per_s']:8.1f} tok/s whole call, decode "
-              f"{row['decode_tokens_per_s'] or 0:8.1f} tok/s (bound {row['bound']['tokens_per_s']:8.1f}), "
-              f"equal alone {checks}", flush=True)
+              f"{row['decode_tokens_per_s'] or 0:8.1f} tok/s ({where}), equal alone {checks}", flush=True)
     mixed = None
     if args.mixed:
         mixed = mixed_row(eng, args, max(batches), rng)
@@ -182,7 +206,8 @@ def main(argv=None) -> int:
               f"{mixed['decoding']} decode: {mixed['aggregate_tokens_per_s']:.1f} tok/s, time between the decoding "
               f"sequences' tokens p50 {mixed['decoding_gap_ms_p50']:.2f} ms p99 {mixed['decoding_gap_ms_p99']:.2f} ms",
               flush=True)
-    out = {"summary": {"model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+    out = {"summary": {"model": args.model, "mode": args.mode, "device_budget_gb": args.device_budget_gb,
+                       "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                        "bandwidth_tbs": args.bandwidth_tbs, "pass": ok, **provenance()}, "rows": rows,
            "mixed": mixed}
     if args.json:

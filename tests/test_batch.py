@@ -6,7 +6,7 @@ import pytest
 
 import baro_jax
 from baro_jax import batch as B
-from baro_jax.config import FULL
+from batch_util import kv_rows, same
 
 PROMPTS = [
     "import os\n",
@@ -28,35 +28,6 @@ def eng():
 @pytest.fixture(scope="module")
 def alone(eng):
     return [eng.generate(p, n, logprobs=2, keep_state=True) for p, n in zip(PROMPTS, NEW)]
-
-
-def kv_rows(cfg, state, n):
-    """The state's leaves as bytes, KV caches cut to the n positions a sequence has written (the
-    pool's caches are longer than a sequence's own; past n both hold zeros)."""
-    out = []
-    for st, kind in zip(state, cfg.layer_types):
-        for k in sorted(st):
-            a = np.asarray(st[k])
-            out.append((a[:n] if kind == FULL else a).tobytes())
-    return out
-
-
-def same(cfg, a, b):
-    """a: a result alone, b: the same prompt's batch result; what differs, or None."""
-    if a.generated_ids != b.generated_ids:
-        return f"tokens {a.generated_ids} != {b.generated_ids}"
-    if [x.tobytes() for x in a.logprobs] != [x.tobytes() for x in b.logprobs]:
-        return "logprob bytes differ"
-    if a.top_logprobs is not None and b.top_logprobs is not None:
-        for (ia, va), (ib, vb) in zip(a.top_logprobs, b.top_logprobs):
-            if ia != ib or va.tobytes() != vb.tobytes():
-                return "top logprobs differ"
-    if a.finish_reason != b.finish_reason:
-        return f"finish {a.finish_reason} != {b.finish_reason}"
-    n = len(a.prompt_ids) + len(a.generated_ids) - 1
-    if a.state is not None and b.state is not None and kv_rows(cfg, a.state, n) != kv_rows(cfg, b.state, n):
-        return "final state bytes differ"
-    return None
 
 
 def test_a_prefill_budget_runs_several_chunks_a_round_with_the_bytes_alone(eng, alone):
@@ -288,10 +259,15 @@ def test_bad_batch_arguments(eng, kw, msg):
         eng.generate_batch(args.pop("prompts"), args.pop("max_new_tokens"), **args)
 
 
-def test_tier_mode_says_it_is_not_batched_yet():
-    tier = baro_jax.load("tiny", mode="tier", progress=False)
-    with pytest.raises(ValueError, match="generate_batch runs resident mode"):
-        tier.generate_batch(["a"], 2)
+def test_the_blocked_delta_rule_is_refused_with_its_reason():
+    """The pool holds no pending delta block (delta_rule 'blocked' keeps one per sequence): the
+    batch and the server's pool say so and how to set the rule."""
+    blocked = baro_jax.load("tiny", delta_rule="blocked", progress=False)
+    for call in (lambda: blocked.generate_batch(["a"], 2), lambda: blocked.score_batch(["a"], ["b"]),
+                 lambda: B.open_run(blocked, max_batch=2, length=64, chunk=8, logprobs=None, stop_width=1)):
+        with pytest.raises(ValueError, match=r"runs the per-token delta rule \(delta_rule 'token', BARO_DELTA=token\), "
+                                             r"not 'blocked': the sequence pool holds no pending delta block"):
+            call()
 
 
 def test_sequences_join_and_leave_a_running_pool(eng, alone):

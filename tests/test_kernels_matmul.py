@@ -128,6 +128,68 @@ def test_matmul_stream16(platform, N, K, monkeypatch):
         monkeypatch.delenv(n, raising=False)
 
 
+# The stream's blocks that load a plain call's A slot once and share it among their warps
+# (BARO_ROW1_ASHARED=1, gemm_row1.cuh ASHARED; opt-in, first run on a GPU pending) against the
+# default stream over 16-row slots (the knob off) and against one-row calls (gemm_row1's one-row
+# kernel), at the model's shapes: in_proj (12352 x 2048), out_proj and attention o (2048 x 4096),
+# qkv (9216 x 2048); 4801 x 1040 (a last k stage of one 16-step: the fragment loads past K land in
+# the pad after A); 264 x 4224 (under BARO_ROW1_KCHUNK=128, 33 k stages: A pieces of 2 stages);
+# 264 x 8192 (at m = 16, A leaves no room for the rings: =require fails there, =1 falls back to the
+# default instance; fewer rows fit). m: 2 (rows 2..15 of the fragment zero), 3, 8 (a decode step of
+# 8), 13, 16 (a full slot). Under the speed knobs: one warp per block (each warp streams several
+# units, later ones finding A landed), 8 warps per block, units of 1 or 4 n-tiles, 128-wide k
+# stages (32 A pieces at K = 4096), 16-byte cp.async for W (A stays on bulk copies). The knob is
+# =require wherever A fits, so a fallback to the default instance fails instead of passing.
+ASHARED_M = (2, 3, 8, 13, 16)
+ASHARED_FALLBACK = {(264, 8192, 16)}  # (N, K, m) whose A does not fit beside two stages per warp
+ASHARED_KNOBS = [{}, {"BARO_ROW1_BPS": "1"}, {"BARO_ROW1_BPS": "8"}, {"BARO_ROW1_NT": "1"}, {"BARO_ROW1_NT": "4"},
+                 {"BARO_ROW1_KCHUNK": "128"}, {"BARO_ROW1_COPY": "lsu"}]
+ASHARED_NAMES = ("BARO_ROW1_ASHARED", "BARO_GEMM_SMALL", "BARO_GEMM_TILE", "BARO_ROW1_BPS", "BARO_ROW1_NT",
+                 "BARO_ROW1_KCHUNK", "BARO_ROW1_STAGES", "BARO_ROW1_COPY", "BARO_GEMM_ROW1")
+
+
+def set_only(monkeypatch, names, knobs):
+    """Exactly `knobs` of `names` set in the environment (the others unset)."""
+    for n in names:
+        monkeypatch.delenv(n, raising=False)
+    for n, v in knobs.items():
+        monkeypatch.setenv(n, v)
+
+
+@pytest.mark.parametrize("N,K", [(12352, 2048), (2048, 4096), (9216, 2048), (4801, 1040), (264, 4224),
+                                 (264, 8192)])
+def test_matmul_row1_ashared(platform, N, K, monkeypatch):
+    if platform.platform != "gpu":
+        pytest.skip("the shared-A stream is a CUDA kernel")
+    rng = np.random.default_rng(3100 + N + K)
+    w = bf16(rng, N, K)
+    wd = put(platform, w)
+
+    def call(x, knobs):
+        set_only(monkeypatch, ASHARED_NAMES, knobs)
+        poison(platform, (x.shape[0], N))  # a fresh jit: the launcher reads the knobs when the graph is built
+        out = np.asarray(jax.jit(lambda a, b: cc.matmul(a, b))(put(platform, x), wd))
+        set_only(monkeypatch, ASHARED_NAMES, {})
+        assert np.all(np.isfinite(out)), f"matmul N={N} K={K} m={x.shape[0]} {knobs}: elements unwritten"
+        return out
+
+    for m in ASHARED_M:
+        x = bf16(rng, m, K)  # fresh inputs for every m
+        want = call(x, {"BARO_ROW1_ASHARED": "0"})  # the default: the stream, A in every stage
+        for i in range(m):
+            one = call(x[i:i + 1], {"BARO_ROW1_ASHARED": "require"})  # m = 1: gemm_row1's one-row kernel
+            assert_same_bits(one[0], want[i], f"matmul N={N} K={K} m={m} row {i}: one-row call vs the stream")
+        mode = "require"
+        if (N, K, m) in ASHARED_FALLBACK:
+            with pytest.raises(Exception, match="baro_matmul: kernel launch failed"):
+                call(x, {"BARO_ROW1_ASHARED": "require"})
+            mode = "1"
+        for knobs in ASHARED_KNOBS:
+            got = call(x, {"BARO_ROW1_ASHARED": mode, **knobs})
+            assert_same_bits(got, want, f"matmul N={N} K={K} m={m} {knobs}: BARO_ROW1_ASHARED={mode} vs off")
+    assert_close(want, ref_matmul(x, w), 1e-5, f"matmul N={N} K={K} m={m} vs float64")
+
+
 # The opt-in sm_90a wgmma + TMA GEMM (csrc/gpu/gemm_wgmma.cu, BARO_GEMM_WGMMA): plain calls of
 # 64 rows or more, the same bytes as the mma.sync kernels. require turns a fallback into an error,
 # so the test cannot pass on the default kernel. m: one 64-row tile, one row past it, a tile short

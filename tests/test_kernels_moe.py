@@ -401,6 +401,107 @@ def test_moe_shared_folded(platform, m, E, D, I, k, tile, monkeypatch):
     assert_close(got["default"], ref_moe(h, *w, k), 1e-3, f"moe m={m} E={E} vs float64")
 
 
+# The MoE's plain GEMMs of 2 to 16 rows on the stream's blocks that share one copy of A
+# (BARO_ROW1_ASHARED=1; opt-in, first run on a GPU pending) against the knob off and each row
+# alone, at the model's D = 2048, E = 256, top_k = 8 and shared expert (Is = 512): with the fold
+# (BARO_MOE_FOLD=1) the router GEMM carries the shared gate's row from W_tail (K 2048, N 257); I = 64
+# != Is keeps the shared expert out of the grouped GEMMs, so its gate/up is a plain SwiGLU GEMM
+# (K 2048, N 2 x 512) and its down a plain one (K 512, N 2048); without the fold the router is
+# N = 256 and the shared gate a GEMM of one column (one unit, one warp). The grouped expert GEMMs
+# stay on their kernels. Under one warp per block and units of 1 and 2 n-tiles too.
+ASHARED_MOE_KNOBS = [{}, {"BARO_ROW1_BPS": "1"}, {"BARO_ROW1_NT": "1"}, {"BARO_ROW1_NT": "2"}]
+ASHARED_MOE_NAMES = KNOB_NAMES_ONE_ROW + ("BARO_ROW1_ASHARED", "BARO_ROW1_BPS", "BARO_ROW1_NT", "BARO_GEMM_SMALL")
+
+
+@pytest.mark.parametrize("fold", ["1", "0"])
+def test_moe_row1_ashared(platform, fold, monkeypatch):
+    if platform.platform != "gpu":
+        pytest.skip("the shared-A stream is a CUDA kernel")
+    E, D, I, Is, k = 256, 2048, 64, 512, 8
+    rng = np.random.default_rng(3300 + int(fold))
+    w = moe_weights_sized(rng, E, D, I, Is)
+    wd = put(platform, *w)
+
+    def call(h, knobs):
+        for kn in ASHARED_MOE_NAMES:
+            monkeypatch.delenv(kn, raising=False)
+        for kn, v in {"BARO_MOE_FOLD": fold, **knobs}.items():
+            monkeypatch.setenv(kn, v)
+        poison(platform, (h.shape[0], D))  # a fresh jit: the launcher reads the knobs when the graph is built
+        out = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h), *wd))
+        assert np.all(np.isfinite(out)), f"moe m={h.shape[0]} fold={fold} {knobs}: elements unwritten"
+        return out
+
+    for m in (2, 3, 8, 13, 16):
+        h = bf16(rng, m, D)  # fresh inputs for every m
+        want = call(h, {"BARO_ROW1_ASHARED": "0"})
+        for knobs in ASHARED_MOE_KNOBS:
+            got = call(h, {"BARO_ROW1_ASHARED": "require", **knobs})  # an error where a GEMM could not take it
+            assert_same_bits(got, want, f"moe m={m} fold={fold} {knobs}: BARO_ROW1_ASHARED vs off")
+        for i in range(m):
+            one = call(h[i:i + 1], {"BARO_ROW1_ASHARED": "require"})
+            assert_same_bits(one[0], want[i], f"moe m={m} fold={fold} row {i}: one-row call vs the batch")
+    for kn in ASHARED_MOE_NAMES:
+        monkeypatch.delenv(kn, raising=False)
+    assert_close(want, ref_moe(h, *w, k), 1e-3, f"moe m={m} fold={fold} vs float64")
+
+
+# The grouped expert GEMMs of 2 to 64 rows (16-row tiles on gemm_rows16: under 8 pairs per expert)
+# on the persistent schedule (BARO_ROWS16_PERSIST; opt-in, first GPU run pending) against the
+# knob off, bytes on poisoned outputs, fresh inputs for every m: the model's D 2048, E 256,
+# top_k 8, I = Is = 512 (with the fold the shared expert is the grouped GEMMs' last tiles, read
+# from W_last; without it a gate/up and a down GEMM of its own) and a small shape whose I = 136
+# ends in a column block of one warp's columns and whose down GEMM's K = 136 ends in a partial
+# stage; its few items make the schedule split every item into column pieces. require fails the
+# call where a grouped call could not take it, so the bytes cannot come from the default path;
+# under BARO_ROWS16_WARPS=2 or BARO_ROWS16_RING=deep (other instances) it must fail.
+PERSIST_NAMES = KNOB_NAMES_ONE_ROW + ("BARO_ROWS16_PERSIST", "BARO_ROWS16_WARPS", "BARO_ROWS16_RING",
+                                      "BARO_GEMM_TILE", "BARO_GEMM_SMALL")
+
+
+@pytest.mark.parametrize("E,D,I,k", [(256, 2048, 512, 8), (64, 256, 136, 4)])
+def test_moe_rows16_persist_same_bytes(platform, E, D, I, k, monkeypatch):
+    if platform.platform != "gpu":
+        pytest.skip("the persistent schedule is a CUDA kernel")
+    if "CUDA" not in cc.available_platforms():
+        pytest.skip("gemm_rows16 is CUDA only (HIP runs the simple kernel, which never reads the knob)")
+    rng = np.random.default_rng(3500 + E)
+    w = moe_weights_sized(rng, E, D, I, I)
+    wd = put(platform, *w)
+
+    def call(h, knobs, op=cc.moe, args=None):
+        for kn in PERSIST_NAMES:
+            monkeypatch.delenv(kn, raising=False)
+        for kn, v in knobs.items():
+            monkeypatch.setenv(kn, v)
+        poison(platform, (h.shape[0], D))  # a fresh jit: the launcher reads the knobs when the graph is built
+        out = np.asarray(jax.jit(lambda *a: op(*a, top_k=k))(put(platform, h), *(wd if args is None else args)))
+        assert np.all(np.isfinite(out)), f"moe m={h.shape[0]} E={E} {knobs}: elements unwritten"
+        return out
+
+    for fold in ("1", "0"):
+        for m in (2, 5, 8, 16, 33, 64):
+            h = bf16(rng, m, D)  # fresh inputs for every m and fold
+            want = call(h, {"BARO_MOE_FOLD": fold, "BARO_ROWS16_PERSIST": "0"})
+            got = call(h, {"BARO_MOE_FOLD": fold, "BARO_ROWS16_PERSIST": "require"})
+            assert_same_bits(got, want, f"moe m={m} E={E} D={D} fold={fold}: BARO_ROWS16_PERSIST vs off")
+        for i in (0, m - 1):
+            one = call(h[i:i + 1], {"BARO_MOE_FOLD": fold})
+            assert_same_bits(one[0], got[i], f"moe m={m} E={E} fold={fold} row {i}: one-row call vs persistent")
+    if E <= 64:  # experts at pool slots (groups are slots): the small shape only, the pool is E + 3 experts
+        pgu, pdn, slots = pool_for(w[1], w[2], range(E), E + 3, rng)
+        pooled = put(platform, w[0], pgu, pdn, slots, w[3], w[4], w[5])
+        h = bf16(rng, 8, D)
+        got = call(h, {"BARO_ROWS16_PERSIST": "require"}, cc.moe_slots, pooled)
+        assert_same_bits(got, call(h, {}), f"moe_slots m=8 E={E}: BARO_ROWS16_PERSIST vs moe")
+        for knobs in ({"BARO_ROWS16_WARPS": "2"}, {"BARO_ROWS16_RING": "deep"}):
+            with pytest.raises(Exception, match=r"baro_moe\w*: kernel launch failed"):
+                call(h, {"BARO_ROWS16_PERSIST": "require", **knobs})
+    for kn in PERSIST_NAMES:
+        monkeypatch.delenv(kn, raising=False)
+    assert_close(got, ref_moe(h, *w, k), 1e-3, f"moe E={E} vs float64")
+
+
 # One token through a slot table with I == Is: the fold (top-k and grouping in one warp,
 # the shared expert as one more grouped row) reading experts at their pool slots gives the
 # bytes of moe, folded or not (BARO_MOE_FOLD=0), with the route and combine inside the

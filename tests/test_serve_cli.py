@@ -74,13 +74,19 @@ def test_a_signal_lets_the_running_stream_finish_and_exits_0(sig):
     (["--max-body-mb", "0"], "error: --max-body-mb must be > 0, got 0.0"),
     (["--max-batchh", "3"], "error: unrecognized arguments: --max-batchh 3"),
     (["--model", "/no/such/dir"], "error: "),
-    (["--mode", "tier", "--max-context", "1024"], "error: the server runs resident mode (and expert parallel) so "
-                                                  "far, not 'tier': start it without --mode tier"),
 ])
 def test_bad_flags_are_one_line_and_status_2(capsys, args, msg):
     assert main(args) == 2
     err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[baro_jax]")]
     assert len(err) == 1 and err[0].startswith(msg), err  # after the loading lines, when it got that far
+
+
+def test_a_pool_it_cannot_run_is_one_line_and_status_2(capsys, monkeypatch):
+    """BARO_DELTA=blocked: the pool holds no pending delta block; the server says so at start."""
+    monkeypatch.setenv("BARO_DELTA", "blocked")
+    test_bad_flags_are_one_line_and_status_2(capsys, ["--max-context", "1024"],
+                                             "error: the server runs the per-token delta rule (delta_rule 'token', "
+                                             "BARO_DELTA=token), not 'blocked'")
 
 
 def test_serve_bench_dry_run_checks_every_response(bench_script, tmp_path):

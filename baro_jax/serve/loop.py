@@ -54,8 +54,7 @@ class EngineLoop:
         self._pool_args = dict(max_batch=max_batch, length=engine.cfg.max_context,
                                chunk=min(chunk, engine.cfg.max_context), logprobs=max_logprobs,
                                prefill_budget=prefill_budget,
-                               stop_width=len(engine.eos_ids) + max_stop_ids, what="the server",
-                               hint="start it without --mode tier (BARO_TIER)")
+                               stop_width=len(engine.eos_ids) + max_stop_ids, what="the server")
         with engine.exclusive():
             self.run = batch.open_run(engine, **self._pool_args)
         self.slots, self.length, self.chunk = self.run.slots, self.run.length, self.run.chunk

@@ -265,10 +265,16 @@ class BatchIdentityReport:
     alone_seconds: float = 0.0
     replay_seconds: float = 0.0
     wall_seconds: float = 0.0
+    reference: dict | None = None  # compare_reference's account, when a reference run was given
 
     @property
     def row_failures(self) -> int:
         return sum(not row_ok(r) for r in self.rows)
+
+    @property
+    def reference_failures(self) -> int:
+        """Sequences whose run alone differs from the reference run's (another mode's)."""
+        return len(self.reference["differing"]) if self.reference else 0
 
     @property
     def replay_failures(self) -> int:
@@ -277,7 +283,7 @@ class BatchIdentityReport:
 
     @property
     def failures(self) -> int:
-        return self.row_failures + self.replay_failures
+        return self.row_failures + self.replay_failures + self.reference_failures
 
     @property
     def ok(self) -> bool:
@@ -297,7 +303,7 @@ class BatchIdentityReport:
                 "replay_sequences": sum(s["replay"] is not None for s in self.sequences),
                 "replay_equal_alone": sum(s["replay"] is not None and equal(s["replay"]) for s in self.sequences),
                 "alone_seconds": self.alone_seconds, "replay_seconds": self.replay_seconds,
-                "wall_seconds": self.wall_seconds}
+                "wall_seconds": self.wall_seconds, **({"reference": self.reference} if self.reference else {})}
 
     def to_json(self, **extra) -> dict:
         """{"summary": summary() with `extra` merged in (model, provenance, ...), "sequences",
@@ -309,6 +315,30 @@ class BatchIdentityReport:
         """What a run cut short leaves: everything so far, no verdict."""
         return {"summary": {"pass": None, "partial": True, "rows": len(self.rows), **extra},
                 "sequences": self.sequences, "configs": self.configs, "rows": self.rows}
+
+
+def compare_reference(sequences: list, path: str) -> dict:
+    """How each sequence's run alone (its digest: ids, logprob bytes, state over its own KV length)
+    compares with the same sequence in another gate run's JSON (`path`: the same prompts in another
+    mode, e.g. resident for a tier run). {"file", "compared", "differing": [indices]}. A reference
+    of other sequences (a prompt length, new-token count or sampling that differs) is an error,
+    not a pass."""
+    import json
+
+    with open(path) as f:
+        ref = json.load(f)["sequences"]
+    if len(ref) != len(sequences):
+        raise ValueError(f"reference {path}: {len(ref)} sequences, this run has {len(sequences)} (run it with the "
+                         "same --n, --max-len, --new-tokens and --prompt-seed)")
+    differing = []
+    for s, r in zip(sequences, ref):
+        for key in ("prompt_len", "new_tokens", "sampling", "kv_length"):
+            if s[key] != r[key]:
+                raise ValueError(f"reference {path}: sequence {s['index']} has {key} {r[key]!r} there, {s[key]!r} "
+                                 "here: not the same sequences")
+        if s["digest"] != r["digest"]:
+            differing.append(s["index"])
+    return {"file": path, "compared": len(sequences), "differing": differing}
 
 
 def format_config(c: dict) -> str:

@@ -54,6 +54,7 @@ enum Id : int {
   kRows16Ring,
   kRows16Warps,
   kRows16Tall,
+  kRows16Persist,
   kPipeRing,
   kPdl,
   kRow1Bps,
@@ -61,6 +62,7 @@ enum Id : int {
   kRow1Stages,
   kRow1Nt,
   kRow1Copy,
+  kRow1Ashared,
   kCount
 };
 
@@ -89,6 +91,7 @@ inline constexpr Knob kKnobs[kCount] = {
     {"BARO_ROWS16_RING", Kind::kChoice, "auto|deep|light", 0, 0, 0},
     {"BARO_ROWS16_WARPS", Kind::kChoice, "auto|4|2|1", 0, 0, 0},
     {"BARO_ROWS16_TALL", Kind::kChoice, "off|on", 0, 0, 0},
+    {"BARO_ROWS16_PERSIST", Kind::kChoice, "0|1|require", 0, 0, 0},
     {"BARO_PIPE_RING", Kind::kChoice, "auto|deep|shallow", 0, 0, 0},
     {"BARO_PDL", Kind::kOnOff, nullptr, 0, 0, 0},
     {"BARO_ROW1_BPS", Kind::kInt, nullptr, 1, 8, 3},
@@ -96,6 +99,7 @@ inline constexpr Knob kKnobs[kCount] = {
     {"BARO_ROW1_STAGES", Kind::kInt, nullptr, 2, 16, 2},
     {"BARO_ROW1_NT", Kind::kInt, nullptr, 0, 4, 0},
     {"BARO_ROW1_COPY", Kind::kChoice, "bulk|lsu", 0, 0, 0},
+    {"BARO_ROW1_ASHARED", Kind::kChoice, "0|1|require", 0, 0, 0},
 };
 
 inline bool same_word(const char* s, const char* w, size_t n) {

@@ -32,6 +32,20 @@
 // whose rows past the slot are zero: gemm_rows16's words), and units run column-major, so the
 // slots of one column unit stream the same W rows side by side and meet in L2.
 //
+// ASHARED (BARO_ROW1_ASHARED=1, opt-in until run on a GPU; SLOT16 plain calls of one slot: 2 to
+// 16 rows, no tile list, no gathered rows): at 8 rows out_proj's warps copied as many A bytes as W
+// bytes (ncu), every unit bringing the slot's rows again. Here a block of `warps` warps (one
+// block per SM) holds all of the slot's A, loaded once, and each warp streams its own W ring as
+// above. Shared memory: the A pieces' mbarriers and every warp's ring mbarriers (kRow1AsBarBytes),
+// then A (rc rows at a stride of 2 K + 16 bytes: rows g spread over the banks as in the stages),
+// then the warps' rings (W rows only). Warp 0 issues A's bulk copies in ring.n_ka k pieces, each
+// on its own mbarrier, which fires once (phase 0) and is never re-armed: a warp waits on piece c
+// before its first unit's k stages of that piece, and A is never overwritten, so no warp waits for
+// another after the start (the one block-wide barrier is after the mbarriers' init). The fragment
+// code is the SLOT16 code above reading the same bf16 words of the same rows (g, g + 8 below rc,
+// zeros past it) from the A region instead of the stage, so every register into every mma, and the
+// mma order, are the SLOT16 path's: the same bytes (tests/test_kernels_matmul.py compares them).
+//
 // Requires (launcher): p.vec, K % 16 == 0, slot_rows == (SLOT16 ? 16 : 1). Reads p.W_tail /
 // p.W_last (gemm.cuh) where set: the one-token MoE's shared gate and shared expert.
 #pragma once
@@ -49,6 +63,11 @@ namespace baro_gpu {
 constexpr int kRow1MaxStages = 16;
 constexpr int kRow1BarBytes = 8 * kRow1MaxStages;  // the mbarriers, then the ring (128 B: aligned)
 constexpr int kRow1BlocksPerSM = 3;
+// ASHARED: warps per block (BARO_ROW1_BPS's range), and the A pieces (one mbarrier each)
+constexpr int kRow1AsMaxWarps = 8;
+constexpr int kRow1AsPieces = 32;
+constexpr int kRow1AsBarBytes = 8 * (kRow1AsPieces + kRow1AsMaxWarps * kRow1MaxStages);  // 1280: 128 B aligned
+static_assert(kRow1AsBarBytes % 128 == 0, "the A region and the rings start 128-byte aligned");
 // A stage's piece of each W row is kchunk elements; its smem row stride is kchunk * 2 + 16
 // bytes (the 16 spread the 8 rows of an ldmatrix phase over distinct banks).
 __host__ __device__ constexpr int row1_row_bytes(int kchunk) { return kchunk * 2 + 16; }
@@ -76,7 +95,22 @@ struct Row1Ring {
   int stage_bytes;  // W rows then the A rows
   int lsu;          // 1: 16-byte cp.async per lane (the load/store path) instead of bulk copies
   int n_k;          // k stages per unit: ceil(K / kchunk), from the launcher
+  // ASHARED only (0 otherwise):
+  int a_rowb = 0;   // the A region's row stride, 2 K + 16 bytes
+  int a_bytes = 0;  // the A region: row1_a_bytes(the call's most rows, K)
+  int a_per = 0;    // k stages per A piece
+  int n_ka = 0;     // A pieces: ceil(n_k / a_per) <= kRow1AsPieces
 };
+
+// ASHARED: the A region's row stride. 2 K + 16 bytes keeps the 8 rows g of a fragment load on
+// distinct banks for every K % 16 == 0 (K / 2 + 4 words per row), as the stages' padding does.
+__host__ __device__ constexpr int64_t row1_a_row_bytes(int64_t K) { return K * 2 + 16; }
+// The A region: rows rows, then 256 bytes, rounded up to 128. A fragment group loads its 8 k-steps
+// whatever the stage holds (the mmas past K are skipped), so the last stage's loads reach up to
+// 7 steps (224 bytes) past K: inside the pad, not in a warp's ring that a copy may be filling.
+__host__ __device__ constexpr int64_t row1_a_bytes(int rows, int64_t K) {
+  return (rows * row1_a_row_bytes(K) + 256 + 127) / 128 * 128;
+}
 
 // Stage bytes: the W rows at the padded stride, then room for a_rows A rows: one row unpadded,
 // or (SLOT16) as many as any slot of the call holds, at the padded stride.
@@ -148,16 +182,20 @@ BARO_DEV void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;
 //     warp that counts a unit's last slot computes out for those columns: the slot-order
 //     fmaf over the pairs from 0, then + sigmoid(sgl) * the shared row, moe_combine_kernel's
 //     expressions (the kernel tests compare the two), so the combine launch goes.
-template <bool SWIGLU, int NT, int MOE = Row1Moe::kNone, bool SLOT16 = false>
-__global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int64_t row_slots, Row1Ring ring) {
+template <bool SWIGLU, int NT, int MOE = Row1Moe::kNone, bool SLOT16 = false, bool ASHARED = false>
+__global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_WARP)
+    gemm_row1_kernel(GemmParams p, int64_t row_slots, Row1Ring ring) {
   using Cfg = Row1Cfg<SWIGLU, NT>;
   constexpr int T = Cfg::kTiles;
   static_assert(MOE == Row1Moe::kNone || (MOE == Row1Moe::kRoute) == SWIGLU, "route on gate/up, combine on down");
   static_assert(MOE == Row1Moe::kNone || !SLOT16, "the fused route and combine are one token's");
+  static_assert(!ASHARED || (SLOT16 && MOE == Row1Moe::kNone), "a shared A slot: plain 16-row slots only");
   extern __shared__ __align__(128) uint8_t row1_smem[];
   grid_dependency_wait();  // p.pdl launches: the previous kernel's results first
 
-  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+  const int lane = static_cast<int>(ASHARED ? threadIdx.x % BARO_WARP : threadIdx.x), g = lane >> 2, t = lane & 3;
+  // ASHARED: warp `warp` of a block of wpb; a one-warp block otherwise
+  const uint32_t warp = ASHARED ? threadIdx.x / BARO_WARP : 0u, wpb = ASHARED ? blockDim.x / BARO_WARP : 1u;
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t ups = (out_n + Cfg::kOutCols - 1) / Cfg::kOutCols;  // units per slot
   const int32_t* tiles = p.tiles;
@@ -204,10 +242,12 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
   int64_t slots = tiles != nullptr ? static_cast<int64_t>(*n_tiles) : row_slots;
   if (slots > row_slots) slots = row_slots;  // the tile list's capacity (what the grid was sized for)
   const uint32_t units = static_cast<uint32_t>(slots * ups);  // < 2^31 (launcher)
-  const uint32_t first = blockIdx.x, step = gridDim.x;
-  if (first >= units) return;
+  const uint32_t first = blockIdx.x * wpb + warp, step = gridDim.x * wpb;  // this warp's units
+  if constexpr (!ASHARED) {
+    if (first >= units) return;
+  }  // ASHARED: every warp takes part in the block's setup below first
   const uint32_t n_lo = static_cast<uint32_t>(SLOT16 ? slots : ups);
-  const uint32_t my_units = (units - first + step - 1) / step;
+  const uint32_t my_units = !ASHARED || first < units ? (units - first + step - 1) / step : 0u;
   const int64_t K = p.K;
   const int kchunk = ring.kchunk, ST = ring.stages;
   const int rowb = row1_row_bytes(kchunk);
@@ -216,12 +256,52 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
   const uint32_t d_hi = step / n_lo, d_lo = step - d_hi * n_lo;  // the grid stride in (hi, lo)
   const Row1Cursor start{first / n_lo, first - (first / n_lo) * n_lo};
 
-  const uint32_t bar0 = smem_u32(row1_smem);
-  const uint32_t stage0 = bar0 + kRow1BarBytes;
+  const uint32_t smem0 = smem_u32(row1_smem);
+  // this warp's ring mbarriers and ring (ASHARED: after the A pieces' mbarriers; after A)
+  const uint32_t bar0 = ASHARED ? smem0 + 8 * (kRow1AsPieces + warp * kRow1MaxStages) : smem0;
+  const uint32_t stage0 = ASHARED ? smem0 + kRow1AsBarBytes + ring.a_bytes + warp * ST * ring.stage_bytes
+                                  : smem0 + kRow1BarBytes;
+  const uint32_t a0 = smem0 + kRow1AsBarBytes;  // ASHARED: the A region
   if (lane == 0)
     for (int s = 0; s < ST; ++s) mbar_init(bar0 + 8 * s, ring.lsu ? BARO_WARP : 1);
+  if constexpr (ASHARED) {
+    if (threadIdx.x == 0)
+      for (int c = 0; c < ring.n_ka; ++c) mbar_init(smem0 + 8 * c, 1);
+  }
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  __syncwarp();
+  if constexpr (ASHARED) {
+    __syncthreads();  // the A pieces' mbarriers, before any warp waits on them
+    // Warp 0 brings the slot's rows (the only slot of the call: units differ in columns only),
+    // piece by piece in k order, so the first k stages can start before the rest of A lands.
+    // Bulk copies whatever ring.lsu says: A is device memory (W_host calls do not come here).
+    if (warp == 0) {
+      int64_t group = 0, r0 = 0, rc = 0;
+      gemm_slot(p, tiles, n_tiles, 0, group, r0, rc);  // plain: r0 = 0, rc = min(M, 16)
+      const uint16_t* a = p.A + r0 * p.lda;
+      const int piece = ring.a_per * kchunk;  // k elements per A piece
+      auto piece_bytes = [&](int c) {
+        const int64_t k0 = static_cast<int64_t>(c) * piece;
+        return static_cast<uint32_t>((K - k0 < piece ? K - k0 : piece) * 2);
+      };
+      if (lane == 0)
+        for (int c = 0; c < ring.n_ka; ++c) mbar_expect_tx(smem0 + 8 * c, piece_bytes(c) * static_cast<uint32_t>(rc));
+      __syncwarp();  // armed before any copy can complete on them
+      const int nrc = static_cast<int>(rc);
+      for (int i = lane; i < ring.n_ka * nrc; i += BARO_WARP) {  // piece-major: piece 0 of every row first
+        const int c = i / nrc, r = i - c * nrc;
+        const int64_t k0 = static_cast<int64_t>(c) * piece;
+        bulk_copy(a0 + static_cast<uint32_t>(r * ring.a_rowb + k0 * 2), a + r * p.lda + k0, piece_bytes(c),
+                  smem0 + 8 * c);
+      }
+      // a warp 0 without units (the launcher never makes one) still keeps the block alive
+      // until A has landed: no bulk copy may outlive its block's shared memory
+      if (my_units == 0)
+        for (int c = 0; c < ring.n_ka; ++c) mbar_wait(smem0 + 8 * c, 0);
+    }
+    if (my_units == 0) return;
+  } else {
+    __syncwarp();
+  }
 
   // Where unit j's slot row and columns are. Every lane computes the same values.
   struct Unit {
@@ -269,7 +349,8 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
     const int64_t k0 = static_cast<int64_t>(pkt) * kchunk;
     const uint32_t kb = static_cast<uint32_t>((K - k0 < kchunk ? K - k0 : kchunk) * 2);
     const int live = SWIGLU ? 2 * pu.nc : pu.nc;  // W rows copied (the nc gate and nc up rows)
-    const int rows = Cfg::kWRows + pu.rc;          // smem rows of the stage
+    const int a_in = ASHARED ? 0 : pu.rc;          // A rows the stage carries (ASHARED: none)
+    const int rows = Cfg::kWRows + a_in;           // smem rows of the stage
     auto src_row = [&](int r) -> const uint16_t* {  // global start of smem row r's piece, or null
       if (r >= Cfg::kWRows) {
         const int i = r - Cfg::kWRows;
@@ -292,7 +373,7 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
       }
       cp_async_arrive(bar);
     } else {  // lane 0 arms the barrier with the byte count, then one bulk copy per row
-      if (lane == 0) mbar_expect_tx(bar, kb * static_cast<uint32_t>(live + pu.rc));
+      if (lane == 0) mbar_expect_tx(bar, kb * static_cast<uint32_t>(live + a_in));
       __syncwarp();
       fence_proxy_async();
       for (int r = lane; r < rows; r += BARO_WARP) {
@@ -323,6 +404,9 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
   Unit cu = unit(cat);
   for (int64_t s = 0; s < total; ++s) {
     mbar_wait(bar0 + 8 * slot, phase);
+    if constexpr (ASHARED) {  // the first unit meets every A piece once; later ones find them landed
+      if (cj == 0 && ckt % ring.a_per == 0) mbar_wait(smem0 + 8 * (ckt / ring.a_per), 0);
+    }
     if (ckt == 0) {
 #pragma unroll
       for (int b = 0; b < T; ++b)
@@ -330,9 +414,11 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
         for (int i = 0; i < 4; ++i) acc[b][i] = 0.0f;
     }
     const uint32_t base = stage0 + slot * ring.stage_bytes;
-    const uint16_t* a_s =
-        reinterpret_cast<const uint16_t*>(row1_smem + (base - bar0) + Cfg::kWRows * rowb);
     const int64_t k0 = static_cast<int64_t>(ckt) * kchunk;
+    // the slot's rows from k0 on: after the stage's W rows, or (ASHARED) in the A region
+    const uint16_t* a_s =
+        ASHARED ? reinterpret_cast<const uint16_t*>(row1_smem + (a0 - smem0)) + k0
+                : reinterpret_cast<const uint16_t*>(row1_smem + (base - smem0) + Cfg::kWRows * rowb);
     const int steps = static_cast<int>((K - k0 < kchunk ? K - k0 : kchunk) / 16);  // K % 16 == 0
     // Groups of 8 k-steps: every load of the group is issued before its first mma, so the
     // shared-memory latency is paid once per group and the T chains run back to back.
@@ -347,7 +433,8 @@ __global__ void __launch_bounds__(BARO_WARP) gemm_row1_kernel(GemmParams p, int6
       // load_a's words of a tile whose rows are the slot's rows (one, or rc), the rest zero
       FragA fa[8];
       if constexpr (SLOT16) {
-        const int ars = rowb / 2;  // A rows at the W rows' padded stride: rows g spread over banks
+        // A rows at the W rows' padded stride (ASHARED: the A region's): rows g spread over banks
+        const int ars = ASHARED ? ring.a_rowb / 2 : rowb / 2;
         const bool lo = g < cu.rc, hi = g + 8 < cu.rc;
         const uint16_t* a_lo = a_s + g * ars;
         const uint16_t* a_hi = a_s + (g + 8) * ars;

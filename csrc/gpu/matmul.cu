@@ -193,7 +193,9 @@ static gpuError_t launch_pipe(const GemmParams& p, int64_t row_slots, gpuStream_
 // chain each). The ring: the largest k piece (<= kchunk_max) of which min_stages fit.
 // Speed knobs (same bits; read per call, for benchmarks/row1_sweep.py): BARO_ROW1_BPS,
 // BARO_ROW1_KCHUNK, BARO_ROW1_STAGES, BARO_ROW1_NT, BARO_ROW1_COPY=lsu (16-byte cp.async
-// per lane instead of the copy engine's bulk copies).
+// per lane instead of the copy engine's bulk copies; W only under BARO_ROW1_ASHARED, whose A is
+// always bulk copies). With BARO_ROW1_ASHARED=1, BARO_ROW1_BPS is the most warps of a block
+// (one block per SM).
 struct Row1Plan {
   int bps = kRow1BlocksPerSM, kchunk_max = 2048, min_stages = 2, nt = 0;  // nt 0: by units (knobs.h defaults)
   int lsu = 0;
@@ -212,39 +214,85 @@ static Row1Plan row1_plan() {
   return r;
 }
 
-// a_rows: the A rows a stage must hold (1, or SLOT16's most rows in any slot).
-template <bool SWIGLU, int NT, int MOE, bool SLOT16>
-static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t grid, const Row1Plan& plan,
-                                 int a_rows, gpuStream_t stream) {
-  using Cfg = Row1Cfg<SWIGLU, NT>;
-  constexpr int extra = MOE == Row1Moe::kRoute ? kRow1RouteBytes : 0;  // the route after the ring
-  const int ring_bytes = 233472 / plan.bps - 1024 - kRow1BarBytes - extra;  // an SM's smem over its blocks
-  // the kernel walks its units in 32-bit (slot, column unit) cursors
-  const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
-  if (row_slots * ((out_n + Cfg::kOutCols - 1) / Cfg::kOutCols) > 0x7fffffffLL) return gpuErrorInvalidValue;
-  // host-store experts (W_host in pinned host memory) come over the host link through 16-byte
-  // cp.async: the bulk copies are not relied on for it
-  Row1Ring ring{plan.kchunk_max, 0, 0, plan.lsu || (p.W_host != nullptr && p.w_host_mapped) ? 1 : 0, 0};
+// BARO_ROW1_ASHARED=1 (opt-in until measured on a GPU; the same bits): a plain call of 2 to 16
+// rows (one 16-row slot, no tile list, no gathered rows, no host store) runs the stream's ASHARED
+// instance, whose blocks share one copy of the slot's A (gemm_row1.cuh). =require (tests): a call
+// on the 16-row stream that it cannot take fails instead of running the default instance, so a
+// byte test cannot pass on the default. Read per call.
+static bool row1_ashared_takes(const GemmParams& p, int64_t row_slots) {
+  return row_slots == 1 && p.tiles == nullptr && p.a_rows == nullptr && p.W_host == nullptr && p.W_last == nullptr &&
+         p.moe.kind == Row1Moe::kNone;
+}
+static bool row1_ashared_required() { return baro::knobs::is(baro::knobs::kRow1Ashared, "require"); }
+
+// The ring of `ring_bytes` per warp: the largest k piece (<= kchunk_max, no wider than K) of
+// which min_stages fit; ring.stages < 2 when not even 128-wide pieces do.
+static void row1_ring(Row1Ring& ring, const GemmParams& p, const Row1Plan& plan, int w_rows, int a_rows,
+                      int ring_bytes) {
   const int64_t k128 = (p.K + 127) / 128 * 128;
   while (ring.kchunk > 128 && ring.kchunk / 2 >= k128) ring.kchunk /= 2;  // no wider than K
   for (;;) {
-    ring.stage_bytes = row1_stage_bytes(Cfg::kWRows, ring.kchunk, a_rows);
-    ring.stages = ring_bytes / ring.stage_bytes;
+    ring.stage_bytes = row1_stage_bytes(w_rows, ring.kchunk, a_rows);
+    ring.stages = ring_bytes > 0 ? ring_bytes / ring.stage_bytes : 0;
     if (ring.stages >= plan.min_stages || ring.kchunk <= 128) break;
     ring.kchunk = ring.kchunk / 2 / 128 * 128 > 128 ? ring.kchunk / 2 / 128 * 128 : 128;
   }
   if (ring.stages > kRow1MaxStages) ring.stages = kRow1MaxStages;
-  if (ring.stages < 2) return gpuErrorInvalidValue;
   ring.n_k = static_cast<int>((p.K + ring.kchunk - 1) / ring.kchunk);
-  const int smem = kRow1BarBytes + ring.stages * ring.stage_bytes + extra;
+}
+
+// a_rows: the A rows a stage must hold (1, or SLOT16's most rows in any slot). grid: one-warp
+// blocks. ASHARED: blocks of up to plan.bps warps, one block per SM (fewer warps per block when
+// there are fewer units than bps per SM, so the units still spread over the SMs), A beside the
+// warps' rings; where A leaves no room for two 128-wide stages per warp (16 rows of K above about
+// 5,500 at three warps of 4 n-tiles), the plain SLOT16 instance runs instead (the same bits).
+template <bool SWIGLU, int NT, int MOE, bool SLOT16, bool ASHARED = false>
+static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t grid, const Row1Plan& plan,
+                                 int a_rows, gpuStream_t stream) {
+  using Cfg = Row1Cfg<SWIGLU, NT>;
+  constexpr int extra = MOE == Row1Moe::kRoute ? kRow1RouteBytes : 0;  // the route after the ring
+  // the kernel walks its units in 32-bit (slot, column unit) cursors
+  const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
+  const int64_t units = row_slots * ((out_n + Cfg::kOutCols - 1) / Cfg::kOutCols);
+  if (units > 0x7fffffffLL) return gpuErrorInvalidValue;
+  // host-store experts (W_host in pinned host memory) come over the host link through 16-byte
+  // cp.async: the bulk copies are not relied on for it
+  Row1Ring ring{plan.kchunk_max, 0, 0, plan.lsu || (p.W_host != nullptr && p.w_host_mapped) ? 1 : 0, 0};
+  int warps = 1, smem = 0;
+  int64_t blocks = grid;
+  if constexpr (ASHARED) {
+    static_assert(kRow1AsMaxWarps == baro::knobs::kKnobs[baro::knobs::kRow1Bps].hi, "BARO_ROW1_BPS: warps per block");
+    const int64_t sms = sm_count();
+    const int64_t per_sm = (units + sms - 1) / sms;
+    warps = static_cast<int>(per_sm < plan.bps ? per_sm : plan.bps);
+    blocks = (units + warps - 1) / warps;
+    if (blocks > sms) blocks = sms;
+    const int64_t a_bytes = row1_a_bytes(a_rows, p.K);
+    const int64_t left = 233472 - 1024 - kRow1AsBarBytes - a_bytes;  // one block per SM
+    row1_ring(ring, p, plan, Cfg::kWRows, 0, left > 0 ? static_cast<int>(left / warps) : 0);
+    if (ring.stages < 2) {
+      if (row1_ashared_required()) return gpuErrorInvalidValue;
+      return launch_row1_nt<SWIGLU, NT, MOE, SLOT16, false>(p, row_slots, grid, plan, a_rows, stream);
+    }
+    ring.a_rowb = static_cast<int>(row1_a_row_bytes(p.K));  // A fits: < 2^31
+    ring.a_bytes = static_cast<int>(a_bytes);
+    ring.a_per = (ring.n_k + kRow1AsPieces - 1) / kRow1AsPieces;
+    ring.n_ka = (ring.n_k + ring.a_per - 1) / ring.a_per;
+    smem = kRow1AsBarBytes + ring.a_bytes + warps * ring.stages * ring.stage_bytes;
+  } else {
+    row1_ring(ring, p, plan, Cfg::kWRows, a_rows, 233472 / plan.bps - 1024 - kRow1BarBytes - extra);  // an SM's smem over its blocks
+    if (ring.stages < 2) return gpuErrorInvalidValue;
+    smem = kRow1BarBytes + ring.stages * ring.stage_bytes + extra;
+  }
   static std::atomic<uint64_t> smem_done{0};
-  constexpr auto kernel = gemm_row1_kernel<SWIGLU, NT, MOE, SLOT16>;
+  constexpr auto kernel = gemm_row1_kernel<SWIGLU, NT, MOE, SLOT16, ASHARED>;
   gpuError_t e = allow_smem(kernel, 233472 - 1024, smem_done);  // any bps
   if (e != gpuSuccess) return e;
+  const dim3 block(static_cast<unsigned>(warps * BARO_WARP));
   if (p.pdl)
-    return launch_dependent(kernel, dim3(static_cast<unsigned>(grid)), dim3(BARO_WARP), static_cast<size_t>(smem),
-                            stream, p, row_slots, ring);
-  kernel<<<static_cast<unsigned>(grid), BARO_WARP, smem, stream>>>(p, row_slots, ring);
+    return launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), block, static_cast<size_t>(smem), stream, p,
+                            row_slots, ring);
+  kernel<<<static_cast<unsigned>(blocks), block, smem, stream>>>(p, row_slots, ring);
   return gpuGetLastError();
 }
 
@@ -260,6 +308,17 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
   const int64_t enough = warps * 9 / 10;
   int nt = plan.nt;
   if (nt == 0) nt = !SWIGLU && units(4) >= enough ? 4 : units(2) >= enough ? 2 : 1;
+  if constexpr (SLOT16 && MOE == Row1Moe::kNone) {
+    namespace k = baro::knobs;
+    const bool on = !k::is(k::kRow1Ashared, "0");
+    if (on && !row1_ashared_takes(p, row_slots) && row1_ashared_required()) return gpuErrorInvalidValue;
+    if (on && row1_ashared_takes(p, row_slots)) {  // the same unit widths, blocks sharing A
+      if constexpr (!SWIGLU)
+        if (nt >= 4) return launch_row1_nt<SWIGLU, 4, MOE, SLOT16, true>(p, row_slots, grid(4), plan, a_rows, stream);
+      if (nt >= 2) return launch_row1_nt<SWIGLU, 2, MOE, SLOT16, true>(p, row_slots, grid(2), plan, a_rows, stream);
+      return launch_row1_nt<SWIGLU, 1, MOE, SLOT16, true>(p, row_slots, grid(1), plan, a_rows, stream);
+    }
+  }
   if constexpr (!SWIGLU)
     if (nt >= 4) return launch_row1_nt<SWIGLU, 4, MOE, SLOT16>(p, row_slots, grid(4), plan, a_rows, stream);
   if (nt >= 2) return launch_row1_nt<SWIGLU, 2, MOE, SLOT16>(p, row_slots, grid(2), plan, a_rows, stream);
@@ -334,6 +393,46 @@ static gpuError_t launch_rows16_warps(const GemmParams& p, int64_t row_slots, in
   return launch_rows16_ring<SWIGLU, LIGHT, 4>(p, row_slots, stream);
 }
 
+// BARO_ROWS16_PERSIST=1 (opt-in until measured on a GPU; the same bits): a grouped call that would
+// run four-warp blocks on the light ring runs gemm_rows16_persist_kernel instead (gemm_rows16.cuh
+// says what it does and why) on SMs x (the blocks of it an SM holds) blocks, no more than the
+// call's most items. =require (tests): a grouped call here that it cannot take (BARO_ROWS16_WARPS
+// or BARO_ROWS16_RING asking for another instance) fails instead of running the default, so a byte
+// test cannot pass on the default. Plain calls are not its business: they run as before.
+static bool rows16_persist_takes(const GemmParams& p, int64_t row_slots, int warps) {
+  return p.tiles != nullptr && warps == 4 && rows16_light(p, row_slots, 0);
+}
+template <bool SWIGLU>
+static gpuError_t launch_rows16_persist(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
+  using Cfg = Rows16Cfg<SWIGLU, true, 4, 1>;
+  constexpr auto kernel = gemm_rows16_persist_kernel<SWIGLU, 4>;
+  const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
+  // the most blocks with work: every tile used and every item split into WARPS column pieces
+  // (a call of fewer items than resident blocks spreads its W reads over more SMs that way)
+  const int64_t items = row_slots * ((out_n + Cfg::kOutCols - 1) / Cfg::kOutCols) * 4;
+  static std::atomic<uint64_t> smem_done{0};
+  gpuError_t e = allow_smem(kernel, Cfg::kSmemBytes, smem_done);
+  if (e != gpuSuccess) return e;
+  // blocks of it an SM holds (smem, threads, registers), read once per device: the grid must be
+  // resident at once, or the blocks that start late are the thin last wave again
+  static std::atomic<int> per_sm_cache[64];
+  int dev = 0, per_sm = 0;
+  e = cudaGetDevice(&dev);
+  if (e != gpuSuccess) return e;
+  if (dev >= 0 && dev < 64) per_sm = per_sm_cache[dev].load(std::memory_order_relaxed);
+  if (per_sm <= 0) {
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, Cfg::kSmemBytes);
+    if (e != gpuSuccess) return e;
+    if (per_sm <= 0) return gpuErrorInvalidValue;
+    if (dev >= 0 && dev < 64) per_sm_cache[dev].store(per_sm, std::memory_order_relaxed);
+  }
+  int64_t grid = static_cast<int64_t>(sm_count()) * per_sm;
+  if (grid > items) grid = items;
+  if (grid <= 0 || grid > 0x7fffffffLL) return gpuErrorInvalidValue;
+  kernel<<<static_cast<unsigned>(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  return gpuGetLastError();
+}
+
 template <bool SWIGLU>
 static gpuError_t launch_rows16(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
   if constexpr (!SWIGLU) {
@@ -352,6 +451,14 @@ static gpuError_t launch_rows16(const GemmParams& p, int64_t row_slots, gpuStrea
   }
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int warps = rows16_warps(p, row_slots, out_n);
+  if (p.tiles != nullptr) {
+    namespace k = baro::knobs;
+    const int persist = k::get(k::kRows16Persist);
+    if (persist != k::word(k::kRows16Persist, "0")) {
+      if (rows16_persist_takes(p, row_slots, warps)) return launch_rows16_persist<SWIGLU>(p, row_slots, stream);
+      if (persist == k::word(k::kRows16Persist, "require")) return gpuErrorInvalidValue;
+    }
+  }
   const int64_t n_tiles = (out_n + warps * 8 - 1) / (warps * 8);
   return rows16_light(p, row_slots, n_tiles) ? launch_rows16_warps<SWIGLU, true>(p, row_slots, warps, stream)
                                              : launch_rows16_warps<SWIGLU, false>(p, row_slots, warps, stream);

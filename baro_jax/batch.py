@@ -2,8 +2,9 @@
 
 Each step is one of two graphs, whose shapes depend on the slot count, the pool's length and
 the prefill chunk, never on a prompt's length (no compilation per request):
-- a prefill chunk of one sequence: its slot's state taken out of the pool, the one-sequence
-  forward (model.forward, the same graph as a prefill alone) over `chunk` rows, put back;
+- a prefill chunk of one sequence: its slot's state taken out of the pool (its KV pages gathered
+  into the contiguous one-sequence cache), the one-sequence forward (model.forward, the same graph
+  as a prefill alone) over `chunk` rows, put back (scattered into its pages);
 - a decode step of every slot (model.decode_rows): one row per sequence, idle slots' rows
   discarded.
 Tier mode runs the same two steps from its Python layer loops (tier_prefill, tier_decode: the
@@ -26,25 +27,27 @@ import jax.numpy as jnp
 from . import budget, checks
 from . import model as M
 from . import pool as Pool
+from .block_manager import BlockManager, pages_for, positions_of
 from .logprobs import row_logprobs
 from .results import GenerateResult, check_logprobs
 from .sampling import Sampling, greedy, sample, token_key
 from .scheduler import Scheduler, Sequence
+from .settings import DEFAULT_KV_PAGE
 from .shapes import state_length
 
 
-def _prefill(params, pool, slot, tokens, pos, n_valid, rope, *, cfg, ops, all_logits: bool):
-    st = Pool.slot_state(pool, slot)
+def _prefill(params, pool, table, slot, tokens, pos, n_valid, rope, *, cfg, ops, all_logits: bool):
+    st = Pool.slot_state(pool, table, slot)
     logits, st = M.forward(params, st, tokens, pos, n_valid, rope, cfg=cfg, ops=ops, all_logits=all_logits)
-    return logits, Pool.put_slot_state(pool, slot, st)
+    return logits, Pool.put_slot_state(pool, table, slot, st)
 
 
-def _decode(params, pool, tokens, running, pos, rope, *, cfg, ops, guard: bool, top_n):
+def _decode(params, pool, table, tokens, running, pos, rope, *, cfg, ops, guard: bool, top_n):
     """One decode step of every slot: (logits [P, V], logprob rows [P, V], the greedy ids [P],
     their logprobs [P] and the top_n (ids, values) of every row, the pool). guard: keep the state of the slots that do
     not run (one holds a prompt half prefilled); without it their conv and delta rows are left
     as the step wrote them (free or finished slots, cleared before a new sequence takes them)."""
-    logits, new = M.decode_rows(params, pool, tokens, _row_slots(running), pos, rope, cfg=cfg, ops=ops)
+    logits, new = M.decode_rows(params, pool, table, tokens, _row_slots(running), pos, rope, cfg=cfg, ops=ops)
     pool = Pool.keep_running(pool, new, running) if guard else new
     return _rows_out(logits, ops=ops, top_n=top_n) + (pool,)
 
@@ -74,7 +77,7 @@ def _picked(lp, ids, top_n):
     return ids, chosen, top.astype(jnp.int32), vals
 
 
-def _decode_block(params, pool, tokens, running, pos, left, stops, rope, n=None, *, cfg, ops, guard: bool, top_n,
+def _decode_block(params, pool, table, tokens, running, pos, left, stops, rope, n=None, *, cfg, ops, guard: bool, top_n,
                   block: int):
     """Up to `block` greedy decode steps of every slot in one graph (n of them when given, a
     traced count, so one graph serves every shorter block). A row stops on the device when its
@@ -88,8 +91,8 @@ def _decode_block(params, pool, tokens, running, pos, left, stops, rope, n=None,
 
     def body(i, carry):
         pool, tok, run, pos, left, out = carry
-        _, _, ids, lp, top, vals, pool = _decode(params, pool, tok, run, pos, rope, cfg=cfg, ops=ops, guard=guard,
-                                              top_n=top_n)
+        _, _, ids, lp, top, vals, pool = _decode(params, pool, table, tok, run, pos, rope, cfg=cfg, ops=ops,
+                                                 guard=guard, top_n=top_n)
         ids = jnp.where(run, ids, -1)
         out = tuple(o if o is None else o.at[i].set(x) for o, x in zip(out, (ids, lp, top, vals)))
         left = left - run.astype(jnp.int32)
@@ -109,8 +112,8 @@ PREFILL = jax.jit(_prefill, static_argnames=("cfg", "ops", "all_logits"), donate
 DECODE = jax.jit(_decode, static_argnames=("cfg", "ops", "guard", "top_n"), donate_argnums=(1,))
 DECODE_BLOCK = jax.jit(_decode_block, static_argnames=("cfg", "ops", "guard", "top_n", "block"), donate_argnums=(1,))
 CLEAR = jax.jit(Pool.clear_slot, donate_argnums=(0,))
-TAKE = jax.jit(Pool.slot_state)
-PUT = jax.jit(Pool.put_slot_state, donate_argnums=(0,))
+TAKE = jax.jit(Pool.slot_state)  # (pool, table, slot)
+PUT = jax.jit(Pool.put_slot_state, donate_argnums=(0,))  # (pool, table, slot, state)
 ROWS_OUT = jax.jit(_rows_out, static_argnames=("ops", "top_n"))
 ROW_SLOTS = jax.jit(_row_slots)
 LOGPROBS = jax.jit(lambda logits, ops: row_logprobs(ops, logits), static_argnames=("ops",))
@@ -123,9 +126,9 @@ PICK = jax.jit(lambda lp, rows, ids: lp[rows, ids])  # the logprobs of host-chos
 def tier_prefill(runner):
     """PREFILL in tier mode: the slot's state out of the pool, the runner's own forward over the
     chunk (generate()'s prefill, so its bytes), the state back in."""
-    def prefill(params, pool, slot, tokens, pos, n_valid, rope, *, cfg, ops, all_logits: bool):
-        logits, st = runner.forward(TAKE(pool, slot), tokens, pos, n_valid, all_logits=all_logits)
-        return logits, PUT(pool, slot, st)
+    def prefill(params, pool, table, slot, tokens, pos, n_valid, rope, *, cfg, ops, all_logits: bool):
+        logits, st = runner.forward(TAKE(pool, table, slot), tokens, pos, n_valid, all_logits=all_logits)
+        return logits, PUT(pool, table, slot, st)
 
     return prefill
 
@@ -133,27 +136,32 @@ def tier_prefill(runner):
 def tier_decode(runner):
     """DECODE in tier mode: the runner's per-layer rows (TierRunner.decode_rows), then the same
     ids, logprobs and top rows."""
-    def decode(params, pool, tokens, running, pos, rope, *, cfg, ops, guard: bool, top_n):
-        logits, pool = runner.decode_rows(pool, tokens, ROW_SLOTS(running), running, pos, ops=ops, guard=guard)
+    def decode(params, pool, table, tokens, running, pos, rope, *, cfg, ops, guard: bool, top_n):
+        logits, pool = runner.decode_rows(pool, table, tokens, ROW_SLOTS(running), running, pos, ops=ops,
+                                          guard=guard)
         return ROWS_OUT(logits, ops=ops, top_n=top_n) + (pool,)
 
     return decode
 
 
 def rows_attention_fallback(base_attention):
-    """attention_rows through the one-sequence kernel, one row at a time on its slot's cache (the
-    m = 1 decode call itself, so its bytes): for backends without the pooled kernel."""
-    def attention_rows(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, slots, pos, *, num_heads, num_kv_heads, eps):
+    """attention_rows through the one-sequence kernel, one row at a time on the contiguous cache
+    its slot's pages stand for (the m = 1 decode call itself, so its bytes), scattered back into
+    the pages: for backends without the pooled kernel."""
+    def attention_rows(qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, table, slots, pos, *, num_heads,
+                       num_kv_heads, eps):
         outs = []
         for r in range(qkv.shape[0]):
-            s = jnp.maximum(slots[r], 0)
-            o, k, v = base_attention(qkv[r:r + 1], q_norm, k_norm, cos[r:r + 1], sin[r:r + 1], k_pool[s], v_pool[s],
-                                     pos[r], jnp.int32(1), num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps)
             live = slots[r] >= 0
-            k_pool = k_pool.at[s].set(jnp.where(live, k, k_pool[s]))
-            v_pool = v_pool.at[s].set(jnp.where(live, v, v_pool[s]))
+            row = jnp.where(live, table[jnp.maximum(slots[r], 0)], -1)  # a padding row's cache goes nowhere
+            at = jnp.where(live, pos[r], 0)  # a padding row's position may be anything
+            o, k, v = base_attention(qkv[r:r + 1], q_norm, k_norm, cos[r:r + 1], sin[r:r + 1],
+                                     Pool.gather_cache(k_pages, row), Pool.gather_cache(v_pages, row), at,
+                                     jnp.int32(1), num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps)
+            k_pages = Pool.scatter_cache(k_pages, row, k)
+            v_pages = Pool.scatter_cache(v_pages, row, v)
             outs.append(jnp.where(live, o, jnp.zeros_like(o)))
-        return jnp.concatenate(outs), k_pool, v_pool
+        return jnp.concatenate(outs), k_pages, v_pages
 
     return attention_rows
 
@@ -216,11 +224,14 @@ class BatchRun:
     last, partial chunk counts as a whole one: its graph runs `chunk` rows all the same). More
     shortens the wait for a first token when many prompts arrive together, at the price of a
     longer gap between the running sequences' tokens in those rounds; a prompt's chunks are
-    the same either way, so no sequence's bytes change."""
+    the same either way, so no sequence's bytes change. pages: KV pages of `page` positions the
+    slots share (None: enough for every slot at `length`); a sequence is admitted with the pages of
+    its prompt and max_new_tokens, and waits while too few are free."""
 
     def __init__(self, runner, tokenizer, sequences: list[Sequence], *, slots: int, length: int, chunk: int,
                  logprobs: int | None, keep_states: bool, on_token=None, block: int = 1, stop_width: int | None = None,
-                 chain: bool = True, prefill_budget: int | None = None):
+                 chain: bool = True, prefill_budget: int | None = None, pages: int | None = None,
+                 page: int = DEFAULT_KV_PAGE):
         self.r, self.tok = runner, tokenizer
         # chain: greedy blocks run one ahead while nothing waits for a slot (the next block queued
         # from the last one's outputs before its ids are read), so the device does not idle while
@@ -238,8 +249,13 @@ class BatchRun:
         self.block = 1 if tier else block
         self._prefill_step = tier_prefill(runner) if tier else PREFILL
         self._decode_rows_step = tier_decode(runner) if tier else DECODE
-        self.sched = Scheduler(slots)
-        self.pool = Pool.init_pool(self.cfg, runner.dtype, slots, length)
+        # a slot's table row maps whole pages: its cache is `length` rounded up to a page
+        per_slot = -(-length // page)
+        self.pages = slots * per_slot if pages is None else pages
+        self.blocks = BlockManager(slots, self.pages, page, per_slot * page)
+        self.sched = Scheduler(slots, self.blocks)
+        self.pool = Pool.init_pool(self.cfg, runner.dtype, slots, self.pages, page)
+        self._table, self._table_version = None, None
         self.steps = {"prefill": 0, "decode": 0, "decode_calls": 0, "chained_calls": 0}
         self.t0 = time.perf_counter()
         self.stop_width = max([1] + [len(_device_stops(s)) for s in sequences]) if stop_width is None else stop_width
@@ -254,10 +270,11 @@ class BatchRun:
         if len(_device_stops(seq)) > self.stop_width:
             raise ValueError(f"a sequence with {len(_device_stops(seq))} end and stop ids; this pool carries at "
                              f"most {self.stop_width} per sequence")
-        n = len(seq.prompt_ids)
-        if max(n, n + seq.max_new_tokens - 1) > self.length:  # the last new token is never fed back
+        if seq.positions > self.length:  # the last new token is never fed back
             raise ValueError(f"a sequence of {len(seq.prompt_ids)} prompt tokens and {seq.max_new_tokens} new "
                              f"ones does not fit a pool of {self.length} positions per slot")
+        self.blocks.check_fits(seq.positions, f"a sequence of {len(seq.prompt_ids)} prompt tokens and "
+                                              f"{seq.max_new_tokens} new ones")
         self.host_stops = self.host_stops or bool(seq.stop_strings)
         self.sched.add(seq)
 
@@ -287,7 +304,7 @@ class BatchRun:
         prefill budget is spent (at least one chunk; a prompt that completes gets its first token
         here, which a server can send before the decode half runs)."""
         for seq in self.sched.admit():
-            self.pool = CLEAR(self.pool, jnp.int32(seq.slot))
+            self.pool = CLEAR(self.pool, jnp.int32(seq.slot), jnp.asarray(self.blocks.table[seq.slot]))
         spent = 0
         while spent < self.prefill_budget:
             seq = self.sched.next_prefill()
@@ -341,9 +358,9 @@ class BatchRun:
         toks = np.zeros((self.chunk,), np.int32)
         toks[:len(part)] = part
         all_logits = seq.want_prompt_logprobs
-        logits, self.pool = self._prefill_step(self.r.params, self.pool, jnp.int32(seq.slot), jnp.asarray(toks),
-                                               jnp.int32(p), jnp.int32(len(part)), self.r.rope, cfg=self.cfg,
-                                               ops=self.ops, all_logits=all_logits)
+        logits, self.pool = self._prefill_step(self.r.params, self.pool, self.table(), jnp.int32(seq.slot),
+                                               jnp.asarray(toks), jnp.int32(p), jnp.int32(len(part)), self.r.rope,
+                                               cfg=self.cfg, ops=self.ops, all_logits=all_logits)
         self.steps["prefill"] += 1
         seq.prefilled += len(part)
         if all_logits:
@@ -372,7 +389,8 @@ class BatchRun:
         """One decode step: greedy ids from the device, sampled ones chosen here."""
         toks, running, pos, _, _ = self._inputs(decoding)
         logits, lp_rows, ids, lp, top, vals, self.pool = self._decode_rows_step(
-            self.r.params, self.pool, jnp.asarray(toks), jnp.asarray(running), jnp.asarray(pos), self.r.rope,
+            self.r.params, self.pool, self.table(), jnp.asarray(toks), jnp.asarray(running), jnp.asarray(pos),
+            self.r.rope,
             cfg=self.cfg, ops=self.ops, guard=self._guard(decoding), top_n=self.top_n)
         self.steps["decode"] += 1
         self.steps["decode_calls"] += 1
@@ -405,9 +423,12 @@ class BatchRun:
         stops = jnp.asarray(stops)
         kw = dict(cfg=self.cfg, ops=self.ops, guard=self._guard(decoding), top_n=self.top_n, block=self.block)
         unqueued = {seq.slot: seq.max_new_tokens - len(seq.generated) for seq in decoding}
+        table = self.table()
         pending = None
         while k > 0:
-            args = (self.r.params, self.pool) + carry + (stops, self.r.rope)
+            # the table of the chain's start: a sequence finished during the chain gives its pages
+            # back, but none is admitted (and no page zeroed) before the chain's blocks have run
+            args = (self.r.params, self.pool, table) + carry + (stops, self.r.rope)
             if k == self.block:
                 ids, lp, top, vals, self.pool, carry = DECODE_BLOCK(*args, **kw)
             else:
@@ -442,6 +463,12 @@ class BatchRun:
                     break
                 self._record(seq, int(ids[i, r]), None if lp is None else lp[i, r],
                              None if top is None else (top[i, r].astype(np.int64).tolist(), vals[i, r]))
+
+    def table(self):
+        """The page table on the device, sent again only after admissions or finishes changed it."""
+        if self._table_version != self.blocks.version:
+            self._table, self._table_version = jnp.asarray(self.blocks.table), self.blocks.version
+        return self._table
 
     # --- per sequence ---------------------------------------------------------------------
     def _need_lp(self) -> bool:
@@ -508,7 +535,7 @@ class BatchRun:
 
     def _finish(self, seq: Sequence, reason: str):
         if self.keep_states:
-            seq.state = jax.tree_util.tree_map(np.asarray, TAKE(self.pool, jnp.int32(seq.slot)))
+            seq.state = jax.tree_util.tree_map(np.asarray, TAKE(self.pool, self.table(), jnp.int32(seq.slot)))
         self.sched.finish(seq, reason)
 
 
@@ -558,10 +585,10 @@ def open_run(eng, *, max_batch: int, length: int, chunk: int, logprobs: int | No
     and leave with cancel(), stepped by its owner (a server's engine loop). Its graphs are fixed
     here, so nothing compiles per request. A pool the device budget cannot hold is refused now."""
     check_batchable(eng, what)
-    slots = _slots(eng, max_batch, max_batch, length, chunk)
+    slots, pages = _slots(eng, max_batch, max_batch, length, chunk)
     return BatchRun(eng.runner, eng.tokenizer, [], slots=slots, length=length, chunk=chunk, logprobs=logprobs,
                     keep_states=False, block=eng.runner.decode_block, stop_width=stop_width, chain=False,
-                    prefill_budget=prefill_budget)
+                    prefill_budget=prefill_budget, pages=pages)
 
 
 def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_logprobs, max_batch, chunk, stop,
@@ -591,13 +618,13 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
         eng.check_fits(len(x), m)
     length = state_length(max(len(x) + m for x, m in zip(ids, news)), eng.cfg.max_context)
     chunk = checks.as_int("chunk", chunk, lo=1) if chunk is not None else default_chunk(eng, ids, news, length)
-    slots = _slots(eng, n, max_batch, length, chunk)
+    slots, pages = _slots(eng, n, max_batch, length, chunk, [positions_of(len(x), m) for x, m in zip(ids, news)])
     seqs = [sequence_type(index=i, prompt_ids=x, max_new_tokens=m, sampling=s, stop_ids=stop_ids,
                           stop_strings=stops, eos_ids=eos, want_prompt_logprobs=bool(prompt_logprobs))
             for i, (x, m, s) in enumerate(zip(ids, news, samplings))]
     run = BatchRun(eng.runner, eng.tokenizer, seqs, slots=slots, length=length, chunk=chunk, logprobs=top_n,
                    keep_states=keep_states, on_token=on_token, block=eng.runner.decode_block,
-                   prefill_budget=prefill_budget)
+                   prefill_budget=prefill_budget, pages=pages)
     t0 = time.perf_counter()
     done = run.run()
     dt = time.perf_counter() - t0
@@ -616,7 +643,8 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
             variant=eng.variant, state=seq.state, logprobs=seq.logprobs,
             top_logprobs=seq.top_logprobs if top_n else None,
             prompt_logprobs=seq.prompt_logprobs if prompt_logprobs else None, finish_reason=seq.finish_reason))
-    eng.last_batch_stats = {"sequences": n, "slots": slots, "pool_length": length, "chunk": chunk,
+    eng.last_batch_stats = {"sequences": n, "slots": slots, "pool_length": length, "kv_pages": pages,
+                            "kv_page": run.blocks.page, "chunk": chunk,
                             "prefill_budget": run.prefill_budget,
                             "steps": dict(run.steps), "seconds": dt,
                             "generated_tokens": sum(len(s.generated) for s in done)}
@@ -664,21 +692,33 @@ def _stop_strings(stop):
     return out
 
 
-def _slots(eng, n: int, max_batch, length: int, chunk: int) -> int:
-    """The pool's slot count: max_batch, or as many as the prompts (at most MAX_DEFAULT_SLOTS) and
-    what the device budget holds beside the weights and a prefill chunk."""
+def _slots(eng, n: int, max_batch, length: int, chunk: int, positions: list | None = None) -> tuple[int, int]:
+    """(slots, KV pages) of the pool: max_batch slots, or as many as the prompts (at most
+    MAX_DEFAULT_SLOTS) and what the device budget holds beside the weights and a prefill chunk;
+    pages: what the budget holds beside them, no more than every slot at `length` needs (a count
+    that depends on the slots and the length alone, never on the prompts: the pool's shapes key
+    the graphs). positions (each sequence's KV positions): the longest must fit the pages."""
     if max_batch is not None:
         slots = min(checks.as_int("max_batch", max_batch, lo=1), n)  # more slots than prompts would idle
     else:
         slots = min(n, MAX_DEFAULT_SLOTS)
+    page = DEFAULT_KV_PAGE
+    need = None if positions is None else [pages_for(p, page) for p in positions]
     tier = eng.runner.placement == "tier"
-    fit = budget.batch_slots(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, slots, eng.devices or 1,
-                             eng.runner.cache_slots if tier else None)
+    fit, pages = budget.batch_slots(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, slots, eng.devices or 1,
+                                    eng.runner.cache_slots if tier else None, page=page)
     if fit < 1 and tier:
         budget.check_tier(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, eng.runner.cache_slots)
     elif fit < 1:
         budget.check_resident(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, eng.devices or 1)
     if max_batch is not None and fit < slots:
-        raise MemoryError(f"max_batch {slots} slots of {length} positions do not fit the device budget beside the "
-                          f"weights and a prefill chunk of {chunk} rows; at most {fit} do")
-    return max(1, min(slots, fit))
+        raise MemoryError(f"max_batch {slots} slots (each with at least one KV page of {page} positions) do not "
+                          f"fit the device budget beside the weights and a prefill chunk of {chunk} rows; at most "
+                          f"{fit} do")
+    longest = max(need) if need else pages_for(length, page)
+    if pages < longest:
+        what = "the longest sequence" if need else f"a sequence of {length} positions"
+        size = budget.gib(longest * Pool.page_bytes(eng.cfg, eng.dtype, page))
+        raise MemoryError(f"the KV pages of {what} ({longest} pages of {page} positions, {size}) do not fit the "
+                          f"device budget beside the weights and a prefill chunk of {chunk} rows; {pages} do")
+    return max(1, min(slots, fit)), pages

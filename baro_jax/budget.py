@@ -25,7 +25,8 @@ import jax
 from .checks import as_int, budget_gb
 from .ops import kernel_scratch_bytes
 from .config import DELTA_BLOCK, FULL, Config
-from .settings import DEFAULT_CACHE_SLOTS
+from .pool import page_bytes as pool_page_bytes, slot_bytes as pool_slot_bytes
+from .settings import DEFAULT_CACHE_SLOTS, DEFAULT_KV_PAGE
 from .shapes import state_length
 from .weights import param_shapes
 
@@ -356,21 +357,30 @@ def largest_tier_chunk(cfg: Config, dtype, device_budget_gb: float | None, state
 
 
 def batch_slots(cfg: Config, dtype, device_budget_gb: float | None, length: int, chunk: int, want: int,
-                devices: int = 1, tier_cache_slots: int | None = None) -> int:
-    """How many of `want` sequence slots of `length` positions (generate_batch's pool) fit beside
-    the weights, the larger of a prefill chunk's and a decode step's activations, the decode step's
-    logits and logprobs rows, and two slots' worth of copies (a prefill chunk takes its slot's state
-    out of the pool and puts it back). tier_cache_slots: tier mode with its decode expert cache of
-    that many slots per layer (0: none), whose weights on the device are tier_parts' (None:
-    resident mode)."""
+                devices: int = 1, tier_cache_slots: int | None = None,
+                page: int = DEFAULT_KV_PAGE) -> tuple[int, int]:
+    """(slots, pages) of generate_batch's pool: how many of `want` sequence slots, and how many KV
+    pages of `page` positions (at most enough for every slot at `length`) fit beside the weights,
+    the larger of a prefill chunk's and a decode step's activations, the decode step's logits and
+    logprobs rows, and two contiguous one-sequence states of `length` positions (a prefill chunk
+    gathers its slot's state out of the pool and scatters it back). A slot costs its linear
+    layers' state; its KV costs only the pages its sequence holds, so short sequences leave pages
+    for more slots. Slots come first (each with at least one page), then pages. tier_cache_slots:
+    tier mode with its decode expert cache of that many slots per layer (0: none), whose weights
+    on the device are tier_parts' (None: resident mode)."""
+    T = -(-length // page)
+    top = want * T
     limit, _ = budget_bytes(device_budget_gb)
     if limit is None:
-        return want
-    per = state_bytes(cfg, dtype, length)
+        return want, top
+    per_page, per_slot = pool_page_bytes(cfg, dtype, page), pool_slot_bytes(cfg, dtype)
     if tier_cache_slots is None:
         parts = resident_parts(cfg, dtype, 0, max(chunk, want), devices)
     else:  # the pool's slots are its state: tier_parts' one-sequence state is left out
         parts = [p for p in tier_parts(cfg, dtype, 0, max(chunk, want), tier_cache_slots) if p.name != "state"]
     fixed = sum(p.bytes for p in parts)
-    fixed += 2 * want * cfg.vocab_size * 4 + 2 * per + runtime_reserve_bytes(limit)
-    return int(max(0, min(want, (limit - fixed) // per)))
+    fixed += 2 * want * cfg.vocab_size * 4 + 2 * state_bytes(cfg, dtype, T * page) + runtime_reserve_bytes(limit)
+    room = max(0, limit - fixed)
+    slots = int(min(want, room // (per_slot + per_page)))
+    pages = int(min(top, (room - slots * per_slot) // per_page)) if slots else 0
+    return slots, pages

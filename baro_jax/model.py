@@ -169,14 +169,15 @@ def forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, all_
 
 
 # --- many sequences: one decode row per sequence slot ----------------------------------------------
-# The pool holds every slot's state side by side (pool.py): attention KV [P, S, Hkv, hd], the conv
-# window [K-1, P, C] and the delta state [P, nv, dk, dv]. A decode step runs one row per slot. The
-# GEMMs, norms and the MoE are row-invariant, so rows of many sequences share their calls. The conv
-# and the delta rule treat channels and heads independently, so P rows of C channels (nv heads) run
-# as ONE token of P*C channels (P*nv heads): the m = 1 kernels a sequence runs alone, on the same
-# numbers. Their rows mode reads each row's channels and heads where they sit (the projection's
-# row p, the pool's slot p) instead of a folded copy, which would cost a copy kernel per operand
-# per layer and step. Attention reads each row's own slot (ops.attention_rows).
+# The pool holds every slot's state (pool.py): attention KV in pages [NP, page, Hkv, hd] mapped by
+# one page table [P, S / page], the conv window [K-1, P, C] and the delta state [P, nv, dk, dv]. A
+# decode step runs one row per slot. The GEMMs, norms and the MoE are row-invariant, so rows of
+# many sequences share their calls. The conv and the delta rule treat channels and heads
+# independently, so P rows of C channels (nv heads) run as ONE token of P*C channels (P*nv heads):
+# the m = 1 kernels a sequence runs alone, on the same numbers. Their rows mode reads each row's
+# channels and heads where they sit (the projection's row p, the pool's slot p) instead of a
+# folded copy, which would cost a copy kernel per operand per layer and step. Attention reads each
+# row's own slot through the table (ops.attention_rows).
 
 def gdn_rows(h, p, pool, cfg, ops):
     """gdn_block for one decode row per slot: h [P, D]; pool {"conv": [K-1, P, C], "ssm": [P, nv, dk, dv]}."""
@@ -193,9 +194,9 @@ def gdn_rows(h, p, pool, cfg, ops):
     return ops.matmul(g, p["out"]), {"conv": window.reshape(K1, P, C), "ssm": ssm.reshape(pool["ssm"].shape)}
 
 
-def attention_rows(h, p, pool, cfg, ops, cos, sin, slots, pos):
+def attention_rows(h, p, pool, table, cfg, ops, cos, sin, slots, pos):
     qkv = ops.matmul(h, p["qkv"])
-    o, k, v = ops.attention_rows(qkv, p["q_norm"], p["k_norm"], cos, sin, pool["k"], pool["v"], slots, pos,
+    o, k, v = ops.attention_rows(qkv, p["q_norm"], p["k_norm"], cos, sin, pool["k"], pool["v"], table, slots, pos,
                                  num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_eps)
     return ops.matmul(o, p["o"]), {"k": k, "v": v}
 
@@ -205,11 +206,11 @@ def rows_prologue(params, tokens, pos, rope):
     return embed(params, tokens), rope[0][pos], rope[1][pos]
 
 
-def rows_mixer(x, h, lp, st, kind, cfg, ops, cos, sin, slots, pos):
-    """layer_mixer for one decode row per slot, st the layer's pool: (x + mixer(h), norm2 of it,
-    the layer's new pool). slots as decode_rows'."""
+def rows_mixer(x, h, lp, st, table, kind, cfg, ops, cos, sin, slots, pos):
+    """layer_mixer for one decode row per slot, st the layer's pool, table the pool's page table:
+    (x + mixer(h), norm2 of it, the layer's new pool). slots as decode_rows'."""
     if kind == FULL:
-        y, st = attention_rows(h, lp["attn"], st, cfg, ops, cos, sin, slots, pos)
+        y, st = attention_rows(h, lp["attn"], st, table, cfg, ops, cos, sin, slots, pos)
     else:
         y, st = gdn_rows(h, lp["gdn"], st, cfg, ops)
     x, h2 = ops.add_rmsnorm(x, y, lp["post_norm"], cfg.rms_eps, lp["moe"]["router"].dtype)
@@ -221,17 +222,18 @@ def rows_head(params, h, ops):
     return ops.matmul(h, params["lm_head"])
 
 
-def decode_rows(params, pool, tokens, slots, pos, rope, *, cfg: Config, ops):
-    """One decode step for every slot of the pool: row r is slot r's token at position pos[r];
-    slots[r] is r for a running sequence and -1 for a slot with nothing to decode (its attention
-    row writes and reads nothing; its conv and delta rows run on its state, which the caller
-    keeps as it was). Returns (logits [P, V] fp32, new pool). Tier mode runs the same
-    rows_prologue, rows_mixer and MoE from a Python loop (staging.decode_rows)."""
+def decode_rows(params, pool, table, tokens, slots, pos, rope, *, cfg: Config, ops):
+    """One decode step for every slot of the pool (attention KV through the page table `table`):
+    row r is slot r's token at position pos[r]; slots[r] is r for a running sequence and -1 for
+    a slot with nothing to decode (its attention row writes and reads nothing; its conv and delta
+    rows run on its state, which the caller keeps as it was). Returns (logits [P, V] fp32, new
+    pool). Tier mode runs the same rows_prologue, rows_mixer and MoE from a Python loop
+    (staging.decode_rows)."""
     x, cos, sin = rows_prologue(params, tokens, pos, rope)
     h = first_norm(params["layers"][0], x, cfg, ops)
     new_pool = []
     for lp, st, kind, nn in zip(params["layers"], pool, cfg.layer_types, next_norms(params)):
-        x, h2, st = rows_mixer(x, h, lp, st, kind, cfg, ops, cos, sin, slots, pos)
+        x, h2, st = rows_mixer(x, h, lp, st, table, kind, cfg, ops, cos, sin, slots, pos)
         x, h = layer_moe(x, h2, lp["moe"], nn, cfg, ops)
         new_pool.append(st)
     return rows_head(params, h, ops), tuple(new_pool)

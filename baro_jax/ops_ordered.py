@@ -102,10 +102,12 @@ def fetch_ring(n_max: int):
     return cc.FetchRing(n_max)
 
 
-def attention_rows(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, slot, pos, *, num_heads, num_kv_heads, eps):
-    """attention for m rows of many sequences: row r is slot[r]'s token at pos[r] over the KV
-    pools [P, S, Hkv, hd] (-1: padding); row r's bytes are attention's one-row call on its slot."""
-    return cc.attention_rows(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, slot, pos, eps=eps)
+def attention_rows(qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, table, slot, pos, *, num_heads, num_kv_heads,
+                   eps):
+    """attention for m rows of many sequences: row r is slot[r]'s token at pos[r] over the paged
+    KV pools [NP, page, Hkv, hd] through the page table [P, T] (-1: padding row, unmapped page);
+    row r's bytes are attention's one-row call on the contiguous cache its slot's pages stand for."""
+    return cc.attention_rows(qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, table, slot, pos, eps=eps)
 
 
 def log_softmax(x):

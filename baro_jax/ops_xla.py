@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .pool import gather_cache
+
 f32 = jnp.float32
 KV_BLOCK = 64  # documented for the kernels; the reference attends to the whole cache at once
 
@@ -243,30 +245,35 @@ def moe(h, router, gate_up, down, shared_gate_up, shared_down, shared_gate, *, t
     return routed + sg * s_out
 
 
-def attention_rows(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, slot, pos, *, num_heads, num_kv_heads, eps):
-    """attention for m rows, row r slot[r]'s token at pos[r] over pools [P, S, Hkv, hd]
-    (slot -1: padding, o = 0, nothing written). Every row's k/v is written first, then each row
-    attends to its slot's rows 0 .. pos[r] (a reference: one row at a time through lax.map)."""
+def attention_rows(qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, table, slot, pos, *, num_heads, num_kv_heads,
+                   eps):
+    """attention for m rows, row r slot[r]'s token at pos[r] over paged pools [NP, page, Hkv, hd]
+    through the table [P, T] (slot -1: padding, o = 0, nothing written; a -1 page reads as zeros).
+    Every row's k/v is written first, then each row attends to its slot's positions 0 .. pos[r]
+    of the contiguous cache its pages stand for (a reference: one row at a time through lax.map,
+    on pool.gather_cache, so its bytes do not depend on where the pages lie)."""
     m = qkv.shape[0]
-    P, S, hkv, hd = k_pool.shape
+    NP, page, hkv, hd = k_pages.shape
+    S = table.shape[1] * page
     H = num_heads
-    A = k_pool.dtype
+    A = k_pages.dtype
     qg = qkv[:, : 2 * H * hd].reshape(m, H, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:]
     k = qkv[:, 2 * H * hd: (2 * H + hkv) * hd].reshape(m, hkv, hd)
     v = qkv[:, (2 * H + hkv) * hd:].reshape(m, hkv, hd)
     q = rope(head_rmsnorm(q, q_norm, eps), cos, sin).astype(A)
     k = rope(head_rmsnorm(k, k_norm, eps), cos, sin).astype(A)
-    valid = slot >= 0
-    where = jnp.where(valid, slot, P)  # out of range -> dropped
-    k_pool = k_pool.at[where, pos].set(k, mode="drop")
-    v_pool = v_pool.at[where, pos].set(v.astype(A), mode="drop")
+    at = jnp.clip(pos, 0, S - 1)
+    pg = table[jnp.maximum(slot, 0), at // page]
+    where = jnp.where((slot >= 0) & (pg >= 0), pg, NP)  # out of range -> dropped
+    k_pages = k_pages.at[where, at % page].set(k, mode="drop")
+    v_pages = v_pages.at[where, at % page].set(v.astype(A), mode="drop")
     rep = H // hkv
 
     def one(row):
         qr, gr, s_, p_ = row
-        kc = lax.dynamic_index_in_dim(k_pool, jnp.maximum(s_, 0), keepdims=False)
-        vc = lax.dynamic_index_in_dim(v_pool, jnp.maximum(s_, 0), keepdims=False)
+        tr = lax.dynamic_index_in_dim(table, jnp.maximum(s_, 0), keepdims=False)
+        kc, vc = gather_cache(k_pages, tr), gather_cache(v_pages, tr)
         seen = jnp.arange(S) <= p_
         s = jnp.einsum("grd,sgd->grs", qr.reshape(hkv, rep, hd), kc, preferred_element_type=f32) * f32(hd ** -0.5)
         p = jax.nn.softmax(jnp.where(seen[None, None], s, -jnp.inf), axis=-1)
@@ -275,7 +282,7 @@ def attention_rows(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, slot, pos, *, 
         o = jnp.where(s_ >= 0, o * jax.nn.sigmoid(gr), 0.0)
         return o.astype(A).reshape(H * hd)
 
-    return lax.map(one, (q, gate, slot, pos)), k_pool, v_pool
+    return lax.map(one, (q, gate, slot, pos)), k_pages, v_pages
 
 
 def log_softmax(x):

@@ -1,11 +1,16 @@
-"""The state pool of many sequences: a fixed set of slots, each holding one sequence's state.
+"""The state pool of many sequences: a fixed set of slots, each holding one sequence's state,
+with its attention KV in pages.
 
-Per layer, every slot's state side by side: attention KV [P, S, Hkv, hd] (bf16), the conv window
-[K-1, P, C] (bf16) and the delta state [P, nv, dk, dv] (fp32). The layout lets a decode step fold
-the slots' conv and delta rows into one row of P times the channels (model.decode_rows) and lets
-attention read each row's own slot. A slot's state is exactly the one-sequence state of
-model.init_state(cfg, dtype, S): slot_state / put_slot_state move it out and back for a prefill
-chunk, which then runs the one-sequence forward on it.
+Per attention layer the pool holds KV pages [NP, page, Hkv, hd] (bf16); ONE page table
+[P, S / page] int32, shared by every layer, maps slot s's position j to page table[s, j // page],
+row j % page (-1: no page). A slot's pages stand for the contiguous one-sequence cache [S, Hkv, hd]
+in which the positions of unmapped pages read as zeros. Per linear layer, every slot's state side
+by side: the conv window [K-1, P, C] (bf16) and the delta state [P, nv, dk, dv] (fp32). The layout
+lets a decode step fold the slots' conv and delta rows into one row of P times the channels
+(model.decode_rows) and lets attention read each row's own slot through the table
+(ops.attention_rows). A slot's state as the one-sequence state of model.init_state(cfg, dtype, S):
+slot_state gathers it out of the pages and put_slot_state scatters it back, for a prefill chunk,
+which then runs the one-sequence forward on it. block_manager.py decides which pages a slot holds.
 """
 from __future__ import annotations
 
@@ -16,12 +21,13 @@ from .config import FULL, Config
 f32 = jnp.float32
 
 
-def init_pool(cfg: Config, dtype, slots: int, length: int):
-    """Zeroed state for `slots` sequences of up to `length` positions each."""
+def init_pool(cfg: Config, dtype, slots: int, pages: int, page: int):
+    """Zeroed state for `slots` sequences whose attention KV lives in `pages` pages of `page`
+    positions (the page table is the caller's: block_manager.BlockManager.table)."""
     layers = []
     for t in cfg.layer_types:
         if t == FULL:
-            kv = (slots, length, cfg.num_kv_heads, cfg.head_dim)
+            kv = (pages, page, cfg.num_kv_heads, cfg.head_dim)
             layers.append({"k": jnp.zeros(kv, dtype), "v": jnp.zeros(kv, dtype)})
         else:
             layers.append({"conv": jnp.zeros((cfg.conv_kernel - 1, slots, cfg.conv_dim), dtype),
@@ -29,34 +35,55 @@ def init_pool(cfg: Config, dtype, slots: int, length: int):
     return tuple(layers)
 
 
-def slot_state(pool, slot):
-    """Slot `slot`'s state as a one-sequence state (model.init_state's layout)."""
+def gather_cache(pages, row):
+    """The contiguous cache [T * page, Hkv, hd] that a table row [T] maps into pages
+    [NP, page, Hkv, hd]: each page in place, zeros for -1 entries."""
+    got = pages[jnp.maximum(row, 0)]
+    got = jnp.where((row >= 0)[:, None, None, None], got, jnp.zeros((), pages.dtype))
+    return got.reshape((-1,) + pages.shape[2:])
+
+
+def scatter_cache(pages, row, cache):
+    """pages with the contiguous cache [T * page, Hkv, hd] put back into the pages a table row [T]
+    maps (the positions of -1 entries go nowhere)."""
+    NP, page = pages.shape[:2]
+    return pages.at[jnp.where(row >= 0, row, NP)].set(cache.reshape((-1, page) + pages.shape[2:]), mode="drop")
+
+
+def slot_state(pool, table, slot):
+    """Slot `slot`'s state as a one-sequence state (model.init_state's layout, S = T * page)."""
+    row = table[slot]
     out = []
     for st in pool:
         if "k" in st:
-            out.append({"k": st["k"][slot], "v": st["v"][slot]})
+            out.append({"k": gather_cache(st["k"], row), "v": gather_cache(st["v"], row)})
         else:
             out.append({"conv": st["conv"][:, slot], "ssm": st["ssm"][slot]})
     return tuple(out)
 
 
-def put_slot_state(pool, slot, state):
-    """The pool with slot `slot` holding the one-sequence `state`."""
+def put_slot_state(pool, table, slot, state):
+    """The pool with slot `slot` holding the one-sequence `state` (its KV in the slot's pages)."""
+    row = table[slot]
     out = []
     for st, s in zip(pool, state):
         if "k" in st:
-            out.append({"k": st["k"].at[slot].set(s["k"]), "v": st["v"].at[slot].set(s["v"])})
+            out.append({"k": scatter_cache(st["k"], row, s["k"]), "v": scatter_cache(st["v"], row, s["v"])})
         else:
             out.append({"conv": st["conv"].at[:, slot].set(s["conv"]), "ssm": st["ssm"].at[slot].set(s["ssm"])})
     return tuple(out)
 
 
-def clear_slot(pool, slot):
-    """The pool with slot `slot` zeroed: a new sequence starts from the zero state, as alone."""
+def clear_slot(pool, slot, pages):
+    """The pool with slot `slot`'s conv and delta state zeroed and the pages listed in `pages`
+    ([T] int32, -1 padded: one graph for any count) zeroed: a new sequence starts from the zero
+    state, as alone."""
     out = []
     for st in pool:
         if "k" in st:
-            out.append({"k": st["k"].at[slot].set(0), "v": st["v"].at[slot].set(0)})
+            NP = st["k"].shape[0]
+            at = jnp.where(pages >= 0, pages, NP)
+            out.append({"k": st["k"].at[at].set(0, mode="drop"), "v": st["v"].at[at].set(0, mode="drop")})
         else:
             out.append({"conv": st["conv"].at[:, slot].set(0), "ssm": st["ssm"].at[slot].set(0)})
     return tuple(out)
@@ -75,14 +102,14 @@ def keep_running(old, new, running):
     return tuple(out)
 
 
-def slot_bytes(cfg: Config, dtype, length: int) -> int:
-    """Device bytes of one slot of `length` positions."""
+def page_bytes(cfg: Config, dtype, page: int) -> int:
+    """Device bytes of one KV page (k and v of every attention layer)."""
     item = jnp.dtype(dtype).itemsize
-    n = 0
-    for t in cfg.layer_types:
-        if t == FULL:
-            n += 2 * length * cfg.num_kv_heads * cfg.head_dim * item
-        else:
-            n += (cfg.conv_kernel - 1) * cfg.conv_dim * item + cfg.lin_v_heads * cfg.lin_k_dim * cfg.lin_v_dim * 4
-    return n
+    return sum(2 * page * cfg.num_kv_heads * cfg.head_dim * item for t in cfg.layer_types if t == FULL)
 
+
+def slot_bytes(cfg: Config, dtype) -> int:
+    """Device bytes of one slot beside its pages: the conv and delta state of the linear layers."""
+    item = jnp.dtype(dtype).itemsize
+    return sum((cfg.conv_kernel - 1) * cfg.conv_dim * item + cfg.lin_v_heads * cfg.lin_k_dim * cfg.lin_v_dim * 4
+               for t in cfg.layer_types if t != FULL)

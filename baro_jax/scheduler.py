@@ -1,10 +1,12 @@
 """Continuous batching: which sequence holds which slot, and what each step runs.
 
-A fixed pool of `slots` sequence slots (pool.py). Waiting sequences take free slots in arrival
-order; a sequence with prompt tokens left gets the next prefill chunk (one chunk per step, the
+A fixed pool of `slots` sequence slots (pool.py) and its KV pages (block_manager.py). Waiting
+sequences take free slots in arrival order, each with the pages of its prompt and max_new_tokens
+reserved up front; while the oldest waiting one finds too few free pages, it and those behind it
+wait. A sequence with prompt tokens left gets the next prefill chunk (one chunk per step, the
 oldest first); every sequence whose prompt is in decodes one token per decode step, all of them
-in one call. A finished sequence frees its slot at once, for the next waiting one. Sequences may join while
-others run (add) and leave before they end (cancel), as a server's requests do. Nothing here
+in one call. A finished sequence frees its slot and its pages at once, for the next waiting one.
+Sequences may join while others run (add) and leave before they end (cancel), as a server's requests do. Nothing here
 depends on another sequence's numbers: the scheduler decides only when a sequence's rows run,
 never how (every row's arithmetic is its own), so a sequence's bytes are the same in any batch.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from .block_manager import BlockManager, positions_of
 from .sampling import Sampling
 
 
@@ -49,9 +52,15 @@ class Sequence:
     def decoding(self) -> bool:
         return self.prefilled == len(self.prompt_ids) and self.finish_reason is None
 
+    @property
+    def positions(self) -> int:
+        """KV positions the sequence may write (the pages reserved for it)."""
+        return positions_of(len(self.prompt_ids), self.max_new_tokens)
+
 
 class Scheduler:
-    def __init__(self, slots: int):
+    def __init__(self, slots: int, blocks: BlockManager):
+        self.blocks = blocks
         self.waiting: collections.deque = collections.deque()  # add() appends
         self.free = list(range(slots - 1, -1, -1))  # pop() gives slot 0 first
         self.running: dict[int, Sequence] = {}  # slot -> sequence
@@ -87,11 +96,14 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def admit(self) -> list[Sequence]:
-        """Waiting sequences placed in free slots (in arrival order); the caller clears each slot."""
+        """Waiting sequences placed in free slots with their pages (in arrival order: the oldest
+        waiting one that finds too few free pages holds back the ones behind it, so a long
+        sequence is not passed over for ever); the caller zeroes each slot and its new pages."""
         placed = []
-        while self.waiting and self.free:
+        while self.waiting and self.free and self.blocks.can_allocate(self.waiting[0].positions):
             seq = self.waiting.popleft()
             seq.slot = self.free.pop()
+            self.blocks.allocate(seq.slot, seq.positions)
             self.running[seq.slot] = seq
             placed.append(seq)
         return placed
@@ -107,5 +119,6 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str):
         seq.finish_reason = reason
         del self.running[seq.slot]
+        self.blocks.release(seq.slot)
         self.free.append(seq.slot)
         self.finished.append(seq)

@@ -44,6 +44,9 @@ DEFAULT_CHUNK = 8192  # the largest chunk a request uses unless told otherwise (
 DEFAULT_DECODE_BLOCK = 16  # greedy decode steps per device call
 MAX_DECODE_BLOCK = 4096
 DEFAULT_CACHE_SLOTS = 64  # tier decode expert cache slots per layer (fewer when the budget says so)
+# KV positions per page of the many-sequence pool (pool.py): a multiple of the attention kernels'
+# 64-position KV block; smaller pages waste less on short sequences, larger ones mean fewer table entries
+DEFAULT_KV_PAGE = 64
 
 
 class SettingsError(ValueError):

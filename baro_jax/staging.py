@@ -406,14 +406,15 @@ def cached_forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, op
 
 
 # --- many sequences: one decode row per pool slot (batch.py's decode step) ----------------------
-def _rows_mixer(x, h, lp, st, cos, sin, slots, pos, running, *, kind, cfg, ops, guard: bool, route: bool):
-    """model.rows_mixer on one layer's pool; guard: idle slots keep their conv and delta state (the
-    batch decode step's keep_running, per layer so that the pool's layers can be donated one by
-    one); route: also the MoE's expert ids of every row (ops.moe_route). An idle row's MoE input
-    is zeroed: its output is discarded, and a zero row routes to the same few experts every step,
-    where its own would add up to top_k experts to the union the cache must hold (the MoE treats
+def _rows_mixer(x, h, lp, st, page_table, cos, sin, slots, pos, running, *, kind, cfg, ops, guard: bool,
+                route: bool):
+    """model.rows_mixer on one layer's pool (its KV pages through page_table); guard: idle slots keep their
+    conv and delta state (the batch decode step's keep_running, per layer so that the pool's layers can
+    be donated one by one); route: also the MoE's expert ids of every row (ops.moe_route). An idle row's
+    MoE input is zeroed: its output is discarded, and a zero row routes to the same few experts every
+    step, where its own would add up to top_k experts to the union the cache must hold (the MoE treats
     rows apart, so a running row's bytes do not change)."""
-    x, h2, new = M.rows_mixer(x, h, lp, st, kind, cfg, ops, cos, sin, slots, pos)
+    x, h2, new = M.rows_mixer(x, h, lp, st, page_table, kind, cfg, ops, cos, sin, slots, pos)
     if guard:
         new = Pool.keep_running((st,), (new,), running)[0]
     if route:
@@ -431,9 +432,10 @@ _STAGED_MOE = jax.jit(_staged_moe, static_argnames=("cfg", "ops"), donate_argnum
 _ROWS_HEAD = jax.jit(M.rows_head, static_argnames=("ops",))
 
 
-def decode_rows(params, pool, tokens, slots, running, pos, rope, *, cfg: Config, ops, guard: bool,
+def decode_rows(params, pool, page_table, tokens, slots, running, pos, rope, *, cfg: Config, ops, guard: bool,
                 cache: "ExpertCache | None" = None, direct: "DirectDecode | None" = None):
-    """model.decode_rows' contract layer by layer (the pool's layers donated), idle slots' conv and
+    """model.decode_rows' contract layer by layer (the pool's layers donated; page_table its page
+    table), idle slots' conv and
     delta state kept when guard. A layer's MoE runs all P rows at once, so it needs every expert
     any row routes to: with a cache, the union of the rows' ids is made resident (ensure: LRU
     copies of the misses) and the MoE reads the slot table; a union larger than the cache's slots
@@ -457,8 +459,8 @@ def decode_rows(params, pool, tokens, slots, running, pos, rope, *, cfg: Config,
     changed, new_pool = set(), []
     for i, (lp, st, kind, nn) in enumerate(zip(layers, pool, cfg.layer_types, M.next_norms(params))):
         res = split_layer(lp)[0]
-        x, h2, ids, st = _ROWS_MIXER(x, h, res, st, cos, sin, slots, pos, running, kind=kind, cfg=cfg, ops=ops,
-                                     guard=guard, route=cache is not None)
+        x, h2, ids, st = _ROWS_MIXER(x, h, res, st, page_table, cos, sin, slots, pos, running, kind=kind, cfg=cfg,
+                                     ops=ops, guard=guard, route=cache is not None)
         new_pool.append(st)
         if cache is None:
             cur, nxt = nxt, (stage(i + 1) if i + 1 < n else None)

@@ -88,12 +88,12 @@ class TierRunner(Runner):
         return staging.forward(self.params, state, tokens, pos, n_valid, self.rope, cfg=self.cfg, ops=self.ops,
                                all_logits=all_logits, cache=self.cache, direct=self.direct)
 
-    def decode_rows(self, pool, tokens, slots, running, pos, *, ops, guard: bool):
+    def decode_rows(self, pool, table, tokens, slots, running, pos, *, ops, guard: bool):
         """One decode row per slot of a many-sequence pool (batch.py's decode step): the layers from
         Python (staging.decode_rows), each layer's MoE through the decode expert cache, or staged
         whole. ops: the pool's (with attention_rows)."""
-        return staging.decode_rows(self.params, pool, tokens, slots, running, pos, self.rope, cfg=self.cfg, ops=ops,
-                                   guard=guard, cache=self.cache, direct=self.direct)
+        return staging.decode_rows(self.params, pool, table, tokens, slots, running, pos, self.rope, cfg=self.cfg,
+                                   ops=ops, guard=guard, cache=self.cache, direct=self.direct)
 
     def greedy_block(self, state, token, pos, n: int, block: int):
         return self.direct.greedy(state, token, pos, n, self.rope, cfg=self.cfg, ops=self.ops, block=block)

@@ -148,7 +148,16 @@ def batch_steps(eng, args, length: int):
     r, B = eng.runner, args.batch
     ops = BT.pooled_ops(r.ops)
     chunk = min(1024, args.context)
-    pool = Pool.init_pool(eng.cfg, r.dtype, B, length)
+    from baro_jax.block_manager import BlockManager
+    from baro_jax.settings import DEFAULT_KV_PAGE
+
+    page = DEFAULT_KV_PAGE
+    per_slot = -(-length // page)
+    blocks = BlockManager(B, B * per_slot, page, per_slot * page)
+    for slot in range(B):
+        blocks.allocate(slot, length)
+    table = jnp.asarray(blocks.table)
+    pool = Pool.init_pool(eng.cfg, r.dtype, B, B * per_slot, page)
     rng = np.random.default_rng(args.seed)
     toks = np.zeros((B,), np.int32)
     for slot in range(B):
@@ -157,8 +166,8 @@ def batch_steps(eng, args, length: int):
             part = np.zeros((chunk,), np.int32)
             n = min(chunk, len(ids) - p)
             part[:n] = ids[p:p + n]
-            logits, pool = BT.PREFILL(r.params, pool, jnp.int32(slot), jnp.asarray(part), jnp.int32(p), jnp.int32(n),
-                                      r.rope, cfg=eng.cfg, ops=ops, all_logits=False)
+            logits, pool = BT.PREFILL(r.params, pool, table, jnp.int32(slot), jnp.asarray(part), jnp.int32(p),
+                                      jnp.int32(n), r.rope, cfg=eng.cfg, ops=ops, all_logits=False)
         toks[slot] = int(np.argmax(np.asarray(logits)))
     state = {"pool": pool, "tok": jnp.asarray(toks), "pos": np.full((B,), args.context, np.int32)}
     block = r.decode_block
@@ -173,7 +182,7 @@ def batch_steps(eng, args, length: int):
         for _ in range(n // block):
             left = jnp.full((B,), block, jnp.int32)
             ids, lp, _, _, state["pool"], _ = BT.DECODE_BLOCK(
-                r.params, state["pool"], state["tok"], run, jnp.asarray(state["pos"]), left, stops, r.rope,
+                r.params, state["pool"], table, state["tok"], run, jnp.asarray(state["pos"]), left, stops, r.rope,
                 cfg=eng.cfg, ops=ops, guard=False, top_n=0, block=block)
             state["tok"] = ids[-1]
             state["pos"] = state["pos"] + block

@@ -148,18 +148,21 @@ def test_tier_pool_compiles_nothing_per_request(tier):
 def test_tier_pool_slots_count_the_tier_device_part():
     """batch_slots in tier mode counts the non-expert weights, two staged layers and the cache,
     not every weight: at Qwen3.5-35B-A3B's sizes a 22 GiB budget (the H200 tier gate's) holds no
-    resident weights but 16 tier slots of 4096 positions, and fewer beside a larger cache."""
+    resident weights but 16 tier slots of 4096 positions with all their KV pages, and beside a
+    larger cache fewer KV pages for the same 64 slots (a slot costs its linear layers' state and
+    one page; its KV only the pages its sequence holds)."""
     import jax.numpy as jnp
 
     cfg = baro_jax.preset("qwen3.5-35b-a3b")
     bf16 = jnp.bfloat16
     with pytest.raises(MemoryError, match="the weights need"):
         budget.check_resident(cfg, bf16, 22.0, 4096, 256)
-    assert budget.batch_slots(cfg, bf16, 22.0, 4096, 256, 16) == 0
-    assert budget.batch_slots(cfg, bf16, 22.0, 4096, 256, 16, tier_cache_slots=0) == 16
+    full = 4096 // 64  # pages of one slot at 4096 positions
+    assert budget.batch_slots(cfg, bf16, 22.0, 4096, 256, 16) == (0, 0)
+    assert budget.batch_slots(cfg, bf16, 22.0, 4096, 256, 16, tier_cache_slots=0) == (16, 16 * full)
     roomy = budget.batch_slots(cfg, bf16, 22.0, 4096, 256, 64, tier_cache_slots=16)
     tight = budget.batch_slots(cfg, bf16, 22.0, 4096, 256, 64, tier_cache_slots=32)
-    assert 1 <= tight < roomy < 64, (tight, roomy)
+    assert roomy[0] == tight[0] == 64 and 64 <= tight[1] < roomy[1] < 64 * full, (tight, roomy)
 
 
 def test_server_pool_runs_tier_mode(tier, alone):

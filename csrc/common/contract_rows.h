@@ -18,14 +18,15 @@
       .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>() /* k_norm [hd] */                                 \
       .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>() /* cos [m, R2] */                                 \
       .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>() /* sin [m, R2] */                                 \
-      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* k_pool [P, S, Hkv, hd] */                     \
-      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* v_pool [P, S, Hkv, hd] */                     \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* k_pages [NP, page, Hkv, hd] */                \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* v_pages [NP, page, Hkv, hd] */                \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* table [P, T] (-1: no page) */                  \
       .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* slot [m] (-1: padding) */                      \
       .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* pos [m] */                                     \
       .Attr<float>("eps")                                                                           \
       .Ret<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* o [m, H*hd] */                                \
-      .Ret<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* k_pool */                                     \
-      .Ret<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* v_pool */                                     \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* k_pages */                                    \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::BF16>>() /* v_pages */                                    \
       .Ret<::xla::ffi::Buffer<::xla::ffi::U8>>() /* scratch */
 
 #define BARO_BIND_LOG_SOFTMAX_ARGS(bind)                                                            \
@@ -35,35 +36,51 @@
 
 namespace baro {
 
+// KV positions per KV block of the attention kernels (CPU attn::kBlock, CUDA kFaKB): a page
+// holds whole blocks, so a block never straddles two pages and reads in the same order as from a
+// contiguous cache.
+constexpr int64_t kRowsPageMultiple = 64;
+
+// S = T * page: the positions a slot's table row maps, the length of the contiguous cache the
+// pages stand for (the KV splits stay at absolute positions of it).
 struct AttentionRowsDims {
-  int64_t m, hd, P, S, Hkv, H, R2;
+  int64_t m, hd, P, S, Hkv, H, R2, NP, page, T;
 };
 
 inline ::xla::ffi::Error check_attention_rows(
     const ::xla::ffi::Buffer<::xla::ffi::F32>& qkv, const ::xla::ffi::Buffer<::xla::ffi::F32>& q_norm,
     const ::xla::ffi::Buffer<::xla::ffi::F32>& k_norm, const ::xla::ffi::Buffer<::xla::ffi::F32>& cos,
-    const ::xla::ffi::Buffer<::xla::ffi::F32>& sin, const ::xla::ffi::Buffer<::xla::ffi::BF16>& k_pool,
-    const ::xla::ffi::Buffer<::xla::ffi::BF16>& v_pool, const ::xla::ffi::Buffer<::xla::ffi::S32>& slot,
-    const ::xla::ffi::Buffer<::xla::ffi::S32>& pos, const ::xla::ffi::Buffer<::xla::ffi::BF16>& o,
-    const ::xla::ffi::Buffer<::xla::ffi::BF16>& k_out, const ::xla::ffi::Buffer<::xla::ffi::BF16>& v_out,
-    AttentionRowsDims& d) {
+    const ::xla::ffi::Buffer<::xla::ffi::F32>& sin, const ::xla::ffi::Buffer<::xla::ffi::BF16>& k_pages,
+    const ::xla::ffi::Buffer<::xla::ffi::BF16>& v_pages, const ::xla::ffi::Buffer<::xla::ffi::S32>& table,
+    const ::xla::ffi::Buffer<::xla::ffi::S32>& slot, const ::xla::ffi::Buffer<::xla::ffi::S32>& pos,
+    const ::xla::ffi::Buffer<::xla::ffi::BF16>& o, const ::xla::ffi::Buffer<::xla::ffi::BF16>& k_out,
+    const ::xla::ffi::Buffer<::xla::ffi::BF16>& v_out, AttentionRowsDims& d) {
   const char* op = "baro_attention_rows";
   BARO_RETURN_IF(expect_rank(op, "qkv", qkv, 2));
   BARO_RETURN_IF(expect_rank(op, "q_norm", q_norm, 1));
-  BARO_RETURN_IF(expect_rank(op, "k_pool", k_pool, 4));
+  BARO_RETURN_IF(expect_rank(op, "k_pages", k_pages, 4));
+  BARO_RETURN_IF(expect_rank(op, "table", table, 2));
   BARO_RETURN_IF(expect_rank(op, "cos", cos, 2));
   const int64_t m = qkv.dimensions()[0], W = qkv.dimensions()[1];
   const int64_t hd = q_norm.dimensions()[0];
-  const int64_t P = k_pool.dimensions()[0], S = k_pool.dimensions()[1], Hkv = k_pool.dimensions()[2];
+  const int64_t NP = k_pages.dimensions()[0], page = k_pages.dimensions()[1], Hkv = k_pages.dimensions()[2];
+  const int64_t P = table.dimensions()[0], T = table.dimensions()[1];
   const int64_t R2 = cos.dimensions()[1];
   BARO_CHECK(m >= 1, op, "qkv must have at least one row, got shape " << dims_str(qkv.dimensions()));
   BARO_CHECK(hd > 0, op, "q_norm must be non-empty (its length is head_dim)");
-  BARO_CHECK(P >= 1 && S >= 1 && Hkv >= 1, op,
-             "k_pool must have P >= 1 slots, S >= 1 positions and Hkv >= 1 kv heads, got shape "
-                 << dims_str(k_pool.dimensions()));
+  BARO_CHECK(NP >= 1 && Hkv >= 1, op,
+             "k_pages must have NP >= 1 pages and Hkv >= 1 kv heads, got shape " << dims_str(k_pages.dimensions()));
+  BARO_CHECK(page >= kRowsPageMultiple && page % kRowsPageMultiple == 0, op,
+             "the page size k_pages.shape[1]=" << page << " must be a positive multiple of " << kRowsPageMultiple
+                                               << " (the kernels' KV block)");
+  BARO_CHECK(P >= 1 && T >= 1, op,
+             "table must have shape [P, T] with P >= 1 slots and T >= 1 pages a slot, got "
+                 << dims_str(table.dimensions()));
+  BARO_CHECK(T * page < (int64_t{1} << 31), op,
+             "table width " << T << " x page " << page << " positions exceed the int32 positions");
   BARO_RETURN_IF(expect_shape(op, "k_norm", k_norm, {hd}));
-  BARO_RETURN_IF(expect_shape(op, "k_pool", k_pool, {P, S, Hkv, hd}));
-  BARO_RETURN_IF(expect_shape(op, "v_pool", v_pool, {P, S, Hkv, hd}));
+  BARO_RETURN_IF(expect_shape(op, "k_pages", k_pages, {NP, page, Hkv, hd}));
+  BARO_RETURN_IF(expect_shape(op, "v_pages", v_pages, {NP, page, Hkv, hd}));
   BARO_CHECK(W % hd == 0 && W / hd > 2 * Hkv && (W / hd - 2 * Hkv) % 2 == 0, op,
              "qkv width " << W << " must be (2*H + 2*Hkv) * head_dim with head_dim=" << hd << ", Hkv=" << Hkv);
   const int64_t H = (W / hd - 2 * Hkv) / 2;
@@ -74,9 +91,9 @@ inline ::xla::ffi::Error check_attention_rows(
   BARO_RETURN_IF(expect_shape(op, "slot", slot, {m}));
   BARO_RETURN_IF(expect_shape(op, "pos", pos, {m}));
   BARO_RETURN_IF(expect_shape(op, "o (result)", o, {m, H * hd}));
-  BARO_RETURN_IF(expect_shape(op, "k_pool (result)", k_out, {P, S, Hkv, hd}));
-  BARO_RETURN_IF(expect_shape(op, "v_pool (result)", v_out, {P, S, Hkv, hd}));
-  d = AttentionRowsDims{m, hd, P, S, Hkv, H, R2};
+  BARO_RETURN_IF(expect_shape(op, "k_pages (result)", k_out, {NP, page, Hkv, hd}));
+  BARO_RETURN_IF(expect_shape(op, "v_pages (result)", v_out, {NP, page, Hkv, hd}));
+  d = AttentionRowsDims{m, hd, P, T * page, Hkv, H, R2, NP, page, T};
   return ::xla::ffi::Error::Success();
 }
 

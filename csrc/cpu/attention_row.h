@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "dot.h"
@@ -50,11 +51,14 @@ struct HeadScratch {
 };
 
 // One q head of one row at absolute position p: q from its query xq (normed, rotated, bf16),
-// the online softmax over cache rows 0 .. p in blocks [64b, 64b + 64), then the gate;
-// kbase / vbase point at the head's kv head in cache row 0 (row_stride elements per row).
-inline void attend_head(const float* xq, const float* gate, const float* qw, const float* c, const float* sn,
-                        const uint16_t* kbase, const uint16_t* vbase, int64_t row_stride, int64_t p,
-                        int64_t hd, int64_t R2, float eps, float scale, HeadScratch& w, uint16_t* orow) {
+// the online softmax over cache rows 0 .. p in blocks [64b, 64b + 64), then the gate.
+// block(j0) gives (k, v): the head's kv head in cache row j0 of the block that starts there;
+// the block's rows follow it row_stride elements apart (a contiguous cache, or one page of a
+// paged pool: a page holds whole blocks, so the arithmetic and its order are the same).
+template <class Block>
+inline void attend_head_blocks(const float* xq, const float* gate, const float* qw, const float* c, const float* sn,
+                               Block block, int64_t row_stride, int64_t p, int64_t hd, int64_t R2, float eps,
+                               float scale, HeadScratch& w, uint16_t* orow) {
   norm_rope(xq, qw, c, sn, hd, R2, eps, w.qf.data());
   for (int64_t d = 0; d < hd; ++d) w.q[d] = f32_to_bf16(w.qf[d]);
   float* s = w.s.data();
@@ -65,9 +69,12 @@ inline void attend_head(const float* xq, const float* gate, const float* qw, con
   std::fill(acc, acc + hd, 0.0f);
   for (int64_t j0 = 0; j0 <= p; j0 += kBlock) {
     const int64_t nj = std::min(kBlock, p + 1 - j0);
+    const auto kv = block(j0);
+    const uint16_t* kb = kv.first;
+    const uint16_t* vb = kv.second;
     float mb = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < nj; ++j) {
-      s[j] = dot(w.q.data(), kbase + (j0 + j) * row_stride, hd) * scale;
+      s[j] = dot(w.q.data(), kb + j * row_stride, hd) * scale;
       mb = std::fmax(mb, s[j]);
     }
     const float mn = std::fmax(mx, mb);
@@ -77,12 +84,23 @@ inline void attend_head(const float* xq, const float* gate, const float* qw, con
       s[j] = std::exp(s[j] - mn);
       lb = lb + s[j];
     }
-    for (int64_t d = 0; d < hd; ++d) pv[d] = dot(s, 1, vbase + j0 * row_stride + d, row_stride, nj);
+    for (int64_t d = 0; d < hd; ++d) pv[d] = dot(s, 1, vb + d, row_stride, nj);
     l = l * alpha + lb;
     for (int64_t d = 0; d < hd; ++d) acc[d] = acc[d] * alpha + pv[d];
     mx = mn;
   }
   for (int64_t d = 0; d < hd; ++d) orow[d] = f32_to_bf16((acc[d] / l) * sigmoid(gate[d]));
+}
+
+// attend_head_blocks on a contiguous cache: kbase / vbase point at the head's kv head in cache
+// row 0 (row_stride elements per row).
+inline void attend_head(const float* xq, const float* gate, const float* qw, const float* c, const float* sn,
+                        const uint16_t* kbase, const uint16_t* vbase, int64_t row_stride, int64_t p,
+                        int64_t hd, int64_t R2, float eps, float scale, HeadScratch& w, uint16_t* orow) {
+  attend_head_blocks(
+      xq, gate, qw, c, sn,
+      [&](int64_t j0) { return std::make_pair(kbase + j0 * row_stride, vbase + j0 * row_stride); }, row_stride, p,
+      hd, R2, eps, scale, w, orow);
 }
 
 }  // namespace attn

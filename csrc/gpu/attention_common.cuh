@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "launch.h"
 
 namespace baro_gpu {
 
@@ -38,6 +39,16 @@ BARO_DEV float norm_rope_elem(const float* __restrict__ x, const float* __restri
   const int pd = norm_rope_partner(d, R2), j = d < R2 ? d : d - R2;
   const bool rot = d < 2 * R2;
   return norm_rope_vals(x[d], w[d], x[pd], w[pd], rot ? c[j] : 0.0f, rot ? s[j] : 0.0f, r, R2, d);
+}
+
+// Element offset of a paged cache's position j's row (its kv head 0), row = Hkv * hd elements a
+// position: its page's row, -1 when the page is unmapped or past num_pages (never read or
+// written; a read gives zeros). A page holds whole 64-position blocks, so a block's rows are
+// `row` elements apart from its first row's offset, as in a contiguous cache.
+BARO_DEV int64_t attn_kv_row(const KvPages& kv, int64_t j, int64_t row) {
+  const int32_t pg = kv.table[j / kv.page];
+  if (pg < 0 || pg >= kv.num_pages) return -1;
+  return (static_cast<int64_t>(pg) * kv.page + j % kv.page) * row;
 }
 
 BARO_DEV int64_t clamp_nvalid(const int32_t* p, int64_t m) {

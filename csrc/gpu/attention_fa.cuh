@@ -144,18 +144,20 @@ __host__ __device__ inline FaSmem fa_smem(int hd, int pairs) {
 }
 
 // Rows j0..j0+63 of one kv head -> dst[64][ld] with cp.async; rows past lim
-// are zero-filled and never read from global memory. With the head dim known
-// at compile time each thread copies one fixed 16-byte column of every
-// (kThreads / chunks)-th row: one address add per copy.
+// are zero-filled and never read from global memory. Row j0 + r is read at
+// base + (jb + r) * row_stride: jb = j0 in a contiguous cache, 0 with base at
+// the block's first row in its page. With the head dim known at compile time
+// each thread copies one fixed 16-byte column of every (kThreads / chunks)-th
+// row: one address add per copy.
 template <int kThreads, int kHd>
 BARO_DEV void fa_issue_tile(uint16_t* __restrict__ dst, const uint16_t* __restrict__ base,
-                            int64_t row_stride, int j0, int lim, int hd, int ld) {
+                            int64_t row_stride, int jb, int j0, int lim, int hd, int ld) {
   constexpr int kChunks = kHd / 8;
   if constexpr (kHd > 0 && kThreads % kChunks == 0 && kFaKB % (kThreads / kChunks) == 0) {
     constexpr int kRowStep = kThreads / kChunks;
     const int r0 = threadIdx.x / kChunks;
     const int kc = (threadIdx.x % kChunks) * 8;
-    const uint16_t* src = base + static_cast<int64_t>(j0 + r0) * row_stride + kc;
+    const uint16_t* src = base + static_cast<int64_t>(jb + r0) * row_stride + kc;
     uint16_t* d = dst + r0 * (kHd + 8) + kc;
     const int64_t step = static_cast<int64_t>(kRowStep) * row_stride;
 #pragma unroll
@@ -171,7 +173,7 @@ BARO_DEV void fa_issue_tile(uint16_t* __restrict__ dst, const uint16_t* __restri
       const int kc = (c - r * chunks) << 3;
       const int j = j0 + r;
       const bool ok = j <= lim;
-      const uint16_t* src = ok ? base + static_cast<int64_t>(j) * row_stride + kc : base;
+      const uint16_t* src = ok ? base + static_cast<int64_t>(jb + r) * row_stride + kc : base;
       fa_cp_async16(dst + r * ld + kc, src, ok ? 16 : 0);
     }
   }
@@ -386,9 +388,13 @@ BARO_DEV void fa_block_step(const uint16_t* __restrict__ Qp, const uint16_t* __r
 // attn_fa_tile: one block's work, tile `tile` of kv head kh (and split sp in parallel mode), so
 // that baro_attention_rows (attention_rows.cu) runs this same code on each row's own view of
 // its slot; attn_fa_kernel below is the grid of one call.
-template <int kPairs, bool kParallel, int kHd, int kDup>
+// kPaged: the cache is the pages of kv (attn_kv_row); a block's rows lie in one page, an
+// unmapped page's block is zero-filled as rows past the limit are. The one-sequence kernel is the
+// kPaged = false instantiation (kv unread).
+template <int kPairs, bool kParallel, int kHd, int kDup, bool kPaged = false>
 BARO_DEV void attn_fa_tile(const AttentionArgs& a, float* __restrict__ part_o, float* __restrict__ part_ml,
-                           int max_splits, int64_t rows_pad, int64_t tile, int kh, int sp) {
+                           int max_splits, int64_t rows_pad, int64_t tile, int kh, int sp,
+                           const KvPages& kv = KvPages{}) {
   constexpr int kRows = kPairs * kFaPairRows;
   static_assert(kDup == 1 || kParallel, "the serial merge keeps one copy of each pair");
   constexpr int kWarps = 2 * kPairs * kDup;
@@ -436,15 +442,25 @@ BARO_DEV void attn_fa_tile(const AttentionArgs& a, float* __restrict__ part_o, f
   const int64_t row_stride = static_cast<int64_t>(a.Hkv) * hd;
   const uint16_t* kbase = a.k_cache + static_cast<int64_t>(kh) * hd;
   const uint16_t* vbase = a.v_cache + static_cast<int64_t>(kh) * hd;
+  // K and V blocks starting at row j0 into dst. Paged: from the block's first row in its page,
+  // with the load limit below j0 when the page is unmapped (all zero-filled).
+  auto issue = [&](uint16_t* dst, int j0) {
+    if constexpr (kPaged) {
+      const int64_t off = attn_kv_row(kv, j0, row_stride);
+      const int lim = off < 0 ? j0 - 1 : lim_load;
+      const int64_t at = off < 0 ? 0 : off;
+      fa_issue_tile<kThreads, kHd>(dst, kbase + at, row_stride, 0, j0, lim, hd, ld);
+      fa_issue_tile<kThreads, kHd>(dst + tile_el, vbase + at, row_stride, 0, j0, lim, hd, ld);
+    } else {
+      fa_issue_tile<kThreads, kHd>(dst, kbase, row_stride, j0, j0, lim_load, hd, ld);
+      fa_issue_tile<kThreads, kHd>(dst + tile_el, vbase, row_stride, j0, j0, lim_load, hd, ld);
+    }
+  };
   // first K/V block in flight while Q is normed
   constexpr int kStages = fa_stages(kPairs);
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {  // the first blocks in flight while Q is normed
-    if (b_begin + st < b_end) {
-      uint16_t* Kd = KV0 + (2 * st) * tile_el;
-      fa_issue_tile<kThreads, kHd>(Kd, kbase, row_stride, (b_begin + st) * kFaKB, lim_load, hd, ld);
-      fa_issue_tile<kThreads, kHd>(Kd + tile_el, vbase, row_stride, (b_begin + st) * kFaKB, lim_load, hd, ld);
-    }
+    if (b_begin + st < b_end) issue(KV0 + (2 * st) * tile_el, (b_begin + st) * kFaKB);
     fa_cp_async_commit();  // always: keeps the group count uniform
   }
 
@@ -517,12 +533,8 @@ BARO_DEV void attn_fa_tile(const AttentionArgs& a, float* __restrict__ part_o, f
     const uint16_t* Vt = Kt + tile_el;
     fa_cp_async_wait<kStages - 2>();
     __syncthreads();  // block b visible to all; every warp done with block b-1's buffers
-    if (b + kStages - 1 < b_end) {
-      uint16_t* Kn = KV0 + (2 * ((b - b_begin + kStages - 1) % kStages)) * tile_el;
-      fa_issue_tile<kThreads, kHd>(Kn, kbase, row_stride, (b + kStages - 1) * kFaKB, lim_load, hd, ld);
-      fa_issue_tile<kThreads, kHd>(Kn + tile_el, vbase, row_stride, (b + kStages - 1) * kFaKB, lim_load, hd,
-                                   ld);
-    }
+    if (b + kStages - 1 < b_end) issue(KV0 + (2 * ((b - b_begin + kStages - 1) % kStages)) * tile_el,
+                                       (b + kStages - 1) * kFaKB);
     fa_cp_async_commit();
 
     if (b % kAttnSplitBlocks == 0) {  // a split starts: fresh online softmax

@@ -19,7 +19,10 @@ constexpr int kKvWarps = 4;                   // (row, kv head) items per block 
 // the butterfly), so the bytes are the same. With loads inside the checks
 // and the per-element branches a call took 5.9 us (7.6 under ncu) for 2 KB of stores.
 // One warp's (row, kv head) item (attention_rows.cu runs it on each row's view of its slot).
-BARO_DEV void attn_kv_write_item(const AttentionArgs& a, int64_t item) {
+// kPaged: a.k_cache / a.v_cache are the pages of kv (attn_kv_row; a row whose page is unmapped
+// writes nothing); the one-sequence kernel is the kPaged = false instantiation, kv unread.
+template <bool kPaged = false>
+BARO_DEV void attn_kv_write_item(const AttentionArgs& a, int64_t item, const KvPages& kv = KvPages{}) {
   if (item >= a.m * a.Hkv) return;
   const int64_t i = item / a.Hkv;
   const int kh = static_cast<int>(item % a.Hkv);
@@ -58,8 +61,17 @@ BARO_DEV void attn_kv_write_item(const AttentionArgs& a, int64_t item) {
   for (int t = 0; t < kPer; ++t)
     if (lane + BARO_WARP * t < hd) ss = fmaf(xd[t], xd[t], ss);
   const float r = inv_rms(warp_sum(ss), static_cast<float>(hd), a.eps);
-  uint16_t* kd = a.k_cache + (p * a.Hkv + kh) * hd;
-  uint16_t* vd = a.v_cache + (p * a.Hkv + kh) * hd;
+  uint16_t* kd;
+  uint16_t* vd;
+  if constexpr (kPaged) {
+    const int64_t row = attn_kv_row(kv, p, static_cast<int64_t>(a.Hkv) * hd);
+    if (row < 0) return;
+    kd = a.k_cache + row + static_cast<int64_t>(kh) * hd;
+    vd = a.v_cache + row + static_cast<int64_t>(kh) * hd;
+  } else {
+    kd = a.k_cache + (p * a.Hkv + kh) * hd;
+    vd = a.v_cache + (p * a.Hkv + kh) * hd;
+  }
 #pragma unroll
   for (int t = 0; t < kPer; ++t) {
     const int d = lane + BARO_WARP * t;

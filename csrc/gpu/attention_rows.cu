@@ -1,22 +1,27 @@
 // baro_attention_rows (GPU): m rows, row r the token of sequence slot[r] at absolute position
-// pos[r], over KV pools [P, S, Hkv, hd] (docs/FFI.md). Three launches on one stream, each a grid
-// over all rows:
-//   1. attn_rows_kv_write_kernel: every valid row's k/v into pool[slot[r], pos[r]], before any
+// pos[r], over paged KV pools: pages [NP, page, Hkv, hd] and a table [P, T] mapping a slot's
+// position j to page table[slot][j / page] (docs/FFI.md). Three launches on one stream, each a
+// grid over all rows:
+//   1. attn_rows_kv_write_kernel: every valid row's k/v into its position's page, before any
 //      row attends (so a prefill chunk of one slot reads its own rows);
 //   2. attn_rows_kernel, grid (rows x tiles of a row, kv heads, splits): each block runs
-//      attn_fa_tile (attention_fa.cuh) on row r's view of its slot;
+//      attn_fa_tile (attention_fa.cuh, its kPaged instantiation) on row r's view of its slot;
 //   3. (m <= kRowsParallelMax) attn_rows_combine_kernel: attn_fa_combine_item per row.
-// Why row r's bytes are baro_attention's one-row call on pool[slot[r]] (the decode path): the
-// view is exactly that call's AttentionArgs (m = 1, qkv/cos/sin/out at row r, the caches at the
-// slot, pos at &pos[r], n_valid = 1), the tile geometry is that call's fa_plan (a tile of the
-// row's G q heads, its decode copies and compile-time head dim as fa_launch_one picks them), the
-// KV write, tile and merge are the same device functions, and the splits are the same absolute
-// 512-position ones. With more than kRowsParallelMax rows a row's splits run in order inside its
+// Why row r's bytes are baro_attention's one-row call on the contiguous cache its slot's pages
+// stand for (the decode path): the view is exactly that call's AttentionArgs (m = 1,
+// qkv/cos/sin/out at row r, pos at &pos[r], n_valid = 1) with the cache read through the slot's
+// table row; a page holds whole 64-position KV blocks, so every block the tile loads comes from
+// one page with the same rows in the same shared-memory places (an unmapped page's block
+// zero-filled, as a contiguous cache of zeros would give); the tile geometry is that call's
+// fa_plan (a tile of the row's G q heads, its decode copies and compile-time head dim as
+// fa_launch_one picks them), the KV write, tile and merge are the same device functions, and the
+// splits are the same absolute 512-position ones. With more than kRowsParallelMax rows a row's splits run in order inside its
 // block (attn_fa_tile's serial mode) instead of in parallel blocks plus the merge: the same
 // merge arithmetic (fa_merge_scale, then L*ea + l*eb, O*ea + o*eb in split order), as
 // baro_attention's prefill and decode modes agree.
-// Bad rows: slot outside [-1, P) or pos outside [0, S) cannot be refused without a sync, so
-// they are poisoned: nothing written, o[r] = NaN; slot == -1 (padding) gives o[r] = 0.
+// Bad rows: slot outside [-1, P), pos outside [0, S) or a position whose page is unmapped or
+// past NP cannot be refused without a sync, so they are poisoned: nothing written, o[r] = NaN;
+// slot == -1 (padding) gives o[r] = 0.
 // HIP: the handler refuses the call (the portable kernels have not been split per row yet);
 // custom_calls refuses it first.
 #include <cmath>
@@ -41,7 +46,9 @@ namespace baro_gpu {
 const char* attention_rows_unsupported(const AttentionRowsArgs& r) {
   const char* why = attention_unsupported(r.a);
   if (why[0] != '\0') return why;
-  if (r.P < 1) return "the pools need at least one slot";
+  if (r.P < 1 || r.T < 1 || r.NP < 1) return "the table needs a slot and a page, the pool a page";
+  if (r.page < kAttnKB || r.page % kAttnKB != 0) return "the page size must be a multiple of the 64-position KV block";
+  if (r.T * r.page != r.a.S) return "the table width times the page size must be the positions S";
   if ((r.a.S + kAttnSplit - 1) / kAttnSplit > 65535) return "too many KV splits for the GPU grid";
   const int64_t G = r.a.H / r.a.Hkv;
   if (r.a.m * ((G + 63) / 64 + 1) > 0x7fffffffLL) return "too many rows for the GPU grid";
@@ -56,9 +63,10 @@ constexpr uint16_t kBf16Nan = 0x7fc0;
 
 enum RowKind { kRowValid = 0, kRowPad = 1, kRowBad = 2 };
 
-// Row r's view: the AttentionArgs of baro_attention's one-row call on its slot. Bad and padding
-// rows get only their qkv / out rows (the pools stay at slot 0 and are never touched for them).
-BARO_DEV int row_view(const AttentionRowsArgs& ra, int64_t r, AttentionArgs& a) {
+// Row r's view: the AttentionArgs of baro_attention's one-row call, its cache the pages of kv
+// (the slot's table row). Bad and padding rows get only their qkv / out rows (their kv is never
+// read).
+BARO_DEV int row_view(const AttentionRowsArgs& ra, int64_t r, AttentionArgs& a, KvPages& kv) {
   a = ra.a;
   const int hd = a.hd;
   a.m = 1;
@@ -72,9 +80,10 @@ BARO_DEV int row_view(const AttentionRowsArgs& ra, int64_t r, AttentionArgs& a) 
   const int32_t p = ra.a.pos[r];
   if (s == -1) return kRowPad;
   if (s < -1 || s >= ra.P || p < 0 || p >= ra.a.S) return kRowBad;
-  const int64_t slot_el = ra.a.S * a.Hkv * hd;
-  a.k_cache += s * slot_el;
-  a.v_cache += s * slot_el;
+  kv.table = ra.table + static_cast<int64_t>(s) * ra.T;
+  kv.page = ra.page;
+  kv.num_pages = ra.NP;
+  if (attn_kv_row(kv, p, static_cast<int64_t>(a.Hkv) * hd) < 0) return kRowBad;  // nowhere to write
   return kRowValid;
 }
 
@@ -102,8 +111,9 @@ __global__ void __launch_bounds__(kKvWarps * BARO_WARP) attn_rows_kv_write_kerne
   if (item >= ra.a.m * ra.a.Hkv) return;
   const int64_t r = item / ra.a.Hkv;
   AttentionArgs a;
-  if (row_view(ra, r, a) != kRowValid) return;
-  attn_kv_write_item(a, item - r * ra.a.Hkv);  // item kh of the one-row call
+  KvPages kv;
+  if (row_view(ra, r, a, kv) != kRowValid) return;
+  attn_kv_write_item<true>(a, item - r * ra.a.Hkv, kv);  // item kh of the one-row call
 }
 
 // Grid (m * tiles, Hkv, splits or 1).
@@ -116,7 +126,8 @@ __global__ void __launch_bounds__(kPairs * 2 * kDup * BARO_WARP, 1)
   const int tile = static_cast<int>(blockIdx.x % tiles);
   const int kh = static_cast<int>(blockIdx.y);
   AttentionArgs a;
-  const int kind = row_view(ra, r, a);
+  KvPages kv;
+  const int kind = row_view(ra, r, a, kv);
   if (kind != kRowValid) {  // uniform for the block, before any barrier
     if (!kParallel && tile == 0 && blockIdx.z == 0) {  // parallel mode: the combine writes the row
       const int G = a.H / a.Hkv;
@@ -133,8 +144,8 @@ __global__ void __launch_bounds__(kPairs * 2 * kDup * BARO_WARP, 1)
     po = reinterpret_cast<float*>(base);
     pml = reinterpret_cast<float*>(base + o_bytes);
   }
-  attn_fa_tile<kPairs, kParallel, kHd, kDup>(a, po, pml, max_splits, rows_pad, tile, kh,
-                                             static_cast<int>(blockIdx.z));
+  attn_fa_tile<kPairs, kParallel, kHd, kDup, true>(a, po, pml, max_splits, rows_pad, tile, kh,
+                                                   static_cast<int>(blockIdx.z), kv);
 }
 
 __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
@@ -146,7 +157,8 @@ __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
   if (item >= ra.a.m * per_row) return;
   const int64_t r = item / per_row, local = item - r * per_row;
   AttentionArgs a;
-  const int kind = row_view(ra, r, a);
+  KvPages kv;
+  const int kind = row_view(ra, r, a, kv);
   if (kind != kRowValid) {
     const int slice = static_cast<int>(local % kFaCombineSlices);
     const int h = static_cast<int>(local / kFaCombineSlices);
@@ -248,14 +260,15 @@ namespace ffi = xla::ffi;
 
 ffi::Error AttentionRowsGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> q_norm,
                                 ffi::Buffer<ffi::F32> k_norm, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
-                                ffi::Buffer<ffi::BF16> k_pool, ffi::Buffer<ffi::BF16> v_pool,
-                                ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> pos, float eps,
+                                ffi::Buffer<ffi::BF16> k_pages, ffi::Buffer<ffi::BF16> v_pages,
+                                ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> pos,
+                                float eps,
                                 ffi::ResultBuffer<ffi::BF16> o, ffi::ResultBuffer<ffi::BF16> k_out,
                                 ffi::ResultBuffer<ffi::BF16> v_out, ffi::ResultBuffer<ffi::U8> scratch) {
   const char* op = "baro_attention_rows";
   baro::AttentionRowsDims d;
-  if (auto err = baro::check_attention_rows(qkv, q_norm, k_norm, cos, sin, k_pool, v_pool, slot, pos, *o, *k_out,
-                                            *v_out, d);
+  if (auto err = baro::check_attention_rows(qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, table, slot, pos, *o,
+                                            *k_out, *v_out, d);
       err.failure())
     return err;
   BARO_RETURN_IF(baro::expect_eps(op, eps));
@@ -288,11 +301,15 @@ ffi::Error AttentionRowsGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> qkv, f
   a.eps = eps;
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.hd)));
   ra.slot = slot.typed_data();
+  ra.table = table.typed_data();
   ra.P = d.P;
+  ra.T = d.T;
+  ra.NP = d.NP;
+  ra.page = static_cast<int>(d.page);
   const char* why = baro_gpu::attention_rows_unsupported(ra);
   BARO_CHECK(why[0] == '\0', op, why << " (head_dim=" << d.hd << ", H=" << d.H << ", Hkv=" << d.Hkv << ")");
-  BARO_GPU_CHECK_LAUNCH(op, baro_gpu::copy_if_not_aliased_async(k_pool, k_out, stream));
-  BARO_GPU_CHECK_LAUNCH(op, baro_gpu::copy_if_not_aliased_async(v_pool, v_out, stream));
+  BARO_GPU_CHECK_LAUNCH(op, baro_gpu::copy_if_not_aliased_async(k_pages, k_out, stream));
+  BARO_GPU_CHECK_LAUNCH(op, baro_gpu::copy_if_not_aliased_async(v_pages, v_out, stream));
   void* mem = nullptr;
   if (auto err = baro_gpu::take_scratch(op, baro_gpu::ScratchSource{nullptr, &scratch},
                                         baro_gpu::attention_rows_scratch_bytes(ra), &mem);

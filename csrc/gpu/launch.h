@@ -140,6 +140,14 @@ struct AttentionArgs {
   int H, Hkv, hd, R2;
   float eps, scale;
 };
+// A paged cache (baro_attention_rows' row views, the kernels' kPaged instantiations): cache
+// position j lives in page table[j / page], row j % page, of AttentionArgs' k_cache / v_cache
+// [num_pages][page][Hkv][hd]; page is a multiple of the 64-position KV block.
+struct KvPages {
+  const int32_t* table;
+  int64_t num_pages;
+  int page;
+};
 constexpr int kAttnMaxHeadDim = 256;
 // Checks hd/alignment limits; "" when fine, else a message.
 const char* attention_unsupported(const AttentionArgs& a);

@@ -13,15 +13,19 @@ namespace baro_gpu {
 
 // ---- baro_attention_rows (attention_rows.cu) ----
 // a holds the call's m rows (qkv, cos, sin, out as baro_attention's), a.k_cache / a.v_cache the
-// pools' first slot [P][S][Hkv][hd], a.S the positions per slot, a.pos the rows' positions [m];
-// a.n_valid is not read. Row r: slot[r] in [0, P) and pos[r] in [0, S) is attended as
-// baro_attention's one-row call on pool[slot[r]]; slot[r] == -1 writes nothing and gives
-// o[r] = 0; any other row writes nothing and gives o[r] = NaN (never read or written outside the
-// pools).
+// KV pages [NP][page][Hkv][hd], a.S = T * page the positions a slot's table row maps, a.pos the
+// rows' positions [m]; a.n_valid is not read (each row's view sets it).
+// Slot s's position j lives in page table[s * T + j / page] (-1: none; reads as zeros), row
+// j % page. Row r: slot[r] in [0, P), pos[r] in [0, S) and its position's page mapped is attended
+// as baro_attention's one-row call on the contiguous cache the slot's pages stand for;
+// slot[r] == -1 writes nothing and gives o[r] = 0; any other row writes nothing and gives
+// o[r] = NaN (never read or written outside the pages).
 struct AttentionRowsArgs {
   AttentionArgs a;
-  const int32_t* slot;  // [m] device
-  int64_t P;
+  const int32_t* slot;   // [m] device
+  const int32_t* table;  // [P, T] device
+  int64_t P, T, NP;
+  int page;              // a multiple of 64 (the KV block)
 };
 // Rows up to which each row's KV splits run in parallel blocks with the partials in the scratch
 // (then the in-order merge); more rows walk their splits inside one block (the same merge

@@ -9,7 +9,9 @@ CUDA-core instance's); what the contract needs is that prefill and decode agree 
     == other splits, padded chunks and n_valid < n, for n in {1, 2, 63, 64, 65, 200, 1000},
     starting at several slots of the block (0, 16-slot-tile aligned or not, the 32-slot window's
     edges, the last slot), outputs poisoned before every call (tests/test_delta_blocked.py's
-    check_rows_equal_one_row_calls, with the knob on for every call of the test);
+    check_rows_equal_one_row_calls, with the knob on for every call of the test); every state
+    leaf is compared, so pending_k / pending_c, which the instance's second kernel writes after
+    the column-split grid, are checked too, aliased and donated;
   * values: every output and state leaf within the rule's documented error (NUMERICS.md
     "delta_blocked": TOL_F64 = 1e-5 at the model's gates, TOL_STRONG = 1e-4 at |c| ~ 600) of a
     float64 run of the blocked formulas themselves (not an identity check);

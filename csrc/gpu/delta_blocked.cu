@@ -1,5 +1,7 @@
 // baro_delta_blocked (GPU): the chunk-aligned delta rule (docs/DESIGN.md §9,
-// docs/NUMERICS.md "delta_blocked"), CUDA cores only, fp32 throughout.
+// docs/NUMERICS.md "delta_blocked"), CUDA cores only, fp32 throughout. (The opt-in
+// tensor-core instance, BARO_DELTA_BLOCKED_MMA=1 on CUDA, is described above
+// delta_blocked_mma_kernel below: same rule, its own bits.)
 //
 // Layout: one CTA per value head (grid nv), one thread per state column d
 // (NT = 128 threads, dv <= 128); thread d holds S0[:, d] (DK floats) in
@@ -111,31 +113,44 @@ struct Smem {
   float* e;     // [B] close coefficients
   // The MMA instance only (delta_blocked_mma_kernel): S0 in shared memory, and the slot sums
   // over the row tile's earlier 16-slot tiles.
-  float* S;   // [DK][ldS] S0
-  float* Ru;  // [16][ldS] sum over the earlier tiles' slots of akk_j u_j[d], per row of the tile
-  float* Ro;  // [16][ldS] the same with aqk_j
+  float* S;   // [DK][kLdC] the CTA's columns of S0
+  float* Ru;  // [16][kLdC] sum over the earlier tiles' slots of akk_j u_j[d], per row of the tile
+  float* Ro;  // [16][kLdC] the same with aqk_j
 };
 
-// Rows m..n of o get +0 (padded rows leave no other trace); the pending slots < i0 (the only
-// ones read) into shared memory on CUDA. Shared by both instances.
+// Rows n..m-1 of o get +0 in the CTA's columns (padded rows leave no other trace); the pending
+// slots < i0 (the only ones read) into shared memory on CUDA: k and c when with_kc, u of the
+// CTA's columns col0 + (0 .. ncols-1) (thread t: column col0 + t, shared column t). Shared by
+// both instances.
 template <int DK>
 BARO_DEV void load_pending(const DeltaBlockedArgs& a, const Smem& sm, int h, int i0, int ldk, int ldu,
-                           int64_t n) {
-  const int tid = static_cast<int>(threadIdx.x), d = tid, nv = a.nv, dv = a.dv, B = a.B;
+                           int64_t n, int col0, int ncols, bool with_kc) {
+  const int tid = static_cast<int>(threadIdx.x), nv = a.nv, dv = a.dv, B = a.B;
+  const int d = col0 + tid;
+  const bool has = tid < ncols && d < dv;
   for (int64_t t = n; t < a.m; ++t)
-    if (d < dv) a.o[(t * nv + h) * dv + d] = 0.0f;
+    if (has) a.o[(t * nv + h) * dv + d] = 0.0f;
   if (n == 0) return;
   if constexpr (kSmemPending) {
     const float* pk_in = a.pk_in + static_cast<int64_t>(h) * B * DK;
     const float* pu_in = a.pu_in + static_cast<int64_t>(h) * B * dv;
     const float* pc_in = a.pc_in + static_cast<int64_t>(h) * B;
-    for (int i = tid; i < i0 * DK; i += kNT) sm.Kp[(i / DK) * ldk + i % DK] = pk_in[i];
-    for (int j = tid; j < i0; j += kNT) sm.Cp[j] = pc_in[j];
-    if (d < dv)
-      for (int j = 0; j < i0; ++j) sm.Up[j * ldu + d] = pu_in[static_cast<int64_t>(j) * dv + d];
+    if (with_kc) {
+      for (int i = tid; i < i0 * DK; i += kNT) sm.Kp[(i / DK) * ldk + i % DK] = pk_in[i];
+      for (int j = tid; j < i0; j += kNT) sm.Cp[j] = pc_in[j];
+    }
+    if (has)
+      for (int j = 0; j < i0; ++j) sm.Up[j * ldu + tid] = pu_in[static_cast<int64_t>(j) * dv + d];
   }
   // (HIP: the results already hold the operands: copy_if_not_aliased_async ran first.)
 }
+
+// 1 / |x| as the rule forms it (q and k of a row: the warp's sum of squares + 1e-6), and the
+// gate g = -exp(A_log) * softplus(a + dt_bias): one definition for the pass and for
+// delta_blocked_pending_kernel, which must give the same bits.
+template <int DK>
+BARO_DEV float inv_norm(const float* x) { return 1.0f / sqrtf(warp_sumsq(x, DK) + 1e-6f); }
+BARO_DEV float gate_g(float a_val, float neg_exp_A, float dt_bias) { return neg_exp_A * softplusf_(a_val + dt_bias); }
 
 // Step 1 of a pass (rows r0 .. r0+len-1 in slots sa ..): normalised q into Qs rows qrow0 ..,
 // normalised k into Kp slots sa .., beta, and (one thread, slot order) c_i = c_{i-1} + g_i into
@@ -152,18 +167,18 @@ BARO_DEV void pass_rows(const DeltaBlockedArgs& a, const Smem& sm, int kh, int h
     const float* yr = a.y + (r0 + tt) * C;
     if ((t & 1) == 0) {
       const float* q = yr + static_cast<int64_t>(kh) * DK;
-      const float rq = 1.0f / sqrtf(warp_sumsq(q, DK) + 1e-6f);
+      const float rq = inv_norm<DK>(q);
       for (int r = lane; r < DK; r += BARO_WARP) sm.Qs[(qrow0 + tt) * ldq + r] = (q[r] * rq) * a.scale;
     } else {
       const float* k = yr + static_cast<int64_t>(nk + kh) * DK;
-      const float rk = 1.0f / sqrtf(warp_sumsq(k, DK) + 1e-6f);
+      const float rk = inv_norm<DK>(k);
       for (int r = lane; r < DK; r += BARO_WARP) sm.Kp[(sa + tt) * ldk + r] = k[r] * rk;
     }
   }
   for (int tt = tid; tt < len; tt += kNT) {
     const int64_t row = r0 + tt;
     sm.beta[tt] = sigmoidf_(a.b[row * nv + h]);
-    sm.g[tt] = neg_exp_A * softplusf_(a.a[row * nv + h] + dt_bias);
+    sm.g[tt] = gate_g(a.a[row * nv + h], neg_exp_A, dt_bias);
   }
   __syncthreads();
   if (tid == 0) {  // c_i = c_{i-1} + g_i, slot order; G_i = exp(c_i)
@@ -192,31 +207,36 @@ BARO_DEV void close_scale_k(const Smem& sm, int B, int DK, int ldk) {
   __syncthreads();
 }
 
-// The close's last step, after the state update: every pending slot -> +0.
-BARO_DEV void close_clear(const Smem& sm, int B, int DK, int ldk, int ldu, int dv) {
+// The close's last step, after the state update: every pending slot -> +0 (u: the CTA's
+// ncols shared columns).
+BARO_DEV void close_clear(const Smem& sm, int B, int DK, int ldk, int ldu, int ncols) {
   const int tid = static_cast<int>(threadIdx.x);
-  if (tid < dv)
+  if (tid < ncols)
     for (int j = 0; j < B; ++j) sm.Up[j * ldu + tid] = 0.0f;
   __syncthreads();
   for (int i = tid; i < B * DK; i += kNT) sm.Kp[(i / DK) * ldk + i % DK] = 0.0f;
   for (int j = tid; j < B; j += kNT) sm.Cp[j] = 0.0f;
 }
 
-// Results on CUDA: the pending slots the call changed (all of them when a block closed).
+// Results on CUDA: the pending slots the call changed (all of them when a block closed): k and
+// c when with_kc, u of the CTA's columns (as load_pending).
 template <int DK>
 BARO_DEV void store_pending(const DeltaBlockedArgs& a, const Smem& sm, int h, int i0, int64_t n, bool closed,
-                            int ldk, int ldu) {
+                            int ldk, int ldu, int col0, int ncols, bool with_kc) {
   if constexpr (kSmemPending) {
-    const int tid = static_cast<int>(threadIdx.x), d = tid, B = a.B, dv = a.dv;
+    const int tid = static_cast<int>(threadIdx.x), B = a.B, dv = a.dv;
+    const int d = col0 + tid;
     float* const pk_g = a.pk_out + static_cast<int64_t>(h) * B * DK;
     float* const pu_g = a.pu_out + static_cast<int64_t>(h) * B * dv;
     float* const pc_g = a.pc_out + static_cast<int64_t>(h) * B;
     const int lo = closed ? 0 : i0;
     const int hi = closed ? B : i0 + static_cast<int>(n);
-    for (int i = lo * DK + tid; i < hi * DK; i += kNT) pk_g[i] = sm.Kp[(i / DK) * ldk + i % DK];
-    for (int j = lo + tid; j < hi; j += kNT) pc_g[j] = sm.Cp[j];
-    if (d < dv)
-      for (int j = lo; j < hi; ++j) pu_g[static_cast<int64_t>(j) * dv + d] = sm.Up[j * ldu + d];
+    if (with_kc) {
+      for (int i = lo * DK + tid; i < hi * DK; i += kNT) pk_g[i] = sm.Kp[(i / DK) * ldk + i % DK];
+      for (int j = lo + tid; j < hi; j += kNT) pc_g[j] = sm.Cp[j];
+    }
+    if (tid < ncols && d < dv)
+      for (int j = lo; j < hi; ++j) pu_g[static_cast<int64_t>(j) * dv + d] = sm.Up[j * ldu + tid];
   }
 }
 
@@ -265,7 +285,7 @@ __global__ void __launch_bounds__(kNT, 1) delta_blocked_kernel(DeltaBlockedArgs 
   }
 
   // Padded rows: o = 0, no trace in the state; the pending slots < pos % B (the only ones read).
-  load_pending<DK>(a, sm, h, i0, ldk, ldu, n);
+  load_pending<DK>(a, sm, h, i0, ldk, ldu, n, 0, kNT, true);
   if (n == 0) return;
 
   // S0 column d into registers.
@@ -376,7 +396,7 @@ __global__ void __launch_bounds__(kNT, 1) delta_blocked_kernel(DeltaBlockedArgs 
 #pragma unroll
     for (int r = 0; r < DK; ++r) S[static_cast<int64_t>(r) * dv + d] = s[r];
   }
-  store_pending<DK>(a, sm, h, i0, n, closed, ldk, ldu);
+  store_pending<DK>(a, sm, h, i0, n, closed, ldk, ldu, 0, kNT, true);
 }
 
 #if !BARO_HIP
@@ -412,16 +432,23 @@ __global__ void __launch_bounds__(kNT, 1) delta_blocked_kernel(DeltaBlockedArgs 
 // parts cover only whole tiles of earlier slots and the chain stops at the row (the contract's
 // select, never 0 * garbage).
 //
-// Layout: one CTA of 4 warps per value head, as the CUDA-core instance (the pending rows are
-// shared by a head's columns and updated in place); S0 lives in shared memory (an mma B/C
-// operand, not one column per thread); passes are at most the 32 slots of an aligned window
-// [32w, 32w + 32), so a pass spans at most two row tiles. Warp w owns state columns
-// [32w, 32w + 32) in every product over columns; the slot-pair products are dealt round-robin.
+// Layout: grid nv x ceil(dv / 32), one CTA of 4 warps per (value head, 32 state columns): the
+// columns of S0, u, o are independent (every product over columns reads only its own column
+// of S0 / U), so the head's work splits over 4 CTAs at dv = 128 (128 CTAs for the model's 32
+// heads, where one CTA per head left 100 of 132 SMs idle). What the columns share (q, k, c,
+// akk, aqk) each CTA forms itself, by the same code on the same operands: the same bits.
+// pending_k / pending_c are read by all of a head's CTAs and, aliased, updated in place, so
+// this grid never writes them: delta_blocked_pending_kernel, launched after it, writes the
+// call's rows into them (recomputed by the same definitions). S0 and the pending u of the
+// CTA's columns live in shared memory (mma B/C operands); passes are at most the 32 slots of
+// an aligned window [32w, 32w + 32), so a pass spans at most two row tiles; the mma tiles
+// (row tile x 8-column tile x which product) are dealt round-robin over the warps.
 // ---------------------------------------------------------------------------
 namespace mma3 {
 
-constexpr int kWin = 32;       // rows per pass: an aligned window of 32 slots (two row tiles)
-constexpr int kLdS = kNT + 8;  // S0 / Up / KS / QS / Ru / Ro rows: (8 k + n) % 32 distinct for a fragment
+constexpr int kWin = 32;         // rows per pass: an aligned window of 32 slots (two row tiles)
+constexpr int kCols = 32;        // state columns per CTA (grid nv x ceil(dv / 32): 128 CTAs at the model's 32 heads)
+constexpr int kLdC = kCols + 8;  // S0 / Up / KS / QS / Ru / Ro rows: (8 k + n) % 32 distinct for a B fragment
 constexpr int kLdA = kMaxB + 4;  // Akk / Aqk rows: (4 g + k) % 32 distinct for an A fragment
 
 // x as (hi, lo) tf32 values (the 3xTF32 split).
@@ -488,8 +515,6 @@ BARO_DEV void each(const float (&c)[NT][4], F out) {
   }
 }
 
-constexpr int kColTiles = kNT / BARO_WARP;  // 8-column tiles per warp (32 columns)
-
 }  // namespace mma3
 
 template <int DK>
@@ -497,32 +522,31 @@ __global__ void __launch_bounds__(kNT, 1) delta_blocked_mma_kernel(DeltaBlockedA
   using namespace mma3;
   extern __shared__ __align__(16) float smem[];
   constexpr int NW = kNT / BARO_WARP;
-  constexpr int CT = kColTiles;
+  constexpr int NCT = kCols / 8;  // the CTA's 8-column tiles
   const int tid = static_cast<int>(threadIdx.x), warp = warp_id();
   const int h = static_cast<int>(blockIdx.x);  // value head
+  const int cb = static_cast<int>(blockIdx.y) * kCols;  // the CTA's first state column
   const int nk = a.nk, nv = a.nv, dv = a.dv, B = a.B;
   const int kh = h / (nv / nk);
-  const int d = tid;
-  const bool has = d < dv;
+  const int d = cb + tid;  // thread tid < kCols: state column d, shared column tid
+  const bool has = tid < kCols && d < dv;
   const int64_t C = static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(nv) * dv;
   const int64_t n = clamp_rows(a.n_valid, a.m);
   const int64_t pos = *a.pos < 0 ? 0 : *a.pos;
   const int i0 = static_cast<int>(pos % B);
-  const int c0 = CT * 8 * warp;       // the warp's first state column
-  const bool wcols = c0 < dv;          // the warp has columns (warp-uniform)
 
-  constexpr int ldq = DK + 4, ldk = DK + 4, ldu = kLdS;
+  constexpr int ldq = DK + 4, ldk = DK + 4, ldu = kLdC;
   Smem sm;
   {
     float* p = smem;
-    sm.S = p; p += DK * kLdS;
-    sm.Kp = p; p += kMaxB * ldk;
+    sm.S = p; p += DK * kLdC;
     sm.Up = p; p += kMaxB * ldu;
+    sm.KS = p; p += kWin * kLdC;
+    sm.QS = p; p += kWin * kLdC;
+    sm.Ru = p; p += 16 * kLdC;
+    sm.Ro = p; p += 16 * kLdC;
+    sm.Kp = p; p += kMaxB * ldk;
     sm.Qs = p; p += kWin * ldq;
-    sm.KS = p; p += kWin * kLdS;
-    sm.QS = p; p += kWin * kLdS;
-    sm.Ru = p; p += 16 * kLdS;
-    sm.Ro = p; p += 16 * kLdS;
     sm.Akk = p; p += kWin * kLdA;
     sm.Aqk = p; p += kWin * kLdA;
     sm.Cp = p; p += kMaxB;
@@ -540,12 +564,17 @@ __global__ void __launch_bounds__(kNT, 1) delta_blocked_mma_kernel(DeltaBlockedA
   for (int i = tid; i < kMaxB * ldu; i += kNT) sm.Up[i] = 0.0f;
   for (int i = tid; i < 2 * kWin * kLdA; i += kNT) sm.Akk[i] = 0.0f;  // Akk, Aqk adjacent
   __syncthreads();
-  load_pending<DK>(a, sm, h, i0, ldk, ldu, n);
+  // pending_k / pending_c are read here (slots < pos % B) by every column CTA of the head and
+  // written only by delta_blocked_pending_kernel after this grid: no CTA can overwrite them
+  // while another still reads them.
+  load_pending<DK>(a, sm, h, i0, ldk, ldu, n, cb, kCols, true);
   if (n == 0) return;
-  // S0 into shared memory; columns dv .. kNT-1 are +0 (an mma's columns past dv stay 0).
+  // The CTA's columns of S0 into shared memory; columns past dv are +0 (an mma's columns past
+  // dv stay 0).
   {
     const float* S = a.s0_in + static_cast<int64_t>(h) * DK * dv;
-    for (int r = 0; r < DK; ++r) sm.S[r * kLdS + d] = has ? S[static_cast<int64_t>(r) * dv + d] : 0.0f;
+    if (tid < kCols)
+      for (int r = 0; r < DK; ++r) sm.S[r * kLdC + tid] = has ? S[static_cast<int64_t>(r) * dv + d] : 0.0f;
   }
 
   const float neg_exp_A = -expf(a.A_log[h]);
@@ -567,21 +596,22 @@ __global__ void __launch_bounds__(kNT, 1) delta_blocked_mma_kernel(DeltaBlockedA
     // 1. q (window row slot - w0), k, gates, c of the pass's rows.
     pass_rows<DK>(a, sm, kh, h, r0, sa, len, sa - w0, ldq, ldk, neg_exp_A, dt_bias);
     const int t_lo = sa >> 4, t_hi = (se - 1) >> 4;  // the row tiles the pass touches
+    const int ntl = t_hi - t_lo + 1;
 
     // 2a. akk, aqk: per (row tile, 8-slot column tile, which), dealt over the warps; slot
     //     columns up to the tile's last slot (and < B). Kept where j < i (akk) / j <= i (aqk).
+    //     Every column CTA of the head computes them (the same bits: the same operands and code).
     {
       const int nct = imin((t_hi + 1) * 16, (B + 7) & ~7) / 8;  // column tiles of the last row tile
       const int per = 2 * nct;
-      const int items = (t_hi - t_lo + 1) * per;
-      for (int it = warp; it < items; it += NW) {
+      for (int it = warp; it < ntl * per; it += NW) {
         const int t = t_lo + it / per, ct = (it % per) >> 1;
         const bool qk = (it & 1) != 0;
         if (8 * ct >= imin((t + 1) * 16, B)) continue;  // past the row tile's last slot (warp-uniform)
         float c[1][4];
         zero(c);
-        const float* arow = qk ? sm.Qs + (16 * t - w0) * ldq : sm.Kp + 16 * t * ldk;
         static_assert(ldq == ldk, "one A row stride for q and k rows");
+        const float* arow = qk ? sm.Qs + (16 * t - w0) * ldq : sm.Kp + 16 * t * ldk;
         tiles<1>(c, DK / 8, [&](int r, int k) { return arow[r * ldk + k]; },
                  [&](int k, int j) { return sm.Kp[(8 * ct + j) * ldk + k]; });
         float* A = qk ? sm.Aqk : sm.Akk;
@@ -592,43 +622,36 @@ __global__ void __launch_bounds__(kNT, 1) delta_blocked_mma_kernel(DeltaBlockedA
         });
       }
     }
-    // 2b. ks0, qs0 of the window's touched row tiles; warp w: columns [32w, 32w + 32).
-    if (wcols) {
-      for (int t = t_lo; t <= t_hi; ++t) {
-        float ck[CT][4], cq[CT][4];
-        zero(ck);
-        zero(cq);
-        const float* kr = sm.Kp + 16 * t * ldk;
-        const float* qr = sm.Qs + (16 * t - w0) * ldq;
-        const float* Sc = sm.S + c0;
-        tiles<CT>(ck, DK / 8, [&](int r, int k) { return kr[r * ldk + k]; },
-                  [&](int k, int col) { return Sc[k * kLdS + col]; });
-        tiles<CT>(cq, DK / 8, [&](int r, int k) { return qr[r * ldq + k]; },
-                  [&](int k, int col) { return Sc[k * kLdS + col]; });
-        float* KSr = sm.KS + (16 * t - w0) * kLdS + c0;
-        float* QSr = sm.QS + (16 * t - w0) * kLdS + c0;
-        each(ck, [&](int r, int col, float v) { KSr[r * kLdS + col] = v; });
-        each(cq, [&](int r, int col, float v) { QSr[r * kLdS + col] = v; });
-      }
+    // 2b. ks0, qs0 of the touched row tiles in the CTA's columns: per (row tile, column tile,
+    //     which), dealt over the warps.
+    for (int it = warp; it < ntl * NCT * 2; it += NW) {
+      const int t = t_lo + it / (2 * NCT), ct = (it % (2 * NCT)) >> 1;
+      const bool qk = (it & 1) != 0;
+      float c[1][4];
+      zero(c);
+      const float* arow = qk ? sm.Qs + (16 * t - w0) * ldq : sm.Kp + 16 * t * ldk;
+      const float* Sc = sm.S + 8 * ct;
+      tiles<1>(c, DK / 8, [&](int r, int k) { return arow[r * ldk + k]; },
+               [&](int k, int col) { return Sc[k * kLdC + col]; });
+      float* out = (qk ? sm.QS : sm.KS) + (16 * t - w0) * kLdC + 8 * ct;
+      each(c, [&](int r, int col, float v) { out[r * kLdC + col] = v; });
     }
     __syncthreads();
 
     // 3. per row tile: the mma over the earlier tiles' slots (u of slots < 16 t are final:
     //    pending, or this pass's earlier tile), then the chain over the tile's own slots.
     for (int t = t_lo; t <= t_hi; ++t) {
-      if (wcols) {
-        float cu[CT][4], co[CT][4];
-        zero(cu);
-        zero(co);
-        const float* akr = sm.Akk + (16 * t - w0) * kLdA;
-        const float* aqr = sm.Aqk + (16 * t - w0) * kLdA;
-        const float* Uc = sm.Up + c0;
-        tiles<CT>(cu, 2 * t, [&](int r, int j) { return akr[r * kLdA + j]; },
-                  [&](int j, int col) { return Uc[j * ldu + col]; });
-        tiles<CT>(co, 2 * t, [&](int r, int j) { return aqr[r * kLdA + j]; },
-                  [&](int j, int col) { return Uc[j * ldu + col]; });
-        each(cu, [&](int r, int col, float v) { sm.Ru[r * kLdS + c0 + col] = v; });
-        each(co, [&](int r, int col, float v) { sm.Ro[r * kLdS + c0 + col] = v; });
+      for (int it = warp; it < NCT * 2; it += NW) {
+        const int ct = it >> 1;
+        const bool qk = (it & 1) != 0;
+        float c[1][4];
+        zero(c);
+        const float* ar = (qk ? sm.Aqk : sm.Akk) + (16 * t - w0) * kLdA;
+        const float* Uc = sm.Up + 8 * ct;
+        tiles<1>(c, 2 * t, [&](int r, int j) { return ar[r * kLdA + j]; },
+                 [&](int j, int col) { return Uc[j * ldu + col]; });
+        float* out = (qk ? sm.Ro : sm.Ru) + 8 * ct;
+        each(c, [&](int r, int col, float v) { out[r * kLdC + col] = v; });
       }
       __syncthreads();
       if (has) {
@@ -640,40 +663,40 @@ __global__ void __launch_bounds__(kNT, 1) delta_blocked_mma_kernel(DeltaBlockedA
           const float* aqk = sm.Aqk + wr * kLdA;
           const float G = sm.g[tt];
           const float v = a.y[row * C + static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(h) * dv + d];
-          float su = sm.Ru[(i - 16 * t) * kLdS + d], so = sm.Ro[(i - 16 * t) * kLdS + d];
+          float su = sm.Ru[(i - 16 * t) * kLdC + tid], so = sm.Ro[(i - 16 * t) * kLdC + tid];
           for (int j = 16 * t; j < i; ++j) {
-            const float uj = sm.Up[j * ldu + d];
+            const float uj = sm.Up[j * ldu + tid];
             su = fmaf(akk[j], uj, su);
             so = fmaf(aqk[j], uj, so);
           }
-          const float u = sm.beta[tt] * ((v - G * sm.KS[wr * kLdS + d]) - su);
-          sm.Up[i * ldu + d] = u;
+          const float u = sm.beta[tt] * ((v - G * sm.KS[wr * kLdC + tid]) - su);
+          sm.Up[i * ldu + tid] = u;
           so = fmaf(aqk[i], u, so);
-          a.o[(row * nv + h) * dv + d] = G * sm.QS[wr * kLdS + d] + so;
+          a.o[(row * nv + h) * dv + d] = G * sm.QS[wr * kLdC + tid] + so;
         }
       }
       __syncthreads();  // the tile's u before the next tile's mma reads them; Ru / Ro free
     }
 
     // 4. the block closes: S0[r, d] = G * S0[r, d] + sum_j (e_j k_j[r]) u_j[d] (one mma
-    //    accumulator from +0 over the B slots, then the contract's G * S0 + acc).
+    //    accumulator from +0 over the B slots, then the contract's G * S0 + acc), per (16-row
+    //    tile of S0, column tile), dealt over the warps.
     if (se == B) {
       closed = true;
       close_scale_k(sm, B, DK, ldk);
       const float G = sm.g[len - 1];
-      if (wcols) {
-        for (int rt = 0; rt < DK / 16; ++rt) {
-          float cs[CT][4];
-          zero(cs);
-          const float* Uc = sm.Up + c0;
-          tiles<CT>(cs, (B + 7) / 8, [&](int r, int j) { return sm.Kp[j * ldk + 16 * rt + r]; },
-                    [&](int j, int col) { return Uc[j * ldu + col]; });
-          float* Sr = sm.S + 16 * rt * kLdS + c0;
-          each(cs, [&](int r, int col, float v) { Sr[r * kLdS + col] = G * Sr[r * kLdS + col] + v; });
-        }
+      for (int it = warp; it < (DK / 16) * NCT; it += NW) {
+        const int rt = it / NCT, ct = it % NCT;
+        float c[1][4];
+        zero(c);
+        const float* Uc = sm.Up + 8 * ct;
+        tiles<1>(c, (B + 7) / 8, [&](int r, int j) { return sm.Kp[j * ldk + 16 * rt + r]; },
+                 [&](int j, int col) { return Uc[j * ldu + col]; });
+        float* Sr = sm.S + 16 * rt * kLdC + 8 * ct;
+        each(c, [&](int r, int col, float v) { Sr[r * kLdC + col] = G * Sr[r * kLdC + col] + v; });
       }
       __syncthreads();  // every warp's reads of Up / Kp are done
-      close_clear(sm, B, DK, ldk, ldu, dv);
+      close_clear(sm, B, DK, ldk, ldu, kCols);
     }
     __syncthreads();  // the pass's Qs / KS / coefficients are free again
     r0 += len;
@@ -681,16 +704,62 @@ __global__ void __launch_bounds__(kNT, 1) delta_blocked_mma_kernel(DeltaBlockedA
 
   if (closed && has) {
     float* S = a.s0_out + static_cast<int64_t>(h) * DK * dv;
-    for (int r = 0; r < DK; ++r) S[static_cast<int64_t>(r) * dv + d] = sm.S[r * kLdS + d];
+    for (int r = 0; r < DK; ++r) S[static_cast<int64_t>(r) * dv + d] = sm.S[r * kLdC + tid];
   }
-  store_pending<DK>(a, sm, h, i0, n, closed, ldk, ldu);
+  store_pending<DK>(a, sm, h, i0, n, closed, ldk, ldu, cb, kCols, false);
+}
+
+// pending_k / pending_c after delta_blocked_mma_kernel (stream order: every column CTA has
+// read the old slots): the rows of the call in the block that holds pos + n (slots from
+// pos % B, or from 0 when a block closed), k normalised and c = c_{i-1} + g_i by the pass's own
+// definitions (inv_norm, gate_g, the same c expression in slot order), so the bytes are those
+// the one-CTA-per-head instance would store; when a block closed, every other slot is +0.
+template <int DK>
+__global__ void __launch_bounds__(kNT, 1) delta_blocked_pending_kernel(DeltaBlockedArgs a) {
+  __shared__ float gs[kMaxB];
+  constexpr int NW = kNT / BARO_WARP;
+  const int tid = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
+  const int h = static_cast<int>(blockIdx.x);
+  const int nk = a.nk, nv = a.nv, B = a.B;
+  const int kh = h / (nv / nk);
+  const int64_t C = static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(nv) * a.dv;
+  const int64_t n = clamp_rows(a.n_valid, a.m);
+  if (n == 0) return;
+  const int64_t pos = *a.pos < 0 ? 0 : *a.pos;
+  const int i0 = static_cast<int>(pos % B);
+  const bool closed = i0 + n >= B;
+  const int64_t first = closed ? ((pos + n) / B) * B - pos : 0;  // the final block's first row
+  const int s0 = closed ? 0 : i0;                                 // and its slot
+  const int cnt = static_cast<int>(n - first);                    // its rows in this call
+  float* const pk = a.pk_out + static_cast<int64_t>(h) * B * DK;
+  float* const pc = a.pc_out + static_cast<int64_t>(h) * B;
+  for (int t = warp; t < cnt; t += NW) {
+    const float* k = a.y + (first + t) * C + static_cast<int64_t>(nk + kh) * DK;
+    const float rk = inv_norm<DK>(k);
+    for (int r = lane; r < DK; r += BARO_WARP) pk[(s0 + t) * DK + r] = k[r] * rk;
+  }
+  const float neg_exp_A = -expf(a.A_log[h]);
+  const float dt_bias = a.dt_bias[h];
+  for (int t = tid; t < cnt; t += kNT) gs[t] = gate_g(a.a[(first + t) * nv + h], neg_exp_A, dt_bias);
+  __syncthreads();
+  if (tid == 0) {
+    float c = s0 == 0 ? 0.0f : pc[s0 - 1];
+    for (int t = 0; t < cnt; ++t) {
+      c = s0 + t == 0 ? gs[t] : c + gs[t];
+      pc[s0 + t] = c;
+    }
+  }
+  if (closed) {
+    for (int i = cnt * DK + tid; i < B * DK; i += kNT) pk[i] = 0.0f;
+    for (int j = cnt + tid; j < B; j += kNT) pc[j] = 0.0f;
+  }
 }
 
 size_t delta_blocked_mma_smem(int dk) {
   using namespace mma3;
-  const size_t f = static_cast<size_t>(dk) * kLdS + static_cast<size_t>(kMaxB) * (dk + 4) +
-                   static_cast<size_t>(kMaxB) * kLdS + static_cast<size_t>(kWin) * (dk + 4) +
-                   2 * kWin * kLdS + 2 * 16 * kLdS + 2 * kWin * kLdA + kMaxB + 2 * kWin + kMaxB;
+  const size_t f = static_cast<size_t>(dk) * kLdC + static_cast<size_t>(kMaxB) * kLdC + 2 * kWin * kLdC +
+                   2 * 16 * kLdC + static_cast<size_t>(kMaxB) * (dk + 4) + static_cast<size_t>(kWin) * (dk + 4) +
+                   2 * kWin * kLdA + kMaxB + 2 * kWin + kMaxB;
   return f * sizeof(float);
 }
 #endif  // !BARO_HIP
@@ -707,14 +776,19 @@ gpuError_t launch_dk(const DeltaBlockedArgs& a, gpuStream_t stream) {
   // The knob picks the arithmetic (the two instances' bits differ): read per call like every
   // knob, so a run must keep it fixed from its first token (docs/DESIGN.md §9).
   if (baro::knobs::on(baro::knobs::kDeltaBlockedMma)) {
-    const size_t smem = delta_blocked_mma_smem(DK);  // dk = 128: 225,536 B
+    const size_t smem = delta_blocked_mma_smem(DK);  // dk = 128: 114,944 B
     if (smem > 48 * 1024) {
       const gpuError_t e = cudaFuncSetAttribute(delta_blocked_mma_kernel<DK>,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                 static_cast<int>(smem));
       if (e != gpuSuccess) return e;
     }
-    delta_blocked_mma_kernel<DK><<<dim3(static_cast<unsigned>(a.nv)), kNT, smem, stream>>>(a);
+    const unsigned ncb = static_cast<unsigned>((a.dv + mma3::kCols - 1) / mma3::kCols);
+    delta_blocked_mma_kernel<DK><<<dim3(static_cast<unsigned>(a.nv), ncb), kNT, smem, stream>>>(a);
+    const gpuError_t e = gpuGetLastError();
+    if (e != gpuSuccess) return e;
+    // after the grid above (stream order): it writes the slots the grid's CTAs read
+    delta_blocked_pending_kernel<DK><<<dim3(static_cast<unsigned>(a.nv)), kNT, 0, stream>>>(a);
     return gpuGetLastError();
   }
 #endif
@@ -799,7 +873,9 @@ ffi::Error DeltaBlockedGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> yb, ffi
   args.A_log = A_log.typed_data();
   args.dt_bias = dt_bias.typed_data();
   // One CTA per value head reads all of its head's state before writing it (CUDA), or works
-  // on the results in place after the copy above (HIP): correct aliased or not.
+  // on the results in place after the copy above (HIP): correct aliased or not. The MMA
+  // instance's CTAs read / write only their own columns of S0 and pending_u, and its second
+  // kernel writes pending_k / pending_c after every CTA has read them.
   args.s0_in = s0_out->typed_data();
   args.pk_in = pk_out->typed_data();
   args.pu_in = pu_out->typed_data();

@@ -192,6 +192,23 @@ BARO_DEV void pass_rows(const DeltaBlockedArgs& a, const Smem& sm, int kh, int h
   __syncthreads();
 }
 
+// One row's u and o in one column (steps 3-4 of NUMERICS "delta_blocked"): su and so start at
+// the sums over slots < j0 (+0 in the CUDA-core instance, the mma over the row's earlier tiles in
+// the MMA instance), then one fmaf chain over slots j0 .. i-1, the j = i term of o last. up is
+// the column's pending u (slot j at up[j * ldu]); writes u_i there and returns o_i.
+BARO_DEV float row_uo(const float* akk, const float* aqk, float* up, int ldu, int j0, int i, float su, float so,
+                      float beta, float G, float v, float ks0, float qs0) {
+  for (int j = j0; j < i; ++j) {
+    const float uj = up[j * ldu];
+    su = fmaf(akk[j], uj, su);
+    so = fmaf(aqk[j], uj, so);
+  }
+  const float u = beta * ((v - G * ks0) - su);
+  up[i * ldu] = u;
+  so = fmaf(aqk[i], u, so);
+  return G * qs0 + so;
+}
+
 // The close's first half: e_j = exp(c_{B-1} - c_j), pending_k[j] *= e_j in place (the
 // contract's rounded e_j * k_j[r]). Ends after a barrier.
 BARO_DEV void close_scale_k(const Smem& sm, int B, int DK, int ldk) {
@@ -346,17 +363,8 @@ __global__ void __launch_bounds__(kNT, 1) delta_blocked_kernel(DeltaBlockedArgs 
         const float* aqk = sm.Aqk + tt * kMaxB;
         const float G = sm.g[tt];
         const float v = a.y[row * C + static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(h) * dv + d];
-        const float qs0 = sm.QS[tt * kNT + d];
-        float su = 0.0f, so = 0.0f;
-        for (int j = 0; j < i; ++j) {
-          const float uj = sm.Up[j * ldu + d];
-          su = fmaf(akk[j], uj, su);
-          so = fmaf(aqk[j], uj, so);
-        }
-        const float u = sm.beta[tt] * ((v - G * sm.KS[tt * kNT + d]) - su);
-        sm.Up[i * ldu + d] = u;
-        so = fmaf(aqk[i], u, so);
-        a.o[(row * nv + h) * dv + d] = G * qs0 + so;
+        a.o[(row * nv + h) * dv + d] = row_uo(akk, aqk, sm.Up + d, ldu, 0, i, 0.0f, 0.0f, sm.beta[tt], G, v,
+                                              sm.KS[tt * kNT + d], sm.QS[tt * kNT + d]);
       }
     }
 
@@ -663,16 +671,10 @@ __global__ void __launch_bounds__(kNT, 1) delta_blocked_mma_kernel(DeltaBlockedA
           const float* aqk = sm.Aqk + wr * kLdA;
           const float G = sm.g[tt];
           const float v = a.y[row * C + static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(h) * dv + d];
-          float su = sm.Ru[(i - 16 * t) * kLdC + tid], so = sm.Ro[(i - 16 * t) * kLdC + tid];
-          for (int j = 16 * t; j < i; ++j) {
-            const float uj = sm.Up[j * ldu + tid];
-            su = fmaf(akk[j], uj, su);
-            so = fmaf(aqk[j], uj, so);
-          }
-          const float u = sm.beta[tt] * ((v - G * sm.KS[wr * kLdC + tid]) - su);
-          sm.Up[i * ldu + tid] = u;
-          so = fmaf(aqk[i], u, so);
-          a.o[(row * nv + h) * dv + d] = G * sm.QS[wr * kLdC + tid] + so;
+          a.o[(row * nv + h) * dv + d] =
+              row_uo(akk, aqk, sm.Up + tid, ldu, 16 * t, i, sm.Ru[(i - 16 * t) * kLdC + tid],
+                     sm.Ro[(i - 16 * t) * kLdC + tid], sm.beta[tt], G, v, sm.KS[wr * kLdC + tid],
+                     sm.QS[wr * kLdC + tid]);
         }
       }
       __syncthreads();  // the tile's u before the next tile's mma reads them; Ru / Ro free

@@ -26,21 +26,24 @@ stage_blocked() {  # the chunk-aligned delta rule's CUDA kernel (compiled, first
 # The blocked delta rule on the tensor cores (BARO_DELTA_BLOCKED_MMA=1, csrc/gpu/delta_blocked.cu;
 # docs/PERF.md 2026-12-05: compiled, not run). Parts (BLOCKED_MMA_PARTS), each under one call's
 # limit: tests (its byte tests, decode == prefill under the knob, and its values against a float64
-# run of the blocked formulas; then the CUDA-core instance's tests again), speed (prefill at
+# run of the blocked formulas; the CUDA-core instance, whose steps moved into shared device
+# functions, is retested by the `blocked` stage), tiny (the identity gate
+# on the tiny model with the knob on: the kernels inside the model's jitted graphs), speed (prefill at
 # BLOCKED_MMA_LENGTHS for each arm of BLOCKED_MMA_ARMS: token = the per-token default, blocked0 /
 # blocked1 = the blocked rule with the knob off / on; every arm identity-checked by speed.py's
 # prefix replay and a 100-token tail replay that crosses block closes:
 # speed_delta_<arm>_h200.json), gate (the identity gate at full size with the knob on). The next
-# GPU run, after `build`, three calls:
+# GPU run, after `build`, four calls of at most ~9 minutes each:
+#   OUT=dir bash benchmarks/run_gpu.sh blocked
 #   OUT=dir BLOCKED_MMA_PARTS=tests bash benchmarks/run_gpu.sh blocked_mma
-#   OUT=dir BLOCKED_MMA_PARTS=speed BLOCKED_MMA_ARMS="token blocked1" bash benchmarks/run_gpu.sh blocked_mma
-#   OUT=dir BLOCKED_MMA_PARTS=speed BLOCKED_MMA_ARMS=blocked0 bash benchmarks/run_gpu.sh blocked_mma
+#   OUT=dir BLOCKED_MMA_PARTS="tiny speed" BLOCKED_MMA_ARMS=blocked1 bash benchmarks/run_gpu.sh blocked_mma
+#   OUT=dir BLOCKED_MMA_PARTS=speed BLOCKED_MMA_ARMS="token blocked0" bash benchmarks/run_gpu.sh blocked_mma
 stage_blocked_mma() {
   local part arm envs
-  for part in ${BLOCKED_MMA_PARTS:-tests speed}; do
+  for part in ${BLOCKED_MMA_PARTS:-tests tiny speed}; do
     log "blocked_mma part $part"
     case $part in
-      tests) timeout "${BLOCKED_MMA_TIMEOUT:-540}" python -m pytest -m gpu tests/test_delta_blocked_mma.py tests/test_delta_blocked.py \
+      tests) timeout "${BLOCKED_MMA_TIMEOUT:-540}" python -m pytest -m gpu tests/test_delta_blocked_mma.py \
                -q --durations=8 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_delta_blocked_mma_tests_h200.txt" | tail -30 ;;
       speed) for arm in ${BLOCKED_MMA_ARMS:-token blocked0 blocked1}; do
                case $arm in
@@ -50,10 +53,12 @@ stage_blocked_mma() {
                  *) echo "blocked_mma: unknown arm $arm"; continue ;;
                esac
                echo "--- $arm ($envs)"
-               env $envs timeout "${BLOCKED_MMA_SPEED_TIMEOUT:-270}" python benchmarks/speed.py --model qwen3.5-35b-a3b \
+               env $envs timeout "${BLOCKED_MMA_SPEED_TIMEOUT:-250}" python benchmarks/speed.py --model qwen3.5-35b-a3b \
                  --arms batch-ordered --lengths "${BLOCKED_MMA_LENGTHS:-8192,32768}" --chunk auto --decode-tokens 16 \
                  --check-tail 100 --json "$OUT/speed_delta_${arm}_h200.json" 2>&1 | grep -E "tok/s|Error|error" | tail -4
              done ;;
+      tiny) BARO_DELTA=blocked BARO_DELTA_BLOCKED_MMA=1 timeout 200 python benchmarks/identity.py --model tiny \
+              --chunks 7,16,37,64,100 --max-len 1100 --json "$OUT/identity_tiny_delta_blocked_mma_gpu.json" 2>&1 | tail -4 ;;
       gate) BARO_DELTA=blocked BARO_DELTA_BLOCKED_MMA=1 python benchmarks/identity.py --model qwen3.5-35b-a3b \
               --chunks "${BLOCKED_MMA_CHUNKS:-1024,8192}" --prompts benchmarks/prompts/identity_gpu.jsonl --max-context 16384 \
               --json "$OUT/identity_delta_blocked_mma_h200.json" 2>&1 | tail -4 ;;

@@ -116,6 +116,7 @@ struct Smem {
   float* S;   // [DK][kLdC] the CTA's columns of S0
   float* Ru;  // [16][kLdC] sum over the earlier tiles' slots of akk_j u_j[d], per row of the tile
   float* Ro;  // [16][kLdC] the same with aqk_j
+  float* V;   // [kWin][kLdC] v of the pass's rows in the CTA's columns (read ahead of the chain)
 };
 
 // Rows n..m-1 of o get +0 in the CTA's columns (padded rows leave no other trace); the pending
@@ -145,34 +146,87 @@ BARO_DEV void load_pending(const DeltaBlockedArgs& a, const Smem& sm, int h, int
   // (HIP: the results already hold the operands: copy_if_not_aliased_async ran first.)
 }
 
-// 1 / |x| as the rule forms it (q and k of a row: the warp's sum of squares + 1e-6), and the
-// gate g = -exp(A_log) * softplus(a + dt_bias): one definition for the pass and for
-// delta_blocked_pending_kernel, which must give the same bits.
-template <int DK>
-BARO_DEV float inv_norm(const float* x) { return 1.0f / sqrtf(warp_sumsq(x, DK) + 1e-6f); }
+// The gate g = -exp(A_log) * softplus(a + dt_bias): one definition for the pass and for
+// delta_blocked_pending_kernel, which must give the same bits (as must inv_norm_lane below,
+// which both the MMA instance's pass and the pending kernel use).
 BARO_DEV float gate_g(float a_val, float neg_exp_A, float dt_bias) { return neg_exp_A * softplusf_(a_val + dt_bias); }
+
+// A row of DK floats held across a warp: lane l has x[l + 32 e] in v[e] (0 past DK).
+template <int DK>
+struct LaneRow {
+  float v[(DK + BARO_WARP - 1) / BARO_WARP];
+};
+
+template <int DK>
+BARO_DEV void load_lane_row(const float* x, LaneRow<DK>& r) {
+  const int lane = lane_id();
+#pragma unroll
+  for (int e = 0; e * BARO_WARP < DK; ++e) r.v[e] = lane + e * BARO_WARP < DK ? x[lane + e * BARO_WARP] : 0.0f;
+}
+
+// inv_norm's value from the lane's registers: the same lane chain (x[lane]^2, x[lane+32]^2, ...
+// fmaf from +0) and butterfly as warp_sumsq, so the same bits (for DK <= 128 warp_sumsq takes
+// only its one-step loop).
+template <int DK>
+BARO_DEV float inv_norm_lane(const LaneRow<DK>& r) {
+  const int lane = lane_id();
+  float acc = 0.0f;
+#pragma unroll
+  for (int e = 0; e * BARO_WARP < DK; ++e)
+    if (lane + e * BARO_WARP < DK) acc = fmaf(r.v[e], r.v[e], acc);
+  return 1.0f / sqrtf(warp_sum(acc) + 1e-6f);
+}
 
 // Step 1 of a pass (rows r0 .. r0+len-1 in slots sa ..): normalised q into Qs rows qrow0 ..,
 // normalised k into Kp slots sa .., beta, and (one thread, slot order) c_i = c_{i-1} + g_i into
 // Cp with G_i = exp(c_i) into g. Ends after a barrier.
-template <int DK>
+// AHEAD (the MMA instance; the CUDA-core instance keeps its code as it was): each warp holds its
+// next (row, q|k) item's elements while it reduces the current one, so the rows' global reads
+// overlap instead of costing a latency each, and the chain of c is the adds alone, exp(c) after
+// it in parallel. The values are the same either way (the same lane chain and butterfly, the same
+// c and exp(c)).
+template <int DK, bool AHEAD>
 BARO_DEV void pass_rows(const DeltaBlockedArgs& a, const Smem& sm, int kh, int h, int64_t r0, int sa, int len,
                         int qrow0, int ldq, int ldk, float neg_exp_A, float dt_bias) {
   const int tid = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
   constexpr int NW = kNT / BARO_WARP;
   const int nk = a.nk, nv = a.nv;
   const int64_t C = static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(nv) * a.dv;
-  for (int t = warp; t < 2 * len; t += NW) {
-    const int tt = t >> 1;
-    const float* yr = a.y + (r0 + tt) * C;
-    if ((t & 1) == 0) {
-      const float* q = yr + static_cast<int64_t>(kh) * DK;
-      const float rq = inv_norm<DK>(q);
-      for (int r = lane; r < DK; r += BARO_WARP) sm.Qs[(qrow0 + tt) * ldq + r] = (q[r] * rq) * a.scale;
-    } else {
-      const float* k = yr + static_cast<int64_t>(nk + kh) * DK;
-      const float rk = inv_norm<DK>(k);
-      for (int r = lane; r < DK; r += BARO_WARP) sm.Kp[(sa + tt) * ldk + r] = k[r] * rk;
+  if constexpr (AHEAD) {
+    // item t: row r0 + t / 2, its q (t even) or k (t odd)
+    auto src = [&](int t) {
+      return a.y + (r0 + (t >> 1)) * C + static_cast<int64_t>((t & 1) ? nk + kh : kh) * DK;
+    };
+    LaneRow<DK> cur, nxt;
+    if (warp < 2 * len) load_lane_row<DK>(src(warp), cur);
+    for (int t = warp; t < 2 * len; t += NW) {
+      if (t + NW < 2 * len) load_lane_row<DK>(src(t + NW), nxt);
+      const int tt = t >> 1;
+      const float rs = inv_norm_lane<DK>(cur);
+#pragma unroll
+      for (int e = 0; e * BARO_WARP < DK; ++e) {
+        const int r = lane + e * BARO_WARP;
+        if (r >= DK) continue;
+        if ((t & 1) == 0)
+          sm.Qs[(qrow0 + tt) * ldq + r] = (cur.v[e] * rs) * a.scale;
+        else
+          sm.Kp[(sa + tt) * ldk + r] = cur.v[e] * rs;
+      }
+      cur = nxt;
+    }
+  } else {
+    for (int t = warp; t < 2 * len; t += NW) {
+      const int tt = t >> 1;
+      const float* yr = a.y + (r0 + tt) * C;
+      if ((t & 1) == 0) {
+        const float* q = yr + static_cast<int64_t>(kh) * DK;
+        const float rq = 1.0f / sqrtf(warp_sumsq(q, DK) + 1e-6f);
+        for (int r = lane; r < DK; r += BARO_WARP) sm.Qs[(qrow0 + tt) * ldq + r] = (q[r] * rq) * a.scale;
+      } else {
+        const float* k = yr + static_cast<int64_t>(nk + kh) * DK;
+        const float rk = 1.0f / sqrtf(warp_sumsq(k, DK) + 1e-6f);
+        for (int r = lane; r < DK; r += BARO_WARP) sm.Kp[(sa + tt) * ldk + r] = k[r] * rk;
+      }
     }
   }
   for (int tt = tid; tt < len; tt += kNT) {
@@ -181,7 +235,17 @@ BARO_DEV void pass_rows(const DeltaBlockedArgs& a, const Smem& sm, int kh, int h
     sm.g[tt] = gate_g(a.a[row * nv + h], neg_exp_A, dt_bias);
   }
   __syncthreads();
-  if (tid == 0) {  // c_i = c_{i-1} + g_i, slot order; G_i = exp(c_i)
+  if constexpr (AHEAD) {
+    if (tid == 0) {  // c_i = c_{i-1} + g_i, slot order
+      float c = sa == 0 ? 0.0f : sm.Cp[sa - 1];
+      for (int tt = 0; tt < len; ++tt) {
+        c = sa + tt == 0 ? sm.g[tt] : c + sm.g[tt];
+        sm.Cp[sa + tt] = c;
+      }
+    }
+    __syncthreads();
+    for (int tt = tid; tt < len; tt += kNT) sm.g[tt] = expf(sm.Cp[sa + tt]);  // G_i
+  } else if (tid == 0) {  // c_i = c_{i-1} + g_i, slot order; G_i = exp(c_i)
     for (int tt = 0; tt < len; ++tt) {
       const int i = sa + tt;
       const float c = i == 0 ? sm.g[tt] : sm.Cp[i - 1] + sm.g[tt];
@@ -324,7 +388,7 @@ __global__ void __launch_bounds__(kNT, 1) delta_blocked_kernel(DeltaBlockedArgs 
     if (n - r0 < len) len = static_cast<int>(n - r0);
 
     // 1. q, k, gates of the pass's rows.
-    pass_rows<DK>(a, sm, kh, h, r0, sa, len, 0, ldq, ldk, neg_exp_A, dt_bias);
+    pass_rows<DK, false>(a, sm, kh, h, r0, sa, len, 0, ldq, ldk, neg_exp_A, dt_bias);
 
     // 2. coefficients over (row, slot j <= i), and ks0 per (row, column).
     for (int idx = tid; idx < len * B; idx += kNT) {
@@ -553,6 +617,7 @@ __global__ void __launch_bounds__(kNT, 1) delta_blocked_mma_kernel(DeltaBlockedA
     sm.QS = p; p += kWin * kLdC;
     sm.Ru = p; p += 16 * kLdC;
     sm.Ro = p; p += 16 * kLdC;
+    sm.V = p; p += kWin * kLdC;
     sm.Kp = p; p += kMaxB * ldk;
     sm.Qs = p; p += kWin * ldq;
     sm.Akk = p; p += kWin * kLdA;
@@ -602,9 +667,14 @@ __global__ void __launch_bounds__(kNT, 1) delta_blocked_mma_kernel(DeltaBlockedA
     }
 
     // 1. q (window row slot - w0), k, gates, c of the pass's rows.
-    pass_rows<DK>(a, sm, kh, h, r0, sa, len, sa - w0, ldq, ldk, neg_exp_A, dt_bias);
+    pass_rows<DK, true>(a, sm, kh, h, r0, sa, len, sa - w0, ldq, ldk, neg_exp_A, dt_bias);
     const int t_lo = sa >> 4, t_hi = (se - 1) >> 4;  // the row tiles the pass touches
     const int ntl = t_hi - t_lo + 1;
+    // v of the pass's rows (independent loads, issued together: off the chain's critical path)
+    if (has)
+      for (int tt = 0; tt < len; ++tt)
+        sm.V[(sa - w0 + tt) * kLdC + tid] =
+            a.y[(r0 + tt) * C + static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(h) * dv + d];
 
     // 2a. akk, aqk: per (row tile, 8-slot column tile, which), dealt over the warps; slot
     //     columns up to the tile's last slot (and < B). Kept where j < i (akk) / j <= i (aqk).
@@ -670,7 +740,7 @@ __global__ void __launch_bounds__(kNT, 1) delta_blocked_mma_kernel(DeltaBlockedA
           const float* akk = sm.Akk + wr * kLdA;
           const float* aqk = sm.Aqk + wr * kLdA;
           const float G = sm.g[tt];
-          const float v = a.y[row * C + static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(h) * dv + d];
+          const float v = sm.V[wr * kLdC + tid];
           a.o[(row * nv + h) * dv + d] =
               row_uo(akk, aqk, sm.Up + tid, ldu, 16 * t, i, sm.Ru[(i - 16 * t) * kLdC + tid],
                      sm.Ro[(i - 16 * t) * kLdC + tid], sm.beta[tt], G, v, sm.KS[wr * kLdC + tid],
@@ -736,9 +806,12 @@ __global__ void __launch_bounds__(kNT, 1) delta_blocked_pending_kernel(DeltaBloc
   float* const pk = a.pk_out + static_cast<int64_t>(h) * B * DK;
   float* const pc = a.pc_out + static_cast<int64_t>(h) * B;
   for (int t = warp; t < cnt; t += NW) {
-    const float* k = a.y + (first + t) * C + static_cast<int64_t>(nk + kh) * DK;
-    const float rk = inv_norm<DK>(k);
-    for (int r = lane; r < DK; r += BARO_WARP) pk[(s0 + t) * DK + r] = k[r] * rk;
+    LaneRow<DK> k;
+    load_lane_row<DK>(a.y + (first + t) * C + static_cast<int64_t>(nk + kh) * DK, k);
+    const float rk = inv_norm_lane<DK>(k);
+#pragma unroll
+    for (int e = 0; e * BARO_WARP < DK; ++e)
+      if (lane + e * BARO_WARP < DK) pk[(s0 + t) * DK + lane + e * BARO_WARP] = k.v[e] * rk;
   }
   const float neg_exp_A = -expf(a.A_log[h]);
   const float dt_bias = a.dt_bias[h];
@@ -759,7 +832,7 @@ __global__ void __launch_bounds__(kNT, 1) delta_blocked_pending_kernel(DeltaBloc
 
 size_t delta_blocked_mma_smem(int dk) {
   using namespace mma3;
-  const size_t f = static_cast<size_t>(dk) * kLdC + static_cast<size_t>(kMaxB) * kLdC + 2 * kWin * kLdC +
+  const size_t f = static_cast<size_t>(dk) * kLdC + static_cast<size_t>(kMaxB) * kLdC + 3 * kWin * kLdC +
                    2 * 16 * kLdC + static_cast<size_t>(kMaxB) * (dk + 4) + static_cast<size_t>(kWin) * (dk + 4) +
                    2 * kWin * kLdA + kMaxB + 2 * kWin + kMaxB;
   return f * sizeof(float);
@@ -778,7 +851,7 @@ gpuError_t launch_dk(const DeltaBlockedArgs& a, gpuStream_t stream) {
   // The knob picks the arithmetic (the two instances' bits differ): read per call like every
   // knob, so a run must keep it fixed from its first token (docs/DESIGN.md §9).
   if (baro::knobs::on(baro::knobs::kDeltaBlockedMma)) {
-    const size_t smem = delta_blocked_mma_smem(DK);  // dk = 128: 114,944 B
+    const size_t smem = delta_blocked_mma_smem(DK);  // dk = 128: 120,064 B
     if (smem > 48 * 1024) {
       const gpuError_t e = cudaFuncSetAttribute(delta_blocked_mma_kernel<DK>,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -10,7 +10,8 @@ anything else is an error naming the variable. Numbers are range-checked. An emp
 counts as unset.
 
 The kernel library's own knobs (read by the C++ code on each call, speed or test switches that
-never change the bits) are listed in `custom_calls.knobs`; `settings_table()` prints both
+never change the bits, but for BARO_DELTA_BLOCKED_MMA, which picks the blocked delta rule's
+arithmetic) are listed in `custom_calls.knobs`; `settings_table()` prints both
 tables, and the README's table is checked against it (tests/test_settings.py).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels rows blocked sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -22,6 +22,49 @@ stage_rows() {  # the many-sequence kernels (attention over a KV pool per row, l
 }
 stage_blocked() {  # the chunk-aligned delta rule's CUDA kernel (compiled, first run on a GPU)
   timeout "${BLOCKED_TIMEOUT:-240}" python -m pytest -m gpu tests/test_delta_blocked.py -q 2>&1 | tee "$OUT/gpu_delta_blocked_tests.txt" | tail -30
+}
+# The blocked delta rule on the tensor cores (BARO_DELTA_BLOCKED_MMA=1, csrc/gpu/delta_blocked.cu;
+# docs/PERF.md 2026-12-05: compiled, not run). Parts (BLOCKED_MMA_PARTS), each under one call's
+# limit: tests (its byte tests, decode == prefill under the knob, and its values against a float64
+# run of the blocked formulas; the CUDA-core instance, whose steps moved into shared device
+# functions, is retested by the `blocked` stage), tiny (the identity gate
+# on the tiny model with the knob on: the kernels inside the model's jitted graphs), speed (prefill at
+# BLOCKED_MMA_LENGTHS for each arm of BLOCKED_MMA_ARMS: token = the per-token default, blocked0 /
+# blocked1 = the blocked rule with the knob off / on; every arm identity-checked by speed.py's
+# prefix replay and a 100-token tail replay that crosses block closes:
+# speed_delta_<arm>_h200.json), gate (the identity gate at full size with the knob on). The next
+# GPU run, after `build`, four calls of at most ~9 minutes each:
+#   OUT=dir bash benchmarks/run_gpu.sh blocked
+#   OUT=dir BLOCKED_MMA_PARTS=tests bash benchmarks/run_gpu.sh blocked_mma
+#   OUT=dir BLOCKED_MMA_PARTS="tiny speed" BLOCKED_MMA_ARMS=blocked1 bash benchmarks/run_gpu.sh blocked_mma
+#   OUT=dir BLOCKED_MMA_PARTS=speed BLOCKED_MMA_ARMS="token blocked0" bash benchmarks/run_gpu.sh blocked_mma
+stage_blocked_mma() {
+  local part arm envs
+  for part in ${BLOCKED_MMA_PARTS:-tests tiny speed}; do
+    log "blocked_mma part $part"
+    case $part in
+      tests) timeout "${BLOCKED_MMA_TIMEOUT:-540}" python -m pytest -m gpu tests/test_delta_blocked_mma.py \
+               -q --durations=8 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_delta_blocked_mma_tests_h200.txt" | tail -30 ;;
+      speed) for arm in ${BLOCKED_MMA_ARMS:-token blocked0 blocked1}; do
+               case $arm in
+                 token) envs="BARO_DELTA=token" ;;
+                 blocked0) envs="BARO_DELTA=blocked BARO_DELTA_BLOCKED_MMA=0" ;;
+                 blocked1) envs="BARO_DELTA=blocked BARO_DELTA_BLOCKED_MMA=1" ;;
+                 *) echo "blocked_mma: unknown arm $arm"; continue ;;
+               esac
+               echo "--- $arm ($envs)"
+               env $envs timeout "${BLOCKED_MMA_SPEED_TIMEOUT:-250}" python benchmarks/speed.py --model qwen3.5-35b-a3b \
+                 --arms batch-ordered --lengths "${BLOCKED_MMA_LENGTHS:-8192,32768}" --chunk auto --decode-tokens 16 \
+                 --check-tail 100 --json "$OUT/speed_delta_${arm}_h200.json" 2>&1 | grep -E "tok/s|Error|error" | tail -4
+             done ;;
+      tiny) BARO_DELTA=blocked BARO_DELTA_BLOCKED_MMA=1 timeout 200 python benchmarks/identity.py --model tiny \
+              --chunks 7,16,37,64,100 --max-len 1100 --json "$OUT/identity_tiny_delta_blocked_mma_gpu.json" 2>&1 | tail -4 ;;
+      gate) BARO_DELTA=blocked BARO_DELTA_BLOCKED_MMA=1 python benchmarks/identity.py --model qwen3.5-35b-a3b \
+              --chunks "${BLOCKED_MMA_CHUNKS:-1024,8192}" --prompts benchmarks/prompts/identity_gpu.jsonl --max-context 16384 \
+              --json "$OUT/identity_delta_blocked_mma_h200.json" 2>&1 | tail -4 ;;
+      *) echo "blocked_mma: unknown part $part" ;;
+    esac
+  done
 }
 stage_sanitize() { bash benchmarks/sanitize_gpu.sh 2>&1 | tail -30; }
 stage_tiny() {

@@ -5,7 +5,8 @@ them between calls); this is the same table (tests/test_knobs.py checks the two 
 no getenv in csrc reads a name outside it) with a line on what each knob does and which file
 reads it. Three more are read here in Python: BARO_CMDBUF_OPS (custom_calls/_lib.py),
 BARO_MOE_SMALL_ROWS (custom_calls/moe.py) and the loader's BARO_LIB_DIR. Every knob is a speed
-or test switch: none changes the bits.
+or test switch: none changes the bits, except BARO_DELTA_BLOCKED_MMA (the blocked delta rule's
+arithmetic on CUDA: its own bits, identical between prefill and decode under each setting).
 
 Parsing is strict and matches knobs.h: an on/off knob takes 1/0, true/false, on/off, yes/no (any
 case), a choice knob one of its words, an integer knob a decimal integer in its range; empty
@@ -111,6 +112,11 @@ _TABLE: tuple[Knob, ...] = (
              "(cols) or the heads adjacent (heads), the pipelined persistent instance (pipe: the next tiles' "
              "state in flight while one computes), or the 32-token kernel (off); auto: pipe when the call has "
              "more state tiles than the GPU has SMs (many sequences), cols otherwise (csrc/gpu/delta.cu)"),
+    Knob("BARO_DELTA_BLOCKED_MMA", "onoff", False,
+         doc="on: the blocked delta rule (delta_rule blocked) on CUDA with its products on the tensor cores "
+             "(mma.sync m16n8k8, 3xTF32) instead of the CUDA-core fmaf chains: its own bits, so keep one "
+             "setting from a run's first token (prefill and decode agree under either); HIP ignores it "
+             "(csrc/gpu/delta_blocked.cu)"),
     Knob("BARO_GEMM_TILE", "choice", "auto", choices=("auto", "16", "simple", "64", "128"),
          doc="forces the GEMM tile config of every call of more than one row (csrc/gpu/matmul.cu)"),
     Knob("BARO_GEMM_SMALL", "choice", "auto", choices=("auto", "stream", "rows16", "simple"),

@@ -2,7 +2,9 @@
 //
 // Every knob the C++ code reads is a row of kKnobs below (custom_calls/knobs.py holds the same
 // table with a line on what each does; tests/test_knobs.py checks the two agree and that no
-// getenv in csrc reads anything else). Knobs are speed or test switches: none changes the bits.
+// getenv in csrc reads anything else). Knobs are speed or test switches: none changes the bits,
+// except BARO_DELTA_BLOCKED_MMA, which picks the blocked delta rule's arithmetic (opt-in, its own
+// bits; prefill and decode agree under either setting, so a run keeps one from its first token).
 // They are read on every call, not once, because the kernel tests switch them between calls.
 //
 // Parsing is strict: an on/off knob takes 1/0, true/false, on/off, yes/no (any case), a choice
@@ -46,6 +48,7 @@ enum Id : int {
   kNormRowBlock,
   kDeltaCols,
   kDeltaOne,
+  kDeltaBlockedMma,
   kGemmTile,
   kGemmSmall,
   kGemmRow1,
@@ -83,6 +86,7 @@ inline constexpr Knob kKnobs[kCount] = {
     {"BARO_NORM_ROW_BLOCK", Kind::kOnOff, nullptr, 0, 0, 1},
     {"BARO_DELTA_COLS", Kind::kChoice, "32|16", 0, 0, 0},
     {"BARO_DELTA_ONE", Kind::kChoice, "auto|cols|heads|pipe|off", 0, 0, 0},
+    {"BARO_DELTA_BLOCKED_MMA", Kind::kOnOff, nullptr, 0, 0, 0},
     {"BARO_GEMM_TILE", Kind::kChoice, "auto|16|simple|64|128", 0, 0, 0},
     {"BARO_GEMM_SMALL", Kind::kChoice, "auto|stream|rows16|simple", 0, 0, 0},
     {"BARO_GEMM_ROW1", Kind::kOnOff, nullptr, 0, 0, 1},

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -65,6 +65,20 @@ stage_blocked_mma() {
       *) echo "blocked_mma: unknown part $part" ;;
     esac
   done
+}
+# Written without a GPU and never run (2026-12-05): the byte tests of every opt-in kernel and of the
+# paged pool's attention rows, in one pytest process (the shared-A stream, the persistent grouped
+# rows16 schedule, the grouped wgmma prefill GEMMs, the tensor-core blocked delta rule and the
+# CUDA-core one whose code moved, the paged attention_rows), then the pool tests on the GPU's default
+# device. Run it first: a
+# failure here says which knob's speed run to skip.
+stage_unrun() {
+  timeout "${UNRUN_TIMEOUT:-540}" python -m pytest -m gpu -q --durations=12 -p no:cacheprovider \
+    tests/test_kernels_matmul.py tests/test_kernels_moe.py tests/test_kernels_attention_rows.py tests/test_delta_blocked.py tests/test_delta_blocked_mma.py \
+    -k "ashared or rows16_persist or moe_gemm_wgmma or attention_rows or blocked_mma or delta_blocked" 2>&1 \
+    | tee "$OUT/gpu_unrun_tests_h200.txt" | tail -30
+  timeout "${UNRUN_POOL_TIMEOUT:-300}" python -m pytest -q -p no:cacheprovider tests/test_batch_paged.py tests/test_block_manager.py \
+    tests/test_batch_tier.py 2>&1 | tee "$OUT/gpu_pool_tests_h200.txt" | tail -8
 }
 stage_sanitize() { bash benchmarks/sanitize_gpu.sh 2>&1 | tail -30; }
 stage_tiny() {

@@ -123,9 +123,10 @@ def _run(argv) -> int:
     # down; these handlers receive it then, so a clean shutdown ends with status 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, f: stopped_by.append(signal.Signals(s).name))
-    _say(f"[baro_jax] serving {server.limits.model!r} on {server.url} | {server.loop.slots} slots of "
-         f"{server.loop.length} positions, queue {server.loop.capacity - server.loop.slots} | backend {eng.backend} | "
-         f"{eng.mode}")
+    run = server.loop.run
+    _say(f"[baro_jax] serving {server.limits.model!r} on {server.url} | {server.loop.slots} slots of up to "
+         f"{server.loop.length} positions, {run.pages:,} KV pages of {run.blocks.page} ({run.pages * run.blocks.page:,} "
+         f"positions in all), queue {server.loop.capacity - server.loop.slots} | backend {eng.backend} | {eng.mode}")
     server.serve(sock)
     _say(f"[baro_jax] server stopped{' (' + stopped_by[0] + ')' if stopped_by else ''}")
     return 0

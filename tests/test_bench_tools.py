@@ -78,3 +78,17 @@ def test_throughput_bound_counts_distinct_experts_and_states():
     assert b1["bytes_per_step"] < b8["bytes_per_step"] < 8 * b1["bytes_per_step"]
     assert b8["tokens_per_s"] == pytest.approx(8 * 1e12 / b8["bytes_per_step"])
     assert throughput.decode_bound(eng, 1, 100, 2.0)["step_ms"] == pytest.approx(b1["step_ms"] / 2)
+
+
+def test_throughput_mixed_row_reports_the_pace_beside_the_gaps(tmp_path):
+    """The mixed-load row: long prompts prefill while short ones decode; every sequence's tokens
+    reach the callback, and each sequence's mean time per token is reported beside the gaps."""
+    import json
+
+    out = tmp_path / "t.json"
+    assert throughput.main(["--model", "tiny", "--batches", "2", "--prompt-len", "12", "--new-tokens", "9",
+                            "--mixed", "1:40", "--chunk", "16", "--check", "1", "--json", str(out)]) == 0
+    mixed = json.loads(out.read_text())["mixed"]
+    assert mixed["generated_tokens"] == 3 * 9
+    assert 0 < mixed["ms_per_token_p50"] <= mixed["ms_per_token_p99"]
+    assert mixed["gap_ms_p50"] <= mixed["gap_ms_p99"]

@@ -29,6 +29,7 @@ from . import model as M
 from . import pool as Pool
 from .block_manager import BlockManager, pages_for, positions_of
 from .logprobs import row_logprobs
+from .ops_xla import KV_BLOCK
 from .results import GenerateResult, check_logprobs
 from .sampling import Sampling, greedy, sample, token_key
 from .scheduler import Scheduler, Sequence
@@ -249,9 +250,14 @@ class BatchRun:
         self.block = 1 if tier else block
         self._prefill_step = tier_prefill(runner) if tier else PREFILL
         self._decode_rows_step = tier_decode(runner) if tier else DECODE
+        # a page holds whole KV blocks of the attention kernels, which refuse any other size
+        page = checks.as_int("page", page)
+        if page < 1 or page % KV_BLOCK:
+            raise ValueError(f"page must be a positive multiple of {KV_BLOCK} positions (a page holds whole "
+                             f"KV blocks of the attention kernels), got {page}")
         # a slot's table row maps whole pages: its cache is `length` rounded up to a page
         per_slot = -(-length // page)
-        self.pages = slots * per_slot if pages is None else pages
+        self.pages = slots * per_slot if pages is None else checks.as_int("pages", pages, lo=1)
         self.blocks = BlockManager(slots, self.pages, page, per_slot * page)
         self.sched = Scheduler(slots, self.blocks)
         self.pool = Pool.init_pool(self.cfg, runner.dtype, slots, self.pages, page)
@@ -266,7 +272,16 @@ class BatchRun:
             self.add(seq)
 
     def add(self, seq: Sequence):
-        """A sequence joins: it takes a slot at a later round, when one is free."""
+        """A sequence joins: it takes a slot at a later round, when one is free. It must be a new
+        one (a Sequence added before, waiting, running or ended, is refused: queued twice it would
+        hold two slots, one of them for ever) with a prompt of at least one token in the vocabulary."""
+        if (seq.finish_reason is not None or seq.slot is not None or seq.prefilled or seq.generated
+                or any(s is seq for s in self.sched.waiting)):
+            raise ValueError(f"sequence {seq.index} was already added to a pool (give each request a new Sequence)")
+        if not seq.prompt_ids:
+            raise ValueError(f"sequence {seq.index}: the prompt is empty: give at least one token")
+        seq.prompt_ids = checks.token_ids(seq.prompt_ids, self.cfg.vocab_size, f"sequence {seq.index}'s prompt ids")
+        checks.as_int("max_new_tokens", seq.max_new_tokens, lo=0)
         if len(_device_stops(seq)) > self.stop_width:
             raise ValueError(f"a sequence with {len(_device_stops(seq))} end and stop ids; this pool carries at "
                              f"most {self.stop_width} per sequence")

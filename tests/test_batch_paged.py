@@ -110,3 +110,56 @@ def test_memory_error_names_the_pages(eng, monkeypatch):
     monkeypatch.setattr(budget, "batch_slots", lambda *a, **k: (2, 1))
     with pytest.raises(MemoryError, match="the KV pages of the longest sequence \\(2 pages of 64 positions"):
         eng.generate_batch(["a" * 100, "b"], 10)
+
+
+def _fresh(ids, new=3):
+    return Sequence(index=0, prompt_ids=ids, max_new_tokens=new, sampling=baro_jax.Sampling())
+
+
+@pytest.mark.parametrize("kw,err,msg", [
+    (dict(page=32), ValueError, "page must be a positive multiple of 64"),
+    (dict(page=0), ValueError, "page must be a positive multiple of 64"),
+    (dict(pages=-1), ValueError, "pages must be >= 1, got -1"),
+    (dict(pages=2.5), TypeError, "pages must be an integer"),
+])
+def test_bad_pool_sizes_are_refused_when_the_pool_is_made(eng, kw, err, msg):
+    """A page size the attention kernels cannot read (or a page count that is no count) is
+    refused by BatchRun itself, not by the first decode step's kernel after prompts ran."""
+    with pytest.raises(err, match=msg):
+        B.BatchRun(eng.runner, eng.tokenizer, [], slots=2, length=256, chunk=16, logprobs=None, keep_states=False,
+                   **{"pages": 4, **kw})
+
+
+def test_bad_sequences_are_refused_at_add_and_the_pool_runs_on(eng):
+    """An empty prompt, ids outside the vocabulary, a negative max_new_tokens, and a sequence that
+    was added before (twice, or again after it ended) are refused at add() with what is wrong;
+    before, they were queued and broke a later round (an IndexError on the empty prompt's last
+    token, a slot and its pages held for ever by the twice-added one, so the pool never ran
+    dry). The pool then runs a good sequence to its bytes alone and gives every page back."""
+    rng = np.random.default_rng()
+    V = eng.cfg.vocab_size
+    run = B.BatchRun(eng.runner, eng.tokenizer, [], slots=2, length=256, chunk=16, logprobs=0, keep_states=False,
+                     pages=4)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        run.add(_fresh([]))
+    with pytest.raises(ValueError, match=f"outside the vocabulary \\[0, {V}\\)"):
+        run.add(_fresh([1, V, 2]))
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0, got -2"):
+        run.add(_fresh([1, 2], -2))
+    assert run.done
+    ids = rng.integers(1, V, int(rng.integers(2, 60))).tolist()
+    good = _fresh(ids, 5)
+    run.add(good)
+    with pytest.raises(ValueError, match="already added to a pool"):
+        run.add(good)
+    steps = 0
+    while not run.done:
+        run.step()
+        steps += 1
+        assert steps < 50, "the pool never ran dry"
+    with pytest.raises(ValueError, match="already added to a pool"):
+        run.add(good)  # ended: its tokens would be taken for a decode in progress
+    assert run.done and run.blocks.used == 0 and np.all(run.blocks.table == -1)
+    alone = eng.generate(ids, 5, logprobs=0)
+    assert good.generated == alone.generated_ids and good.finish_reason == alone.finish_reason
+    assert [x.tobytes() for x in good.logprobs] == [x.tobytes() for x in alone.logprobs]

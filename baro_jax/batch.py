@@ -719,18 +719,18 @@ def _slots(eng, n: int, max_batch, length: int, chunk: int, positions: list | No
         slots = min(n, MAX_DEFAULT_SLOTS)
     page = DEFAULT_KV_PAGE
     need = None if positions is None else [pages_for(p, page) for p in positions]
+    longest = max(need) if need else pages_for(length, page)
     tier = eng.runner.placement == "tier"
     fit, pages = budget.batch_slots(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, slots, eng.devices or 1,
-                                    eng.runner.cache_slots if tier else None, page=page)
+                                    eng.runner.cache_slots if tier else None, page=page, longest=longest)
     if fit < 1 and tier:
         budget.check_tier(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, eng.runner.cache_slots)
     elif fit < 1:
         budget.check_resident(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, eng.devices or 1)
     if max_batch is not None and fit < slots:
-        raise MemoryError(f"max_batch {slots} slots (each with at least one KV page of {page} positions) do not "
-                          f"fit the device budget beside the weights and a prefill chunk of {chunk} rows; at most "
-                          f"{fit} do")
-    longest = max(need) if need else pages_for(length, page)
+        raise MemoryError(f"max_batch {slots} slots (each with at least one KV page of {page} positions, and the "
+                          f"{longest} pages of the longest sequence) do not fit the device budget beside the weights "
+                          f"and a prefill chunk of {chunk} rows; at most {fit} do")
     if pages < longest:
         what = "the longest sequence" if need else f"a sequence of {length} positions"
         size = budget.gib(longest * Pool.page_bytes(eng.cfg, eng.dtype, page))

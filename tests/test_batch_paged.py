@@ -163,3 +163,41 @@ def test_bad_sequences_are_refused_at_add_and_the_pool_runs_on(eng):
     alone = eng.generate(ids, 5, logprobs=0)
     assert good.generated == alone.generated_ids and good.finish_reason == alone.finish_reason
     assert [x.tobytes() for x in good.logprobs] == [x.tobytes() for x in alone.logprobs]
+
+
+def test_a_tight_budget_gives_fewer_slots_rather_than_refuse_the_longest_sequence(eng):
+    """With max_batch left to the budget, a budget that holds many one-page slots but then fewer
+    pages than the longest sequence needs must give fewer slots (and so more pages), as the
+    contiguous pool did, not refuse the batch: before, it sized the most slots of one page each
+    and then raised MemoryError for the longest sequence's pages, which one slot fewer held."""
+    rng = np.random.default_rng()
+    cfg, dt, V = eng.cfg, eng.dtype, eng.cfg.vocab_size
+    n_long, new_long = int(rng.integers(900, 960)), int(rng.integers(20, 40))
+    longest = pages_for(n_long + new_long - 1, PAGE)
+    prompts = [rng.integers(1, V, int(rng.integers(1, 30))).tolist() for _ in range(11)]
+    prompts.insert(int(rng.integers(0, 12)), rng.integers(1, V, n_long).tolist())
+    news = [new_long if len(p) == n_long else int(rng.integers(1, 8)) for p in prompts]
+    # a budget whose most slots of one page each leave fewer pages than the longest needs, while
+    # the contiguous pool (a page of the pool's whole length, 1024) had room for a slot or more
+    tight = None
+    for gb in np.linspace(1.0, 1.1, 4001):
+        slots, pages = budget.batch_slots(cfg, dt, float(gb), 1024, 256, len(prompts), page=PAGE)
+        contiguous = budget.batch_slots(cfg, dt, float(gb), 1024, 256, len(prompts), page=1024)[0]
+        if 1 < slots < len(prompts) and pages < longest and contiguous >= 1:
+            tight = float(gb)
+            break
+    assert tight is not None
+    alone = [eng.generate(p, m, logprobs=0, stop_at_eos=False) for p, m in zip(prompts, news)]
+    keep = eng.runner.settings
+    eng.runner.settings = keep.replace(device_budget_gb=tight)
+    try:
+        got = eng.generate_batch(prompts, news, logprobs=0, stop_at_eos=False)
+        stats = eng.last_batch_stats
+    finally:
+        eng.runner.settings = keep
+    assert stats["pool_length"] == 1024 and stats["kv_pages"] >= longest and 1 <= stats["slots"] < len(prompts)
+    per_page, per_slot = Pool.page_bytes(cfg, dt, PAGE), Pool.slot_bytes(cfg, dt)
+    assert stats["slots"] * per_slot + stats["kv_pages"] * per_page <= budget.budget_bytes(tight)[0]
+    for a, b in zip(alone, got):
+        assert a.generated_ids == b.generated_ids
+        assert [x.tobytes() for x in a.logprobs] == [x.tobytes() for x in b.logprobs]

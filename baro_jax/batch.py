@@ -282,6 +282,7 @@ class BatchRun:
             raise ValueError(f"sequence {seq.index}: the prompt is empty: give at least one token")
         seq.prompt_ids = checks.token_ids(seq.prompt_ids, self.cfg.vocab_size, f"sequence {seq.index}'s prompt ids")
         checks.as_int("max_new_tokens", seq.max_new_tokens, lo=0)
+        checks.as_int("prompt_top_n", seq.prompt_top_n, lo=0, hi=self.cfg.vocab_size)
         if len(_device_stops(seq)) > self.stop_width:
             raise ValueError(f"a sequence with {len(_device_stops(seq))} end and stop ids; this pool carries at "
                              f"most {self.stop_width} per sequence")

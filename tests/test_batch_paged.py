@@ -201,3 +201,19 @@ def test_a_tight_budget_gives_fewer_slots_rather_than_refuse_the_longest_sequenc
     for a, b in zip(alone, got):
         assert a.generated_ids == b.generated_ids
         assert [x.tobytes() for x in a.logprobs] == [x.tobytes() for x in b.logprobs]
+
+
+@pytest.mark.parametrize("top", [-2, "big"])
+def test_a_bad_prompt_top_n_is_refused_at_add(eng, top):
+    """prompt_top_n outside [0, vocab] is refused at add(), naming it; before, a negative one gave
+    empty top lists without a word, and one past the vocabulary failed inside jax's top_k after
+    the prompt had run (in a server: the whole round, every request in it)."""
+    V = eng.cfg.vocab_size
+    k = -2 if top == -2 else V + int(np.random.default_rng().integers(1, 1000))
+    run = B.BatchRun(eng.runner, eng.tokenizer, [], slots=1, length=256, chunk=16, logprobs=2, keep_states=False,
+                     pages=4)
+    s = Sequence(index=0, prompt_ids=[5, 6, 7, 8], max_new_tokens=2, sampling=baro_jax.Sampling(),
+                 want_prompt_logprobs=True, prompt_top_n=k)
+    with pytest.raises(ValueError, match=f"prompt_top_n must be (>= 0|<= {V}), got {k}"):
+        run.add(s)
+    assert run.done

@@ -735,6 +735,10 @@ def _slots(eng, n: int, max_batch, length: int, chunk: int, positions: list | No
     if pages < longest:
         what = "the longest sequence" if need else f"a sequence of {length} positions"
         size = budget.gib(longest * Pool.page_bytes(eng.cfg, eng.dtype, page))
+        # fit is 0 here unless batch_slots is not the budget's own: say what one slot would have
+        one = pages if fit else budget.batch_slots(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, 1,
+                                                   eng.devices or 1, eng.runner.cache_slots if tier else None,
+                                                   page=page)[1]
         raise MemoryError(f"the KV pages of {what} ({longest} pages of {page} positions, {size}) do not fit the "
-                          f"device budget beside the weights and a prefill chunk of {chunk} rows; {pages} do")
+                          f"device budget beside the weights, a slot and a prefill chunk of {chunk} rows; {one} do")
     return max(1, min(slots, fit)), pages

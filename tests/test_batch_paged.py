@@ -217,3 +217,26 @@ def test_a_bad_prompt_top_n_is_refused_at_add(eng, top):
     with pytest.raises(ValueError, match=f"prompt_top_n must be (>= 0|<= {V}), got {k}"):
         run.add(s)
     assert run.done
+
+
+def test_memory_error_counts_the_pages_one_slot_would_have(eng):
+    """A budget that holds a slot but not the longest sequence's pages beside it: the MemoryError
+    says how many pages one slot would have had (not 0, the count of a pool of no slots)."""
+    rng = np.random.default_rng()
+    cfg, dt, V = eng.cfg, eng.dtype, eng.cfg.vocab_size
+    n = int(rng.integers(900, 1000))
+    found = None
+    for gb in np.linspace(1.0, 1.1, 4001):
+        slots, pages = budget.batch_slots(cfg, dt, float(gb), 1024, 256, 1, page=PAGE)
+        if slots == 1 and 0 < pages < pages_for(n, PAGE):
+            found = float(gb), pages
+            break
+    assert found is not None
+    keep = eng.runner.settings
+    eng.runner.settings = keep.replace(device_budget_gb=found[0])
+    try:
+        with pytest.raises(MemoryError, match=f"the KV pages of the longest sequence \\({pages_for(n, PAGE)} pages of "
+                                              f"64 positions.*; {found[1]} do$"):
+            eng.generate_batch([rng.integers(1, V, n).tolist()], 1)
+    finally:
+        eng.runner.settings = keep

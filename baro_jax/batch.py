@@ -29,6 +29,7 @@ from . import model as M
 from . import pool as Pool
 from .block_manager import BlockManager, pages_for, positions_of
 from .logprobs import row_logprobs
+from .ops_xla import KV_BLOCK
 from .results import GenerateResult, check_logprobs
 from .sampling import Sampling, greedy, sample, token_key
 from .scheduler import Scheduler, Sequence
@@ -249,9 +250,14 @@ class BatchRun:
         self.block = 1 if tier else block
         self._prefill_step = tier_prefill(runner) if tier else PREFILL
         self._decode_rows_step = tier_decode(runner) if tier else DECODE
+        # a page holds whole KV blocks of the attention kernels, which refuse any other size
+        page = checks.as_int("page", page)
+        if page < 1 or page % KV_BLOCK:
+            raise ValueError(f"page must be a positive multiple of {KV_BLOCK} positions (a page holds whole "
+                             f"KV blocks of the attention kernels), got {page}")
         # a slot's table row maps whole pages: its cache is `length` rounded up to a page
         per_slot = -(-length // page)
-        self.pages = slots * per_slot if pages is None else pages
+        self.pages = slots * per_slot if pages is None else checks.as_int("pages", pages, lo=1)
         self.blocks = BlockManager(slots, self.pages, page, per_slot * page)
         self.sched = Scheduler(slots, self.blocks)
         self.pool = Pool.init_pool(self.cfg, runner.dtype, slots, self.pages, page)
@@ -266,7 +272,17 @@ class BatchRun:
             self.add(seq)
 
     def add(self, seq: Sequence):
-        """A sequence joins: it takes a slot at a later round, when one is free."""
+        """A sequence joins: it takes a slot at a later round, when one is free. It must be a new
+        one (a Sequence added before, waiting, running or ended, is refused: queued twice it would
+        hold two slots, one of them for ever) with a prompt of at least one token in the vocabulary."""
+        if (seq.finish_reason is not None or seq.slot is not None or seq.prefilled or seq.generated
+                or any(s is seq for s in self.sched.waiting)):
+            raise ValueError(f"sequence {seq.index} was already added to a pool (give each request a new Sequence)")
+        if not seq.prompt_ids:
+            raise ValueError(f"sequence {seq.index}: the prompt is empty: give at least one token")
+        seq.prompt_ids = checks.token_ids(seq.prompt_ids, self.cfg.vocab_size, f"sequence {seq.index}'s prompt ids")
+        checks.as_int("max_new_tokens", seq.max_new_tokens, lo=0)
+        checks.as_int("prompt_top_n", seq.prompt_top_n, lo=0, hi=self.cfg.vocab_size)
         if len(_device_stops(seq)) > self.stop_width:
             raise ValueError(f"a sequence with {len(_device_stops(seq))} end and stop ids; this pool carries at "
                              f"most {self.stop_width} per sequence")
@@ -704,21 +720,25 @@ def _slots(eng, n: int, max_batch, length: int, chunk: int, positions: list | No
         slots = min(n, MAX_DEFAULT_SLOTS)
     page = DEFAULT_KV_PAGE
     need = None if positions is None else [pages_for(p, page) for p in positions]
+    longest = max(need) if need else pages_for(length, page)
     tier = eng.runner.placement == "tier"
     fit, pages = budget.batch_slots(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, slots, eng.devices or 1,
-                                    eng.runner.cache_slots if tier else None, page=page)
+                                    eng.runner.cache_slots if tier else None, page=page, longest=longest)
     if fit < 1 and tier:
         budget.check_tier(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, eng.runner.cache_slots)
     elif fit < 1:
         budget.check_resident(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, eng.devices or 1)
     if max_batch is not None and fit < slots:
-        raise MemoryError(f"max_batch {slots} slots (each with at least one KV page of {page} positions) do not "
-                          f"fit the device budget beside the weights and a prefill chunk of {chunk} rows; at most "
-                          f"{fit} do")
-    longest = max(need) if need else pages_for(length, page)
+        raise MemoryError(f"max_batch {slots} slots (each with at least one KV page of {page} positions, and the "
+                          f"{longest} pages of the longest sequence) do not fit the device budget beside the weights "
+                          f"and a prefill chunk of {chunk} rows; at most {fit} do")
     if pages < longest:
         what = "the longest sequence" if need else f"a sequence of {length} positions"
         size = budget.gib(longest * Pool.page_bytes(eng.cfg, eng.dtype, page))
+        # fit is 0 here unless batch_slots is not the budget's own: say what one slot would have
+        one = pages if fit else budget.batch_slots(eng.cfg, eng.dtype, eng.device_budget_gb, length, chunk, 1,
+                                                   eng.devices or 1, eng.runner.cache_slots if tier else None,
+                                                   page=page)[1]
         raise MemoryError(f"the KV pages of {what} ({longest} pages of {page} positions, {size}) do not fit the "
-                          f"device budget beside the weights and a prefill chunk of {chunk} rows; {pages} do")
+                          f"device budget beside the weights, a slot and a prefill chunk of {chunk} rows; {one} do")
     return max(1, min(slots, fit)), pages

@@ -358,7 +358,7 @@ def largest_tier_chunk(cfg: Config, dtype, device_budget_gb: float | None, state
 
 def batch_slots(cfg: Config, dtype, device_budget_gb: float | None, length: int, chunk: int, want: int,
                 devices: int = 1, tier_cache_slots: int | None = None,
-                page: int = DEFAULT_KV_PAGE) -> tuple[int, int]:
+                page: int = DEFAULT_KV_PAGE, longest: int = 1) -> tuple[int, int]:
     """(slots, pages) of generate_batch's pool: how many of `want` sequence slots, and how many KV
     pages of `page` positions (at most enough for every slot at `length`) fit beside the weights,
     the larger of a prefill chunk's and a decode step's activations, the decode step's logits and
@@ -367,7 +367,9 @@ def batch_slots(cfg: Config, dtype, device_budget_gb: float | None, length: int,
     layers' state; its KV costs only the pages its sequence holds, so short sequences leave pages
     for more slots. Slots come first (each with at least one page), then pages. tier_cache_slots:
     tier mode with its decode expert cache of that many slots per layer (0: none), whose weights
-    on the device are tier_parts' (None: resident mode)."""
+    on the device are tier_parts' (None: resident mode). longest: the pages the longest sequence
+    needs; slots are cut so that the pages left hold it (fewer slots rather than a pool that
+    could never run it)."""
     T = -(-length // page)
     top = want * T
     limit, _ = budget_bytes(device_budget_gb)
@@ -381,6 +383,6 @@ def batch_slots(cfg: Config, dtype, device_budget_gb: float | None, length: int,
     fixed = sum(p.bytes for p in parts)
     fixed += 2 * want * cfg.vocab_size * 4 + 2 * state_bytes(cfg, dtype, T * page) + runtime_reserve_bytes(limit)
     room = max(0, limit - fixed)
-    slots = int(min(want, room // (per_slot + per_page)))
+    slots = int(min(want, room // (per_slot + per_page), max(0, room - longest * per_page) // per_slot))
     pages = int(min(top, (room - slots * per_slot) // per_page)) if slots else 0
     return slots, pages

@@ -19,9 +19,10 @@ from .block_manager import BlockManager, positions_of
 from .sampling import Sampling
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Sequence:
-    """One request on its way through the batch."""
+    """One request on its way through the batch. Compared by identity: two requests with equal
+    fields are still two (the queue's cancel must take out the one it is given)."""
     index: int                 # its place in the caller's list
     prompt_ids: list
     max_new_tokens: int

@@ -86,3 +86,24 @@ def test_admission_waits_for_pages_in_arrival_order():
     d = _seq(3, 150, 40)  # 189 positions: 3 pages, free again
     sched.add(d)
     assert sched.admit() == [d] and bm.used == 4
+
+
+def test_cancel_takes_out_the_sequence_it_is_given_not_an_equal_one():
+    """Two waiting sequences with equal fields (the same index and prompt: a caller's numbering
+    is its own) are two requests: cancelling the second leaves the first waiting and takes the
+    second out. Before, the waiting queue was searched by field equality: the first was removed
+    (it would never run nor end) and the cancelled second stayed queued, was admitted, and held
+    its slot and pages for ever (a cancelled sequence never decodes)."""
+    rng = np.random.default_rng()
+    prompt, new = int(rng.integers(1, 100)), int(rng.integers(1, 60))
+    bm = BlockManager(slots=2, pages=4, page=64, length=256)
+    sched = Scheduler(2, bm)
+    a, b = _seq(7, prompt, new), _seq(7, prompt, new)
+    sched.add(a)
+    sched.add(b)
+    assert sched.cancel(b) and b.finish_reason == "cancelled" and a.finish_reason is None
+    assert len(sched.waiting) == 1 and sched.waiting[0] is a
+    assert sched.admit() == [a] and a.slot is not None and b.slot is None
+    assert not sched.cancel(b)  # ended already
+    sched.finish(a, "length")
+    assert sched.done and bm.used == 0 and np.all(bm.table == -1)

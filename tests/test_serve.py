@@ -434,3 +434,44 @@ def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(eng, server
         check_completion(r.json()["choices"][0], eng.generate(P1, 5, logprobs=0), 0)
         health = h.get("/health").json()
         assert health["failed_rounds"] == before + 1 and health["alive"] and health["free_slots"] == SLOTS
+
+
+def test_a_pool_that_cannot_be_remade_after_a_failure_is_a_503_not_a_hang(eng, monkeypatch):
+    """After a failed round the loop frees the failed pool before making a fresh one (a pool is
+    sized to the device budget: two at once need not fit). When no fresh pool can be made, the
+    loop stops, and every later request is a 503 that says why at once; before, the engine thread
+    died of the second exception and later requests waited for ever on an inbox nobody read."""
+    import jax
+
+    from baro_jax.batch import BatchRun
+    from baro_jax.serve import loop as L
+
+    srv = Server(eng, port=0, model_name="tiny", max_batch=2, max_queue=2, max_logprobs=5, chunk=32,
+                 max_body_bytes=MAX_BODY)
+    srv.start()
+    real, freed = BatchRun.decode_half, []
+
+    def decode_half(self):
+        raise RuntimeError("device lost")
+
+    def open_run(engine, **kw):
+        freed.append(all(x.is_deleted() for x in jax.tree_util.tree_leaves(srv.loop.run.pool)))
+        raise MemoryError("no room for a fresh pool")
+
+    monkeypatch.setattr(BatchRun, "decode_half", decode_half)
+    monkeypatch.setattr(L.batch, "open_run", open_run)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as h:
+            r = h.post(C, json={"prompt": P1, "max_tokens": 5, "temperature": 0})
+            assert r.status_code == 500 and r.json()["error"]["message"] == \
+                "internal error in the engine: RuntimeError: device lost"
+            r = h.post(C, json={"prompt": P1, "max_tokens": 5, "temperature": 0})
+            assert r.status_code == 503, r.text
+            msg = r.json()["error"]["message"]
+            assert "the engine loop stopped" in msg and "MemoryError: no room for a fresh pool" in msg, msg
+            health = h.get("/health")
+            assert health.status_code == 503 and not health.json()["alive"]
+        assert freed == [True], "the failed pool was still held when the fresh one was made"
+    finally:
+        monkeypatch.setattr(BatchRun, "decode_half", real)
+        srv.stop(30)

@@ -20,6 +20,8 @@ import threading
 import traceback
 from typing import Callable
 
+import jax
+
 from .. import batch
 from ..scheduler import Sequence
 
@@ -63,6 +65,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._taken = 0          # sequences admitted and not yet ended: the bound's count
         self._stopping = False
+        self._stopped_why = "the server is shutting down"
         self._jobs: dict[int, Job] = {}  # engine thread only: id(seq) -> job
         self._next_index = 0
         self.stats = {"rounds": 0, "generated_tokens": 0, "finished": 0, "cancelled": 0, "failed_rounds": 0}
@@ -83,7 +86,7 @@ class EngineLoop:
         """Take the jobs in, all or none (Overloaded, ShuttingDown)."""
         with self._lock:
             if self._stopping:
-                raise ShuttingDown("the server is shutting down")
+                raise ShuttingDown(self._stopped_why)
             if self._taken + len(jobs) > self.capacity:
                 raise Overloaded(f"all {self.slots} sequence slots are busy and the queue is full "
                                  f"({self.capacity - self.slots} waiting at most); retry shortly")
@@ -142,15 +145,35 @@ class EngineLoop:
                 traceback.print_exc(file=sys.stderr)
                 self.stats["failed_rounds"] += 1
                 self._fail_all(f"internal error in the engine: {type(e).__name__}: {e}", 500)
-                with self.engine.exclusive():
-                    self.run = batch.open_run(self.engine, **self._pool_args)
+                if not self._reopen():
+                    return
                 continue
             self.stats["rounds"] += 1
+
+    def _reopen(self) -> bool:
+        """A fresh pool after a failed round; the failed one's buffers are freed first (a pool is
+        sized to the device budget, so two at once need not fit). When none can be made, the
+        loop stops: what waits and every later request get a 503 saying why (the thread would
+        otherwise die and leave the inbox unread)."""
+        try:
+            with self.engine.exclusive():
+                for x in jax.tree_util.tree_leaves(self.run.pool):
+                    x.delete()
+                self.run = batch.open_run(self.engine, **self._pool_args)
+            return True
+        except Exception as e:
+            traceback.print_exc(file=sys.stderr)
+            why = (f"the engine loop stopped: no fresh sequence pool after a failed round "
+                   f"({type(e).__name__}: {e}); restart the server")
+            with self._lock:
+                self._stopping, self._stopped_why = True, why
+            self._fail_all(why, 503)
+            return False
 
     def _add(self, job: Job):
         try:
             self.run.add(job.seq)
-        except ValueError as e:  # the front end checks first; this is the pool's own word
+        except (ValueError, TypeError) as e:  # the front end checks first; this is the pool's own word
             self._end(job, ("error", job, str(e), 400))
             return
         self._jobs[id(job.seq)] = job

@@ -144,7 +144,7 @@ class EngineLoop:
             except Exception as e:  # a device or engine failure: fail what runs, start a fresh pool
                 traceback.print_exc(file=sys.stderr)
                 self.stats["failed_rounds"] += 1
-                self._fail_all(f"internal error in the engine: {type(e).__name__}: {e}", 500)
+                self._fail_all(f"internal error in the engine: {type(e).__name__}: {e}", 500, inbox=False)
                 if not self._reopen():
                     return
                 continue
@@ -210,11 +210,14 @@ class EngineLoop:
             self._taken -= 1
         _send(job, event)
 
-    def _fail_all(self, message: str, status: int):
+    def _fail_all(self, message: str, status: int, inbox: bool = True):
+        """End every job in the pool with the error; with inbox, also those not yet taken in (the
+        loop is stopping). A failed round leaves them: they go to the fresh pool, or get the
+        stopped loop's 503, never the failed round's error, whatever the thread's timing."""
         for job in list(self._jobs.values()):
             self.run.cancel(job.seq)
             self._end(job, ("error", job, message, status))
-        for kind, jobs in self._drain_inbox():
+        for kind, jobs in self._drain_inbox() if inbox else ():
             if kind == "add":
                 for job in jobs:
                     self._end(job, ("error", job, message, status))

@@ -44,13 +44,23 @@ def _prefill(params, pool, table, slot, tokens, pos, n_valid, rope, *, cfg, ops,
 
 
 def _decode(params, pool, table, tokens, running, pos, rope, *, cfg, ops, guard: bool, top_n):
-    """One decode step of every slot: (logits [P, V], logprob rows [P, V], the greedy ids [P],
-    their logprobs [P] and the top_n (ids, values) of every row, the pool). guard: keep the state of the slots that do
-    not run (one holds a prompt half prefilled); without it their conv and delta rows are left
-    as the step wrote them (free or finished slots, cleared before a new sequence takes them)."""
-    logits, new = M.decode_rows(params, pool, table, tokens, _row_slots(running), pos, rope, cfg=cfg, ops=ops)
-    pool = Pool.keep_running(pool, new, running) if guard else new
-    return _rows_out(logits, ops=ops, top_n=top_n) + (pool,)
+    """One decode step of the pool's first k slots, k = len(tokens) (the slots up to the highest
+    one in use, rounded up to a bucket; table is the table's first k rows): (logits [k, V],
+    logprob rows [k, V], the greedy ids [k], their logprobs [k] and the top_n (ids, values) of
+    every row, the pool). The slots past k are not touched. guard: keep the state of the slots
+    that do not run (one holds a prompt half prefilled); without it their conv and delta rows are
+    left as the step wrote them (free or finished slots, cleared before a new sequence takes them)."""
+    k = tokens.shape[0]
+    out = _decode_prefix(params, Pool.prefix(pool, k), table, tokens, running, pos, rope, cfg=cfg, ops=ops, guard=guard,
+                         top_n=top_n)
+    return out[:-1] + (Pool.put_prefix(pool, out[-1], k),)
+
+
+def _decode_prefix(params, sub, table, tokens, running, pos, rope, *, cfg, ops, guard: bool, top_n):
+    """_decode on a pool of exactly len(tokens) slots."""
+    logits, new = M.decode_rows(params, sub, table, tokens, _row_slots(running), pos, rope, cfg=cfg, ops=ops)
+    sub = Pool.keep_running(sub, new, running) if guard else new
+    return _rows_out(logits, ops=ops, top_n=top_n) + (sub,)
 
 
 def _row_slots(running):
@@ -88,12 +98,12 @@ def _decode_block(params, pool, table, tokens, running, pos, left, stops, rope, 
     logprobs, top ids, top values (None when not asked), the pool, and (tokens, running, pos,
     left) after the block: the next block's inputs, so that it can be queued before this one's
     ids are read)."""
-    P = tokens.shape[0]
+    P = tokens.shape[0]  # the pool's first P slots (as _decode)
 
     def body(i, carry):
         pool, tok, run, pos, left, out = carry
-        _, _, ids, lp, top, vals, pool = _decode(params, pool, table, tok, run, pos, rope, cfg=cfg, ops=ops,
-                                                 guard=guard, top_n=top_n)
+        _, _, ids, lp, top, vals, pool = _decode_prefix(params, pool, table, tok, run, pos, rope, cfg=cfg, ops=ops,
+                                                        guard=guard, top_n=top_n)
         ids = jnp.where(run, ids, -1)
         out = tuple(o if o is None else o.at[i].set(x) for o, x in zip(out, (ids, lp, top, vals)))
         left = left - run.astype(jnp.int32)
@@ -105,8 +115,9 @@ def _decode_block(params, pool, table, tokens, running, pos, left, stops, rope, 
            None if not top_n else jnp.zeros((block, P, top_n), jnp.int32),
            None if not top_n else jnp.zeros((block, P, top_n), jnp.float32))
     steps = block if n is None else n
-    pool, tok, run, pos, left, out = jax.lax.fori_loop(0, steps, body, (pool, tokens, running, pos, left, out))
-    return out + (pool, (tok, run, pos, left))
+    sub, tok, run, pos, left, out = jax.lax.fori_loop(0, steps, body, (Pool.prefix(pool, P), tokens, running, pos, left,
+                                                                       out))
+    return out + (Pool.put_prefix(pool, sub, P), (tok, run, pos, left))
 
 
 PREFILL = jax.jit(_prefill, static_argnames=("cfg", "ops", "all_logits"), donate_argnums=(1,))
@@ -261,8 +272,10 @@ class BatchRun:
         self.blocks = BlockManager(slots, self.pages, page, per_slot * page)
         self.sched = Scheduler(slots, self.blocks)
         self.pool = Pool.init_pool(self.cfg, runner.dtype, slots, self.pages, page)
-        self._table, self._table_version = None, None
-        self.steps = {"prefill": 0, "decode": 0, "decode_calls": 0, "chained_calls": 0}
+        self._tables: dict = {}  # rows asked -> (the table's version, its first rows on the device)
+        # decode_rows: rows the decode steps computed (a step runs the slots up to the highest one
+        # decoding, rounded up to a power of two)
+        self.steps = {"prefill": 0, "decode": 0, "decode_calls": 0, "chained_calls": 0, "decode_rows": 0}
         self.t0 = time.perf_counter()
         self.stop_width = max([1] + [len(_device_stops(s)) for s in sequences]) if stop_width is None else stop_width
         # host-side stops (a callback, stop strings) end a sequence after the device has run on:
@@ -351,8 +364,35 @@ class BatchRun:
         left = [s.max_new_tokens - len(s.generated) for s in decoding]
         return max(1, min(self.block, min(left) if self.sched.waiting else max(left)))
 
-    def _inputs(self, decoding):
-        P = self.slots
+    def _rows(self, decoding) -> int:
+        """Decode rows of the next step: the slots up to the highest one decoding, rounded up to
+        a power of two (or the pool): one graph per bucket, and at low load a step computes a few
+        rows instead of every slot's (new sequences take the lowest free slot, scheduler.py).
+        Tier mode's layer loop runs every slot."""
+        if self.r.placement == "tier":
+            return self.slots
+        k = 1
+        while k <= max(s.slot for s in decoding):
+            k *= 2
+        return min(k, self.slots)
+
+    def _chain_rows(self, decoding, unqueued, P: int):
+        """The rows of a chain's next block: those of the sequences with tokens left to queue
+        (the others' rows would not run), never more than the chain's rows so far."""
+        live = [s for s in decoding if s.finish_reason is None and unqueued[s.slot] > 0]
+        return min(P, self._rows(live)) if live else P
+
+    def table(self, k: int | None = None):
+        """The page table on the device (its first k rows), sent again only after admissions or
+        finishes changed it or another k is asked."""
+        k = self.slots if k is None else k
+        version, rows = self._tables.get(k, (None, None))
+        if version != self.blocks.version:
+            rows = jnp.asarray(self.blocks.table[:k])
+            self._tables[k] = (self.blocks.version, rows)
+        return rows
+
+    def _inputs(self, decoding, P: int):
         toks, pos, left = np.zeros((P,), np.int32), np.zeros((P,), np.int32), np.zeros((P,), np.int32)
         running = np.zeros((P,), bool)
         stops = np.full((P, self.stop_width), -1, np.int32)
@@ -403,12 +443,14 @@ class BatchRun:
 
     def _decode_step(self, decoding):
         """One decode step: greedy ids from the device, sampled ones chosen here."""
-        toks, running, pos, _, _ = self._inputs(decoding)
+        P = self._rows(decoding)
+        toks, running, pos, _, _ = self._inputs(decoding, P)
         logits, lp_rows, ids, lp, top, vals, self.pool = self._decode_rows_step(
-            self.r.params, self.pool, self.table(), jnp.asarray(toks), jnp.asarray(running), jnp.asarray(pos),
+            self.r.params, self.pool, self.table(P), jnp.asarray(toks), jnp.asarray(running), jnp.asarray(pos),
             self.r.rope,
             cfg=self.cfg, ops=self.ops, guard=self._guard(decoding), top_n=self.top_n)
         self.steps["decode"] += 1
+        self.steps["decode_rows"] += P
         self.steps["decode_calls"] += 1
         sampled = [s for s in decoding if not s.sampling.greedy]
         ids, drawn = jax.device_get((ids, [draw(logits[s.slot], s) for s in sampled]))  # one wait
@@ -418,7 +460,7 @@ class BatchRun:
                 ids[s.slot] = int(t)
             if lp is not None:  # every row's pick, so that one graph serves any number of sampled rows
                 rows = np.array([s.slot for s in sampled], np.int32)
-                picked = np.asarray(PICK(lp_rows, jnp.arange(self.slots, dtype=jnp.int32), jnp.asarray(ids)))[rows]
+                picked = np.asarray(PICK(lp_rows, jnp.arange(P, dtype=jnp.int32), jnp.asarray(ids)))[rows]
         lp = None if lp is None else np.array(lp)
         if sampled and lp is not None:
             lp[rows] = picked
@@ -434,12 +476,13 @@ class BatchRun:
         blocks follow while the sequences have tokens left and nothing waits for a slot, each
         queued before the previous one's ids are read: a row the device stopped does not run in
         them, and a row stopped here (a callback, a stop string) costs at most one block."""
-        toks, running, pos, left, stops = self._inputs(decoding)
+        P = self._rows(decoding)  # a chain's sequences only finish: its rows only shrink
+        toks, running, pos, left, stops = self._inputs(decoding, P)
         carry = tuple(jnp.asarray(x) for x in (toks, running, pos, left))
         stops = jnp.asarray(stops)
         kw = dict(cfg=self.cfg, ops=self.ops, guard=self._guard(decoding), top_n=self.top_n, block=self.block)
         unqueued = {seq.slot: seq.max_new_tokens - len(seq.generated) for seq in decoding}
-        table = self.table()
+        table = self.table(P)
         pending = None
         while k > 0:
             # the table of the chain's start: a sequence finished during the chain gives its pages
@@ -450,6 +493,7 @@ class BatchRun:
             else:
                 ids, lp, top, vals, self.pool, carry = DECODE_BLOCK(*args, jnp.int32(k), **kw)
             self.steps["decode"] += k
+            self.steps["decode_rows"] += k * P
             self.steps["decode_calls"] += 1
             self.steps["chained_calls"] += pending is not None
             for slot in unqueued:
@@ -458,6 +502,10 @@ class BatchRun:
                 self._record_block(decoding, *pending)
             pending = (k, ids, lp, top, vals)
             k = self._chain_length(decoding, unqueued)
+            fewer = self._chain_rows(decoding, unqueued, P) if k else P
+            if fewer < P:  # the next blocks run the first `fewer` slots: their inputs' first rows
+                P = fewer
+                carry, stops, table = tuple(x[:P] for x in carry), stops[:P], table[:P]  # the start's table
         self._record_block(decoding, *pending)
 
     def _chain_length(self, decoding, unqueued) -> int:
@@ -474,17 +522,13 @@ class BatchRun:
         top, vals = (None, None) if top is None else (np.asarray(top), np.asarray(vals))
         for seq in decoding:
             r = seq.slot
+            if r >= ids.shape[1]:  # not among the block's rows: it had no token left to queue
+                continue
             for i in range(k):
                 if ids[i, r] < 0 or seq.finish_reason is not None:
                     break
                 self._record(seq, int(ids[i, r]), None if lp is None else lp[i, r],
                              None if top is None else (top[i, r].astype(np.int64).tolist(), vals[i, r]))
-
-    def table(self):
-        """The page table on the device, sent again only after admissions or finishes changed it."""
-        if self._table_version != self.blocks.version:
-            self._table, self._table_version = jnp.asarray(self.blocks.table), self.blocks.version
-        return self._table
 
     # --- per sequence ---------------------------------------------------------------------
     def _need_lp(self) -> bool:

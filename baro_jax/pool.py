@@ -89,6 +89,26 @@ def clear_slot(pool, slot, pages):
     return tuple(out)
 
 
+def prefix(pool, k: int):
+    """The pool of its first k slots: their conv and delta state, and every KV page (pages are
+    the slots' through the table, whose first k rows the caller passes)."""
+    if k == _slots_of(pool):
+        return pool
+    return tuple(st if "k" in st else {"conv": st["conv"][:, :k], "ssm": st["ssm"][:k]} for st in pool)
+
+
+def put_prefix(pool, sub, k: int):
+    """The pool with its first k slots' state from `sub` (prefix's layout) and sub's KV pages."""
+    if k == _slots_of(pool):
+        return sub
+    return tuple(s if "k" in st else {"conv": st["conv"].at[:, :k].set(s["conv"]), "ssm": st["ssm"].at[:k].set(s["ssm"])}
+                 for st, s in zip(pool, sub))
+
+
+def _slots_of(pool) -> int | None:
+    return next((st["ssm"].shape[0] for st in pool if "ssm" in st), None)
+
+
 def keep_running(old, new, running):
     """The pool after a decode step: the new state for the running slots, the old one for the
     others (their conv and delta rows ran on whatever they held; a select, never arithmetic)."""

@@ -13,6 +13,7 @@ never how (every row's arithmetic is its own), so a sequence's bytes are the sam
 from __future__ import annotations
 
 import collections
+import heapq
 import dataclasses
 
 from .block_manager import BlockManager, positions_of
@@ -63,7 +64,9 @@ class Scheduler:
     def __init__(self, slots: int, blocks: BlockManager):
         self.blocks = blocks
         self.waiting: collections.deque = collections.deque()  # add() appends
-        self.free = list(range(slots - 1, -1, -1))  # pop() gives slot 0 first
+        # a min-heap: a new sequence takes the lowest free slot, so the running ones stay packed at
+        # the pool's start and a decode step runs only the slots up to the highest one in use
+        self.free = list(range(slots))
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.finished: list[Sequence] = []
 
@@ -103,7 +106,7 @@ class Scheduler:
         placed = []
         while self.waiting and self.free and self.blocks.can_allocate(self.waiting[0].positions):
             seq = self.waiting.popleft()
-            seq.slot = self.free.pop()
+            seq.slot = heapq.heappop(self.free)
             self.blocks.allocate(seq.slot, seq.positions)
             self.running[seq.slot] = seq
             placed.append(seq)
@@ -121,5 +124,5 @@ class Scheduler:
         seq.finish_reason = reason
         del self.running[seq.slot]
         self.blocks.release(seq.slot)
-        self.free.append(seq.slot)
+        heapq.heappush(self.free, seq.slot)
         self.finished.append(seq)

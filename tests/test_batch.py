@@ -228,12 +228,13 @@ def test_chained_blocks_give_the_bytes_alone(eng, alone):
 
 
 def test_no_compilation_per_request(eng):
-    """The step graphs depend on the slot count, the pool's length and the chunk, not on the
-    prompts: once a few batches have run (a decode step with and without idle slots' states
-    kept, a whole and a shorter block: a handful of graphs, each compiled at its first use), a
-    batch of other lengths compiles nothing."""
+    """The step graphs depend on the slot count, the decode rows' bucket, the pool's length and
+    the chunk, not on the prompts: once a few batches have run (a decode step of 1 and of 2 rows,
+    with and without idle slots' states kept, a whole and a shorter block: a handful of graphs,
+    each compiled at its first use), a batch of other lengths compiles nothing."""
     eng.generate_batch(PROMPTS[:3], 4, max_batch=2, chunk=16)
     eng.generate_batch(["a", "bb" * 30, "def g(x):\n    return x", "q"], [3, 7, 2, 5], max_batch=2, chunk=16)
+    eng.generate_batch(["a", "bb" * 30, "q"], [9, 2, 1], max_batch=2, chunk=16)  # slot 0 alone: 1 row
     sizes = (B.DECODE._cache_size(), B.DECODE_BLOCK._cache_size(), B.PREFILL._cache_size())
     eng.generate_batch(["import sys", "z" * 41, "for k in d:", "yy"], [6, 2, 9, 4], max_batch=2, chunk=16)
     assert (B.DECODE._cache_size(), B.DECODE_BLOCK._cache_size(), B.PREFILL._cache_size()) == sizes
@@ -302,3 +303,25 @@ def test_sequences_join_and_leave_a_running_pool(eng, alone):
         assert [x.tobytes() for x in s.logprobs] == [x.tobytes() for x in a.logprobs], i
         assert [(t, v.tobytes()) for t, v in s.top_logprobs] == [(t, v.tobytes()) for t, v in a.top_logprobs], i
     assert len(run.sched.free) == run.slots == 3 and not run.sched.running
+
+
+@pytest.mark.parametrize("block", [1, 3])
+def test_a_step_runs_the_slots_up_to_the_highest_one_decoding(eng, alone, block):
+    """At low load a decode step computes the slots up to the highest one decoding, rounded up to a
+    power of two, not every slot: once the short sequences of slots 1..4 end, slot 0's long one
+    runs alone in 1-row steps (in a chain of greedy blocks too, whose rows shrink between blocks),
+    and every sequence keeps the bytes it has alone."""
+    prompts, new = [PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[4], PROMPTS[6]], [14, 2, 2, 1, 3]
+    old = eng.settings.decode_block
+    eng.tune(decode_block=block)
+    try:
+        got = eng.generate_batch(prompts, new, logprobs=2, max_batch=5, chunk=16, keep_states=True)
+    finally:
+        eng.tune(decode_block=old)
+    steps = eng.last_batch_stats["steps"]
+    assert block == 1 or steps["chained_calls"] > 0, steps
+    assert steps["decode"] >= 10 and steps["decode_rows"] < 5 * steps["decode"] - 8, steps
+    for i, (p, r) in enumerate(zip(prompts, got)):
+        a = alone[PROMPTS.index(p)]
+        want = eng.generate(p, new[i], logprobs=2, keep_state=True) if new[i] != NEW[PROMPTS.index(p)] else a
+        assert same(eng.cfg, want, r) is None, f"prompt {i}: {same(eng.cfg, want, r)}"

@@ -8,6 +8,18 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export BARO_COMMIT=${BARO_COMMIT:-$(git rev-parse --verify HEAD 2>/dev/null)}
 cd "$(dirname "$0")/.."
+# Result files are named by the card that made them (h200, h100): numbers from two cards are never
+# compared. JAX takes 75% of the card by default: on an H200 that holds the ~70 GB of full-size
+# weights, on an 80 GB H100 it does not, so there the resident runs take 94% and the tier runs'
+# "24 GB card" is 24 GiB of its memory (not 0.17 of it).
+CARD=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE 'h100|h200|a100|mi[0-9]+' | tr 'A-Z' 'a-z')}
+CARD=${CARD:-gpu}
+GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+if [ -n "$GPU_MIB" ] && [ "$GPU_MIB" -lt 100000 ]; then
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94}
+  TIER_MEM_FRACTION=${TIER_MEM_FRACTION:-$(python3 -c "print(round(24576 / $GPU_MIB, 3))")}
+fi
+case "$CARD" in h100) BANDWIDTH_TBS=${BANDWIDTH_TBS:-3.0} ;; *) BANDWIDTH_TBS=${BANDWIDTH_TBS:-4.3} ;; esac
 log() { echo "=== $(date +%T) $*" | tee -a "$OUT/stages.txt"; }
 stage_build() {
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
@@ -32,7 +44,7 @@ stage_blocked() {  # the chunk-aligned delta rule's CUDA kernel (compiled, first
 # BLOCKED_MMA_LENGTHS for each arm of BLOCKED_MMA_ARMS: token = the per-token default, blocked0 /
 # blocked1 = the blocked rule with the knob off / on; every arm identity-checked by speed.py's
 # prefix replay and a 100-token tail replay that crosses block closes:
-# speed_delta_<arm>_h200.json), gate (the identity gate at full size with the knob on). The next
+# speed_delta_<arm>_${CARD}.json), gate (the identity gate at full size with the knob on). The next
 # GPU run, after `build`, four calls of at most ~9 minutes each:
 #   OUT=dir bash benchmarks/run_gpu.sh blocked
 #   OUT=dir BLOCKED_MMA_PARTS=tests bash benchmarks/run_gpu.sh blocked_mma
@@ -44,7 +56,7 @@ stage_blocked_mma() {
     log "blocked_mma part $part"
     case $part in
       tests) timeout "${BLOCKED_MMA_TIMEOUT:-540}" python -m pytest -m gpu tests/test_delta_blocked_mma.py \
-               -q --durations=8 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_delta_blocked_mma_tests_h200.txt" | tail -30 ;;
+               -q --durations=8 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_delta_blocked_mma_tests_${CARD}.txt" | tail -30 ;;
       speed) for arm in ${BLOCKED_MMA_ARMS:-token blocked0 blocked1}; do
                case $arm in
                  token) envs="BARO_DELTA=token" ;;
@@ -55,13 +67,13 @@ stage_blocked_mma() {
                echo "--- $arm ($envs)"
                env $envs timeout "${BLOCKED_MMA_SPEED_TIMEOUT:-250}" python benchmarks/speed.py --model qwen3.5-35b-a3b \
                  --arms batch-ordered --lengths "${BLOCKED_MMA_LENGTHS:-8192,32768}" --chunk auto --decode-tokens 16 \
-                 --check-tail 100 --json "$OUT/speed_delta_${arm}_h200.json" 2>&1 | grep -E "tok/s|Error|error" | tail -4
+                 --check-tail 100 --json "$OUT/speed_delta_${arm}_${CARD}.json" 2>&1 | grep -E "tok/s|Error|error" | tail -4
              done ;;
       tiny) BARO_DELTA=blocked BARO_DELTA_BLOCKED_MMA=1 timeout 200 python benchmarks/identity.py --model tiny \
               --chunks 7,16,37,64,100 --max-len 1100 --json "$OUT/identity_tiny_delta_blocked_mma_gpu.json" 2>&1 | tail -4 ;;
       gate) BARO_DELTA=blocked BARO_DELTA_BLOCKED_MMA=1 python benchmarks/identity.py --model qwen3.5-35b-a3b \
               --chunks "${BLOCKED_MMA_CHUNKS:-1024,8192}" --prompts benchmarks/prompts/identity_gpu.jsonl --max-context 16384 \
-              --json "$OUT/identity_delta_blocked_mma_h200.json" 2>&1 | tail -4 ;;
+              --json "$OUT/identity_delta_blocked_mma_${CARD}.json" 2>&1 | tail -4 ;;
       *) echo "blocked_mma: unknown part $part" ;;
     esac
   done
@@ -76,17 +88,17 @@ stage_unrun() {
   timeout "${UNRUN_TIMEOUT:-540}" python -m pytest -m gpu -q --durations=12 -p no:cacheprovider \
     tests/test_kernels_matmul.py tests/test_kernels_moe.py tests/test_kernels_attention_rows.py tests/test_delta_blocked.py tests/test_delta_blocked_mma.py \
     -k "ashared or rows16_persist or moe_gemm_wgmma or attention_rows or blocked_mma or delta_blocked" 2>&1 \
-    | tee "$OUT/gpu_unrun_tests_h200.txt" | tail -30
+    | tee "$OUT/gpu_unrun_tests_${CARD}.txt" | tail -30
   timeout "${UNRUN_POOL_TIMEOUT:-300}" python -m pytest -q -p no:cacheprovider tests/test_batch_paged.py tests/test_block_manager.py \
-    tests/test_batch_tier.py 2>&1 | tee "$OUT/gpu_pool_tests_h200.txt" | tail -8
+    tests/test_batch_tier.py 2>&1 | tee "$OUT/gpu_pool_tests_${CARD}.txt" | tail -8
 }
 stage_sanitize() { bash benchmarks/sanitize_gpu.sh 2>&1 | tail -30; }
 stage_tiny() {
   python benchmarks/identity.py --model tiny --chunks 7,16,37,64 --max-len 1100 --json "$OUT/identity_tiny_gpu.json" 2>&1 | tail -6
 }
-stage_ops() { timeout "${OPS_TIMEOUT:-240}" python benchmarks/op_times.py --m "${OPS_M:-1,256,1024}" --backends "${OPS_BACKENDS:-ordered,xla}" --json "$OUT/op_times_h200.json" 2>&1 | tail -30; }
+stage_ops() { timeout "${OPS_TIMEOUT:-240}" python benchmarks/op_times.py --m "${OPS_M:-1,256,1024}" --backends "${OPS_BACKENDS:-ordered,xla}" --json "$OUT/op_times_${CARD}.json" 2>&1 | tail -30; }
 # The decode GEMM's ring knobs at the model's decode shapes (benchmarks/row1_sweep.py).
-stage_row1() { timeout "${ROW1_TIMEOUT:-300}" python benchmarks/row1_sweep.py --json "$OUT/row1_sweep_h200.json" 2>&1 | tail -24; }
+stage_row1() { timeout "${ROW1_TIMEOUT:-300}" python benchmarks/row1_sweep.py --json "$OUT/row1_sweep_${CARD}.json" 2>&1 | tail -24; }
 # ncu stall reasons of the decode kernels at m = 1 (benchmarks/profile_gpu.sh 1): ~3 min.
 # The few-row GEMMs of decode steps of many sequences (in_proj, out_proj, the MoE at NCU_ROWS_M rows): ncu's
 # speed of light, memory workload (L2 and DRAM throughput) and warp stalls, one op_times process.
@@ -96,9 +108,9 @@ stage_ncu_rows() {
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section Occupancy --section LaunchStats -k "regex:gemm_" --launch-count "${NCU_ROWS_COUNT:-28}" \
     python benchmarks/op_times.py --m "${NCU_ROWS_M:-8,64}" --ops "${NCU_ROWS_OPS:-matmul gdn_in_proj,matmul gdn_out_proj,moe}" --reps 1 \
-    --backends ordered > "$OUT/ncu_rows_h200.txt" 2>&1
+    --backends ordered > "$OUT/ncu_rows_${CARD}.txt" 2>&1
   grep -E "^  [a-z_]+.*\(|Duration|Throughput|L2 Hit|Mem Busy|Max Bandwidth|Achieved Occupancy|Grid Size|Registers Per|Stall|Warp Cycles Per Issued" \
-    "$OUT/ncu_rows_h200.txt" | head -150
+    "$OUT/ncu_rows_${CARD}.txt" | head -150
   pkill -f benchmarks/op_times.py; sleep 1  # a profiled child that outlived the timeout holds the card
 }
 stage_ncu_decode() { timeout "${NCU_TIMEOUT:-300}" bash benchmarks/profile_gpu.sh 1 2>&1 | tail -80; }
@@ -115,7 +127,7 @@ PY
 }
 stage_full() {
   python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks "${GATE_CHUNKS:-256,1024,2048,8192}" --prompts benchmarks/prompts/identity_gpu.jsonl \
-    --max-context "${GATE_MAX_CONTEXT:-16384}" --json "$OUT/identity_qwen35_h200.json" 2>&1 | tail -40
+    --max-context "${GATE_MAX_CONTEXT:-16384}" --json "$OUT/identity_qwen35_${CARD}.json" 2>&1 | tail -40
 }
 # The opt-in sm_90a prefill attention (BARO_ATTN_WGMMA=1, csrc/gpu/attention_wgmma.cu): the
 # harness (benchmarks/wgmma_attention_check.cu: bytes against the default kernel and one decode
@@ -132,7 +144,7 @@ stage_attn_wgmma() {
     case $part in
       probe) nvcc -O3 -std=c++17 --fmad=false -DBARO_WGMMA=1 --generate-code=arch=compute_90a,code=sm_90a \
                -Icsrc/gpu -Icsrc/common benchmarks/wgmma_probe.cu -o /tmp/wgmma_probe 2>&1 | tail -5
-             timeout 60 /tmp/wgmma_probe | tee "$OUT/wgmma_probe_h200.jsonl" ;;
+             timeout 60 /tmp/wgmma_probe | tee "$OUT/wgmma_probe_${CARD}.jsonl" ;;
       check) # benchmarks/wgmma_attention_check.cu, built -c as the library is (its header says why)
              local f="-O3 -std=c++17 --fmad=false -Xcompiler=-fno-fast-math -Icsrc/gpu -Icsrc/common"
              nvcc $f -DBARO_WGMMA=1 --generate-code=arch=compute_90a,code=sm_90a -c csrc/gpu/attention_wgmma.cu \
@@ -140,16 +152,16 @@ stage_attn_wgmma() {
                   -c benchmarks/wgmma_attention_check.cu -o /tmp/chk.o && nvcc -arch=sm_90a /tmp/wg.o /tmp/chk.o \
                   -o /tmp/wgmma_attention_check 2>&1 | tail -5
              WGMMA_LOADS=1,0 timeout 120 /tmp/wgmma_attention_check "${BARO_COMMIT:0:7}" all \
-               > "$OUT/wgmma_attention_check_h200.jsonl"; echo "check rc=$?" | tee -a "$OUT/stages.txt"
-             tail -3 "$OUT/wgmma_attention_check_h200.jsonl" | cut -c1-400 ;;
+               > "$OUT/wgmma_attention_check_${CARD}.jsonl"; echo "check rc=$?" | tee -a "$OUT/stages.txt"
+             tail -3 "$OUT/wgmma_attention_check_${CARD}.jsonl" | cut -c1-400 ;;
       tests) timeout 300 python -m pytest -m gpu tests/test_kernels_*.py -q -k "attention" -p no:cacheprovider 2>&1 \
-               | tee "$OUT/gpu_kernel_tests_attn_wgmma_h200.txt" | tail -8 ;;
+               | tee "$OUT/gpu_kernel_tests_attn_wgmma_${CARD}.txt" | tail -8 ;;
       gate) BARO_ATTN_WGMMA=1 python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks "${WGMMA_CHUNKS:-1024,8192}" \
-              --prompts benchmarks/prompts/identity_gpu.jsonl --max-context 16384 --json "$OUT/identity_attn_wgmma_h200.json" 2>&1 | tail -4 ;;
+              --prompts benchmarks/prompts/identity_gpu.jsonl --max-context 16384 --json "$OUT/identity_attn_wgmma_${CARD}.json" 2>&1 | tail -4 ;;
       speed) for knob in 0 1; do
                BARO_ATTN_WGMMA=$knob timeout 240 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
                  --lengths "${WGMMA_LENGTHS:-8192,32768}" --chunk auto --decode-tokens 16 --check-tail 32 \
-                 --json "$OUT/speed_attn_wgmma${knob}_h200.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3
+                 --json "$OUT/speed_attn_wgmma${knob}_${CARD}.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3
              done ;;
       *) echo "attn_wgmma: unknown part $part" ;;
     esac
@@ -158,7 +170,7 @@ stage_attn_wgmma() {
 # The sm_90a prefill GEMM (BARO_GEMM_WGMMA, csrc/gpu/gemm_wgmma.cu): its byte tests against the
 # default kernel and one-row calls (first, under a short limit: a wrong mbarrier count would hang),
 # prefill speed at GEMM_WGMMA_LENGTHS once per setting in GEMM_WGMMA_SETTINGS (in one call, each
-# identity-checked: speed_gemm_wgmma<i>_h200.json), and the identity gate at full size with
+# identity-checked: speed_gemm_wgmma<i>_${CARD}.json), and the identity gate at full size with
 # GEMM_WGMMA_GATE_ENV. GEMM_WGMMA_PARTS picks parts. The MoE's grouped GEMMs (docs/PERF.md
 # 2026-12-05; BARO_GEMM_WGMMA_GROUPED=down: the down GEMM, =1: the gate/up GEMM with A's rows
 # gathered by the producer warp too), the next GPU run, after `build`, the tests first (the
@@ -166,24 +178,24 @@ stage_attn_wgmma() {
 #   OUT=dir GEMM_WGMMA_TEST_TIMEOUT=300 \
 #     GEMM_WGMMA_SETTINGS="BARO_GEMM_WGMMA_GROUPED=0 BARO_GEMM_WGMMA_GROUPED=down BARO_GEMM_WGMMA_GROUPED=1" \
 #     GEMM_WGMMA_GATE_ENV=BARO_GEMM_WGMMA_GROUPED=1 bash benchmarks/run_gpu.sh build gemm_wgmma
-# (speed_gemm_wgmma{0,1,2}_h200.json: off, down, both; each at 8k and 32k, identity-checked).
+# (speed_gemm_wgmma{0,1,2}_${CARD}.json: off, down, both; each at 8k and 32k, identity-checked).
 stage_gemm_wgmma() {
   local part
   for part in ${GEMM_WGMMA_PARTS:-tests speed gate}; do
     log "gemm_wgmma part $part"
     case $part in
       tests) timeout "${GEMM_WGMMA_TEST_TIMEOUT:-150}" python -m pytest -m gpu tests/test_kernels_matmul.py tests/test_kernels_moe.py \
-               -q -k "wgmma or small_rows" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_kernel_tests_gemm_wgmma_h200.txt" | tail -12 ;;
+               -q -k "wgmma or small_rows" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_kernel_tests_gemm_wgmma_${CARD}.txt" | tail -12 ;;
       speed) local n=0 setting
              for setting in ${GEMM_WGMMA_SETTINGS:-BARO_GEMM_WGMMA=0 BARO_GEMM_WGMMA=1}; do
                echo "--- $setting"
                env "$setting" timeout 240 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
                  --lengths "${GEMM_WGMMA_LENGTHS:-8192,32768}" --chunk auto --decode-tokens 16 --check-tail 32 \
-                 --json "$OUT/speed_gemm_wgmma${n}_h200.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3
+                 --json "$OUT/speed_gemm_wgmma${n}_${CARD}.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3
                n=$((n + 1))
              done ;;
       gate) env ${GEMM_WGMMA_GATE_ENV:-BARO_GEMM_WGMMA=1} python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks "${GEMM_WGMMA_CHUNKS:-1024,8192}" \
-              --prompts benchmarks/prompts/identity_gpu.jsonl --max-context 16384 --json "$OUT/identity_gemm_wgmma_h200.json" 2>&1 | tail -4 ;;
+              --prompts benchmarks/prompts/identity_gpu.jsonl --max-context 16384 --json "$OUT/identity_gemm_wgmma_${CARD}.json" 2>&1 | tail -4 ;;
       *) echo "gemm_wgmma: unknown part $part" ;;
     esac
   done
@@ -192,14 +204,14 @@ stage_gemm_wgmma() {
 # owner select, baro_moe_combine) through the identity gate at full size, batched == replay.
 stage_ep1() {
   [ "${EP_GATE:-1}" = 0 ] || python benchmarks/identity.py --model qwen3.5-35b-a3b --devices 1 --chunks "${EP_CHUNKS:-1024,8192}" \
-    --prompts benchmarks/prompts/identity_gpu.jsonl --max-context 16384 --json "$OUT/identity_ep1_h200.json" 2>&1 | tail -6
+    --prompts benchmarks/prompts/identity_gpu.jsonl --max-context 16384 --json "$OUT/identity_ep1_${CARD}.json" 2>&1 | tail -6
   # speed beside the one-device engine, each identity-checked (EP_SPEED=0: the gate only; EP_GATE=0: the speed only)
   # ep1: the sharded engine on a one-device mesh (the one-device MoE kernel); ep1pairs: the same
   # with BARO_EP_PAIRS=1, the per-pair kernels N > 1 runs, less their all-gather's transport
   [ "${EP_SPEED:-1}" = 1 ] && for arm in ${EP_ARMS:-one ep1 ep1pairs}; do
     local n=1; [ "$arm" = one ] && n=""
     BARO_EP_PAIRS=$([ "$arm" = ep1pairs ] && echo 1 || echo 0) \
-      ep_speed qwen3.5-35b-a3b "$n" "$OUT/speed_${arm}_device_h200.json" 200
+      ep_speed qwen3.5-35b-a3b "$n" "$OUT/speed_${arm}_device_${CARD}.json" 200
   done
 }
 # ep_speed MODEL N JSON TIMEOUT: prefill + decode at EP_LENGTHS on N devices (N empty: the
@@ -223,33 +235,33 @@ stage_ep2() {
   local m=${EP2_MODEL:-qwen3.5-35b-a3b} big=${EP2_BIG_MODEL:-qwen3-next-80b-a3b} n=${EP2_DEVICES:-2}
   local gate=(--chunks "${EP_CHUNKS:-1024,8192}" --prompts "${EP2_PROMPTS:-benchmarks/prompts/identity_gpu.jsonl}"
               --max-len "${EP2_MAX_LEN:-0}" --max-context "${EP2_MAX_CONTEXT:-16384}")
-  local ref="$OUT/identity_one_device_ref_h200.json" part
+  local ref="$OUT/identity_one_device_ref_${CARD}.json" part
   for part in ${EP2_PARTS:-ref gate speed big_gate big_speed profile}; do
     log "ep2 part $part"
     case $part in
       ref) python benchmarks/identity.py --model "$m" "${gate[@]}" --json "$ref" 2>&1 | tail -3 ;;
       gate) python benchmarks/identity.py --model "$m" --devices "$n" "${gate[@]}" --reference-json "$ref" \
-              --json "$OUT/identity_ep${n}_h200.json" 2>&1 | tail -4 ;;
-      speed) ep_speed "$m" "" "$OUT/speed_one_x${n}_h200.json" 240
-             ep_speed "$m" "$n" "$OUT/speed_ep_x${n}_h200.json" 240 ;;
+              --json "$OUT/identity_ep${n}_${CARD}.json" 2>&1 | tail -4 ;;
+      speed) ep_speed "$m" "" "$OUT/speed_one_x${n}_${CARD}.json" 240
+             ep_speed "$m" "$n" "$OUT/speed_ep_x${n}_${CARD}.json" 240 ;;
       big_gate) python benchmarks/identity.py --model "$big" --devices "$n" "${gate[@]}" \
-                  --json "$OUT/identity_ep${n}_qwen3next_h200.json" 2>&1 | tail -4 ;;
-      big_speed) ep_speed "$big" "$n" "$OUT/speed_ep${n}_qwen3next_h200.json" 300 ;;
+                  --json "$OUT/identity_ep${n}_qwen3next_${CARD}.json" 2>&1 | tail -4 ;;
+      big_speed) ep_speed "$big" "$n" "$OUT/speed_ep${n}_qwen3next_${CARD}.json" 300 ;;
       profile) timeout 240 python benchmarks/decode_profile.py --model "$big" --devices "$n" --context "${EP2_CONTEXT:-8192}" \
-                 --steps 32 --top 16 --json "$OUT/decode_profile_ep${n}_qwen3next_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -24 ;;
+                 --steps 32 --top 16 --json "$OUT/decode_profile_ep${n}_qwen3next_${CARD}.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -24 ;;
       *) echo "ep2: unknown part $part" ;;
     esac
   done
 }
 # Long-context identity (issue 10): a 64k (then 128k) prompt, batched at the default chunk and 4096
 # vs replay, bytes of every state leaf, last logits, 32 greedy tokens; a replay that would end past
-# LONGCTX_DEADLINE_S is recorded as skipped with its estimate. $OUT/identity_longctx_h200.json.
+# LONGCTX_DEADLINE_S is recorded as skipped with its estimate. $OUT/identity_longctx_${CARD}.json.
 # 128k in two calls on a warm machine: LONGCTX_LENGTHS=131072 LONGCTX_ARGS="--replay-stop 65536
 # --replay-save /tmp/lc" for the first, LONGCTX_ARGS="--replay-resume /tmp/lc" for the second.
 stage_longctx() {
   timeout "${LONGCTX_TIMEOUT:-590}" python benchmarks/identity_longctx.py --model qwen3.5-35b-a3b \
     --lengths "${LONGCTX_LENGTHS:-65536,131072}" --chunks "${LONGCTX_CHUNKS:-default,4096}" --new-tokens 32 \
-    --deadline-s "${LONGCTX_DEADLINE_S:-540}" ${LONGCTX_ARGS:-} --json "$OUT/identity_longctx_h200.json" 2>&1 \
+    --deadline-s "${LONGCTX_DEADLINE_S:-540}" ${LONGCTX_ARGS:-} --json "$OUT/identity_longctx_${CARD}.json" 2>&1 \
     | tee "$OUT/longctx.log" | tail -14
 }
 # Tier mode (issue 11) as a 24 GB card: a resident run writes replay digests (no limit), then under
@@ -263,22 +275,22 @@ stage_longctx() {
 stage_tier() {
   local common=(--model qwen3.5-35b-a3b --chunks "${TIER_CHUNKS:-1024,4096}" --prompts benchmarks/prompts/identity_gpu.jsonl
                 --max-len "${TIER_MAX_LEN:-255}" --new-tokens 16 --max-context 4096)
-  python benchmarks/identity.py "${common[@]}" --json "$OUT/identity_resident_ref_h200.json" 2>&1 | tail -2
+  python benchmarks/identity.py "${common[@]}" --json "$OUT/identity_resident_ref_${CARD}.json" 2>&1 | tail -2
   (
     export XLA_PYTHON_CLIENT_MEM_FRACTION=${TIER_MEM_FRACTION:-0.17} XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${TIER_HOST_GB:-110}
     python benchmarks/identity.py "${common[@]}" --mode tier --device-budget-gb "${TIER_BUDGET_GB:-22}" \
-      --reference-json "$OUT/identity_resident_ref_h200.json" --json "$OUT/identity_tier_h200.json" 2>&1 | tail -4
+      --reference-json "$OUT/identity_resident_ref_${CARD}.json" --json "$OUT/identity_tier_${CARD}.json" 2>&1 | tail -4
     stage_tier_overlap
     python benchmarks/speed.py --model qwen3.5-35b-a3b --mode tier --device-budget-gb "${TIER_BUDGET_GB:-22}" \
       --arms batch-ordered --lengths "${TIER_LENGTHS:-1024,8192,32768}" --chunk auto --decode-tokens 32 \
-      --json "$OUT/speed_tier_h200.json" 2>&1 | tail -6
+      --json "$OUT/speed_tier_${CARD}.json" 2>&1 | tail -6
   )
 }
 # Tier prefill's copy / compute overlap per layer and chunk pass (issue 11), alone (~3 min).
 stage_tier_overlap() {
   XLA_PYTHON_CLIENT_MEM_FRACTION=${TIER_MEM_FRACTION:-0.17} XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${TIER_HOST_GB:-110} \
     python benchmarks/tier_overlap.py --model qwen3.5-35b-a3b --chunks "${TIER_OVERLAP_CHUNKS:-4096,8192}" \
-    --device-budget-gb "${TIER_BUDGET_GB:-22}" --json "$OUT/tier_overlap_h200.json" 2>&1 | tail -3
+    --device-budget-gb "${TIER_BUDGET_GB:-22}" --json "$OUT/tier_overlap_${CARD}.json" 2>&1 | tail -3
 }
 # Tier decode with BARO_TIER_DECODE=direct (issue 11): one graph per token, the misses read from
 # pinned host memory by the MoE kernels (baro_moe_host). The tier identity gate against the
@@ -289,35 +301,35 @@ stage_tier_direct() {
   local common=(--model qwen3.5-35b-a3b --chunks "${TIER_CHUNKS:-1024,4096}" --prompts benchmarks/prompts/identity_gpu.jsonl
                 --max-len "${TIER_MAX_LEN:-255}" --new-tokens 16 --max-context 4096)
   local gate=${TIER_DIRECT_GATE:-1}  # 0: the speed only
-  [ "$gate" = 0 ] || [ -f "$OUT/identity_resident_ref_h200.json" ] || \
-    python benchmarks/identity.py "${common[@]}" --json "$OUT/identity_resident_ref_h200.json" 2>&1 | tail -2
+  [ "$gate" = 0 ] || [ -f "$OUT/identity_resident_ref_${CARD}.json" ] || \
+    python benchmarks/identity.py "${common[@]}" --json "$OUT/identity_resident_ref_${CARD}.json" 2>&1 | tail -2
   (
     export XLA_PYTHON_CLIENT_MEM_FRACTION=${TIER_MEM_FRACTION:-0.17} XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${TIER_HOST_GB:-110}
     export BARO_TIER_DECODE=direct
     [ "$gate" = 0 ] || python benchmarks/identity.py "${common[@]}" --mode tier --device-budget-gb "${TIER_BUDGET_GB:-22}" \
-      --reference-json "$OUT/identity_resident_ref_h200.json" --json "$OUT/identity_tier_direct_h200.json" 2>&1 | tail -4
+      --reference-json "$OUT/identity_resident_ref_${CARD}.json" --json "$OUT/identity_tier_direct_${CARD}.json" 2>&1 | tail -4
     python benchmarks/speed.py --model qwen3.5-35b-a3b --mode tier --device-budget-gb "${TIER_BUDGET_GB:-22}" \
       --arms batch-ordered --lengths "${TIER_DIRECT_LENGTHS:-1024}" --chunk auto --decode-tokens 32 \
-      --json "$OUT/speed_tier_direct_h200.json" 2>&1 | tail -6
+      --json "$OUT/speed_tier_direct_${CARD}.json" 2>&1 | tail -6
   )
 }
 # The host link by both ways tier decode can use (issue 11): copy engines vs the SMs' own loads
 # of pinned memory, from cudaHostAlloc'd and from huge-page-advised registered memory
-# (benchmarks/host_read_probe.cu, ~15 s): $OUT/host_read_probe_h200.jsonl.
+# (benchmarks/host_read_probe.cu, ~15 s): $OUT/host_read_probe_${CARD}.jsonl.
 stage_host_probe() {
   nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/host_read_probe.cu -o /tmp/host_read_probe 2>&1 | tail -5
-  timeout 120 /tmp/host_read_probe "${HOST_PROBE_MIB:-1024}" 5 | tee "$OUT/host_read_probe_h200.jsonl"
+  timeout 120 /tmp/host_read_probe "${HOST_PROBE_MIB:-1024}" 5 | tee "$OUT/host_read_probe_${CARD}.jsonl"
 }
 # Where a tier decode token's time goes (issue 11), per decode path (TIER_PROFILE_PATHS: cache,
 # cache+dma (BARO_TIER_FETCH=dma: the misses by the copy engines), direct): decode_profile.py --mode tier under the 24 GB-class limit at 1k context, with the
 # expert cache's hit rate. The direct path's moe_stage_misses_kernel time over its misses' bytes
 # is the rate the kernels read pinned memory at; the cache path's MemcpyH2D rows are the copy
-# engines'. $OUT/decode_profile_tier_{cache,cache_dma,direct}_h200.json.
+# engines'. $OUT/decode_profile_tier_{cache,cache_dma,direct}_${CARD}.json.
 stage_tier_profile() {  # one process (the synthetic weights made once), the paths one after the other
   XLA_PYTHON_CLIENT_MEM_FRACTION=${TIER_MEM_FRACTION:-0.17} XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${TIER_HOST_GB:-110} \
     timeout 300 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --mode tier \
     --device-budget-gb "${TIER_BUDGET_GB:-22}" --context 1024 --steps 8 --top 16 --tier-paths "${TIER_PROFILE_PATHS:-cache,cache+dma,direct}" \
-    --json "$OUT/decode_profile_tier_{path}_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -48
+    --json "$OUT/decode_profile_tier_{path}_${CARD}.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -48
 }
 # Decode (issue 10): where a token's time goes at 1k and 32k context (benchmarks/decode_profile.py),
 # then decode tok/s at 1k, 32k and 128k context (speed.py, batch-ordered prefill first) with its PNG.
@@ -325,11 +337,11 @@ stage_tier_profile() {  # one process (the synthetic weights made once), the pat
 stage_decode() {
   [ "${DECODE_PROFILE:-1}" = 1 ] && for c in ${DECODE_CONTEXTS:-1024 32768}; do
     timeout 200 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --context "$c" --steps 32 --top 16 \
-      --json "$OUT/decode_profile_${c}_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -24
+      --json "$OUT/decode_profile_${c}_${CARD}.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -24
   done
   timeout 300 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
     --lengths "${DECODE_LENGTHS:-1024,32768,131072}" --chunk auto --decode-tokens 64 --check-tail 32 \
-    --json "$OUT/speed_decode_h200.json" --decode-png "$OUT/decode_vs_context_h200.png" 2>&1 | tail -8
+    --json "$OUT/speed_decode_${CARD}.json" --decode-png "$OUT/decode_vs_context_${CARD}.png" 2>&1 | tail -8
 }
 # Decode knobs (issue 10), speed only, one speed.py per setting at KNOBS_LENGTH (1024) context,
 # each identity-checked: the baseline, then each of KNOBS (default: BARO_MOE_TAIL=0, the
@@ -343,13 +355,13 @@ stage_decode_knobs() {
     echo "--- knobs: ${knob:-none}"
     env $knob timeout 120 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
       --lengths "${KNOBS_LENGTH:-1024}" --chunk auto --decode-tokens 64 --check-tail 32 \
-      --json "$OUT/speed_decode_knobs${n}_h200.json" 2>&1 | grep -E "decode|identity|Error|error" | tail -3
+      --json "$OUT/speed_decode_knobs${n}_${CARD}.json" 2>&1 | grep -E "decode|identity|Error|error" | tail -3
     n=$((n + 1))
   done
 }
 stage_speed() {
   python benchmarks/speed.py --model qwen3.5-35b-a3b --lengths "${SPEED_LENGTHS:-1024,8192}" --chunk 1024 \
-    --json "$OUT/speed_qwen35_h200.json" 2>&1 | tail -12
+    --json "$OUT/speed_qwen35_${CARD}.json" 2>&1 | tail -12
 }
 # Wheels the GPU machine lacks (fla-core, flash-linear-attention: pure Python) travel in .whl/
 # (git-ignored); installed into /tmp/site (WHL_SITE), which is put in front of PYTHONPATH (torch/triton stay the machine's).
@@ -360,15 +372,15 @@ install_whl() {
   fi
   python -c "import fla, fla.ops.gated_delta_rule; print('fla', fla.__version__, fla.__file__)" 2>&1 | tail -1
 }
-# The transformers peer alone (about 70 GB of its own weights): $OUT/peer_hf_h200.json, also copied to
-# /tmp/peer_hf_h200.json (stays while the machine is warm) for a later `PEER_JSON=/tmp/peer_hf_h200.json ... vs_peer`.
+# The transformers peer alone (about 70 GB of its own weights): $OUT/peer_hf_${CARD}.json, also copied to
+# /tmp/peer_hf_${CARD}.json (stays while the machine is warm) for a later `PEER_JSON=/tmp/peer_hf_${CARD}.json ... vs_peer`.
 stage_peer() {
   install_whl
   timeout "${VS_PEER_TIMEOUT:-300}" python benchmarks/peer_hf.py --model "${VS_MODEL:-qwen3.5-35b-a3b}" \
     --device "${VS_PEER_DEVICE:-cuda}" \
     --lengths "${VS_PEER_LENGTHS:-1024,8192,32768}" --repeats "${VS_PEER_REPEATS:-3}" \
-    --json "$OUT/peer_hf_h200.json" 2>&1 | tee "$OUT/peer_hf.log" | grep -v '^\[transformers\]'
-  cp -f "$OUT/peer_hf_h200.json" /tmp/peer_hf_h200.json 2>/dev/null
+    --json "$OUT/peer_hf_${CARD}.json" 2>&1 | tee "$OUT/peer_hf.log" | grep -v '^\[transformers\]'
+  cp -f "$OUT/peer_hf_${CARD}.json" /tmp/peer_hf_${CARD}.json 2>/dev/null
 }
 # Ours vs the peer in one JSON + PNG. The peer runs first in a subprocess (its weights are freed
 # before ours are made), unless PEER_JSON names a file stage_peer wrote. One device command may run
@@ -387,9 +399,9 @@ stage_vs_peer() {
     --lengths "${VS_PEER_LENGTHS:-1024,8192,32768}" --chunk "${VS_PEER_CHUNKS:-auto}" \
     --arms "${VS_PEER_ARMS:-batch-ordered,replay-ordered,batch-xla}" --replay-max "${VS_REPLAY_MAX:-1024}" \
     --check-prefix 1088 --check-tail 64 --repeats "${VS_REPEATS:-1}" --deadline-s "${VS_DEADLINE_S:-420}" \
-    ${peer[@]+"${peer[@]}"} --peer-json "${PEER_JSON:-$OUT/peer_hf_h200.json}" \
-    --json "$OUT/speed_vs_peer_h200.json" --png "$OUT/speed_vs_peer_h200.png" \
-    --decode-png "$OUT/decode_vs_context_h200.png" 2>&1 \
+    ${peer[@]+"${peer[@]}"} --peer-json "${PEER_JSON:-$OUT/peer_hf_${CARD}.json}" \
+    --json "$OUT/speed_vs_peer_${CARD}.json" --png "$OUT/speed_vs_peer_${CARD}.png" \
+    --decode-png "$OUT/decode_vs_context_${CARD}.png" 2>&1 \
     | tee "$OUT/speed_vs_peer.log" | grep -v '^\[transformers\]'
   local rc=${PIPESTATUS[0]}
   [ "$rc" = 124 ] && echo "speed.py killed at VS_TIMEOUT_S=${VS_TIMEOUT_S:-560}s; the JSON holds the lengths done"
@@ -402,19 +414,19 @@ stage_vs_peer() {
 # sequences of 1 to BATCH_GATE_MAX_LEN tokens, staggered, half sampled, against their runs alone).
 stage_batch() {
   timeout "${THROUGHPUT_TIMEOUT:-300}" python benchmarks/throughput.py --model qwen3.5-35b-a3b \
-    --batches "${BATCH_SIZES:-1,8,32,64}" --prompt-len 1024 --new-tokens "${BATCH_NEW:-256}" --check 2 \
-    ${BATCH_MIXED:+--mixed "$BATCH_MIXED"} ${BATCH_PREFILL_BUDGET:+--prefill-budget "$BATCH_PREFILL_BUDGET"} --json "$OUT/throughput_h200.json" --png "$OUT/throughput_h200.png" 2>&1 \
+    --batches "${BATCH_SIZES:-1,8,32,64}" --prompt-len 1024 --new-tokens "${BATCH_NEW:-256}" --check 2 --bandwidth-tbs "$BANDWIDTH_TBS" \
+    ${BATCH_MIXED:+--mixed "$BATCH_MIXED"} ${BATCH_PREFILL_BUDGET:+--prefill-budget "$BATCH_PREFILL_BUDGET"} --json "$OUT/throughput_${CARD}.json" --png "$OUT/throughput_${CARD}.png" 2>&1 \
     | grep -v '^\[baro_jax\]' | tail -8
   local b
   for b in ${BATCH_PROFILE:-1 8 64}; do
     timeout 200 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --batch "$b" --context 1024 \
-      --steps 32 --warmup 32 --top 24 --json "$OUT/decode_profile_batch${b}_h200.json" 2>&1 \
+      --steps 32 --warmup 32 --top 24 --json "$OUT/decode_profile_batch${b}_${CARD}.json" 2>&1 \
       | grep -v '^\[baro_jax\]' | tail -34
   done
   [ "${BATCH_GATE:-1}" = 0 ] || timeout "${BATCH_GATE_TIMEOUT:-400}" python benchmarks/batch_identity.py \
     --model qwen3.5-35b-a3b --n "${BATCH_GATE_N:-64}" --max-len "${BATCH_GATE_MAX_LEN:-9000}" --new-tokens 32 \
     --max-context 9216 --configs "${BATCH_GATE_CONFIGS:-n/4:256,n:1024}" \
-    --json "$OUT/batch_identity_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
+    --json "$OUT/batch_identity_${CARD}.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
 }
 # The many-sequence decode step's kernel knobs (speed only, same bits): decode_profile.py --batch
 # BATCH_KNOBS_B (64) once per setting in BATCH_KNOBS, the step time and the kernels they move.
@@ -426,12 +438,13 @@ stage_batch() {
 #   OUT=dir BATCH_KNOBS_B=64 BATCH_KNOBS=BARO_ROWS16_PERSIST=1 bash benchmarks/run_gpu.sh batch_knobs
 # and the per-call times and SM activity of gate/up and down, off then on (gemm_rows16_persist_kernel):
 #   OUT=dir NCU_ROWS_OPS=moe bash benchmarks/run_gpu.sh ncu_rows; OUT=dir/on BARO_ROWS16_PERSIST=1 NCU_ROWS_OPS=moe bash benchmarks/run_gpu.sh ncu_rows
+# A setting of several knobs joins them with commas: BATCH_KNOBS="BARO_ROW1_ASHARED=1,BARO_ROWS16_PERSIST=1".
 stage_batch_knobs() {
   local n=0 knob
   for knob in "" ${BATCH_KNOBS:-BARO_DELTA_ONE=heads BARO_DELTA_ONE=off}; do
     echo "--- knobs: ${knob:-none}"
-    env $knob timeout 120 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --batch "${BATCH_KNOBS_B:-64}" \
-      --context 1024 --steps 32 --warmup 32 --top 6 --json "$OUT/decode_profile_batch${BATCH_KNOBS_B:-64}_knobs${n}_h200.json" \
+    env ${knob//,/ } timeout 120 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --batch "${BATCH_KNOBS_B:-64}" \
+      --context 1024 --steps 32 --warmup 32 --top 6 --json "$OUT/decode_profile_batch${BATCH_KNOBS_B:-64}_knobs${n}_${CARD}.json" \
       2>&1 | grep -E "median step|traced:|  [0-9. ]+ ms " | head -8
     n=$((n + 1))
   done
@@ -447,41 +460,41 @@ stage_batch_knobs() {
 # leaves room for 2-4 pool slots of 2048 positions, 32 leaves 46. A decode step of many rows copies
 # the misses of the union of their experts (B = 4: ~31 of 256 a layer), or stages the whole layer
 # (1.5 GiB) when the union outgrows the cache (B = 16: ~100): ~1.3 s a step at the host link's
-# ~50 GB/s, so B = 16 is the staging-bound row. $OUT/batch_identity_{resident_ref,tier}_h200.json,
-# $OUT/throughput_tier_h200.json.
+# ~50 GB/s, so B = 16 is the staging-bound row. $OUT/batch_identity_{resident_ref,tier}_${CARD}.json,
+# $OUT/throughput_tier_${CARD}.json.
 stage_batch_tier() {
   local common=(--model qwen3.5-35b-a3b --n "${BATCH_TIER_N:-16}" --max-len "${BATCH_TIER_MAX_LEN:-1100}" --new-tokens 16
                 --max-context 2048 --configs "${BATCH_TIER_CONFIGS:-n/4:256,n:1024}" --replay 2 --replay-max-len 256)
   timeout "${BATCH_GATE_TIMEOUT:-400}" python benchmarks/batch_identity.py "${common[@]}" \
-    --json "$OUT/batch_identity_resident_ref_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -4
+    --json "$OUT/batch_identity_resident_ref_${CARD}.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -4
   (
     export XLA_PYTHON_CLIENT_MEM_FRACTION=${TIER_MEM_FRACTION:-0.17} XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${TIER_HOST_GB:-110}
     local tier=(--mode tier --device-budget-gb "${TIER_BUDGET_GB:-22}" --cache-slots "${BATCH_TIER_CACHE_SLOTS:-32}")
     timeout "${BATCH_TIER_GATE_TIMEOUT:-560}" python benchmarks/batch_identity.py "${common[@]}" "${tier[@]}" \
-      --reference-json "$OUT/batch_identity_resident_ref_h200.json" \
-      --json "$OUT/batch_identity_tier_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -6
+      --reference-json "$OUT/batch_identity_resident_ref_${CARD}.json" \
+      --json "$OUT/batch_identity_tier_${CARD}.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -6
     timeout "${THROUGHPUT_TIMEOUT:-560}" python benchmarks/throughput.py --model qwen3.5-35b-a3b "${tier[@]}" --batches "${BATCH_TIER_SIZES:-1,4,16}" --prompt-len 1024 \
-      --new-tokens "${BATCH_TIER_NEW:-32}" --chunk 1024 --check 2 --json "$OUT/throughput_tier_h200.json" 2>&1 \
+      --new-tokens "${BATCH_TIER_NEW:-32}" --chunk 1024 --check 2 --json "$OUT/throughput_tier_${CARD}.json" 2>&1 \
       | grep -v '^\[baro_jax\]' | tail -5
   )
 }
-# Teacher-forced agreement of the opt-in variants (bar 99%, benchmarks/agreement.py): $OUT/agreement_h200.json,
+# Teacher-forced agreement of the opt-in variants (bar 99%, benchmarks/agreement.py): $OUT/agreement_${CARD}.json,
 # written after every prompt (the 8k prefill speeds first). Env: AGREE_CANDIDATES, AGREE_MAX_LEN (2049), AGREE_LIMIT
 # (0: every prompt; 23 prompts take ~280 s on the H200), AGREE_CHUNK (1024), AGREE_TIMEOUT (560).
 stage_agreement() {
   timeout "${AGREE_TIMEOUT:-560}" python benchmarks/agreement.py --model qwen3.5-35b-a3b \
     --candidate "${AGREE_CANDIDATES:-xla,attn-fast,delta-chunk}" --prompts benchmarks/prompts/identity_gpu.jsonl \
     --max-len "${AGREE_MAX_LEN:-2049}" --limit "${AGREE_LIMIT:-0}" --new-tokens 64 --chunk "${AGREE_CHUNK:-1024}" --max-context "${AGREE_MAX_CONTEXT:-8192}" \
-    --speed-length "${AGREE_SPEED_LEN:-8192}" --json "$OUT/agreement_h200.json" 2>&1 | tee "$OUT/agreement.log" | tail -16
+    --speed-length "${AGREE_SPEED_LEN:-8192}" --json "$OUT/agreement_${CARD}.json" 2>&1 | tee "$OUT/agreement.log" | tail -16
 }
 # The OpenAI-compatible server under load (issue 30): SERVE_CLIENTS concurrent streaming clients per level
 # (1k-token random prompts, SERVE_NEW new tokens, every other request sampled), throughput, TTFT and ITL
-# p50/p99, every response's ids and logprob bytes checked against Engine.generate alone: $OUT/serve_h200.json.
+# p50/p99, every response's ids and logprob bytes checked against Engine.generate alone: $OUT/serve_${CARD}.json.
 stage_serve() {  # needs the server's wheels in .whl (benchmarks/serve_wheels.sh, carried): the machine has none
   install_whl
   timeout "${SERVE_TIMEOUT:-560}" python benchmarks/serve_bench.py --model qwen3.5-35b-a3b \
     --clients "${SERVE_CLIENTS:-1,16,64}" ${SERVE_PREFILL_BUDGET:+--prefill-budget "$SERVE_PREFILL_BUDGET"} --prompt-len "${SERVE_PROMPT_LEN:-1024}" --new-tokens "${SERVE_NEW:-128}" \
-    --json "$OUT/serve_h200.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
+    --json "$OUT/serve_${CARD}.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
 }
 for s in "$@"; do log "$s"; "stage_$s" || log "stage $s FAILED"; done
 log done

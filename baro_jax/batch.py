@@ -1,17 +1,20 @@
 """Many sequences at once: the graphs of a batch step and the loop that runs the scheduler.
 
-Each step is one of two graphs, whose shapes depend on the slot count, the pool's length and
+Each step is one of three graphs, whose shapes depend on the slot count, the pool's length and
 the prefill chunk, never on a prompt's length (no compilation per request):
 - a prefill chunk of one sequence: its slot's state taken out of the pool (its KV pages gathered
   into the contiguous one-sequence cache), the one-sequence forward (model.forward, the same graph
   as a prefill alone) over `chunk` rows, put back (scattered into its pages);
 - a decode step of every slot (model.decode_rows): one row per sequence, idle slots' rows
-  discarded.
-Tier mode runs the same two steps from its Python layer loops (tier_prefill, tier_decode: the
+  discarded;
+- both in one pass (model.mixed_forward), when a round has a chunk to prefill and sequences to
+  decode: the chunk's rows and the decode rows share every GEMM and the MoE, so each weight is read
+  once for both.
+Tier mode runs the first two from its Python layer loops (tier_prefill, tier_decode: the
 slot's state through the staged forward; staging.decode_rows), one decode step per call.
 BatchRun.step() runs one round (admit, a prefill chunk, a decode step or block); sequences may be
 added and cancelled between rounds, which is how a server keeps one pool running.
-Both compute each row exactly as the sequence alone would (the kernels are row-invariant, the
+All compute each row exactly as the sequence alone would (the kernels are row-invariant, the
 conv and delta rows fold into one row of more channels, attention reads each row's own slot),
 so generate_batch gives every sequence the bytes of generate() alone, which equal its replay.
 Logprobs are log_softmax rows of the same logits (an ordered row-wise op).
@@ -61,6 +64,23 @@ def _decode_prefix(params, sub, table, tokens, running, pos, rope, *, cfg, ops, 
     logits, new = M.decode_rows(params, sub, table, tokens, _row_slots(running), pos, rope, cfg=cfg, ops=ops)
     sub = Pool.keep_running(sub, new, running) if guard else new
     return _rows_out(logits, ops=ops, top_n=top_n) + (sub,)
+
+
+def _mixed(params, pool, table, slot, tokens, pos, n_valid, row_tokens, running, row_pos, rope, *, cfg, ops,
+           all_logits: bool, guard: bool, top_n):
+    """_prefill of slot `slot` and _decode of the pool's first k = len(row_tokens) slots in one pass
+    (model.mixed_forward: one read of every weight for both). table is the whole page table (the
+    chunk's slot may lie past k). Returns (the chunk's logits, then _decode's outputs). The chunk's
+    slot runs no decode row (it is not running): its state is the chunk's, put back last."""
+    k = row_tokens.shape[0]
+    st = Pool.slot_state(pool, table, slot)
+    sub = Pool.prefix(pool, k)
+    logits, rows, st, new = M.mixed_forward(params, st, tokens, pos, n_valid, sub, table[:k], row_tokens,
+                                            _row_slots(running), row_pos, rope, cfg=cfg, ops=ops,
+                                            all_logits=all_logits)
+    sub = Pool.keep_running(sub, new, running) if guard else new
+    pool = Pool.put_slot_state(Pool.put_prefix(pool, sub, k), table, slot, st)
+    return (logits,) + _rows_out(rows, ops=ops, top_n=top_n) + (pool,)
 
 
 def _row_slots(running):
@@ -122,6 +142,7 @@ def _decode_block(params, pool, table, tokens, running, pos, left, stops, rope, 
 
 PREFILL = jax.jit(_prefill, static_argnames=("cfg", "ops", "all_logits"), donate_argnums=(1,))
 DECODE = jax.jit(_decode, static_argnames=("cfg", "ops", "guard", "top_n"), donate_argnums=(1,))
+MIXED = jax.jit(_mixed, static_argnames=("cfg", "ops", "all_logits", "guard", "top_n"), donate_argnums=(1,))
 DECODE_BLOCK = jax.jit(_decode_block, static_argnames=("cfg", "ops", "guard", "top_n", "block"), donate_argnums=(1,))
 CLEAR = jax.jit(Pool.clear_slot, donate_argnums=(0,))
 TAKE = jax.jit(Pool.slot_state)  # (pool, table, slot)
@@ -243,7 +264,7 @@ class BatchRun:
     def __init__(self, runner, tokenizer, sequences: list[Sequence], *, slots: int, length: int, chunk: int,
                  logprobs: int | None, keep_states: bool, on_token=None, block: int = 1, stop_width: int | None = None,
                  chain: bool = True, prefill_budget: int | None = None, pages: int | None = None,
-                 page: int = DEFAULT_KV_PAGE):
+                 page: int = DEFAULT_KV_PAGE, mixed: bool = True):
         self.r, self.tok = runner, tokenizer
         # chain: greedy blocks run one ahead while nothing waits for a slot (the next block queued
         # from the last one's outputs before its ids are read), so the device does not idle while
@@ -261,6 +282,10 @@ class BatchRun:
         self.block = 1 if tier else block
         self._prefill_step = tier_prefill(runner) if tier else PREFILL
         self._decode_rows_step = tier_decode(runner) if tier else DECODE
+        # mixed: a round's first prefill chunk and its decode step run as one pass (MIXED), every
+        # weight read once for both; tier mode's layer loops run them apart
+        self.mixed = mixed and not tier
+        self._decoded = False  # this round's decode step ran with its first chunk
         # a page holds whole KV blocks of the attention kernels, which refuse any other size
         page = checks.as_int("page", page)
         if page < 1 or page % KV_BLOCK:
@@ -275,7 +300,9 @@ class BatchRun:
         self._tables: dict = {}  # rows asked -> (the table's version, its first rows on the device)
         # decode_rows: rows the decode steps computed (a step runs the slots up to the highest one
         # decoding, rounded up to a power of two)
-        self.steps = {"prefill": 0, "decode": 0, "decode_calls": 0, "chained_calls": 0, "decode_rows": 0}
+        # mixed: rounds whose first chunk and decode step ran as one pass (each also counted as a
+        # prefill and a decode step)
+        self.steps = {"prefill": 0, "decode": 0, "decode_calls": 0, "chained_calls": 0, "decode_rows": 0, "mixed": 0}
         self.t0 = time.perf_counter()
         self.stop_width = max([1] + [len(_device_stops(s)) for s in sequences]) if stop_width is None else stop_width
         # host-side stops (a callback, stop strings) end a sequence after the device has run on:
@@ -335,15 +362,25 @@ class BatchRun:
         for seq in self.sched.admit():
             self.pool = CLEAR(self.pool, jnp.int32(seq.slot), jnp.asarray(self.blocks.table[seq.slot]))
         spent = 0
+        self._decoded = False
         while spent < self.prefill_budget:
             seq = self.sched.next_prefill()
             if seq is None:
                 break
-            self._prefill_chunk(seq)
+            decoding = self.sched.decoding() if self.mixed and not spent else []
+            if decoding:  # the round's decode step rides with its first chunk
+                self._mixed_step(seq, decoding)
+                self._decoded = True
+            else:
+                self._prefill_chunk(seq)
             spent += self.chunk
 
     def decode_half(self):
-        """A round's second half: one decode step of every running sequence, or a block of them."""
+        """A round's second half: one decode step of every running sequence, or a block of them
+        (nothing when the step ran with the round's first chunk)."""
+        if self._decoded:
+            self._decoded = False
+            return
         decoding = self.sched.decoding()
         if decoding:
             k = self._block_length(decoding)
@@ -408,15 +445,38 @@ class BatchRun:
         return self.keep_states or len(decoding) < len(self.sched.running)
 
     # --- the two kinds of step ---------------------------------------------------------
-    def _prefill_chunk(self, seq: Sequence):
+    def _chunk_inputs(self, seq: Sequence):
+        """The next prefill chunk of seq: (its start, its tokens, the chunk's rows padded)."""
         p = seq.prefilled
         part = seq.prompt_ids[p:p + self.chunk]
         toks = np.zeros((self.chunk,), np.int32)
         toks[:len(part)] = part
-        all_logits = seq.want_prompt_logprobs
+        return p, part, toks
+
+    def _prefill_chunk(self, seq: Sequence):
+        p, part, toks = self._chunk_inputs(seq)
         logits, self.pool = self._prefill_step(self.r.params, self.pool, self.table(), jnp.int32(seq.slot),
                                                jnp.asarray(toks), jnp.int32(p), jnp.int32(len(part)), self.r.rope,
-                                               cfg=self.cfg, ops=self.ops, all_logits=all_logits)
+                                               cfg=self.cfg, ops=self.ops, all_logits=seq.want_prompt_logprobs)
+        self._chunk_done(seq, p, part, logits)
+
+    def _mixed_step(self, seq: Sequence, decoding):
+        """seq's next prefill chunk and one decode step of `decoding` in one device call (MIXED)."""
+        p, part, toks = self._chunk_inputs(seq)
+        P = self._rows(decoding)
+        rtoks, running, pos, _, _ = self._inputs(decoding, P)
+        logits, *outs, self.pool = MIXED(
+            self.r.params, self.pool, self.table(), jnp.int32(seq.slot), jnp.asarray(toks), jnp.int32(p),
+            jnp.int32(len(part)), jnp.asarray(rtoks), jnp.asarray(running), jnp.asarray(pos), self.r.rope,
+            cfg=self.cfg, ops=self.ops, all_logits=seq.want_prompt_logprobs, guard=self._guard(decoding),
+            top_n=self.top_n)
+        self.steps["mixed"] += 1
+        self._chunk_done(seq, p, part, logits)
+        self._step_done(decoding, P, *outs)
+
+    def _chunk_done(self, seq: Sequence, p: int, part, logits):
+        """After a prefill chunk: prompt logprobs, and the first token when the prompt is done."""
+        all_logits = seq.want_prompt_logprobs
         self.steps["prefill"] += 1
         seq.prefilled += len(part)
         if all_logits:
@@ -445,10 +505,14 @@ class BatchRun:
         """One decode step: greedy ids from the device, sampled ones chosen here."""
         P = self._rows(decoding)
         toks, running, pos, _, _ = self._inputs(decoding, P)
-        logits, lp_rows, ids, lp, top, vals, self.pool = self._decode_rows_step(
+        *outs, self.pool = self._decode_rows_step(
             self.r.params, self.pool, self.table(P), jnp.asarray(toks), jnp.asarray(running), jnp.asarray(pos),
             self.r.rope,
             cfg=self.cfg, ops=self.ops, guard=self._guard(decoding), top_n=self.top_n)
+        self._step_done(decoding, P, *outs)
+
+    def _step_done(self, decoding, P: int, logits, lp_rows, ids, lp, top, vals):
+        """After a decode step of P rows: each sequence's token (sampled ones drawn here), recorded."""
         self.steps["decode"] += 1
         self.steps["decode_rows"] += P
         self.steps["decode_calls"] += 1

@@ -56,20 +56,35 @@ def blocked_delta_state(cfg: Config):
 
 def attention_block(h, p, st, cfg, ops, cos, sin, pos, n_valid):
     qkv = ops.matmul(h, p["qkv"])
+    o, st = attention_core(qkv, p, st, cfg, ops, cos, sin, pos, n_valid)
+    return ops.matmul(o, p["o"]), st
+
+
+def attention_core(qkv, p, st, cfg, ops, cos, sin, pos, n_valid):
     o, k, v = ops.attention(qkv, p["q_norm"], p["k_norm"], cos, sin, st["k"], st["v"], pos, n_valid,
                             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_eps)
-    return ops.matmul(o, p["o"]), {"k": k, "v": v}
+    return o, {"k": k, "v": v}
+
+
+def gdn_columns(cfg):
+    """Where z, b and a start in the GDN's projection [mixed (C) | z (nv*dv) | b (nv) | a (nv)]."""
+    C, nv = cfg.conv_dim, cfg.lin_v_heads
+    return C, C + nv * cfg.lin_v_dim, C + nv * cfg.lin_v_dim + nv
 
 
 def gdn_block(h, p, st, cfg, ops, pos, n_valid):
-    C = cfg.conv_dim
-    nvdv = cfg.lin_v_heads * cfg.lin_v_dim
-    nv = cfg.lin_v_heads
-    # proj = [mixed (C) | z (nv*dv) | b (nv) | a (nv)]. Every op reads its columns in place (conv
-    # the first C, rounded to the state's dtype; the others from a column offset), since a slice
-    # handed to a custom call is a copy.
+    # Every op reads its columns of the projection in place (conv the first C, rounded to the
+    # state's dtype; the others from a column offset), since a slice handed to a custom call is a copy.
     proj = ops.matmul(h, p["in_proj"])
-    z_col, b_col, a_col = C, C + nvdv, C + nvdv + nv
+    o, st = gdn_core(proj, p, st, cfg, ops, pos, n_valid)
+    g = ops.gated_norm(o, proj, p["norm"], cfg.rms_eps, h.dtype, z_col=gdn_columns(cfg)[0])
+    return ops.matmul(g, p["out"]), st
+
+
+def gdn_core(proj, p, st, cfg, ops, pos, n_valid):
+    """The GDN between its projections: the causal conv and the delta rule, (o, new state)."""
+    nv = cfg.lin_v_heads
+    _, b_col, a_col = gdn_columns(cfg)
     y, window = ops.conv(proj, p["conv"], st["conv"], n_valid)
     if cfg.delta_rule == "blocked":
         b, a = proj[:, b_col:b_col + nv], proj[:, a_col:]
@@ -81,8 +96,7 @@ def gdn_block(h, p, st, cfg, ops, pos, n_valid):
         o, ssm = ops.delta(y, proj, proj, p["A_log"], p["dt_bias"], st["ssm"], n_valid,
                            nk=cfg.lin_k_heads, dk=cfg.lin_k_dim, b_col=b_col, a_col=a_col)
         new = {"conv": window, "ssm": ssm}
-    g = ops.gated_norm(o, proj, p["norm"], cfg.rms_eps, h.dtype, z_col=z_col)
-    return ops.matmul(g, p["out"]), new
+    return o, new
 
 
 def layer_mixer(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid):
@@ -181,24 +195,32 @@ def forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, all_
 
 def gdn_rows(h, p, pool, cfg, ops):
     """gdn_block for one decode row per slot: h [P, D]; pool {"conv": [K-1, P, C], "ssm": [P, nv, dk, dv]}."""
-    P = h.shape[0]
-    C, nv = cfg.conv_dim, cfg.lin_v_heads
-    nvdv = nv * cfg.lin_v_dim
     proj = ops.matmul(h, p["in_proj"])
-    z_col, b_col, a_col = C, C + nvdv, C + nvdv + nv
+    o, pool = gdn_rows_core(proj, p, pool, cfg, ops)
+    g = ops.gated_norm(o, proj, p["norm"], cfg.rms_eps, h.dtype, z_col=gdn_columns(cfg)[0])
+    return ops.matmul(g, p["out"]), pool
+
+
+def gdn_rows_core(proj, p, pool, cfg, ops):
+    P, C, nv = proj.shape[0], cfg.conv_dim, cfg.lin_v_heads
+    _, b_col, a_col = gdn_columns(cfg)
     K1 = pool["conv"].shape[0]
     y, window = ops.conv(proj, p["conv"], pool["conv"].reshape(K1, P * C), jnp.int32(1), rows=True)
     o, ssm = ops.delta(y, proj, proj, p["A_log"], p["dt_bias"], pool["ssm"].reshape((P * nv,) + pool["ssm"].shape[2:]),
                        jnp.int32(1), nk=cfg.lin_k_heads, dk=cfg.lin_k_dim, b_col=b_col, a_col=a_col, rows=True)
-    g = ops.gated_norm(o, proj, p["norm"], cfg.rms_eps, h.dtype, z_col=z_col)
-    return ops.matmul(g, p["out"]), {"conv": window.reshape(K1, P, C), "ssm": ssm.reshape(pool["ssm"].shape)}
+    return o, {"conv": window.reshape(K1, P, C), "ssm": ssm.reshape(pool["ssm"].shape)}
 
 
 def attention_rows(h, p, pool, table, cfg, ops, cos, sin, slots, pos):
     qkv = ops.matmul(h, p["qkv"])
+    o, pool = attention_rows_core(qkv, p, pool, table, cfg, ops, cos, sin, slots, pos)
+    return ops.matmul(o, p["o"]), pool
+
+
+def attention_rows_core(qkv, p, pool, table, cfg, ops, cos, sin, slots, pos):
     o, k, v = ops.attention_rows(qkv, p["q_norm"], p["k_norm"], cos, sin, pool["k"], pool["v"], table, slots, pos,
                                  num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, eps=cfg.rms_eps)
-    return ops.matmul(o, p["o"]), {"k": k, "v": v}
+    return o, {"k": k, "v": v}
 
 
 def rows_prologue(params, tokens, pos, rope):
@@ -237,3 +259,48 @@ def decode_rows(params, pool, table, tokens, slots, pos, rope, *, cfg: Config, o
         x, h = layer_moe(x, h2, lp["moe"], nn, cfg, ops)
         new_pool.append(st)
     return rows_head(params, h, ops), tuple(new_pool)
+
+
+# --- a prefill chunk and the decode rows in one pass ----------------------------------------------
+# Under mixed load a round runs a prefill chunk of one sequence and a decode step of the others.
+# As two passes every weight is read twice; here the chunk's rows and the decode rows go through
+# each GEMM, norm and the MoE together (those ops are row-invariant, so every row keeps the bits
+# of its own pass) and only the mixers run apart: the chunk's on its one-sequence state, the
+# rows' on the pool.
+
+def mixed_forward(params, state, tokens, pos, n_valid, pool, table, row_tokens, slots, row_pos, rope, *,
+                  cfg: Config, ops, all_logits: bool = False):
+    """forward(params, state, tokens, pos, n_valid) and decode_rows(params, pool, table,
+    row_tokens, slots, row_pos) in one pass. Returns (the chunk's logits as forward's, the rows'
+    logits [P, V], the chunk's new state, the new pool)."""
+    C = tokens.shape[0]
+    x1, cos, sin = prologue(params, tokens, pos, rope)
+    x2, rcos, rsin = rows_prologue(params, row_tokens, row_pos, rope)
+    x = jnp.concatenate([x1, x2])
+    h = first_norm(params["layers"][0], x, cfg, ops)
+    new_state, new_pool = [], []
+    for lp, st, sub, kind, nn in zip(params["layers"], state, pool, cfg.layer_types, next_norms(params)):
+        if kind == FULL:
+            p = lp["attn"]
+            qkv = ops.matmul(h, p["qkv"])
+            o1, st = attention_core(qkv[:C], p, st, cfg, ops, cos, sin, pos, n_valid)
+            o2, sub = attention_rows_core(qkv[C:], p, sub, table, cfg, ops, rcos, rsin, slots, row_pos)
+            y = ops.matmul(jnp.concatenate([o1, o2]), p["o"])
+        else:
+            p = lp["gdn"]
+            proj = ops.matmul(h, p["in_proj"])
+            o1, st = gdn_core(proj[:C], p, st, cfg, ops, pos, n_valid)
+            o2, sub = gdn_rows_core(proj[C:], p, sub, cfg, ops)
+            g = ops.gated_norm(jnp.concatenate([o1, o2]), proj, p["norm"], cfg.rms_eps, h.dtype,
+                               z_col=gdn_columns(cfg)[0])
+            y = ops.matmul(g, p["out"])
+        x, h2 = ops.add_rmsnorm(x, y, lp["post_norm"], cfg.rms_eps, lp["moe"]["router"].dtype)
+        x, h = layer_moe(x, h2, lp["moe"], nn, cfg, ops)
+        new_state.append(st)
+        new_pool.append(sub)
+    if all_logits:
+        logits = rows_head(params, h, ops)
+        return logits[:C], logits[C:], tuple(new_state), tuple(new_pool)
+    last = jax.lax.dynamic_slice_in_dim(h, n_valid - 1, 1, axis=0)
+    logits = rows_head(params, jnp.concatenate([last, h[C:]]), ops)
+    return logits[0], logits[1:], tuple(new_state), tuple(new_pool)

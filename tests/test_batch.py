@@ -235,9 +235,10 @@ def test_no_compilation_per_request(eng):
     eng.generate_batch(PROMPTS[:3], 4, max_batch=2, chunk=16)
     eng.generate_batch(["a", "bb" * 30, "def g(x):\n    return x", "q"], [3, 7, 2, 5], max_batch=2, chunk=16)
     eng.generate_batch(["a", "bb" * 30, "q"], [9, 2, 1], max_batch=2, chunk=16)  # slot 0 alone: 1 row
-    sizes = (B.DECODE._cache_size(), B.DECODE_BLOCK._cache_size(), B.PREFILL._cache_size())
+    graphs = (B.DECODE, B.DECODE_BLOCK, B.PREFILL, B.MIXED)
+    sizes = [g._cache_size() for g in graphs]
     eng.generate_batch(["import sys", "z" * 41, "for k in d:", "yy"], [6, 2, 9, 4], max_batch=2, chunk=16)
-    assert (B.DECODE._cache_size(), B.DECODE_BLOCK._cache_size(), B.PREFILL._cache_size()) == sizes
+    assert [g._cache_size() for g in graphs] == sizes
 
 
 @pytest.mark.parametrize("kw,msg", [

@@ -63,14 +63,19 @@ def test_scarce_pages_make_sequences_wait_with_their_bytes_alone(eng):
 def test_scarce_pages_compile_nothing_per_request(eng):
     """The step graphs depend on the slots, the decode rows' bucket, the pool's length and page
     count and the chunk: once each bucket has run (1, 2 and 4 rows, a whole and a shorter block,
-    a step beside a pending prefill), a pool of other prompts with the same sizes compiles nothing."""
+    a step in one pass with a prefill chunk, a step alone), a pool of other prompts with the same
+    sizes compiles nothing."""
     _run(eng, _seqs(eng, PROMPTS[:4], NEW[:4]), pages=3)
     block = eng.runner.decode_block
     for n in (1, 2, 3, 4):  # n one-token prompts at once: steps of up to n rows, then blocks of them
         _run(eng, _seqs(eng, ["x"] * n, [block + 2] * n), pages=3)
     # the fourth waits for the first's page, then prefills in slot 0 beside slot 2's steps: 4 rows
     _run(eng, _seqs(eng, ["x"] * 4, [1] + [block + 2] * 3), pages=3)
-    graphs = (B.PREFILL, B.DECODE, B.DECODE_BLOCK, B.CLEAR, B.TAKE)
+    sampled = _seqs(eng, ["x"] * 3, [4] * 3)  # sampled rows decode one step a call: steps alone of 4, 2, 1 rows
+    for s in sampled:
+        s.sampling = baro_jax.Sampling(temperature=0.8, seed=s.index)
+    _run(eng, sampled, pages=3)
+    graphs = (B.PREFILL, B.DECODE, B.DECODE_BLOCK, B.MIXED, B.CLEAR, B.TAKE)
     sizes = [g._cache_size() for g in graphs]
     _run(eng, _seqs(eng, ["import sys", "z" * 41, "for k in d:\n    pass", "yy", PROMPTS[5]], [6, 2, 9, 4, 3]),
          pages=3)

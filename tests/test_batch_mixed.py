@@ -1,0 +1,120 @@
+"""A round's prefill chunk and decode step in one pass (model.mixed_forward, batch.MIXED): the
+chunk's rows and the decode rows share every GEMM, norm and the MoE, so each row must keep the
+bytes of its own pass. Checked at the model (random states, every output against forward and
+decode_rows run apart) and in the pool (every sequence against its run alone, mixed rounds on
+and off)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import baro_jax
+from baro_jax import batch as B
+from baro_jax import model as M
+from baro_jax import pool as Pool
+from baro_jax.config import FULL
+from baro_jax.scheduler import Sequence
+
+from batch_util import same
+from test_batch import NEW, PROMPTS
+
+PAGE = 64
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return baro_jax.load("tiny", backend="ordered", progress=False)
+
+
+def _random_like(tree, rng):
+    return jax.tree_util.tree_map(lambda a: jnp.asarray(rng.standard_normal(a.shape).astype(np.float32) * 0.5,
+                                                        a.dtype), tree)
+
+
+def _same_bytes(a, b):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    return len(la) == len(lb) and all(np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("rows,chunk,n_valid,all_logits", [(1, 16, 16, False), (2, 16, 5, False),
+                                                            (4, 7, 7, True), (3, 32, 19, False)])
+def test_mixed_forward_is_forward_and_decode_rows_apart(eng, rows, chunk, n_valid, all_logits):
+    """Fresh random states (a one-sequence state at position 40, a pool of `rows` slots with KV
+    pages in shuffled order, one idle row), random tokens: mixed_forward's chunk logits, row logits,
+    state and pool equal forward's and decode_rows' run apart, byte for byte."""
+    cfg, params, rope = eng.cfg, eng.runner.params, eng.runner.rope
+    ops = B.pooled_ops(eng.runner.ops)
+    rng = np.random.default_rng(rows * 100 + chunk)
+    S = 4 * PAGE
+    state = _random_like(M.init_state(cfg, eng.runner.dtype, S), rng)
+    pool = _random_like(Pool.init_pool(cfg, eng.runner.dtype, rows, rows * 4, PAGE), rng)
+    table = jnp.asarray(rng.permutation(rows * 4).reshape(rows, 4).astype(np.int32))
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, chunk).astype(np.int32))
+    row_tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, rows).astype(np.int32))
+    row_pos = jnp.asarray(rng.integers(1, S - 1, rows).astype(np.int32))
+    slots = jnp.where(jnp.arange(rows) == rows - 1, -1, jnp.arange(rows)).astype(jnp.int32) if rows > 1 \
+        else jnp.zeros((1,), jnp.int32)
+    pos, nv = jnp.int32(40), jnp.int32(n_valid)
+
+    one = jax.jit(lambda st: M.forward(params, st, tokens, pos, nv, rope, cfg=cfg, ops=ops, all_logits=all_logits))
+    many = jax.jit(lambda pl: M.decode_rows(params, pl, table, row_tokens, slots, row_pos, rope, cfg=cfg, ops=ops))
+    both = jax.jit(lambda st, pl: M.mixed_forward(params, st, tokens, pos, nv, pl, table, row_tokens, slots, row_pos,
+                                                  rope, cfg=cfg, ops=ops, all_logits=all_logits))
+    logits, st1 = one(state)
+    rlogits, pool1 = many(pool)
+    m_logits, m_rlogits, m_st, m_pool = both(state, pool)
+    assert m_logits.shape == logits.shape and m_rlogits.shape == rlogits.shape
+    assert np.asarray(m_logits).tobytes() == np.asarray(logits).tobytes(), "the chunk's logits differ"
+    assert np.asarray(m_rlogits).tobytes() == np.asarray(rlogits).tobytes(), "the decode rows' logits differ"
+    assert _same_bytes(m_st, st1), "the chunk's state differs"
+    assert _same_bytes(m_pool, pool1), "the pool differs"
+    assert any(t == FULL for t in cfg.layer_types) and any(t != FULL for t in cfg.layer_types)
+
+
+def _run(eng, mixed: bool, *, sampled=(), prompt_logprobs=False):
+    """A pool of 3 slots, the prompts arriving as slots free up (chunks of 8 rows beside decoding
+    sequences), rounds until done."""
+    seqs = []
+    for i, (p, n) in enumerate(zip(PROMPTS, NEW)):
+        s = baro_jax.Sampling(temperature=0.9, top_k=20, seed=7 + i) if i in sampled else baro_jax.Sampling()
+        seqs.append(Sequence(index=i, prompt_ids=eng.encode(p), max_new_tokens=n, sampling=s, eos_ids=eng.eos_ids,
+                             want_prompt_logprobs=prompt_logprobs))
+    run = B.BatchRun(eng.runner, eng.tokenizer, seqs, slots=3, length=256, chunk=8, logprobs=2, keep_states=True,
+                     block=eng.runner.decode_block, mixed=mixed)
+    done = run.run()
+    return done, run.steps
+
+
+def _result(seq):
+    return baro_jax.GenerateResult(prompt_ids=seq.prompt_ids, generated_ids=seq.generated, text="",
+                                   prefill_seconds=0.0, prefill_tokens_per_s=0.0, decode_tokens_per_s=0.0,
+                                   model="", backend="", prefill_mode="batch", chunk=8, mode="", variant="",
+                                   state=seq.state, logprobs=seq.logprobs, top_logprobs=seq.top_logprobs,
+                                   prompt_logprobs=seq.prompt_logprobs, finish_reason=seq.finish_reason)
+
+
+@pytest.mark.parametrize("sampled,prompt_logprobs", [((), False), ((1, 4, 5), True)])
+def test_mixed_rounds_give_every_sequence_its_bytes_alone(eng, sampled, prompt_logprobs):
+    """Rounds that prefill a chunk beside decoding sequences run it in one pass with their decode
+    step (steps['mixed'] > 0; none with mixed off), and every sequence (greedy and sampled, with
+    prompt logprobs) still gets generate()'s bytes alone: tokens, logprobs, top logprobs, prompt
+    logprobs, final state."""
+    on, steps_on = _run(eng, True, sampled=sampled, prompt_logprobs=prompt_logprobs)
+    off, steps_off = _run(eng, False, sampled=sampled, prompt_logprobs=prompt_logprobs)
+    assert steps_on["mixed"] > 0 and steps_off["mixed"] == 0, (steps_on, steps_off)
+    assert steps_on["prefill"] == steps_off["prefill"]
+    for i, (a_on, a_off) in enumerate(zip(on, off)):
+        s = baro_jax.Sampling(temperature=0.9, top_k=20, seed=7 + i) if i in sampled else baro_jax.Sampling()
+        alone = eng.generate(PROMPTS[i], NEW[i], logprobs=2, keep_state=True, sampling=s,
+                             prompt_logprobs=prompt_logprobs)
+        for got in (a_on, a_off):
+            r = _result(got)
+            assert same(eng.cfg, alone, r) is None, (i, same(eng.cfg, alone, r))
+            if prompt_logprobs:
+                assert _lp_bytes(alone.prompt_logprobs) == _lp_bytes(r.prompt_logprobs), i
+
+
+def _lp_bytes(lps):
+    """Prompt logprobs as bytes (the first token has none)."""
+    assert lps is not None and len(lps) > 0
+    return [None if x is None else np.asarray(x).tobytes() for x in lps]

@@ -264,7 +264,7 @@ class BatchRun:
     def __init__(self, runner, tokenizer, sequences: list[Sequence], *, slots: int, length: int, chunk: int,
                  logprobs: int | None, keep_states: bool, on_token=None, block: int = 1, stop_width: int | None = None,
                  chain: bool = True, prefill_budget: int | None = None, pages: int | None = None,
-                 page: int = DEFAULT_KV_PAGE, mixed: bool = True):
+                 page: int = DEFAULT_KV_PAGE, mixed: bool | None = None):
         self.r, self.tok = runner, tokenizer
         # chain: greedy blocks run one ahead while nothing waits for a slot (the next block queued
         # from the last one's outputs before its ids are read), so the device does not idle while
@@ -283,8 +283,9 @@ class BatchRun:
         self._prefill_step = tier_prefill(runner) if tier else PREFILL
         self._decode_rows_step = tier_decode(runner) if tier else DECODE
         # mixed: a round's first prefill chunk and its decode step run as one pass (MIXED), every
-        # weight read once for both; tier mode's layer loops run them apart
-        self.mixed = mixed and not tier
+        # weight read once for both (None: the runner's settings.mixed_rounds); tier mode's layer
+        # loops run them apart
+        self._mixed = None if mixed is None else bool(mixed)
         self._decoded = False  # this round's decode step ran with its first chunk
         # a page holds whole KV blocks of the attention kernels, which refuse any other size
         page = checks.as_int("page", page)
@@ -374,6 +375,14 @@ class BatchRun:
             else:
                 self._prefill_chunk(seq)
             spent += self.chunk
+
+    @property
+    def mixed(self) -> bool:
+        """Whether a round's first chunk and its decode step run as one pass (read every round, so
+        that Engine.tune(mixed_rounds=...) reaches a running pool)."""
+        if self.r.placement == "tier":
+            return False
+        return self.r.settings.mixed_rounds if self._mixed is None else self._mixed
 
     def decode_half(self):
         """A round's second half: one decode step of every running sequence, or a block of them

@@ -199,6 +199,9 @@ SPECS: tuple[Spec, ...] = (
          "load a checkpoint even when some weights hold NaN or Inf"),
     Spec("decode_block", None, "BARO_DECODE_BLOCK", parse_int(lo=1, hi=MAX_DECODE_BLOCK),
          "greedy decode steps per device call (1: one call per token); never changes the bits"),
+    Spec("mixed_rounds", None, "BARO_MIXED_ROUNDS", parse_bool,
+         "many sequences: a round's first prefill chunk and its decode step in one pass, each weight read once "
+         "for both (resident and expert parallel); never changes the bits"),
     Spec("tier_decode", None, "BARO_TIER_DECODE", parse_choice(TIER_DECODE_PATHS),
          "tier decode: cache (routing to the host, LRU copies, then the MoE), direct (one graph per block, "
          "misses read from the host store by the MoE kernel), auto (direct where the kernels can, else cache)"),
@@ -250,6 +253,7 @@ class Settings:
     cache_slots: int | None = None
     allow_nonfinite: bool = False
     decode_block: int = DEFAULT_DECODE_BLOCK
+    mixed_rounds: bool = True
     tier_decode: str = "auto"
     tier_fetch: str = "xla"
     tier_adapt: bool = True

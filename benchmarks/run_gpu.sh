@@ -415,7 +415,7 @@ stage_vs_peer() {
 stage_batch() {
   timeout "${THROUGHPUT_TIMEOUT:-300}" python benchmarks/throughput.py --model qwen3.5-35b-a3b \
     --batches "${BATCH_SIZES:-1,8,32,64}" --prompt-len 1024 --new-tokens "${BATCH_NEW:-256}" --check 2 --bandwidth-tbs "$BANDWIDTH_TBS" \
-    ${BATCH_MIXED:+--mixed "$BATCH_MIXED"} ${BATCH_PREFILL_BUDGET:+--prefill-budget "$BATCH_PREFILL_BUDGET"} --json "$OUT/throughput_${CARD}.json" --png "$OUT/throughput_${CARD}.png" 2>&1 \
+    ${BATCH_MIXED:+--mixed "$BATCH_MIXED" --mixed-rounds "${BATCH_MIXED_ROUNDS:-on,off}"} ${BATCH_PREFILL_BUDGET:+--prefill-budget "$BATCH_PREFILL_BUDGET"} --json "$OUT/throughput_${CARD}.json" --png "$OUT/throughput_${CARD}.png" 2>&1 \
     | grep -v '^\[baro_jax\]' | tail -8
   local b
   for b in ${BATCH_PROFILE:-1 8 64}; do

@@ -70,9 +70,10 @@ def decode_bound(eng, B: int, context: int, bandwidth_tbs: float) -> dict:
             "step_ms": step / (bandwidth_tbs * 1e12) * 1e3, "tokens_per_s": B * bandwidth_tbs * 1e12 / step}
 
 
-def mixed_row(eng, args, B: int, rng) -> dict:
+def mixed_row(eng, args, B: int, rng):
     """B sequences of --prompt-len tokens and N of LEN behind them in one generate_batch call of
-    B + N slots: the long prompts prefill a chunk per step while the short ones decode."""
+    B + N slots: the long prompts prefill a chunk per step while the short ones decode. Returns
+    (the results, the row)."""
     n, length = args.mixed
     prompts = [[int(t) for t in rng.integers(0, eng.cfg.vocab_size, args.prompt_len)] for _ in range(B)]
     prompts += [[int(t) for t in rng.integers(0, eng.cfg.vocab_size, length)] for _ in range(n)]
@@ -92,7 +93,7 @@ def mixed_row(eng, args, B: int, rng) -> dict:
     # the gaps' p50 says little of the pace: each sequence's mean time per token beside them
     pace = np.array([(v[-1] - v[0]) / (len(v) - 1) for v in times.values() if len(v) > 1]) * 1e3
     gen = sum(len(r.generated_ids) for r in res)
-    return {"decoding": B, "arriving": n, "arriving_len": length, "generated_tokens": gen, "wall_seconds": wall,
+    return res, {"decoding": B, "arriving": n, "arriving_len": length, "generated_tokens": gen, "wall_seconds": wall,
             "aggregate_tokens_per_s": gen / wall,
             "gap_ms_p50": float(np.percentile(gaps, 50)), "gap_ms_p99": float(np.percentile(gaps, 99)),
             "decoding_gap_ms_p50": float(np.percentile(short, 50)),
@@ -143,6 +144,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mixed", default=None, metavar="N:LEN",
                     help="a mixed-load row: N prompts of LEN tokens arriving behind the largest batch")
+    ap.add_argument("--mixed-rounds", default="on", choices=("on", "off", "on,off", "off,on"),
+                    help="the mixed row with a round's prefill chunk and decode step in one pass (on), apart "
+                         "(off), or both arms on the same prompts (their outputs compared)")
     ap.add_argument("--bandwidth-tbs", type=float, default=H200_COPY_TBS,
                     help=f"the memory rate the byte bound divides by (default {H200_COPY_TBS}: an H200's copy rate)")
     ap.add_argument("--json", default=None)
@@ -204,17 +208,29 @@ def main(argv=None) -> int:
                  f"{ec.get('staged_layers', 0)} layers staged whole")
         print(f"[throughput] B={B:3d}: {row['aggregate_tokens_per_s']:8.1f} tok/s whole call, decode "
               f"{row['decode_tokens_per_s'] or 0:8.1f} tok/s ({where}), equal alone {checks}", flush=True)
-    mixed = None
-    if args.mixed:
-        mixed = mixed_row(eng, args, max(batches), rng)
-        print(f"[throughput] mixed: {mixed['arriving']} x {mixed['arriving_len']} tokens arriving while "
-              f"{mixed['decoding']} decode: {mixed['aggregate_tokens_per_s']:.1f} tok/s, time between the decoding "
-              f"sequences' tokens p50 {mixed['decoding_gap_ms_p50']:.2f} ms p99 {mixed['decoding_gap_ms_p99']:.2f} ms, "
-              f"mean per token p50 {mixed['ms_per_token_p50']:.2f} ms p99 {mixed['ms_per_token_p99']:.2f} ms", flush=True)
+    mixed, arms, outputs = None, {}, []
+    for arm in (args.mixed_rounds.split(",") if args.mixed else []):
+        # the same prompts for every arm; mixed_rounds never changes a bit, so the arms' outputs must match
+        eng.tune(mixed_rounds=arm == "on")
+        res, row = mixed_row(eng, args, max(batches), np.random.default_rng(args.seed + 1))
+        row["mixed_rounds"] = arm
+        outputs.append([(r.generated_ids, [x.tobytes() for x in r.logprobs]) for r in res])
+        arms[arm] = row
+        mixed = mixed or row
+        print(f"[throughput] mixed (rounds in one pass: {arm}): {row['arriving']} x {row['arriving_len']} tokens "
+              f"arriving while {row['decoding']} decode: {row['aggregate_tokens_per_s']:.1f} tok/s, time between "
+              f"the decoding sequences' tokens p50 {row['decoding_gap_ms_p50']:.2f} ms p99 "
+              f"{row['decoding_gap_ms_p99']:.2f} ms, mean per token p50 {row['ms_per_token_p50']:.2f} ms p99 "
+              f"{row['ms_per_token_p99']:.2f} ms, {row['steps']['mixed']} rounds in one pass", flush=True)
+    if len(outputs) > 1:
+        same_arms = all(o == outputs[0] for o in outputs[1:])
+        print(f"[throughput] mixed arms give the same ids and logprob bytes: {same_arms}", flush=True)
+        ok &= same_arms
+        mixed["arms_equal"] = same_arms
     out = {"summary": {"model": args.model, "mode": args.mode, "device_budget_gb": args.device_budget_gb,
                        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                        "bandwidth_tbs": args.bandwidth_tbs, "pass": ok, **provenance()}, "rows": rows,
-           "mixed": mixed}
+           "mixed": mixed, "mixed_arms": arms or None}
     if args.json:
         write_json(args.json, out)
     if args.png:

@@ -85,6 +85,15 @@ def moe_combine(h, y, w, shared_gate_up, shared_down, shared_gate):
     return cc.moe_combine(h, y, w, shared_gate_up, shared_down, shared_gate)
 
 
+def moe_host_unmet(cfg) -> list:
+    """Why moe_host cannot read cfg's experts from the host store on the default device ([]: it
+    can; the CPU kernel reads any shape, a GPU's only its one-token path's)."""
+    if cc.gpu_platform() is None:
+        return []
+    from custom_calls.moe import host_gpu_unmet
+    return host_gpu_unmet(cfg.hidden_size, cfg.num_experts, cfg.moe_inter, cfg.shared_inter, cfg.top_k)
+
+
 def gpu_platform():
     """The default device's GPU platform as the kernels name it ("CUDA", "ROCM"), or None on CPU."""
     return cc.gpu_platform()

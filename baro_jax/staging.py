@@ -486,19 +486,24 @@ def decode_rows(params, pool, page_table, tokens, slots, running, pos, rope, *, 
 
 
 # --- direct tier decode: misses read from the host store inside the MoE call ------------------
-def pick_decode_path(path: str, ops) -> str:
+def pick_decode_path(path: str, ops, cfg=None) -> str:
     """The tier decode path (settings.tier_decode): "cache" (per layer the ids to the host, LRU
     copies, then the MoE), "direct" (one graph per token block; an expert with no pool slot is
     read from the host store by the MoE kernels themselves) or "auto": direct where the ops can
-    read the host store (the ordered kernels) and the device is not ROCm (whose MoE cannot yet),
-    else the cache. Direct is the faster wherever it runs: on the H200 its graphs run a token in
+    read the host store (the ordered kernels) and the device is not ROCm (whose MoE cannot yet)
+    and the GPU's kernel takes cfg's MoE shapes (a shared expert as wide as a routed one, ...),
+    else the cache. "direct" asked where it cannot run is refused, naming why. Direct is the faster wherever it runs: on the H200 its graphs run a token in
     37 ms against the cache path's ~80 (benchmarks/results/decode_profile_tier_direct_h200.json,
     decode_profile_tier_cache_h200.json); both give resident decode's bytes."""
     if path not in TIER_DECODE_PATHS:
         raise ValueError(f"tier decode path must be one of {', '.join(TIER_DECODE_PATHS)}, got {path!r}")
+    unmet = ops.moe_host_unmet(cfg) if cfg is not None and hasattr(ops, "moe_host_unmet") else []
+    if path == "direct" and unmet:
+        raise ValueError("tier_decode direct (BARO_TIER_DECODE=direct): this device's MoE cannot read this model's "
+                         "experts from the host store: " + "; ".join(unmet) + " (use tier_decode cache or auto)")
     if path != "auto":
         return path
-    if not has_host_ops(ops):
+    if not has_host_ops(ops) or unmet:
         return "cache"
     return "cache" if ops.gpu_platform() == "ROCM" else "direct"  # the default device's platform
 

@@ -29,7 +29,7 @@ class TierRunner(Runner):
         """(Re)build the decode expert cache with `slots` per layer (None: budget.tier_cache_slots'
         default; 0: none, decode stages every layer's experts); returns the cache (None: none)."""
         s = self.settings
-        path = staging.pick_decode_path(s.tier_decode, self.ops)
+        path = staging.pick_decode_path(s.tier_decode, self.ops, self.cfg)
         if path == "direct" and staging.has_cache_ops(self.ops) and not staging.has_host_ops(self.ops):
             raise ValueError(f"tier_decode direct (BARO_TIER_DECODE=direct): the {self.ops_name} ops cannot read "
                              "experts from the host store (use the ordered backend)")

@@ -85,11 +85,11 @@ stage_blocked_mma() {
 # device. Run it first: a
 # failure here says which knob's speed run to skip.
 stage_unrun() {
-  timeout "${UNRUN_TIMEOUT:-540}" python -m pytest -m gpu -q --durations=12 -p no:cacheprovider \
-    tests/test_kernels_matmul.py tests/test_kernels_moe.py tests/test_kernels_attention_rows.py tests/test_delta_blocked.py tests/test_delta_blocked_mma.py \
-    -k "ashared or rows16_persist or moe_gemm_wgmma or attention_rows or blocked_mma or delta_blocked" 2>&1 \
+  local files=${UNRUN_FILES-tests/test_kernels_matmul.py tests/test_kernels_moe.py tests/test_kernels_attention_rows.py tests/test_delta_blocked.py tests/test_delta_blocked_mma.py}
+  [ -z "$files" ] || timeout "${UNRUN_TIMEOUT:-540}" python -m pytest -m gpu -q --durations=12 -p no:cacheprovider $files \
+    -k "${UNRUN_K:-ashared or rows16_persist or moe_gemm_wgmma or attention_rows or blocked_mma or delta_blocked}" 2>&1 \
     | tee "$OUT/gpu_unrun_tests_${CARD}.txt" | tail -30
-  timeout "${UNRUN_POOL_TIMEOUT:-300}" python -m pytest -q -p no:cacheprovider tests/test_batch_paged.py tests/test_batch_mixed.py tests/test_block_manager.py \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${UNRUN_POOL_TIMEOUT:-300}" python -m pytest -q -p no:cacheprovider tests/test_batch_paged.py tests/test_batch_mixed.py tests/test_block_manager.py \
     tests/test_batch_tier.py 2>&1 | tee "$OUT/gpu_pool_tests_${CARD}.txt" | tail -8
 }
 stage_sanitize() { bash benchmarks/sanitize_gpu.sh 2>&1 | tail -30; }

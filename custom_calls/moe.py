@@ -260,14 +260,26 @@ def moe_host(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shar
 # captures it into a command buffer, crashes the process (jax 0.11.2: a segfault in the
 # command buffer's destructor), so nothing that handler would refuse may reach it.
 def _check_host_gpu(m, D, E, I, Is, k):
+    refuse_unmet("baro_moe_host", [(m == 1, f"m={m} rows (one is read)")] + _host_gpu_limits(D, E, I, Is, k),
+                 lead=HOST_GPU_LEAD)
+
+
+HOST_GPU_LEAD = ("on a GPU the host store is read only in the one-token path (m = 1, the shared expert as wide as a "
+                 "routed one, top_k <= 32, the fold and one-row GEMM knobs unset); got")
+
+
+def _host_gpu_limits(D, E, I, Is, k):
     knobs = [(knob(name) != unmet, f"{name}={os.environ.get(name)}")
              for name, unmet in (("BARO_MOE_FOLD", False), ("BARO_GEMM_ROW1", False), ("BARO_GEMM_SMALL", "simple"))]
-    refuse_unmet("baro_moe_host", [(m == 1, f"m={m} rows (one is read)"),
-                                   (I == Is, f"a shared expert {Is} wide beside routed ones {I} wide"),
-                                   (k <= 32 and E <= 512, f"top_k={k} / E={E} (at most 32 / 512)"),
-                                   (D % 16 == 0 and I % 16 == 0, f"D={D} and I={I} must be multiples of 16")] + knobs,
-                 lead="on a GPU the host store is read only in the one-token path (m = 1, the shared expert as "
-                      "wide as a routed one, top_k <= 32, the fold and one-row GEMM knobs unset); got")
+    return [(I == Is, f"a shared expert {Is} wide beside routed ones {I} wide"),
+            (k <= 32 and E <= 512, f"top_k={k} / E={E} (at most 32 / 512)"),
+            (D % 16 == 0 and I % 16 == 0, f"D={D} and I={I} must be multiples of 16")] + knobs
+
+
+def host_gpu_unmet(D, E, I, Is, k) -> list:
+    """What keeps a GPU's MoE from reading a model's experts from the host store (hidden D, E
+    experts routed I wide, the shared one Is wide, top_k k; and the knobs): [] when it can."""
+    return [what for ok, what in _host_gpu_limits(D, E, I, Is, k) if not ok]
 
 
 def moe_slots(h, router, w_gate_up_pool, w_down_pool, slots, shared_gate_up, shared_down, shared_gate, top_k):

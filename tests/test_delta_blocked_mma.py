@@ -42,8 +42,19 @@ def gpu(monkeypatch):
     dev = T._device("gpu")
     if "rocm" in str(getattr(dev.client, "platform_version", "")).lower():
         pytest.skip("the tensor-core instance is CUDA only (HIP ignores BARO_DELTA_BLOCKED_MMA)")
-    monkeypatch.setenv("BARO_DELTA_BLOCKED_MMA", "1")
-    return dev
+    _switch(monkeypatch, "1")
+    yield dev
+    monkeypatch.delenv("BARO_DELTA_BLOCKED_MMA")
+    jax.clear_caches()  # the later tests' graphs are the CUDA-core instance's
+
+
+def _switch(monkeypatch, value: str):
+    """Set the knob and drop jax's compiled graphs: the knob picks one kernel launch or two, and a
+    graph XLA captured (a CUDA command buffer) under the other setting cannot be updated to the
+    other count (CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE; seen on an H100 when the CUDA-core tests
+    had compiled the same shapes earlier in the process)."""
+    monkeypatch.setenv("BARO_DELTA_BLOCKED_MMA", value)
+    jax.clear_caches()
 
 
 @pytest.mark.gpu
@@ -141,7 +152,7 @@ def test_mma_knob_reaches_the_kernel(gpu, monkeypatch):
     s = T.setup(MODEL, 200, 5, seed=16000, dev=gpu)
     outs = {}
     for knob in ("0", "1"):
-        monkeypatch.setenv("BARO_DELTA_BLOCKED_MMA", knob)
+        _switch(monkeypatch, knob)
         outs[knob] = T.run_chunks(s["rows"], s["consts"], s["st_pre"], s["pos"], [200], dev=gpu)
     (o0, st0), (o1, st1) = outs["0"], outs["1"]
     assert not np.array_equal(T.bits(o0), T.bits(o1)), "BARO_DELTA_BLOCKED_MMA=1 gave the CUDA-core bits"

@@ -257,6 +257,26 @@ def test_auto_decode_path_is_direct_where_it_runs(engines, monkeypatch):
     tier.use_expert_cache(None)
 
 
+def test_auto_takes_the_cache_path_where_the_gpu_kernel_cannot_read_the_models_experts(engines, monkeypatch):
+    """A GPU's MoE reads the host store only in its one-token path, which needs the shared expert
+    as wide as a routed one: the "tiny" model's is not (128 against 48), so on a CUDA device auto
+    takes the cache path and direct is refused before any graph runs, naming why (it was a
+    ValueError from inside the first decode's jitted graph)."""
+    import dataclasses
+
+    from custom_calls import _lib
+
+    _, tier = engines
+    cfg = dataclasses.replace(tier.cfg, moe_inter=48, shared_inter=128)
+    monkeypatch.setattr(_lib, "_xla_platform", lambda dev: "CUDA")
+    assert any("shared expert" in why for why in tier.ops.moe_host_unmet(cfg))
+    assert staging.pick_decode_path("auto", tier.ops, cfg) == "cache"
+    with pytest.raises(ValueError, match="tier_decode direct.*shared expert 128 wide beside routed ones 48 wide"):
+        staging.pick_decode_path("direct", tier.ops, cfg)
+    monkeypatch.setattr(_lib, "_xla_platform", lambda dev: None)
+    assert tier.ops.moe_host_unmet(cfg) == [] and staging.pick_decode_path("auto", tier.ops, cfg) == "direct"
+
+
 @pytest.mark.parametrize("fetch", ["xla", "dma"])
 def test_direct_pools_follow_the_routing(engines, fetch, monkeypatch):
     """adapt(): per layer the hottest non-resident experts (decayed counts) replace the coldest

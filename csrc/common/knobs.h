@@ -6,6 +6,9 @@
 // except BARO_DELTA_BLOCKED_MMA, which picks the blocked delta rule's arithmetic (opt-in, its own
 // bits; prefill and decode agree under either setting, so a run keeps one from its first token).
 // They are read on every call, not once, because the kernel tests switch them between calls.
+// BARO_DELTA_BLOCKED_MMA also changes how many kernels a call launches (two against one): a
+// graph XLA captured into a CUDA command buffer under one setting cannot be updated to the other
+// (CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE), so a process that switches it clears jax's caches.
 //
 // Parsing is strict: an on/off knob takes 1/0, true/false, on/off, yes/no (any case), a choice
 // knob one of its listed words, an integer knob a decimal integer in its range; empty counts as

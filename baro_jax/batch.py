@@ -335,6 +335,60 @@ class BatchRun:
         self.host_stops = self.host_stops or bool(seq.stop_strings)
         self.sched.add(seq)
 
+    def row_buckets(self) -> list[int]:
+        """Every row count a decode step of this pool may run (see _rows)."""
+        if self.r.placement == "tier":
+            return [self.slots]
+        out, k = [], 1
+        while k < self.slots:
+            out.append(k)
+            k *= 2
+        return out + [self.slots]
+
+    def warm_up(self, prompt_logprobs: bool = False, on_graph=None) -> tuple[int, float]:
+        """Compile, before any sequence joins, every step graph the rounds may use: the prefill
+        chunk, and at each row bucket the decode step, the block of steps (whole and shorter), and
+        the chunk-and-step pass, with idle slots' states kept and not (prompt_logprobs: also the
+        chunk graphs that return every row's logits). Otherwise a round that first meets a bucket
+        compiles it while every running sequence waits. Each call runs on idle rows and a free
+        slot with no pages, which the admission of a sequence clears anyway. on_graph(done, total)
+        reports progress. Returns (graphs run, seconds)."""
+        if self.sched.running or self.sched.waiting:
+            raise RuntimeError("warm_up runs on an empty pool, before sequences are added")
+        t0 = time.perf_counter()
+        p, rope, slot = self.r.params, self.r.rope, jnp.int32(0)
+        toks = jnp.zeros((self.chunk,), jnp.int32)
+        kw = dict(cfg=self.cfg, ops=self.ops)
+        logits_kinds = (False, True) if prompt_logprobs else (False,)
+        jobs = [lambda: CLEAR(self.pool, slot, jnp.asarray(self.blocks.table[0]))]  # slot 0 holds no pages yet
+        for all_logits in logits_kinds:
+            jobs.append(lambda a=all_logits: self._prefill_step(p, self.pool, self.table(), slot, toks, jnp.int32(0),
+                                                                jnp.int32(1), rope, all_logits=a, **kw)[1])
+        for k in self.row_buckets():
+            rows = jnp.zeros((k,), jnp.int32)
+            idle = jnp.zeros((k,), bool)
+            stops = jnp.full((k, self.stop_width), -1, jnp.int32)
+            for guard in (False, True):
+                step = dict(guard=guard, top_n=self.top_n, **kw)
+                jobs.append(lambda k=k, step=step, rows=rows, idle=idle: self._decode_rows_step(
+                    p, self.pool, self.table(k), rows, idle, rows, rope, **step)[-1])
+                if self.block > 1:
+                    for n in (None, jnp.int32(1)):
+                        jobs.append(lambda k=k, step=step, n=n, rows=rows, idle=idle, stops=stops: DECODE_BLOCK(
+                            p, self.pool, self.table(k), rows, idle, rows, rows, stops, rope,
+                            *(() if n is None else (n,)), block=self.block, **step)[4])
+                if self.mixed:
+                    for all_logits in logits_kinds:
+                        jobs.append(lambda k=k, step=step, a=all_logits, rows=rows, idle=idle: MIXED(
+                            p, self.pool, self.table(), slot, toks, jnp.int32(0), jnp.int32(1), rows, idle, rows, rope,
+                            all_logits=a, **step)[-1])
+        for i, job in enumerate(jobs):
+            self.pool = job()
+            jax.block_until_ready(self.pool)
+            if on_graph is not None:
+                on_graph(i + 1, len(jobs))
+        return len(jobs), time.perf_counter() - t0
+
     def cancel(self, seq: Sequence) -> bool:
         """End a sequence now (finish_reason "cancelled"); its slot is free for the next round."""
         return self.sched.cancel(seq)

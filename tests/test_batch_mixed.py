@@ -118,3 +118,43 @@ def _lp_bytes(lps):
     """Prompt logprobs as bytes (the first token has none)."""
     assert lps is not None and len(lps) > 0
     return [None if x is None else np.asarray(x).tobytes() for x in lps]
+
+
+def test_warm_up_compiles_every_graph_the_rounds_use(eng):
+    """A pool of sizes no other test uses (5 slots: buckets 1, 2, 4, 5; chunk 12): warm_up compiles
+    its graphs (the caches grow), then staggered requests, greedy and sampled, short and over
+    several chunks, joining while others decode, compile nothing more, and each still gets its
+    bytes alone."""
+    graphs = (B.PREFILL, B.DECODE, B.DECODE_BLOCK, B.MIXED, B.CLEAR)
+    before = [g._cache_size() for g in graphs]
+    run = B.open_run(eng, max_batch=5, length=320, chunk=12, logprobs=2, stop_width=4)
+    assert run.row_buckets() == [1, 2, 4, 5]
+    seen = []
+    n, seconds = run.warm_up(on_graph=lambda i, total: seen.append((i, total)))
+    assert n == len(seen) and seen[-1] == (n, n) and seconds > 0
+    warm = [g._cache_size() for g in graphs]
+    assert all(w > b for w, b in zip(warm, before)), (before, warm)
+    with pytest.raises(RuntimeError, match="empty pool"):
+        run.add(Sequence(index=99, prompt_ids=[3, 4], max_new_tokens=2, sampling=baro_jax.Sampling()))
+        run.warm_up()
+    run.cancel(run.sched.waiting[0])
+    run.sched.drain_finished()
+    seqs = []
+    for i, (p, m) in enumerate(zip(PROMPTS, NEW)):
+        s = baro_jax.Sampling(temperature=0.8, seed=i) if i % 3 == 1 else baro_jax.Sampling()
+        seqs.append(Sequence(index=i, prompt_ids=eng.encode(p), max_new_tokens=m, sampling=s, eos_ids=eng.eos_ids))
+    for s in seqs[:3]:
+        run.add(s)
+    rounds = 0
+    while not run.done or rounds < 4:
+        run.step()
+        rounds += 1
+        if rounds in (2, 4):  # arrivals while others decode
+            for s in seqs[3:5] if rounds == 2 else seqs[5:]:
+                run.add(s)
+    assert run.steps["mixed"] > 0
+    assert [g._cache_size() for g in graphs] == warm
+    for s in seqs:
+        alone = eng.generate(PROMPTS[s.index], NEW[s.index], logprobs=2, sampling=s.sampling)
+        assert s.generated == alone.generated_ids, s.index
+        assert [x.tobytes() for x in s.logprobs] == [x.tobytes() for x in alone.logprobs], s.index

@@ -18,9 +18,9 @@ from baro_jax.serve.__main__ import main
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _start():
+def _start(*extra):
     proc = subprocess.Popen([sys.executable, "-m", "baro_jax.serve", "--model", "tiny", "--port", "0", "--max-batch",
-                             "2", "--max-context", "1024", "--shutdown-timeout", "60"],
+                             "2", "--max-context", "1024", "--shutdown-timeout", "60", *extra],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
     lines = []
     end = time.monotonic() + 120
@@ -64,6 +64,24 @@ def test_a_signal_lets_the_running_stream_finish_and_exits_0(sig):
     assert got[-1] == "[DONE]"
     chunks = [json.loads(g)["choices"][0] for g in got[:-1]]
     assert sum(len(c["token_ids"]) for c in chunks) == 60 and chunks[-1]["finish_reason"] == "length"
+
+
+def test_warm_up_compiles_the_step_graphs_before_listening():
+    """--warm-up: progress per graph, a count and a time, all before the address line; then the
+    server answers as usual."""
+    proc, url, lines = _start("--warm-up")
+    try:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x = ", "max_tokens": 3}, timeout=120)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(lines)
+    m = re.search(r"warm-up: (\d+) step graphs compiled in [0-9.]+ s", text)
+    assert m and f"warm-up: step graph {m.group(1)}/{m.group(1)}" in text, text
+    assert text.index("warm-up: ") < text.index("serving 'tiny'")
 
 
 @pytest.mark.parametrize("args,msg", [

@@ -55,6 +55,10 @@ def _parser():
                    help="prompt rows prefilled per round, in whole chunks, before the running sequences' next "
                         "decode step: more gives first tokens sooner when many prompts arrive together, and "
                         "the running ones' next token later (default: %(default)s)")
+    p.add_argument("--warm-up", action="store_true",
+                   help="compile every step graph of the pool before listening (each decode row bucket, with and "
+                        "without a prefill chunk beside it): no request then waits on a compilation, at the price "
+                        "of a longer start")
     p.add_argument("--max-body-mb", type=float, default=DEFAULTS["max_body_bytes"] / 2**20, metavar="MB",
                    help="the largest request body, in MiB (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=DEFAULTS["shutdown_timeout"], metavar="S",
@@ -114,6 +118,9 @@ def _run(argv) -> int:
                     prefill_budget=args.prefill_budget,
                     max_logprobs=args.max_logprobs, max_body_bytes=int(args.max_body_mb * 2**20),
                     shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+    if args.warm_up:
+        n, seconds = server.loop.warm_up(on_graph=lambda i, total: _say(f"[baro_jax] warm-up: step graph {i}/{total}"))
+        _say(f"[baro_jax] warm-up: {n} step graphs compiled in {seconds:.1f} s")
     try:
         sock = server.bind()
     except OSError as e:

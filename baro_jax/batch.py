@@ -145,6 +145,7 @@ DECODE = jax.jit(_decode, static_argnames=("cfg", "ops", "guard", "top_n"), dona
 MIXED = jax.jit(_mixed, static_argnames=("cfg", "ops", "all_logits", "guard", "top_n"), donate_argnums=(1,))
 DECODE_BLOCK = jax.jit(_decode_block, static_argnames=("cfg", "ops", "guard", "top_n", "block"), donate_argnums=(1,))
 CLEAR = jax.jit(Pool.clear_slot, donate_argnums=(0,))
+MOVE = jax.jit(Pool.move_slot, donate_argnums=(0,))  # (pool, src, dst)
 TAKE = jax.jit(Pool.slot_state)  # (pool, table, slot)
 PUT = jax.jit(Pool.put_slot_state, donate_argnums=(0,))  # (pool, table, slot, state)
 ROWS_OUT = jax.jit(_rows_out, static_argnames=("ops", "top_n"))
@@ -302,8 +303,9 @@ class BatchRun:
         # decode_rows: rows the decode steps computed (a step runs the slots up to the highest one
         # decoding, rounded up to a power of two)
         # mixed: rounds whose first chunk and decode step ran as one pass (each also counted as a
-        # prefill and a decode step)
-        self.steps = {"prefill": 0, "decode": 0, "decode_calls": 0, "chained_calls": 0, "decode_rows": 0, "mixed": 0}
+        # prefill and a decode step); moves: sequences moved to a lower slot (_pack)
+        self.steps = {"prefill": 0, "decode": 0, "decode_calls": 0, "chained_calls": 0, "decode_rows": 0, "mixed": 0,
+                      "moves": 0}
         self.t0 = time.perf_counter()
         self.stop_width = max([1] + [len(_device_stops(s)) for s in sequences]) if stop_width is None else stop_width
         # host-side stops (a callback, stop strings) end a sequence after the device has run on:
@@ -360,7 +362,8 @@ class BatchRun:
         toks = jnp.zeros((self.chunk,), jnp.int32)
         kw = dict(cfg=self.cfg, ops=self.ops)
         logits_kinds = (False, True) if prompt_logprobs else (False,)
-        jobs = [lambda: CLEAR(self.pool, slot, jnp.asarray(self.blocks.table[0]))]  # slot 0 holds no pages yet
+        jobs = [lambda: CLEAR(self.pool, slot, jnp.asarray(self.blocks.table[0])),  # slot 0 holds no pages yet
+                lambda: MOVE(self.pool, slot, slot)]
         for all_logits in logits_kinds:
             jobs.append(lambda a=all_logits: self._prefill_step(p, self.pool, self.table(), slot, toks, jnp.int32(0),
                                                                 jnp.int32(1), rope, all_logits=a, **kw)[1])
@@ -416,6 +419,7 @@ class BatchRun:
         here, which a server can send before the decode half runs)."""
         for seq in self.sched.admit():
             self.pool = CLEAR(self.pool, jnp.int32(seq.slot), jnp.asarray(self.blocks.table[seq.slot]))
+        self._pack()
         spent = 0
         self._decoded = False
         while spent < self.prefill_budget:
@@ -429,6 +433,27 @@ class BatchRun:
             else:
                 self._prefill_chunk(seq)
             spent += self.chunk
+
+    def _pack(self):
+        """Close the holes that ended sequences left below the highest slot in use, when that lets
+        the decode steps run a smaller row bucket: each move copies one slot's conv and delta
+        state (its pages follow its table row), exact copies, so no bit changes. Tier mode runs
+        every slot whatever their use."""
+        running = self.sched.running
+        if self.r.placement == "tier" or not running:
+            return
+        if self._bucket(max(running) + 1) <= self._bucket(len(running)):
+            return
+        for src, dst in self.sched.pack():
+            self.pool = MOVE(self.pool, jnp.int32(src), jnp.int32(dst))
+            self.steps["moves"] += 1
+
+    def _bucket(self, n: int) -> int:
+        """The row bucket of a step over slots 0 .. n-1: n rounded up to a power of two, at most the pool."""
+        k = 1
+        while k < n:
+            k *= 2
+        return min(k, self.slots)
 
     @property
     def mixed(self) -> bool:
@@ -471,10 +496,7 @@ class BatchRun:
         Tier mode's layer loop runs every slot."""
         if self.r.placement == "tier":
             return self.slots
-        k = 1
-        while k <= max(s.slot for s in decoding):
-            k *= 2
-        return min(k, self.slots)
+        return self._bucket(max(s.slot for s in decoding) + 1)
 
     def _chain_rows(self, decoding, unqueued, P: int):
         """The rows of a chain's next block: those of the sequences with tokens left to queue

@@ -74,6 +74,14 @@ class BlockManager:
         self.table[slot] = -1
         self.version += 1
 
+    def move(self, src: int, dst: int):
+        """Slot src's pages become slot dst's (a table row moves; no page does)."""
+        if np.any(self.table[dst] >= 0):
+            raise RuntimeError(f"slot {dst} still holds pages")
+        self.table[dst] = self.table[src]
+        self.table[src] = -1
+        self.version += 1
+
     @property
     def used(self) -> int:
         return self.pages - len(self.free)

@@ -89,6 +89,13 @@ def clear_slot(pool, slot, pages):
     return tuple(out)
 
 
+def move_slot(pool, src, dst):
+    """The pool with slot src's conv and delta state copied into slot dst (its KV pages move with
+    its table row, which is the caller's)."""
+    return tuple(st if "k" in st else {"conv": st["conv"].at[:, dst].set(st["conv"][:, src]),
+                                       "ssm": st["ssm"].at[dst].set(st["ssm"][src])} for st in pool)
+
+
 def prefix(pool, k: int):
     """The pool of its first k slots: their conv and delta state, and every KV page (pages are
     the slots' through the table, whose first k rows the caller passes)."""

@@ -120,6 +120,22 @@ class Scheduler:
     def decoding(self) -> list[Sequence]:
         return [s for s in self.running.values() if s.decoding]
 
+    def pack(self) -> list[tuple[int, int]]:
+        """Running sequences moved into the lowest free slots below them, highest first, until the
+        ones in use are slots 0 .. n-1: a sequence that ends leaves a hole, and a decode step runs
+        every slot up to the highest one in use. Returns the (from, to) moves; the caller moves
+        each slot's state (the pages follow their table row here)."""
+        moves = []
+        while self.running and self.free and self.free[0] < max(self.running):
+            src, dst = max(self.running), heapq.heappop(self.free)
+            seq = self.running.pop(src)
+            self.blocks.move(src, dst)
+            seq.slot = dst
+            self.running[dst] = seq
+            heapq.heappush(self.free, src)
+            moves.append((src, dst))
+        return moves
+
     def finish(self, seq: Sequence, reason: str):
         seq.finish_reason = reason
         del self.running[seq.slot]

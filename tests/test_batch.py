@@ -326,3 +326,49 @@ def test_a_step_runs_the_slots_up_to_the_highest_one_decoding(eng, alone, block)
         a = alone[PROMPTS.index(p)]
         want = eng.generate(p, new[i], logprobs=2, keep_state=True) if new[i] != NEW[PROMPTS.index(p)] else a
         assert same(eng.cfg, want, r) is None, f"prompt {i}: {same(eng.cfg, want, r)}"
+
+
+@pytest.mark.parametrize("block", [1, 4])
+def test_a_sequence_left_alone_in_a_high_slot_moves_down(eng, alone, block):
+    """The long sequence takes the highest slot (4) and the short ones below it end first: it then
+    moves into slot 0 (its conv and delta state copied, its page-table row moved) and decodes in
+    1-row steps instead of 5-row ones; it keeps the bytes it has alone, state included."""
+    prompts, new = [PROMPTS[0], PROMPTS[2], PROMPTS[4], PROMPTS[6], PROMPTS[1]], [2, 2, 1, 3, 14]
+    old = eng.settings.decode_block
+    eng.tune(decode_block=block)
+    try:
+        got = eng.generate_batch(prompts, new, logprobs=2, max_batch=5, chunk=16, keep_states=True)
+    finally:
+        eng.tune(decode_block=old)
+    steps = eng.last_batch_stats["steps"]
+    assert steps["moves"] >= 1, steps
+    # 13 of the long sequence's steps; unmoved, those after the short ones end would run 5 rows each
+    assert steps["decode"] >= 13 and steps["decode_rows"] <= steps["decode"] + 4 * 4, steps
+    for i, (p, r) in enumerate(zip(prompts, got)):
+        a = alone[PROMPTS.index(p)]
+        want = eng.generate(p, new[i], logprobs=2, keep_state=True) if new[i] != NEW[PROMPTS.index(p)] else a
+        assert same(eng.cfg, want, r) is None, f"prompt {i}: {same(eng.cfg, want, r)}"
+
+
+def test_pack_moves_the_highest_sequences_into_the_lowest_holes():
+    """Scheduler.pack: holes below the highest running slot are filled from the top, each page
+    row moving with its sequence; free slots stay a heap of what is left."""
+    from baro_jax.block_manager import BlockManager
+    from baro_jax.scheduler import Scheduler, Sequence
+
+    bm = BlockManager(6, 12, 64, 128)
+    sched = Scheduler(6, bm)
+    seqs = [Sequence(index=i, prompt_ids=[1] * (10 + i), max_new_tokens=100, sampling=baro_jax.Sampling())
+            for i in range(6)]
+    for s in seqs:
+        sched.add(s)
+    sched.admit()
+    rows = {s.index: bm.table[s.slot].copy() for s in seqs}
+    for i in (0, 2, 3):
+        sched.finish(seqs[i], "length")
+    assert sched.pack() == [(5, 0), (4, 2)]
+    assert sorted(sched.running) == [0, 1, 2] and sorted(sched.free) == [3, 4, 5]
+    assert [seqs[5].slot, seqs[4].slot, seqs[1].slot] == [0, 2, 1]
+    for s in (seqs[1], seqs[4], seqs[5]):
+        assert np.array_equal(bm.table[s.slot], rows[s.index])
+    assert np.all(bm.table[3:] == -1) and sched.pack() == []

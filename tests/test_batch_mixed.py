@@ -125,7 +125,7 @@ def test_warm_up_compiles_every_graph_the_rounds_use(eng):
     its graphs (the caches grow), then staggered requests, greedy and sampled, short and over
     several chunks, joining while others decode, compile nothing more, and each still gets its
     bytes alone."""
-    graphs = (B.PREFILL, B.DECODE, B.DECODE_BLOCK, B.MIXED, B.CLEAR)
+    graphs = (B.PREFILL, B.DECODE, B.DECODE_BLOCK, B.MIXED, B.CLEAR, B.MOVE)
     before = [g._cache_size() for g in graphs]
     run = B.open_run(eng, max_batch=5, length=320, chunk=12, logprobs=2, stop_width=4)
     assert run.row_buckets() == [1, 2, 4, 5]

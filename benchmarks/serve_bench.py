@@ -141,11 +141,15 @@ def main(argv=None) -> int:
     slots = args.max_batch or max(levels)
     budget = {} if args.prefill_budget is None else {"prefill_budget": args.prefill_budget}
     srv = Server(eng, port=0, max_batch=slots, max_queue=n, chunk=args.chunk, max_logprobs=0, **budget)
+    # every row bucket's step graphs compile before the first level (a level would otherwise time
+    # the compilations of the buckets it is the first to reach), as `serve --warm-up` does
+    graphs, warm_s = srv.loop.warm_up()
+    print(f"[serve_bench] warm-up: {graphs} step graphs in {warm_s:.1f}s", flush=True)
     url = srv.start()
     rows, ok = [], True
     try:
         warm = [dict(bodies[0], max_tokens=min(args.new_tokens, 20)), dict(bodies[-1], max_tokens=3, temperature=0.8)]
-        run_clients(url, warm, len(warm), 1)  # the pool's graphs compile here, not in a level
+        run_clients(url, warm, len(warm), 1)  # the small graphs (logprob rows, sampling) compile here
         for clients in levels:
             got = run_clients(url, bodies, clients, args.requests_per_client)
             res = got["results"]
@@ -172,6 +176,7 @@ def main(argv=None) -> int:
                   f"{1000 * (row['itl_p50_s'] or 0):.1f}ms p99 {1000 * (row['itl_p99_s'] or 0):.1f}ms, "
                   f"equal alone {equal}/{len(res)}", flush=True)
             out = {"summary": {"model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                               "warm_up": {"graphs": graphs, "seconds": warm_s},
                                "requests_per_client": args.requests_per_client, "sampled_every": args.sampled_every,
                                "slots": srv.loop.slots, "pool_length": srv.loop.length, "chunk": srv.loop.chunk,
                                "prefill_budget": srv.loop.run.prefill_budget,

@@ -10,7 +10,7 @@ the prefill chunk, never on a prompt's length (no compilation per request):
 - both in one pass (model.mixed_forward), when a round has a chunk to prefill and sequences to
   decode: the chunk's rows and the decode rows share every GEMM and the MoE, so each weight is read
   once for both.
-Tier mode runs the first two from its Python layer loops (tier_prefill, tier_decode: the
+Tier mode runs the three from its Python layer loops (tier_prefill, tier_decode, tier_mixed: the
 slot's state through the staged forward; staging.decode_rows), one decode step per call.
 BatchRun.step() runs one round (admit, a prefill chunk, a decode step or block); sequences may be
 added and cancelled between rounds, which is how a server keeps one pool running.
@@ -178,6 +178,19 @@ def tier_decode(runner):
     return decode
 
 
+def tier_mixed(runner):
+    """MIXED in tier mode: the slot's state out of the pool, the runner's staged pass over the
+    chunk and every slot's decode row (TierRunner.mixed), the state back in."""
+    def mixed(params, pool, table, slot, tokens, pos, n_valid, row_tokens, running, row_pos, rope, *, cfg, ops,
+              all_logits: bool, guard: bool, top_n):
+        logits, rows, st, pool = runner.mixed(TAKE(pool, table, slot), tokens, pos, n_valid, pool, table, row_tokens,
+                                              ROW_SLOTS(running), running, row_pos, ops=ops, guard=guard,
+                                              all_logits=all_logits)
+        return (logits,) + ROWS_OUT(rows, ops=ops, top_n=top_n) + (PUT(pool, table, slot, st),)
+
+    return mixed
+
+
 def rows_attention_fallback(base_attention):
     """attention_rows through the one-sequence kernel, one row at a time on the contiguous cache
     its slot's pages stand for (the m = 1 decode call itself, so its bytes), scattered back into
@@ -283,9 +296,10 @@ class BatchRun:
         self.block = 1 if tier else block
         self._prefill_step = tier_prefill(runner) if tier else PREFILL
         self._decode_rows_step = tier_decode(runner) if tier else DECODE
-        # mixed: a round's first prefill chunk and its decode step run as one pass (MIXED), every
-        # weight read once for both (None: the runner's settings.mixed_rounds); tier mode's layer
-        # loops run them apart
+        self._mixed_pass = tier_mixed(runner) if tier else MIXED
+        # mixed: a round's first prefill chunk and its decode step run as one pass (MIXED; in tier
+        # mode its layer loop, each layer staged once for both), every weight read once for both
+        # (None: the runner's settings.mixed_rounds)
         self._mixed = None if mixed is None else bool(mixed)
         self._decoded = False  # this round's decode step ran with its first chunk
         # a page holds whole KV blocks of the attention kernels, which refuse any other size
@@ -382,7 +396,7 @@ class BatchRun:
                             *(() if n is None else (n,)), block=self.block, **step)[4])
                 if self.mixed:
                     for all_logits in logits_kinds:
-                        jobs.append(lambda k=k, step=step, a=all_logits, rows=rows, idle=idle: MIXED(
+                        jobs.append(lambda k=k, step=step, a=all_logits, rows=rows, idle=idle: self._mixed_pass(
                             p, self.pool, self.table(), slot, toks, jnp.int32(0), jnp.int32(1), rows, idle, rows, rope,
                             all_logits=a, **step)[-1])
         for i, job in enumerate(jobs):
@@ -459,8 +473,6 @@ class BatchRun:
     def mixed(self) -> bool:
         """Whether a round's first chunk and its decode step run as one pass (read every round, so
         that Engine.tune(mixed_rounds=...) reaches a running pool)."""
-        if self.r.placement == "tier":
-            return False
         return self.r.settings.mixed_rounds if self._mixed is None else self._mixed
 
     def decode_half(self):
@@ -550,7 +562,7 @@ class BatchRun:
         p, part, toks = self._chunk_inputs(seq)
         P = self._rows(decoding)
         rtoks, running, pos, _, _ = self._inputs(decoding, P)
-        logits, *outs, self.pool = MIXED(
+        logits, *outs, self.pool = self._mixed_pass(
             self.r.params, self.pool, self.table(), jnp.int32(seq.slot), jnp.asarray(toks), jnp.int32(p),
             jnp.int32(len(part)), jnp.asarray(rtoks), jnp.asarray(running), jnp.asarray(pos), self.r.rope,
             cfg=self.cfg, ops=self.ops, all_logits=seq.want_prompt_logprobs, guard=self._guard(decoding),

@@ -273,34 +273,55 @@ def mixed_forward(params, state, tokens, pos, n_valid, pool, table, row_tokens, 
     """forward(params, state, tokens, pos, n_valid) and decode_rows(params, pool, table,
     row_tokens, slots, row_pos) in one pass. Returns (the chunk's logits as forward's, the rows'
     logits [P, V], the chunk's new state, the new pool)."""
-    C = tokens.shape[0]
-    x1, cos, sin = prologue(params, tokens, pos, rope)
-    x2, rcos, rsin = rows_prologue(params, row_tokens, row_pos, rope)
-    x = jnp.concatenate([x1, x2])
+    x, chunk, rows = mixed_prologue(params, tokens, pos, n_valid, row_tokens, slots, row_pos, rope)
     h = first_norm(params["layers"][0], x, cfg, ops)
     new_state, new_pool = [], []
     for lp, st, sub, kind, nn in zip(params["layers"], state, pool, cfg.layer_types, next_norms(params)):
-        if kind == FULL:
-            p = lp["attn"]
-            qkv = ops.matmul(h, p["qkv"])
-            o1, st = attention_core(qkv[:C], p, st, cfg, ops, cos, sin, pos, n_valid)
-            o2, sub = attention_rows_core(qkv[C:], p, sub, table, cfg, ops, rcos, rsin, slots, row_pos)
-            y = ops.matmul(jnp.concatenate([o1, o2]), p["o"])
-        else:
-            p = lp["gdn"]
-            proj = ops.matmul(h, p["in_proj"])
-            o1, st = gdn_core(proj[:C], p, st, cfg, ops, pos, n_valid)
-            o2, sub = gdn_rows_core(proj[C:], p, sub, cfg, ops)
-            g = ops.gated_norm(jnp.concatenate([o1, o2]), proj, p["norm"], cfg.rms_eps, h.dtype,
-                               z_col=gdn_columns(cfg)[0])
-            y = ops.matmul(g, p["out"])
-        x, h2 = ops.add_rmsnorm(x, y, lp["post_norm"], cfg.rms_eps, lp["moe"]["router"].dtype)
+        x, h2, st, sub = mixed_mixer(x, h, lp, st, sub, table, chunk, rows, kind, cfg, ops)
         x, h = layer_moe(x, h2, lp["moe"], nn, cfg, ops)
         new_state.append(st)
         new_pool.append(sub)
+    return mixed_head(params, h, tokens.shape[0], n_valid, ops, all_logits) + (tuple(new_state), tuple(new_pool))
+
+
+def mixed_prologue(params, tokens, pos, n_valid, row_tokens, slots, row_pos, rope):
+    """The chunk's and the rows' embedded rows, concatenated, and what each part's mixers take:
+    chunk = (cos, sin, pos, n_valid), rows = (cos, sin, slots, row_pos)."""
+    x1, cos, sin = prologue(params, tokens, pos, rope)
+    x2, rcos, rsin = rows_prologue(params, row_tokens, row_pos, rope)
+    return jnp.concatenate([x1, x2]), (cos, sin, pos, n_valid), (rcos, rsin, slots, row_pos)
+
+
+def mixed_mixer(x, h, lp, st, sub, table, chunk, rows, kind, cfg, ops):
+    """layer_mixer over the chunk's rows (the first len(chunk cos), on the one-sequence state st)
+    and rows_mixer over the decode rows (on the layer's pool sub), the projections shared:
+    (x + mixer(h), norm2 of it, new st, new sub)."""
+    C = chunk[0].shape[0]
+    cos, sin, pos, n_valid = chunk
+    rcos, rsin, slots, row_pos = rows
+    if kind == FULL:
+        p = lp["attn"]
+        qkv = ops.matmul(h, p["qkv"])
+        o1, st = attention_core(qkv[:C], p, st, cfg, ops, cos, sin, pos, n_valid)
+        o2, sub = attention_rows_core(qkv[C:], p, sub, table, cfg, ops, rcos, rsin, slots, row_pos)
+        y = ops.matmul(jnp.concatenate([o1, o2]), p["o"])
+    else:
+        p = lp["gdn"]
+        proj = ops.matmul(h, p["in_proj"])
+        o1, st = gdn_core(proj[:C], p, st, cfg, ops, pos, n_valid)
+        o2, sub = gdn_rows_core(proj[C:], p, sub, cfg, ops)
+        g = ops.gated_norm(jnp.concatenate([o1, o2]), proj, p["norm"], cfg.rms_eps, h.dtype, z_col=gdn_columns(cfg)[0])
+        y = ops.matmul(g, p["out"])
+    x, h2 = ops.add_rmsnorm(x, y, lp["post_norm"], cfg.rms_eps, lp["moe"]["router"].dtype)
+    return x, h2, st, sub
+
+
+def mixed_head(params, h, C: int, n_valid, ops, all_logits: bool):
+    """(the chunk's logits as epilogue's, the decode rows' logits [P, V]) from the final-normed
+    rows h, the chunk's C first: one lm_head product for both."""
     if all_logits:
         logits = rows_head(params, h, ops)
-        return logits[:C], logits[C:], tuple(new_state), tuple(new_pool)
+        return logits[:C], logits[C:]
     last = jax.lax.dynamic_slice_in_dim(h, n_valid - 1, 1, axis=0)
     logits = rows_head(params, jnp.concatenate([last, h[C:]]), ops)
-    return logits[0], logits[1:], tuple(new_state), tuple(new_pool)
+    return logits[0], logits[1:]

@@ -201,7 +201,7 @@ SPECS: tuple[Spec, ...] = (
          "greedy decode steps per device call (1: one call per token); never changes the bits"),
     Spec("mixed_rounds", None, "BARO_MIXED_ROUNDS", parse_bool,
          "many sequences: a round's first prefill chunk and its decode step in one pass, each weight read once "
-         "for both (resident and expert parallel); never changes the bits"),
+         "for both (in tier mode each layer staged once for both); never changes the bits"),
     Spec("tier_decode", None, "BARO_TIER_DECODE", parse_choice(TIER_DECODE_PATHS),
          "tier decode: cache (routing to the host, LRU copies, then the MoE), direct (one graph per block, "
          "misses read from the host store by the MoE kernel), auto (direct where the kernels can, else cache)"),

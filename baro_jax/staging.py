@@ -485,6 +485,50 @@ def decode_rows(params, pool, page_table, tokens, slots, running, pos, rope, *, 
     return _ROWS_HEAD(_head_params(params), h, ops=ops), tuple(new_pool)
 
 
+# --- a prefill chunk and the decode rows in one pass (batch.py's mixed round) ------------------
+def _mixed_mixer(x, h, lp, st, sub, page_table, chunk, rows, running, *, kind, cfg, ops, guard: bool):
+    """model.mixed_mixer on one layer, idle slots' conv and delta state kept when guard."""
+    x, h2, st, new = M.mixed_mixer(x, h, lp, st, sub, page_table, chunk, rows, kind, cfg, ops)
+    if guard:
+        new = Pool.keep_running((sub,), (new,), running)[0]
+    return x, h2, st, new
+
+
+_MIXED_PROLOGUE = jax.jit(M.mixed_prologue)
+_MIXED_MIXER = jax.jit(_mixed_mixer, static_argnames=("kind", "cfg", "ops", "guard"), donate_argnums=(0, 1, 3, 4))
+_MIXED_HEAD = jax.jit(M.mixed_head, static_argnames=("C", "ops", "all_logits"))
+
+
+def mixed_forward(params, state, tokens, pos, n_valid, pool, page_table, row_tokens, slots, running, row_pos, rope, *,
+                  cfg: Config, ops, guard: bool, all_logits: bool = False):
+    """model.mixed_forward's contract layer by layer, each layer's routed experts staged whole
+    (the chunk needs them anyway, so the decode rows' MoE reads the same staged copy: one pass
+    over the host link for both); state's and pool's layers donated, idle slots' conv and delta
+    state kept when guard. Returns (chunk logits, rows' logits [P, V], new state, new pool)."""
+    on_dev = device_sharding(next(iter(params["embed"].devices())))
+    layers = params["layers"]
+    n = len(layers)
+
+    def stage(i):
+        return jax.device_put(split_layer(layers[i])[1], on_dev)
+
+    x, chunk, rows = _MIXED_PROLOGUE({"embed": params["embed"]}, tokens, pos, n_valid, row_tokens, slots, row_pos, rope)
+    h = _FIRST_NORM(split_layer(layers[0])[0], x, cfg=cfg, ops=ops)
+    nxt = stage(0)
+    new_state, new_pool = [], []
+    for i, (lp, st, sub, kind, nn) in enumerate(zip(layers, state, pool, cfg.layer_types, M.next_norms(params))):
+        res = split_layer(lp)[0]
+        x, h2, st, sub = _MIXED_MIXER(x, h, res, st, sub, page_table, chunk, rows, running, kind=kind, cfg=cfg,
+                                      ops=ops, guard=guard)
+        cur, nxt = nxt, (stage(i + 1) if i + 1 < n else None)
+        x, h = _STAGED_MOE(x, h2, res["moe"], cur, nn, cfg=cfg, ops=ops)
+        del cur
+        new_state.append(st)
+        new_pool.append(sub)
+    head = _MIXED_HEAD(_head_params(params), h, C=tokens.shape[0], n_valid=n_valid, ops=ops, all_logits=all_logits)
+    return head + (tuple(new_state), tuple(new_pool))
+
+
 # --- direct tier decode: misses read from the host store inside the MoE call ------------------
 def pick_decode_path(path: str, ops, cfg=None) -> str:
     """The tier decode path (settings.tier_decode): "cache" (per layer the ids to the host, LRU

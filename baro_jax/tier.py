@@ -95,6 +95,13 @@ class TierRunner(Runner):
         return staging.decode_rows(self.params, pool, table, tokens, slots, running, pos, self.rope, cfg=self.cfg,
                                    ops=ops, guard=guard, cache=self.cache, direct=self.direct)
 
+    def mixed(self, state, tokens, pos, n_valid, pool, table, row_tokens, slots, running, row_pos, *, ops, guard: bool,
+              all_logits: bool):
+        """A prefill chunk and one decode row per slot in one pass (batch.py's mixed round;
+        staging.mixed_forward): the layers staged whole once for both."""
+        return staging.mixed_forward(self.params, state, tokens, pos, n_valid, pool, table, row_tokens, slots, running,
+                                     row_pos, self.rope, cfg=self.cfg, ops=ops, guard=guard, all_logits=all_logits)
+
     def greedy_block(self, state, token, pos, n: int, block: int):
         return self.direct.greedy(state, token, pos, n, self.rope, cfg=self.cfg, ops=self.ops, block=block)
 

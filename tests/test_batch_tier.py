@@ -233,3 +233,18 @@ def test_tier_default_chunk_is_the_runners_pick(res, tier):
     assert tier.last_batch_stats["chunk"] == min(B.TIER_MAX_BATCH_CHUNK, tier.last_batch_stats["pool_length"],
                                                  tier.pick_chunk(300, 2)) > B.DEFAULT_BATCH_CHUNK
     check_equal(res.cfg, want, got, "tier default chunk")
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_tier_mixed_rounds_equal_alone(tier, alone, mixed):
+    """In tier mode a round's prefill chunk and its decode rows run one staged pass (each layer's
+    experts copied once for both; staging.mixed_forward) or two: the bytes alone either way."""
+    tier.runner.use_expert_cache(3)
+    tier.tune(mixed_rounds=mixed)
+    try:
+        got = tier.generate_batch(PROMPTS, NEW, logprobs=2, max_batch=3, chunk=8, keep_states=True)
+    finally:
+        tier.tune(mixed_rounds=True)
+        tier.runner.use_expert_cache(None)
+    check_equal(tier.cfg, alone, got, f"tier batch, mixed rounds {mixed}")
+    assert (tier.last_batch_stats["steps"]["mixed"] > 0) == mixed, tier.last_batch_stats["steps"]

@@ -306,6 +306,24 @@ def test_sequences_join_and_leave_a_running_pool(eng, alone):
     assert len(run.sched.free) == run.slots == 3 and not run.sched.running
 
 
+def _five_slots(eng, prompts, new, block):
+    """generate_batch over 5 slots at decode_block `block`: (results, step counts)."""
+    old = eng.settings.decode_block
+    eng.tune(decode_block=block)
+    try:
+        got = eng.generate_batch(prompts, new, logprobs=2, max_batch=5, chunk=16, keep_states=True)
+    finally:
+        eng.tune(decode_block=old)
+    return got, eng.last_batch_stats["steps"]
+
+
+def _check_alone(eng, alone, prompts, new, got):
+    for i, (p, r) in enumerate(zip(prompts, got)):
+        a = alone[PROMPTS.index(p)]
+        want = eng.generate(p, new[i], logprobs=2, keep_state=True) if new[i] != NEW[PROMPTS.index(p)] else a
+        assert same(eng.cfg, want, r) is None, f"prompt {i}: {same(eng.cfg, want, r)}"
+
+
 @pytest.mark.parametrize("block", [1, 3])
 def test_a_step_runs_the_slots_up_to_the_highest_one_decoding(eng, alone, block):
     """At low load a decode step computes the slots up to the highest one decoding, rounded up to a
@@ -313,19 +331,10 @@ def test_a_step_runs_the_slots_up_to_the_highest_one_decoding(eng, alone, block)
     runs alone in 1-row steps (in a chain of greedy blocks too, whose rows shrink between blocks),
     and every sequence keeps the bytes it has alone."""
     prompts, new = [PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[4], PROMPTS[6]], [14, 2, 2, 1, 3]
-    old = eng.settings.decode_block
-    eng.tune(decode_block=block)
-    try:
-        got = eng.generate_batch(prompts, new, logprobs=2, max_batch=5, chunk=16, keep_states=True)
-    finally:
-        eng.tune(decode_block=old)
-    steps = eng.last_batch_stats["steps"]
+    got, steps = _five_slots(eng, prompts, new, block)
     assert block == 1 or steps["chained_calls"] > 0, steps
     assert steps["decode"] >= 10 and steps["decode_rows"] < 5 * steps["decode"] - 8, steps
-    for i, (p, r) in enumerate(zip(prompts, got)):
-        a = alone[PROMPTS.index(p)]
-        want = eng.generate(p, new[i], logprobs=2, keep_state=True) if new[i] != NEW[PROMPTS.index(p)] else a
-        assert same(eng.cfg, want, r) is None, f"prompt {i}: {same(eng.cfg, want, r)}"
+    _check_alone(eng, alone, prompts, new, got)
 
 
 @pytest.mark.parametrize("block", [1, 4])
@@ -334,20 +343,11 @@ def test_a_sequence_left_alone_in_a_high_slot_moves_down(eng, alone, block):
     moves into slot 0 (its conv and delta state copied, its page-table row moved) and decodes in
     1-row steps instead of 5-row ones; it keeps the bytes it has alone, state included."""
     prompts, new = [PROMPTS[0], PROMPTS[2], PROMPTS[4], PROMPTS[6], PROMPTS[1]], [2, 2, 1, 3, 14]
-    old = eng.settings.decode_block
-    eng.tune(decode_block=block)
-    try:
-        got = eng.generate_batch(prompts, new, logprobs=2, max_batch=5, chunk=16, keep_states=True)
-    finally:
-        eng.tune(decode_block=old)
-    steps = eng.last_batch_stats["steps"]
+    got, steps = _five_slots(eng, prompts, new, block)
     assert steps["moves"] >= 1, steps
     # 13 of the long sequence's steps; unmoved, those after the short ones end would run 5 rows each
     assert steps["decode"] >= 13 and steps["decode_rows"] <= steps["decode"] + 4 * 4, steps
-    for i, (p, r) in enumerate(zip(prompts, got)):
-        a = alone[PROMPTS.index(p)]
-        want = eng.generate(p, new[i], logprobs=2, keep_state=True) if new[i] != NEW[PROMPTS.index(p)] else a
-        assert same(eng.cfg, want, r) is None, f"prompt {i}: {same(eng.cfg, want, r)}"
+    _check_alone(eng, alone, prompts, new, got)
 
 
 def test_pack_moves_the_highest_sequences_into_the_lowest_holes():

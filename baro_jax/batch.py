@@ -353,13 +353,7 @@ class BatchRun:
 
     def row_buckets(self) -> list[int]:
         """Every row count a decode step of this pool may run (see _rows)."""
-        if self.r.placement == "tier":
-            return [self.slots]
-        out, k = [], 1
-        while k < self.slots:
-            out.append(k)
-            k *= 2
-        return out + [self.slots]
+        return sorted({self._bucket(n) for n in range(1, self.slots + 1)})
 
     def warm_up(self, prompt_logprobs: bool = False, on_graph=None) -> tuple[int, float]:
         """Compile, before any sequence joins, every step graph the rounds may use: the prefill
@@ -451,19 +445,19 @@ class BatchRun:
     def _pack(self):
         """Close the holes that ended sequences left below the highest slot in use, when that lets
         the decode steps run a smaller row bucket: each move copies one slot's conv and delta
-        state (its pages follow its table row), exact copies, so no bit changes. Tier mode runs
-        every slot whatever their use."""
+        state (its pages follow its table row), exact copies, so no bit changes."""
         running = self.sched.running
-        if self.r.placement == "tier" or not running:
-            return
-        if self._bucket(max(running) + 1) <= self._bucket(len(running)):
+        if not running or self._bucket(max(running) + 1) <= self._bucket(len(running)):
             return
         for src, dst in self.sched.pack():
             self.pool = MOVE(self.pool, jnp.int32(src), jnp.int32(dst))
             self.steps["moves"] += 1
 
     def _bucket(self, n: int) -> int:
-        """The row bucket of a step over slots 0 .. n-1: n rounded up to a power of two, at most the pool."""
+        """The row bucket of a step over slots 0 .. n-1: n rounded up to a power of two, at most the
+        pool. Tier mode's layer loop runs every slot."""
+        if self.r.placement == "tier":
+            return self.slots
         k = 1
         while k < n:
             k *= 2
@@ -504,10 +498,7 @@ class BatchRun:
     def _rows(self, decoding) -> int:
         """Decode rows of the next step: the slots up to the highest one decoding, rounded up to
         a power of two (or the pool): one graph per bucket, and at low load a step computes a few
-        rows instead of every slot's (new sequences take the lowest free slot, scheduler.py).
-        Tier mode's layer loop runs every slot."""
-        if self.r.placement == "tier":
-            return self.slots
+        rows instead of every slot's (new sequences take the lowest free slot, scheduler.py)."""
         return self._bucket(max(s.slot for s in decoding) + 1)
 
     def _chain_rows(self, decoding, unqueued, P: int):

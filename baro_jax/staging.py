@@ -136,6 +136,13 @@ _LAYER = jax.jit(_layer, static_argnames=("kind", "cfg", "ops"), donate_argnums=
 _EPILOGUE = jax.jit(M.epilogue, static_argnames=("cfg", "ops", "all_logits"))
 
 
+def _stager(params):
+    """stage(i): an asynchronous host-to-device copy of layer i's routed experts, onto the device
+    the resident weights live on."""
+    on_dev = device_sharding(next(iter(params["embed"].devices())))
+    return lambda i: jax.device_put(split_layer(params["layers"][i])[1], on_dev)
+
+
 def _head_params(params):
     return {"lm_head": params["lm_head"]}
 
@@ -152,12 +159,9 @@ def forward(params, state, tokens, pos, n_valid, rope, *, cfg: Config, ops, all_
         return direct(state, tokens, pos, n_valid, rope, cfg=cfg, ops=ops)
     if cache is not None and tokens.shape[0] == 1 and not all_logits:
         return cached_forward(params, state, tokens, pos, n_valid, rope, cfg=cfg, ops=ops, cache=cache)
-    on_dev = device_sharding(next(iter(params["embed"].devices())))
     layers = params["layers"]
     n = len(layers)
-
-    def stage(i):  # asynchronous host-to-device copy of layer i's experts
-        return jax.device_put(split_layer(layers[i])[1], on_dev)
+    stage = _stager(params)
 
     x, cos, sin = _PROLOGUE({"embed": params["embed"]}, tokens, pos, rope)
     h = _FIRST_NORM(split_layer(layers[0])[0], x, cfg=cfg, ops=ops)
@@ -443,12 +447,9 @@ def decode_rows(params, pool, page_table, tokens, slots, running, pos, rope, *, 
     cache every layer is staged, the next layer's copy issued before this one computes. The same
     MoE bytes either way (moe_slots is moe on the same weights). With `direct`, its slot tables
     follow the layers whose pools changed. Returns (logits [P, V] fp32, new pool)."""
-    on_dev = device_sharding(next(iter(params["embed"].devices())))
     layers = params["layers"]
     n = len(layers)
-
-    def stage(i):
-        return jax.device_put(split_layer(layers[i])[1], on_dev)
+    stage = _stager(params)
 
     if direct is not None and direct._last is not None:
         # the cache's copies below donate its pools, which a direct graph may still be reading
@@ -505,12 +506,9 @@ def mixed_forward(params, state, tokens, pos, n_valid, pool, page_table, row_tok
     (the chunk needs them anyway, so the decode rows' MoE reads the same staged copy: one pass
     over the host link for both); state's and pool's layers donated, idle slots' conv and delta
     state kept when guard. Returns (chunk logits, rows' logits [P, V], new state, new pool)."""
-    on_dev = device_sharding(next(iter(params["embed"].devices())))
     layers = params["layers"]
     n = len(layers)
-
-    def stage(i):
-        return jax.device_put(split_layer(layers[i])[1], on_dev)
+    stage = _stager(params)
 
     x, chunk, rows = _MIXED_PROLOGUE({"embed": params["embed"]}, tokens, pos, n_valid, row_tokens, slots, row_pos, rope)
     h = _FIRST_NORM(split_layer(layers[0])[0], x, cfg=cfg, ops=ops)

@@ -2,6 +2,7 @@
 logits (ties to the lower id), top_k / top_p keep the documented set, a huge temperature is uniform
 over it. Fresh random logits every run (the seed is printed on failure), several vocab sizes, ties."""
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,8 @@ import pytest
 from baro_jax.sampling import Sampler, Sampling, greedy, sample
 
 F32_MAX = float(np.finfo(np.float32).max)
-SEED = int(np.random.SeedSequence().entropy % (1 << 32))
+# fresh each run; BARO_TEST_SEED=<printed seed> replays a failure
+SEED = int(os.environ.get("BARO_TEST_SEED") or np.random.SeedSequence().entropy % (1 << 32))
 
 
 @pytest.fixture
@@ -87,9 +89,12 @@ def test_tiny_top_p_keeps_exactly_the_argmax(rng, v):
                 assert _draw(x, t, 0, p, int(rng.integers(1 << 31))) == _greedy(x), (t, p)
 
 
-def _kept(x, t, k, p):
+def _kept(x, t, k, p, slack=1e-5):
     """The documented kept set, in float64: ids ranked by logit (ties to the lower id), the first k,
-    then the smallest prefix whose probability (at temperature t) reaches p."""
+    then the smallest prefix whose probability (at temperature t) reaches p. Where the mass before
+    an id lies within `slack` of p (tied ids can land exactly on it: five at 0.2 and p = 0.6), the
+    sampler's float32 sums may round either way, so two sets come back: the ids kept for certain
+    and the ids that may be kept."""
     order = sorted(range(len(x)), key=lambda i: (-x[i], i))
     if k:
         order = order[:k]
@@ -97,7 +102,9 @@ def _kept(x, t, k, p):
     pr = np.exp(z - z.max())
     pr /= pr.sum()
     before = np.concatenate([[0.0], np.cumsum(pr)[:-1]])
-    return {i for i, b in zip(order, before) if b < p}, dict(zip(order, pr))
+    sure = {i for i, b in zip(order, before) if b < p - slack} | {order[0]}
+    maybe = {i for i, b in zip(order, before) if b < p + slack}
+    return sure, maybe, dict(zip(order, pr))
 
 
 @pytest.mark.parametrize("v", (7, 256))
@@ -106,11 +113,15 @@ def test_draws_stay_in_the_kept_set_and_follow_its_probabilities(rng, v):
     for trial in range(4):
         x = _logits(rng, v, ties=trial % 2 == 0) / 4
         t, k, p = float(rng.choice([0.7, 1.0, 2.0])), int(rng.choice([0, 3, 5])), float(rng.choice([0.6, 0.95, 1.0]))
-        keep, pr = _kept(x, t, k, p)
+        sure, maybe, pr = _kept(x, t, k, p)
         n = 4000
         keys = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 31))), n)
         ids = np.asarray(draw(jnp.asarray(x), keys, jnp.float32(t), k, jnp.float32(p)))
-        assert set(ids.tolist()) <= keep, (set(ids.tolist()) - keep, t, k, p)
+        drawn = set(ids.tolist())
+        assert drawn <= maybe, (drawn - maybe, t, k, p)
+        # at a knife edge the draws say which way the sampler's sums rounded; the frequencies below
+        # then fail if it kept the edge ids only sometimes
+        keep = maybe if drawn - sure else sure
         mass = sum(pr[i] for i in keep)
         for i in keep:  # each kept id within 6 standard deviations of its renormalised probability
             q = pr[i] / mass

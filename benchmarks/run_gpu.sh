@@ -89,8 +89,8 @@ stage_unrun() {
   [ -z "$files" ] || timeout "${UNRUN_TIMEOUT:-540}" python -m pytest -m gpu -q --durations=12 -p no:cacheprovider $files \
     -k "${UNRUN_K:-ashared or rows16_persist or moe_gemm_wgmma or attention_rows or blocked_mma or delta_blocked}" 2>&1 \
     | tee "$OUT/gpu_unrun_tests_${CARD}.txt" | tail -30
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${UNRUN_POOL_TIMEOUT:-300}" python -m pytest -q -p no:cacheprovider tests/test_batch_paged.py tests/test_batch_mixed.py tests/test_block_manager.py \
-    tests/test_batch_tier.py 2>&1 | tee "$OUT/gpu_pool_tests_${CARD}.txt" | tail -8
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${UNRUN_POOL_TIMEOUT:-360}" python -m pytest -q -p no:cacheprovider ${UNRUN_POOL_FILES:-tests/test_batch_paged.py tests/test_batch_mixed.py \
+    tests/test_block_manager.py tests/test_batch_tier.py tests/test_batch.py tests/test_tier.py} 2>&1 | tee "$OUT/gpu_pool_tests_${CARD}.txt" | tail -8
 }
 stage_sanitize() { bash benchmarks/sanitize_gpu.sh 2>&1 | tail -30; }
 stage_tiny() {

@@ -168,6 +168,8 @@ def test_tier_pool_slots_count_the_tier_device_part():
 def test_server_pool_runs_tier_mode(tier, alone):
     """The OpenAI-compatible server on a tier engine: four requests at once over two slots, each
     answer the prompt's tokens and logprob bytes alone in tier mode."""
+    for server_dep in ("starlette", "uvicorn"):  # test needs; the GPU machine may lack them
+        pytest.importorskip(server_dep)
     from baro_jax.serve.server import Server
 
     srv = Server(tier, port=0, model_name="tiny", max_batch=2, max_queue=8, max_logprobs=2, chunk=8)

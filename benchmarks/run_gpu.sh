@@ -412,6 +412,8 @@ stage_vs_peer() {
 # where one decode step's time goes at BATCH_PROFILE sizes (decode_profile.py --batch) and, unless
 # BATCH_GATE=0, the many-sequence identity gate (benchmarks/batch_identity.py: BATCH_GATE_N
 # sequences of 1 to BATCH_GATE_MAX_LEN tokens, staggered, half sampled, against their runs alone).
+# BATCH_MIXED=N:LEN[:B] adds the mixed-load row (N prompts of LEN tokens arriving while B decode,
+# e.g. 4:8192:32) for each of BATCH_MIXED_ROUNDS (on,off: a round's chunk and step in one pass or apart).
 stage_batch() {
   timeout "${THROUGHPUT_TIMEOUT:-300}" python benchmarks/throughput.py --model qwen3.5-35b-a3b \
     --batches "${BATCH_SIZES:-1,8,32,64}" --prompt-len 1024 --new-tokens "${BATCH_NEW:-256}" --check 2 --bandwidth-tbs "$BANDWIDTH_TBS" \

@@ -7,14 +7,14 @@ each sequence's first, over the time from the last first token to the end) and t
 beside the step's byte bound (decode_bound: the weights a step must read, the distinct routed
 experts B sequences touch per layer, the delta states read and written, the KV read, at
 --bandwidth-tbs). --check N compares the first N sequences of every batch with their runs alone
-(ids and logprob bytes). --mixed N:LEN adds a mixed-load row: N prompts of LEN tokens arrive
-behind the largest batch's sequences and prefill chunk by chunk while those decode; it reports
+(ids and logprob bytes). --mixed N:LEN[:B] adds a mixed-load row: N prompts of LEN tokens arrive
+behind B sequences (default: the largest batch) and prefill chunk by chunk while those decode; it reports
 the aggregate tokens/s and the time between a sequence's tokens as its callback saw them (p50 /
 p99 over all sequences' gaps; greedy blocks deliver tokens in bursts, so also each sequence's mean
 time per token, p50 / p99 over sequences). JSON with device, commit and date; --png plots tokens/s and the
 bound against B.
 
-    python benchmarks/throughput.py --model qwen3.5-35b-a3b --batches 1,8,32,64 --mixed 4:8192 \
+    python benchmarks/throughput.py --model qwen3.5-35b-a3b --batches 1,8,32,64 --mixed 4:8192:32 \
         --json out.json --png out.png
 
 --mode tier runs the pool in tier mode (routed experts in host memory, one decode step a call, each
@@ -74,7 +74,7 @@ def mixed_row(eng, args, B: int, rng):
     """B sequences of --prompt-len tokens and N of LEN behind them in one generate_batch call of
     B + N slots: the long prompts prefill a chunk per step while the short ones decode. Returns
     (the results, the row)."""
-    n, length = args.mixed
+    n, length, _ = args.mixed
     prompts = [[int(t) for t in rng.integers(0, eng.cfg.vocab_size, args.prompt_len)] for _ in range(B)]
     prompts += [[int(t) for t in rng.integers(0, eng.cfg.vocab_size, length)] for _ in range(n)]
     kw = dict(max_batch=B + n, chunk=args.chunk, stop_at_eos=False, prefill_budget=args.prefill_budget)
@@ -142,8 +142,9 @@ def main(argv=None) -> int:
                     help="prompt rows prefilled per round, whole chunks (default: one chunk)")
     ap.add_argument("--check", type=int, default=2, help="sequences per batch compared with their run alone")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--mixed", default=None, metavar="N:LEN",
-                    help="a mixed-load row: N prompts of LEN tokens arriving behind the largest batch")
+    ap.add_argument("--mixed", default=None, metavar="N:LEN[:B]",
+                    help="a mixed-load row: N prompts of LEN tokens arriving behind B decoding sequences "
+                         "(default B: the largest of --batches)")
     ap.add_argument("--mixed-rounds", default="on", choices=("on", "off", "on,off", "off,on"),
                     help="the mixed row with a round's prefill chunk and decode step in one pass (on), apart "
                          "(off), or both arms on the same prompts (their outputs compared)")
@@ -154,10 +155,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     if args.mixed is not None:
-        n, _, length = args.mixed.partition(":")
-        if not (n.isdigit() and length.isdigit() and int(n) >= 1 and int(length) >= 1):
-            ap.error(f"--mixed takes N:LEN, two positive integers, got {args.mixed!r}")
-        args.mixed = (int(n), int(length))
+        parts = args.mixed.split(":")
+        if not (len(parts) in (2, 3) and all(p.isdigit() and int(p) >= 1 for p in parts)):
+            ap.error(f"--mixed takes N:LEN or N:LEN:B, positive integers, got {args.mixed!r}")
+        args.mixed = (int(parts[0]), int(parts[1]), int(parts[2]) if len(parts) == 3 else max(batches))
     ctx = max(args.prompt_len, args.mixed[1] if args.mixed else 0) + args.new_tokens
     eng = baro_jax.load(args.model, max_context=max(ctx, 1024), seed=args.seed, mode=args.mode,
                         device_budget_gb=args.device_budget_gb,
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
     for arm in (args.mixed_rounds.split(",") if args.mixed else []):
         # the same prompts for every arm; mixed_rounds never changes a bit, so the arms' outputs must match
         eng.tune(mixed_rounds=arm == "on")
-        res, row = mixed_row(eng, args, max(batches), np.random.default_rng(args.seed + 1))
+        res, row = mixed_row(eng, args, args.mixed[2], np.random.default_rng(args.seed + 1))
         row["mixed_rounds"] = arm
         outputs.append([(r.generated_ids, [x.tobytes() for x in r.logprobs]) for r in res])
         arms[arm] = row

@@ -92,3 +92,10 @@ def test_throughput_mixed_row_reports_the_pace_beside_the_gaps(tmp_path):
     assert mixed["generated_tokens"] == 3 * 9
     assert 0 < mixed["ms_per_token_p50"] <= mixed["ms_per_token_p99"]
     assert mixed["gap_ms_p50"] <= mixed["gap_ms_p99"]
+    # N:LEN:B: B decoding sequences, not the largest batch
+    assert throughput.main(["--model", "tiny", "--batches", "2", "--prompt-len", "12", "--new-tokens", "9",
+                            "--mixed", "1:40:1", "--chunk", "16", "--check", "0", "--json", str(out)]) == 0
+    mixed = json.loads(out.read_text())["mixed"]
+    assert (mixed["decoding"], mixed["arriving"], mixed["generated_tokens"]) == (1, 1, 2 * 9)
+    with pytest.raises(SystemExit):
+        throughput.main(["--model", "tiny", "--mixed", "1:40:0"])

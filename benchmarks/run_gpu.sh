@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode mma_swap tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -112,6 +112,14 @@ stage_ncu_rows() {
   grep -E "^  [a-z_]+.*\(|Duration|Throughput|L2 Hit|Mem Busy|Max Bandwidth|Achieved Occupancy|Grid Size|Registers Per|Stall|Warp Cycles Per Issued" \
     "$OUT/ncu_rows_${CARD}.txt" | head -150
   pkill -f benchmarks/op_times.py; sleep 1  # a profiled child that outlived the timeout holds the card
+}
+# Whether mma.sync gives the same bits with its operands' roles swapped (W as the 16-row A, a
+# step's tokens as the 8-wide B): the question a swapped-operand decode stream for 2 to 8 rows
+# stands on (benchmarks/mma_swap_probe.cu, ~5 s): $OUT/mma_swap_probe_${CARD}.jsonl.
+stage_mma_swap() {
+  nvcc -O3 -std=c++17 --fmad=false -arch=sm_90 -Icsrc/gpu -Icsrc/common benchmarks/mma_swap_probe.cu \
+    -o /tmp/mma_swap_probe 2>&1 | tail -5
+  timeout 60 /tmp/mma_swap_probe | tee "$OUT/mma_swap_probe_${CARD}.jsonl" | tail -3
 }
 stage_ncu_decode() { timeout "${NCU_TIMEOUT:-300}" bash benchmarks/profile_gpu.sh 1 2>&1 | tail -80; }
 stage_probe() {

@@ -190,6 +190,53 @@ def test_matmul_row1_ashared(platform, N, K, monkeypatch):
     assert_close(want, ref_matmul(x, w), 1e-5, f"matmul N={N} K={K} m={m} vs float64")
 
 
+# The stream's TMA instance (BARO_ROW1_TMA=1, gemm_row1.cuh Row1Maps; opt-in, first run on a GPU
+# pending): each 128-wide k sub-stage filled by two tensor copies (W's unit rows, A's rows) instead
+# of one bulk copy per row, against the default bulk-copy stream, bytes on poisoned outputs, fresh
+# inputs for every m. m = 1 is gemm_row1's one-row instance, 2 to 16 the 16-row stream; every row
+# of the m-row call must equal its one-row call too. Shapes: the model's in_proj (12352 x 2048),
+# out_proj / attention o (2048 x 4096) and qkv (9216 x 2048); 4801 x 1040 (a last unit of one
+# column, a last sub-stage of one 16-step: the box past K comes back as zeros); 264 x 4224 (33
+# sub-stages: a last stage of one); 264 x 144 (K under two sub-stages). Under the speed knobs:
+# one and eight blocks per SM (smaller rings: stages of fewer sub-stages), units of 1 and 4
+# n-tiles. require fails a call on the stream that the instance cannot take, so the bytes cannot
+# come from the default kernel.
+TMA_M = (1, 2, 3, 8, 13, 16)
+TMA_KNOBS = [{}, {"BARO_ROW1_BPS": "1"}, {"BARO_ROW1_BPS": "8"}, {"BARO_ROW1_NT": "1"}, {"BARO_ROW1_NT": "4"}]
+TMA_NAMES = ("BARO_ROW1_TMA", "BARO_ROW1_ASHARED", "BARO_GEMM_SMALL", "BARO_GEMM_TILE", "BARO_ROW1_BPS",
+             "BARO_ROW1_NT", "BARO_ROW1_KCHUNK", "BARO_ROW1_STAGES", "BARO_ROW1_COPY", "BARO_GEMM_ROW1")
+
+
+@pytest.mark.parametrize("N,K", [(12352, 2048), (2048, 4096), (9216, 2048), (4801, 1040), (264, 4224),
+                                 (264, 144)])
+def test_matmul_row1_tma(platform, N, K, monkeypatch):
+    if platform.platform != "gpu":
+        pytest.skip("the stream's TMA instance is a CUDA kernel")
+    rng = np.random.default_rng(3700 + N + K)
+    w = bf16(rng, N, K)
+    wd = put(platform, w)
+
+    def call(x, knobs):
+        set_only(monkeypatch, TMA_NAMES, knobs)
+        poison(platform, (x.shape[0], N))  # a fresh jit: the launcher reads the knobs when the graph is built
+        out = np.asarray(jax.jit(lambda a, b: cc.matmul(a, b))(put(platform, x), wd))
+        set_only(monkeypatch, TMA_NAMES, {})
+        assert np.all(np.isfinite(out)), f"matmul N={N} K={K} m={x.shape[0]} {knobs}: elements unwritten"
+        return out
+
+    for m in TMA_M:
+        x = bf16(rng, m, K)  # fresh inputs for every m
+        want = call(x, {"BARO_ROW1_TMA": "0"})  # the default: bulk copies, one per row
+        for knobs in TMA_KNOBS:
+            got = call(x, {"BARO_ROW1_TMA": "require", **knobs})
+            assert_same_bits(got, want, f"matmul N={N} K={K} m={m} {knobs}: BARO_ROW1_TMA vs off")
+        if m > 1:
+            for i in range(m):
+                one = call(x[i:i + 1], {"BARO_ROW1_TMA": "require"})
+                assert_same_bits(one[0], want[i], f"matmul N={N} K={K} m={m} row {i}: one-row TMA call vs the stream")
+    assert_close(want, ref_matmul(x, w), 1e-5, f"matmul N={N} K={K} m={m} vs float64")
+
+
 # The opt-in sm_90a wgmma + TMA GEMM (csrc/gpu/gemm_wgmma.cu, BARO_GEMM_WGMMA): plain calls of
 # 64 rows or more, the same bytes as the mma.sync kernels. require turns a fallback into an error,
 # so the test cannot pass on the default kernel. m: one 64-row tile, one row past it, a tile short

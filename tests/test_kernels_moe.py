@@ -469,6 +469,47 @@ def test_moe_row1_ashared(platform, fold, monkeypatch):
     assert_close(want, ref_moe(h, *w, k), 1e-3, f"moe m={m} fold={fold} vs float64")
 
 
+# The MoE's plain GEMMs of 1 to 16 rows on the stream's TMA instance (BARO_ROW1_TMA=1; opt-in,
+# first run on a GPU pending) against the knob off and each row alone, at the model's shapes as
+# above: without the fold the router (N 256) and the shared gate (N 1: one unit whose other 7 W
+# rows are past the tensor, zeros) and the shared down (K 512) take it; the router with the
+# fold reads its last row from W_tail, and the shared gate/up is SwiGLU: those stay on the bulk
+# copies (hence =1, not require), so the check is that mixing the two instances in one call
+# changes no byte. The one-token MoE's fused route and combine are not the instance's.
+@pytest.mark.parametrize("fold", ["1", "0"])
+def test_moe_row1_tma(platform, fold, monkeypatch):
+    if platform.platform != "gpu":
+        pytest.skip("the stream's TMA instance is a CUDA kernel")
+    E, D, I, Is, k = 256, 2048, 64, 512, 8
+    rng = np.random.default_rng(3900 + int(fold))
+    w = moe_weights_sized(rng, E, D, I, Is)
+    wd = put(platform, *w)
+    names = ASHARED_MOE_NAMES + ("BARO_ROW1_TMA",)
+
+    def call(h, knobs):
+        for kn in names:
+            monkeypatch.delenv(kn, raising=False)
+        for kn, v in {"BARO_MOE_FOLD": fold, **knobs}.items():
+            monkeypatch.setenv(kn, v)
+        poison(platform, (h.shape[0], D))
+        out = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h), *wd))
+        assert np.all(np.isfinite(out)), f"moe m={h.shape[0]} fold={fold} {knobs}: elements unwritten"
+        return out
+
+    for m in (1, 2, 8, 13):
+        h = bf16(rng, m, D)  # fresh inputs for every m
+        want = call(h, {"BARO_ROW1_TMA": "0"})
+        for knobs in ({}, {"BARO_ROW1_NT": "1"}):
+            got = call(h, {"BARO_ROW1_TMA": "1", **knobs})
+            assert_same_bits(got, want, f"moe m={m} fold={fold} {knobs}: BARO_ROW1_TMA vs off")
+        for i in range(m if m > 1 else 0):
+            one = call(h[i:i + 1], {"BARO_ROW1_TMA": "1"})
+            assert_same_bits(one[0], want[i], f"moe m={m} fold={fold} row {i}: one-row call vs the batch")
+    for kn in names:
+        monkeypatch.delenv(kn, raising=False)
+    assert_close(want, ref_moe(h, *w, k), 1e-3, f"moe m={m} fold={fold} vs float64")
+
+
 # The grouped expert GEMMs of 2 to 64 rows (16-row tiles on gemm_rows16: under 8 pairs per expert)
 # on the persistent schedule (BARO_ROWS16_PERSIST; opt-in, first GPU run pending) against the
 # knob off, bytes on poisoned outputs, fresh inputs for every m: the model's D 2048, E 256,

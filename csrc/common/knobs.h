@@ -69,6 +69,7 @@ enum Id : int {
   kRow1Nt,
   kRow1Copy,
   kRow1Ashared,
+  kRow1Tma,
   kCount
 };
 
@@ -107,6 +108,7 @@ inline constexpr Knob kKnobs[kCount] = {
     {"BARO_ROW1_NT", Kind::kInt, nullptr, 0, 4, 0},
     {"BARO_ROW1_COPY", Kind::kChoice, "bulk|lsu", 0, 0, 0},
     {"BARO_ROW1_ASHARED", Kind::kChoice, "0|1|require", 0, 0, 0},
+    {"BARO_ROW1_TMA", Kind::kChoice, "0|1|require", 0, 0, 0},
 };
 
 inline bool same_word(const char* s, const char* w, size_t n) {

@@ -58,6 +58,8 @@
 #include "moe_route.cuh"
 
 #if !BARO_HIP
+#include "tensor_map.h"
+
 namespace baro_gpu {
 
 constexpr int kRow1MaxStages = 16;
@@ -88,6 +90,27 @@ constexpr int kRow1RouteInts = 132;
 constexpr int kRow1RouteBytes = 1536;
 __host__ __device__ constexpr int64_t row1_route_max_tiles() { return (kRow1RouteBytes / 4 - kRow1RouteInts) / 3; }
 
+// TMA (BARO_ROW1_TMA; plain calls, no SwiGLU): a stage is 1, 2 or 4 sub-stages of 128 k, each
+// filled by two tensor copies, W's unit rows and the slot's A rows, each one box issued by one
+// lane; the group of 8 k-steps that reads a sub-stage is the bulk path's group, moved to it. The bulk copies
+// take one instruction per row, and the rows' addresses differ by lane while the instruction
+// takes uniform operands, so the compiler issues them one lane at a time (~11 instructions a
+// row, 40 rows a stage at 8 rows and 4 n-tiles): about as many instructions as the stage's mmas,
+// from the same warp, which is all an SM's sub-partition has (cuobjdump -sass, 590c0ed). The box
+// is 8 elements wider than the stage: its rows land at row1_row_bytes(128) = 272 bytes apart,
+// the ring's padded stride, so the fragment loads are the bulk path's, bank for bank (the 8
+// extra elements sit in the pad, which no fragment reads; past K they come back as zeros).
+constexpr int kRow1TmaK = 128;
+constexpr int kRow1TmaBoxK = kRow1TmaK + 8;
+static_assert(kRow1TmaBoxK * 2 == 2 * kRow1TmaK + 16, "a box row is the ring's padded row");
+struct Row1Maps {
+  CUtensorMap w;  // W [N, K] (row stride ldw): boxes of kRow1TmaBoxK x 8 NT
+  CUtensorMap a;  // A [M, K] (row stride lda): boxes of kRow1TmaBoxK x the stage's A rows
+};
+struct Row1NoMaps {};  // the other instances' last argument: nothing
+template <bool TMA>
+using Row1MapsOf = typename std::conditional<TMA, Row1Maps, Row1NoMaps>::type;
+
 // Runtime shape of the ring, chosen by the launcher (matmul.cu launch_row1).
 struct Row1Ring {
   int kchunk;       // k elements per stage (a multiple of 128)
@@ -100,6 +123,8 @@ struct Row1Ring {
   int a_bytes = 0;  // the A region: row1_a_bytes(the call's most rows, K)
   int a_per = 0;    // k stages per A piece
   int n_ka = 0;     // A pieces: ceil(n_k / a_per) <= kRow1AsPieces
+  int tma_sub = 0;  // TMA only: bytes of a 128-wide sub-stage (W's unit rows, then A's rows)
+  int tma_tx = 0;   // TMA only: the bytes a sub-stage's two boxes bring (rows past the tensor count)
 };
 
 // ASHARED: the A region's row stride. 2 K + 16 bytes keeps the 8 rows g of a fragment load on
@@ -182,14 +207,15 @@ BARO_DEV void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;
 //     warp that counts a unit's last slot computes out for those columns: the slot-order
 //     fmaf over the pairs from 0, then + sigmoid(sgl) * the shared row, moe_combine_kernel's
 //     expressions (the kernel tests compare the two), so the combine launch goes.
-template <bool SWIGLU, int NT, int MOE = Row1Moe::kNone, bool SLOT16 = false, bool ASHARED = false>
+template <bool SWIGLU, int NT, int MOE = Row1Moe::kNone, bool SLOT16 = false, bool ASHARED = false, bool TMA = false>
 __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_WARP)
-    gemm_row1_kernel(GemmParams p, int64_t row_slots, Row1Ring ring) {
+    gemm_row1_kernel(GemmParams p, int64_t row_slots, Row1Ring ring, const __grid_constant__ Row1MapsOf<TMA> maps) {
   using Cfg = Row1Cfg<SWIGLU, NT>;
   constexpr int T = Cfg::kTiles;
   static_assert(MOE == Row1Moe::kNone || (MOE == Row1Moe::kRoute) == SWIGLU, "route on gate/up, combine on down");
   static_assert(MOE == Row1Moe::kNone || !SLOT16, "the fused route and combine are one token's");
   static_assert(!ASHARED || (SLOT16 && MOE == Row1Moe::kNone), "a shared A slot: plain 16-row slots only");
+  static_assert(!TMA || (!SWIGLU && MOE == Row1Moe::kNone && !ASHARED), "TMA: plain calls without SwiGLU");
   extern __shared__ __align__(128) uint8_t row1_smem[];
   grid_dependency_wait();  // p.pdl launches: the previous kernel's results first
 
@@ -250,7 +276,7 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
   const uint32_t my_units = !ASHARED || first < units ? (units - first + step - 1) / step : 0u;
   const int64_t K = p.K;
   const int kchunk = ring.kchunk, ST = ring.stages;
-  const int rowb = row1_row_bytes(kchunk);
+  const int rowb = row1_row_bytes(TMA ? kRow1TmaK : kchunk);
   const int n_k = ring.n_k;
   const int64_t total = static_cast<int64_t>(my_units) * n_k;  // stages this warp streams
   const uint32_t d_hi = step / n_lo, d_lo = step - d_hi * n_lo;  // the grid stride in (hi, lo)
@@ -364,7 +390,21 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
                                                                    : pu.w + wrow * p.ldw;
       return w + k0;
     };
-    if (ring.lsu) {  // every lane copies 16-byte chunks of the stage's rows, then arrives
+    if constexpr (TMA) {  // one lane; per 128-wide sub-stage below K two boxes: W's unit rows, A's rows
+      __syncwarp();
+      fence_proxy_async();
+      if (lane == 0) {
+        const int64_t below_k = (K - k0 + kRow1TmaK - 1) / kRow1TmaK;
+        const int subs = below_k < kchunk / kRow1TmaK ? static_cast<int>(below_k) : kchunk / kRow1TmaK;
+        mbar_expect_tx(bar, static_cast<uint32_t>(subs * ring.tma_tx));
+        for (int j = 0; j < subs; ++j) {
+          const uint32_t sub = dst + static_cast<uint32_t>(j * ring.tma_sub);
+          const int x = static_cast<int>(k0) + j * kRow1TmaK;
+          wg_tma_box(sub, &maps.w, x, static_cast<int>(pu.c0), bar);
+          wg_tma_box(sub + Cfg::kWRows * rowb, &maps.a, x, static_cast<int>(pu.row), bar);
+        }
+      }
+    } else if (ring.lsu) {  // every lane copies 16-byte chunks of the stage's rows, then arrives
       const int per_row = static_cast<int>(kb / 16);
       for (int c = lane; c < rows * per_row; c += BARO_WARP) {
         const int r = c / per_row, q = c - r * per_row;
@@ -423,12 +463,16 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
     // Groups of 8 k-steps: every load of the group is issued before its first mma, so the
     // shared-memory latency is paid once per group and the T chains run back to back.
     for (int k8 = 0; k8 < steps; k8 += 8) {
+      // TMA: the group's 8 k-steps are the whole of sub-stage k8 / 8 (its W rows, then its A rows)
+      const uint32_t gbase = TMA ? base + static_cast<uint32_t>((k8 / 8) * ring.tma_sub) : base;
+      const int gk = TMA ? 0 : k8;
+      const uint16_t* ga = TMA ? a_s + (k8 / 8) * (ring.tma_sub / 2) : a_s;
       FragB fb[T][8];
 #pragma unroll
       for (int h = 0; h < 4; ++h)
 #pragma unroll
         for (int b = 0; b < T; ++b)
-          ldsm_x4(base + b * 8 * rowb + b_lane + (k8 + 2 * h) * 32, fb[b][2 * h].r[0], fb[b][2 * h].r[1],
+          ldsm_x4(gbase + b * 8 * rowb + b_lane + (gk + 2 * h) * 32, fb[b][2 * h].r[0], fb[b][2 * h].r[1],
                   fb[b][2 * h + 1].r[0], fb[b][2 * h + 1].r[1]);
       // load_a's words of a tile whose rows are the slot's rows (one, or rc), the rest zero
       FragA fa[8];
@@ -436,11 +480,11 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
         // A rows at the W rows' padded stride (ASHARED: the A region's): rows g spread over banks
         const int ars = ASHARED ? ring.a_rowb / 2 : rowb / 2;
         const bool lo = g < cu.rc, hi = g + 8 < cu.rc;
-        const uint16_t* a_lo = a_s + g * ars;
-        const uint16_t* a_hi = a_s + (g + 8) * ars;
+        const uint16_t* a_lo = ga + g * ars;
+        const uint16_t* a_hi = ga + (g + 8) * ars;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const int k = (k8 + j) * 16 + 2 * t;
+          const int k = (gk + j) * 16 + 2 * t;
           fa[j].r[0] = lo ? lds32(a_lo + k) : 0u;
           fa[j].r[1] = hi ? lds32(a_hi + k) : 0u;
           fa[j].r[2] = lo ? lds32(a_lo + k + 8) : 0u;
@@ -449,10 +493,10 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
       } else {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const int k = (k8 + j) * 16 + 2 * t;
-          fa[j].r[0] = g == 0 ? lds32(a_s + k) : 0u;
+          const int k = (gk + j) * 16 + 2 * t;
+          fa[j].r[0] = g == 0 ? lds32(ga + k) : 0u;
           fa[j].r[1] = 0u;
-          fa[j].r[2] = g == 0 ? lds32(a_s + k + 8) : 0u;
+          fa[j].r[2] = g == 0 ? lds32(ga + k + 8) : 0u;
           fa[j].r[3] = 0u;
         }
       }

@@ -291,8 +291,72 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
   const dim3 block(static_cast<unsigned>(warps * BARO_WARP));
   if (p.pdl)
     return launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), block, static_cast<size_t>(smem), stream, p,
-                            row_slots, ring);
-  kernel<<<static_cast<unsigned>(blocks), block, smem, stream>>>(p, row_slots, ring);
+                            row_slots, ring, Row1NoMaps{});
+  kernel<<<static_cast<unsigned>(blocks), block, smem, stream>>>(p, row_slots, ring, Row1NoMaps{});
+  return gpuGetLastError();
+}
+
+// BARO_ROW1_TMA=1 (opt-in until measured on a GPU; the same bits): a plain call without SwiGLU
+// on the stream runs gemm_row1_tma_kernel, whose stages are filled by two tensor copies (W's unit
+// rows, the slot's A rows) issued by one lane (gemm_row1.cuh, Row1Maps, says why). =require
+// (tests): a call on the stream that it cannot take fails instead of running the bulk-copy
+// instance, so a byte test cannot pass on the default. Read per call.
+static bool row1_tma_takes(const GemmParams& p) {
+  constexpr int64_t kI32 = 0x7fffffffLL;  // TMA coordinates are 32-bit
+  return p.Act == nullptr && p.tiles == nullptr && p.a_rows == nullptr && p.W_tail == nullptr &&
+         p.W_last == nullptr && p.W_host == nullptr && p.moe.kind == Row1Moe::kNone && is_aligned(p.A, 16) &&
+         is_aligned(p.W, 16) && p.lda % 8 == 0 && p.ldw % 8 == 0 && p.lda >= p.K && p.ldw >= p.K && p.K <= kI32 &&
+         p.N <= kI32 && p.M <= kI32 && wg_encoder() != nullptr;
+}
+
+// rows x K bf16 at row stride ld as a 2-D tensor map of kRow1TmaBoxK x box_rows boxes, no
+// swizzle (the ring's padded rows keep ldmatrix off bank conflicts), zeros outside.
+static bool row1_tma_encode(CUtensorMap* m, const uint16_t* base, int64_t rows, int64_t K, int64_t ld, int box_rows) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};  // bytes per row
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kRow1TmaBoxK), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t step[2] = {1, 1};
+  return wg_encoder()(m, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<uint16_t*>(base), dims, strides, box, step,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// a_rows: the A rows of a slot's box (1, or min(M, 16)). A sub-stage is the unit's W rows then
+// A's rows rounded up to 8, 272 bytes each, so every sub-stage and box starts 128-byte aligned
+// (8 rows of 272 bytes are 17 x 128). A stage is the most sub-stages of 4, 2, 1 (no wider than
+// K) of which an SM's share of shared memory (BARO_ROW1_BPS blocks per SM) holds three stages,
+// else two of one: the stage's wait and refill are paid once per sub-stage or fewer. The bulk
+// instance's k-piece and stage knobs do not apply.
+template <int NT, bool SLOT16>
+static gpuError_t launch_row1_tma(const GemmParams& p, int64_t row_slots, int64_t grid, const Row1Plan& plan,
+                                  int a_rows, gpuStream_t stream) {
+  using Cfg = Row1Cfg<false, NT>;
+  const int64_t units = row_slots * ((p.N + Cfg::kOutCols - 1) / Cfg::kOutCols);
+  if (units > 0x7fffffffLL) return gpuErrorInvalidValue;
+  Row1Maps maps;
+  if (!row1_tma_encode(&maps.w, p.W, p.N, p.K, p.ldw, Cfg::kWRows) ||
+      !row1_tma_encode(&maps.a, p.A, p.M, p.K, p.lda, a_rows))
+    return gpuErrorInvalidValue;
+  const int ring_bytes = 233472 / plan.bps - 1024 - kRow1BarBytes;
+  const int sub_bytes = (Cfg::kWRows + (a_rows + 7) / 8 * 8) * row1_row_bytes(kRow1TmaK);
+  const int64_t k_subs = (p.K + kRow1TmaK - 1) / kRow1TmaK;
+  int subs = 4;
+  while (subs > 1 && (subs / 2 >= k_subs || ring_bytes / (subs * sub_bytes) < 3)) subs /= 2;
+  Row1Ring ring{kRow1TmaK * subs, 0, subs * sub_bytes, 0, static_cast<int>((k_subs + subs - 1) / subs)};
+  ring.stages = ring_bytes / ring.stage_bytes;
+  if (ring.stages > kRow1MaxStages) ring.stages = kRow1MaxStages;
+  if (ring.stages < 2) return gpuErrorInvalidValue;
+  ring.tma_sub = sub_bytes;
+  ring.tma_tx = (Cfg::kWRows + a_rows) * kRow1TmaBoxK * 2;
+  const int smem = kRow1BarBytes + ring.stages * ring.stage_bytes;
+  static std::atomic<uint64_t> smem_done{0};
+  constexpr auto kernel = gemm_row1_kernel<false, NT, Row1Moe::kNone, SLOT16, false, true>;
+  const gpuError_t e = allow_smem(kernel, 233472 - 1024, smem_done);  // any bps
+  if (e != gpuSuccess) return e;
+  if (p.pdl)
+    return launch_dependent(kernel, dim3(static_cast<unsigned>(grid)), dim3(BARO_WARP), static_cast<size_t>(smem),
+                            stream, p, row_slots, ring, maps);
+  kernel<<<static_cast<unsigned>(grid), BARO_WARP, smem, stream>>>(p, row_slots, ring, maps);
   return gpuGetLastError();
 }
 
@@ -308,6 +372,17 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
   const int64_t enough = warps * 9 / 10;
   int nt = plan.nt;
   if (nt == 0) nt = !SWIGLU && units(4) >= enough ? 4 : units(2) >= enough ? 2 : 1;
+  if constexpr (!SWIGLU && MOE == Row1Moe::kNone) {
+    namespace k = baro::knobs;
+    if (!k::is(k::kRow1Tma, "0")) {
+      if (row1_tma_takes(p)) {
+        if (nt >= 4) return launch_row1_tma<4, SLOT16>(p, row_slots, grid(4), plan, a_rows, stream);
+        if (nt >= 2) return launch_row1_tma<2, SLOT16>(p, row_slots, grid(2), plan, a_rows, stream);
+        return launch_row1_tma<1, SLOT16>(p, row_slots, grid(1), plan, a_rows, stream);
+      }
+      if (k::is(k::kRow1Tma, "require")) return gpuErrorInvalidValue;
+    }
+  }
   if constexpr (SLOT16 && MOE == Row1Moe::kNone) {
     namespace k = baro::knobs;
     const bool on = !k::is(k::kRow1Ashared, "0");

@@ -1,16 +1,15 @@
 // baro_jax GPU: the Hopper (sm_90a) helpers shared by the wgmma kernels (attention_wgmma.cu,
-// gemm_wgmma.cu): mbarriers, TMA boxes, wgmma shared-memory descriptors and fences, and the
-// driver's tensor-map encoder. Include only from a translation unit built for sm_90a (gpu.cmake's
-// BARO_WGMMA object); the instructions here exist nowhere else.
+// gemm_wgmma.cu): mbarriers, wgmma shared-memory descriptors and fences (TMA boxes and the
+// tensor-map encoder are tensor_map.h's, which sm_90 code uses too). Include only from a
+// translation unit built for sm_90a (gpu.cmake's BARO_WGMMA object); the wgmma instructions here
+// exist nowhere else.
 #pragma once
-
-#include <cuda.h>  // CUtensorMap (the encoder is looked up through the runtime: no libcuda link)
-#include <cudaTypedefs.h>
 
 #include <cstdint>
 
 #include "common.cuh"
 #include "portability.h"
+#include "tensor_map.h"
 
 namespace baro_gpu {
 
@@ -38,17 +37,6 @@ BARO_DEV void wg_mbar_wait(uint32_t bar, uint32_t parity) {
         : "r"(bar), "r"(parity)
         : "memory");
   } while (!done);
-}
-
-// ---- TMA ----
-// One 2-D box at (column x, row y) of the tensor map into shared memory dst, completion counted on
-// bar. Elements outside the tensor come back as zeros (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE).
-BARO_DEV void wg_tma_box(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
-      : "memory");
 }
 
 // ---- wgmma (PTX ISA: asynchronous warpgroup matrix multiply) ----
@@ -84,26 +72,6 @@ BARO_DEV void wg_hold(float (&d)[N][4]) {
 }
 
 // ---- host ----
-// The driver's tensor-map encoder, looked up once (per translation unit) through the runtime;
-// null where it is absent.
-static inline PFN_cuTensorMapEncodeTiled_v12000 wg_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q);
-#else
-    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q);
-#endif
-    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      p = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
 // The only device the sm_90a image runs on: sm_90 (not forward compatible).
 static inline bool wg_device_is_sm90() {
   int dev = 0, major = 0, minor = 0;

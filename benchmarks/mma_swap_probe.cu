@@ -24,6 +24,7 @@
 
 #include "../csrc/gpu/common.cuh"
 #include "../csrc/gpu/dot.cuh"
+#include "probe_host.h"
 
 using namespace baro_gpu;
 
@@ -70,20 +71,6 @@ __global__ void swapped(const uint16_t* X, const uint16_t* W, const float* C0, i
   }
   for (int tt = 0; tt < 2; ++tt)
     for (int i = 0; i < 4; ++i) out[w * 256 + (8 * tt + frag_col(i)) * 16 + frag_row(i)] = c[tt][i];
-}
-
-static uint16_t to_bf16(float f) {  // round to nearest even (finite inputs)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-template <typename T>
-static T* dev(const std::vector<T>& h) {
-  T* p = nullptr;
-  cudaMalloc(&p, h.size() * sizeof(T));
-  cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
-  return p;
 }
 
 // kind 0: N(0, 1); kind 1: N(0, 1) * 2^u, u uniform in [-24, 24]

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "../csrc/gpu/attention_fa.cuh"
+#include "probe_host.h"
 
 namespace baro_gpu {
 bool pdl_enabled() { return false; }  // matmul.cu's, not linked here: plain launches
@@ -58,29 +59,11 @@ using namespace baro_gpu;
     }                                                                                    \
   } while (0)
 
-static uint16_t to_bf16(float f) {  // round to nearest even (finite inputs)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 static std::vector<float> rand_f32(std::mt19937& g, size_t n, float scale) {
   std::normal_distribution<float> N(0.0f, scale);
   std::vector<float> v(n);
   for (auto& x : v) x = N(g);
   return v;
-}
-static std::vector<uint16_t> rand_bf16(std::mt19937& g, size_t n, float scale) {
-  std::normal_distribution<float> N(0.0f, scale);
-  std::vector<uint16_t> v(n);
-  for (auto& x : v) x = to_bf16(N(g));
-  return v;
-}
-template <typename T>
-static T* dev(const std::vector<T>& h) {
-  T* p = nullptr;
-  CK(cudaMalloc(&p, h.size() * sizeof(T)));
-  CK(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
 }
 // bf16 bits as an ordered integer (sign-magnitude -> two's complement), for the gap in bf16 units.
 static int ord_bf16(uint16_t b) { return (b & 0x8000) ? -static_cast<int>(b & 0x7FFF) : static_cast<int>(b); }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../csrc/gpu/attention_wgmma.cu"
+#include "probe_host.h"
 
 namespace baro_gpu {
 bool pdl_enabled() { return false; }  // matmul.cu's, which this probe does not link
@@ -122,24 +123,6 @@ __global__ void wg_pv(const uint16_t* P, const uint16_t* V, const float* o0, int
     for (int i = 0; i < 4; ++i) out[((w * 32 + lane) * NT + u) * 4 + i] = d[u][i];
 }
 
-static uint16_t to_bf16(float f) {  // round to nearest even (finite inputs)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-static std::vector<uint16_t> rand_bf16(std::mt19937& g, size_t n, float scale) {
-  std::normal_distribution<float> N(0.0f, scale);
-  std::vector<uint16_t> v(n);
-  for (auto& x : v) x = to_bf16(N(g));
-  return v;
-}
-template <typename T>
-static T* dev(const std::vector<T>& h) {
-  T* p = nullptr;
-  cudaMalloc(&p, h.size() * sizeof(T));
-  cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
-  return p;
-}
 static bool report(const char* name, int param, float* dref, float* dwg, size_t n) {
   std::vector<float> a(n), b(n);
   cudaMemcpy(a.data(), dref, n * 4, cudaMemcpyDeviceToHost);

@@ -129,7 +129,7 @@ def test_matmul_stream16(platform, N, K, monkeypatch):
 
 
 # The stream's blocks that load a plain call's A slot once and share it among their warps
-# (BARO_ROW1_ASHARED=1, gemm_row1.cuh ASHARED; opt-in, first run on a GPU pending) against the
+# (BARO_ROW1_ASHARED=1, gemm_row1.cuh ASHARED; opt-in: its bytes pass on the GPU, its speed does not) against the
 # default stream over 16-row slots (the knob off) and against one-row calls (gemm_row1's one-row
 # kernel), at the model's shapes: in_proj (12352 x 2048), out_proj and attention o (2048 x 4096),
 # qkv (9216 x 2048); 4801 x 1040 (a last k stage of one 16-step: the fragment loads past K land in
@@ -156,38 +156,17 @@ def set_only(monkeypatch, names, knobs):
         monkeypatch.setenv(n, v)
 
 
-@pytest.mark.parametrize("N,K", [(12352, 2048), (2048, 4096), (9216, 2048), (4801, 1040), (264, 4224),
-                                 (264, 8192)])
-def test_matmul_row1_ashared(platform, N, K, monkeypatch):
-    if platform.platform != "gpu":
-        pytest.skip("the shared-A stream is a CUDA kernel")
-    rng = np.random.default_rng(3100 + N + K)
-    w = bf16(rng, N, K)
-    wd = put(platform, w)
-
+def knob_matmul(platform, monkeypatch, names, wd, N, K):
+    """call(x, knobs): cc.matmul(x, W) on poisoned outputs with exactly `knobs` of `names` set while
+    its graph is built (a fresh jit: the launcher reads the knobs then), every element checked written."""
     def call(x, knobs):
-        set_only(monkeypatch, ASHARED_NAMES, knobs)
-        poison(platform, (x.shape[0], N))  # a fresh jit: the launcher reads the knobs when the graph is built
+        set_only(monkeypatch, names, knobs)
+        poison(platform, (x.shape[0], N))
         out = np.asarray(jax.jit(lambda a, b: cc.matmul(a, b))(put(platform, x), wd))
-        set_only(monkeypatch, ASHARED_NAMES, {})
+        set_only(monkeypatch, names, {})
         assert np.all(np.isfinite(out)), f"matmul N={N} K={K} m={x.shape[0]} {knobs}: elements unwritten"
         return out
-
-    for m in ASHARED_M:
-        x = bf16(rng, m, K)  # fresh inputs for every m
-        want = call(x, {"BARO_ROW1_ASHARED": "0"})  # the default: the stream, A in every stage
-        for i in range(m):
-            one = call(x[i:i + 1], {"BARO_ROW1_ASHARED": "require"})  # m = 1: gemm_row1's one-row kernel
-            assert_same_bits(one[0], want[i], f"matmul N={N} K={K} m={m} row {i}: one-row call vs the stream")
-        mode = "require"
-        if (N, K, m) in ASHARED_FALLBACK:
-            with pytest.raises(Exception, match="baro_matmul: kernel launch failed"):
-                call(x, {"BARO_ROW1_ASHARED": "require"})
-            mode = "1"
-        for knobs in ASHARED_KNOBS:
-            got = call(x, {"BARO_ROW1_ASHARED": mode, **knobs})
-            assert_same_bits(got, want, f"matmul N={N} K={K} m={m} {knobs}: BARO_ROW1_ASHARED={mode} vs off")
-    assert_close(want, ref_matmul(x, w), 1e-5, f"matmul N={N} K={K} m={m} vs float64")
+    return call
 
 
 # The stream's TMA instance (BARO_ROW1_TMA=1, gemm_row1.cuh Row1Maps; opt-in, first run on a GPU
@@ -203,37 +182,36 @@ def test_matmul_row1_ashared(platform, N, K, monkeypatch):
 # come from the default kernel.
 TMA_M = (1, 2, 3, 8, 13, 16)
 TMA_KNOBS = [{}, {"BARO_ROW1_BPS": "1"}, {"BARO_ROW1_BPS": "8"}, {"BARO_ROW1_NT": "1"}, {"BARO_ROW1_NT": "4"}]
-TMA_NAMES = ("BARO_ROW1_TMA", "BARO_ROW1_ASHARED", "BARO_GEMM_SMALL", "BARO_GEMM_TILE", "BARO_ROW1_BPS",
-             "BARO_ROW1_NT", "BARO_ROW1_KCHUNK", "BARO_ROW1_STAGES", "BARO_ROW1_COPY", "BARO_GEMM_ROW1")
+# per lever: its m, its speed knobs, the (N, K, m) it falls back at, a seed
+STREAM_LEVERS = {"BARO_ROW1_ASHARED": (ASHARED_M, ASHARED_KNOBS, ASHARED_FALLBACK, 3100),
+                 "BARO_ROW1_TMA": (TMA_M, TMA_KNOBS, set(), 3700)}
+STREAM_NAMES = ASHARED_NAMES + ("BARO_ROW1_TMA",)
 
 
+@pytest.mark.parametrize("lever", list(STREAM_LEVERS))
 @pytest.mark.parametrize("N,K", [(12352, 2048), (2048, 4096), (9216, 2048), (4801, 1040), (264, 4224),
-                                 (264, 144)])
-def test_matmul_row1_tma(platform, N, K, monkeypatch):
+                                 (264, 8192), (264, 144)])
+def test_matmul_stream_levers(platform, lever, N, K, monkeypatch):
     if platform.platform != "gpu":
-        pytest.skip("the stream's TMA instance is a CUDA kernel")
-    rng = np.random.default_rng(3700 + N + K)
+        pytest.skip("the stream's instances are CUDA kernels")
+    ms, knob_sets, fallback, seed = STREAM_LEVERS[lever]
+    rng = np.random.default_rng(seed + N + K)
     w = bf16(rng, N, K)
-    wd = put(platform, w)
-
-    def call(x, knobs):
-        set_only(monkeypatch, TMA_NAMES, knobs)
-        poison(platform, (x.shape[0], N))  # a fresh jit: the launcher reads the knobs when the graph is built
-        out = np.asarray(jax.jit(lambda a, b: cc.matmul(a, b))(put(platform, x), wd))
-        set_only(monkeypatch, TMA_NAMES, {})
-        assert np.all(np.isfinite(out)), f"matmul N={N} K={K} m={x.shape[0]} {knobs}: elements unwritten"
-        return out
-
-    for m in TMA_M:
+    call = knob_matmul(platform, monkeypatch, STREAM_NAMES, put(platform, w), N, K)
+    for m in ms:
         x = bf16(rng, m, K)  # fresh inputs for every m
-        want = call(x, {"BARO_ROW1_TMA": "0"})  # the default: bulk copies, one per row
-        for knobs in TMA_KNOBS:
-            got = call(x, {"BARO_ROW1_TMA": "require", **knobs})
-            assert_same_bits(got, want, f"matmul N={N} K={K} m={m} {knobs}: BARO_ROW1_TMA vs off")
-        if m > 1:
-            for i in range(m):
-                one = call(x[i:i + 1], {"BARO_ROW1_TMA": "require"})
-                assert_same_bits(one[0], want[i], f"matmul N={N} K={K} m={m} row {i}: one-row TMA call vs the stream")
+        want = call(x, {lever: "0"})  # the default: the stream, one bulk copy per row, A in every stage
+        for i in range(m if m > 1 else 0):  # m = 1: gemm_row1's one-row kernel
+            one = call(x[i:i + 1], {lever: "require"})
+            assert_same_bits(one[0], want[i], f"matmul N={N} K={K} m={m} row {i}: one-row {lever} call vs the stream")
+        mode = "require"
+        if (N, K, m) in fallback:
+            with pytest.raises(Exception, match="baro_matmul: kernel launch failed"):
+                call(x, {lever: "require"})
+            mode = "1"
+        for knobs in knob_sets:
+            got = call(x, {lever: mode, **knobs})
+            assert_same_bits(got, want, f"matmul N={N} K={K} m={m} {knobs}: {lever}={mode} vs off")
     assert_close(want, ref_matmul(x, w), 1e-5, f"matmul N={N} K={K} m={m} vs float64")
 
 

@@ -425,7 +425,7 @@ def test_moe_shared_folded(platform, m, E, D, I, k, tile, monkeypatch):
 
 
 # The MoE's plain GEMMs of 2 to 16 rows on the stream's blocks that share one copy of A
-# (BARO_ROW1_ASHARED=1; opt-in, first run on a GPU pending) against the knob off and each row
+# (BARO_ROW1_ASHARED=1; opt-in: its bytes pass on the GPU, its speed does not) against the knob off and each row
 # alone, at the model's D = 2048, E = 256, top_k = 8 and shared expert (Is = 512): with the fold
 # (BARO_MOE_FOLD=1) the router GEMM carries the shared gate's row from W_tail (K 2048, N 257); I = 64
 # != Is keeps the shared expert out of the grouped GEMMs, so its gate/up is a plain SwiGLU GEMM
@@ -436,56 +436,9 @@ ASHARED_MOE_KNOBS = [{}, {"BARO_ROW1_BPS": "1"}, {"BARO_ROW1_NT": "1"}, {"BARO_R
 ASHARED_MOE_NAMES = KNOB_NAMES_ONE_ROW + ("BARO_ROW1_ASHARED", "BARO_ROW1_BPS", "BARO_ROW1_NT", "BARO_GEMM_SMALL")
 
 
-@pytest.mark.parametrize("fold", ["1", "0"])
-def test_moe_row1_ashared(platform, fold, monkeypatch):
-    if platform.platform != "gpu":
-        pytest.skip("the shared-A stream is a CUDA kernel")
-    E, D, I, Is, k = 256, 2048, 64, 512, 8
-    rng = np.random.default_rng(3300 + int(fold))
-    w = moe_weights_sized(rng, E, D, I, Is)
-    wd = put(platform, *w)
-
-    def call(h, knobs):
-        for kn in ASHARED_MOE_NAMES:
-            monkeypatch.delenv(kn, raising=False)
-        for kn, v in {"BARO_MOE_FOLD": fold, **knobs}.items():
-            monkeypatch.setenv(kn, v)
-        poison(platform, (h.shape[0], D))  # a fresh jit: the launcher reads the knobs when the graph is built
-        out = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h), *wd))
-        assert np.all(np.isfinite(out)), f"moe m={h.shape[0]} fold={fold} {knobs}: elements unwritten"
-        return out
-
-    for m in (2, 3, 8, 13, 16):
-        h = bf16(rng, m, D)  # fresh inputs for every m
-        want = call(h, {"BARO_ROW1_ASHARED": "0"})
-        for knobs in ASHARED_MOE_KNOBS:
-            got = call(h, {"BARO_ROW1_ASHARED": "require", **knobs})  # an error where a GEMM could not take it
-            assert_same_bits(got, want, f"moe m={m} fold={fold} {knobs}: BARO_ROW1_ASHARED vs off")
-        for i in range(m):
-            one = call(h[i:i + 1], {"BARO_ROW1_ASHARED": "require"})
-            assert_same_bits(one[0], want[i], f"moe m={m} fold={fold} row {i}: one-row call vs the batch")
-    for kn in ASHARED_MOE_NAMES:
-        monkeypatch.delenv(kn, raising=False)
-    assert_close(want, ref_moe(h, *w, k), 1e-3, f"moe m={m} fold={fold} vs float64")
-
-
-# The MoE's plain GEMMs of 1 to 16 rows on the stream's TMA instance (BARO_ROW1_TMA=1; opt-in,
-# first run on a GPU pending) against the knob off and each row alone, at the model's shapes as
-# above: without the fold the router (N 256) and the shared gate (N 1: one unit whose other 7 W
-# rows are past the tensor, zeros) and the shared down (K 512) take it; the router with the
-# fold reads its last row from W_tail, and the shared gate/up is SwiGLU: those stay on the bulk
-# copies (hence =1, not require), so the check is that mixing the two instances in one call
-# changes no byte. The one-token MoE's fused route and combine are not the instance's.
-@pytest.mark.parametrize("fold", ["1", "0"])
-def test_moe_row1_tma(platform, fold, monkeypatch):
-    if platform.platform != "gpu":
-        pytest.skip("the stream's TMA instance is a CUDA kernel")
-    E, D, I, Is, k = 256, 2048, 64, 512, 8
-    rng = np.random.default_rng(3900 + int(fold))
-    w = moe_weights_sized(rng, E, D, I, Is)
-    wd = put(platform, *w)
-    names = ASHARED_MOE_NAMES + ("BARO_ROW1_TMA",)
-
+def knob_moe(platform, monkeypatch, names, wd, fold, D, k):
+    """call(h, knobs): cc.moe on poisoned outputs with BARO_MOE_FOLD=fold and exactly `knobs` of
+    `names` set while its graph is built (a fresh jit: the launchers read the knobs then)."""
     def call(h, knobs):
         for kn in names:
             monkeypatch.delenv(kn, raising=False)
@@ -495,15 +448,40 @@ def test_moe_row1_tma(platform, fold, monkeypatch):
         out = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h), *wd))
         assert np.all(np.isfinite(out)), f"moe m={h.shape[0]} fold={fold} {knobs}: elements unwritten"
         return out
+    return call
 
-    for m in (1, 2, 8, 13):
+
+# The MoE's plain GEMMs of 1 to 16 rows on the stream's TMA instance (BARO_ROW1_TMA=1; opt-in,
+# first run on a GPU pending) against the knob off and each row alone, at the model's shapes as
+# above: without the fold the router (N 256) and the shared gate (N 1: one unit whose other 7 W
+# rows are past the tensor, zeros) and the shared down (K 512) take it; the router with the
+# fold reads its last row from W_tail, and the shared gate/up is SwiGLU: those stay on the bulk
+# copies (hence =1, not require), so the check is that mixing the two instances in one call
+# changes no byte. The one-token MoE's fused route and combine are not the instance's.
+# per lever: the mode it runs under, its m, its speed knobs, a seed
+MOE_STREAM_LEVERS = {"BARO_ROW1_ASHARED": ("require", (2, 3, 8, 13, 16), ASHARED_MOE_KNOBS, 3300),
+                     "BARO_ROW1_TMA": ("1", (1, 2, 8, 13), [{}, {"BARO_ROW1_NT": "1"}], 3900)}
+
+
+@pytest.mark.parametrize("lever", list(MOE_STREAM_LEVERS))
+@pytest.mark.parametrize("fold", ["1", "0"])
+def test_moe_stream_levers(platform, lever, fold, monkeypatch):
+    if platform.platform != "gpu":
+        pytest.skip("the stream's instances are CUDA kernels")
+    mode, ms, knob_sets, seed = MOE_STREAM_LEVERS[lever]
+    E, D, I, Is, k = 256, 2048, 64, 512, 8
+    rng = np.random.default_rng(seed + int(fold))
+    w = moe_weights_sized(rng, E, D, I, Is)
+    names = ASHARED_MOE_NAMES + ("BARO_ROW1_TMA",)
+    call = knob_moe(platform, monkeypatch, names, put(platform, *w), fold, D, k)
+    for m in ms:
         h = bf16(rng, m, D)  # fresh inputs for every m
-        want = call(h, {"BARO_ROW1_TMA": "0"})
-        for knobs in ({}, {"BARO_ROW1_NT": "1"}):
-            got = call(h, {"BARO_ROW1_TMA": "1", **knobs})
-            assert_same_bits(got, want, f"moe m={m} fold={fold} {knobs}: BARO_ROW1_TMA vs off")
+        want = call(h, {lever: "0"})
+        for knobs in knob_sets:
+            got = call(h, {lever: mode, **knobs})  # require: an error where a GEMM could not take it
+            assert_same_bits(got, want, f"moe m={m} fold={fold} {knobs}: {lever}={mode} vs off")
         for i in range(m if m > 1 else 0):
-            one = call(h[i:i + 1], {"BARO_ROW1_TMA": "1"})
+            one = call(h[i:i + 1], {lever: mode})
             assert_same_bits(one[0], want[i], f"moe m={m} fold={fold} row {i}: one-row call vs the batch")
     for kn in names:
         monkeypatch.delenv(kn, raising=False)

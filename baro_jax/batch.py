@@ -167,13 +167,32 @@ def tier_prefill(runner):
     return prefill
 
 
+def _put_rows_state(st, sub):
+    """A linear layer's pool state with its first k slots' conv and delta rows from sub."""
+    k = sub["ssm"].shape[0]
+    return {"conv": st["conv"].at[:, :k].set(sub["conv"]), "ssm": st["ssm"].at[:k].set(sub["ssm"])}
+
+
+PUT_ROWS_STATE = jax.jit(_put_rows_state, donate_argnums=(0,))  # in place: no second copy of the states
+
+
+def tier_put_prefix(pool, sub, k: int):
+    """Pool.put_prefix for tier mode's layer loop, which donated the pool's KV pages layer by layer
+    (sub holds the new ones): the attention layers are sub's, the linear layers' first k slots
+    written into the pool's own state in place."""
+    if k == Pool._slots_of(pool):
+        return sub
+    return tuple(s if "k" in st else PUT_ROWS_STATE(st, s) for st, s in zip(pool, sub))
+
+
 def tier_decode(runner):
-    """DECODE in tier mode: the runner's per-layer rows (TierRunner.decode_rows), then the same
-    ids, logprobs and top rows."""
+    """DECODE in tier mode: the runner's per-layer rows (TierRunner.decode_rows) over the pool's
+    first k = len(tokens) slots, then the same ids, logprobs and top rows."""
     def decode(params, pool, table, tokens, running, pos, rope, *, cfg, ops, guard: bool, top_n):
-        logits, pool = runner.decode_rows(pool, table, tokens, ROW_SLOTS(running), running, pos, ops=ops,
-                                          guard=guard)
-        return ROWS_OUT(logits, ops=ops, top_n=top_n) + (pool,)
+        k = tokens.shape[0]
+        logits, sub = runner.decode_rows(Pool.prefix(pool, k), table, tokens, ROW_SLOTS(running), running, pos,
+                                         ops=ops, guard=guard)
+        return ROWS_OUT(logits, ops=ops, top_n=top_n) + (tier_put_prefix(pool, sub, k),)
 
     return decode
 
@@ -183,9 +202,12 @@ def tier_mixed(runner):
     chunk and every slot's decode row (TierRunner.mixed), the state back in."""
     def mixed(params, pool, table, slot, tokens, pos, n_valid, row_tokens, running, row_pos, rope, *, cfg, ops,
               all_logits: bool, guard: bool, top_n):
-        logits, rows, st, pool = runner.mixed(TAKE(pool, table, slot), tokens, pos, n_valid, pool, table, row_tokens,
-                                              ROW_SLOTS(running), running, row_pos, ops=ops, guard=guard,
-                                              all_logits=all_logits)
+        k = row_tokens.shape[0]
+        st = TAKE(pool, table, slot)
+        logits, rows, st, sub = runner.mixed(st, tokens, pos, n_valid, Pool.prefix(pool, k), table[:k], row_tokens,
+                                             ROW_SLOTS(running), running, row_pos, ops=ops, guard=guard,
+                                             all_logits=all_logits)
+        pool = tier_put_prefix(pool, sub, k)
         return (logits,) + ROWS_OUT(rows, ops=ops, top_n=top_n) + (PUT(pool, table, slot, st),)
 
     return mixed
@@ -455,9 +477,8 @@ class BatchRun:
 
     def _bucket(self, n: int) -> int:
         """The row bucket of a step over slots 0 .. n-1: n rounded up to a power of two, at most the
-        pool. Tier mode's layer loop runs every slot."""
-        if self.r.placement == "tier":
-            return self.slots
+        pool (tier mode too: its MoE then needs the experts of fewer rows, and a step of one row
+        runs on the direct path)."""
         k = 1
         while k < n:
             k *= 2

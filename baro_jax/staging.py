@@ -583,15 +583,50 @@ def _direct_forward(params, state, tokens, pos, n_valid, rope, pools, tables, *,
     new_state = []
     for i, (lp, st, kind, nn) in enumerate(zip(layers, state, cfg.layer_types, M.next_norms(params))):
         x, h2, st = M.layer_mixer(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid)
-        m = lp["moe"]
-        y = ops.moe_host(h2, m["router"], pools[i][0], pools[i][1], tables[i], m["shared_gate_up"],
-                         m["shared_down"], m["shared_gate"], top_k=cfg.top_k, host=hosts[i])
-        ids = ops.moe_route(h2, m["router"], top_k=cfg.top_k)
-        hits = hits + jax.numpy.sum(tables[i][ids] >= 0, dtype=jax.numpy.int32)
-        counts.append(jax.numpy.zeros((cfg.num_experts,), jax.numpy.int32).at[ids.reshape(-1)].add(1))
-        x, h = ops.add_rmsnorm(x, y, nn, cfg.rms_eps, m["router"].dtype)
+        x, h, layer_hits, layer_counts = _host_moe(x, h2, lp["moe"], pools[i], tables[i], hosts[i], nn, cfg=cfg, ops=ops)
+        hits = hits + layer_hits
+        counts.append(layer_counts)
         new_state.append(st)
     return M.epilogue(params, h, n_valid, cfg=cfg, ops=ops), tuple(new_state), (hits, jax.numpy.stack(counts))
+
+
+def _host_moe(x, h2, m, pool, table, host, next_norm, *, cfg: Config, ops):
+    """One layer's MoE on the direct path (ops.moe_host: the pool's experts where the table gives a
+    slot, the host store's otherwise) and the next norm; with the layer's hits (routed experts that
+    were resident) and routing counts [E], from the MoE's own routing (ops.moe_route)."""
+    y = ops.moe_host(h2, m["router"], pool[0], pool[1], table, m["shared_gate_up"], m["shared_down"],
+                     m["shared_gate"], top_k=cfg.top_k, host=host)
+    ids = ops.moe_route(h2, m["router"], top_k=cfg.top_k)
+    hits = jax.numpy.sum(table[ids] >= 0, dtype=jax.numpy.int32)
+    counts = jax.numpy.zeros((cfg.num_experts,), jax.numpy.int32).at[ids.reshape(-1)].add(1)
+    x, h = ops.add_rmsnorm(x, y, next_norm, cfg.rms_eps, m["router"].dtype)
+    return x, h, hits, counts
+
+
+def _direct_rows(params, pool, page_table, tokens, slots, running, pos, rope, pools, tables, *, cfg: Config, ops,
+                 hosts, guard: bool):
+    """decode_rows' contract in one graph on the direct path: each layer's mixer over the pool
+    (_rows_mixer), its MoE by _host_moe, so no per-layer host round trip and no copies. For a pool
+    step of one row (a GPU's host-store MoE takes one token). Returns (logits, new pool,
+    (hits, counts))."""
+    x, cos, sin = M.rows_prologue(params, tokens, pos, rope)
+    layers = params["layers"]
+    h = M.first_norm(layers[0], x, cfg, ops)
+    hits = jax.numpy.int32(0)
+    counts = []
+    new_pool = []
+    for i, (lp, st, kind, nn) in enumerate(zip(layers, pool, cfg.layer_types, M.next_norms(params))):
+        # route=True zeroes an idle row's MoE input, as the cache path does
+        x, h2, _, st = _rows_mixer(x, h, lp, st, page_table, cos, sin, slots, pos, running, kind=kind, cfg=cfg,
+                                   ops=ops, guard=guard, route=True)
+        x, h, layer_hits, layer_counts = _host_moe(x, h2, lp["moe"], pools[i], tables[i], hosts[i], nn, cfg=cfg, ops=ops)
+        hits = hits + layer_hits
+        counts.append(layer_counts)
+        new_pool.append(st)
+    return M.rows_head(params, h, ops=ops), tuple(new_pool), (hits, jax.numpy.stack(counts))
+
+
+_DIRECT_ROWS = jax.jit(_direct_rows, static_argnames=("cfg", "ops", "hosts", "guard"), donate_argnums=(1,))
 
 
 _DIRECT = jax.jit(_direct_forward, static_argnames=("cfg", "ops", "hosts"), donate_argnums=(1,))
@@ -673,6 +708,7 @@ class DirectDecode:
         self._hits = []  # device int32 scalars, one per call
         self.pairs = 0   # routed (token, layer, expert) pairs since the reset
         self.swaps = 0   # experts brought into the pools by adapt() since the reset
+        self.row_steps = 0  # pool steps of one row taken here (rows()) since the reset
 
     def refresh(self, layers=None):
         """Take the cache's current slot tables (after an LRU step elsewhere changed them): all,
@@ -690,7 +726,8 @@ class DirectDecode:
         self._hits = [hits]
         return {"decode_path": "direct", "resident_share": self.cache.slots / self.cache.cfg.num_experts,
                 "hits": hits, "misses": self.pairs - hits, "hit_rate": hits / self.pairs if self.pairs else None,
-                "route_seconds": 0.0, "copy_seconds": 0.0, "adaptive": self.adaptive, "pool_swaps": self.swaps}
+                "route_seconds": 0.0, "copy_seconds": 0.0, "adaptive": self.adaptive, "pool_swaps": self.swaps,
+                "pool_row_steps": self.row_steps}
 
     def adapt(self, keep_last: bool = True):
         """Fold the routing counts of finished calls into each layer's decayed score and, once
@@ -749,6 +786,19 @@ class DirectDecode:
         self._last = counts
         self.pairs += self._routed(1)
         return logits, state
+
+    def rows(self, pool, page_table, tokens, slots, running, pos, rope, *, cfg: Config, ops, guard: bool):
+        """decode_rows' contract for a pool step of one row (TierRunner.decode_rows), one graph."""
+        self.adapt()
+        pools = tuple(tuple(p) for p in self.cache.pools)
+        logits, pool, (hits, counts) = _DIRECT_ROWS(self.params, pool, page_table, tokens, slots, running, pos, rope,
+                                                    pools, self.tables, cfg=cfg, ops=ops, hosts=self.hosts, guard=guard)
+        self._hits.append(hits)
+        self._counts.append((counts, 1))
+        self._last = counts
+        self.pairs += self._routed(1)
+        self.row_steps += 1
+        return logits, pool
 
     def greedy(self, state, token, pos, n: int, rope, *, cfg: Config, ops, block: int):
         """engine.greedy_steps' contract for n (1..block, a Python int) steps, one graph per block:

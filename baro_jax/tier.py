@@ -89,9 +89,13 @@ class TierRunner(Runner):
                                all_logits=all_logits, cache=self.cache, direct=self.direct)
 
     def decode_rows(self, pool, table, tokens, slots, running, pos, *, ops, guard: bool):
-        """One decode row per slot of a many-sequence pool (batch.py's decode step): the layers from
-        Python (staging.decode_rows), each layer's MoE through the decode expert cache, or staged
-        whole. ops: the pool's (with attention_rows)."""
+        """One decode row per slot of a many-sequence pool (batch.py's decode step). A step of one
+        row on the direct path, in one graph (a lone sequence: the pool packs it into slot 0); else
+        the layers from Python (staging.decode_rows), each layer's MoE through the decode expert
+        cache, or staged whole. ops: the pool's (with attention_rows)."""
+        if self.direct is not None and tokens.shape[0] == 1:
+            return self.direct.rows(pool, table, tokens, slots, running, pos, self.rope, cfg=self.cfg, ops=ops,
+                                    guard=guard)
         return staging.decode_rows(self.params, pool, table, tokens, slots, running, pos, self.rope, cfg=self.cfg,
                                    ops=ops, guard=guard, cache=self.cache, direct=self.direct)
 

@@ -107,30 +107,54 @@ def test_tier_score_batch_equals_resident(res, tier):
 
 
 def test_idle_slots_do_not_widen_the_union(tier, alone):
-    """A pool of four slots, three of them left holding the states of sequences that ended, one
-    sequence decoding, a cache of 2 x top_k slots: the idle rows' MoE input is zeroed, so they
-    route where a zero row does and every layer's union fits the cache (their own states would
-    route them apart); the sequence gets its bytes alone."""
+    """A pool of four slots: three sequences decoding in slots 0, 1 and 3, slot 2 left holding the
+    state of a sequence that ended at its first token (a hole that packing keeps: moving slot 3
+    down would not shrink the bucket of 4 rows), a cache of 4 x top_k slots: the idle row's MoE
+    input is zeroed, so it routes where a zero row does and every layer's union (at most 3 rows x
+    top_k + the zero row's top_k) fits the cache; each sequence gets its bytes alone."""
     from baro_jax.scheduler import Sequence
 
-    def seq(i, n):
-        return Sequence(index=i, prompt_ids=alone[i].prompt_ids, max_new_tokens=n, sampling=baro_jax.Sampling(),
+    def seq(i):
+        return Sequence(index=i, prompt_ids=alone[i].prompt_ids, max_new_tokens=NEW[i], sampling=baro_jax.Sampling(),
                         eos_ids=tier.eos_ids)
 
-    cache = tier.runner.use_expert_cache(2 * tier.cfg.top_k)
+    cache = tier.runner.use_expert_cache(4 * tier.cfg.top_k)
     run = B.open_run(tier, max_batch=4, length=CONTEXT, chunk=64, logprobs=2, stop_width=4)
-    for i in (0, 2, 4):  # each ends at its first token, its slot's state left as it was
-        run.add(seq(i, 1))
-    run.run()
-    s = seq(3, NEW[3])
-    run.add(s)
+    seqs = [seq(i) for i in (0, 3, 1, 4)]  # slots 0..3; prompt 1 ends at its first token
+    for s in seqs:
+        run.add(s)
     cache.reset_stats()
     run.run()
     tier.runner.use_expert_cache(None)
-    assert run.slots == 4 and run.steps["decode"] == NEW[3] - 1
+    assert run.slots == 4 and run.steps["decode"] > 0 and run.steps["decode_rows"] >= 4 * NEW[4]
     assert cache.staged_layers == 0 and cache.hits + cache.misses > 0, cache.stats()
-    assert s.generated == alone[3].generated_ids
-    assert [x.tobytes() for x in s.logprobs] == [x.tobytes() for x in alone[3].logprobs]
+    for s in seqs:
+        assert s.generated == alone[s.index].generated_ids, s.index
+        assert [x.tobytes() for x in s.logprobs] == [x.tobytes() for x in alone[s.index].logprobs], s.index
+
+
+def test_a_lone_sequence_steps_on_the_direct_path(res, tier):
+    """Once the other sequences end, the one left decodes alone (packed into slot 0: steps of one
+    row), and a step of one row runs on the direct path in one graph (the pools, the misses read
+    from the host store) instead of the per-layer cache path: resident's bytes, greedy and
+    sampled. Under tier_decode=cache there is no direct path and the same steps take the cache
+    path, with the same bytes."""
+    prompts, new = [PROMPTS[1], PROMPTS[3], PROMPTS[0]], [1, 2, 9]
+    sps = [baro_jax.Sampling(), baro_jax.Sampling(), baro_jax.Sampling(temperature=0.8, seed=5)]
+    want = res.generate_batch(prompts, new, sampling=sps, logprobs=2, max_batch=3, chunk=8, keep_states=True)
+    for path in ("auto", "cache"):
+        tier.tune(tier_decode=path)
+        tier.runner.use_expert_cache(3)
+        direct = tier.runner.direct
+        assert (direct is not None) == (path == "auto")
+        got = tier.generate_batch(prompts, new, sampling=sps, logprobs=2, max_batch=3, chunk=8, keep_states=True)
+        check_equal(tier.cfg, want, got, f"tier batch vs resident batch, tier_decode={path}")
+        assert tier.last_batch_stats["steps"]["moves"] > 0  # the lone sequence packed into slot 0
+        if direct is not None:
+            assert direct.row_steps > 0, "no step of one row took the direct path"
+            assert tier.runner.expert_cache_report()["pool_row_steps"] == direct.row_steps
+    tier.tune(tier_decode="auto")
+    tier.runner.use_expert_cache(None)
 
 
 def test_tier_pool_compiles_nothing_per_request(tier):
@@ -138,7 +162,8 @@ def test_tier_pool_compiles_nothing_per_request(tier):
     prompts: a batch of other lengths compiles none."""
     tier.runner.use_expert_cache(3)
     tier.generate_batch(PROMPTS[:3], [3, 2, 4], max_batch=2, chunk=8)
-    graphs = (staging._ROWS_MIXER, staging._STAGED_MOE, staging._CACHED_MOE, staging._ROWS_HEAD, B.ROWS_OUT)
+    graphs = (staging._ROWS_MIXER, staging._STAGED_MOE, staging._CACHED_MOE, staging._ROWS_HEAD, staging._DIRECT_ROWS,
+              B.ROWS_OUT)
     sizes = [g._cache_size() for g in graphs]
     tier.generate_batch(["import sys", "z" * 19, "q"], [4, 2, 5], max_batch=2, chunk=8)
     assert [g._cache_size() for g in graphs] == sizes

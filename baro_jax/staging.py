@@ -576,18 +576,28 @@ def _direct_forward(params, state, tokens, pos, n_valid, rope, pools, tables, *,
     resident and counts [layers, E] how often each expert was routed, from the MoE's own routing
     (ops.moe_route, the same ids), so the hit rate and the pools' adaptation cost no host work."""
     x, cos, sin = M.prologue(params, tokens, pos, rope)
-    layers = params["layers"]
-    h = M.first_norm(layers[0], x, cfg, ops)
+    h = M.first_norm(params["layers"][0], x, cfg, ops)
+
+    def mixer(x, h, lp, st, kind):
+        return M.layer_mixer(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid)
+
+    h, new_state, acc = _direct_layers(x, h, params, state, mixer, pools, tables, hosts, cfg=cfg, ops=ops)
+    return M.epilogue(params, h, n_valid, cfg=cfg, ops=ops), new_state, acc
+
+
+def _direct_layers(x, h, params, states, mixer, pools, tables, hosts, *, cfg: Config, ops):
+    """The direct path's layer loop: mixer(x, h, lp, st, kind) -> (x, h2, st), then _host_moe.
+    Returns (h, the new states, (hits, counts [layers, E]))."""
     hits = jax.numpy.int32(0)
     counts = []
-    new_state = []
-    for i, (lp, st, kind, nn) in enumerate(zip(layers, state, cfg.layer_types, M.next_norms(params))):
-        x, h2, st = M.layer_mixer(x, h, lp, st, kind, cfg, ops, cos, sin, pos, n_valid)
+    new = []
+    for i, (lp, st, kind, nn) in enumerate(zip(params["layers"], states, cfg.layer_types, M.next_norms(params))):
+        x, h2, st = mixer(x, h, lp, st, kind)
         x, h, layer_hits, layer_counts = _host_moe(x, h2, lp["moe"], pools[i], tables[i], hosts[i], nn, cfg=cfg, ops=ops)
         hits = hits + layer_hits
         counts.append(layer_counts)
-        new_state.append(st)
-    return M.epilogue(params, h, n_valid, cfg=cfg, ops=ops), tuple(new_state), (hits, jax.numpy.stack(counts))
+        new.append(st)
+    return h, tuple(new), (hits, jax.numpy.stack(counts))
 
 
 def _host_moe(x, h2, m, pool, table, host, next_norm, *, cfg: Config, ops):
@@ -610,20 +620,15 @@ def _direct_rows(params, pool, page_table, tokens, slots, running, pos, rope, po
     step of one row (a GPU's host-store MoE takes one token). Returns (logits, new pool,
     (hits, counts))."""
     x, cos, sin = M.rows_prologue(params, tokens, pos, rope)
-    layers = params["layers"]
-    h = M.first_norm(layers[0], x, cfg, ops)
-    hits = jax.numpy.int32(0)
-    counts = []
-    new_pool = []
-    for i, (lp, st, kind, nn) in enumerate(zip(layers, pool, cfg.layer_types, M.next_norms(params))):
-        # route=True zeroes an idle row's MoE input, as the cache path does
+    h = M.first_norm(params["layers"][0], x, cfg, ops)
+
+    def mixer(x, h, lp, st, kind):  # route=True zeroes an idle row's MoE input, as the cache path does
         x, h2, _, st = _rows_mixer(x, h, lp, st, page_table, cos, sin, slots, pos, running, kind=kind, cfg=cfg,
                                    ops=ops, guard=guard, route=True)
-        x, h, layer_hits, layer_counts = _host_moe(x, h2, lp["moe"], pools[i], tables[i], hosts[i], nn, cfg=cfg, ops=ops)
-        hits = hits + layer_hits
-        counts.append(layer_counts)
-        new_pool.append(st)
-    return M.rows_head(params, h, ops=ops), tuple(new_pool), (hits, jax.numpy.stack(counts))
+        return x, h2, st
+
+    h, new_pool, acc = _direct_layers(x, h, params, pool, mixer, pools, tables, hosts, cfg=cfg, ops=ops)
+    return M.rows_head(params, h, ops=ops), new_pool, acc
 
 
 _DIRECT_ROWS = jax.jit(_direct_rows, static_argnames=("cfg", "ops", "hosts", "guard"), donate_argnums=(1,))

@@ -19,7 +19,8 @@ bound against B.
 
 --mode tier runs the pool in tier mode (routed experts in host memory, one decode step a call, each
 layer's MoE through the decode expert cache or staged whole when the rows route to more experts than
-it holds); each row then records the cache's counts over its timed call (expert_cache), and the byte
+it holds, a step of one row on the direct path); each row then records the cache's counts over its timed
+call (expert_cache) and the direct path's (direct_path: its one-row steps' routed pairs), and the byte
 bound, which counts device memory only, is no bound on it.
 """
 from __future__ import annotations
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
                            prefill_budget=args.prefill_budget)
         cache = eng.runner.cache if args.mode == "tier" else None
         if cache is not None:
-            cache.reset_stats()
+            eng.runner.reset_stats()  # the cache's counts and the direct path's
         t0 = time.perf_counter()
         res = eng.generate_batch(prompts, args.new_tokens, max_batch=B, chunk=args.chunk, stop_at_eos=False,
                                  prefill_budget=args.prefill_budget)
@@ -181,6 +182,9 @@ def main(argv=None) -> int:
         stats = dict(eng.last_batch_stats)
         # the decode steps' layers: experts from the cache (hits, misses copied) or staged whole
         cache_stats = cache.stats() if cache is not None else None
+        # steps of one row on the direct path (DirectDecode.rows): their routed pairs' hits and misses
+        direct = eng.runner.direct if cache is not None else None
+        direct_stats = None if direct is None else {k: direct.stats()[k] for k in ("pool_row_steps", "hits", "misses")}
         first = [r.prefill_seconds for r in res]  # each sequence's first token, seconds from the start
         gen = sum(len(r.generated_ids) for r in res)
         dec_time = wall - max(first)
@@ -202,11 +206,14 @@ def main(argv=None) -> int:
         if args.mode == "tier":
             row["expert_cache"] = cache_stats if cache is not None else {"slots_per_layer": 0,
                                                                          "note": eng.runner.cache_note}
+            row["direct_path"] = direct_stats
         rows.append(row)
         ec = row.get("expert_cache")
         where = (f"bound {row['bound']['tokens_per_s']:8.1f}" if ec is None else
                  f"expert cache {ec['slots_per_layer']} slots: {ec.get('hits', 0)} hits, {ec.get('misses', 0)} misses, "
-                 f"{ec.get('staged_layers', 0)} layers staged whole")
+                 f"{ec.get('staged_layers', 0)} layers staged whole"
+                 + ("" if not row.get("direct_path") else f"; {row['direct_path']['pool_row_steps']} one-row steps on the "
+                    f"direct path: {row['direct_path']['hits']} hits, {row['direct_path']['misses']} misses"))
         print(f"[throughput] B={B:3d}: {row['aggregate_tokens_per_s']:8.1f} tok/s whole call, decode "
               f"{row['decode_tokens_per_s'] or 0:8.1f} tok/s ({where}), equal alone {checks}", flush=True)
     mixed, arms, outputs = None, {}, []

@@ -80,6 +80,20 @@ def test_throughput_bound_counts_distinct_experts_and_states():
     assert throughput.decode_bound(eng, 1, 100, 2.0)["step_ms"] == pytest.approx(b1["step_ms"] / 2)
 
 
+def test_throughput_tier_row_counts_the_direct_path(tmp_path):
+    """In tier mode a batch of one decodes in steps of one row on the direct path: the row counts
+    them (direct_path) beside the cache's counts, and the sequence equals its run alone."""
+    import json
+
+    out = tmp_path / "t.json"
+    assert throughput.main(["--model", "tiny", "--mode", "tier", "--batches", "1", "--prompt-len", "12",
+                            "--new-tokens", "5", "--chunk", "16", "--check", "1", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["equal_alone"] == [True]
+    d = row["direct_path"]
+    assert d["pool_row_steps"] == 4 and d["hits"] + d["misses"] > 0, d  # 5 tokens: 4 decode steps
+
+
 def test_throughput_mixed_row_reports_the_pace_beside_the_gaps(tmp_path):
     """The mixed-load row: long prompts prefill while short ones decode; every sequence's tokens
     reach the callback, and each sequence's mean time per token is reported beside the gaps."""

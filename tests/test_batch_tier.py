@@ -142,11 +142,12 @@ def test_a_lone_sequence_steps_on_the_direct_path(res, tier):
     prompts, new = [PROMPTS[1], PROMPTS[3], PROMPTS[0]], [1, 2, 9]
     sps = [baro_jax.Sampling(), baro_jax.Sampling(), baro_jax.Sampling(temperature=0.8, seed=5)]
     want = res.generate_batch(prompts, new, sampling=sps, logprobs=2, max_batch=3, chunk=8, keep_states=True)
+    direct_runs = not tier.ops.moe_host_unmet(tier.cfg)  # a GPU's MoE cannot read tiny's experts from the host
     for path in ("auto", "cache"):
         tier.tune(tier_decode=path)
         tier.runner.use_expert_cache(3)
         direct = tier.runner.direct
-        assert (direct is not None) == (path == "auto")
+        assert (direct is not None) == (path == "auto" and direct_runs)
         got = tier.generate_batch(prompts, new, sampling=sps, logprobs=2, max_batch=3, chunk=8, keep_states=True)
         check_equal(tier.cfg, want, got, f"tier batch vs resident batch, tier_decode={path}")
         assert tier.last_batch_stats["steps"]["moves"] > 0  # the lone sequence packed into slot 0

@@ -167,22 +167,9 @@ def tier_prefill(runner):
     return prefill
 
 
-def _put_rows_state(st, sub):
-    """A linear layer's pool state with its first k slots' conv and delta rows from sub."""
-    k = sub["ssm"].shape[0]
-    return {"conv": st["conv"].at[:, :k].set(sub["conv"]), "ssm": st["ssm"].at[:k].set(sub["ssm"])}
-
-
-PUT_ROWS_STATE = jax.jit(_put_rows_state, donate_argnums=(0,))  # in place: no second copy of the states
-
-
-def tier_put_prefix(pool, sub, k: int):
-    """Pool.put_prefix for tier mode's layer loop, which donated the pool's KV pages layer by layer
-    (sub holds the new ones): the attention layers are sub's, the linear layers' first k slots
-    written into the pool's own state in place."""
-    if k == Pool._slots_of(pool):
-        return sub
-    return tuple(s if "k" in st else PUT_ROWS_STATE(st, s) for st, s in zip(pool, sub))
+# tier mode's put_prefix layer by layer, in place (its layer loop donated the pool's KV pages,
+# so a jitted put_prefix of the whole pool could not take them)
+PUT_LAYER_PREFIX = jax.jit(Pool.put_layer_prefix, donate_argnums=(0,))
 
 
 def tier_decode(runner):
@@ -192,14 +179,15 @@ def tier_decode(runner):
         k = tokens.shape[0]
         logits, sub = runner.decode_rows(Pool.prefix(pool, k), table, tokens, ROW_SLOTS(running), running, pos,
                                          ops=ops, guard=guard)
-        return ROWS_OUT(logits, ops=ops, top_n=top_n) + (tier_put_prefix(pool, sub, k),)
+        return ROWS_OUT(logits, ops=ops, top_n=top_n) + (Pool.put_prefix(pool, sub, k, PUT_LAYER_PREFIX),)
 
     return decode
 
 
 def tier_mixed(runner):
     """MIXED in tier mode: the slot's state out of the pool, the runner's staged pass over the
-    chunk and every slot's decode row (TierRunner.mixed), the state back in."""
+    chunk and the decode rows of the pool's first k = len(row_tokens) slots (TierRunner.mixed),
+    the state back in."""
     def mixed(params, pool, table, slot, tokens, pos, n_valid, row_tokens, running, row_pos, rope, *, cfg, ops,
               all_logits: bool, guard: bool, top_n):
         k = row_tokens.shape[0]
@@ -207,7 +195,7 @@ def tier_mixed(runner):
         logits, rows, st, sub = runner.mixed(st, tokens, pos, n_valid, Pool.prefix(pool, k), table[:k], row_tokens,
                                              ROW_SLOTS(running), running, row_pos, ops=ops, guard=guard,
                                              all_logits=all_logits)
-        pool = tier_put_prefix(pool, sub, k)
+        pool = Pool.put_prefix(pool, sub, k, PUT_LAYER_PREFIX)
         return (logits,) + ROWS_OUT(rows, ops=ops, top_n=top_n) + (PUT(pool, table, slot, st),)
 
     return mixed

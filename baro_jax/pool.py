@@ -104,12 +104,19 @@ def prefix(pool, k: int):
     return tuple(st if "k" in st else {"conv": st["conv"][:, :k], "ssm": st["ssm"][:k]} for st in pool)
 
 
-def put_prefix(pool, sub, k: int):
-    """The pool with its first k slots' state from `sub` (prefix's layout) and sub's KV pages."""
+def put_layer_prefix(st, s):
+    """A linear layer's pool state with its first k slots' conv and delta state from s (k = s's slots)."""
+    k = s["ssm"].shape[0]
+    return {"conv": st["conv"].at[:, :k].set(s["conv"]), "ssm": st["ssm"].at[:k].set(s["ssm"])}
+
+
+def put_prefix(pool, sub, k: int, put_layer=put_layer_prefix):
+    """The pool with its first k slots' state from `sub` (prefix's layout) and sub's KV pages.
+    put_layer(st, s) writes a linear layer's (tier mode's eager loop passes it jitted, donating st:
+    in place, no second copy of the states); the pool's KV pages are never read."""
     if k == _slots_of(pool):
         return sub
-    return tuple(s if "k" in st else {"conv": st["conv"].at[:, :k].set(s["conv"]), "ssm": st["ssm"].at[:k].set(s["ssm"])}
-                 for st, s in zip(pool, sub))
+    return tuple(s if "k" in st else put_layer(st, s) for st, s in zip(pool, sub))
 
 
 def _slots_of(pool) -> int | None:

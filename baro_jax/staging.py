@@ -781,35 +781,37 @@ class DirectDecode:
     def _routed(self, steps: int) -> int:
         return steps * len(self.cache.pools) * self.cache.cfg.top_k
 
-    def __call__(self, state, tokens, pos, n_valid, rope, *, cfg: Config, ops):
+    def _pools(self):
+        """Fold finished calls' counts in (adapt), then the pools as a call's graph takes them."""
         self.adapt()
-        pools = tuple(tuple(p) for p in self.cache.pools)
-        logits, state, (hits, counts) = _DIRECT(self.params, state, tokens, pos, n_valid, rope, pools, self.tables,
-                                                cfg=cfg, ops=ops, hosts=self.hosts)
+        return tuple(tuple(p) for p in self.cache.pools)
+
+    def _record(self, hits, counts, steps: int):
+        """A call's device-side hits and routing counts over `steps` tokens (read later, not here)."""
         self._hits.append(hits)
-        self._counts.append((counts, 1))
+        self._counts.append((counts, steps))
         self._last = counts
-        self.pairs += self._routed(1)
+        self.pairs += self._routed(steps)
+
+    def __call__(self, state, tokens, pos, n_valid, rope, *, cfg: Config, ops):
+        logits, state, (hits, counts) = _DIRECT(self.params, state, tokens, pos, n_valid, rope, self._pools(),
+                                                self.tables, cfg=cfg, ops=ops, hosts=self.hosts)
+        self._record(hits, counts, 1)
         return logits, state
 
     def rows(self, pool, page_table, tokens, slots, running, pos, rope, *, cfg: Config, ops, guard: bool):
         """decode_rows' contract for a pool step of one row (TierRunner.decode_rows), one graph."""
-        self.adapt()
-        pools = tuple(tuple(p) for p in self.cache.pools)
         logits, pool, (hits, counts) = _DIRECT_ROWS(self.params, pool, page_table, tokens, slots, running, pos, rope,
-                                                    pools, self.tables, cfg=cfg, ops=ops, hosts=self.hosts, guard=guard)
-        self._hits.append(hits)
-        self._counts.append((counts, 1))
-        self._last = counts
-        self.pairs += self._routed(1)
+                                                    self._pools(), self.tables, cfg=cfg, ops=ops, hosts=self.hosts,
+                                                    guard=guard)
+        self._record(hits, counts, 1)
         self.row_steps += 1
         return logits, pool
 
     def greedy(self, state, token, pos, n: int, rope, *, cfg: Config, ops, block: int):
         """engine.greedy_steps' contract for n (1..block, a Python int) steps, one graph per block:
         n == block runs the known-trip-count loop."""
-        self.adapt()
-        pools = tuple(tuple(p) for p in self.cache.pools)
+        pools = self._pools()
         if n == block:
             out = _DIRECT_GREEDY_FULL(self.params, state, token, pos, rope=rope, pools=pools, tables=self.tables,
                                       cfg=cfg, ops=ops, hosts=self.hosts, block=block)
@@ -817,10 +819,7 @@ class DirectDecode:
             out = _DIRECT_GREEDY(self.params, state, token, pos, jax.numpy.int32(n), rope, pools, self.tables, cfg=cfg,
                                  ops=ops, hosts=self.hosts, block=block)
         toks, last, state, (hits, counts) = out
-        self._hits.append(hits)
-        self._counts.append((counts, n))
-        self._last = counts
-        self.pairs += self._routed(n)
+        self._record(hits, counts, n)
         return toks, last, state
 
 

@@ -184,7 +184,9 @@ def main(argv=None) -> int:
         cache_stats = cache.stats() if cache is not None else None
         # steps of one row on the direct path (DirectDecode.rows): their routed pairs' hits and misses
         direct = eng.runner.direct if cache is not None else None
-        direct_stats = None if direct is None else {k: direct.stats()[k] for k in ("pool_row_steps", "hits", "misses")}
+        direct_stats = None if direct is None else direct.stats()  # once: it reads the device's hit counts
+        if direct_stats is not None:
+            direct_stats = {k: direct_stats[k] for k in ("pool_row_steps", "hits", "misses")}
         first = [r.prefill_seconds for r in res]  # each sequence's first token, seconds from the start
         gen = sum(len(r.generated_ids) for r in res)
         dec_time = wall - max(first)

@@ -172,7 +172,7 @@ BARO_DEV void wg_tma_tile(uint16_t* dst, const CUtensorMap* map, int kh, int j0,
   wg_mbar_expect(bar, kFaKB * kHd * 2);
   const uint32_t d = fa_smem_addr(dst);
 #pragma unroll
-  for (int q = 0; q < kHd / 64; ++q) wg_tma_box(d + q * kFaKB * 128, map, kh * kHd + 64 * q, j0, bar);
+  for (int q = 0; q < kHd / 64; ++q) tma_box(d + q * kFaKB * 128, map, kh * kHd + 64 * q, j0, bar);
 }
 // ---- Pairs (attention_wgmma_set_loads(2)): clusters of two CTAs on adjacent tiles of one kv
 // head. Both need the same K/V blocks up to the shorter one's last; for those each CTA copies
@@ -786,7 +786,7 @@ static std::atomic<int> g_wg_last{-1};
 // One cache as [S][Hkv * hd] with 64 x 64 boxes in the 128-byte swizzle (WgMaps); false where
 // the encoder or the alignment TMA needs is missing (the caller then takes the rings).
 static bool wg_encode(CUtensorMap* m, const uint16_t* cache, const AttentionArgs& a) {
-  const PFN_cuTensorMapEncodeTiled_v12000 enc = wg_encoder();
+  const PFN_cuTensorMapEncodeTiled_v12000 enc = tma_encoder();
   if (enc == nullptr || cache == nullptr || reinterpret_cast<uintptr_t>(cache) % 16 != 0 || a.S < 1) return false;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(a.Hkv) * a.hd, static_cast<cuuint64_t>(a.S)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(a.Hkv) * a.hd * 2};  // bytes per position

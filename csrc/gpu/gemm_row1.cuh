@@ -400,8 +400,8 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
         for (int j = 0; j < subs; ++j) {
           const uint32_t sub = dst + static_cast<uint32_t>(j * ring.tma_sub);
           const int x = static_cast<int>(k0) + j * kRow1TmaK;
-          wg_tma_box(sub, &maps.w, x, static_cast<int>(pu.c0), bar);
-          wg_tma_box(sub + Cfg::kWRows * rowb, &maps.a, x, static_cast<int>(pu.row), bar);
+          tma_box(sub, &maps.w, x, static_cast<int>(pu.c0), bar);
+          tma_box(sub + Cfg::kWRows * rowb, &maps.a, x, static_cast<int>(pu.row), bar);
         }
       }
     } else if (ring.lsu) {  // every lane copies 16-byte chunks of the stage's rows, then arrives

@@ -220,9 +220,9 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, GATHER>::kThreads, 1)
         const int64_t k0 = static_cast<int64_t>(kt) * kWgBK;
         if (lane == 0) {
           wg_mbar_expect(full(s), w_bytes);
-          wg_tma_box(wg_smem_addr(st + Cfg::kABytes), &maps.w, static_cast<int>(k0), w_row0, full(s));
+          tma_box(wg_smem_addr(st + Cfg::kABytes), &maps.w, static_cast<int>(k0), w_row0, full(s));
           if (w_box1)
-            wg_tma_box(wg_smem_addr(st + Cfg::kABytes + kWgBoxBytes), &maps.w, static_cast<int>(k0), w_row1, full(s));
+            tma_box(wg_smem_addr(st + Cfg::kABytes + kWgBoxBytes), &maps.w, static_cast<int>(k0), w_row1, full(s));
         }
         const bool k_ok = k0 + chunk * 8 < K;  // K % 8 == 0 (launcher): a chunk is wholly inside or past K
         const uint32_t a_st = wg_smem_addr(st);
@@ -256,9 +256,9 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, GATHER>::kThreads, 1)
 #pragma unroll
       for (int b = 0; b < BM / kWgBox; ++b)
         if (b < a_boxes)
-          wg_tma_box(wg_smem_addr(st + b * kWgBoxBytes), &maps.a, k0, static_cast<int>(r0) + b * kWgBox, full(s));
-      wg_tma_box(wg_smem_addr(st + Cfg::kABytes), &maps.w, k0, w_row0, full(s));
-      if (w_box1) wg_tma_box(wg_smem_addr(st + Cfg::kABytes + kWgBoxBytes), &maps.w, k0, w_row1, full(s));
+          tma_box(wg_smem_addr(st + b * kWgBoxBytes), &maps.a, k0, static_cast<int>(r0) + b * kWgBox, full(s));
+      tma_box(wg_smem_addr(st + Cfg::kABytes), &maps.w, k0, w_row0, full(s));
+      if (w_box1) tma_box(wg_smem_addr(st + Cfg::kABytes + kWgBoxBytes), &maps.w, k0, w_row1, full(s));
     }
     return;
   }
@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, GATHER>::kThreads, 1)
 // A [rows][K] bf16 operand with row stride ld as a 2-D tensor map, 64 x 64 boxes in the 128-byte
 // swizzle, zeros outside; false where the encoder or TMA's alignment is missing.
 static bool wg_gemm_encode(CUtensorMap* m, const uint16_t* base, int64_t rows, int64_t K, int64_t ld) {
-  const PFN_cuTensorMapEncodeTiled_v12000 enc = wg_encoder();
+  const PFN_cuTensorMapEncodeTiled_v12000 enc = tma_encoder();
   if (enc == nullptr || base == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || (ld * 2) % 16 != 0 ||
       rows < 1 || K < 1 || ld < K)
     return false;

@@ -241,6 +241,20 @@ static void row1_ring(Row1Ring& ring, const GemmParams& p, const Row1Plan& plan,
   ring.n_k = static_cast<int>((p.K + ring.kchunk - 1) / ring.kchunk);
 }
 
+// One gemm_row1_kernel instance on `blocks` blocks of `warps` warps: its shared-memory opt-in
+// once (for any bps), then a plain launch or, with p.pdl, a programmatic dependent one.
+template <auto Kernel, typename Maps>
+static gpuError_t launch_row1_kernel(const GemmParams& p, int64_t row_slots, const Row1Ring& ring, const Maps& maps,
+                                     int64_t blocks, int warps, int smem, gpuStream_t stream) {
+  static std::atomic<uint64_t> smem_done{0};
+  const gpuError_t e = allow_smem(Kernel, 233472 - 1024, smem_done);
+  if (e != gpuSuccess) return e;
+  const dim3 grid(static_cast<unsigned>(blocks)), block(static_cast<unsigned>(warps * BARO_WARP));
+  if (p.pdl) return launch_dependent(Kernel, grid, block, static_cast<size_t>(smem), stream, p, row_slots, ring, maps);
+  Kernel<<<grid, block, smem, stream>>>(p, row_slots, ring, maps);
+  return gpuGetLastError();
+}
+
 // a_rows: the A rows a stage must hold (1, or SLOT16's most rows in any slot). grid: one-warp
 // blocks. ASHARED: blocks of up to plan.bps warps, one block per SM (fewer warps per block when
 // there are fewer units than bps per SM, so the units still spread over the SMs), A beside the
@@ -284,16 +298,8 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
     if (ring.stages < 2) return gpuErrorInvalidValue;
     smem = kRow1BarBytes + ring.stages * ring.stage_bytes + extra;
   }
-  static std::atomic<uint64_t> smem_done{0};
-  constexpr auto kernel = gemm_row1_kernel<SWIGLU, NT, MOE, SLOT16, ASHARED>;
-  gpuError_t e = allow_smem(kernel, 233472 - 1024, smem_done);  // any bps
-  if (e != gpuSuccess) return e;
-  const dim3 block(static_cast<unsigned>(warps * BARO_WARP));
-  if (p.pdl)
-    return launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), block, static_cast<size_t>(smem), stream, p,
-                            row_slots, ring, Row1NoMaps{});
-  kernel<<<static_cast<unsigned>(blocks), block, smem, stream>>>(p, row_slots, ring, Row1NoMaps{});
-  return gpuGetLastError();
+  return launch_row1_kernel<gemm_row1_kernel<SWIGLU, NT, MOE, SLOT16, ASHARED>>(p, row_slots, ring, Row1NoMaps{},
+                                                                               blocks, warps, smem, stream);
 }
 
 // BARO_ROW1_TMA=1 (opt-in until measured on a GPU; the same bits): a plain call without SwiGLU
@@ -306,7 +312,7 @@ static bool row1_tma_takes(const GemmParams& p) {
   return p.Act == nullptr && p.tiles == nullptr && p.a_rows == nullptr && p.W_tail == nullptr &&
          p.W_last == nullptr && p.W_host == nullptr && p.moe.kind == Row1Moe::kNone && is_aligned(p.A, 16) &&
          is_aligned(p.W, 16) && p.lda % 8 == 0 && p.ldw % 8 == 0 && p.lda >= p.K && p.ldw >= p.K && p.K <= kI32 &&
-         p.N <= kI32 && p.M <= kI32 && wg_encoder() != nullptr;
+         p.N <= kI32 && p.M <= kI32 && tma_encoder() != nullptr;
 }
 
 // rows x K bf16 at row stride ld as a 2-D tensor map of kRow1TmaBoxK x box_rows boxes, no
@@ -316,7 +322,7 @@ static bool row1_tma_encode(CUtensorMap* m, const uint16_t* base, int64_t rows, 
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};  // bytes per row
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(kRow1TmaBoxK), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t step[2] = {1, 1};
-  return wg_encoder()(m, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<uint16_t*>(base), dims, strides, box, step,
+  return tma_encoder()(m, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<uint16_t*>(base), dims, strides, box, step,
                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
@@ -349,15 +355,8 @@ static gpuError_t launch_row1_tma(const GemmParams& p, int64_t row_slots, int64_
   ring.tma_sub = sub_bytes;
   ring.tma_tx = (Cfg::kWRows + a_rows) * kRow1TmaBoxK * 2;
   const int smem = kRow1BarBytes + ring.stages * ring.stage_bytes;
-  static std::atomic<uint64_t> smem_done{0};
-  constexpr auto kernel = gemm_row1_kernel<false, NT, Row1Moe::kNone, SLOT16, false, true>;
-  const gpuError_t e = allow_smem(kernel, 233472 - 1024, smem_done);  // any bps
-  if (e != gpuSuccess) return e;
-  if (p.pdl)
-    return launch_dependent(kernel, dim3(static_cast<unsigned>(grid)), dim3(BARO_WARP), static_cast<size_t>(smem),
-                            stream, p, row_slots, ring, maps);
-  kernel<<<static_cast<unsigned>(grid), BARO_WARP, smem, stream>>>(p, row_slots, ring, maps);
-  return gpuGetLastError();
+  return launch_row1_kernel<gemm_row1_kernel<false, NT, Row1Moe::kNone, SLOT16, false, true>>(p, row_slots, ring, maps,
+                                                                                             grid, 1, smem, stream);
 }
 
 template <bool SWIGLU, int MOE, bool SLOT16 = false>

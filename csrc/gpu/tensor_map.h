@@ -13,7 +13,7 @@ namespace baro_gpu {
 
 // One 2-D box at (column x, row y) of the tensor map into shared memory dst, completion counted on
 // bar. Elements outside the tensor come back as zeros (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE).
-BARO_DEV void wg_tma_box(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
+BARO_DEV void tma_box(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
@@ -23,7 +23,7 @@ BARO_DEV void wg_tma_box(uint32_t dst, const CUtensorMap* map, int x, int y, uin
 
 // The driver's tensor-map encoder, looked up once (per translation unit) through the runtime;
 // null where it is absent.
-static inline PFN_cuTensorMapEncodeTiled_v12000 wg_encoder() {
+static inline PFN_cuTensorMapEncodeTiled_v12000 tma_encoder() {
   static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;

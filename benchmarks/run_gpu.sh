@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode mma_swap tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode mma_swap mma_latency tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -120,6 +120,14 @@ stage_mma_swap() {
   nvcc -O3 -std=c++17 --fmad=false -arch=sm_90 -Icsrc/gpu -Icsrc/common benchmarks/mma_swap_probe.cu \
     -o /tmp/mma_swap_probe 2>&1 | tail -5
   timeout 60 /tmp/mma_swap_probe | tee "$OUT/mma_swap_probe_${CARD}.jsonl" | tail -3
+}
+# Cycles per step of one fp32 accumulator chain, mma.sync and wgmma m64n{8,16,32}k16, with 1 to 8
+# chains interleaved (benchmarks/mma_latency_probe.cu, ~5 s): the floor under a decode GEMM whose
+# columns give fewer chains than the card has sub-partitions. $OUT/mma_latency_probe_${CARD}.jsonl.
+stage_mma_latency() {
+  nvcc -O3 -std=c++17 --generate-code=arch=compute_90a,code=sm_90a -Icsrc/gpu -Icsrc/common \
+    benchmarks/mma_latency_probe.cu -o /tmp/mma_latency_probe 2>&1 | grep -v C7519 | tail -5
+  timeout 60 /tmp/mma_latency_probe | tee "$OUT/mma_latency_probe_${CARD}.jsonl" | tail -30
 }
 stage_ncu_decode() { timeout "${NCU_TIMEOUT:-300}" bash benchmarks/profile_gpu.sh 1 2>&1 | tail -80; }
 stage_probe() {

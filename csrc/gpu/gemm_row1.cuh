@@ -63,13 +63,16 @@
 namespace baro_gpu {
 
 constexpr int kRow1MaxStages = 16;
-constexpr int kRow1BarBytes = 8 * kRow1MaxStages;  // the mbarriers, then the ring (128 B: aligned)
+// The head of shared memory: the mbarriers, then 16 zero bytes (the A fragment rows a slot does
+// not have read them), then the ring, 128-byte aligned.
+constexpr int kRow1ZeroBytes = 16;
+constexpr int kRow1BarBytes = 8 * kRow1MaxStages + 128;  // mbarriers (128 B), zeros, pad
 constexpr int kRow1BlocksPerSM = 3;
 // ASHARED: warps per block (BARO_ROW1_BPS's range), and the A pieces (one mbarrier each)
 constexpr int kRow1AsMaxWarps = 8;
 constexpr int kRow1AsPieces = 32;
-constexpr int kRow1AsBarBytes = 8 * (kRow1AsPieces + kRow1AsMaxWarps * kRow1MaxStages);  // 1280: 128 B aligned
-static_assert(kRow1AsBarBytes % 128 == 0, "the A region and the rings start 128-byte aligned");
+constexpr int kRow1AsBarBytes = 8 * (kRow1AsPieces + kRow1AsMaxWarps * kRow1MaxStages) + 128;  // + zeros, pad
+static_assert(kRow1BarBytes % 128 == 0 && kRow1AsBarBytes % 128 == 0, "the A region and the rings start 128-byte aligned");
 // A stage's piece of each W row is kchunk elements; its smem row stride is kchunk * 2 + 16
 // bytes (the 16 spread the 8 rows of an ldmatrix phase over distinct banks).
 __host__ __device__ constexpr int row1_row_bytes(int kchunk) { return kchunk * 2 + 16; }
@@ -288,6 +291,9 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
   const uint32_t stage0 = ASHARED ? smem0 + kRow1AsBarBytes + ring.a_bytes + warp * ST * ring.stage_bytes
                                   : smem0 + kRow1BarBytes;
   const uint32_t a0 = smem0 + kRow1AsBarBytes;  // ASHARED: the A region
+  const uint32_t zero16 = smem0 + (ASHARED ? kRow1AsBarBytes : kRow1BarBytes) - 128;  // 16 zero bytes
+  if ((!ASHARED || warp == 0) && lane < kRow1ZeroBytes / 4)
+    reinterpret_cast<uint32_t*>(row1_smem + (zero16 - smem0))[lane] = 0u;
   if (lane == 0)
     for (int s = 0; s < ST; ++s) mbar_init(bar0 + 8 * s, ring.lsu ? BARO_WARP : 1);
   if constexpr (ASHARED) {
@@ -456,9 +462,7 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
     const uint32_t base = stage0 + slot * ring.stage_bytes;
     const int64_t k0 = static_cast<int64_t>(ckt) * kchunk;
     // the slot's rows from k0 on: after the stage's W rows, or (ASHARED) in the A region
-    const uint16_t* a_s =
-        ASHARED ? reinterpret_cast<const uint16_t*>(row1_smem + (a0 - smem0)) + k0
-                : reinterpret_cast<const uint16_t*>(row1_smem + (base - smem0) + Cfg::kWRows * rowb);
+    const uint32_t a_s = ASHARED ? a0 + static_cast<uint32_t>(k0 * 2) : base + Cfg::kWRows * rowb;
     const int steps = static_cast<int>((K - k0 < kchunk ? K - k0 : kchunk) / 16);  // K % 16 == 0
     // Groups of 8 k-steps: every load of the group is issued before its first mma, so the
     // shared-memory latency is paid once per group and the T chains run back to back.
@@ -466,7 +470,7 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
       // TMA: the group's 8 k-steps are the whole of sub-stage k8 / 8 (its W rows, then its A rows)
       const uint32_t gbase = TMA ? base + static_cast<uint32_t>((k8 / 8) * ring.tma_sub) : base;
       const int gk = TMA ? 0 : k8;
-      const uint16_t* ga = TMA ? a_s + (k8 / 8) * (ring.tma_sub / 2) : a_s;
+      const uint32_t ga = TMA ? a_s + static_cast<uint32_t>((k8 / 8) * ring.tma_sub) : a_s;
       FragB fb[T][8];
 #pragma unroll
       for (int h = 0; h < 4; ++h)
@@ -474,31 +478,21 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
         for (int b = 0; b < T; ++b)
           ldsm_x4(gbase + b * 8 * rowb + b_lane + (gk + 2 * h) * 32, fb[b][2 * h].r[0], fb[b][2 * h].r[1],
                   fb[b][2 * h + 1].r[0], fb[b][2 * h + 1].r[1]);
-      // load_a's words of a tile whose rows are the slot's rows (one, or rc), the rest zero
+      // load_a's words of a tile whose rows are the slot's rows (one, or rc), the rest zero, by
+      // ldmatrix x4 (gemm_rows16's A load): lane l gives row l & 15, 16-byte chunk l >> 4 of a
+      // k-step; a row the slot does not have gives the 16 zero bytes. Every fragment is then one
+      // unpredicated load into its own registers, where per-lane predicated 32-bit loads let the
+      // compiler put each step's loads between the mmas, on the accumulator chain's path.
       FragA fa[8];
-      if constexpr (SLOT16) {
-        // A rows at the W rows' padded stride (ASHARED: the A region's): rows g spread over banks
-        const int ars = ASHARED ? ring.a_rowb / 2 : rowb / 2;
-        const bool lo = g < cu.rc, hi = g + 8 < cu.rc;
-        const uint16_t* a_lo = ga + g * ars;
-        const uint16_t* a_hi = ga + (g + 8) * ars;
+      {
+        // A rows at the W rows' padded stride (ASHARED: the A region's; one row: unpadded, alone)
+        const int a_row = lane & 15;
+        const bool real = SLOT16 ? a_row < cu.rc : a_row == 0;
+        const uint32_t ars = ASHARED ? static_cast<uint32_t>(ring.a_rowb) : static_cast<uint32_t>(rowb);
+        const uint32_t a_lane = real ? ga + a_row * ars + (lane >> 4) * 16 + gk * 32 : zero16;
+        const uint32_t a_step = real ? 32u : 0u;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int k = (gk + j) * 16 + 2 * t;
-          fa[j].r[0] = lo ? lds32(a_lo + k) : 0u;
-          fa[j].r[1] = hi ? lds32(a_hi + k) : 0u;
-          fa[j].r[2] = lo ? lds32(a_lo + k + 8) : 0u;
-          fa[j].r[3] = hi ? lds32(a_hi + k + 8) : 0u;
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int k = (gk + j) * 16 + 2 * t;
-          fa[j].r[0] = g == 0 ? lds32(ga + k) : 0u;
-          fa[j].r[1] = 0u;
-          fa[j].r[2] = g == 0 ? lds32(ga + k + 8) : 0u;
-          fa[j].r[3] = 0u;
-        }
+        for (int j = 0; j < 8; ++j) ldsm_x4(a_lane + j * a_step, fa[j].r[0], fa[j].r[1], fa[j].r[2], fa[j].r[3]);
       }
 #pragma unroll
       for (int j = 0; j < 8; ++j) {

@@ -459,8 +459,11 @@ def knob_moe(platform, monkeypatch, names, wd, fold, D, k):
 # copies (hence =1, not require), so the check is that mixing the two instances in one call
 # changes no byte. The one-token MoE's fused route and combine are not the instance's.
 # per lever: the mode it runs under, its m, its speed knobs, a seed
+# BARO_ROW1_SWAP (2 to 8 rows; more rows and the SwiGLU gate/up stay on the default instance,
+# hence =1): the router with the fold reads its last W row from W_tail inside a swapped tile.
 MOE_STREAM_LEVERS = {"BARO_ROW1_ASHARED": ("require", (2, 3, 8, 13, 16), ASHARED_MOE_KNOBS, 3300),
-                     "BARO_ROW1_TMA": ("1", (1, 2, 8, 13), [{}, {"BARO_ROW1_NT": "1"}], 3900)}
+                     "BARO_ROW1_TMA": ("1", (1, 2, 8, 13), [{}, {"BARO_ROW1_NT": "1"}], 3900),
+                     "BARO_ROW1_SWAP": ("1", (2, 5, 8, 13), [{}, {"BARO_ROW1_NT": "4"}], 4500)}
 
 
 @pytest.mark.parametrize("lever", list(MOE_STREAM_LEVERS))
@@ -472,7 +475,7 @@ def test_moe_stream_levers(platform, lever, fold, monkeypatch):
     E, D, I, Is, k = 256, 2048, 64, 512, 8
     rng = np.random.default_rng(seed + int(fold))
     w = moe_weights_sized(rng, E, D, I, Is)
-    names = ASHARED_MOE_NAMES + ("BARO_ROW1_TMA",)
+    names = ASHARED_MOE_NAMES + ("BARO_ROW1_TMA", "BARO_ROW1_SWAP")
     call = knob_moe(platform, monkeypatch, names, put(platform, *w), fold, D, k)
     for m in ms:
         h = bf16(rng, m, D)  # fresh inputs for every m

@@ -46,6 +46,17 @@
 // zeros past it) from the A region instead of the stage, so every register into every mma, and the
 // mma order, are the SLOT16 path's: the same bytes (tests/test_kernels_matmul.py compares them).
 //
+// SWAP (BARO_ROW1_SWAP=1, opt-in until run on a GPU; SLOT16 plain calls of one slot of 2 to 8
+// rows, units of 2 or 4 n-tiles): the stages as SLOT16's, the mma's operands the other way round:
+// W's unit rows are the 16-row A operand (16 output columns an mma) and the slot's rows the 8-wide
+// B operand (the step's tokens). At 8 rows the SLOT16 step spends half of every mma on zero rows
+// and ~13 instructions a k-step per 8 columns (ncu, 3280058: one or two warps an SM, each
+// instruction on the chain); here a k-step is one ldmatrix of W per 16 columns, half an ldmatrix
+// of the tokens and one mma. mma.sync gives the same bits either way round
+// (benchmarks/mma_swap_probe.cu, all equal on the H100), so each output element is the SLOT16
+// path's: one fp32 accumulator, K ascending in 16-wide steps, the same k-step sums
+// (tests/test_kernels_matmul.py compares them).
+//
 // Requires (launcher): p.vec, K % 16 == 0, slot_rows == (SLOT16 ? 16 : 1). Reads p.W_tail /
 // p.W_last (gemm.cuh) where set: the one-token MoE's shared gate and shared expert.
 #pragma once
@@ -210,7 +221,8 @@ BARO_DEV void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;
 //     warp that counts a unit's last slot computes out for those columns: the slot-order
 //     fmaf over the pairs from 0, then + sigmoid(sgl) * the shared row, moe_combine_kernel's
 //     expressions (the kernel tests compare the two), so the combine launch goes.
-template <bool SWIGLU, int NT, int MOE = Row1Moe::kNone, bool SLOT16 = false, bool ASHARED = false, bool TMA = false>
+template <bool SWIGLU, int NT, int MOE = Row1Moe::kNone, bool SLOT16 = false, bool ASHARED = false, bool TMA = false,
+          bool SWAP = false>
 __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_WARP)
     gemm_row1_kernel(GemmParams p, int64_t row_slots, Row1Ring ring, const __grid_constant__ Row1MapsOf<TMA> maps) {
   using Cfg = Row1Cfg<SWIGLU, NT>;
@@ -219,6 +231,9 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
   static_assert(MOE == Row1Moe::kNone || !SLOT16, "the fused route and combine are one token's");
   static_assert(!ASHARED || (SLOT16 && MOE == Row1Moe::kNone), "a shared A slot: plain 16-row slots only");
   static_assert(!TMA || (!SWIGLU && MOE == Row1Moe::kNone && !ASHARED), "TMA: plain calls without SwiGLU");
+  static_assert(!SWAP || (!SWIGLU && MOE == Row1Moe::kNone && SLOT16 && !ASHARED && !TMA && NT % 2 == 0),
+                "SWAP: plain 16-row slots, units of whole 16-column tiles");
+  constexpr int MW = SWAP ? NT / 2 : 1;  // SWAP: 16-column W tiles per unit
   extern __shared__ __align__(128) uint8_t row1_smem[];
   grid_dependency_wait();  // p.pdl launches: the previous kernel's results first
 
@@ -471,6 +486,33 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
       const uint32_t gbase = TMA ? base + static_cast<uint32_t>((k8 / 8) * ring.tma_sub) : base;
       const int gk = TMA ? 0 : k8;
       const uint32_t ga = TMA ? a_s + static_cast<uint32_t>((k8 / 8) * ring.tma_sub) : a_s;
+      if constexpr (SWAP) {
+        // W tile m: the unit's W rows 16 m + (lane & 15), chunk lane >> 4 (load_a's words of those
+        // rows); the tokens: rows lane & 7, chunk lane >> 3, two k-steps a load (load_b_nk's words),
+        // a token past the slot reading the 16 zero bytes
+        FragA fw[MW][8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int m = 0; m < MW; ++m)
+            ldsm_x4(gbase + (16 * m + (lane & 15)) * rowb + (lane >> 4) * 16 + (gk + j) * 32, fw[m][j].r[0],
+                    fw[m][j].r[1], fw[m][j].r[2], fw[m][j].r[3]);
+        const bool real = (lane & 7) < cu.rc;
+        const uint32_t t_lane = real ? ga + (lane & 7) * rowb + (lane >> 3) * 16 + gk * 32 : zero16;
+        const uint32_t t_step = real ? 64u : 0u;
+        FragB ft[8];
+#pragma unroll
+        for (int h = 0; h < 4; ++h)
+          ldsm_x4(t_lane + h * t_step, ft[2 * h].r[0], ft[2 * h].r[1], ft[2 * h + 1].r[0], ft[2 * h + 1].r[1]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (k8 + j < steps) {  // uniform: steps past K are skipped
+#pragma unroll
+            for (int m = 0; m < MW; ++m) mma_16816(acc[m], fw[m][j], ft[j]);
+          }
+        }
+        continue;
+      }
       FragB fb[T][8];
 #pragma unroll
       for (int h = 0; h < 4; ++h)
@@ -510,7 +552,18 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
     }
     if (++ckt == n_k) {  // unit done: row 0 lives in lanes 0..3 (g == 0), columns 2t, 2t + 1
       ckt = 0;
-      if constexpr (SLOT16) {  // rows g (acc 0, 1) and g + 8 (acc 2, 3)
+      if constexpr (SWAP) {  // tile m: columns 16 m + g (acc 0, 1) and 16 m + g + 8 (acc 2, 3), tokens 2t, 2t + 1
+#pragma unroll
+        for (int m = 0; m < MW; ++m)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int c = 16 * m + g + 8 * hh;
+            if (c >= cu.nc) continue;
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (2 * t + e < cu.rc) p.C[(cu.row + 2 * t + e) * p.ldc + cu.c0 + c] = acc[m][2 * hh + e];
+          }
+      } else if constexpr (SLOT16) {  // rows g (acc 0, 1) and g + 8 (acc 2, 3)
         const bool out2 = p.out2 != 0;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {

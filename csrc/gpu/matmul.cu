@@ -260,7 +260,7 @@ static gpuError_t launch_row1_kernel(const GemmParams& p, int64_t row_slots, con
 // there are fewer units than bps per SM, so the units still spread over the SMs), A beside the
 // warps' rings; where A leaves no room for two 128-wide stages per warp (16 rows of K above about
 // 5,500 at three warps of 4 n-tiles), the plain SLOT16 instance runs instead (the same bits).
-template <bool SWIGLU, int NT, int MOE, bool SLOT16, bool ASHARED = false>
+template <bool SWIGLU, int NT, int MOE, bool SLOT16, bool ASHARED = false, bool SWAP = false>
 static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t grid, const Row1Plan& plan,
                                  int a_rows, gpuStream_t stream) {
   using Cfg = Row1Cfg<SWIGLU, NT>;
@@ -298,8 +298,8 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
     if (ring.stages < 2) return gpuErrorInvalidValue;
     smem = kRow1BarBytes + ring.stages * ring.stage_bytes + extra;
   }
-  return launch_row1_kernel<gemm_row1_kernel<SWIGLU, NT, MOE, SLOT16, ASHARED>>(p, row_slots, ring, Row1NoMaps{},
-                                                                               blocks, warps, smem, stream);
+  return launch_row1_kernel<gemm_row1_kernel<SWIGLU, NT, MOE, SLOT16, ASHARED, false, SWAP>>(
+      p, row_slots, ring, Row1NoMaps{}, blocks, warps, smem, stream);
 }
 
 // BARO_ROW1_TMA=1 (opt-in until measured on a GPU; the same bits): a plain call without SwiGLU
@@ -359,6 +359,15 @@ static gpuError_t launch_row1_tma(const GemmParams& p, int64_t row_slots, int64_
                                                                                              grid, 1, smem, stream);
 }
 
+// BARO_ROW1_SWAP=1 (opt-in until measured on a GPU; the same bits): a plain call of one slot of
+// 2 to 8 rows runs the 16-row stream's SWAP instance (gemm_row1.cuh), W as the mma's 16-row
+// operand, in units of 2 or 4 n-tiles. =require (tests): a call on the 16-row stream that it
+// cannot take fails instead of running the default instance. Read per call.
+static bool row1_swap_takes(const GemmParams& p, int64_t row_slots) {
+  return row_slots == 1 && p.tiles == nullptr && p.a_rows == nullptr && p.Act == nullptr && p.M >= 2 && p.M <= 8 &&
+         p.moe.kind == Row1Moe::kNone;
+}
+
 template <bool SWIGLU, int MOE, bool SLOT16 = false>
 static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
   const Row1Plan plan = row1_plan();
@@ -380,6 +389,16 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
         return launch_row1_tma<1, SLOT16>(p, row_slots, grid(1), plan, a_rows, stream);
       }
       if (k::is(k::kRow1Tma, "require")) return gpuErrorInvalidValue;
+    }
+  }
+  if constexpr (SLOT16 && MOE == Row1Moe::kNone && !SWIGLU) {
+    namespace k = baro::knobs;
+    if (!k::is(k::kRow1Swap, "0")) {
+      if (row1_swap_takes(p, row_slots)) {  // whole 16-column tiles: units of 4 n-tiles where they fill the warps, else 2
+        if (nt >= 4) return launch_row1_nt<SWIGLU, 4, MOE, SLOT16, false, true>(p, row_slots, grid(4), plan, a_rows, stream);
+        return launch_row1_nt<SWIGLU, 2, MOE, SLOT16, false, true>(p, row_slots, grid(2), plan, a_rows, stream);
+      }
+      if (k::is(k::kRow1Swap, "require")) return gpuErrorInvalidValue;
     }
   }
   if constexpr (SLOT16 && MOE == Row1Moe::kNone) {

@@ -459,11 +459,12 @@ def knob_moe(platform, monkeypatch, names, wd, fold, D, k):
 # copies (hence =1, not require), so the check is that mixing the two instances in one call
 # changes no byte. The one-token MoE's fused route and combine are not the instance's.
 # per lever: the mode it runs under, its m, its speed knobs, a seed
-# BARO_ROW1_SWAP (2 to 8 rows; more rows and the SwiGLU gate/up stay on the default instance,
-# hence =1): the router with the fold reads its last W row from W_tail inside a swapped tile.
+# BARO_ROW1_SWAP (1 to 8 rows; more rows, the SwiGLU gate/up and the one-token MoE's fused
+# GEMMs stay on the default instances, hence =1): the router with the fold reads its last W row
+# from W_tail inside a swapped tile.
 MOE_STREAM_LEVERS = {"BARO_ROW1_ASHARED": ("require", (2, 3, 8, 13, 16), ASHARED_MOE_KNOBS, 3300),
                      "BARO_ROW1_TMA": ("1", (1, 2, 8, 13), [{}, {"BARO_ROW1_NT": "1"}], 3900),
-                     "BARO_ROW1_SWAP": ("1", (2, 5, 8, 13), [{}, {"BARO_ROW1_NT": "4"}], 4500)}
+                     "BARO_ROW1_SWAP": ("1", (1, 2, 5, 8, 13), [{}, {"BARO_ROW1_NT": "4"}], 4500)}
 
 
 @pytest.mark.parametrize("lever", list(MOE_STREAM_LEVERS))

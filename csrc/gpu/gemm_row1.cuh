@@ -46,8 +46,8 @@
 // zeros past it) from the A region instead of the stage, so every register into every mma, and the
 // mma order, are the SLOT16 path's: the same bytes (tests/test_kernels_matmul.py compares them).
 //
-// SWAP (BARO_ROW1_SWAP=1, opt-in until run on a GPU; SLOT16 plain calls of one slot of 2 to 8
-// rows, units of 2 or 4 n-tiles): the stages as SLOT16's, the mma's operands the other way round:
+// SWAP (BARO_ROW1_SWAP=1, opt-in until run on a GPU; plain calls of one slot of 1 to 8 rows, units
+// of 2 or 4 n-tiles): the stages as the instance's without it, the mma's operands the other way round:
 // W's unit rows are the 16-row A operand (16 output columns an mma) and the slot's rows the 8-wide
 // B operand (the step's tokens). At 8 rows the SLOT16 step spends half of every mma on zero rows
 // and ~13 instructions a k-step per 8 columns (ncu, 3280058: one or two warps an SM, each
@@ -231,8 +231,8 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
   static_assert(MOE == Row1Moe::kNone || !SLOT16, "the fused route and combine are one token's");
   static_assert(!ASHARED || (SLOT16 && MOE == Row1Moe::kNone), "a shared A slot: plain 16-row slots only");
   static_assert(!TMA || (!SWIGLU && MOE == Row1Moe::kNone && !ASHARED), "TMA: plain calls without SwiGLU");
-  static_assert(!SWAP || (!SWIGLU && MOE == Row1Moe::kNone && SLOT16 && !ASHARED && !TMA && NT % 2 == 0),
-                "SWAP: plain 16-row slots, units of whole 16-column tiles");
+  static_assert(!SWAP || (!SWIGLU && MOE == Row1Moe::kNone && !ASHARED && !TMA && NT % 2 == 0),
+                "SWAP: plain calls, units of whole 16-column tiles");
   constexpr int MW = SWAP ? NT / 2 : 1;  // SWAP: 16-column W tiles per unit
   extern __shared__ __align__(128) uint8_t row1_smem[];
   grid_dependency_wait();  // p.pdl launches: the previous kernel's results first

@@ -360,11 +360,11 @@ static gpuError_t launch_row1_tma(const GemmParams& p, int64_t row_slots, int64_
 }
 
 // BARO_ROW1_SWAP=1 (opt-in until measured on a GPU; the same bits): a plain call of one slot of
-// 2 to 8 rows runs the 16-row stream's SWAP instance (gemm_row1.cuh), W as the mma's 16-row
-// operand, in units of 2 or 4 n-tiles. =require (tests): a call on the 16-row stream that it
-// cannot take fails instead of running the default instance. Read per call.
+// 1 to 8 rows runs the stream's SWAP instance (gemm_row1.cuh), W as the mma's 16-row operand, in
+// units of 2 or 4 n-tiles. =require (tests): a plain call on the stream that it cannot take fails
+// instead of running the default instance. Read per call.
 static bool row1_swap_takes(const GemmParams& p, int64_t row_slots) {
-  return row_slots == 1 && p.tiles == nullptr && p.a_rows == nullptr && p.Act == nullptr && p.M >= 2 && p.M <= 8 &&
+  return row_slots == 1 && p.tiles == nullptr && p.a_rows == nullptr && p.Act == nullptr && p.M >= 1 && p.M <= 8 &&
          p.moe.kind == Row1Moe::kNone;
 }
 
@@ -391,7 +391,7 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
       if (k::is(k::kRow1Tma, "require")) return gpuErrorInvalidValue;
     }
   }
-  if constexpr (SLOT16 && MOE == Row1Moe::kNone && !SWIGLU) {
+  if constexpr (MOE == Row1Moe::kNone && !SWIGLU) {
     namespace k = baro::knobs;
     if (!k::is(k::kRow1Swap, "0")) {
       if (row1_swap_takes(p, row_slots)) {  // whole 16-column tiles: units of 4 n-tiles where they fill the warps, else 2

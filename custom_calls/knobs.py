@@ -180,9 +180,10 @@ _TABLE: tuple[Knob, ...] = (
              "opt-in until measured on a GPU); require: an error where such a call cannot take it (tests) "
              "(csrc/gpu/matmul.cu, csrc/gpu/gemm_row1.cuh)"),
     Knob("BARO_ROW1_SWAP", "choice", "0", choices=("0", "1", "require"),
-         doc="1: plain GEMMs of 1 to 8 rows on the stream's instance that gives W the mma's 16-row operand and "
-             "the rows its 8-wide one (the same bits; opt-in until measured on a GPU); require: an error where a "
-             "plain call on the stream cannot take it (tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_row1.cuh)"),
+         doc="1: the GEMMs on gemm_row1's stream (1 to 16 rows a slot; not the one-token MoE's fused route and "
+             "combine) on its instance that gives W the mma's 16-row operand and the rows its 8-wide one (the same "
+             "bits; opt-in until measured on a GPU); require: an error where a call on the stream cannot take it "
+             "(tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_row1.cuh)"),
     Knob("BARO_CMDBUF_OPS", "onoff", True, reader="Python",
          doc="off: calls of <= 16 rows on the ops that take scratch from XLA's allocator instead of the _small "
              "twins that may run inside command buffers (custom_calls/_lib.py)"),

@@ -183,21 +183,21 @@ def knob_matmul(platform, monkeypatch, names, wd, N, K):
 TMA_M = (1, 2, 3, 8, 13, 16)
 TMA_KNOBS = [{}, {"BARO_ROW1_BPS": "1"}, {"BARO_ROW1_BPS": "8"}, {"BARO_ROW1_NT": "1"}, {"BARO_ROW1_NT": "4"}]
 # The stream's swapped-operand instance (BARO_ROW1_SWAP=1, gemm_row1.cuh SWAP; opt-in, first run
-# on a GPU pending): W's unit rows as the mma's 16-row operand, the call's 1 to 8 rows as its
-# 8-wide one, against the default stream (the rows as the 16-row operand), the same shapes:
-# 264 and 4801 end in a unit whose second 16-column tile or most of it lies past N (rows never
-# copied, never stored). m: 1 (gemm_row1's one-row layout), 2, 3, 5, 8, and 13 (more rows than the
-# 8-wide operand: =require fails, =1 runs the default instance). Units of 2 n-tiles
-# (BARO_ROW1_NT=1 asks for 1: the instance takes 2) and 4, 128-wide k stages, one and eight blocks
-# per SM, 16-byte cp.async copies.
-SWAP_M = (1, 2, 3, 5, 8, 13)
+# on a GPU pending): W's unit rows as the mma's 16-row operand, the call's rows as its 8-wide one
+# (a second 8 past 8 rows), against the default stream (the rows as the 16-row operand), the same
+# shapes: 264 and 4801 end in a unit whose second 16-column tile or most of it lies past N (rows
+# never copied, never stored). m: 1 (gemm_row1's one-row layout), 2, 3, 5, 8, 13 and 16 (both
+# token halves). Units of 2 n-tiles (BARO_ROW1_NT=1 asks for 1: the instance takes 2) and 4,
+# 128-wide k stages, one and eight blocks per SM, 16-byte cp.async copies. =require throughout:
+# a plain call that fell back to the default instance would fail.
+SWAP_M = (1, 2, 3, 5, 8, 13, 16)
 SWAP_KNOBS = [{}, {"BARO_ROW1_NT": "1"}, {"BARO_ROW1_NT": "4"}, {"BARO_ROW1_KCHUNK": "128"},
               {"BARO_ROW1_BPS": "1"}, {"BARO_ROW1_BPS": "8"}, {"BARO_ROW1_COPY": "lsu"}]
 STREAM_SHAPES = [(12352, 2048), (2048, 4096), (9216, 2048), (4801, 1040), (264, 4224), (264, 8192), (264, 144)]
 # per lever: its m, its speed knobs, the (N, K, m) it falls back at, a seed
 STREAM_LEVERS = {"BARO_ROW1_ASHARED": (ASHARED_M, ASHARED_KNOBS, ASHARED_FALLBACK, 3100),
                  "BARO_ROW1_TMA": (TMA_M, TMA_KNOBS, set(), 3700),
-                 "BARO_ROW1_SWAP": (SWAP_M, SWAP_KNOBS, {(N, K, 13) for N, K in STREAM_SHAPES}, 4300)}
+                 "BARO_ROW1_SWAP": (SWAP_M, SWAP_KNOBS, set(), 4300)}
 STREAM_NAMES = ASHARED_NAMES + ("BARO_ROW1_TMA", "BARO_ROW1_SWAP")
 
 

@@ -458,13 +458,16 @@ def knob_moe(platform, monkeypatch, names, wd, fold, D, k):
 # fold reads its last row from W_tail, and the shared gate/up is SwiGLU: those stay on the bulk
 # copies (hence =1, not require), so the check is that mixing the two instances in one call
 # changes no byte. The one-token MoE's fused route and combine are not the instance's.
-# per lever: the mode it runs under, its m, its speed knobs, a seed
-# BARO_ROW1_SWAP (1 to 8 rows; more rows, the SwiGLU gate/up and the one-token MoE's fused
-# GEMMs stay on the default instances, hence =1): the router with the fold reads its last W row
-# from W_tail inside a swapped tile.
-MOE_STREAM_LEVERS = {"BARO_ROW1_ASHARED": ("require", (2, 3, 8, 13, 16), ASHARED_MOE_KNOBS, 3300),
-                     "BARO_ROW1_TMA": ("1", (1, 2, 8, 13), [{}, {"BARO_ROW1_NT": "1"}], 3900),
-                     "BARO_ROW1_SWAP": ("1", (1, 2, 5, 8, 13), [{}, {"BARO_ROW1_NT": "4"}], 4500)}
+# BARO_ROW1_SWAP: every GEMM on the stream but the one-token MoE's fused ones (so one-row calls run
+# under =1, the batches under =require); under BARO_GEMM_SMALL=stream the grouped expert GEMMs take
+# it too: SwiGLU gate/up over tiles of gathered rows, the down GEMM over the sorted pairs in place,
+# tiles of more than 8 rows (both token halves), the folded shared expert's W_last tile.
+# per lever: the mode of its batches, the mode of its one-row calls, its m, its speed knobs, a seed
+MOE_STREAM_LEVERS = {"BARO_ROW1_ASHARED": ("require", "require", (2, 3, 8, 13, 16), ASHARED_MOE_KNOBS, 3300),
+                     "BARO_ROW1_TMA": ("1", "1", (1, 2, 8, 13), [{}, {"BARO_ROW1_NT": "1"}], 3900),
+                     "BARO_ROW1_SWAP": ("require", "1", (2, 5, 8, 13, 16),
+                                        [{}, {"BARO_ROW1_NT": "4"}, {"BARO_GEMM_SMALL": "stream"},
+                                         {"BARO_GEMM_SMALL": "stream", "BARO_ROW1_NT": "4"}], 4500)}
 
 
 @pytest.mark.parametrize("lever", list(MOE_STREAM_LEVERS))
@@ -472,7 +475,7 @@ MOE_STREAM_LEVERS = {"BARO_ROW1_ASHARED": ("require", (2, 3, 8, 13, 16), ASHARED
 def test_moe_stream_levers(platform, lever, fold, monkeypatch):
     if platform.platform != "gpu":
         pytest.skip("the stream's instances are CUDA kernels")
-    mode, ms, knob_sets, seed = MOE_STREAM_LEVERS[lever]
+    mode, one_mode, ms, knob_sets, seed = MOE_STREAM_LEVERS[lever]
     E, D, I, Is, k = 256, 2048, 64, 512, 8
     rng = np.random.default_rng(seed + int(fold))
     w = moe_weights_sized(rng, E, D, I, Is)
@@ -485,7 +488,7 @@ def test_moe_stream_levers(platform, lever, fold, monkeypatch):
             got = call(h, {lever: mode, **knobs})  # require: an error where a GEMM could not take it
             assert_same_bits(got, want, f"moe m={m} fold={fold} {knobs}: {lever}={mode} vs off")
         for i in range(m if m > 1 else 0):
-            one = call(h[i:i + 1], {lever: mode})
+            one = call(h[i:i + 1], {lever: one_mode})
             assert_same_bits(one[0], want[i], f"moe m={m} fold={fold} row {i}: one-row call vs the batch")
     for kn in names:
         monkeypatch.delenv(kn, raising=False)

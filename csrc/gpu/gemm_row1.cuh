@@ -46,16 +46,17 @@
 // zeros past it) from the A region instead of the stage, so every register into every mma, and the
 // mma order, are the SLOT16 path's: the same bytes (tests/test_kernels_matmul.py compares them).
 //
-// SWAP (BARO_ROW1_SWAP=1, opt-in until run on a GPU; plain calls of one slot of 1 to 8 rows, units
-// of 2 or 4 n-tiles): the stages as the instance's without it, the mma's operands the other way round:
-// W's unit rows are the 16-row A operand (16 output columns an mma) and the slot's rows the 8-wide
-// B operand (the step's tokens). At 8 rows the SLOT16 step spends half of every mma on zero rows
-// and ~13 instructions a k-step per 8 columns (ncu, 3280058: one or two warps an SM, each
-// instruction on the chain); here a k-step is one ldmatrix of W per 16 columns, half an ldmatrix
-// of the tokens and one mma. mma.sync gives the same bits either way round
-// (benchmarks/mma_swap_probe.cu, all equal on the H100), so each output element is the SLOT16
-// path's: one fp32 accumulator, K ascending in 16-wide steps, the same k-step sums
-// (tests/test_kernels_matmul.py compares them).
+// SWAP (BARO_ROW1_SWAP=1, opt-in until run on a GPU; every call without the one-token MoE's fused
+// route or combine, in units of 2 or 4 n-tiles): the stages as the instance's without it, the
+// mma's operands the other way round: W's unit rows are the 16-row A operand (16 output columns an
+// mma; SwiGLU: gate tiles and up tiles) and the slot's rows the 8-wide B operand (the step's
+// tokens, a second 8 where a slot holds more). At 8 rows the default step spends half of every mma
+// on zero rows and ~13 instructions a k-step per 8 columns (ncu, 3280058: one or two warps an SM,
+// each instruction on the chain); here a k-step is one ldmatrix of W per 16 columns, half an
+// ldmatrix of the tokens and one mma. mma.sync gives the same bits either way round
+// (benchmarks/mma_swap_probe.cu, all equal on the H100), so each output element is the default
+// instance's: one fp32 accumulator, K ascending in 16-wide steps, the same k-step sums, the same
+// SwiGLU expression (tests/test_kernels_matmul.py and test_kernels_moe.py compare them).
 //
 // Requires (launcher): p.vec, K % 16 == 0, slot_rows == (SLOT16 ? 16 : 1). Reads p.W_tail /
 // p.W_last (gemm.cuh) where set: the one-token MoE's shared gate and shared expert.
@@ -231,9 +232,13 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
   static_assert(MOE == Row1Moe::kNone || !SLOT16, "the fused route and combine are one token's");
   static_assert(!ASHARED || (SLOT16 && MOE == Row1Moe::kNone), "a shared A slot: plain 16-row slots only");
   static_assert(!TMA || (!SWIGLU && MOE == Row1Moe::kNone && !ASHARED), "TMA: plain calls without SwiGLU");
-  static_assert(!SWAP || (!SWIGLU && MOE == Row1Moe::kNone && !ASHARED && !TMA && NT % 2 == 0),
-                "SWAP: plain calls, units of whole 16-column tiles");
-  constexpr int MW = SWAP ? NT / 2 : 1;  // SWAP: 16-column W tiles per unit
+  static_assert(!SWAP || (MOE == Row1Moe::kNone && !ASHARED && !TMA && NT % 2 == 0),
+                "SWAP: no fused route or combine, units of whole 16-column tiles");
+  constexpr int MW = SWAP ? NT / 2 : 1;       // SWAP: 16-column tiles per unit
+  constexpr int WT = SWIGLU ? 2 * MW : MW;    // SWAP: 16-row W tiles per unit (gate, then up)
+  static_assert(!SWAP || 2 * WT == T, "SWAP: two token halves of WT accumulators fill acc");
+  // SWAP: the first smem row of W tile w (the gate rows are the unit's first 8 NT, the up rows the next)
+  auto swap_w_row = [](int w) { return SWIGLU && w >= MW ? 8 * NT + 16 * (w - MW) : 16 * w; };
   extern __shared__ __align__(128) uint8_t row1_smem[];
   grid_dependency_wait();  // p.pdl launches: the previous kernel's results first
 
@@ -487,60 +492,66 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
       const int gk = TMA ? 0 : k8;
       const uint32_t ga = TMA ? a_s + static_cast<uint32_t>((k8 / 8) * ring.tma_sub) : a_s;
       if constexpr (SWAP) {
-        // W tile m: the unit's W rows 16 m + (lane & 15), chunk lane >> 4 (load_a's words of those
-        // rows); the tokens: rows lane & 7, chunk lane >> 3, two k-steps a load (load_b_nk's words),
-        // a token past the slot reading the 16 zero bytes
-        FragA fw[MW][8];
+        // W tile w (SwiGLU: gate tiles, then up tiles): the unit's W rows w_row(w) + (lane & 15),
+        // chunk lane >> 4 (load_a's words of those rows). Tokens 8 hf + (lane & 7), chunk lane >> 3,
+        // two k-steps a load (load_b_nk's words), a token past the slot reading the 16 zero bytes;
+        // the second half only where the slot has more than 8 rows (uniform).
+        FragA fw[WT][8];
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
-          for (int m = 0; m < MW; ++m)
-            ldsm_x4(gbase + (16 * m + (lane & 15)) * rowb + (lane >> 4) * 16 + (gk + j) * 32, fw[m][j].r[0],
-                    fw[m][j].r[1], fw[m][j].r[2], fw[m][j].r[3]);
-        const bool real = (lane & 7) < cu.rc;
-        const uint32_t t_lane = real ? ga + (lane & 7) * rowb + (lane >> 3) * 16 + gk * 32 : zero16;
-        const uint32_t t_step = real ? 64u : 0u;
-        FragB ft[8];
+          for (int w = 0; w < WT; ++w)
+            ldsm_x4(gbase + (swap_w_row(w) + (lane & 15)) * rowb + (lane >> 4) * 16 + (gk + j) * 32, fw[w][j].r[0],
+                    fw[w][j].r[1], fw[w][j].r[2], fw[w][j].r[3]);
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          if (hf == 1 && cu.rc <= 8) break;
+          const int tok = 8 * hf + (lane & 7);
+          const bool real = tok < cu.rc;
+          const uint32_t t_lane = real ? ga + tok * rowb + (lane >> 3) * 16 + gk * 32 : zero16;
+          const uint32_t t_step = real ? 64u : 0u;
+          FragB ft[8];
+#pragma unroll
+          for (int h = 0; h < 4; ++h)
+            ldsm_x4(t_lane + h * t_step, ft[2 * h].r[0], ft[2 * h].r[1], ft[2 * h + 1].r[0], ft[2 * h + 1].r[1]);
+#pragma unroll
+          for (int j2 = 0; j2 < 8; ++j2) {
+            if (k8 + j2 < steps) {  // uniform: steps past K are skipped
+#pragma unroll
+              for (int w = 0; w < WT; ++w) mma_16816(acc[hf * WT + w], fw[w][j2], ft[j2]);
+            }
+          }
+        }
+      } else {
+        FragB fb[T][8];
 #pragma unroll
         for (int h = 0; h < 4; ++h)
-          ldsm_x4(t_lane + h * t_step, ft[2 * h].r[0], ft[2 * h].r[1], ft[2 * h + 1].r[0], ft[2 * h + 1].r[1]);
+#pragma unroll
+          for (int b = 0; b < T; ++b)
+            ldsm_x4(gbase + b * 8 * rowb + b_lane + (gk + 2 * h) * 32, fb[b][2 * h].r[0], fb[b][2 * h].r[1],
+                    fb[b][2 * h + 1].r[0], fb[b][2 * h + 1].r[1]);
+        // load_a's words of a tile whose rows are the slot's rows (one, or rc), the rest zero, by
+        // ldmatrix x4 (gemm_rows16's A load): lane l gives row l & 15, 16-byte chunk l >> 4 of a
+        // k-step; a row the slot does not have gives the 16 zero bytes. Every fragment is then one
+        // unpredicated load into its own registers, where per-lane predicated 32-bit loads let the
+        // compiler put each step's loads between the mmas, on the accumulator chain's path.
+        FragA fa[8];
+        {
+          // A rows at the W rows' padded stride (ASHARED: the A region's; one row: unpadded, alone)
+          const int a_row = lane & 15;
+          const bool real = SLOT16 ? a_row < cu.rc : a_row == 0;
+          const uint32_t ars = ASHARED ? static_cast<uint32_t>(ring.a_rowb) : static_cast<uint32_t>(rowb);
+          const uint32_t a_lane = real ? ga + a_row * ars + (lane >> 4) * 16 + gk * 32 : zero16;
+          const uint32_t a_step = real ? 32u : 0u;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) ldsm_x4(a_lane + j * a_step, fa[j].r[0], fa[j].r[1], fa[j].r[2], fa[j].r[3]);
+        }
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           if (k8 + j < steps) {  // uniform: steps past K are skipped
 #pragma unroll
-            for (int m = 0; m < MW; ++m) mma_16816(acc[m], fw[m][j], ft[j]);
+            for (int b = 0; b < T; ++b) mma_16816(acc[b], fa[j], fb[b][j]);
           }
-        }
-        continue;
-      }
-      FragB fb[T][8];
-#pragma unroll
-      for (int h = 0; h < 4; ++h)
-#pragma unroll
-        for (int b = 0; b < T; ++b)
-          ldsm_x4(gbase + b * 8 * rowb + b_lane + (gk + 2 * h) * 32, fb[b][2 * h].r[0], fb[b][2 * h].r[1],
-                  fb[b][2 * h + 1].r[0], fb[b][2 * h + 1].r[1]);
-      // load_a's words of a tile whose rows are the slot's rows (one, or rc), the rest zero, by
-      // ldmatrix x4 (gemm_rows16's A load): lane l gives row l & 15, 16-byte chunk l >> 4 of a
-      // k-step; a row the slot does not have gives the 16 zero bytes. Every fragment is then one
-      // unpredicated load into its own registers, where per-lane predicated 32-bit loads let the
-      // compiler put each step's loads between the mmas, on the accumulator chain's path.
-      FragA fa[8];
-      {
-        // A rows at the W rows' padded stride (ASHARED: the A region's; one row: unpadded, alone)
-        const int a_row = lane & 15;
-        const bool real = SLOT16 ? a_row < cu.rc : a_row == 0;
-        const uint32_t ars = ASHARED ? static_cast<uint32_t>(ring.a_rowb) : static_cast<uint32_t>(rowb);
-        const uint32_t a_lane = real ? ga + a_row * ars + (lane >> 4) * 16 + gk * 32 : zero16;
-        const uint32_t a_step = real ? 32u : 0u;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) ldsm_x4(a_lane + j * a_step, fa[j].r[0], fa[j].r[1], fa[j].r[2], fa[j].r[3]);
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (k8 + j < steps) {  // uniform: steps past K are skipped
-#pragma unroll
-          for (int b = 0; b < T; ++b) mma_16816(acc[b], fa[j], fb[b][j]);
         }
       }
     }
@@ -552,17 +563,27 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
     }
     if (++ckt == n_k) {  // unit done: row 0 lives in lanes 0..3 (g == 0), columns 2t, 2t + 1
       ckt = 0;
-      if constexpr (SWAP) {  // tile m: columns 16 m + g (acc 0, 1) and 16 m + g + 8 (acc 2, 3), tokens 2t, 2t + 1
+      if constexpr (SWAP) {  // acc[hf WT + w]: columns 16 m + g (0, 1) and + 8 (2, 3), tokens 8 hf + 2t, + 1
 #pragma unroll
-        for (int m = 0; m < MW; ++m)
+        for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int c = 16 * m + g + 8 * hh;
-            if (c >= cu.nc) continue;
+          for (int m = 0; m < MW; ++m)
 #pragma unroll
-            for (int e = 0; e < 2; ++e)
-              if (2 * t + e < cu.rc) p.C[(cu.row + 2 * t + e) * p.ldc + cu.c0 + c] = acc[m][2 * hh + e];
-          }
+            for (int hh = 0; hh < 2; ++hh) {
+              const int c = 16 * m + g + 8 * hh;
+              if (c >= cu.nc) continue;
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int tok = 8 * hf + 2 * t + e;
+                if (tok >= cu.rc) continue;
+                const int64_t o = (cu.row + tok) * p.ldc + cu.c0 + c;
+                const float v = acc[hf * WT + m][2 * hh + e];
+                if (SWIGLU)
+                  p.Act[o] = f32_to_bf16(siluf_(v) * acc[hf * WT + MW + m][2 * hh + e]);
+                else
+                  p.C[o] = v;
+              }
+            }
       } else if constexpr (SLOT16) {  // rows g (acc 0, 1) and g + 8 (acc 2, 3)
         const bool out2 = p.out2 != 0;
 #pragma unroll

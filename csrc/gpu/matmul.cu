@@ -359,14 +359,11 @@ static gpuError_t launch_row1_tma(const GemmParams& p, int64_t row_slots, int64_
                                                                                              grid, 1, smem, stream);
 }
 
-// BARO_ROW1_SWAP=1 (opt-in until measured on a GPU; the same bits): a plain call of one slot of
-// 1 to 8 rows runs the stream's SWAP instance (gemm_row1.cuh), W as the mma's 16-row operand, in
-// units of 2 or 4 n-tiles. =require (tests): a plain call on the stream that it cannot take fails
-// instead of running the default instance. Read per call.
-static bool row1_swap_takes(const GemmParams& p, int64_t row_slots) {
-  return row_slots == 1 && p.tiles == nullptr && p.a_rows == nullptr && p.Act == nullptr && p.M >= 1 && p.M <= 8 &&
-         p.moe.kind == Row1Moe::kNone;
-}
+// BARO_ROW1_SWAP=1 (opt-in until measured on a GPU; the same bits): a call on the stream runs its
+// SWAP instance (gemm_row1.cuh), W as the mma's 16-row operand, in units of 2 or 4 n-tiles (SwiGLU:
+// 2), except the one-token MoE's GEMMs with the route or the combine inside. =require (tests): such
+// a call fails instead of running the default instance. Read per call.
+static bool row1_swap_takes(const GemmParams& p) { return p.moe.kind == Row1Moe::kNone; }
 
 template <bool SWIGLU, int MOE, bool SLOT16 = false>
 static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
@@ -391,12 +388,16 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
       if (k::is(k::kRow1Tma, "require")) return gpuErrorInvalidValue;
     }
   }
-  if constexpr (MOE == Row1Moe::kNone && !SWIGLU) {
+  {
     namespace k = baro::knobs;
     if (!k::is(k::kRow1Swap, "0")) {
-      if (row1_swap_takes(p, row_slots)) {  // whole 16-column tiles: units of 4 n-tiles where they fill the warps, else 2
-        if (nt >= 4) return launch_row1_nt<SWIGLU, 4, MOE, SLOT16, false, true>(p, row_slots, grid(4), plan, a_rows, stream);
-        return launch_row1_nt<SWIGLU, 2, MOE, SLOT16, false, true>(p, row_slots, grid(2), plan, a_rows, stream);
+      if constexpr (MOE == Row1Moe::kNone) {
+        if (row1_swap_takes(p)) {  // whole 16-column tiles: units of 4 n-tiles where they fill the warps, else 2
+          if constexpr (!SWIGLU)
+            if (nt >= 4)
+              return launch_row1_nt<SWIGLU, 4, MOE, SLOT16, false, true>(p, row_slots, grid(4), plan, a_rows, stream);
+          return launch_row1_nt<SWIGLU, 2, MOE, SLOT16, false, true>(p, row_slots, grid(2), plan, a_rows, stream);
+        }
       }
       if (k::is(k::kRow1Swap, "require")) return gpuErrorInvalidValue;
     }

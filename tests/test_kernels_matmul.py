@@ -227,6 +227,24 @@ def test_matmul_stream_levers(platform, lever, N, K, monkeypatch):
     assert_close(want, ref_matmul(x, w), 1e-5, f"matmul N={N} K={K} m={m} vs float64")
 
 
+# One stream instance under require at a time: two fail the call (a byte test under require must
+# not pass on another instance), and one set to require is the only one tried, whatever else is on.
+def test_matmul_stream_levers_require_one(platform, monkeypatch):
+    if platform.platform != "gpu":
+        pytest.skip("the stream's instances are CUDA kernels")
+    rng = np.random.default_rng(4700)
+    N, K, m = 264, 1040, 8
+    x, w = bf16(rng, m, K), bf16(rng, N, K)
+    call = knob_matmul(platform, monkeypatch, STREAM_NAMES, put(platform, w), N, K)
+    want = call(x, {})
+    for a, b in (("BARO_ROW1_SWAP", "BARO_ROW1_TMA"), ("BARO_ROW1_SWAP", "BARO_ROW1_ASHARED"),
+                 ("BARO_ROW1_TMA", "BARO_ROW1_ASHARED")):
+        with pytest.raises(Exception, match="baro_matmul: kernel launch failed"):
+            call(x, {a: "require", b: "require"})
+        for req, on in ((a, b), (b, a)):
+            assert_same_bits(call(x, {req: "require", on: "1"}), want, f"{req}=require with {on}=1")
+
+
 # The opt-in sm_90a wgmma + TMA GEMM (csrc/gpu/gemm_wgmma.cu, BARO_GEMM_WGMMA): plain calls of
 # 64 rows or more, the same bytes as the mma.sync kernels. require turns a fallback into an error,
 # so the test cannot pass on the default kernel. m: one 64-row tile, one row past it, a tile short

@@ -561,7 +561,7 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
       slot = 0;
       phase ^= 1u;
     }
-    if (++ckt == n_k) {  // unit done: row 0 lives in lanes 0..3 (g == 0), columns 2t, 2t + 1
+    if (++ckt == n_k) {  // unit done: its outputs, by where each instance's accumulators hold them
       ckt = 0;
       if constexpr (SWAP) {  // acc[hf WT + w]: columns 16 m + g (0, 1) and + 8 (2, 3), tokens 8 hf + 2t, + 1
 #pragma unroll
@@ -601,7 +601,7 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
               store_pair(p.C + orow, acc[b][2 * e], acc[b][2 * e + 1], c, cu.nc, out2);
           }
         }
-      } else if (g == 0) {
+      } else if (g == 0) {  // one row: row 0 lives in lanes 0..3, columns 2t, 2t + 1
         const bool out2 = p.out2 != 0;
 #pragma unroll
         for (int b = 0; b < NT; ++b) {

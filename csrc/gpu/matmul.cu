@@ -377,9 +377,14 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
   const int64_t enough = warps * 9 / 10;
   int nt = plan.nt;
   if (nt == 0) nt = !SWIGLU && units(4) >= enough ? 4 : units(2) >= enough ? 2 : 1;
+  // The opt-in instances, tried in this order where several are on; one set to require (tests) is
+  // the only one tried, so its byte test cannot pass on another, and two set to require fail.
+  namespace k = baro::knobs;
+  const bool tma_req = k::is(k::kRow1Tma, "require"), swap_req = k::is(k::kRow1Swap, "require");
+  const bool ash_req = row1_ashared_required();
+  if (static_cast<int>(tma_req) + static_cast<int>(swap_req) + static_cast<int>(ash_req) > 1) return gpuErrorInvalidValue;
   if constexpr (!SWIGLU && MOE == Row1Moe::kNone) {
-    namespace k = baro::knobs;
-    if (!k::is(k::kRow1Tma, "0")) {
+    if (!k::is(k::kRow1Tma, "0") && !swap_req && !ash_req) {
       if (row1_tma_takes(p)) {
         if (nt >= 4) return launch_row1_tma<4, SLOT16>(p, row_slots, grid(4), plan, a_rows, stream);
         if (nt >= 2) return launch_row1_tma<2, SLOT16>(p, row_slots, grid(2), plan, a_rows, stream);
@@ -388,24 +393,20 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
       if (k::is(k::kRow1Tma, "require")) return gpuErrorInvalidValue;
     }
   }
-  {
-    namespace k = baro::knobs;
-    if (!k::is(k::kRow1Swap, "0")) {
-      if constexpr (MOE == Row1Moe::kNone) {
-        if (row1_swap_takes(p)) {  // whole 16-column tiles: units of 4 n-tiles where they fill the warps, else 2
-          if constexpr (!SWIGLU)
-            if (nt >= 4)
-              return launch_row1_nt<SWIGLU, 4, MOE, SLOT16, false, true>(p, row_slots, grid(4), plan, a_rows, stream);
-          return launch_row1_nt<SWIGLU, 2, MOE, SLOT16, false, true>(p, row_slots, grid(2), plan, a_rows, stream);
-        }
+  if (!k::is(k::kRow1Swap, "0") && !tma_req && !ash_req) {
+    if constexpr (MOE == Row1Moe::kNone) {
+      if (row1_swap_takes(p)) {  // whole 16-column tiles: units of 4 n-tiles where they fill the warps, else 2
+        if constexpr (!SWIGLU)
+          if (nt >= 4)
+            return launch_row1_nt<SWIGLU, 4, MOE, SLOT16, false, true>(p, row_slots, grid(4), plan, a_rows, stream);
+        return launch_row1_nt<SWIGLU, 2, MOE, SLOT16, false, true>(p, row_slots, grid(2), plan, a_rows, stream);
       }
-      if (k::is(k::kRow1Swap, "require")) return gpuErrorInvalidValue;
     }
+    if (swap_req) return gpuErrorInvalidValue;
   }
   if constexpr (SLOT16 && MOE == Row1Moe::kNone) {
-    namespace k = baro::knobs;
-    const bool on = !k::is(k::kRow1Ashared, "0");
-    if (on && !row1_ashared_takes(p, row_slots) && row1_ashared_required()) return gpuErrorInvalidValue;
+    const bool on = !k::is(k::kRow1Ashared, "0") && !tma_req && !swap_req;
+    if (on && !row1_ashared_takes(p, row_slots) && ash_req) return gpuErrorInvalidValue;
     if (on && row1_ashared_takes(p, row_slots)) {  // the same unit widths, blocks sharing A
       if constexpr (!SWIGLU)
         if (nt >= 4) return launch_row1_nt<SWIGLU, 4, MOE, SLOT16, true>(p, row_slots, grid(4), plan, a_rows, stream);

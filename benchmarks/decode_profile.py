@@ -16,6 +16,9 @@ With --batch B the step is generate_batch's: B sequence slots of a pool, each pr
 own --context random tokens, then decode steps of all B rows at once (batch.DECODE_BLOCK, greedy
 blocks of the runner's decode_block, the chosen token's logprob computed as generate_batch's
 default does); per-step numbers are per step of B tokens.
+With --prefill the "step" is a whole batched prefill of --context random tokens (at --chunk, or the
+engine's pick): where a prompt's time goes, kernel by kernel (--warmup prefills first; 1 compiles
+every graph it needs).
 With --devices N (expert parallel) the main numbers are the first device's (every device runs
 the same graph on its shard) and `per_device` gives each GPU plane's busy time, kernel count and
 collective time (NCCL kernels and all-gather thunks: what the experts' sharding costs).
@@ -135,6 +138,29 @@ def one_sequence_steps(eng, args, length: int):
     return steps
 
 
+def prefill_steps(eng, args, length: int):
+    """steps(n): n batched prefills of the same args.context random tokens at args.chunk (set here
+    to the engine's pick when not given), each into a fresh state, the last logits and the state
+    waited for; the wall seconds of each."""
+    import jax
+
+    ids = [int(x) for x in np.random.default_rng(args.seed).integers(0, eng.cfg.vocab_size, args.context)]
+    if args.chunk is None:
+        args.chunk = eng.pick_chunk(len(ids))
+
+    def steps(n):
+        walls = []
+        for _ in range(n):
+            t = time.perf_counter()
+            pre = eng.prefill(ids, "batch", args.chunk)
+            jax.block_until_ready((pre.logits, pre.state))
+            walls.append(time.perf_counter() - t)
+            del pre
+        return walls
+
+    return steps
+
+
 def batch_steps(eng, args, length: int):
     """generate_batch's decode steps over args.batch slots, each slot prefilled with its own
     args.context random tokens: steps(n) runs n steps of every row (greedy blocks of the runner's
@@ -197,8 +223,9 @@ def main(argv=None):
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens before the decode steps")
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=19,
-                    help="untimed tokens first: a full greedy block (16) and a shorter one compile both graphs")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="untimed tokens first (default 19: a full greedy block (16) and a shorter one compile "
+                         "both graphs); with --prefill, untimed prefills (default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--top", type=int, default=25, help="kernel groups to print")
     ap.add_argument("--per-token", action="store_true",
@@ -216,8 +243,19 @@ def main(argv=None):
                     help="expert parallel over N devices (baro_jax.load(devices=N)); per-device busy and collective time")
     ap.add_argument("--batch", type=int, default=None,
                     help="profile generate_batch's decode step over B sequence slots (resident mode)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="profile a batched prefill of --context tokens instead of decode steps (resident mode)")
+    ap.add_argument("--chunk", type=int, default=None, help="--prefill: the prefill chunk (default: the engine's pick)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.prefill and (args.batch is not None or args.mode != "resident" or args.per_token):
+        ap.error("--prefill profiles one sequence's batched prefill: no --batch, --per-token or --mode tier")
+    if args.chunk is not None and not args.prefill:
+        ap.error("--chunk is --prefill's")
+    if args.warmup is None:
+        args.warmup = 1 if args.prefill else 19
+    if args.warmup < 0 or args.steps < 1 or args.context < 1:
+        ap.error("--warmup must be >= 0, --steps and --context >= 1")
     if args.batch is not None and (args.batch < 1 or args.mode != "resident" or args.per_token):
         ap.error("--batch B needs B >= 1, --mode resident and no --per-token")
     if args.mode == "tier" and args.device_budget_gb is None:
@@ -237,11 +275,12 @@ def main(argv=None):
         if at and (not at.isdigit() or int(at) < 1):
             ap.error(f"--tier-paths: {path!r}: the steps after @ must be a positive integer")
         path_steps.append(int(at) if at else args.steps)
-    decode_len = sum(args.warmup + 2 * n for n in path_steps) + 8  # every arm decodes from the same state onward
+    decode_len = 0 if args.prefill else sum(args.warmup + 2 * n for n in path_steps) + 8  # every arm decodes on
     eng = baro_jax.load(args.model, backend="ordered", max_context=max(args.context + decode_len, 64),
                         mode=args.mode, device_budget_gb=args.device_budget_gb, devices=args.devices)
     length = state_length(args.context + decode_len, eng.cfg.max_context)
-    steps = batch_steps(eng, args, length) if args.batch else one_sequence_steps(eng, args, length)
+    steps = (prefill_steps(eng, args, length) if args.prefill else batch_steps(eng, args, length) if args.batch
+             else one_sequence_steps(eng, args, length))
     outs = []
     for path, n_steps in zip(paths, path_steps):
         if path is not None:  # the next tier decode path: a fresh cache, its pools as it sets them up
@@ -252,9 +291,13 @@ def main(argv=None):
         steps(args.warmup)
         walls = steps(n_steps)
         wall_ms = float(np.median(walls) * 1e3)
-        rows_per_step = args.batch or 1
-        print(f"[decode_profile] {args.model} context {args.context}, {rows_per_step} row(s) per step: median step "
-              f"{wall_ms:.3f} ms ({rows_per_step * 1e3 / wall_ms:.1f} tok/s) over {n_steps} steps", flush=True)
+        rows_per_step = args.context if args.prefill else args.batch or 1
+        if args.prefill:
+            print(f"[decode_profile] {args.model} prefill of {args.context} tokens at chunk {args.chunk}: median "
+                  f"{wall_ms:.3f} ms ({rows_per_step * 1e3 / wall_ms:.1f} tok/s) over {n_steps} prefills", flush=True)
+        else:
+            print(f"[decode_profile] {args.model} context {args.context}, {rows_per_step} row(s) per step: median step "
+                  f"{wall_ms:.3f} ms ({rows_per_step * 1e3 / wall_ms:.1f} tok/s) over {n_steps} steps", flush=True)
 
         cache_report = eng.expert_cache_report() if args.mode == "tier" else None  # over the timed steps and warm-up
         if args.mode == "tier":
@@ -319,7 +362,9 @@ def main(argv=None):
         out = {
             "summary": {**provenance(), "model": args.model, "context": args.context, "steps": n,
                         "xla_flags": os.environ.get("XLA_FLAGS", ""), "per_token": args.per_token,
-                        "batch": args.batch, "median_step_ms": wall_ms, "tok_per_s": rows_per_step * 1e3 / wall_ms,
+                        "batch": args.batch, "prefill": args.prefill,
+                        "chunk": args.chunk,
+                        "median_step_ms": wall_ms, "tok_per_s": rows_per_step * 1e3 / wall_ms,
                         "traced_step_ms": traced_s * 1e3 / n, "device_busy_ms_per_step": busy,
                         "kernel_span_ms_per_step": span, "kernels_per_step": len(kernels) / n,
                         "planes": planes, "mode": args.mode, "device_budget_gb": args.device_budget_gb,

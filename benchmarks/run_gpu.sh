@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode mma_swap mma_latency tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode mma_swap mma_latency prefill_profile tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -373,6 +373,17 @@ stage_decode_knobs() {
       --lengths "${KNOBS_LENGTH:-1024}" --chunk auto --decode-tokens 64 --check-tail 32 \
       --json "$OUT/speed_decode_knobs${n}_${CARD}.json" 2>&1 | grep -E "decode|identity|Error|error" | tail -3
     n=$((n + 1))
+  done
+}
+# Where a prompt's prefill time goes (issue 31), kernel by kernel: decode_profile.py --prefill at
+# each of PREFILL_PROFILE_LENGTHS (8192 32768) at the engine's chunk (PREFILL_PROFILE_CHUNK to force
+# one), two traced prefills after one warm-up: $OUT/prefill_profile_<len>_${CARD}.json.
+stage_prefill_profile() {
+  local n
+  for n in ${PREFILL_PROFILE_LENGTHS:-8192 32768}; do
+    timeout 240 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --prefill --context "$n" --steps 2 \
+      ${PREFILL_PROFILE_CHUNK:+--chunk "$PREFILL_PROFILE_CHUNK"} --top 30 --json "$OUT/prefill_profile_${n}_${CARD}.json" \
+      2>&1 | grep -v '^\[baro_jax\]' | tail -34
   done
 }
 stage_speed() {

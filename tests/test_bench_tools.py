@@ -121,3 +121,28 @@ def test_throughput_mixed_row_reports_the_pace_beside_the_gaps(tmp_path):
     assert (mixed["decoding"], mixed["arriving"], mixed["generated_tokens"]) == (1, 1, 2 * 9)
     with pytest.raises(SystemExit):
         throughput.main(["--model", "tiny", "--mixed", "1:40:0"])
+
+
+def test_profile_of_a_prefill_counts_its_calls_per_prompt(tmp_path):
+    """--prefill: the "step" is a whole prompt's batched prefill; the JSON says so, with its chunk,
+    tokens per second by the prompt's length, and each chunk's kernels counted once per prompt."""
+    import json
+
+    out = tmp_path / "p.json"
+    decode_profile.main(["--model", "tiny", "--prefill", "--context", "40", "--chunk", "16", "--steps", "2",
+                         "--top", "3", "--json", str(out)])
+    d = json.loads(out.read_text())
+    s = d["summary"]
+    assert s["prefill"] is True and s["chunk"] == 16 and s["steps"] == 2
+    assert abs(s["tok_per_s"] - 40 * 1e3 / s["median_step_ms"]) < 1e-6 * s["tok_per_s"]
+    assert d["kernels"] and all(r["per_step"] > 0 for r in d["kernels"])
+    # 40 tokens at chunk 16 are 3 chunk calls: the busiest group runs a whole number of times per chunk
+    assert any(abs(r["per_step"] - round(r["per_step"])) < 1e-9 and round(r["per_step"]) % 3 == 0
+               for r in d["kernels"]), d["kernels"][:5]
+
+
+def test_profile_refuses_prefill_with_decode_only_options():
+    for extra in (["--batch", "2"], ["--per-token"], ["--chunk", "16"]):
+        args = ["--model", "tiny"] + extra + (["--prefill"] if extra[0] != "--chunk" else [])
+        with pytest.raises(SystemExit):
+            decode_profile.main(args)

@@ -730,3 +730,29 @@ def test_moe_slots_errors(platform):
         cc.moe_slots(h, router, gu, down[:5], slots, sgu, sdown, sgate, 2)
     with pytest.raises(ValueError, match=r"baro_moe_route: top_k=9 exceeds the number of experts E=8"):
         cc.moe_route(h, router, 9)
+
+
+# The top-k of every row and the grouping in one block (BARO_MOE_ROUTE_GROUP; opt-in, first GPU
+# run pending) against the two kernels, bytes of the MoE's output on poisoned buffers, fresh inputs
+# for every m: 2, 5 and 8 rows (a warp a row), 33 and 64 (64 x 8 = 512 pairs, one chunk: warps take
+# two rows), with E = 256 (8 entries a lane), 300 (16 a lane: past 256) and 600 (the in-memory
+# row), and with the fold on and off. require fails where the pairs are more than one chunk
+# (65 rows: 520 pairs), so the bytes cannot come from the two kernels.
+@pytest.mark.parametrize("E", [256, 300, 600])
+@pytest.mark.parametrize("fold", ["1", "0"])
+def test_moe_route_group_same_bytes(platform, E, fold, monkeypatch):
+    if platform.platform != "gpu":
+        pytest.skip("the fused route and grouping is a GPU kernel")
+    D, I, Is, k = 256, 64, 64, 8
+    rng = np.random.default_rng(4900 + E + int(fold))
+    w = moe_weights_sized(rng, E, D, I, Is)
+    names = KNOB_NAMES_ONE_ROW + ("BARO_MOE_ROUTE_GROUP",)
+    call = knob_moe(platform, monkeypatch, names, put(platform, *w), fold, D, k)
+    for m in (2, 5, 8, 33, 64):
+        h = bf16(rng, m, D)
+        want = call(h, {"BARO_MOE_ROUTE_GROUP": "0"})
+        got = call(h, {"BARO_MOE_ROUTE_GROUP": "require"})
+        assert_same_bits(got, want, f"moe E={E} fold={fold} m={m}: route and grouping in one block vs two kernels")
+    assert_close(got, ref_moe(h, *w, k), 1e-3, f"moe E={E} fold={fold} m=64 vs float64")
+    with pytest.raises(Exception, match="kernel launch failed"):
+        call(bf16(rng, 65, D), {"BARO_MOE_ROUTE_GROUP": "require"})

@@ -234,12 +234,10 @@ __global__ void __launch_bounds__(kGroupThreads)
 
 // P <= kGroupChunk (decode, short chunks): count, scan and place in one
 // block, the same arithmetic as the three-launch path with one chunk.
-__global__ void __launch_bounds__(kScanThreads)
-    moe_group_one_kernel(const int32_t* __restrict__ ids, int P, int k, int E, int bm,
-                         int32_t* __restrict__ srow, int32_t* __restrict__ inv,
-                         int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles,
-                         int64_t max_tiles, const int32_t* __restrict__ slots, int S, int skip,
-                         int share_rows, int share_group) {
+BARO_DEV void group_one_block(const int32_t* __restrict__ ids, int P, int k, int E, int bm,
+                              int32_t* __restrict__ srow, int32_t* __restrict__ inv, int32_t* __restrict__ tiles,
+                              int32_t* __restrict__ n_tiles, int64_t max_tiles, const int32_t* __restrict__ slots,
+                              int S, int skip, int share_rows, int share_group) {
   __shared__ int64_t sh[kScanThreads];
   __shared__ int32_t sid[kGroupChunk];
   extern __shared__ int32_t pos[];  // [E]: counts, then running positions
@@ -254,6 +252,36 @@ __global__ void __launch_bounds__(kScanThreads)
   share_rows_place(srow, P, share_rows);
   __syncthreads();
   if (tid < BARO_WARP) group_place(sid, pos, P, 0, k, srow, inv);
+}
+__global__ void __launch_bounds__(kScanThreads)
+    moe_group_one_kernel(const int32_t* __restrict__ ids, int P, int k, int E, int bm,
+                         int32_t* __restrict__ srow, int32_t* __restrict__ inv,
+                         int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles,
+                         int64_t max_tiles, const int32_t* __restrict__ slots, int S, int skip,
+                         int share_rows, int share_group) {
+  group_one_block(ids, P, k, E, bm, srow, inv, tiles, n_tiles, max_tiles, slots, S, skip, share_rows, share_group);
+}
+
+// BARO_MOE_ROUTE_GROUP=1 (opt-in until measured on a GPU): the top-k of every row and the
+// grouping of its P = m k <= kGroupChunk pairs in one block, one launch a layer fewer (at 8
+// sequences the top-k kernel was 3.4 us of a layer's 10.7 us of routing kernels, 177cd38).
+// Warp w takes rows w, w + 32, ... with moe_topk_kernel's topk_row, then the block groups as
+// moe_group_one_kernel does: the same functions on the same values, so the same ids, weights,
+// sorted rows and tiles. The block's global stores of ids are visible to its threads after the
+// barrier.
+template <int kPer>
+__global__ void __launch_bounds__(kScanThreads)
+    moe_topk_group_one_kernel(float* __restrict__ probs, int64_t ld, int32_t* __restrict__ ids,
+                              float* __restrict__ wts, int m, int E, int k, int bm, int32_t* __restrict__ srow,
+                              int32_t* __restrict__ inv, int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles,
+                              int64_t max_tiles, const int32_t* __restrict__ slots, int S, int skip, int share_rows,
+                              int share_group) {
+  for (int row = warp_id(); row < m; row += kScanThreads / BARO_WARP)
+    topk_row<kPer>(probs + static_cast<int64_t>(row) * ld, ids + static_cast<int64_t>(row) * k,
+                   wts + static_cast<int64_t>(row) * k, E, k);
+  __syncthreads();
+  group_one_block(ids, m * k, k, E, bm, srow, inv, tiles, n_tiles, max_tiles, slots, S, skip, share_rows,
+                  share_group);
 }
 
 template <int kPer>
@@ -653,11 +681,23 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
   } else {
     BARO_MOE_TRY(launch_matmul(a.h, a.router, s.logits, m, E, D, stream));
   }
-  // 2. softmax + top-k per row
-  BARO_MOE_TRY(launch_topk(s.logits, pl.gate_tail ? E + 1 : E, s.ids, s.wts, m, static_cast<int>(E), a.top_k,
-                           stream));
-  // 3. group pairs by expert (tiles of bm pairs), share: the shared expert's tiles last
+  // 2. softmax + top-k per row; 3. group pairs by expert (tiles of bm pairs), share: the shared
+  // expert's tiles last (BARO_MOE_ROUTE_GROUP: both in one block where the pairs are one chunk)
   const int share_rows = pl.share ? static_cast<int>(m) : 0;
+  const int64_t ld = pl.gate_tail ? E + 1 : E;
+  namespace kn = baro::knobs;
+  const bool fused_route = !kn::is(kn::kMoeRouteGroup, "0") && n_chunks == 1;
+  if (kn::is(kn::kMoeRouteGroup, "require") && !fused_route) return gpuErrorInvalidValue;
+  if (fused_route) {
+    const auto route = E <= BARO_WARP * kTopkRegPerSmall ? moe_topk_group_one_kernel<kTopkRegPerSmall>
+                       : E <= BARO_WARP * kTopkRegPer    ? moe_topk_group_one_kernel<kTopkRegPer>
+                                                         : moe_topk_group_one_kernel<0>;
+    route<<<1, kScanThreads, cnt_smem, stream>>>(s.logits, ld, s.ids, s.wts, static_cast<int>(m), static_cast<int>(E),
+                                                 a.top_k, bm, s.srow, s.inv, s.tiles, s.n_tiles, max_tiles, a.slots,
+                                                 static_cast<int>(a.S), a.skip_unslotted ? 1 : 0, share_rows,
+                                                 kSharedGroup);
+  } else {
+  BARO_MOE_TRY(launch_topk(s.logits, ld, s.ids, s.wts, m, static_cast<int>(E), a.top_k, stream));
   if (n_chunks == 1) {
     moe_group_one_kernel<<<1, kScanThreads, cnt_smem, stream>>>(
         s.ids, static_cast<int>(P), a.top_k, static_cast<int>(E), bm, s.srow, s.inv, s.tiles,
@@ -675,6 +715,7 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     moe_place_kernel<<<static_cast<unsigned>(n_chunks), kGroupThreads,
                        cnt_smem + sizeof(int32_t) * kGroupChunk, stream>>>(
         s.ids, P, a.top_k, static_cast<int>(E), s.cnt, s.srow, s.inv);
+  }
   }
   BARO_MOE_TRY(gpuGetLastError());
   }

@@ -80,6 +80,12 @@ class Knob:
         raise KnobError(f"{self.name} must be {self.allowed()}, got {text!r}")
 
 
+def opt_in(name: str, doc: str) -> Knob:
+    """A kernel instance that is off until measured: 0, 1 (where it can run), or require (tests: an
+    error where it cannot, so a byte test cannot pass on the default)."""
+    return Knob(name, "choice", "0", choices=("0", "1", "require"), doc=doc)
+
+
 # Keep in step with csrc/common/knobs.h (tests/test_knobs.py).
 _TABLE: tuple[Knob, ...] = (
     Knob("BARO_CPU_THREADS", "int", None, lo=1, hi=4096, default_text="the hardware threads",
@@ -146,12 +152,12 @@ _TABLE: tuple[Knob, ...] = (
     Knob("BARO_ROWS16_TALL", "choice", "off", choices=("off", "on"),
          doc="on: gemm_rows16's slots of a plain GEMM of more than 16 rows hold 32 or 64 rows (one W read per "
              "column block; slower at 64 sequences on the H200) instead of 16 (csrc/gpu/matmul.cu)"),
-    Knob("BARO_ROWS16_PERSIST", "choice", "0", choices=("0", "1", "require"),
-         doc="1: a grouped gemm_rows16 call (the MoE's expert GEMMs of a decode step of many sequences) on a "
-             "persistent grid of SMs x resident blocks that deal the (tile, column block) items round-robin, "
-             "split the last partial round into column pieces over all the blocks and stream each block's "
-             "items through one ring (the same bits; opt-in until measured on a GPU); require: an error where "
-             "a grouped gemm_rows16 call cannot take it (tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_rows16.cuh)"),
+    opt_in("BARO_ROWS16_PERSIST",
+           doc="1: a grouped gemm_rows16 call (the MoE's expert GEMMs of a decode step of many sequences) on a "
+               "persistent grid of SMs x resident blocks that deal the (tile, column block) items round-robin, "
+               "split the last partial round into column pieces over all the blocks and stream each block's "
+               "items through one ring (the same bits; opt-in until measured on a GPU); require: an error where "
+               "a grouped gemm_rows16 call cannot take it (tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_rows16.cuh)"),
     Knob("BARO_PIPE_RING", "choice", "auto", choices=("auto", "deep", "shallow"),
          doc="the pipelined 64/128-row GEMM's cp.async ring: shallow (3 stages: two or three blocks per SM) or "
              "deep (8 stages at 64-row tiles, 6 at 128: one block per SM); auto: deep when the grid has no more blocks than "
@@ -169,26 +175,26 @@ _TABLE: tuple[Knob, ...] = (
     Knob("BARO_ROW1_COPY", "choice", "bulk", choices=("bulk", "lsu"),
          doc="gemm_row1's ring fill: the copy engine's bulk copies or 16-byte cp.async per lane "
              "(csrc/gpu/matmul.cu)"),
-    Knob("BARO_ROW1_ASHARED", "choice", "0", choices=("0", "1", "require"),
-         doc="1: a plain GEMM of 2 to 16 rows on the stream's blocks of up to BARO_ROW1_BPS warps (one per "
-             "SM) that load the rows' A once and share it, each warp streaming its own W, where A fits beside "
-             "the rings (the same bits; opt-in until measured on a GPU); require: an error where a call on the "
-             "16-row stream cannot take it (tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_row1.cuh)"),
-    Knob("BARO_ROW1_TMA", "choice", "0", choices=("0", "1", "require"),
-         doc="1: plain GEMMs of 1 to 16 rows without SwiGLU on the stream's TMA instance, each 128-wide k piece "
-             "filled by two tensor copies issued by one lane instead of one bulk copy per row (the same bits; "
-             "opt-in until measured on a GPU); require: an error where such a call cannot take it (tests) "
-             "(csrc/gpu/matmul.cu, csrc/gpu/gemm_row1.cuh)"),
-    Knob("BARO_ROW1_SWAP", "choice", "0", choices=("0", "1", "require"),
-         doc="1: the GEMMs on gemm_row1's stream (1 to 16 rows a slot; not the one-token MoE's fused route and "
-             "combine) on its instance that gives W the mma's 16-row operand and the rows its 8-wide one (the same "
-             "bits; opt-in until measured on a GPU); require: an error where a call on the stream cannot take it "
-             "(tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_row1.cuh)"),
-    Knob("BARO_MOE_ROUTE_GROUP", "choice", "0", choices=("0", "1", "require"),
-         doc="1: the MoE's top-k of every row and the grouping of its pairs in one block where they are one "
-             "chunk (up to 512 pairs: decode of up to 64 sequences), one launch a layer fewer (the same bits; "
-             "opt-in until measured on a GPU); require: an error where the pairs are more than one chunk (tests) "
-             "(csrc/gpu/moe.cu)"),
+    opt_in("BARO_ROW1_ASHARED",
+           doc="1: a plain GEMM of 2 to 16 rows on the stream's blocks of up to BARO_ROW1_BPS warps (one per "
+               "SM) that load the rows' A once and share it, each warp streaming its own W, where A fits beside "
+               "the rings (the same bits; opt-in until measured on a GPU); require: an error where a call on the "
+               "16-row stream cannot take it (tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_row1.cuh)"),
+    opt_in("BARO_ROW1_TMA",
+           doc="1: plain GEMMs of 1 to 16 rows without SwiGLU on the stream's TMA instance, each 128-wide k piece "
+               "filled by two tensor copies issued by one lane instead of one bulk copy per row (the same bits; "
+               "opt-in until measured on a GPU); require: an error where such a call cannot take it (tests) "
+               "(csrc/gpu/matmul.cu, csrc/gpu/gemm_row1.cuh)"),
+    opt_in("BARO_ROW1_SWAP",
+           doc="1: the GEMMs on gemm_row1's stream (1 to 16 rows a slot; not the one-token MoE's fused route and "
+               "combine) on its instance that gives W the mma's 16-row operand and the rows its 8-wide one (the same "
+               "bits; opt-in until measured on a GPU); require: an error where a call on the stream cannot take it "
+               "(tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_row1.cuh)"),
+    opt_in("BARO_MOE_ROUTE_GROUP",
+           doc="1: the MoE's top-k of every row and the grouping of its pairs in one block where they are one "
+               "chunk (up to 512 pairs: decode of up to 64 sequences), one launch a layer fewer (the same bits; "
+               "opt-in until measured on a GPU); require: an error where the pairs are more than one chunk (tests) "
+               "(csrc/gpu/moe.cu)"),
     Knob("BARO_CMDBUF_OPS", "onoff", True, reader="Python",
          doc="off: calls of <= 16 rows on the ops that take scratch from XLA's allocator instead of the _small "
              "twins that may run inside command buffers (custom_calls/_lib.py)"),

@@ -734,10 +734,12 @@ def test_moe_slots_errors(platform):
 
 # The top-k of every row and the grouping in one block (BARO_MOE_ROUTE_GROUP; opt-in, first GPU
 # run pending) against the two kernels, bytes of the MoE's output on poisoned buffers, fresh inputs
-# for every m: 2, 5 and 8 rows (a warp a row), 33 and 64 (64 x 8 = 512 pairs, one chunk: warps take
-# two rows), with E = 256 (8 entries a lane), 300 (16 a lane: past 256) and 600 (the in-memory
-# row), and with the fold on and off. require fails where the pairs are more than one chunk
-# (65 rows: 520 pairs), so the bytes cannot come from the two kernels.
+# for every m: 1 (without the fold: the one-token path's routing kernels), 2, 5 and 8 rows (a warp a
+# row), 33 and 64 (64 x 8 = 512 pairs, one chunk: warps take two rows), with E = 256 (8 entries a
+# lane), 300 (16 a lane: past 256) and 600 (the in-memory row), and with the fold on and off. require
+# fails where the pairs are more than one chunk (65 rows: 520 pairs), so the bytes cannot come from
+# the two kernels. Then moe_slots (a pool holding the routed experts at shuffled slots, and one of
+# more slots than experts) with the knob against moe without it.
 @pytest.mark.parametrize("E", [256, 300, 600])
 @pytest.mark.parametrize("fold", ["1", "0"])
 def test_moe_route_group_same_bytes(platform, E, fold, monkeypatch):
@@ -748,7 +750,7 @@ def test_moe_route_group_same_bytes(platform, E, fold, monkeypatch):
     w = moe_weights_sized(rng, E, D, I, Is)
     names = KNOB_NAMES_ONE_ROW + ("BARO_MOE_ROUTE_GROUP",)
     call = knob_moe(platform, monkeypatch, names, put(platform, *w), fold, D, k)
-    for m in (2, 5, 8, 33, 64):
+    for m in ((1,) if fold == "0" else ()) + (2, 5, 8, 33, 64):
         h = bf16(rng, m, D)
         want = call(h, {"BARO_MOE_ROUTE_GROUP": "0"})
         got = call(h, {"BARO_MOE_ROUTE_GROUP": "require"})
@@ -756,3 +758,19 @@ def test_moe_route_group_same_bytes(platform, E, fold, monkeypatch):
     assert_close(got, ref_moe(h, *w, k), 1e-3, f"moe E={E} fold={fold} m=64 vs float64")
     with pytest.raises(Exception, match="kernel launch failed"):
         call(bf16(rng, 65, D), {"BARO_MOE_ROUTE_GROUP": "require"})
+    h = bf16(rng, 8, D)
+    want = call(h, {"BARO_MOE_ROUTE_GROUP": "0"})
+    router, gu, down, sgu, sdown, sgate = w
+    ids = np.asarray(J_ROUTE(*put(platform, h, router), top_k=k))
+    routed = sorted(set(ids.reshape(-1).tolist()))
+    for S in (len(routed), E + 5):
+        pgu, pdn, slots = pool_for(gu, down, routed if S < E else range(E), S, rng)
+        for kn, v in {"BARO_MOE_FOLD": fold, "BARO_MOE_ROUTE_GROUP": "require"}.items():
+            monkeypatch.setenv(kn, v)
+        poison(platform, (8, D))
+        got = np.asarray(jax.jit(lambda *a: cc.moe_slots(*a, top_k=k))(
+            *put(platform, h, router, pgu, pdn, slots, sgu, sdown, sgate)))
+        for kn in names:
+            monkeypatch.delenv(kn, raising=False)
+        assert np.all(np.isfinite(got)), f"moe_slots E={E} fold={fold} S={S}: elements unwritten"
+        assert_same_bits(got, want, f"moe_slots E={E} fold={fold} S={S}: route and grouping in one block vs moe")

@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(kScanThreads)
 // sorted rows and tiles. The block's global stores of ids are visible to its threads after the
 // barrier.
 template <int kPer>
-__global__ void __launch_bounds__(kScanThreads)
+__global__ void __launch_bounds__(kScanThreads, 1)  // one block: the top-k rows get 64 registers, no spills
     moe_topk_group_one_kernel(float* __restrict__ probs, int64_t ld, int32_t* __restrict__ ids,
                               float* __restrict__ wts, int m, int E, int k, int bm, int32_t* __restrict__ srow,
                               int32_t* __restrict__ inv, int32_t* __restrict__ tiles, int32_t* __restrict__ n_tiles,
@@ -672,6 +672,11 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
       if (pl.stage) BARO_MOE_TRY(stage_misses(a, s, stream));
     }
   } else {
+  // BARO_MOE_ROUTE_GROUP: top-k and grouping in one block where the pairs are one chunk;
+  // require refuses the call before any of its work is queued where they are not
+  namespace kn = baro::knobs;
+  const bool fused_route = !kn::is(kn::kMoeRouteGroup, "0") && n_chunks == 1;
+  if (kn::is(kn::kMoeRouteGroup, "require") && !fused_route) return gpuErrorInvalidValue;
   // 1. router logits [m, E] (gate_tail: [m, E + 1], the shared gate's logit last)
   if (pl.gate_tail) {
     GemmParams p = moe_router_params(a);
@@ -685,9 +690,6 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
   // expert's tiles last (BARO_MOE_ROUTE_GROUP: both in one block where the pairs are one chunk)
   const int share_rows = pl.share ? static_cast<int>(m) : 0;
   const int64_t ld = pl.gate_tail ? E + 1 : E;
-  namespace kn = baro::knobs;
-  const bool fused_route = !kn::is(kn::kMoeRouteGroup, "0") && n_chunks == 1;
-  if (kn::is(kn::kMoeRouteGroup, "require") && !fused_route) return gpuErrorInvalidValue;
   if (fused_route) {
     const auto route = E <= BARO_WARP * kTopkRegPerSmall ? moe_topk_group_one_kernel<kTopkRegPerSmall>
                        : E <= BARO_WARP * kTopkRegPer    ? moe_topk_group_one_kernel<kTopkRegPer>

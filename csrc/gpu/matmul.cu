@@ -359,12 +359,6 @@ static gpuError_t launch_row1_tma(const GemmParams& p, int64_t row_slots, int64_
                                                                                              grid, 1, smem, stream);
 }
 
-// BARO_ROW1_SWAP=1 (opt-in until measured on a GPU; the same bits): a call on the stream runs its
-// SWAP instance (gemm_row1.cuh), W as the mma's 16-row operand, in units of 2 or 4 n-tiles (SwiGLU:
-// 2), except the one-token MoE's GEMMs with the route or the combine inside. =require (tests): such
-// a call fails instead of running the default instance. Read per call.
-static bool row1_swap_takes(const GemmParams& p) { return p.moe.kind == Row1Moe::kNone; }
-
 template <bool SWIGLU, int MOE, bool SLOT16 = false>
 static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
   const Row1Plan plan = row1_plan();
@@ -390,19 +384,22 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
         if (nt >= 2) return launch_row1_tma<2, SLOT16>(p, row_slots, grid(2), plan, a_rows, stream);
         return launch_row1_tma<1, SLOT16>(p, row_slots, grid(1), plan, a_rows, stream);
       }
-      if (k::is(k::kRow1Tma, "require")) return gpuErrorInvalidValue;
+      if (tma_req) return gpuErrorInvalidValue;
     }
   }
+  // BARO_ROW1_SWAP=1 (opt-in until measured on a GPU; the same bits): every call on the stream but
+  // the one-token MoE's with the route or the combine inside runs the SWAP instance (gemm_row1.cuh),
+  // W as the mma's 16-row operand, in whole 16-column tiles: units of 4 n-tiles where they fill the
+  // warps, else 2 (SwiGLU: 2). =require (tests): a fused call fails instead of running the default.
   if (!k::is(k::kRow1Swap, "0") && !tma_req && !ash_req) {
     if constexpr (MOE == Row1Moe::kNone) {
-      if (row1_swap_takes(p)) {  // whole 16-column tiles: units of 4 n-tiles where they fill the warps, else 2
-        if constexpr (!SWIGLU)
-          if (nt >= 4)
-            return launch_row1_nt<SWIGLU, 4, MOE, SLOT16, false, true>(p, row_slots, grid(4), plan, a_rows, stream);
-        return launch_row1_nt<SWIGLU, 2, MOE, SLOT16, false, true>(p, row_slots, grid(2), plan, a_rows, stream);
-      }
+      if constexpr (!SWIGLU)
+        if (nt >= 4)
+          return launch_row1_nt<SWIGLU, 4, MOE, SLOT16, false, true>(p, row_slots, grid(4), plan, a_rows, stream);
+      return launch_row1_nt<SWIGLU, 2, MOE, SLOT16, false, true>(p, row_slots, grid(2), plan, a_rows, stream);
+    } else if (swap_req) {
+      return gpuErrorInvalidValue;
     }
-    if (swap_req) return gpuErrorInvalidValue;
   }
   if constexpr (SLOT16 && MOE == Row1Moe::kNone) {
     const bool on = !k::is(k::kRow1Ashared, "0") && !tma_req && !swap_req;

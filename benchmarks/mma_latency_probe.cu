@@ -82,15 +82,6 @@ BARO_DEV void wg_mma<32>(float (&d)[16], uint64_t da, uint64_t db) {
 
 // One warpgroup: C accumulators of m64nN, each advanced kSteps times; BATCH steps of every
 // chain are issued per commit group (then wait), as a pipelined main loop would between stages.
-// The compiler may not move accumulator reads or writes across the asynchronous wgmmas.
-template <int C, int W>
-BARO_DEV void hold(float (&d)[C][W]) {
-#pragma unroll
-  for (int c = 0; c < C; ++c)
-#pragma unroll
-    for (int i = 0; i < W; ++i) asm volatile("" : "+f"(d[c][i])::"memory");
-}
-
 template <int N, int C, int BATCH>
 __global__ void wgmma_chain(const uint16_t* ops, float* out, long long* cycles) {
   __shared__ __align__(128) uint16_t sa[64 * 16];  // A: 64 x 16
@@ -102,7 +93,7 @@ __global__ void wgmma_chain(const uint16_t* ops, float* out, long long* cycles) 
   // core matrices of 8 rows x 16 bytes: leading (k) offset 128 B, stride (8 rows) 256 B
   const uint64_t da = wg_desc(sa, 128, 256), db = wg_desc(sb, 128, 256);
   float d[C][N / 2] = {};
-  hold(d);
+  wg_hold(d);
   const long long t0 = clock64();
   for (int s = 0; s < kSteps; s += BATCH) {
     wg_fence();
@@ -113,7 +104,7 @@ __global__ void wgmma_chain(const uint16_t* ops, float* out, long long* cycles) 
     wg_commit();
     wg_wait_all();
   }
-  hold(d);
+  wg_hold(d);
   const long long t1 = clock64();
   float sum = 0.0f;
   for (int c = 0; c < C; ++c)

@@ -1,5 +1,6 @@
 // Host helpers of the standalone probes (wgmma_probe.cu, wgmma_attention_check.cu,
-// mma_swap_probe.cu): bf16 rounding, random operands, a device copy that stops on failure.
+// mma_swap_probe.cu, mma_latency_probe.cu): bf16 rounding, random operands, a device copy that
+// stops on failure.
 #pragma once
 
 #include <cuda_runtime.h>

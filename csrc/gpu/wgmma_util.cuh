@@ -63,12 +63,12 @@ BARO_DEV void wg_wait() {
 // to the async proxy that wgmma reads through (then a barrier for the other threads').
 BARO_DEV void wg_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Keeps the compiler from moving accumulator reads or writes across an asynchronous wgmma.
-template <int N>
-BARO_DEV void wg_hold(float (&d)[N][4]) {
+template <int N, int W>
+BARO_DEV void wg_hold(float (&d)[N][W]) {
 #pragma unroll
   for (int j = 0; j < N; ++j)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[j][i])::"memory");
+    for (int i = 0; i < W; ++i) asm volatile("" : "+f"(d[j][i])::"memory");
 }
 
 // ---- host ----

@@ -322,11 +322,11 @@ class Engine:
             L = self.check_state(state, "prefill")
             checks.positions(0, len(ids), L, self.cfg.max_context, "prefill")
         self.check_device(L or 0, chunk if mode == "batch" else 1)  # before any work, either state
+        t0 = time.perf_counter()  # the fresh state is part of the prompt's time
         if state is not None:  # the caller's buffers go, a zeroed state of their length comes
             for leaf in jax.tree_util.tree_leaves(state):
                 leaf.delete()
         state = self.runner.new_state(L or self.cfg.max_context)
-        t0 = time.perf_counter()
         # progress(done, total) is called once the tokens so far have been computed, so a caller
         # can show true tokens/s. The batched loop waits for chunk k only after chunk k+1 is
         # dispatched, so the device never idles on the host; without progress nothing waits.

@@ -156,6 +156,31 @@ def test_new_state_names_max_context():
         eng.new_state(256)
 
 
+def test_new_state_is_init_state_in_one_graph():
+    """The engine's fresh state comes from one jitted graph: model.init_state's layout, dtypes and
+    zero bytes, every leaf its own buffer (prefill donates them), and a second state of the same
+    length compiles nothing new."""
+    import jax
+
+    from baro_jax import model as M
+    from baro_jax import runner as R
+
+    eng = baro_jax.load("tiny", max_context=256, progress=False)
+    ref = M.init_state(eng.cfg, eng.dtype, 128)
+    got = eng.new_state(128)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(ref)
+    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        assert np.asarray(g).tobytes() == np.asarray(r).tobytes()
+    ptrs = [leaf.unsafe_buffer_pointer() for leaf in jax.tree_util.tree_leaves(got)]
+    assert len(set(ptrs)) == len(ptrs)
+    before = R.ZERO_STATE._cache_size()
+    eng.new_state(128)
+    assert R.ZERO_STATE._cache_size() == before
+    eng.new_state(64)
+    assert R.ZERO_STATE._cache_size() == before + 1
+
+
 def test_tune_changes_only_what_moves_no_weight():
     eng = baro_jax.load("tiny", progress=False)
     eng.tune(decode_block=3)

@@ -10,6 +10,9 @@ the same graphs once under jax.profiler ("kernel_us": our kernels' time per call
 the call's kernels; the graphs are told apart by the host's wait between them).
 
     python benchmarks/row1_sweep.py --json row1_sweep_h200.json
+
+--rows M times calls of M rows (a decode step of M sequences: the 16-row stream for 2..16) on the
+dense shapes only, and --env-arms adds arms of any knobs: "name:KNOB=V,KNOB=V;name2:KNOB=V".
 """
 import argparse
 import json
@@ -51,7 +54,22 @@ for nt in (1, 2):
     for bps in (4, 5, 6):
         ARMS.append((f"nt{nt} bps{bps}", {"BARO_ROW1_NT": str(nt), "BARO_ROW1_BPS": str(bps)}))
 KNOBS = ("BARO_GEMM_ROW1", "BARO_ROW1_BPS", "BARO_ROW1_KCHUNK", "BARO_ROW1_STAGES", "BARO_ROW1_NT", "BARO_ROW1_COPY",
-         "BARO_MOE_FOLD")
+         "BARO_MOE_FOLD", "BARO_ROW1_ASHARED", "BARO_ROW1_SWAP", "BARO_ROW1_TMA", "BARO_GEMM_SMALL")
+
+
+def env_arms(text: str):
+    """"name:KNOB=V,KNOB=V;name2:KNOB=V" -> [(name, {KNOB: V})]; only this script's KNOBS."""
+    arms = []
+    for part in (x.strip() for x in text.split(";")):
+        if not part:
+            continue
+        name, _, body = part.partition(":")
+        env = dict(kv.split("=", 1) for kv in body.split(",") if kv)
+        unknown = sorted(set(env) - set(KNOBS))
+        if not name or unknown:
+            raise SystemExit(f"--env-arms: {part!r}: " + (f"unknown knobs {unknown}" if unknown else "no name"))
+        arms.append((name.strip(), env))
+    return arms
 
 
 def bf16(rng, *shape, scale=0.05):
@@ -95,14 +113,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
     ap.add_argument("--arms", default="", help="comma list of arm names (default: all)")
+    ap.add_argument("--rows", type=int, default=1, help="rows per call (default 1; above 1: dense shapes only)")
+    ap.add_argument("--env-arms", default="", help='more arms: "name:KNOB=V,KNOB=V;name2:KNOB=V"')
     args = ap.parse_args()
+    if not 1 <= args.rows <= 64:
+        raise SystemExit(f"--rows {args.rows}: give 1 to 64")
     rng = np.random.default_rng(0)
-    dense = {name: (bf16(rng, CALLS, 1, K, scale=1.0), bf16(rng, N, K)) for name, N, K in DENSE}
+    dense = {name: (bf16(rng, CALLS, args.rows, K, scale=1.0), bf16(rng, N, K)) for name, N, K in DENSE}
     E, D, I, Is, k = (MOE[x] for x in ("E", "D", "I", "Is", "k"))
     moe_w = (bf16(rng, E, D), bf16(rng, E, 2 * I, D), bf16(rng, E, D, I), bf16(rng, 2 * Is, D),
              bf16(rng, D, Is), bf16(rng, 1, D))
     moe_h = bf16(rng, CALLS, 1, D, scale=1.0)
-    arms = [a for a in ARMS if not args.arms or a[0] in args.arms.split(",")]
+    arms = [a for a in ARMS if not args.arms or a[0] in args.arms.split(",")] + env_arms(args.env_arms)
     rows, ref = [], {}
     for arm, env in arms:
         for kn in KNOBS:
@@ -120,21 +142,22 @@ def main():
             if name in ref and ref[name] != got:
                 row["same_bits"] = False
             ref.setdefault(name, got)
-        f = jax.jit(lambda hs, *w: [cc.moe(hs[i], *w, top_k=k) for i in range(CALLS)])
-        graphs.append((f, (moe_h, *moe_w)))
-        us, out = timed(f, moe_h, *moe_w)
-        row["us"]["moe"] = round(us, 2)
-        got = np.asarray(jnp.stack(out)).tobytes()
-        if "moe" in ref and ref["moe"] != got:
-            row["same_bits"] = False
-        ref.setdefault("moe", got)
+        if args.rows == 1:  # the one-token MoE; grouped calls of more rows are another path
+            f = jax.jit(lambda hs, *w: [cc.moe(hs[i], *w, top_k=k) for i in range(CALLS)])
+            graphs.append((f, (moe_h, *moe_w)))
+            us, out = timed(f, moe_h, *moe_w)
+            row["us"]["moe"] = round(us, 2)
+            got = np.asarray(jnp.stack(out)).tobytes()
+            if "moe" in ref and ref["moe"] != got:
+                row["same_bits"] = False
+            ref.setdefault("moe", got)
         row["us"]["sum"] = round(sum(row["us"].values()), 2)
         try:
             ku = kernel_us(graphs)
         except Exception as e:  # noqa: BLE001  (the wall times stand without the trace)
             ku = [None] * len(graphs)
             row["trace_error"] = f"{type(e).__name__}: {e}"[:200]
-        row["kernel_us"] = dict(zip(list(dense) + ["moe"], ku))
+        row["kernel_us"] = dict(zip(list(dense) + (["moe"] if args.rows == 1 else []), ku))
         if all(v is not None for v in ku):
             row["kernel_us"]["sum"] = round(sum(ku), 2)
         rows.append(row)
@@ -144,7 +167,7 @@ def main():
                                               for n, v in row["kernel_us"].items()), flush=True)
         best = min(rows, key=lambda r: r["kernel_us"].get("sum") or r["us"]["sum"])
         with open(args.json, "w") as fh:  # after every arm: a cut run keeps the arms done
-            json.dump({"summary": {**provenance(), "calls_per_graph": CALLS, "moe": MOE, "shapes": DENSE,
+            json.dump({"summary": {**provenance(), "calls_per_graph": CALLS, "rows": args.rows, "moe": MOE, "shapes": DENSE,
                                    "all_same_bits": all(r["same_bits"] for r in rows), "best": best["arm"]},
                        "rows": rows}, fh, indent=1)
     for kn in KNOBS:

@@ -98,7 +98,12 @@ stage_tiny() {
 }
 stage_ops() { timeout "${OPS_TIMEOUT:-240}" python benchmarks/op_times.py --m "${OPS_M:-1,256,1024}" --backends "${OPS_BACKENDS:-ordered,xla}" --json "$OUT/op_times_${CARD}.json" 2>&1 | tail -30; }
 # The decode GEMM's ring knobs at the model's decode shapes (benchmarks/row1_sweep.py).
-stage_row1() { timeout "${ROW1_TIMEOUT:-300}" python benchmarks/row1_sweep.py --json "$OUT/row1_sweep_${CARD}.json" 2>&1 | tail -24; }
+# ROW1_ROWS rows per call (a decode step of that many sequences), ROW1_ARMS / ROW1_ENV_ARMS as the
+# script's --arms / --env-arms, e.g. ROW1_ROWS=8 ROW1_ARMS="row1 default,nt2" ROW1_ENV_ARMS="k512:BARO_ROW1_KCHUNK=512".
+stage_row1() {
+  timeout "${ROW1_TIMEOUT:-300}" python benchmarks/row1_sweep.py --rows "${ROW1_ROWS:-1}" ${ROW1_ARMS:+--arms "$ROW1_ARMS"} \
+    ${ROW1_ENV_ARMS:+--env-arms "$ROW1_ENV_ARMS"} --json "$OUT/row1_sweep_rows${ROW1_ROWS:-1}_${CARD}.json" 2>&1 | tail -40
+}
 # ncu stall reasons of the decode kernels at m = 1 (benchmarks/profile_gpu.sh 1): ~3 min.
 # The few-row GEMMs of decode steps of many sequences (in_proj, out_proj, the MoE at NCU_ROWS_M rows): ncu's
 # speed of light, memory workload (L2 and DRAM throughput) and warp stalls, one op_times process.

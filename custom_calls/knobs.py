@@ -164,9 +164,6 @@ _TABLE: tuple[Knob, ...] = (
              "SMs (a decode step's projections), shallow otherwise (csrc/gpu/matmul.cu)"),
     Knob("BARO_PDL", "onoff", False,
          doc="on: a handler's later kernels as programmatic dependent launches on sm_90 (csrc/gpu/matmul.cu)"),
-    Knob("BARO_PDL_GEMM", "onoff", False,
-         doc="on: a plain GEMM on the stream launches as a programmatic dependent of the kernel before it and "
-             "prefetches its first W into L2 before it waits (sm_90; csrc/gpu/gemm_row1.cuh)"),
     Knob("BARO_ROW1_BPS", "int", 3, lo=1, hi=8,
          doc="gemm_row1 blocks per SM (csrc/gpu/matmul.cu)"),
     Knob("BARO_ROW1_KCHUNK", "int", 2048, lo=128, hi=4096,

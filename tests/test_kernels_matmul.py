@@ -245,53 +245,6 @@ def test_matmul_stream_levers_require_one(platform, monkeypatch):
             assert_same_bits(call(x, {req: "require", on: "1"}), want, f"{req}=require with {on}=1")
 
 
-# BARO_PDL_GEMM=1 (opt-in until measured): a plain stream call launches as a programmatic
-# dependent of the kernel before it and prefetches its first W rows into L2 before waiting for it.
-# The hazard is reading A, or writing the output, before the kernel that made them is done, so each
-# GEMM here reads what the kernel just before it wrote, in one graph: the norm kernel (which lets
-# its dependents launch at its start) writes A; the first GEMM's output, through an XLA convert,
-# is the second GEMM's A (a primary that does not trigger); the second GEMM's fp32 output, through
-# the norm, is the third's. Fresh inputs per m (1: gemm_row1's one-row layout; 2 to 16 the 16-row
-# stream), poisoned outputs, bytes against the knob off; shapes of the model (in_proj, out_proj)
-# and small ones whose last unit is partial, under one and eight blocks per SM and units of 1 / 4.
-PDL_SHAPES = [(2048, 12352, 2048), (4096, 2048, 4096), (1040, 4816, 1040), (144, 272, 4224)]
-
-
-@pytest.mark.parametrize("K,N1,N2", PDL_SHAPES)
-def test_matmul_pdl_gemm_same_bytes(platform, K, N1, N2, monkeypatch):
-    if platform.platform != "gpu":
-        pytest.skip("programmatic dependent launches are CUDA (sm_90)")
-    names = STREAM_NAMES + ("BARO_PDL_GEMM",)
-    rng = np.random.default_rng(5100 + K + N1)
-    w1, w2 = put(platform, bf16(rng, N1, K)), put(platform, bf16(rng, N2, N1))
-    w3 = put(platform, bf16(rng, N1, N2))
-    g1 = put(platform, rng.standard_normal(K).astype(np.float32))
-    g2 = put(platform, rng.standard_normal(N2).astype(np.float32))
-
-    def chain(x):
-        a = cc.rmsnorm(x, g1, 1e-6)
-        y1 = cc.matmul(a, w1)
-        y2 = cc.matmul(y1.astype(jnp.bfloat16), w2)
-        return y1, y2, cc.matmul(cc.rmsnorm(y2, g2, 1e-6), w3)
-
-    def call(x, knobs):
-        set_only(monkeypatch, names, knobs)
-        poison(platform, (x.shape[0], max(N1, N2)))
-        out = [np.asarray(o) for o in jax.jit(chain)(put(platform, x))]
-        set_only(monkeypatch, names, {})
-        assert all(np.all(np.isfinite(o)) for o in out), f"K={K} m={x.shape[0]} {knobs}: elements unwritten"
-        return out
-
-    for m in (1, 2, 8, 13, 16):
-        x = rng.standard_normal((m, K)).astype(np.float32)  # fresh inputs for every m
-        want = call(x, {})
-        for knobs in ({}, {"BARO_ROW1_BPS": "1"}, {"BARO_ROW1_BPS": "8"}, {"BARO_ROW1_NT": "1"},
-                      {"BARO_ROW1_NT": "4"}):
-            got = call(x, {"BARO_PDL_GEMM": "1", **knobs})
-            for i, (g, w) in enumerate(zip(got, want)):
-                assert_same_bits(g, w, f"K={K} N1={N1} N2={N2} m={m} {knobs}: GEMM {i + 1} with BARO_PDL_GEMM=1 vs off")
-
-
 # The opt-in sm_90a wgmma + TMA GEMM (csrc/gpu/gemm_wgmma.cu, BARO_GEMM_WGMMA): plain calls of
 # 64 rows or more, the same bytes as the mma.sync kernels. require turns a fallback into an error,
 # so the test cannot pass on the default kernel. m: one 64-row tile, one row past it, a tile short

@@ -151,7 +151,6 @@ __global__ void __launch_bounds__(kPairs * 2 * kDup * BARO_WARP, 1)
 __global__ void __launch_bounds__(kFaCombineWarps * BARO_WARP)
     attn_rows_combine_kernel(AttentionRowsArgs ra, const char* __restrict__ scratch, int64_t row_bytes,
                              int64_t o_bytes, int max_splits, int64_t rows_pad) {
-  grid_launch_dependents();  // BARO_PDL_GEMM: the next stream GEMM may start fetching W
   grid_dependency_wait();  // launch_dependent: the splits' partials first
   const int64_t per_row = static_cast<int64_t>(ra.a.H) * kFaCombineSlices;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kFaCombineWarps + warp_id();

@@ -110,7 +110,6 @@ __global__ void __launch_bounds__(kConvThreads, 2)
     conv_kernel(const TX* __restrict__ x, const uint16_t* __restrict__ w,
                 const uint16_t* win_in, uint16_t* win_out, const int32_t* __restrict__ n_valid,
                 float* __restrict__ y, int64_t m, int64_t C, int64_t ldx, int64_t Cx) {
-  grid_launch_dependents();  // BARO_PDL_GEMM: the next stream GEMM may start fetching W
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * kConvThreads + threadIdx.x) * V;
   if (c >= C) return;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kConvRows;

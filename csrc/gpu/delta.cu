@@ -476,7 +476,6 @@ struct DeltaOneCfg {
 template <typename Cf, bool VEC>
 __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks)
     delta_one_kernel(DeltaArgs a, int ncb, int tiles) {
-  grid_launch_dependents();  // BARO_PDL_GEMM: the next stream GEMM may start fetching W
   constexpr int DK = Cf::kDk, kCols = Cf::kCols;
   constexpr int L = Cf::L, R = Cf::R, CW = Cf::CW, NT = Cf::kThreads, NB = Cf::kBufs, P = Cf::kAhead;
   extern __shared__ __align__(16) float smem[];

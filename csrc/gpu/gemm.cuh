@@ -97,9 +97,6 @@ struct GemmParams {
   int w_host_mapped = 0;
   Row1Moe moe;  // gemm_row1 only
   int pdl = 0;  // gemm_row1 only: launch_dependent (not the first kernel of its handler)
-  // gemm_row1 only (BARO_PDL_GEMM, a plain call): bytes of each of a warp's first unit's W rows to
-  // prefetch into L2 before its grid_dependency_wait (W is never written upstream); 0: none
-  int pf_row_bytes = 0;
   // Filled by launch_gemm:
   int slot_rows = 0;  // rows per plain-matmul slot / max rows per grouped tile
   int vec = 0;        // 16-byte global loads allowed

@@ -201,11 +201,6 @@ BARO_DEV void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t 
       "l"(src), "r"(bytes), "r"(bar)
       : "memory");
 }
-// `bytes` (a multiple of 16, 16-byte aligned) of global memory into L2, no destination, no
-// completion to wait for: BARO_PDL_GEMM's W prefetch before the kernel's dependency wait.
-BARO_DEV void prefetch_l2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-}
 // The stage's mbarrier counts this lane's arrival once its earlier cp.async copies have landed
 // (the barrier is initialised with one arrival per lane).
 BARO_DEV void cp_async_arrive(uint32_t bar) {
@@ -245,26 +240,6 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
   // SWAP: the first smem row of W tile w (the gate rows are the unit's first 8 NT, the up rows the next)
   auto swap_w_row = [](int w) { return SWIGLU && w >= MW ? 8 * NT + 16 * (w - MW) : 16 * w; };
   extern __shared__ __align__(128) uint8_t row1_smem[];
-  grid_launch_dependents();
-  if constexpr (MOE == Row1Moe::kNone && !TMA) {
-    // BARO_PDL_GEMM (a plain call, launched as a dependent of whatever kernel came before): this
-    // warp's first unit's W rows into L2 while that kernel still runs. Only W, which nothing
-    // upstream writes, and only addresses from p: the tile list, A and the outputs wait below.
-    if (p.pf_row_bytes > 0) {
-      const int ln = static_cast<int>(threadIdx.x % BARO_WARP);
-      const int64_t wb = ASHARED ? blockDim.x / BARO_WARP : 1, on = SWIGLU ? p.swiglu_I : p.N;
-      const int64_t up = (on + Cfg::kOutCols - 1) / Cfg::kOutCols;  // units per slot
-      const int64_t u = static_cast<int64_t>(blockIdx.x) * wb + (ASHARED ? threadIdx.x / BARO_WARP : 0);
-      const int64_t cu = SLOT16 ? u / row_slots : u % up;  // plain: the slots are the call's row_slots
-      const int col = SWIGLU ? ln % Cfg::kOutCols : ln;
-      if (u < row_slots * up && ln < Cfg::kWRows && cu * Cfg::kOutCols + col < on) {
-        const int64_t wrow = (SWIGLU && ln >= Cfg::kOutCols ? p.swiglu_I : 0) + cu * Cfg::kOutCols + col;
-        prefetch_l2(p.W_tail != nullptr && wrow >= p.n_split ? p.W_tail + (wrow - p.n_split) * p.ldw
-                                                             : p.W + wrow * p.ldw,
-                    static_cast<uint32_t>(p.pf_row_bytes));
-      }
-    }
-  }
   grid_dependency_wait();  // p.pdl launches: the previous kernel's results first
 
   const int lane = static_cast<int>(ASHARED ? threadIdx.x % BARO_WARP : threadIdx.x), g = lane >> 2, t = lane & 3;

@@ -190,7 +190,6 @@ BARO_DEV void rows16_store(const GemmParams& p, const float (&acc)[MT][Cfg::NT][
 // aligned A and W) and slot_rows <= 16 MT.
 template <bool SWIGLU, bool LIGHT, int WARPS, int MT = 1>
 __global__ void __launch_bounds__(WARPS * BARO_WARP) gemm_rows16_kernel(GemmParams p) {
-  grid_launch_dependents();  // BARO_PDL_GEMM: the next stream GEMM may start fetching W
   using Cfg = Rows16Cfg<SWIGLU, LIGHT, WARPS, MT>;
   constexpr int kARows = Cfg::kARows;
   constexpr int kRows16Warps = Cfg::kWarps;

@@ -27,31 +27,24 @@ int sm_count();
 // Opt-in, BARO_PDL=1 (read per call), until its speed is measured; otherwise, and on HIP and
 // GPUs before sm_90, a plain launch.
 bool pdl_enabled();
-// The same launch, programmatic whatever the knob says (the caller decided; sm_90 CUDA only).
-template <typename... K, typename... A>
-gpuError_t launch_programmatic(void (*kernel)(K...), dim3 grid, dim3 block, size_t smem, gpuStream_t stream,
-                               A&&... args) {
-#if !BARO_HIP
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, static_cast<A&&>(args)...);
-#else
-  kernel<<<grid, block, smem, stream>>>(static_cast<A&&>(args)...);
-  return gpuGetLastError();
-#endif
-}
 template <typename... K, typename... A>
 gpuError_t launch_dependent(void (*kernel)(K...), dim3 grid, dim3 block, size_t smem, gpuStream_t stream,
                             A&&... args) {
-  if (pdl_enabled()) return launch_programmatic(kernel, grid, block, smem, stream, static_cast<A&&>(args)...);
+#if !BARO_HIP
+  if (pdl_enabled()) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kernel, static_cast<A&&>(args)...);
+  }
+#endif
   kernel<<<grid, block, smem, stream>>>(static_cast<A&&>(args)...);
   return gpuGetLastError();
 }

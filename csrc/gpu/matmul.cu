@@ -250,7 +250,6 @@ static gpuError_t launch_row1_kernel(const GemmParams& p, int64_t row_slots, con
   const gpuError_t e = allow_smem(Kernel, 233472 - 1024, smem_done);
   if (e != gpuSuccess) return e;
   const dim3 grid(static_cast<unsigned>(blocks)), block(static_cast<unsigned>(warps * BARO_WARP));
-  if (p.pf_row_bytes > 0) return launch_programmatic(Kernel, grid, block, static_cast<size_t>(smem), stream, p, row_slots, ring, maps);
   if (p.pdl) return launch_dependent(Kernel, grid, block, static_cast<size_t>(smem), stream, p, row_slots, ring, maps);
   Kernel<<<grid, block, smem, stream>>>(p, row_slots, ring, maps);
   return gpuGetLastError();
@@ -360,32 +359,8 @@ static gpuError_t launch_row1_tma(const GemmParams& p, int64_t row_slots, int64_
                                                                                              grid, 1, smem, stream);
 }
 
-// BARO_PDL_GEMM=1 (opt-in until measured on a GPU; the same bits): a plain call on the stream (no
-// tile list, gathered rows, host store or fused MoE step) launches as a programmatic dependent of the
-// kernel before it, whichever handler queued that, and each warp prefetches its first unit's W rows
-// into L2 before its dependency wait (gemm_row1.cuh): up to kRow1PfWarpBytes a warp, so a call's
-// prefetch stays within about half of L2 (396 warps on an H100). The decode kernels let their
-// dependents launch at their start (portability.h grid_launch_dependents).
-constexpr int kRow1PfWarpBytes = 64 * 1024;
-static int row1_pf_row_bytes(const GemmParams& p, int MOE, int w_rows) {
-#if BARO_HIP
-  return 0;
-#else
-  namespace k = baro::knobs;
-  if (!k::on(k::kPdlGemm) || MOE != Row1Moe::kNone || p.tiles != nullptr || p.a_rows != nullptr ||
-      p.W_host != nullptr || p.W_last != nullptr || !is_aligned(p.W, 16) || p.ldw % 8 != 0 ||
-      (p.W_tail != nullptr && !is_aligned(p.W_tail, 16)))
-    return 0;
-  static std::atomic<int> major[64];
-  if (device_attr(cudaDevAttrComputeCapabilityMajor, major, 0) < 9) return 0;
-  const int64_t per_row = kRow1PfWarpBytes / w_rows / 16 * 16, row = p.K * 2 / 16 * 16;
-  return static_cast<int>(row < per_row ? row : per_row);
-#endif
-}
-
 template <bool SWIGLU, int MOE, bool SLOT16 = false>
-static gpuError_t launch_row1_moe(const GemmParams& p_in, int64_t row_slots, gpuStream_t stream) {
-  GemmParams p = p_in;
+static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
   const Row1Plan plan = row1_plan();
   // a plain call's slots hold min(M, 16) rows at most; a grouped call's tiles up to 16
   const int a_rows = !SLOT16 ? 1 : p.tiles == nullptr && p.M < 16 ? static_cast<int>(p.M) : 16;
@@ -396,7 +371,6 @@ static gpuError_t launch_row1_moe(const GemmParams& p_in, int64_t row_slots, gpu
   const int64_t enough = warps * 9 / 10;
   int nt = plan.nt;
   if (nt == 0) nt = !SWIGLU && units(4) >= enough ? 4 : units(2) >= enough ? 2 : 1;
-  p.pf_row_bytes = row1_pf_row_bytes(p, MOE, 8 * (SWIGLU ? 2 * nt : nt));
   // The opt-in instances, tried in this order where several are on; one set to require (tests) is
   // the only one tried, so its byte test cannot pass on another, and two set to require fail.
   namespace k = baro::knobs;

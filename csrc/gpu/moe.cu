@@ -323,7 +323,6 @@ __global__ void __launch_bounds__(kElemThreads)
                        const float* __restrict__ sgl, int64_t sgl_ld, float* __restrict__ out, int64_t m,
                        int64_t D, int k, const int32_t* __restrict__ ids,
                        const int32_t* __restrict__ slots, int S) {
-  grid_launch_dependents();  // BARO_PDL_GEMM: the next stream GEMM may start fetching W
   grid_dependency_wait();  // launch_dependent in the one-token fold
   const int64_t DV = D / V;
   const int64_t total = m * DV;

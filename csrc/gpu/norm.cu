@@ -25,7 +25,6 @@ __global__ void __launch_bounds__(kNormWarps * BARO_WARP)
     rmsnorm_kernel(const float* __restrict__ x, const float* __restrict__ w,
                    uint16_t* __restrict__ y, int64_t m, int D, float eps,
                    const float* __restrict__ r_in = nullptr, float* __restrict__ s_out = nullptr) {
-  grid_launch_dependents();  // BARO_PDL_GEMM: the next stream GEMM may start fetching W
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kNormWarps + warp_id();
   if (row >= m) return;
   const float* xr = x + row * D;
@@ -84,7 +83,6 @@ __global__ void __launch_bounds__(kRowBlockThreads)
     rmsnorm_row_block_kernel(const float* __restrict__ x, const float* __restrict__ w,
                              uint16_t* __restrict__ y, float eps, const float* __restrict__ r_in,
                              float* __restrict__ s_out) {
-  grid_launch_dependents();  // BARO_PDL_GEMM: the next stream GEMM may start fetching W
   constexpr int D = BARO_WARP * kPer;
   static_assert(D % (4 * kRowBlockThreads) == 0, "a thread holds whole float4s");
   constexpr int kVec = D / (4 * kRowBlockThreads);
@@ -150,7 +148,6 @@ __global__ void __launch_bounds__(kNormWarps * BARO_WARP)
     gated_norm_kernel(const float* __restrict__ o, const float* __restrict__ z,
                       const float* __restrict__ w, uint16_t* __restrict__ y, int64_t rows, int nv, int dv,
                       int64_t z_ld, float eps) {
-  grid_launch_dependents();  // BARO_PDL_GEMM: the next stream GEMM may start fetching W
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kNormWarps + warp_id();
   if (row >= rows) return;
   const float* orow = o + row * dv;

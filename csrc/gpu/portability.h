@@ -100,16 +100,6 @@ BARO_DEV void grid_dependency_wait() {
 #endif
 }
 
-// The other side of it: once every block of this kernel has executed this, a kernel launched
-// after it by launch_dependent may be scheduled (and run up to its grid_dependency_wait). It
-// orders nothing: that wait still waits for this whole kernel and its memory. The decode kernels
-// call it first, so the next stream GEMM can start fetching its weights while they run.
-BARO_DEV void grid_launch_dependents() {
-#if !BARO_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 // Orders shared-memory accesses among the lanes of one warp. AMD wavefronts
 // execute in lockstep, so only CUDA (independent thread scheduling) needs it.
 BARO_DEV void warp_sync() {

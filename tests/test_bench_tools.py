@@ -146,3 +146,21 @@ def test_profile_refuses_prefill_with_decode_only_options():
         args = ["--model", "tiny"] + extra + (["--prefill"] if extra[0] != "--chunk" else [])
         with pytest.raises(SystemExit):
             decode_profile.main(args)
+
+
+def test_throughput_gives_no_decode_rate_for_waves(tmp_path):
+    """A decode rate is B sequences decoding together: where the prefill budget lets the first
+    sequences finish before the last one starts (4 prompts of 40 tokens at 16 prompt tokens a
+    round, 3 new tokens each), the row says waves and gives no rate; together, it gives one."""
+    import json
+
+    out = tmp_path / "t.json"
+    assert throughput.main(["--model", "tiny", "--batches", "4", "--prompt-len", "40", "--new-tokens", "3",
+                            "--chunk", "16", "--prefill-budget", "16", "--check", "0", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["waves"] is True and row["decode_tokens_per_s"] is None
+    assert row["aggregate_tokens_per_s"] > 0
+    assert throughput.main(["--model", "tiny", "--batches", "2", "--prompt-len", "12", "--new-tokens", "9",
+                            "--chunk", "16", "--check", "0", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["waves"] is False and row["decode_tokens_per_s"] > 0

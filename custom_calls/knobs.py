@@ -188,12 +188,13 @@ _TABLE: tuple[Knob, ...] = (
     opt_in("BARO_ROW1_SWAP",
            doc="1: the GEMMs on gemm_row1's stream (1 to 16 rows a slot; not the one-token MoE's fused route and "
                "combine) on its instance that gives W the mma's 16-row operand and the rows its 8-wide one (the same "
-               "bits; opt-in until measured on a GPU); require: an error where a call on the stream cannot take it "
-               "(tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_row1.cuh)"),
+               "bits; slower on an H100: half the accumulator chains); require: an error where a call on the stream "
+               "cannot take it (tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_row1.cuh)"),
     opt_in("BARO_MOE_ROUTE_GROUP",
            doc="1: the MoE's top-k of every row and the grouping of its pairs in one block where they are one "
                "chunk (up to 512 pairs: decode of up to 64 sequences), one launch a layer fewer (the same bits; "
-               "opt-in until measured on a GPU); require: an error where the pairs are more than one chunk (tests) "
+               "the same time as the two kernels on an H100); require: an error where the pairs are more than one "
+               "chunk (tests) "
                "(csrc/gpu/moe.cu)"),
     Knob("BARO_CMDBUF_OPS", "onoff", True, reader="Python",
          doc="off: calls of <= 16 rows on the ops that take scratch from XLA's allocator instead of the _small "

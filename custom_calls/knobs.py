@@ -190,6 +190,12 @@ _TABLE: tuple[Knob, ...] = (
                "combine) on its instance that gives W the mma's 16-row operand and the rows its 8-wide one (the same "
                "bits; slower on an H100: half the accumulator chains); require: an error where a call on the stream "
                "cannot take it (tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_row1.cuh)"),
+    opt_in("BARO_ROW1_PROD",
+           doc="1: the GEMMs on gemm_row1's stream (1 to 16 rows a slot; not the one-token MoE's fused route and "
+               "combine) in blocks of one producer warp, which issues every copy, and up to three consumer warps, "
+               "which only wait and run the mma chains (the same bits; opt-in until measured on a GPU); require: "
+               "an error where a call on the stream cannot take it (tests) (csrc/gpu/matmul.cu, "
+               "csrc/gpu/gemm_row1.cuh)"),
     opt_in("BARO_MOE_ROUTE_GROUP",
            doc="1: the MoE's top-k of every row and the grouping of its pairs in one block where they are one "
                "chunk (up to 512 pairs: decode of up to 64 sequences), one launch a layer fewer (the same bits; "

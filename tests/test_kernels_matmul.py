@@ -193,12 +193,23 @@ TMA_KNOBS = [{}, {"BARO_ROW1_BPS": "1"}, {"BARO_ROW1_BPS": "8"}, {"BARO_ROW1_NT"
 SWAP_M = (1, 2, 3, 5, 8, 13, 16)
 SWAP_KNOBS = [{}, {"BARO_ROW1_NT": "1"}, {"BARO_ROW1_NT": "4"}, {"BARO_ROW1_KCHUNK": "128"},
               {"BARO_ROW1_BPS": "1"}, {"BARO_ROW1_BPS": "8"}, {"BARO_ROW1_COPY": "lsu"}]
+# The stream with a producer warp (BARO_ROW1_PROD=1, gemm_row1.cuh PROD; opt-in, first run on a
+# GPU pending): one producer warp issues the stages of up to three consumer warps into their rings,
+# waiting on each slot's empty mbarrier from the second pass on. The same shapes and m; units of 1
+# and 4 n-tiles (in_proj at one n-tile: 1,544 units a slot, several per consumer; 264 columns in
+# units of 4: 9 units, one consumer a block), 128-wide k stages (32 passes over a ring at K = 4096:
+# the empty mbarriers' phases), the most stages, 16-byte cp.async copies (the full mbarrier counts
+# 32 producer lanes). =require throughout.
+PROD_M = (1, 2, 3, 5, 8, 13, 16)
+PROD_KNOBS = [{}, {"BARO_ROW1_NT": "1"}, {"BARO_ROW1_NT": "4"}, {"BARO_ROW1_KCHUNK": "128"},
+              {"BARO_ROW1_KCHUNK": "128", "BARO_ROW1_STAGES": "16"}, {"BARO_ROW1_COPY": "lsu"}]
 STREAM_SHAPES = [(12352, 2048), (2048, 4096), (9216, 2048), (4801, 1040), (264, 4224), (264, 8192), (264, 144)]
 # per lever: its m, its speed knobs, the (N, K, m) it falls back at, a seed
 STREAM_LEVERS = {"BARO_ROW1_ASHARED": (ASHARED_M, ASHARED_KNOBS, ASHARED_FALLBACK, 3100),
                  "BARO_ROW1_TMA": (TMA_M, TMA_KNOBS, set(), 3700),
-                 "BARO_ROW1_SWAP": (SWAP_M, SWAP_KNOBS, set(), 4300)}
-STREAM_NAMES = ASHARED_NAMES + ("BARO_ROW1_TMA", "BARO_ROW1_SWAP")
+                 "BARO_ROW1_SWAP": (SWAP_M, SWAP_KNOBS, set(), 4300),
+                 "BARO_ROW1_PROD": (PROD_M, PROD_KNOBS, set(), 4900)}
+STREAM_NAMES = ASHARED_NAMES + ("BARO_ROW1_TMA", "BARO_ROW1_SWAP", "BARO_ROW1_PROD")
 
 
 @pytest.mark.parametrize("lever", list(STREAM_LEVERS))
@@ -238,7 +249,8 @@ def test_matmul_stream_levers_require_one(platform, monkeypatch):
     call = knob_matmul(platform, monkeypatch, STREAM_NAMES, put(platform, w), N, K)
     want = call(x, {})
     for a, b in (("BARO_ROW1_SWAP", "BARO_ROW1_TMA"), ("BARO_ROW1_SWAP", "BARO_ROW1_ASHARED"),
-                 ("BARO_ROW1_TMA", "BARO_ROW1_ASHARED")):
+                 ("BARO_ROW1_TMA", "BARO_ROW1_ASHARED"), ("BARO_ROW1_PROD", "BARO_ROW1_SWAP"),
+                 ("BARO_ROW1_PROD", "BARO_ROW1_TMA"), ("BARO_ROW1_PROD", "BARO_ROW1_ASHARED")):
         with pytest.raises(Exception, match="baro_matmul: kernel launch failed"):
             call(x, {a: "require", b: "require"})
         for req, on in ((a, b), (b, a)):

@@ -71,6 +71,7 @@ enum Id : int {
   kRow1Ashared,
   kRow1Tma,
   kRow1Swap,
+  kRow1Prod,
   kMoeRouteGroup,
   kCount
 };
@@ -112,6 +113,7 @@ inline constexpr Knob kKnobs[kCount] = {
     {"BARO_ROW1_ASHARED", Kind::kChoice, "0|1|require", 0, 0, 0},
     {"BARO_ROW1_TMA", Kind::kChoice, "0|1|require", 0, 0, 0},
     {"BARO_ROW1_SWAP", Kind::kChoice, "0|1|require", 0, 0, 0},
+    {"BARO_ROW1_PROD", Kind::kChoice, "0|1|require", 0, 0, 0},
     {"BARO_MOE_ROUTE_GROUP", Kind::kChoice, "0|1|require", 0, 0, 0},
 };
 

@@ -359,6 +359,30 @@ static gpuError_t launch_row1_tma(const GemmParams& p, int64_t row_slots, int64_
                                                                                              grid, 1, smem, stream);
 }
 
+// BARO_ROW1_PROD=1 (opt-in until measured on a GPU; the same bits): blocks of one producer warp and
+// up to kRow1ProdConsumers consumer warps (gemm_row1.cuh PROD), one block per SM where the units
+// allow: as many blocks as SMs (fewer units: one a block), consumers enough for the units, at most
+// three, so the consumers per SM are what the default instance's one-warp blocks give. Each
+// consumer's ring is an SM's shared memory over the block's consumers, shaped as the default's.
+template <bool SWIGLU, int NT, bool SLOT16>
+static gpuError_t launch_row1_prod(const GemmParams& p, int64_t row_slots, const Row1Plan& plan, int a_rows,
+                                   gpuStream_t stream) {
+  using Cfg = Row1Cfg<SWIGLU, NT>;
+  const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
+  const int64_t units = row_slots * ((out_n + Cfg::kOutCols - 1) / Cfg::kOutCols);
+  if (units > 0x7fffffffLL) return gpuErrorInvalidValue;
+  const int64_t sms = sm_count();
+  const int64_t blocks = units < sms ? units : sms;
+  int64_t cons = (units + blocks - 1) / blocks;
+  if (cons > kRow1ProdConsumers) cons = kRow1ProdConsumers;
+  Row1Ring ring{plan.kchunk_max, 0, 0, plan.lsu || (p.W_host != nullptr && p.w_host_mapped) ? 1 : 0, 0};
+  row1_ring(ring, p, plan, Cfg::kWRows, a_rows, static_cast<int>((233472 - 1024 - kRow1ProdBarBytes) / cons));
+  if (ring.stages < 2) return gpuErrorInvalidValue;
+  const int smem = kRow1ProdBarBytes + static_cast<int>(cons) * ring.stages * ring.stage_bytes;
+  return launch_row1_kernel<gemm_row1_kernel<SWIGLU, NT, Row1Moe::kNone, SLOT16, false, false, false, true>>(
+      p, row_slots, ring, Row1NoMaps{}, blocks, static_cast<int>(cons) + 1, smem, stream);
+}
+
 template <bool SWIGLU, int MOE, bool SLOT16 = false>
 static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
   const Row1Plan plan = row1_plan();
@@ -375,10 +399,11 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
   // the only one tried, so its byte test cannot pass on another, and two set to require fail.
   namespace k = baro::knobs;
   const bool tma_req = k::is(k::kRow1Tma, "require"), swap_req = k::is(k::kRow1Swap, "require");
-  const bool ash_req = row1_ashared_required();
-  if (static_cast<int>(tma_req) + static_cast<int>(swap_req) + static_cast<int>(ash_req) > 1) return gpuErrorInvalidValue;
+  const bool ash_req = row1_ashared_required(), prod_req = k::is(k::kRow1Prod, "require");
+  if (static_cast<int>(tma_req) + static_cast<int>(swap_req) + static_cast<int>(ash_req) + static_cast<int>(prod_req) > 1)
+    return gpuErrorInvalidValue;
   if constexpr (!SWIGLU && MOE == Row1Moe::kNone) {
-    if (!k::is(k::kRow1Tma, "0") && !swap_req && !ash_req) {
+    if (!k::is(k::kRow1Tma, "0") && !swap_req && !ash_req && !prod_req) {
       if (row1_tma_takes(p)) {
         if (nt >= 4) return launch_row1_tma<4, SLOT16>(p, row_slots, grid(4), plan, a_rows, stream);
         if (nt >= 2) return launch_row1_tma<2, SLOT16>(p, row_slots, grid(2), plan, a_rows, stream);
@@ -391,7 +416,7 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
   // the one-token MoE's with the route or the combine inside runs the SWAP instance (gemm_row1.cuh),
   // W as the mma's 16-row operand, in whole 16-column tiles: units of 4 n-tiles where they fill the
   // warps, else 2 (SwiGLU: 2). =require (tests): a fused call fails instead of running the default.
-  if (!k::is(k::kRow1Swap, "0") && !tma_req && !ash_req) {
+  if (!k::is(k::kRow1Swap, "0") && !tma_req && !ash_req && !prod_req) {
     if constexpr (MOE == Row1Moe::kNone) {
       if constexpr (!SWIGLU)
         if (nt >= 4)
@@ -401,8 +426,20 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
       return gpuErrorInvalidValue;
     }
   }
+  // BARO_ROW1_PROD (above launch_row1_prod): every call on the stream but the one-token MoE's fused
+  // ones, in the default's unit widths. =require (tests): a fused call fails instead.
+  if (!k::is(k::kRow1Prod, "0") && !tma_req && !swap_req && !ash_req) {
+    if constexpr (MOE == Row1Moe::kNone) {
+      if constexpr (!SWIGLU)
+        if (nt >= 4) return launch_row1_prod<SWIGLU, 4, SLOT16>(p, row_slots, plan, a_rows, stream);
+      if (nt >= 2) return launch_row1_prod<SWIGLU, 2, SLOT16>(p, row_slots, plan, a_rows, stream);
+      return launch_row1_prod<SWIGLU, 1, SLOT16>(p, row_slots, plan, a_rows, stream);
+    } else if (prod_req) {
+      return gpuErrorInvalidValue;
+    }
+  }
   if constexpr (SLOT16 && MOE == Row1Moe::kNone) {
-    const bool on = !k::is(k::kRow1Ashared, "0") && !tma_req && !swap_req;
+    const bool on = !k::is(k::kRow1Ashared, "0") && !tma_req && !swap_req && !prod_req;
     if (on && !row1_ashared_takes(p, row_slots) && ash_req) return gpuErrorInvalidValue;
     if (on && row1_ashared_takes(p, row_slots)) {  // the same unit widths, blocks sharing A
       if constexpr (!SWIGLU)

@@ -315,6 +315,9 @@ __global__ void __launch_bounds__((ASHARED ? kRow1AsMaxWarps : PROD ? kRow1ProdC
   int64_t slots = tiles != nullptr ? static_cast<int64_t>(*n_tiles) : row_slots;
   if (slots > row_slots) slots = row_slots;  // the tile list's capacity (what the grid was sized for)
   const uint32_t units = static_cast<uint32_t>(slots * ups);  // < 2^31 (launcher)
+  if constexpr (PROD) {
+    if (units == 0) return;  // a grouped call of no tiles: the whole block, before any division by slots
+  }
   // this warp's units
   const uint32_t first = PROD ? blockIdx.x + cw * gridDim.x : blockIdx.x * wpb + warp;
   const uint32_t step = PROD ? gridDim.x * n_cons : gridDim.x * wpb;
@@ -532,14 +535,18 @@ __global__ void __launch_bounds__((ASHARED ? kRow1AsMaxWarps : PROD ? kRow1ProdC
             issue_to(f[c], smem0 + 8 * (c * kRow1MaxStages), smem0 + kRow1ProdBarBytes + c * ST * ring.stage_bytes);
           }
         }
-        if (!any) return;  // every stage issued: the consumers keep the block (and its rings) alive
+        if (!any) {  // every stage issued: the consumers keep the block (and its rings) alive
+          if (ring.lsu) asm volatile("cp.async.wait_all;\n" ::: "memory");  // its arrivals, before the warp ends
+          return;
+        }
         if (++rs == ST) {
           rs = 0;
           ++wrap;
         }
       }
     }
-    if (my_units == 0) return;  // a consumer without units (the launcher sizes blocks to avoid them)
+    if (my_units == 0) return;  // a consumer without units (a block's last consumers, or a grouped call's
+                                // tiles fewer than the launch was sized for)
   }
   Feed own{start, unit(start), 0u, my_units, 0, 0};
   auto issue = [&]() { issue_to(own, bar0, stage0); };

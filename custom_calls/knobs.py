@@ -172,9 +172,10 @@ _TABLE: tuple[Knob, ...] = (
          doc="gemm_row1's fewest ring stages (csrc/gpu/matmul.cu)"),
     Knob("BARO_ROW1_NT", "int", 0, lo=0, hi=4,
          doc="gemm_row1 n-tiles per unit (0: by the number of units) (csrc/gpu/matmul.cu)"),
-    Knob("BARO_ROW1_COPY", "choice", "bulk", choices=("bulk", "lsu"),
-         doc="gemm_row1's ring fill: the copy engine's bulk copies or 16-byte cp.async per lane "
-             "(csrc/gpu/matmul.cu)"),
+    Knob("BARO_ROW1_COPY", "choice", "bulk", choices=("bulk", "lsu", "one"),
+         doc="gemm_row1's ring fill: the copy engine's bulk copies (a stage's rows over the lanes), 16-byte "
+             "cp.async per lane, or (one, opt-in until measured on a GPU) the default instance's bulk copies of "
+             "every row from lane 0, whose addresses are then uniform (csrc/gpu/matmul.cu, csrc/gpu/gemm_row1.cuh)"),
     opt_in("BARO_ROW1_ASHARED",
            doc="1: a plain GEMM of 2 to 16 rows on the stream's blocks of up to BARO_ROW1_BPS warps (one per "
                "SM) that load the rows' A once and share it, each warp streaming its own W, where A fits beside "

@@ -67,7 +67,7 @@ def test_matmul_tiles(platform, m, K, monkeypatch):
 # calls (16-row and pipelined tiles). N = 1 (one unit), 40 (a partial 8-column unit),
 # 4801 (more units than the persistent grid's warps: each warp streams several);
 # K = 272 and 1040 end on a partial 256-wide stage; K = 2056 (K % 16 == 8) falls back
-# to gemm_rows16.
+# to gemm_rows16. BARO_ROW1_COPY=one: its instance with every row's bulk copy from lane 0.
 @pytest.mark.parametrize("N,K", [(1, 2048), (40, 96), (264, 272), (4801, 1040), (40, 2056)])
 def test_matmul_row1(platform, N, K, monkeypatch):
     rng = np.random.default_rng(1300 + N + K)
@@ -78,16 +78,19 @@ def test_matmul_row1(platform, N, K, monkeypatch):
     few = np.asarray(run(put(platform, x[:3]), wd))  # 16-row tiles
     assert_same_bits(few, full[:3], f"matmul N={N} K={K} 3 rows vs 130")
     for i in (0, 2):
-        for knob in (None, "off"):
-            if knob is None:
-                monkeypatch.delenv("BARO_GEMM_ROW1", raising=False)
-            else:
+        for knob in (None, "off", "one"):
+            monkeypatch.delenv("BARO_GEMM_ROW1", raising=False)
+            monkeypatch.delenv("BARO_ROW1_COPY", raising=False)
+            if knob == "off":
                 monkeypatch.setenv("BARO_GEMM_ROW1", knob)
+            elif knob == "one":
+                monkeypatch.setenv("BARO_ROW1_COPY", knob)
             poison(platform, (1, N))  # a fresh jit: the launcher reads the knob when the graph is built
             one = np.asarray(jax.jit(lambda a, b: cc.matmul(a, b))(put(platform, x[i:i + 1]), wd))
             assert np.all(np.isfinite(one)), f"matmul N={N} K={K} one row left elements unwritten"
-            assert_same_bits(one[0], full[i], f"matmul N={N} K={K} row {i} one-row call (ROW1={knob})")
+            assert_same_bits(one[0], full[i], f"matmul N={N} K={K} row {i} one-row call ({knob})")
     monkeypatch.delenv("BARO_GEMM_ROW1", raising=False)
+    monkeypatch.delenv("BARO_ROW1_COPY", raising=False)
     assert_close(full[:3], ref_matmul(x[:3], w), 1e-5, f"matmul N={N} K={K} vs float64")
 
 
@@ -101,7 +104,8 @@ def test_matmul_row1(platform, N, K, monkeypatch):
 STREAM_KNOBS = [{}, {"BARO_GEMM_SMALL": "rows16"}] + [
     {"BARO_GEMM_SMALL": "stream", **kn} for kn in (
         {}, {"BARO_ROW1_NT": "1"}, {"BARO_ROW1_NT": "2"}, {"BARO_ROW1_NT": "4"}, {"BARO_ROW1_KCHUNK": "128"},
-        {"BARO_ROW1_BPS": "1"}, {"BARO_ROW1_COPY": "lsu"})]
+        {"BARO_ROW1_BPS": "1"}, {"BARO_ROW1_COPY": "lsu"}, {"BARO_ROW1_COPY": "one"},
+        {"BARO_ROW1_COPY": "one", "BARO_ROW1_NT": "1", "BARO_ROW1_KCHUNK": "128"})]
 
 
 @pytest.mark.parametrize("N,K", [(1, 272), (40, 96), (264, 1040), (4801, 272)])

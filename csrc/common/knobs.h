@@ -109,7 +109,7 @@ inline constexpr Knob kKnobs[kCount] = {
     {"BARO_ROW1_KCHUNK", Kind::kInt, nullptr, 128, 4096, 2048},
     {"BARO_ROW1_STAGES", Kind::kInt, nullptr, 2, 16, 2},
     {"BARO_ROW1_NT", Kind::kInt, nullptr, 0, 4, 0},
-    {"BARO_ROW1_COPY", Kind::kChoice, "bulk|lsu", 0, 0, 0},
+    {"BARO_ROW1_COPY", Kind::kChoice, "bulk|lsu|one", 0, 0, 0},
     {"BARO_ROW1_ASHARED", Kind::kChoice, "0|1|require", 0, 0, 0},
     {"BARO_ROW1_TMA", Kind::kChoice, "0|1|require", 0, 0, 0},
     {"BARO_ROW1_SWAP", Kind::kChoice, "0|1|require", 0, 0, 0},

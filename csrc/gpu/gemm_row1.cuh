@@ -68,6 +68,13 @@
 // wait on their stages and run the chains. A consumer's units, stages, fragments, mma order and
 // stores are the default instance's, so each output has its bits (the kernel tests compare).
 //
+// ONE (BARO_ROW1_COPY=one, opt-in until run on a GPU; the default instance of calls without the
+// fused route or combine): a stage's bulk copies issued by lane 0, row after row. The lanes' loop
+// has each lane's address moved into the uniform registers the copy takes, one lane at a time
+// (ncu: ~100 cycles a copy); from lane 0 alone the addresses are uniform values, which the
+// compiler works in the uniform datapath (SASS: no moves, the loop unrolled). Only data movement
+// changes: the same bytes land in the same places.
+//
 // Requires (launcher): p.vec, K % 16 == 0, slot_rows == (SLOT16 ? 16 : 1). Reads p.W_tail /
 // p.W_last (gemm.cuh) where set: the one-token MoE's shared gate and shared expert.
 #pragma once
@@ -242,7 +249,7 @@ BARO_DEV void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;
 //     fmaf over the pairs from 0, then + sigmoid(sgl) * the shared row, moe_combine_kernel's
 //     expressions (the kernel tests compare the two), so the combine launch goes.
 template <bool SWIGLU, int NT, int MOE = Row1Moe::kNone, bool SLOT16 = false, bool ASHARED = false, bool TMA = false,
-          bool SWAP = false, bool PROD = false>
+          bool SWAP = false, bool PROD = false, bool ONE = false>
 __global__ void __launch_bounds__((ASHARED ? kRow1AsMaxWarps : PROD ? kRow1ProdConsumers + 1 : 1) * BARO_WARP)
     gemm_row1_kernel(GemmParams p, int64_t row_slots, Row1Ring ring, const __grid_constant__ Row1MapsOf<TMA> maps) {
   using Cfg = Row1Cfg<SWIGLU, NT>;
@@ -255,6 +262,8 @@ __global__ void __launch_bounds__((ASHARED ? kRow1AsMaxWarps : PROD ? kRow1ProdC
                 "SWAP: no fused route or combine, units of whole 16-column tiles");
   static_assert(!PROD || (MOE == Row1Moe::kNone && !ASHARED && !TMA && !SWAP),
                 "PROD: the default instance's consumers, no fused route or combine");
+  static_assert(!ONE || (MOE == Row1Moe::kNone && !ASHARED && !TMA && !SWAP && !PROD),
+                "ONE: the default instance's copies from lane 0");
   constexpr int MW = SWAP ? NT / 2 : 1;       // SWAP: 16-column tiles per unit
   constexpr int WT = SWIGLU ? 2 * MW : MW;    // SWAP: 16-row W tiles per unit (gate, then up)
   static_assert(!SWAP || 2 * WT == T, "SWAP: two token halves of WT accumulators fill acc");
@@ -492,9 +501,17 @@ __global__ void __launch_bounds__((ASHARED ? kRow1AsMaxWarps : PROD ? kRow1ProdC
       if (lane == 0) mbar_expect_tx(bar, kb * static_cast<uint32_t>(live + a_in));
       __syncwarp();
       fence_proxy_async();
-      for (int r = lane; r < rows; r += BARO_WARP) {
-        const uint16_t* src = src_row(r);
-        if (src != nullptr) bulk_copy(dst + r * rowb, src, kb, bar);
+      if constexpr (ONE) {
+        if (lane == 0)
+          for (int r = 0; r < rows; ++r) {
+            const uint16_t* src = src_row(r);
+            if (src != nullptr) bulk_copy(dst + r * rowb, src, kb, bar);
+          }
+      } else {
+        for (int r = lane; r < rows; r += BARO_WARP) {
+          const uint16_t* src = src_row(r);
+          if (src != nullptr) bulk_copy(dst + r * rowb, src, kb, bar);
+        }
       }
     }
     if (++f.kt == n_k) {

@@ -194,11 +194,13 @@ static gpuError_t launch_pipe(const GemmParams& p, int64_t row_slots, gpuStream_
 // Speed knobs (same bits; read per call, for benchmarks/row1_sweep.py): BARO_ROW1_BPS,
 // BARO_ROW1_KCHUNK, BARO_ROW1_STAGES, BARO_ROW1_NT, BARO_ROW1_COPY=lsu (16-byte cp.async
 // per lane instead of the copy engine's bulk copies; W only under BARO_ROW1_ASHARED, whose A is
-// always bulk copies). With BARO_ROW1_ASHARED=1, BARO_ROW1_BPS is the most warps of a block
+// always bulk copies) or =one (the default instance of calls without the fused route or combine
+// with every row's bulk copy from lane 0: gemm_row1.cuh ONE; other instances keep theirs). With BARO_ROW1_ASHARED=1, BARO_ROW1_BPS is the most warps of a block
 // (one block per SM).
 struct Row1Plan {
   int bps = kRow1BlocksPerSM, kchunk_max = 2048, min_stages = 2, nt = 0;  // nt 0: by units (knobs.h defaults)
   int lsu = 0;
+  int one = 0;  // BARO_ROW1_COPY=one: the ONE instance (every row's bulk copy from lane 0)
 };
 // knobs.h's defaults and ranges are this plan's (it cannot include gemm_row1.cuh)
 static_assert(baro::knobs::kKnobs[baro::knobs::kRow1Bps].dflt == kRow1BlocksPerSM, "BARO_ROW1_BPS default");
@@ -211,6 +213,7 @@ static Row1Plan row1_plan() {
   r.min_stages = k::get(k::kRow1Stages);
   r.nt = k::get(k::kRow1Nt);
   r.lsu = baro::knobs::is(baro::knobs::kRow1Copy, "lsu") ? 1 : 0;
+  r.one = baro::knobs::is(baro::knobs::kRow1Copy, "one") ? 1 : 0;
   return r;
 }
 
@@ -260,7 +263,7 @@ static gpuError_t launch_row1_kernel(const GemmParams& p, int64_t row_slots, con
 // there are fewer units than bps per SM, so the units still spread over the SMs), A beside the
 // warps' rings; where A leaves no room for two 128-wide stages per warp (16 rows of K above about
 // 5,500 at three warps of 4 n-tiles), the plain SLOT16 instance runs instead (the same bits).
-template <bool SWIGLU, int NT, int MOE, bool SLOT16, bool ASHARED = false, bool SWAP = false>
+template <bool SWIGLU, int NT, int MOE, bool SLOT16, bool ASHARED = false, bool SWAP = false, bool ONE = false>
 static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t grid, const Row1Plan& plan,
                                  int a_rows, gpuStream_t stream) {
   using Cfg = Row1Cfg<SWIGLU, NT>;
@@ -298,7 +301,10 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
     if (ring.stages < 2) return gpuErrorInvalidValue;
     smem = kRow1BarBytes + ring.stages * ring.stage_bytes + extra;
   }
-  return launch_row1_kernel<gemm_row1_kernel<SWIGLU, NT, MOE, SLOT16, ASHARED, false, SWAP>>(
+  if constexpr (ONE) {
+    if (ring.lsu) return gpuErrorInvalidValue;  // host-store experts come by cp.async: the caller routes them
+  }
+  return launch_row1_kernel<gemm_row1_kernel<SWIGLU, NT, MOE, SLOT16, ASHARED, false, SWAP, false, ONE>>(
       p, row_slots, ring, Row1NoMaps{}, blocks, warps, smem, stream);
 }
 
@@ -446,6 +452,14 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
         if (nt >= 4) return launch_row1_nt<SWIGLU, 4, MOE, SLOT16, true>(p, row_slots, grid(4), plan, a_rows, stream);
       if (nt >= 2) return launch_row1_nt<SWIGLU, 2, MOE, SLOT16, true>(p, row_slots, grid(2), plan, a_rows, stream);
       return launch_row1_nt<SWIGLU, 1, MOE, SLOT16, true>(p, row_slots, grid(1), plan, a_rows, stream);
+    }
+  }
+  if constexpr (MOE == Row1Moe::kNone) {
+    if (plan.one && !plan.lsu && !(p.W_host != nullptr && p.w_host_mapped)) {  // BARO_ROW1_COPY=one
+      if constexpr (!SWIGLU)
+        if (nt >= 4) return launch_row1_nt<SWIGLU, 4, MOE, SLOT16, false, false, true>(p, row_slots, grid(4), plan, a_rows, stream);
+      if (nt >= 2) return launch_row1_nt<SWIGLU, 2, MOE, SLOT16, false, false, true>(p, row_slots, grid(2), plan, a_rows, stream);
+      return launch_row1_nt<SWIGLU, 1, MOE, SLOT16, false, false, true>(p, row_slots, grid(1), plan, a_rows, stream);
     }
   }
   if constexpr (!SWIGLU)

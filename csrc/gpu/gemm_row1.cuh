@@ -501,18 +501,11 @@ __global__ void __launch_bounds__((ASHARED ? kRow1AsMaxWarps : PROD ? kRow1ProdC
       if (lane == 0) mbar_expect_tx(bar, kb * static_cast<uint32_t>(live + a_in));
       __syncwarp();
       fence_proxy_async();
-      if constexpr (ONE) {
-        if (lane == 0)
-          for (int r = 0; r < rows; ++r) {
-            const uint16_t* src = src_row(r);
-            if (src != nullptr) bulk_copy(dst + r * rowb, src, kb, bar);
-          }
-      } else {
-        for (int r = lane; r < rows; r += BARO_WARP) {
+      if (!ONE || lane == 0)  // ONE: lane 0 takes every row; otherwise the rows go over the lanes
+        for (int r = ONE ? 0 : lane; r < rows; r += ONE ? 1 : BARO_WARP) {
           const uint16_t* src = src_row(r);
           if (src != nullptr) bulk_copy(dst + r * rowb, src, kb, bar);
         }
-      }
     }
     if (++f.kt == n_k) {
       f.kt = 0;

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "contract.h"
 #include "ffi_gpu.h"
@@ -202,6 +203,20 @@ struct Row1Plan {
   int lsu = 0;
   int one = 0;  // BARO_ROW1_COPY=one: the ONE instance (every row's bulk copy from lane 0)
 };
+// 16-byte cp.async instead of bulk copies: asked for, or host-store experts read in place over the
+// host link (the bulk copies are not relied on for host memory)
+static int row1_lsu(const GemmParams& p, const Row1Plan& plan) {
+  return plan.lsu || (p.W_host != nullptr && p.w_host_mapped) ? 1 : 0;
+}
+// The launch of the unit width nt picked: 4 n-tiles (plain calls only), 2 or 1; at(W) launches width
+// W.value.
+template <bool SWIGLU, typename F>
+static gpuError_t by_unit_width(int nt, F&& at) {
+  if constexpr (!SWIGLU)
+    if (nt >= 4) return at(std::integral_constant<int, 4>{});
+  if (nt >= 2) return at(std::integral_constant<int, 2>{});
+  return at(std::integral_constant<int, 1>{});
+}
 // knobs.h's defaults and ranges are this plan's (it cannot include gemm_row1.cuh)
 static_assert(baro::knobs::kKnobs[baro::knobs::kRow1Bps].dflt == kRow1BlocksPerSM, "BARO_ROW1_BPS default");
 static_assert(baro::knobs::kKnobs[baro::knobs::kRow1Stages].hi == kRow1MaxStages, "BARO_ROW1_STAGES range");
@@ -272,9 +287,7 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t units = row_slots * ((out_n + Cfg::kOutCols - 1) / Cfg::kOutCols);
   if (units > 0x7fffffffLL) return gpuErrorInvalidValue;
-  // host-store experts (W_host in pinned host memory) come over the host link through 16-byte
-  // cp.async: the bulk copies are not relied on for it
-  Row1Ring ring{plan.kchunk_max, 0, 0, plan.lsu || (p.W_host != nullptr && p.w_host_mapped) ? 1 : 0, 0};
+  Row1Ring ring{plan.kchunk_max, 0, 0, row1_lsu(p, plan), 0};
   int warps = 1, smem = 0;
   int64_t blocks = grid;
   if constexpr (ASHARED) {
@@ -300,9 +313,6 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
     row1_ring(ring, p, plan, Cfg::kWRows, a_rows, 233472 / plan.bps - 1024 - kRow1BarBytes - extra);  // an SM's smem over its blocks
     if (ring.stages < 2) return gpuErrorInvalidValue;
     smem = kRow1BarBytes + ring.stages * ring.stage_bytes + extra;
-  }
-  if constexpr (ONE) {
-    if (ring.lsu) return gpuErrorInvalidValue;  // host-store experts come by cp.async: the caller routes them
   }
   return launch_row1_kernel<gemm_row1_kernel<SWIGLU, NT, MOE, SLOT16, ASHARED, false, SWAP, false, ONE>>(
       p, row_slots, ring, Row1NoMaps{}, blocks, warps, smem, stream);
@@ -381,7 +391,7 @@ static gpuError_t launch_row1_prod(const GemmParams& p, int64_t row_slots, const
   const int64_t blocks = units < sms ? units : sms;
   int64_t cons = (units + blocks - 1) / blocks;
   if (cons > kRow1ProdConsumers) cons = kRow1ProdConsumers;
-  Row1Ring ring{plan.kchunk_max, 0, 0, plan.lsu || (p.W_host != nullptr && p.w_host_mapped) ? 1 : 0, 0};
+  Row1Ring ring{plan.kchunk_max, 0, 0, row1_lsu(p, plan), 0};
   row1_ring(ring, p, plan, Cfg::kWRows, a_rows, static_cast<int>((233472 - 1024 - kRow1ProdBarBytes) / cons));
   if (ring.stages < 2) return gpuErrorInvalidValue;
   const int smem = kRow1ProdBarBytes + static_cast<int>(cons) * ring.stages * ring.stage_bytes;
@@ -410,11 +420,10 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
     return gpuErrorInvalidValue;
   if constexpr (!SWIGLU && MOE == Row1Moe::kNone) {
     if (!k::is(k::kRow1Tma, "0") && !swap_req && !ash_req && !prod_req) {
-      if (row1_tma_takes(p)) {
-        if (nt >= 4) return launch_row1_tma<4, SLOT16>(p, row_slots, grid(4), plan, a_rows, stream);
-        if (nt >= 2) return launch_row1_tma<2, SLOT16>(p, row_slots, grid(2), plan, a_rows, stream);
-        return launch_row1_tma<1, SLOT16>(p, row_slots, grid(1), plan, a_rows, stream);
-      }
+      if (row1_tma_takes(p))
+        return by_unit_width<SWIGLU>(nt, [&](auto w) {
+          return launch_row1_tma<w.value, SLOT16>(p, row_slots, grid(w.value), plan, a_rows, stream);
+        });
       if (tma_req) return gpuErrorInvalidValue;
     }
   }
@@ -436,10 +445,8 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
   // ones, in the default's unit widths. =require (tests): a fused call fails instead.
   if (!k::is(k::kRow1Prod, "0") && !tma_req && !swap_req && !ash_req) {
     if constexpr (MOE == Row1Moe::kNone) {
-      if constexpr (!SWIGLU)
-        if (nt >= 4) return launch_row1_prod<SWIGLU, 4, SLOT16>(p, row_slots, plan, a_rows, stream);
-      if (nt >= 2) return launch_row1_prod<SWIGLU, 2, SLOT16>(p, row_slots, plan, a_rows, stream);
-      return launch_row1_prod<SWIGLU, 1, SLOT16>(p, row_slots, plan, a_rows, stream);
+      return by_unit_width<SWIGLU>(
+          nt, [&](auto w) { return launch_row1_prod<SWIGLU, w.value, SLOT16>(p, row_slots, plan, a_rows, stream); });
     } else if (prod_req) {
       return gpuErrorInvalidValue;
     }
@@ -447,25 +454,21 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
   if constexpr (SLOT16 && MOE == Row1Moe::kNone) {
     const bool on = !k::is(k::kRow1Ashared, "0") && !tma_req && !swap_req && !prod_req;
     if (on && !row1_ashared_takes(p, row_slots) && ash_req) return gpuErrorInvalidValue;
-    if (on && row1_ashared_takes(p, row_slots)) {  // the same unit widths, blocks sharing A
-      if constexpr (!SWIGLU)
-        if (nt >= 4) return launch_row1_nt<SWIGLU, 4, MOE, SLOT16, true>(p, row_slots, grid(4), plan, a_rows, stream);
-      if (nt >= 2) return launch_row1_nt<SWIGLU, 2, MOE, SLOT16, true>(p, row_slots, grid(2), plan, a_rows, stream);
-      return launch_row1_nt<SWIGLU, 1, MOE, SLOT16, true>(p, row_slots, grid(1), plan, a_rows, stream);
-    }
+    if (on && row1_ashared_takes(p, row_slots))  // the same unit widths, blocks sharing A
+      return by_unit_width<SWIGLU>(nt, [&](auto w) {
+        return launch_row1_nt<SWIGLU, w.value, MOE, SLOT16, true>(p, row_slots, grid(w.value), plan, a_rows, stream);
+      });
   }
   if constexpr (MOE == Row1Moe::kNone) {
-    if (plan.one && !plan.lsu && !(p.W_host != nullptr && p.w_host_mapped)) {  // BARO_ROW1_COPY=one
-      if constexpr (!SWIGLU)
-        if (nt >= 4) return launch_row1_nt<SWIGLU, 4, MOE, SLOT16, false, false, true>(p, row_slots, grid(4), plan, a_rows, stream);
-      if (nt >= 2) return launch_row1_nt<SWIGLU, 2, MOE, SLOT16, false, false, true>(p, row_slots, grid(2), plan, a_rows, stream);
-      return launch_row1_nt<SWIGLU, 1, MOE, SLOT16, false, false, true>(p, row_slots, grid(1), plan, a_rows, stream);
-    }
+    if (plan.one && !row1_lsu(p, plan))  // BARO_ROW1_COPY=one
+      return by_unit_width<SWIGLU>(nt, [&](auto w) {
+        return launch_row1_nt<SWIGLU, w.value, MOE, SLOT16, false, false, true>(p, row_slots, grid(w.value), plan,
+                                                                                a_rows, stream);
+      });
   }
-  if constexpr (!SWIGLU)
-    if (nt >= 4) return launch_row1_nt<SWIGLU, 4, MOE, SLOT16>(p, row_slots, grid(4), plan, a_rows, stream);
-  if (nt >= 2) return launch_row1_nt<SWIGLU, 2, MOE, SLOT16>(p, row_slots, grid(2), plan, a_rows, stream);
-  return launch_row1_nt<SWIGLU, 1, MOE, SLOT16>(p, row_slots, grid(1), plan, a_rows, stream);
+  return by_unit_width<SWIGLU>(nt, [&](auto w) {
+    return launch_row1_nt<SWIGLU, w.value, MOE, SLOT16>(p, row_slots, grid(w.value), plan, a_rows, stream);
+  });
 }
 
 // The one-token MoE's route rides on the SwiGLU (gate/up) GEMM, its combine on the plain

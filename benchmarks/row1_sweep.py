@@ -54,7 +54,7 @@ for nt in (1, 2):
     for bps in (4, 5, 6):
         ARMS.append((f"nt{nt} bps{bps}", {"BARO_ROW1_NT": str(nt), "BARO_ROW1_BPS": str(bps)}))
 KNOBS = ("BARO_GEMM_ROW1", "BARO_ROW1_BPS", "BARO_ROW1_KCHUNK", "BARO_ROW1_STAGES", "BARO_ROW1_NT", "BARO_ROW1_COPY",
-         "BARO_MOE_FOLD", "BARO_ROW1_ASHARED", "BARO_ROW1_SWAP", "BARO_ROW1_TMA", "BARO_ROW1_PROD", "BARO_GEMM_SMALL")
+         "BARO_MOE_FOLD", "BARO_ROW1_ASHARED", "BARO_ROW1_SWAP", "BARO_ROW1_TMA", "BARO_GEMM_SMALL")
 
 
 def env_arms(text: str):

@@ -172,10 +172,9 @@ _TABLE: tuple[Knob, ...] = (
          doc="gemm_row1's fewest ring stages (csrc/gpu/matmul.cu)"),
     Knob("BARO_ROW1_NT", "int", 0, lo=0, hi=4,
          doc="gemm_row1 n-tiles per unit (0: by the number of units) (csrc/gpu/matmul.cu)"),
-    Knob("BARO_ROW1_COPY", "choice", "bulk", choices=("bulk", "lsu", "one"),
-         doc="gemm_row1's ring fill: the copy engine's bulk copies (a stage's rows over the lanes), 16-byte "
-             "cp.async per lane, or (one, opt-in until measured on a GPU) the default instance's bulk copies of "
-             "every row from lane 0, whose addresses are then uniform (csrc/gpu/matmul.cu, csrc/gpu/gemm_row1.cuh)"),
+    Knob("BARO_ROW1_COPY", "choice", "bulk", choices=("bulk", "lsu"),
+         doc="gemm_row1's ring fill: the copy engine's bulk copies or 16-byte cp.async per lane "
+             "(csrc/gpu/matmul.cu)"),
     opt_in("BARO_ROW1_ASHARED",
            doc="1: a plain GEMM of 2 to 16 rows on the stream's blocks of up to BARO_ROW1_BPS warps (one per "
                "SM) that load the rows' A once and share it, each warp streaming its own W, where A fits beside "
@@ -191,12 +190,6 @@ _TABLE: tuple[Knob, ...] = (
                "combine) on its instance that gives W the mma's 16-row operand and the rows its 8-wide one (the same "
                "bits; slower on an H100: half the accumulator chains); require: an error where a call on the stream "
                "cannot take it (tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_row1.cuh)"),
-    opt_in("BARO_ROW1_PROD",
-           doc="1: the GEMMs on gemm_row1's stream (1 to 16 rows a slot; not the one-token MoE's fused route and "
-               "combine) in blocks of one producer warp, which issues every copy, and up to three consumer warps, "
-               "which only wait and run the mma chains (the same bits; opt-in until measured on a GPU); require: "
-               "an error where a call on the stream cannot take it (tests) (csrc/gpu/matmul.cu, "
-               "csrc/gpu/gemm_row1.cuh)"),
     opt_in("BARO_MOE_ROUTE_GROUP",
            doc="1: the MoE's top-k of every row and the grouping of its pairs in one block where they are one "
                "chunk (up to 512 pairs: decode of up to 64 sequences), one launch a layer fewer (the same bits; "

@@ -64,8 +64,7 @@ MM_K, MM_N = 96, 40
 # "16": the 16-row slots on the default kernels (env BARO_GEMM_SMALL unset: gemm_row1.cuh's
 # stream for a plain call of one slot where K % 16 == 0, else gemm_rows16); "16-stream": every
 # 16-row slot on that stream (env BARO_GEMM_SMALL=stream), "16-lsu": so, with 16-byte cp.async
-# copies instead of bulk ones (env BARO_ROW1_COPY=lsu), "16-one": so, with every row's bulk copy
-# issued from lane 0 (env BARO_ROW1_COPY=one).
+# copies instead of bulk ones (env BARO_ROW1_COPY=lsu).
 # "16-simple": the 16-row slots on the simple synchronous kernel (env
 # BARO_GEMM_SMALL=simple), which also runs every m = 1 call: the decode kernels and
 # their predecessor must agree bit for bit.
@@ -76,7 +75,7 @@ MM_K, MM_N = 96, 40
 # "-shallow" / "-deep": its 3-stage or 8 (BM 64) / 6 (BM 128) stage ring (env BARO_PIPE_RING).
 # "16-tall" / "16-tall_light": gemm_rows16 with slots of 32 or 64 rows for plain GEMMs of more than
 # 16 rows (env BARO_ROWS16_TALL=on; the deep ring at these sizes, or the light one).
-GEMM_TILES = ["16", "16-stream", "16-lsu", "16-one", "16-simple", "16-rows16", "16-deep", "16-light", "16-w2", "16-w1", "16-tall",
+GEMM_TILES = ["16", "16-stream", "16-lsu", "16-simple", "16-rows16", "16-deep", "16-light", "16-w2", "16-w1", "16-tall",
               "16-tall_light", "simple", "64",
               "64-shallow", "128", "128-shallow", "128-deep"]
 _TILE_KNOBS = ("BARO_GEMM_TILE", "BARO_GEMM_SMALL", "BARO_ROWS16_RING", "BARO_ROWS16_WARPS", "BARO_ROW1_COPY",
@@ -104,10 +103,10 @@ def force_tile(monkeypatch, tile):
         monkeypatch.setenv("BARO_PIPE_RING", variant)
     if variant in ("w2", "w1"):
         monkeypatch.setenv("BARO_ROWS16_WARPS", variant[1:])
-    if variant in ("stream", "lsu", "one"):
+    if variant in ("stream", "lsu"):
         monkeypatch.setenv("BARO_GEMM_SMALL", "stream")
-    if variant in ("lsu", "one"):
-        monkeypatch.setenv("BARO_ROW1_COPY", variant)
+    if variant == "lsu":
+        monkeypatch.setenv("BARO_ROW1_COPY", "lsu")
 
 
 def poison(dev, shape, dtype=jnp.float32):

@@ -67,7 +67,7 @@ def test_matmul_tiles(platform, m, K, monkeypatch):
 # calls (16-row and pipelined tiles). N = 1 (one unit), 40 (a partial 8-column unit),
 # 4801 (more units than the persistent grid's warps: each warp streams several);
 # K = 272 and 1040 end on a partial 256-wide stage; K = 2056 (K % 16 == 8) falls back
-# to gemm_rows16. BARO_ROW1_COPY=one: its instance with every row's bulk copy from lane 0.
+# to gemm_rows16.
 @pytest.mark.parametrize("N,K", [(1, 2048), (40, 96), (264, 272), (4801, 1040), (40, 2056)])
 def test_matmul_row1(platform, N, K, monkeypatch):
     rng = np.random.default_rng(1300 + N + K)
@@ -78,19 +78,16 @@ def test_matmul_row1(platform, N, K, monkeypatch):
     few = np.asarray(run(put(platform, x[:3]), wd))  # 16-row tiles
     assert_same_bits(few, full[:3], f"matmul N={N} K={K} 3 rows vs 130")
     for i in (0, 2):
-        for knob in (None, "off", "one"):
-            monkeypatch.delenv("BARO_GEMM_ROW1", raising=False)
-            monkeypatch.delenv("BARO_ROW1_COPY", raising=False)
-            if knob == "off":
+        for knob in (None, "off"):
+            if knob is None:
+                monkeypatch.delenv("BARO_GEMM_ROW1", raising=False)
+            else:
                 monkeypatch.setenv("BARO_GEMM_ROW1", knob)
-            elif knob == "one":
-                monkeypatch.setenv("BARO_ROW1_COPY", knob)
             poison(platform, (1, N))  # a fresh jit: the launcher reads the knob when the graph is built
             one = np.asarray(jax.jit(lambda a, b: cc.matmul(a, b))(put(platform, x[i:i + 1]), wd))
             assert np.all(np.isfinite(one)), f"matmul N={N} K={K} one row left elements unwritten"
-            assert_same_bits(one[0], full[i], f"matmul N={N} K={K} row {i} one-row call ({knob})")
+            assert_same_bits(one[0], full[i], f"matmul N={N} K={K} row {i} one-row call (ROW1={knob})")
     monkeypatch.delenv("BARO_GEMM_ROW1", raising=False)
-    monkeypatch.delenv("BARO_ROW1_COPY", raising=False)
     assert_close(full[:3], ref_matmul(x[:3], w), 1e-5, f"matmul N={N} K={K} vs float64")
 
 
@@ -104,8 +101,7 @@ def test_matmul_row1(platform, N, K, monkeypatch):
 STREAM_KNOBS = [{}, {"BARO_GEMM_SMALL": "rows16"}] + [
     {"BARO_GEMM_SMALL": "stream", **kn} for kn in (
         {}, {"BARO_ROW1_NT": "1"}, {"BARO_ROW1_NT": "2"}, {"BARO_ROW1_NT": "4"}, {"BARO_ROW1_KCHUNK": "128"},
-        {"BARO_ROW1_BPS": "1"}, {"BARO_ROW1_COPY": "lsu"}, {"BARO_ROW1_COPY": "one"},
-        {"BARO_ROW1_COPY": "one", "BARO_ROW1_NT": "1", "BARO_ROW1_KCHUNK": "128"})]
+        {"BARO_ROW1_BPS": "1"}, {"BARO_ROW1_COPY": "lsu"})]
 
 
 @pytest.mark.parametrize("N,K", [(1, 272), (40, 96), (264, 1040), (4801, 272)])
@@ -197,23 +193,12 @@ TMA_KNOBS = [{}, {"BARO_ROW1_BPS": "1"}, {"BARO_ROW1_BPS": "8"}, {"BARO_ROW1_NT"
 SWAP_M = (1, 2, 3, 5, 8, 13, 16)
 SWAP_KNOBS = [{}, {"BARO_ROW1_NT": "1"}, {"BARO_ROW1_NT": "4"}, {"BARO_ROW1_KCHUNK": "128"},
               {"BARO_ROW1_BPS": "1"}, {"BARO_ROW1_BPS": "8"}, {"BARO_ROW1_COPY": "lsu"}]
-# The stream with a producer warp (BARO_ROW1_PROD=1, gemm_row1.cuh PROD; opt-in, first run on a
-# GPU pending): one producer warp issues the stages of up to three consumer warps into their rings,
-# waiting on each slot's empty mbarrier from the second pass on. The same shapes and m; units of 1
-# and 4 n-tiles (in_proj at one n-tile: 1,544 units a slot, several per consumer; 264 columns in
-# units of 4: 9 units, one consumer a block), 128-wide k stages (32 passes over a ring at K = 4096:
-# the empty mbarriers' phases), the most stages, 16-byte cp.async copies (the full mbarrier counts
-# 32 producer lanes). =require throughout.
-PROD_M = (1, 2, 3, 5, 8, 13, 16)
-PROD_KNOBS = [{}, {"BARO_ROW1_NT": "1"}, {"BARO_ROW1_NT": "4"}, {"BARO_ROW1_KCHUNK": "128"},
-              {"BARO_ROW1_KCHUNK": "128", "BARO_ROW1_STAGES": "16"}, {"BARO_ROW1_COPY": "lsu"}]
 STREAM_SHAPES = [(12352, 2048), (2048, 4096), (9216, 2048), (4801, 1040), (264, 4224), (264, 8192), (264, 144)]
 # per lever: its m, its speed knobs, the (N, K, m) it falls back at, a seed
 STREAM_LEVERS = {"BARO_ROW1_ASHARED": (ASHARED_M, ASHARED_KNOBS, ASHARED_FALLBACK, 3100),
                  "BARO_ROW1_TMA": (TMA_M, TMA_KNOBS, set(), 3700),
-                 "BARO_ROW1_SWAP": (SWAP_M, SWAP_KNOBS, set(), 4300),
-                 "BARO_ROW1_PROD": (PROD_M, PROD_KNOBS, set(), 4900)}
-STREAM_NAMES = ASHARED_NAMES + ("BARO_ROW1_TMA", "BARO_ROW1_SWAP", "BARO_ROW1_PROD")
+                 "BARO_ROW1_SWAP": (SWAP_M, SWAP_KNOBS, set(), 4300)}
+STREAM_NAMES = ASHARED_NAMES + ("BARO_ROW1_TMA", "BARO_ROW1_SWAP")
 
 
 @pytest.mark.parametrize("lever", list(STREAM_LEVERS))
@@ -253,8 +238,7 @@ def test_matmul_stream_levers_require_one(platform, monkeypatch):
     call = knob_matmul(platform, monkeypatch, STREAM_NAMES, put(platform, w), N, K)
     want = call(x, {})
     for a, b in (("BARO_ROW1_SWAP", "BARO_ROW1_TMA"), ("BARO_ROW1_SWAP", "BARO_ROW1_ASHARED"),
-                 ("BARO_ROW1_TMA", "BARO_ROW1_ASHARED"), ("BARO_ROW1_PROD", "BARO_ROW1_SWAP"),
-                 ("BARO_ROW1_PROD", "BARO_ROW1_TMA"), ("BARO_ROW1_PROD", "BARO_ROW1_ASHARED")):
+                 ("BARO_ROW1_TMA", "BARO_ROW1_ASHARED")):
         with pytest.raises(Exception, match="baro_matmul: kernel launch failed"):
             call(x, {a: "require", b: "require"})
         for req, on in ((a, b), (b, a)):

@@ -462,17 +462,12 @@ def knob_moe(platform, monkeypatch, names, wd, fold, D, k):
 # under =1, the batches under =require); under BARO_GEMM_SMALL=stream the grouped expert GEMMs take
 # it too: SwiGLU gate/up over tiles of gathered rows, the down GEMM over the sorted pairs in place,
 # tiles of more than 8 rows (both token halves), the folded shared expert's W_last tile.
-# BARO_ROW1_PROD: the same calls as the swap takes (a producer warp issuing the copies of up to
-# three consumer warps), the grouped expert GEMMs under BARO_GEMM_SMALL=stream included.
 # per lever: the mode of its batches, the mode of its one-row calls, its m, its speed knobs, a seed
 MOE_STREAM_LEVERS = {"BARO_ROW1_ASHARED": ("require", "require", (2, 3, 8, 13, 16), ASHARED_MOE_KNOBS, 3300),
                      "BARO_ROW1_TMA": ("1", "1", (1, 2, 8, 13), [{}, {"BARO_ROW1_NT": "1"}], 3900),
                      "BARO_ROW1_SWAP": ("require", "1", (2, 5, 8, 13, 16),
                                         [{}, {"BARO_ROW1_NT": "4"}, {"BARO_GEMM_SMALL": "stream"},
-                                         {"BARO_GEMM_SMALL": "stream", "BARO_ROW1_NT": "4"}], 4500),
-                     "BARO_ROW1_PROD": ("require", "1", (2, 5, 8, 13, 16),
-                                        [{}, {"BARO_ROW1_NT": "4"}, {"BARO_GEMM_SMALL": "stream"},
-                                         {"BARO_GEMM_SMALL": "stream", "BARO_ROW1_KCHUNK": "128"}], 4700)}
+                                         {"BARO_GEMM_SMALL": "stream", "BARO_ROW1_NT": "4"}], 4500)}
 
 
 @pytest.mark.parametrize("lever", list(MOE_STREAM_LEVERS))
@@ -484,7 +479,7 @@ def test_moe_stream_levers(platform, lever, fold, monkeypatch):
     E, D, I, Is, k = 256, 2048, 64, 512, 8
     rng = np.random.default_rng(seed + int(fold))
     w = moe_weights_sized(rng, E, D, I, Is)
-    names = ASHARED_MOE_NAMES + ("BARO_ROW1_TMA", "BARO_ROW1_SWAP", "BARO_ROW1_PROD", "BARO_ROW1_KCHUNK")
+    names = ASHARED_MOE_NAMES + ("BARO_ROW1_TMA", "BARO_ROW1_SWAP")
     call = knob_moe(platform, monkeypatch, names, put(platform, *w), fold, D, k)
     for m in ms:
         h = bf16(rng, m, D)  # fresh inputs for every m

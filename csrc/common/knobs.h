@@ -71,7 +71,6 @@ enum Id : int {
   kRow1Ashared,
   kRow1Tma,
   kRow1Swap,
-  kRow1Prod,
   kMoeRouteGroup,
   kCount
 };
@@ -109,11 +108,10 @@ inline constexpr Knob kKnobs[kCount] = {
     {"BARO_ROW1_KCHUNK", Kind::kInt, nullptr, 128, 4096, 2048},
     {"BARO_ROW1_STAGES", Kind::kInt, nullptr, 2, 16, 2},
     {"BARO_ROW1_NT", Kind::kInt, nullptr, 0, 4, 0},
-    {"BARO_ROW1_COPY", Kind::kChoice, "bulk|lsu|one", 0, 0, 0},
+    {"BARO_ROW1_COPY", Kind::kChoice, "bulk|lsu", 0, 0, 0},
     {"BARO_ROW1_ASHARED", Kind::kChoice, "0|1|require", 0, 0, 0},
     {"BARO_ROW1_TMA", Kind::kChoice, "0|1|require", 0, 0, 0},
     {"BARO_ROW1_SWAP", Kind::kChoice, "0|1|require", 0, 0, 0},
-    {"BARO_ROW1_PROD", Kind::kChoice, "0|1|require", 0, 0, 0},
     {"BARO_MOE_ROUTE_GROUP", Kind::kChoice, "0|1|require", 0, 0, 0},
 };
 

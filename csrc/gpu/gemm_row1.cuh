@@ -58,23 +58,6 @@
 // instance's: one fp32 accumulator, K ascending in 16-wide steps, the same k-step sums, the same
 // SwiGLU expression (tests/test_kernels_matmul.py and test_kernels_moe.py compare them).
 //
-// PROD (BARO_ROW1_PROD=1, opt-in until run on a GPU; calls without the one-token MoE's fused route
-// or combine): ncu's per-instruction samples of out_proj at 8 rows (docs/PERF.md 2026-12-05) put a
-// warp's mma loop at its chain's pace and another third of its time in issuing its own bulk copies
-// (one lane at a time, each waiting ~100 cycles to be accepted) and its start. Here a block is one
-// producer warp and up to kRow1ProdConsumers consumer warps (one block per SM): the producer issues
-// every consumer's stages into that consumer's ring as its slots come free (each slot has an
-// "empty" mbarrier the consumer arrives on once its lanes have read it), and the consumers only
-// wait on their stages and run the chains. A consumer's units, stages, fragments, mma order and
-// stores are the default instance's, so each output has its bits (the kernel tests compare).
-//
-// ONE (BARO_ROW1_COPY=one, opt-in until run on a GPU; the default instance of calls without the
-// fused route or combine): a stage's bulk copies issued by lane 0, row after row. The lanes' loop
-// has each lane's address moved into the uniform registers the copy takes, one lane at a time
-// (ncu: ~100 cycles a copy); from lane 0 alone the addresses are uniform values, which the
-// compiler works in the uniform datapath (SASS: no moves, the loop unrolled). Only data movement
-// changes: the same bytes land in the same places.
-//
 // Requires (launcher): p.vec, K % 16 == 0, slot_rows == (SLOT16 ? 16 : 1). Reads p.W_tail /
 // p.W_last (gemm.cuh) where set: the one-token MoE's shared gate and shared expert.
 #pragma once
@@ -101,12 +84,7 @@ constexpr int kRow1BlocksPerSM = 3;
 constexpr int kRow1AsMaxWarps = 8;
 constexpr int kRow1AsPieces = 32;
 constexpr int kRow1AsBarBytes = 8 * (kRow1AsPieces + kRow1AsMaxWarps * kRow1MaxStages) + 128;  // + zeros, pad
-// PROD: consumer warps per block at most, and the head of shared memory: every consumer's full
-// mbarriers, then its empty ones (kRow1MaxStages each), then the zeros and pad
-constexpr int kRow1ProdConsumers = 3;
-constexpr int kRow1ProdBarBytes = 8 * 2 * kRow1ProdConsumers * kRow1MaxStages + 128;
-static_assert(kRow1BarBytes % 128 == 0 && kRow1AsBarBytes % 128 == 0 && kRow1ProdBarBytes % 128 == 0,
-              "the A region and the rings start 128-byte aligned");
+static_assert(kRow1BarBytes % 128 == 0 && kRow1AsBarBytes % 128 == 0, "the A region and the rings start 128-byte aligned");
 // A stage's piece of each W row is kchunk elements; its smem row stride is kchunk * 2 + 16
 // bytes (the 16 spread the 8 rows of an ldmatrix phase over distinct banks).
 __host__ __device__ constexpr int row1_row_bytes(int kchunk) { return kchunk * 2 + 16; }
@@ -206,10 +184,6 @@ BARO_DEV void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
                : "memory");
 }
-// One arrival (release: this thread's earlier reads of the slot are done before it counts).
-BARO_DEV void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
 BARO_DEV void mbar_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
       "{\n"
@@ -249,8 +223,8 @@ BARO_DEV void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;
 //     fmaf over the pairs from 0, then + sigmoid(sgl) * the shared row, moe_combine_kernel's
 //     expressions (the kernel tests compare the two), so the combine launch goes.
 template <bool SWIGLU, int NT, int MOE = Row1Moe::kNone, bool SLOT16 = false, bool ASHARED = false, bool TMA = false,
-          bool SWAP = false, bool PROD = false, bool ONE = false>
-__global__ void __launch_bounds__((ASHARED ? kRow1AsMaxWarps : PROD ? kRow1ProdConsumers + 1 : 1) * BARO_WARP)
+          bool SWAP = false>
+__global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_WARP)
     gemm_row1_kernel(GemmParams p, int64_t row_slots, Row1Ring ring, const __grid_constant__ Row1MapsOf<TMA> maps) {
   using Cfg = Row1Cfg<SWIGLU, NT>;
   constexpr int T = Cfg::kTiles;
@@ -260,10 +234,6 @@ __global__ void __launch_bounds__((ASHARED ? kRow1AsMaxWarps : PROD ? kRow1ProdC
   static_assert(!TMA || (!SWIGLU && MOE == Row1Moe::kNone && !ASHARED), "TMA: plain calls without SwiGLU");
   static_assert(!SWAP || (MOE == Row1Moe::kNone && !ASHARED && !TMA && NT % 2 == 0),
                 "SWAP: no fused route or combine, units of whole 16-column tiles");
-  static_assert(!PROD || (MOE == Row1Moe::kNone && !ASHARED && !TMA && !SWAP),
-                "PROD: the default instance's consumers, no fused route or combine");
-  static_assert(!ONE || (MOE == Row1Moe::kNone && !ASHARED && !TMA && !SWAP && !PROD),
-                "ONE: the default instance's copies from lane 0");
   constexpr int MW = SWAP ? NT / 2 : 1;       // SWAP: 16-column tiles per unit
   constexpr int WT = SWIGLU ? 2 * MW : MW;    // SWAP: 16-row W tiles per unit (gate, then up)
   static_assert(!SWAP || 2 * WT == T, "SWAP: two token halves of WT accumulators fill acc");
@@ -272,12 +242,9 @@ __global__ void __launch_bounds__((ASHARED ? kRow1AsMaxWarps : PROD ? kRow1ProdC
   extern __shared__ __align__(128) uint8_t row1_smem[];
   grid_dependency_wait();  // p.pdl launches: the previous kernel's results first
 
-  const int lane = static_cast<int>(ASHARED || PROD ? threadIdx.x % BARO_WARP : threadIdx.x), g = lane >> 2, t = lane & 3;
+  const int lane = static_cast<int>(ASHARED ? threadIdx.x % BARO_WARP : threadIdx.x), g = lane >> 2, t = lane & 3;
   // ASHARED: warp `warp` of a block of wpb; a one-warp block otherwise
-  const uint32_t warp = ASHARED || PROD ? threadIdx.x / BARO_WARP : 0u, wpb = ASHARED ? blockDim.x / BARO_WARP : 1u;
-  // PROD: warp 0 produces; warp cw + 1 is consumer cw of n_cons, whose units are the grid's
-  // consumers in the order every block's first consumer, then every block's second, ...
-  const uint32_t n_cons = PROD ? blockDim.x / BARO_WARP - 1 : 0u, cw = PROD && warp > 0 ? warp - 1 : 0u;
+  const uint32_t warp = ASHARED ? threadIdx.x / BARO_WARP : 0u, wpb = ASHARED ? blockDim.x / BARO_WARP : 1u;
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t ups = (out_n + Cfg::kOutCols - 1) / Cfg::kOutCols;  // units per slot
   const int32_t* tiles = p.tiles;
@@ -324,17 +291,12 @@ __global__ void __launch_bounds__((ASHARED ? kRow1AsMaxWarps : PROD ? kRow1ProdC
   int64_t slots = tiles != nullptr ? static_cast<int64_t>(*n_tiles) : row_slots;
   if (slots > row_slots) slots = row_slots;  // the tile list's capacity (what the grid was sized for)
   const uint32_t units = static_cast<uint32_t>(slots * ups);  // < 2^31 (launcher)
-  if constexpr (PROD) {
-    if (units == 0) return;  // a grouped call of no tiles: the whole block, before any division by slots
-  }
-  // this warp's units
-  const uint32_t first = PROD ? blockIdx.x + cw * gridDim.x : blockIdx.x * wpb + warp;
-  const uint32_t step = PROD ? gridDim.x * n_cons : gridDim.x * wpb;
-  if constexpr (!ASHARED && !PROD) {
+  const uint32_t first = blockIdx.x * wpb + warp, step = gridDim.x * wpb;  // this warp's units
+  if constexpr (!ASHARED) {
     if (first >= units) return;
-  }  // ASHARED, PROD: every warp takes part in the block's setup below first
+  }  // ASHARED: every warp takes part in the block's setup below first
   const uint32_t n_lo = static_cast<uint32_t>(SLOT16 ? slots : ups);
-  const uint32_t my_units = (!ASHARED && !PROD) || first < units ? (units - first + step - 1) / step : 0u;
+  const uint32_t my_units = !ASHARED || first < units ? (units - first + step - 1) / step : 0u;
   const int64_t K = p.K;
   const int kchunk = ring.kchunk, ST = ring.stages;
   const int rowb = row1_row_bytes(TMA ? kRow1TmaK : kchunk);
@@ -344,30 +306,16 @@ __global__ void __launch_bounds__((ASHARED ? kRow1AsMaxWarps : PROD ? kRow1ProdC
   const Row1Cursor start{first / n_lo, first - (first / n_lo) * n_lo};
 
   const uint32_t smem0 = smem_u32(row1_smem);
-  // this warp's ring mbarriers and ring (ASHARED: after the A pieces' mbarriers; after A; PROD:
-  // consumer cw's full mbarriers, its empty ones kRow1ProdConsumers rings of them later, its ring)
-  const uint32_t bar0 = ASHARED ? smem0 + 8 * (kRow1AsPieces + warp * kRow1MaxStages)
-                        : PROD  ? smem0 + 8 * (cw * kRow1MaxStages)
-                                : smem0;
-  const uint32_t empty0 = smem0 + 8 * ((kRow1ProdConsumers + cw) * kRow1MaxStages);  // PROD only
+  // this warp's ring mbarriers and ring (ASHARED: after the A pieces' mbarriers; after A)
+  const uint32_t bar0 = ASHARED ? smem0 + 8 * (kRow1AsPieces + warp * kRow1MaxStages) : smem0;
   const uint32_t stage0 = ASHARED ? smem0 + kRow1AsBarBytes + ring.a_bytes + warp * ST * ring.stage_bytes
-                          : PROD  ? smem0 + kRow1ProdBarBytes + cw * ST * ring.stage_bytes
                                   : smem0 + kRow1BarBytes;
   const uint32_t a0 = smem0 + kRow1AsBarBytes;  // ASHARED: the A region
-  const uint32_t zero16 =
-      smem0 + (ASHARED ? kRow1AsBarBytes : PROD ? kRow1ProdBarBytes : kRow1BarBytes) - 128;  // 16 zero bytes
-  if ((!(ASHARED || PROD) || warp == 0) && lane < kRow1ZeroBytes / 4)
+  const uint32_t zero16 = smem0 + (ASHARED ? kRow1AsBarBytes : kRow1BarBytes) - 128;  // 16 zero bytes
+  if ((!ASHARED || warp == 0) && lane < kRow1ZeroBytes / 4)
     reinterpret_cast<uint32_t*>(row1_smem + (zero16 - smem0))[lane] = 0u;
-  if constexpr (PROD) {  // thread 0: every consumer's full (the copies' bytes) and empty (its lane 0) mbarriers
-    if (threadIdx.x == 0)
-      for (uint32_t c = 0; c < n_cons; ++c)
-        for (int s = 0; s < ST; ++s) {
-          mbar_init(smem0 + 8 * (c * kRow1MaxStages + s), ring.lsu ? BARO_WARP : 1);
-          mbar_init(smem0 + 8 * ((kRow1ProdConsumers + c) * kRow1MaxStages + s), 1);
-        }
-  } else if (lane == 0) {
+  if (lane == 0)
     for (int s = 0; s < ST; ++s) mbar_init(bar0 + 8 * s, ring.lsu ? BARO_WARP : 1);
-  }
   if constexpr (ASHARED) {
     if (threadIdx.x == 0)
       for (int c = 0; c < ring.n_ka; ++c) mbar_init(smem0 + 8 * c, 1);
@@ -403,8 +351,6 @@ __global__ void __launch_bounds__((ASHARED ? kRow1AsMaxWarps : PROD ? kRow1ProdC
         for (int c = 0; c < ring.n_ka; ++c) mbar_wait(smem0 + 8 * c, 0);
     }
     if (my_units == 0) return;
-  } else if constexpr (PROD) {
-    __syncthreads();  // every consumer's mbarriers, before the producer copies or a consumer waits
   } else {
     __syncwarp();
   }
@@ -443,21 +389,16 @@ __global__ void __launch_bounds__((ASHARED ? kRow1AsMaxWarps : PROD ? kRow1ProdC
   // gets W row i's kchunk-wide piece (rows of columns past out_n are not copied: their
   // accumulators are never stored, and a column never mixes into another), rows kWRows + i
   // the slot's A row i's piece (i < rc; rows past the slot are not read, the fragments zero them).
-  // A producer's place in one ring's stream: its unit (cursor, where), units done and in all,
-  // k stage, ring slot. The default instance's warp feeds its own ring; PROD's producer, C rings.
-  struct Feed {
-    Row1Cursor at;
-    Unit u;
-    uint32_t j, units;
-    int kt, slot;
-  };
-  auto issue_to = [&](Feed& f, uint32_t bars, uint32_t stages) {
-    const Unit& pu = f.u;
-    const int slot = f.slot;
-    f.slot = f.slot + 1 == ST ? 0 : f.slot + 1;
-    const uint32_t bar = bars + 8 * slot;
-    const uint32_t dst = stages + slot * ring.stage_bytes;
-    const int64_t k0 = static_cast<int64_t>(f.kt) * kchunk;
+  uint32_t pj = 0;
+  int pkt = 0, pslot = 0;  // the producer's unit, k stage and ring slot
+  Row1Cursor pat = start;
+  Unit pu = unit(pat);
+  auto issue = [&]() {
+    const int slot = pslot;
+    pslot = pslot + 1 == ST ? 0 : pslot + 1;
+    const uint32_t bar = bar0 + 8 * slot;
+    const uint32_t dst = stage0 + slot * ring.stage_bytes;
+    const int64_t k0 = static_cast<int64_t>(pkt) * kchunk;
     const uint32_t kb = static_cast<uint32_t>((K - k0 < kchunk ? K - k0 : kchunk) * 2);
     const int live = SWIGLU ? 2 * pu.nc : pu.nc;  // W rows copied (the nc gate and nc up rows)
     const int a_in = ASHARED ? 0 : pu.rc;          // A rows the stage carries (ASHARED: none)
@@ -501,70 +442,22 @@ __global__ void __launch_bounds__((ASHARED ? kRow1AsMaxWarps : PROD ? kRow1ProdC
       if (lane == 0) mbar_expect_tx(bar, kb * static_cast<uint32_t>(live + a_in));
       __syncwarp();
       fence_proxy_async();
-      if (!ONE || lane == 0)  // ONE: lane 0 takes every row; otherwise the rows go over the lanes
-        for (int r = ONE ? 0 : lane; r < rows; r += ONE ? 1 : BARO_WARP) {
-          const uint16_t* src = src_row(r);
-          if (src != nullptr) bulk_copy(dst + r * rowb, src, kb, bar);
-        }
+      for (int r = lane; r < rows; r += BARO_WARP) {
+        const uint16_t* src = src_row(r);
+        if (src != nullptr) bulk_copy(dst + r * rowb, src, kb, bar);
+      }
     }
-    if (++f.kt == n_k) {
-      f.kt = 0;
-      if (++f.j < f.units) {
-        f.at.advance(d_hi, d_lo, n_lo);
-        f.u = unit(f.at);
+    if (++pkt == n_k) {
+      pkt = 0;
+      if (++pj < my_units) {
+        pat.advance(d_hi, d_lo, n_lo);
+        pu = unit(pat);
       }
     }
   };
-  if constexpr (PROD) {
-    if (warp == 0) {  // the producer: round r issues stage r of every consumer that has one
-      Feed f[kRow1ProdConsumers];
-      int64_t tot[kRow1ProdConsumers];
-#pragma unroll
-      for (int c = 0; c < kRow1ProdConsumers; ++c) {
-        const uint32_t fc = blockIdx.x + static_cast<uint32_t>(c) * gridDim.x;  // consumer c's first unit
-        const uint32_t mu = static_cast<uint32_t>(c) < n_cons && fc < units ? (units - fc + step - 1) / step : 0u;
-        tot[c] = static_cast<int64_t>(mu) * n_k;
-        f[c].at = Row1Cursor{fc / n_lo, fc - (fc / n_lo) * n_lo};
-        f[c].j = 0u;
-        f[c].units = mu;
-        f[c].kt = 0;
-        f[c].slot = 0;
-        if (mu > 0) f[c].u = unit(f[c].at);
-      }
-      uint32_t wrap = 0;  // passes over the rings before round r; rs: round r's slot in every ring
-      int rs = 0;
-      for (int64_t r = 0;; ++r) {
-        bool any = false;
-#pragma unroll
-        for (int c = 0; c < kRow1ProdConsumers; ++c) {
-          if (r < tot[c]) {
-            any = true;
-            // from the second pass on, the slot's previous stage must have been read: the
-            // consumer's arrival completes one phase of its empty mbarrier per pass
-            if (wrap > 0) mbar_wait(smem0 + 8 * ((kRow1ProdConsumers + c) * kRow1MaxStages + rs), (wrap - 1u) & 1u);
-            issue_to(f[c], smem0 + 8 * (c * kRow1MaxStages), smem0 + kRow1ProdBarBytes + c * ST * ring.stage_bytes);
-          }
-        }
-        if (!any) {  // every stage issued: the consumers keep the block (and its rings) alive
-          if (ring.lsu) asm volatile("cp.async.wait_all;\n" ::: "memory");  // its arrivals, before the warp ends
-          return;
-        }
-        if (++rs == ST) {
-          rs = 0;
-          ++wrap;
-        }
-      }
-    }
-    if (my_units == 0) return;  // a consumer without units (a block's last consumers, or a grouped call's
-                                // tiles fewer than the launch was sized for)
-  }
-  Feed own{start, unit(start), 0u, my_units, 0, 0};
-  auto issue = [&]() { issue_to(own, bar0, stage0); };
 
-  if constexpr (!PROD) {
-    const int64_t pre = total < ST ? total : ST;
-    for (int64_t s = 0; s < pre; ++s) issue();
-  }
+  const int64_t pre = total < ST ? total : ST;
+  for (int64_t s = 0; s < pre; ++s) issue();
 
   // B x4 of one n-tile: matrices (n 0-7, k 0-7), (k 8-15), (k 16-23), (k 24-31) = the B
   // fragments of two k-steps; lane l gives row l & 7, 16-byte chunk l >> 3.
@@ -663,11 +556,7 @@ __global__ void __launch_bounds__((ASHARED ? kRow1AsMaxWarps : PROD ? kRow1ProdC
       }
     }
     __syncwarp();  // every lane's reads of this ring slot are done
-    if constexpr (PROD) {
-      if (lane == 0) mbar_arrive(empty0 + 8 * slot);  // the producer may refill it
-    } else if (s + ST < total) {
-      issue();  // stage s + ST, into the slot just read
-    }
+    if (s + ST < total) issue();  // stage s + ST, into the slot just read
     if (++slot == ST) {
       slot = 0;
       phase ^= 1u;

@@ -4,7 +4,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <type_traits>
 
 #include "contract.h"
 #include "ffi_gpu.h"
@@ -195,28 +194,12 @@ static gpuError_t launch_pipe(const GemmParams& p, int64_t row_slots, gpuStream_
 // Speed knobs (same bits; read per call, for benchmarks/row1_sweep.py): BARO_ROW1_BPS,
 // BARO_ROW1_KCHUNK, BARO_ROW1_STAGES, BARO_ROW1_NT, BARO_ROW1_COPY=lsu (16-byte cp.async
 // per lane instead of the copy engine's bulk copies; W only under BARO_ROW1_ASHARED, whose A is
-// always bulk copies) or =one (the default instance of calls without the fused route or combine
-// with every row's bulk copy from lane 0: gemm_row1.cuh ONE; other instances keep theirs). With BARO_ROW1_ASHARED=1, BARO_ROW1_BPS is the most warps of a block
+// always bulk copies). With BARO_ROW1_ASHARED=1, BARO_ROW1_BPS is the most warps of a block
 // (one block per SM).
 struct Row1Plan {
   int bps = kRow1BlocksPerSM, kchunk_max = 2048, min_stages = 2, nt = 0;  // nt 0: by units (knobs.h defaults)
   int lsu = 0;
-  int one = 0;  // BARO_ROW1_COPY=one: the ONE instance (every row's bulk copy from lane 0)
 };
-// 16-byte cp.async instead of bulk copies: asked for, or host-store experts read in place over the
-// host link (the bulk copies are not relied on for host memory)
-static int row1_lsu(const GemmParams& p, const Row1Plan& plan) {
-  return plan.lsu || (p.W_host != nullptr && p.w_host_mapped) ? 1 : 0;
-}
-// The launch of the unit width nt picked: 4 n-tiles (plain calls only), 2 or 1; at(W) launches width
-// W.value.
-template <bool SWIGLU, typename F>
-static gpuError_t by_unit_width(int nt, F&& at) {
-  if constexpr (!SWIGLU)
-    if (nt >= 4) return at(std::integral_constant<int, 4>{});
-  if (nt >= 2) return at(std::integral_constant<int, 2>{});
-  return at(std::integral_constant<int, 1>{});
-}
 // knobs.h's defaults and ranges are this plan's (it cannot include gemm_row1.cuh)
 static_assert(baro::knobs::kKnobs[baro::knobs::kRow1Bps].dflt == kRow1BlocksPerSM, "BARO_ROW1_BPS default");
 static_assert(baro::knobs::kKnobs[baro::knobs::kRow1Stages].hi == kRow1MaxStages, "BARO_ROW1_STAGES range");
@@ -228,7 +211,6 @@ static Row1Plan row1_plan() {
   r.min_stages = k::get(k::kRow1Stages);
   r.nt = k::get(k::kRow1Nt);
   r.lsu = baro::knobs::is(baro::knobs::kRow1Copy, "lsu") ? 1 : 0;
-  r.one = baro::knobs::is(baro::knobs::kRow1Copy, "one") ? 1 : 0;
   return r;
 }
 
@@ -278,7 +260,7 @@ static gpuError_t launch_row1_kernel(const GemmParams& p, int64_t row_slots, con
 // there are fewer units than bps per SM, so the units still spread over the SMs), A beside the
 // warps' rings; where A leaves no room for two 128-wide stages per warp (16 rows of K above about
 // 5,500 at three warps of 4 n-tiles), the plain SLOT16 instance runs instead (the same bits).
-template <bool SWIGLU, int NT, int MOE, bool SLOT16, bool ASHARED = false, bool SWAP = false, bool ONE = false>
+template <bool SWIGLU, int NT, int MOE, bool SLOT16, bool ASHARED = false, bool SWAP = false>
 static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t grid, const Row1Plan& plan,
                                  int a_rows, gpuStream_t stream) {
   using Cfg = Row1Cfg<SWIGLU, NT>;
@@ -287,7 +269,9 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t units = row_slots * ((out_n + Cfg::kOutCols - 1) / Cfg::kOutCols);
   if (units > 0x7fffffffLL) return gpuErrorInvalidValue;
-  Row1Ring ring{plan.kchunk_max, 0, 0, row1_lsu(p, plan), 0};
+  // host-store experts (W_host in pinned host memory) come over the host link through 16-byte
+  // cp.async: the bulk copies are not relied on for it
+  Row1Ring ring{plan.kchunk_max, 0, 0, plan.lsu || (p.W_host != nullptr && p.w_host_mapped) ? 1 : 0, 0};
   int warps = 1, smem = 0;
   int64_t blocks = grid;
   if constexpr (ASHARED) {
@@ -314,7 +298,7 @@ static gpuError_t launch_row1_nt(const GemmParams& p, int64_t row_slots, int64_t
     if (ring.stages < 2) return gpuErrorInvalidValue;
     smem = kRow1BarBytes + ring.stages * ring.stage_bytes + extra;
   }
-  return launch_row1_kernel<gemm_row1_kernel<SWIGLU, NT, MOE, SLOT16, ASHARED, false, SWAP, false, ONE>>(
+  return launch_row1_kernel<gemm_row1_kernel<SWIGLU, NT, MOE, SLOT16, ASHARED, false, SWAP>>(
       p, row_slots, ring, Row1NoMaps{}, blocks, warps, smem, stream);
 }
 
@@ -375,30 +359,6 @@ static gpuError_t launch_row1_tma(const GemmParams& p, int64_t row_slots, int64_
                                                                                              grid, 1, smem, stream);
 }
 
-// BARO_ROW1_PROD=1 (opt-in until measured on a GPU; the same bits): blocks of one producer warp and
-// up to kRow1ProdConsumers consumer warps (gemm_row1.cuh PROD), one block per SM where the units
-// allow: as many blocks as SMs (fewer units: one a block), consumers enough for the units, at most
-// three, so the consumers per SM are what the default instance's one-warp blocks give. Each
-// consumer's ring is an SM's shared memory over the block's consumers, shaped as the default's.
-template <bool SWIGLU, int NT, bool SLOT16>
-static gpuError_t launch_row1_prod(const GemmParams& p, int64_t row_slots, const Row1Plan& plan, int a_rows,
-                                   gpuStream_t stream) {
-  using Cfg = Row1Cfg<SWIGLU, NT>;
-  const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
-  const int64_t units = row_slots * ((out_n + Cfg::kOutCols - 1) / Cfg::kOutCols);
-  if (units > 0x7fffffffLL) return gpuErrorInvalidValue;
-  const int64_t sms = sm_count();
-  const int64_t blocks = units < sms ? units : sms;
-  int64_t cons = (units + blocks - 1) / blocks;
-  if (cons > kRow1ProdConsumers) cons = kRow1ProdConsumers;
-  Row1Ring ring{plan.kchunk_max, 0, 0, row1_lsu(p, plan), 0};
-  row1_ring(ring, p, plan, Cfg::kWRows, a_rows, static_cast<int>((233472 - 1024 - kRow1ProdBarBytes) / cons));
-  if (ring.stages < 2) return gpuErrorInvalidValue;
-  const int smem = kRow1ProdBarBytes + static_cast<int>(cons) * ring.stages * ring.stage_bytes;
-  return launch_row1_kernel<gemm_row1_kernel<SWIGLU, NT, Row1Moe::kNone, SLOT16, false, false, false, true>>(
-      p, row_slots, ring, Row1NoMaps{}, blocks, static_cast<int>(cons) + 1, smem, stream);
-}
-
 template <bool SWIGLU, int MOE, bool SLOT16 = false>
 static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
   const Row1Plan plan = row1_plan();
@@ -415,15 +375,15 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
   // the only one tried, so its byte test cannot pass on another, and two set to require fail.
   namespace k = baro::knobs;
   const bool tma_req = k::is(k::kRow1Tma, "require"), swap_req = k::is(k::kRow1Swap, "require");
-  const bool ash_req = row1_ashared_required(), prod_req = k::is(k::kRow1Prod, "require");
-  if (static_cast<int>(tma_req) + static_cast<int>(swap_req) + static_cast<int>(ash_req) + static_cast<int>(prod_req) > 1)
-    return gpuErrorInvalidValue;
+  const bool ash_req = row1_ashared_required();
+  if (static_cast<int>(tma_req) + static_cast<int>(swap_req) + static_cast<int>(ash_req) > 1) return gpuErrorInvalidValue;
   if constexpr (!SWIGLU && MOE == Row1Moe::kNone) {
-    if (!k::is(k::kRow1Tma, "0") && !swap_req && !ash_req && !prod_req) {
-      if (row1_tma_takes(p))
-        return by_unit_width<SWIGLU>(nt, [&](auto w) {
-          return launch_row1_tma<w.value, SLOT16>(p, row_slots, grid(w.value), plan, a_rows, stream);
-        });
+    if (!k::is(k::kRow1Tma, "0") && !swap_req && !ash_req) {
+      if (row1_tma_takes(p)) {
+        if (nt >= 4) return launch_row1_tma<4, SLOT16>(p, row_slots, grid(4), plan, a_rows, stream);
+        if (nt >= 2) return launch_row1_tma<2, SLOT16>(p, row_slots, grid(2), plan, a_rows, stream);
+        return launch_row1_tma<1, SLOT16>(p, row_slots, grid(1), plan, a_rows, stream);
+      }
       if (tma_req) return gpuErrorInvalidValue;
     }
   }
@@ -431,7 +391,7 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
   // the one-token MoE's with the route or the combine inside runs the SWAP instance (gemm_row1.cuh),
   // W as the mma's 16-row operand, in whole 16-column tiles: units of 4 n-tiles where they fill the
   // warps, else 2 (SwiGLU: 2). =require (tests): a fused call fails instead of running the default.
-  if (!k::is(k::kRow1Swap, "0") && !tma_req && !ash_req && !prod_req) {
+  if (!k::is(k::kRow1Swap, "0") && !tma_req && !ash_req) {
     if constexpr (MOE == Row1Moe::kNone) {
       if constexpr (!SWIGLU)
         if (nt >= 4)
@@ -441,34 +401,20 @@ static gpuError_t launch_row1_moe(const GemmParams& p, int64_t row_slots, gpuStr
       return gpuErrorInvalidValue;
     }
   }
-  // BARO_ROW1_PROD (above launch_row1_prod): every call on the stream but the one-token MoE's fused
-  // ones, in the default's unit widths. =require (tests): a fused call fails instead.
-  if (!k::is(k::kRow1Prod, "0") && !tma_req && !swap_req && !ash_req) {
-    if constexpr (MOE == Row1Moe::kNone) {
-      return by_unit_width<SWIGLU>(
-          nt, [&](auto w) { return launch_row1_prod<SWIGLU, w.value, SLOT16>(p, row_slots, plan, a_rows, stream); });
-    } else if (prod_req) {
-      return gpuErrorInvalidValue;
+  if constexpr (SLOT16 && MOE == Row1Moe::kNone) {
+    const bool on = !k::is(k::kRow1Ashared, "0") && !tma_req && !swap_req;
+    if (on && !row1_ashared_takes(p, row_slots) && ash_req) return gpuErrorInvalidValue;
+    if (on && row1_ashared_takes(p, row_slots)) {  // the same unit widths, blocks sharing A
+      if constexpr (!SWIGLU)
+        if (nt >= 4) return launch_row1_nt<SWIGLU, 4, MOE, SLOT16, true>(p, row_slots, grid(4), plan, a_rows, stream);
+      if (nt >= 2) return launch_row1_nt<SWIGLU, 2, MOE, SLOT16, true>(p, row_slots, grid(2), plan, a_rows, stream);
+      return launch_row1_nt<SWIGLU, 1, MOE, SLOT16, true>(p, row_slots, grid(1), plan, a_rows, stream);
     }
   }
-  if constexpr (SLOT16 && MOE == Row1Moe::kNone) {
-    const bool on = !k::is(k::kRow1Ashared, "0") && !tma_req && !swap_req && !prod_req;
-    if (on && !row1_ashared_takes(p, row_slots) && ash_req) return gpuErrorInvalidValue;
-    if (on && row1_ashared_takes(p, row_slots))  // the same unit widths, blocks sharing A
-      return by_unit_width<SWIGLU>(nt, [&](auto w) {
-        return launch_row1_nt<SWIGLU, w.value, MOE, SLOT16, true>(p, row_slots, grid(w.value), plan, a_rows, stream);
-      });
-  }
-  if constexpr (MOE == Row1Moe::kNone) {
-    if (plan.one && !row1_lsu(p, plan))  // BARO_ROW1_COPY=one
-      return by_unit_width<SWIGLU>(nt, [&](auto w) {
-        return launch_row1_nt<SWIGLU, w.value, MOE, SLOT16, false, false, true>(p, row_slots, grid(w.value), plan,
-                                                                                a_rows, stream);
-      });
-  }
-  return by_unit_width<SWIGLU>(nt, [&](auto w) {
-    return launch_row1_nt<SWIGLU, w.value, MOE, SLOT16>(p, row_slots, grid(w.value), plan, a_rows, stream);
-  });
+  if constexpr (!SWIGLU)
+    if (nt >= 4) return launch_row1_nt<SWIGLU, 4, MOE, SLOT16>(p, row_slots, grid(4), plan, a_rows, stream);
+  if (nt >= 2) return launch_row1_nt<SWIGLU, 2, MOE, SLOT16>(p, row_slots, grid(2), plan, a_rows, stream);
+  return launch_row1_nt<SWIGLU, 1, MOE, SLOT16>(p, row_slots, grid(1), plan, a_rows, stream);
 }
 
 // The one-token MoE's route rides on the SwiGLU (gate/up) GEMM, its combine on the plain

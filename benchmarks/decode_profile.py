@@ -52,6 +52,21 @@ def union_ns(intervals):
     return total
 
 
+def graph_times_ns(kernels, n_graphs: int, marker: str = "baro_gpu", gap_ns: int = 50_000):
+    """Kernel time of each of n_graphs graphs that ran one after another with a host wait
+    between: read_trace's kernels whose name holds `marker`, in start order, split where the
+    gap between one's end and the next's start is over gap_ns; each group's kernel durations
+    summed. None where the split does not give n_graphs groups."""
+    ours = sorted((k[1], k[2]) for k in kernels if marker in k[0])
+    groups, last = [], None
+    for s, e in ours:
+        if last is None or s - last > gap_ns:
+            groups.append(0)
+        groups[-1] += e - s
+        last = e
+    return groups if len(groups) == n_graphs else None
+
+
 def read_trace(trace_dir: str):
     from jax.profiler import ProfileData
 

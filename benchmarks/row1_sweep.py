@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from baro_jax.verify.records import provenance
-from decode_profile import read_trace  # this script's own directory, first on sys.path
+from decode_profile import graph_times_ns, read_trace  # this script's own directory, first on sys.path
 
 import custom_calls as cc
 
@@ -97,14 +97,8 @@ def kernel_us(graphs):
             time.sleep(0.002)
         jax.profiler.stop_trace()
         kernels, _, _ = read_trace(d)
-    ours = sorted((s, e) for n, s, e in kernels if "baro_gpu" in n)
-    groups, last = [], None
-    for s, e in ours:
-        if last is None or s - last > 50_000:
-            groups.append(0)
-        groups[-1] += e - s
-        last = e
-    if len(groups) != len(graphs):
+    groups = graph_times_ns(kernels, len(graphs))
+    if groups is None:
         return [None] * len(graphs)
     return [round(g / CALLS / 1e3, 2) for g in groups]
 

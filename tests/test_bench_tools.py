@@ -33,6 +33,21 @@ def test_profile_splits_devices_and_counts_their_collectives():
     assert not decode_profile.is_collective("void baro_gpu::moe_pairs_out_kernel(float const*)")
 
 
+def test_graph_times_split_read_traces_kernels_at_the_host_waits():
+    """row1_sweep's per-graph kernel times: read_trace's 4-field kernels (name, start, end,
+    plane), only ours, split at gaps over 50 us; a wrong group count gives None."""
+    g = "/device:GPU:0"
+    ks = [("void baro_gpu::gemm_row1_kernel<1>(x)", 0, 3000, g),
+          ("loop_add_fusion", 3000, 9000, g),  # not ours: neither counted nor a graph boundary
+          ("void baro_gpu::gemm_row1_kernel<1>(x)", 10_000, 14_000, g),
+          ("void baro_gpu::gemm_rows16_kernel<1>(x)", 120_000, 125_000, g),
+          ("void baro_gpu::gemm_rows16_kernel<1>(x)", 126_000, 128_000, g)]
+    assert decode_profile.graph_times_ns(ks, 2) == [7000, 7000]
+    assert decode_profile.graph_times_ns(list(reversed(ks)), 2) == [7000, 7000]
+    assert decode_profile.graph_times_ns(ks, 3) is None
+    assert decode_profile.graph_times_ns(ks, 1, gap_ns=200_000) == [14000]
+
+
 def test_sanitize_cover_counts_only_clean_runs_of_the_same_gpu_sources(tmp_path):
     """A shard covers its tests only when it ended clean (no hazard, no sanitizer-internal
     error) on a commit with the GPU sources checked; the tests nobody covered are listed."""

@@ -34,7 +34,7 @@ from .block_manager import BlockManager, pages_for, positions_of
 from .logprobs import row_logprobs
 from .ops_xla import KV_BLOCK
 from .results import GenerateResult, check_logprobs
-from .sampling import Sampling, greedy, sample, token_key
+from .sampling import Sampling, draw_row, drawn_in_graph, k_max_for, row_params, sample_rows
 from .scheduler import Scheduler, Sequence
 from .settings import DEFAULT_KV_PAGE
 from .shapes import state_length
@@ -108,8 +108,8 @@ def _picked(lp, ids, top_n):
     return ids, chosen, top.astype(jnp.int32), vals
 
 
-def _decode_block(params, pool, table, tokens, running, pos, left, stops, rope, n=None, *, cfg, ops, guard: bool, top_n,
-                  block: int):
+def _decode_block(params, pool, table, tokens, running, pos, left, stops, rope, n=None, samp=None, *, cfg, ops,
+                  guard: bool, top_n, block: int, k_max=None):
     """Up to `block` greedy decode steps of every slot in one graph (n of them when given, a
     traced count, so one graph serves every shorter block). A row stops on the device when its
     id is in its row of `stops` [P, W] (its end and stop ids, -1 padded) or when `left` (tokens it may still make)
@@ -117,13 +117,19 @@ def _decode_block(params, pool, table, tokens, running, pos, left, stops, rope, 
     where its sequence ended. Returns (ids [block, P] (-1 where a row did not run), their
     logprobs, top ids, top values (None when not asked), the pool, and (tokens, running, pos,
     left) after the block: the next block's inputs, so that it can be queued before this one's
-    ids are read)."""
+    ids are read). samp (with k_max, sample_rows'): the rows' (temperature, top_k, top_p, key data,
+    index of the block's first token) where some row is sampled (every row drawn_in_graph); a row
+    draws its i-th token of the block with index + i, so its ids are those it draws alone."""
     P = tokens.shape[0]  # the pool's first P slots (as _decode)
 
     def body(i, carry):
         pool, tok, run, pos, left, out = carry
-        _, _, ids, lp, top, vals, pool = _decode_prefix(params, pool, table, tok, run, pos, rope, cfg=cfg, ops=ops,
-                                                        guard=guard, top_n=top_n)
+        logits, rows, ids, lp, top, vals, pool = _decode_prefix(params, pool, table, tok, run, pos, rope, cfg=cfg,
+                                                                ops=ops, guard=guard, top_n=top_n)
+        if samp is not None:
+            temperature, top_k, top_p, keys, index = samp
+            ids = sample_rows(logits, temperature, top_k, top_p, keys, index + i, k_max=k_max)
+            ids, lp, top, vals = _picked(rows, ids, top_n)
         ids = jnp.where(run, ids, -1)
         out = tuple(o if o is None else o.at[i].set(x) for o, x in zip(out, (ids, lp, top, vals)))
         left = left - run.astype(jnp.int32)
@@ -143,7 +149,8 @@ def _decode_block(params, pool, table, tokens, running, pos, left, stops, rope, 
 PREFILL = jax.jit(_prefill, static_argnames=("cfg", "ops", "all_logits"), donate_argnums=(1,))
 DECODE = jax.jit(_decode, static_argnames=("cfg", "ops", "guard", "top_n"), donate_argnums=(1,))
 MIXED = jax.jit(_mixed, static_argnames=("cfg", "ops", "all_logits", "guard", "top_n"), donate_argnums=(1,))
-DECODE_BLOCK = jax.jit(_decode_block, static_argnames=("cfg", "ops", "guard", "top_n", "block"), donate_argnums=(1,))
+DECODE_BLOCK = jax.jit(_decode_block, static_argnames=("cfg", "ops", "guard", "top_n", "block", "k_max"),
+                       donate_argnums=(1,))
 CLEAR = jax.jit(Pool.clear_slot, donate_argnums=(0,))
 MOVE = jax.jit(Pool.move_slot, donate_argnums=(0,))  # (pool, src, dst)
 TAKE = jax.jit(Pool.slot_state)  # (pool, table, slot)
@@ -254,15 +261,10 @@ def pooled_ops(ops):
 
 def draw(logits_row, seq: Sequence):
     """The sequence's next token from its logits row [V], as a device scalar not yet read
-    (sampling.Sampler's rule, the same jitted calls on the same row: greedy, or its seed's key
-    for this token index). A step's sampled rows are all dispatched before any is read: one
-    transfer for the step, not one round trip per row."""
-    s = seq.sampling
-    if s.greedy:
-        return greedy(logits_row)
-    with np.errstate(over="ignore", under="ignore"):
-        t32 = np.float32(s.temperature)
-    return sample(logits_row, token_key(s.seed, len(seq.generated)), t32, s.top_k, jnp.float32(s.top_p))
+    (sampling.draw_row with the token's index: the rule Engine.generate draws by). A step's
+    sampled rows are all dispatched before any is read: one transfer for the step, not one round
+    trip per row."""
+    return draw_row(logits_row, seq.sampling, len(seq.generated))
 
 
 def choose(logits_row, seq: Sequence) -> int:
@@ -494,12 +496,13 @@ class BatchRun:
 
     def _block_length(self, decoding) -> int:
         """Decode steps the next call may run on the device: one while a prompt is being prefilled
-        (its chunks interleave with the steps) or a row needs the host for each token (sampled, a
+        (its chunks interleave with the steps) or a row needs the host for each token (drawn by `sample`, a
         kept state with host stops); else up to the block, no longer than the longest sequence has
         left, and while others wait for a slot no longer than the first to finish by length."""
         if self.block <= 1 or self.sched.next_prefill() is not None:
             return 1
-        if any(not s.sampling.greedy for s in decoding) or (self.keep_states and self.host_stops):
+        if any(not drawn_in_graph(s.sampling, self.cfg.vocab_size) for s in decoding) or (
+                self.keep_states and self.host_stops):
             return 1
         left = [s.max_new_tokens - len(s.generated) for s in decoding]
         return max(1, min(self.block, min(left) if self.sched.waiting else max(left)))
@@ -641,7 +644,9 @@ class BatchRun:
         toks, running, pos, left, stops = self._inputs(decoding, P)
         carry = tuple(jnp.asarray(x) for x in (toks, running, pos, left))
         stops = jnp.asarray(stops)
-        kw = dict(cfg=self.cfg, ops=self.ops, guard=self._guard(decoding), top_n=self.top_n, block=self.block)
+        samp, k_max = self._sampling_rows(decoding, P)
+        kw = dict(cfg=self.cfg, ops=self.ops, guard=self._guard(decoding), top_n=self.top_n, block=self.block,
+                  k_max=k_max)
         unqueued = {seq.slot: seq.max_new_tokens - len(seq.generated) for seq in decoding}
         table = self.table(P)
         pending = None
@@ -649,10 +654,10 @@ class BatchRun:
             # the table of the chain's start: a sequence finished during the chain gives its pages
             # back, but none is admitted (and no page zeroed) before the chain's blocks have run
             args = (self.r.params, self.pool, table) + carry + (stops, self.r.rope)
-            if k == self.block:
-                ids, lp, top, vals, self.pool, carry = DECODE_BLOCK(*args, **kw)
-            else:
-                ids, lp, top, vals, self.pool, carry = DECODE_BLOCK(*args, jnp.int32(k), **kw)
+            n = None if k == self.block else jnp.int32(k)
+            ids, lp, top, vals, self.pool, carry = DECODE_BLOCK(*args, n, samp, **kw)
+            if samp is not None:  # the next block's first token is k further on
+                samp = samp[:4] + (samp[4] + k,)
             self.steps["decode"] += k
             self.steps["decode_rows"] += k * P
             self.steps["decode_calls"] += 1
@@ -667,7 +672,22 @@ class BatchRun:
             if fewer < P:  # the next blocks run the first `fewer` slots: their inputs' first rows
                 P = fewer
                 carry, stops, table = tuple(x[:P] for x in carry), stops[:P], table[:P]  # the start's table
+                samp = None if samp is None else tuple(x[:P] for x in samp)
         self._record_block(decoding, *pending)
+
+    def _sampling_rows(self, decoding, P: int):
+        """sample_rows' inputs for a block of P rows, and its k_max: (None, None) where every
+        sequence is greedy (the greedy graph)."""
+        V = self.cfg.vocab_size
+        if all(s.sampling.greedy for s in decoding):
+            return None, None
+        t, k = np.zeros((P,), np.float32), np.zeros((P,), np.int32)
+        p, keys, index = np.ones((P,), np.float32), np.zeros((P, 2), np.uint32), np.zeros((P,), np.int32)
+        for seq in decoding:
+            r = seq.slot
+            t[r], k[r], p[r], keys[r] = row_params(seq.sampling, V)
+            index[r] = len(seq.generated)
+        return tuple(jnp.asarray(x) for x in (t, k, p, keys, index)), k_max_for([s.sampling for s in decoding], V)
 
     def _chain_length(self, decoding, unqueued) -> int:
         """Steps of the next chained block: 0 (end the chain) unless chaining is on, nothing

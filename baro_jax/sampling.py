@@ -98,8 +98,114 @@ def sample(logits, key, temperature, top_k: int, top_p):
     cum = jnp.cumsum(jax.nn.softmax(sz))
     mass_before = jnp.concatenate([jnp.zeros((1,), cum.dtype), cum[:-1]])
     keep = (jnp.arange(sz.shape[-1]) == 0) | ((mass_before < top_p) & (sz > -jnp.inf))
-    drawn = order[jax.random.categorical(key, jnp.where(keep, sz, -jnp.inf))]
+    kept = jnp.zeros(keep.shape, bool).at[order].set(keep)  # back in id order
+    drawn = _gumbel_max(jnp.where(kept, z, -jnp.inf), jax.random.gumbel(key, z.shape, jnp.float32))
     return jnp.where(overflow, greedy(logits), drawn).astype(jnp.int32)
+
+
+def _gumbel_max(z, noise):
+    """The draw from softmax(z): argmax of z + the token's Gumbel noise (noise[i] belongs to id i,
+    whatever the ranks), ties to the lower index."""
+    return jnp.argmax(z + noise, axis=-1).astype(jnp.int32)
+
+
+# The most top_k a sequence may ask for and still be drawn inside a decode graph (sample_rows);
+# larger ones, and top_p < 1 over the whole vocabulary, are drawn by `sample` one row at a time.
+K_DEVICE = 64
+
+
+def drawn_in_graph(s: Sampling, vocab: int) -> bool:
+    """Whether sample_rows draws this sequence's tokens (else `sample`, on its own row): greedy,
+    plain temperature (no top_k, top_p 1), or a top_k of at most K_DEVICE. The rule depends on the
+    sequence alone, so a sequence draws the same way alone and in any batch."""
+    k = 0 if s.top_k >= vocab else s.top_k
+    return s.greedy or (k == 0 and s.top_p == 1.0) or 1 <= k <= K_DEVICE
+
+
+def row_params(s: Sampling, vocab: int):
+    """A sequence's row of sample_rows' inputs: (temperature f32, top_k (0: all), top_p f32, key data
+    uint32[2] of its seed)."""
+    with np.errstate(over="ignore", under="ignore"):
+        t32 = np.float32(s.temperature)
+    key = np.asarray(jax.random.PRNGKey(s.seed) if s.temperature else np.zeros(2), np.uint32)  # raw uint32[2]
+    return t32, np.int32(0 if s.top_k >= vocab else s.top_k), np.float32(s.top_p), key
+
+
+def _pairwise_sum(x):
+    """Row sums of x [P, K] in one fixed order (halves added until one column is left; K padded with
+    zeros to a power of two): each row's bits depend on its own values only, and zeros past a row's
+    last nonzero value leave them unchanged, whatever K is."""
+    K = 1 << max(x.shape[-1] - 1, 0).bit_length()
+    x = jnp.pad(x, ((0, 0), (0, K - x.shape[-1])))
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[:, :h] + x[:, h:]
+    return x[:, 0]
+
+
+def _prefix_sums(x):
+    """Inclusive prefix sums of x [P, K] along K in one fixed order (log2 K rounds, each adding the
+    value d places back): element j's bits depend on x[:, :j+1] alone."""
+    d = 1
+    while d < x.shape[-1]:
+        x = x + jnp.pad(x[:, :-d], ((0, 0), (d, 0)))
+        d *= 2
+    return x
+
+
+def sample_rows(logits, temperature, top_k, top_p, key_data, index, *, k_max: int):
+    """Each row's next id, drawn inside a graph: row r from softmax(logits[r] / temperature[r])
+    with the key fold_in(key_data[r], index[r]) (token_key's), restricted to its top_k largest
+    logits (0: all; ranks on the logits, ties to the lower id) and then to the smallest prefix of
+    them whose probability reaches top_p. Rows must be drawn_in_graph (top_p < 1 only with a top_k);
+    greedy where the temperature is 0, top_k is 1 or logits / temperature leaves float32. k_max:
+    0 where no row has a top_k, else min(K_DEVICE, V) (any k_max >= every row's top_k gives the same
+    bits). Every step is per row (elementwise, argmax, top_k, the fixed-order sums above), so a row's
+    id is the same bits whatever the other rows are and however many there are."""
+    logits = logits.astype(jnp.float32)
+    V = logits.shape[-1]
+    t = temperature[:, None]
+    z = logits / t
+    overflow = jnp.any(jnp.isfinite(logits) & ~jnp.isfinite(z), axis=-1)
+    keys = jax.vmap(jax.random.fold_in)(key_data, index)
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+    drawn = _gumbel_max(z, noise)
+    if k_max:
+        vals, ids = jax.lax.top_k(logits, k_max)  # ties to the lower id
+        zs = vals / t
+        j = jnp.arange(k_max)[None, :]
+        in_k = j < top_k[:, None]
+        e = jnp.where(in_k, jnp.exp(zs - zs[:, :1]), 0.0)
+        pr = e / _pairwise_sum(e)[:, None]
+        before = jnp.pad(_prefix_sums(pr)[:, :-1], ((0, 0), (1, 0)))
+        keep = (j == 0) | ((before < top_p[:, None]) & in_k)
+        pick = _gumbel_max(jnp.where(keep, zs, -jnp.inf), jnp.take_along_axis(noise, ids, axis=1))
+        drawn = jnp.where(top_k > 0, jnp.take_along_axis(ids, pick[:, None], axis=1)[:, 0], drawn)
+    plain = overflow | (temperature == 0) | (top_k == 1)
+    return jnp.where(plain, greedy(logits), drawn).astype(jnp.int32)
+
+
+SAMPLE_ROWS = jax.jit(sample_rows, static_argnames=("k_max",))
+
+
+def k_max_for(rows, vocab: int) -> int:
+    """sample_rows' k_max for rows of these Samplings."""
+    return min(K_DEVICE, vocab) if any(not s.greedy and 1 < (0 if s.top_k >= vocab else s.top_k) for s in rows) else 0
+
+
+def draw_row(logits_row, s: Sampling, index: int):
+    """One sequence's index-th token from its logits row [V] as a device scalar (not read): greedy,
+    sample_rows on the row alone, or `sample`, by drawn_in_graph."""
+    if s.greedy:
+        return greedy(logits_row)
+    V = logits_row.shape[-1]
+    if drawn_in_graph(s, V):
+        t, k, p, key = row_params(s, V)
+        return SAMPLE_ROWS(logits_row[None], t[None], k[None], p[None], key[None], np.int32([index]),
+                           k_max=k_max_for([s], V))[0]
+    with np.errstate(over="ignore", under="ignore"):
+        t32 = np.float32(s.temperature)
+    return sample(logits_row, token_key(s.seed, index), t32, s.top_k, jnp.float32(s.top_p))
 
 
 def token_key(seed: int, index: int):
@@ -116,11 +222,7 @@ class Sampler:
     def __init__(self, s: Sampling):
         self.s = s.validate()
         self.index = 0
-        with np.errstate(over="ignore", under="ignore"):  # 1e39 -> inf and 1e-50 -> 0: sample's limits
-            self.t32 = np.float32(s.temperature)
 
     def __call__(self, logits) -> int:
         i, self.index = self.index, self.index + 1
-        if self.s.greedy:
-            return int(greedy(logits))
-        return int(sample(logits, token_key(self.s.seed, i), self.t32, self.s.top_k, jnp.float32(self.s.top_p)))
+        return int(draw_row(logits, self.s, i))

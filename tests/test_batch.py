@@ -227,6 +227,42 @@ def test_chained_blocks_give_the_bytes_alone(eng, alone):
         eng.tune(decode_block=old)
 
 
+def test_sampled_sequences_drawn_in_the_graph_run_in_chained_blocks_with_the_bytes_alone(eng):
+    """Plain temperature and top_k <= K_DEVICE (with or without top_p) are drawn inside the decode
+    block's graph (sampling.sample_rows): such sequences chain blocks like greedy ones and still get
+    the ids, logprobs and final state they get alone, where Engine.generate draws each token from
+    its row by itself; a sequence drawn by `sample` (top_p < 1 over the whole vocabulary) puts
+    the pool back on single steps."""
+    sps = [baro_jax.Sampling(temperature=1.0, seed=s) for s in range(len(PROMPTS))]
+    sps[1] = baro_jax.Sampling(temperature=0.7, top_k=20, top_p=0.8, seed=2**62 + 3)
+    sps[2] = baro_jax.Sampling()  # greedy beside them
+    sps[3] = baro_jax.Sampling(temperature=1.5, top_k=5, seed=77)
+    sps[5] = baro_jax.Sampling(temperature=0.3, top_k=64, top_p=0.9, seed=5)
+    new = [n + 6 for n in NEW]
+    old = eng.settings.decode_block
+    eng.tune(decode_block=3)
+    try:
+        for max_batch in (3, len(PROMPTS)):
+            got = eng.generate_batch(PROMPTS, new, sampling=sps, logprobs=2, keep_states=True, max_batch=max_batch,
+                                     stop_at_eos=False)
+            steps = eng.last_batch_stats["steps"]
+            assert steps["decode_calls"] < steps["decode"], steps
+            assert max_batch < len(PROMPTS) or steps["chained_calls"] > 0, steps
+            for i, (p, s, n) in enumerate(zip(PROMPTS, sps, new)):
+                a = eng.generate(p, n, sampling=s, logprobs=2, keep_state=True, stop_at_eos=False)
+                assert same(eng.cfg, a, got[i]) is None, f"prompt {i} max_batch {max_batch}: {same(eng.cfg, a, got[i])}"
+        host = list(sps)
+        host[0] = baro_jax.Sampling(temperature=1.0, top_p=0.9, seed=0)
+        longest = [40] + new[1:]  # decoding from the first step to the last
+        got = eng.generate_batch(PROMPTS, longest, sampling=host, max_batch=len(PROMPTS), stop_at_eos=False)
+        steps = eng.last_batch_stats["steps"]
+        assert steps["decode_calls"] == steps["decode"], steps
+        a = eng.generate(PROMPTS[0], 40, sampling=host[0], stop_at_eos=False)
+        assert got[0].generated_ids == a.generated_ids
+    finally:
+        eng.tune(decode_block=old)
+
+
 def test_no_compilation_per_request(eng):
     """The step graphs depend on the slot count, the decode rows' bucket, the pool's length and
     the chunk, not on the prompts: once a few batches have run (a decode step of 1 and of 2 rows,

@@ -10,7 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from baro_jax.sampling import Sampler, Sampling, greedy, sample
+from baro_jax.sampling import (K_DEVICE, SAMPLE_ROWS, Sampler, Sampling, draw_row, drawn_in_graph, greedy, k_max_for,
+                               row_params, sample)
 
 F32_MAX = float(np.finfo(np.float32).max)
 # fresh each run; BARO_TEST_SEED=<printed seed> replays a failure
@@ -149,3 +150,75 @@ def test_sampler_tiny_temperature_is_greedy(rng):
             for k in (0, 1, min(4, v)):
                 s = Sampler(Sampling(temperature=t, top_k=k, top_p=0.9, seed=int(rng.integers(1 << 62))))
                 assert [s(jnp.asarray(x)) for _ in range(3)] == [_greedy(x)] * 3, (v, t, k)
+
+
+def _rows_inputs(samplings, v, index):
+    rows = [row_params(s, v) for s in samplings]
+    return tuple(np.stack([r[i] for r in rows]) for i in range(4)) + (np.int32(index),)
+
+
+def _random_sampling(rng, v):
+    """A sampling drawn in the graph: greedy, plain temperature, or a top_k of at most K_DEVICE
+    with or without top_p; temperatures from the edges of float32 to ordinary ones."""
+    t = float(rng.choice([0.0, 1e-45, 1e-30, 0.3, 1.0, 1.7, 1e30]))
+    k = int(rng.choice([0, 0, 1, 2, 5, min(K_DEVICE, v), v + 3]))
+    p = float(rng.choice([1.0, 0.9, 0.5, 1e-9])) if 0 < k < v and k <= K_DEVICE else 1.0
+    s = Sampling(temperature=t, top_k=k, top_p=p, seed=int(rng.integers(1 << 62)))
+    assert drawn_in_graph(s, v)
+    return s
+
+
+@pytest.mark.parametrize("v", VOCABS)
+def test_sample_rows_gives_each_row_its_bits_alone(rng, v):
+    """sample_rows over P rows == each row drawn alone (draw_row, P = 1, its own k_max), in bytes,
+    for P of 1, 2, an odd count and more than K_DEVICE rows; a wider k_max changes no row."""
+    for P in (1, 2, 7, 70):
+        x = np.stack([_logits(rng, v, ties=r % 3 == 0) for r in range(P)])
+        sps = [_random_sampling(rng, v) for _ in range(P)]
+        index = rng.integers(0, 1 << 20, P)
+        args = (jnp.asarray(x),) + _rows_inputs(sps, v, index)
+        got = np.asarray(SAMPLE_ROWS(*args, k_max=k_max_for(sps, v)))
+        alone = np.array([int(draw_row(jnp.asarray(x[r]), sps[r], int(index[r]))) for r in range(P)], np.int32)
+        assert got.tobytes() == alone.tobytes(), (P, got, alone)
+        if k_max_for(sps, v):  # a wider top_k than any row asks: zeros past each row's ranks, the same bits
+            wide = np.asarray(SAMPLE_ROWS(*args, k_max=min(2 * K_DEVICE, v)))
+            assert wide.tobytes() == got.tobytes(), (P, wide, got)
+        for s, g in zip(sps, got):
+            assert 0 <= g < v
+
+
+@pytest.mark.parametrize("v", (7, 256))
+def test_sample_rows_draws_stay_in_the_kept_set_and_follow_its_probabilities(rng, v):
+    """The graph's draws keep the documented set (ranks on the logits, top_k, then top_p) and follow
+    its renormalised probabilities, as `sample`'s do."""
+    n = 4000
+    for trial in range(4):
+        x = _logits(rng, v, ties=trial % 2 == 0) / 4
+        t = float(rng.choice([0.7, 1.0, 2.0]))
+        k = int(rng.choice([0, 3, 5]))
+        p = float(rng.choice([0.6, 0.95, 1.0])) if k else 1.0
+        sure, maybe, pr = _kept(x, t, k, p)
+        s = Sampling(temperature=t, top_k=k, top_p=p, seed=int(rng.integers(1 << 62)))
+        args = _rows_inputs([s] * n, v, np.arange(n))
+        ids = np.asarray(SAMPLE_ROWS(jnp.asarray(np.tile(x, (n, 1))), *args, k_max=k_max_for([s], v)))
+        drawn = set(ids.tolist())
+        assert drawn <= maybe, (drawn - maybe, t, k, p)
+        keep = maybe if drawn - sure else sure
+        mass = sum(pr[i] for i in keep)
+        for i in keep:
+            q = pr[i] / mass
+            assert abs((ids == i).mean() - q) <= 6 * math.sqrt(q * (1 - q) / n) + 1 / n, (i, q, t, k, p)
+
+
+def test_which_samplings_are_drawn_in_the_graph():
+    v = 1000
+    assert drawn_in_graph(Sampling(), v)
+    assert drawn_in_graph(Sampling(temperature=1.0), v)
+    assert drawn_in_graph(Sampling(temperature=1.0, top_k=v), v)  # all of them: plain temperature
+    assert drawn_in_graph(Sampling(temperature=1.0, top_k=K_DEVICE, top_p=0.5), v)
+    assert not drawn_in_graph(Sampling(temperature=1.0, top_k=K_DEVICE + 1), v)
+    assert not drawn_in_graph(Sampling(temperature=1.0, top_p=0.9), v)
+    assert not drawn_in_graph(Sampling(temperature=1.0, top_k=v, top_p=0.9), v)
+    assert k_max_for([Sampling(temperature=1.0), Sampling()], v) == 0
+    assert k_max_for([Sampling(temperature=1.0, top_k=3)], v) == K_DEVICE
+    assert k_max_for([Sampling(temperature=1.0, top_k=3)], 7) == 7

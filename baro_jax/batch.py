@@ -34,7 +34,7 @@ from .block_manager import BlockManager, pages_for, positions_of
 from .logprobs import row_logprobs
 from .ops_xla import KV_BLOCK
 from .results import GenerateResult, check_logprobs
-from .sampling import Sampling, draw_row, drawn_in_graph, k_max_for, row_params, sample_rows
+from .sampling import SAMPLE_ROWS, Sampling, draw_row, drawn_in_graph, k_max_for, row_params, sample_rows
 from .scheduler import Scheduler, Sequence
 from .settings import DEFAULT_KV_PAGE
 from .shapes import state_length
@@ -367,14 +367,15 @@ class BatchRun:
         """Every row count a decode step of this pool may run (see _rows)."""
         return sorted({self._bucket(n) for n in range(1, self.slots + 1)})
 
-    def warm_up(self, prompt_logprobs: bool = False, on_graph=None) -> tuple[int, float]:
+    def warm_up(self, prompt_logprobs: bool = False, on_graph=None, sampled: bool = True) -> tuple[int, float]:
         """Compile, before any sequence joins, every step graph the rounds may use: the prefill
         chunk, and at each row bucket the decode step, the block of steps (whole and shorter), and
         the chunk-and-step pass, with idle slots' states kept and not (prompt_logprobs: also the
-        chunk graphs that return every row's logits). Otherwise a round that first meets a bucket
-        compiles it while every running sequence waits. Each call runs on idle rows and a free
-        slot with no pages, which the admission of a sequence clears anyway. on_graph(done, total)
-        reports progress. Returns (graphs run, seconds)."""
+        chunk graphs that return every row's logits; sampled: also the blocks and the step's draw
+        for sequences drawn in the graph, plain temperature and top_k). Otherwise a round that first
+        meets a bucket compiles it while every running sequence waits. Each call runs on idle rows
+        and a free slot with no pages, which the admission of a sequence clears anyway.
+        on_graph(done, total) reports progress. Returns (graphs run, seconds)."""
         if self.sched.running or self.sched.waiting:
             raise RuntimeError("warm_up runs on an empty pool, before sequences are added")
         t0 = time.perf_counter()
@@ -387,9 +388,16 @@ class BatchRun:
         for all_logits in logits_kinds:
             jobs.append(lambda a=all_logits: self._prefill_step(p, self.pool, self.table(), slot, toks, jnp.int32(0),
                                                                 jnp.int32(1), rope, all_logits=a, **kw)[1])
+        V = self.cfg.vocab_size
+        top = Sampling(temperature=1.0, top_k=2)
+        draws = [(None, None)] + ([(self._sampling_rows([], self.slots, [s])) for s in (Sampling(temperature=1.0), top)]
+                                  if sampled else [])
         for k in self.row_buckets():
             rows = jnp.zeros((k,), jnp.int32)
             idle = jnp.zeros((k,), bool)
+            for samp, k_max in draws[1:]:  # a step's draw over its rows (_step_done)
+                jobs.append(lambda k=k, samp=samp, k_max=k_max: (SAMPLE_ROWS(
+                    jnp.zeros((k, V), jnp.float32), *(x[:k] for x in samp), k_max=k_max), self.pool)[1])
             stops = jnp.full((k, self.stop_width), -1, jnp.int32)
             for guard in (False, True):
                 step = dict(guard=guard, top_n=self.top_n, **kw)
@@ -397,9 +405,12 @@ class BatchRun:
                     p, self.pool, self.table(k), rows, idle, rows, rope, **step)[-1])
                 if self.block > 1:
                     for n in (None, jnp.int32(1)):
-                        jobs.append(lambda k=k, step=step, n=n, rows=rows, idle=idle, stops=stops: DECODE_BLOCK(
-                            p, self.pool, self.table(k), rows, idle, rows, rows, stops, rope,
-                            *(() if n is None else (n,)), block=self.block, **step)[4])
+                        for samp, k_max in draws:
+                            jobs.append(lambda k=k, step=step, n=n, rows=rows, idle=idle, stops=stops, samp=samp,
+                                        k_max=k_max: DECODE_BLOCK(
+                                p, self.pool, self.table(k), rows, idle, rows, rows, stops, rope, n,
+                                None if samp is None else tuple(x[:k] for x in samp), block=self.block, k_max=k_max,
+                                **step)[4])
                 if self.mixed:
                     for all_logits in logits_kinds:
                         jobs.append(lambda k=k, step=step, a=all_logits, rows=rows, idle=idle: self._mixed_pass(
@@ -617,10 +628,20 @@ class BatchRun:
         self.steps["decode_rows"] += P
         self.steps["decode_calls"] += 1
         sampled = [s for s in decoding if not s.sampling.greedy]
-        ids, drawn = jax.device_get((ids, [draw(logits[s.slot], s) for s in sampled]))  # one wait
+        # the rows drawn in the graph in one call over the step's rows (each row's bits are its
+        # own), the others one row at a time; all dispatched before one wait
+        on_row = [s for s in sampled if not drawn_in_graph(s.sampling, self.cfg.vocab_size)]
+        in_graph = None
+        if len(on_row) < len(sampled):
+            samp, k_max = self._sampling_rows(decoding, P)
+            in_graph = SAMPLE_ROWS(logits, *samp, k_max=k_max)
+        ids, in_graph, drawn = jax.device_get((ids, in_graph, [draw(logits[s.slot], s) for s in on_row]))
         ids = np.array(ids)  # a copy: sampled rows' ids are written in
         if sampled:
-            for s, t in zip(sampled, drawn):
+            for s in sampled:
+                if in_graph is not None and s not in on_row:
+                    ids[s.slot] = in_graph[s.slot]
+            for s, t in zip(on_row, drawn):
                 ids[s.slot] = int(t)
             if lp is not None:  # every row's pick, so that one graph serves any number of sampled rows
                 rows = np.array([s.slot for s in sampled], np.int32)
@@ -675,11 +696,11 @@ class BatchRun:
                 samp = None if samp is None else tuple(x[:P] for x in samp)
         self._record_block(decoding, *pending)
 
-    def _sampling_rows(self, decoding, P: int):
+    def _sampling_rows(self, decoding, P: int, like=None):
         """sample_rows' inputs for a block of P rows, and its k_max: (None, None) where every
-        sequence is greedy (the greedy graph)."""
+        sequence is greedy (the greedy graph). like: Samplings whose k_max to take (warm_up)."""
         V = self.cfg.vocab_size
-        if all(s.sampling.greedy for s in decoding):
+        if like is None and all(s.sampling.greedy for s in decoding):
             return None, None
         t, k = np.zeros((P,), np.float32), np.zeros((P,), np.int32)
         p, keys, index = np.ones((P,), np.float32), np.zeros((P, 2), np.uint32), np.zeros((P,), np.int32)
@@ -687,7 +708,8 @@ class BatchRun:
             r = seq.slot
             t[r], k[r], p[r], keys[r] = row_params(seq.sampling, V)
             index[r] = len(seq.generated)
-        return tuple(jnp.asarray(x) for x in (t, k, p, keys, index)), k_max_for([s.sampling for s in decoding], V)
+        return tuple(jnp.asarray(x) for x in (t, k, p, keys, index)), k_max_for(
+            like if like is not None else [s.sampling for s in decoding], V)
 
     def _chain_length(self, decoding, unqueued) -> int:
         """Steps of the next chained block: 0 (end the chain) unless chaining is on, nothing

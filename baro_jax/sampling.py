@@ -200,9 +200,9 @@ def draw_row(logits_row, s: Sampling, index: int):
         return greedy(logits_row)
     V = logits_row.shape[-1]
     if drawn_in_graph(s, V):
-        t, k, p, key = row_params(s, V)
-        return SAMPLE_ROWS(logits_row[None], t[None], k[None], p[None], key[None], np.int32([index]),
-                           k_max=k_max_for([s], V))[0]
+        row = (x[None] for x in row_params(s, V) + (np.int32(index),))
+        # device arrays, as a pool's rows are: numpy ones would key another compiled graph
+        return SAMPLE_ROWS(logits_row[None], *(jnp.asarray(x) for x in row), k_max=k_max_for([s], V))[0]
     with np.errstate(over="ignore", under="ignore"):
         t32 = np.float32(s.temperature)
     return sample(logits_row, token_key(s.seed, index), t32, s.top_k, jnp.float32(s.top_p))

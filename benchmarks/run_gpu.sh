@@ -446,13 +446,18 @@ stage_vs_peer() {
 # sequences of 1 to BATCH_GATE_MAX_LEN tokens, staggered, half sampled, against their runs alone).
 # BATCH_MIXED=N:LEN[:B] adds the mixed-load row (N prompts of LEN tokens arriving while B decode,
 # e.g. 4:8192:32) for each of BATCH_MIXED_ROUNDS (on,off: a round's chunk and step in one pass or apart).
+# BATCH_SAMPLING: throughput.py's sampling arguments for every sequence (e.g. "--temperature 1.0", an RL
+# rollout's; "--temperature 0.7 --top-k 20 --top-p 0.8"), BATCH_TAG names its files (throughput_<tag>_<card>).
+# A sampled row against the greedy one, throughput only:
+#   OUT=dir BATCH_SIZES=8,64 BATCH_SAMPLING="--temperature 1.0" BATCH_TAG=temp1 BATCH_PROFILE= BATCH_GATE=0 bash benchmarks/run_gpu.sh batch
 stage_batch() {
   timeout "${THROUGHPUT_TIMEOUT:-300}" python benchmarks/throughput.py --model qwen3.5-35b-a3b \
     --batches "${BATCH_SIZES:-1,8,32,64}" --prompt-len 1024 --new-tokens "${BATCH_NEW:-256}" --check 2 --bandwidth-tbs "$BANDWIDTH_TBS" \
-    ${BATCH_MIXED:+--mixed "$BATCH_MIXED" --mixed-rounds "${BATCH_MIXED_ROUNDS:-on,off}"} ${BATCH_PREFILL_BUDGET:+--prefill-budget "$BATCH_PREFILL_BUDGET"} --json "$OUT/throughput_${CARD}.json" --png "$OUT/throughput_${CARD}.png" 2>&1 \
+    ${BATCH_MIXED:+--mixed "$BATCH_MIXED" --mixed-rounds "${BATCH_MIXED_ROUNDS:-on,off}"} ${BATCH_PREFILL_BUDGET:+--prefill-budget "$BATCH_PREFILL_BUDGET"} \
+    ${BATCH_SAMPLING:-} --json "$OUT/throughput${BATCH_TAG:+_$BATCH_TAG}_${CARD}.json" --png "$OUT/throughput${BATCH_TAG:+_$BATCH_TAG}_${CARD}.png" 2>&1 \
     | grep -v '^\[baro_jax\]' | tail -8
   local b
-  for b in ${BATCH_PROFILE:-1 8 64}; do
+  for b in ${BATCH_PROFILE-1 8 64}; do  # BATCH_PROFILE= (empty): none
     timeout 200 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --batch "$b" --context 1024 \
       --steps 32 --warmup 32 --top 24 --json "$OUT/decode_profile_batch${b}_${CARD}.json" 2>&1 \
       | grep -v '^\[baro_jax\]' | tail -34

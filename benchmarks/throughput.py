@@ -71,6 +71,13 @@ def decode_bound(eng, B: int, context: int, bandwidth_tbs: float) -> dict:
             "step_ms": step / (bandwidth_tbs * 1e12) * 1e3, "tokens_per_s": B * bandwidth_tbs * 1e12 / step}
 
 
+def sampling_of(args, B: int) -> list:
+    """Each of B sequences' Sampling: greedy, or --temperature / --top-k / --top-p with seed i for
+    sequence i (distinct draws, each reproducible alone)."""
+    return [baro_jax.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=i).validate()
+            for i in range(B)]
+
+
 def mixed_row(eng, args, B: int, rng):
     """B sequences of --prompt-len tokens and N of LEN behind them in one generate_batch call of
     B + N slots: the long prompts prefill a chunk per step while the short ones decode. Returns
@@ -144,6 +151,10 @@ def main(argv=None) -> int:
                     help="prompt rows prefilled per round, whole chunks (default: one chunk)")
     ap.add_argument("--check", type=int, default=2, help="sequences per batch compared with their run alone")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample every sequence at this temperature (0: greedy), sequence i with seed i")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--mixed", default=None, metavar="N:LEN[:B]",
                     help="a mixed-load row: N prompts of LEN tokens arriving behind B decoding sequences "
                          "(default B: the largest of --batches)")
@@ -166,19 +177,24 @@ def main(argv=None) -> int:
                         device_budget_gb=args.device_budget_gb,
                         cache_slots=args.cache_slots if args.mode == "tier" else None, progress=False)
     rng = np.random.default_rng(args.seed)
+    try:
+        sampling = sampling_of(args, 1)
+    except (TypeError, ValueError) as e:
+        ap.error(str(e))
     rows, ok = [], True
     for B in batches:
         prompts = [[int(t) for t in rng.integers(0, eng.cfg.vocab_size, args.prompt_len)] for _ in range(B)]
+        sampling = sampling_of(args, B)
         # the same call first: it compiles every graph the timed one runs (the prefill chunk, the
         # one-step decode, the full and the shorter greedy blocks)
         eng.generate_batch(prompts, args.new_tokens, max_batch=B, chunk=args.chunk, stop_at_eos=False,
-                           prefill_budget=args.prefill_budget)
+                           prefill_budget=args.prefill_budget, sampling=sampling)
         cache = eng.runner.cache if args.mode == "tier" else None
         if cache is not None:
             eng.runner.reset_stats()  # the cache's counts and the direct path's
         t0 = time.perf_counter()
         res = eng.generate_batch(prompts, args.new_tokens, max_batch=B, chunk=args.chunk, stop_at_eos=False,
-                                 prefill_budget=args.prefill_budget)
+                                 prefill_budget=args.prefill_budget, sampling=sampling)
         wall = time.perf_counter() - t0
         stats = dict(eng.last_batch_stats)
         # the decode steps' layers: experts from the cache (hits, misses copied) or staged whole
@@ -202,7 +218,7 @@ def main(argv=None) -> int:
         waves = B > 1 and max(first) >= min(last)
         checks = []
         for i in range(min(args.check, B)):
-            a = eng.generate(prompts[i], args.new_tokens, logprobs=0, stop_at_eos=False)
+            a = eng.generate(prompts[i], args.new_tokens, logprobs=0, stop_at_eos=False, sampling=sampling[i])
             same = (a.generated_ids == res[i].generated_ids
                     and [x.tobytes() for x in a.logprobs] == [x.tobytes() for x in res[i].logprobs])
             checks.append(bool(same))
@@ -251,7 +267,9 @@ def main(argv=None) -> int:
         mixed["arms_equal"] = same_arms
     out = {"summary": {"model": args.model, "mode": args.mode, "device_budget_gb": args.device_budget_gb,
                        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                       "bandwidth_tbs": args.bandwidth_tbs, "pass": ok, **provenance()}, "rows": rows,
+                       "bandwidth_tbs": args.bandwidth_tbs, "pass": ok, **provenance(),
+                       "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                                    "seed": "sequence index"}}, "rows": rows,
            "mixed": mixed, "mixed_arms": arms or None}
     if args.json:
         write_json(args.json, out)

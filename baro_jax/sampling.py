@@ -99,8 +99,18 @@ def sample(logits, key, temperature, top_k: int, top_p):
     mass_before = jnp.concatenate([jnp.zeros((1,), cum.dtype), cum[:-1]])
     keep = (jnp.arange(sz.shape[-1]) == 0) | ((mass_before < top_p) & (sz > -jnp.inf))
     kept = jnp.zeros(keep.shape, bool).at[order].set(keep)  # back in id order
-    drawn = _gumbel_max(jnp.where(kept, z, -jnp.inf), jax.random.gumbel(key, z.shape, jnp.float32))
+    drawn = _gumbel_max(jnp.where(kept, z, -jnp.inf), gumbel_noise(key, z.shape[-1]))
     return jnp.where(overflow, greedy(logits), drawn).astype(jnp.int32)
+
+
+def gumbel_noise(key, n: int):
+    """n standard Gumbel values from key: uniform u in [tiny, 1) from the top 23 bits of each random
+    word (an exact bit pattern, no multiply-add a compiler could fuse one way in one graph and another
+    way in the next), then -log(-log(u))."""
+    bits = jax.random.bits(key, (n,), jnp.uint32)
+    u = jax.lax.bitcast_convert_type((bits >> 9) | np.uint32(0x3F800000), jnp.float32) - np.float32(1.0)
+    u = jnp.maximum(u, np.float32(np.finfo(np.float32).tiny))
+    return -jnp.log(-jnp.log(u))
 
 
 def _gumbel_max(z, noise):
@@ -168,7 +178,7 @@ def sample_rows(logits, temperature, top_k, top_p, key_data, index, *, k_max: in
     z = logits / t
     overflow = jnp.any(jnp.isfinite(logits) & ~jnp.isfinite(z), axis=-1)
     keys = jax.vmap(jax.random.fold_in)(key_data, index)
-    noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+    noise = jax.vmap(lambda k: gumbel_noise(k, V))(keys)
     drawn = _gumbel_max(z, noise)
     if k_max:
         vals, ids = jax.lax.top_k(logits, k_max)  # ties to the lower id

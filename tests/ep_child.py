@@ -96,13 +96,16 @@ def main():
                                     prompts, [16], new_tokens=4, reference=digests, log=None)
     assert many.ok and many.reference["prompts_compared"] == len(prompts), many.to_json()["summary"]
     print(f"OK identity gate devices={N} vs one device")
-    # many sequences on N devices: each sequence of generate_batch (2 slots for 3 prompts, greedy
-    # blocks chained) == one device's run alone, in ids and logprob bytes
+    # many sequences on N devices: each sequence of generate_batch (2 slots for 3 prompts, blocks
+    # chained; one sampled with a temperature, one with a top_k, both drawn in the block graph) ==
+    # one device's run alone, in ids and logprob bytes
     eng = baro_jax.load("tiny", backend="ordered", progress=False, devices=N)
     texts, news = [PROMPT, "import os\n", "x"], [18, 5, 9]
-    got = eng.generate_batch(texts, news, logprobs=0, max_batch=2, stop_at_eos=False)
-    for t, n, g in zip(texts, news, got):
-        a = one.generate(t, n, logprobs=0, stop_at_eos=False)
+    sps = [baro_jax.Sampling(temperature=0.9, seed=4), baro_jax.Sampling(),
+           baro_jax.Sampling(temperature=1.2, top_k=8, top_p=0.9, seed=2)]
+    got = eng.generate_batch(texts, news, logprobs=0, max_batch=2, stop_at_eos=False, sampling=sps)
+    for t, n, s, g in zip(texts, news, sps, got):
+        a = one.generate(t, n, logprobs=0, stop_at_eos=False, sampling=s)
         assert a.generated_ids == g.generated_ids and \
             b"".join(x.tobytes() for x in a.logprobs) == b"".join(x.tobytes() for x in g.logprobs), (N, t)
     print(f"OK generate_batch devices={N} vs one device alone")

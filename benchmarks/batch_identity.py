@@ -3,7 +3,8 @@
 N prompts of random token ids, lengths spread log-uniformly from 1 token to --max-len (exactly 1,
 every configuration's chunk, chunk + 1 and 3 chunks + 1 among them), max_new_tokens spread over
 [--min-new-tokens, --new-tokens], half the sequences sampled (--temperature, --top-p, a distinct
-seed each) and half greedy. Each sequence runs alone once (generate(), batched prefill), and a
+seed each; with --kinds mixed, every third of them plain temperature and every third top_k 20,
+both drawn inside the decode graph) and half greedy. Each sequence runs alone once (generate(), batched prefill), and a
 few (--replay, spread over lengths up to --replay-max-len) also through the replay path alone;
 then every (max_batch, chunk) configuration runs generate_batch over all of them, fewer slots
 than sequences meaning that sequences join while others decode. Compared in bytes: generated
@@ -59,6 +60,10 @@ def parse_args(argv=None):
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--kinds", default="mixed", choices=["mixed", "given"],
+                    help="mixed: the sampled sequences take, in turn, the given sampling, a plain --temperature and "
+                         "top_k 20 with --top-p (the last two drawn inside the decode graph, the first, with "
+                         "top_p < 1 over the vocabulary, row by row); given: all the given sampling")
     ap.add_argument("--prompt-seed", type=int, default=0,
                     help="draws the lengths, their order, the prompts' ids, the new-token counts and the sampling seeds")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS,
@@ -126,7 +131,9 @@ def main(argv=None) -> int:
     def sampling(i):
         if args.sampled == "none" or (args.sampled == "half" and i % 2 == 0):
             return Sampling()
-        return Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        kind = (i // 2) % 3 if args.kinds == "mixed" else 0
+        top_p, top_k = ((args.top_p, args.top_k), (1.0, 0), (args.top_p, 20))[kind]
+        return Sampling(temperature=args.temperature, top_p=top_p, top_k=top_k,
                         seed=args.prompt_seed * 100003 + i)  # distinct per sequence
 
     sps = [sampling(i) for i in range(args.n)]
@@ -139,7 +146,8 @@ def main(argv=None) -> int:
           f"replay={replay}", flush=True)
     extra = {"model": args.model, "backend": args.backend, "mode": args.mode, "n": args.n, "max_len": args.max_len,
              "new_tokens": [args.min_new_tokens, args.new_tokens], "sampled": args.sampled,
-             "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
+             "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                          "kinds": args.kinds},
              "prompt_seed": args.prompt_seed, "weights_seed": args.seed, "alone_chunk": args.alone_chunk,
              "config_list": [[b, c] for b, c in args.configs], "replay_indices": list(replay),
              **verify.provenance()}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from functools import partial
@@ -132,12 +133,21 @@ def drawn_in_graph(s: Sampling, vocab: int) -> bool:
     return s.greedy or (k == 0 and s.top_p == 1.0) or 1 <= k <= K_DEVICE
 
 
+@functools.lru_cache(maxsize=4096)
+def _seed_key(seed: int) -> np.ndarray:
+    """The raw uint32[2] key of a seed (jax.random.PRNGKey's), made once: every block of a pool
+    asks for every sampled sequence's key, and each made anew is a device round trip."""
+    key = np.asarray(jax.random.PRNGKey(seed), np.uint32)
+    key.setflags(write=False)
+    return key
+
+
 def row_params(s: Sampling, vocab: int):
     """A sequence's row of sample_rows' inputs: (temperature f32, top_k (0: all), top_p f32, key data
     uint32[2] of its seed)."""
     with np.errstate(over="ignore", under="ignore"):
         t32 = np.float32(s.temperature)
-    key = np.asarray(jax.random.PRNGKey(s.seed) if s.temperature else np.zeros(2), np.uint32)  # raw uint32[2]
+    key = _seed_key(s.seed) if s.temperature else np.zeros(2, np.uint32)
     return t32, np.int32(0 if s.top_k >= vocab else s.top_k), np.float32(s.top_p), key
 
 

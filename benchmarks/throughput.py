@@ -167,6 +167,10 @@ def main(argv=None) -> int:
     ap.add_argument("--png", default=None)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    try:  # before the model loads
+        sampling_of(args, 1)
+    except (TypeError, ValueError) as e:
+        ap.error(str(e))
     if args.mixed is not None:
         parts = args.mixed.split(":")
         if not (len(parts) in (2, 3) and all(p.isdigit() and int(p) >= 1 for p in parts)):
@@ -177,10 +181,6 @@ def main(argv=None) -> int:
                         device_budget_gb=args.device_budget_gb,
                         cache_slots=args.cache_slots if args.mode == "tier" else None, progress=False)
     rng = np.random.default_rng(args.seed)
-    try:
-        sampling = sampling_of(args, 1)
-    except (TypeError, ValueError) as e:
-        ap.error(str(e))
     rows, ok = [], True
     for B in batches:
         prompts = [[int(t) for t in rng.integers(0, eng.cfg.vocab_size, args.prompt_len)] for _ in range(B)]

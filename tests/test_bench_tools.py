@@ -179,3 +179,25 @@ def test_throughput_gives_no_decode_rate_for_waves(tmp_path):
                             "--chunk", "16", "--check", "0", "--json", str(out)]) == 0
     row = json.loads(out.read_text())["rows"][0]
     assert row["waves"] is False and row["decode_tokens_per_s"] > 0
+
+
+def test_throughput_samples_each_sequence_with_its_own_seed_and_checks_it_alone(tmp_path):
+    """--temperature: sequence i samples with seed i, the sampled pool runs in device blocks (fewer
+    decode calls than steps), the sequences checked alone are equal, and the JSON says how it
+    sampled; a bad setting is refused before the model loads."""
+    import argparse
+    import json
+
+    out = tmp_path / "t.json"
+    assert throughput.main(["--model", "tiny", "--batches", "3", "--prompt-len", "12", "--new-tokens", "9",
+                            "--chunk", "16", "--check", "3", "--temperature", "1.0", "--top-k", "5",
+                            "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    row = got["rows"][0]
+    assert row["equal_alone"] == [True, True, True]
+    assert row["steps"]["decode_calls"] < row["steps"]["decode"], row["steps"]
+    assert got["summary"]["sampling"]["temperature"] == 1.0 and got["summary"]["sampling"]["top_k"] == 5
+    s = throughput.sampling_of(argparse.Namespace(temperature=0.5, top_k=0, top_p=1.0), 3)
+    assert [x.seed for x in s] == [0, 1, 2] and all(x.temperature == 0.5 for x in s)
+    with pytest.raises(SystemExit):
+        throughput.main(["--model", "tiny", "--batches", "1", "--temperature", "-1"])

@@ -111,6 +111,22 @@ def test_prompt_logprobs_and_score(eng):
         assert s.tobytes() == np.asarray(r.logprobs, np.float32).tobytes()
 
 
+def test_generate_top_logprobs_are_the_rows_largest(eng, alone):
+    """generate's logprobs=k: each position's chosen value and its k most likely ids and values are
+    those of the log-softmax row of that position's logits (taken on the device: ids by value,
+    ties to the lower id, as a stable host sort gives them)."""
+    from baro_jax.logprobs import row_logprobs
+
+    for a in (alone[1], alone[5]):
+        rows = eng.forced_logits(a.prompt_ids + a.generated_ids, start=len(a.prompt_ids) - 1)[:-1]
+        lp = np.asarray(row_logprobs(eng.ops, rows))
+        for i, t in enumerate(a.generated_ids):
+            best = np.argsort(-lp[i], kind="stable")[:2]
+            assert a.top_logprobs[i][0] == best.tolist(), i
+            assert a.top_logprobs[i][1].tobytes() == lp[i, best].tobytes(), i
+            assert np.float32(a.logprobs[i]).tobytes() == lp[i, t].tobytes(), i
+
+
 def test_score_batch_gives_each_pair_its_score_alone(eng, alone):
     """score_batch: each pair's log-probabilities are score()'s bytes alone, which are the bytes
     the sampler saw generating that continuation; texts and id lists, pairs of any lengths, fewer

@@ -28,7 +28,7 @@ from .scheduler import Sequence
 from .config import Config
 from .ops import BackendUnavailable, get_ops
 from .runner import ResidentRunner, Runner
-from .sampling import Sampler, Sampling, greedy
+from .sampling import Sampler, Sampling, block_inputs, draw_row, drawn_in_graph
 from .logprobs import row_logprobs
 from .settings import PREFILL_MODES, Settings, SettingsError
 from .shapes import state_length
@@ -245,18 +245,21 @@ class Engine:
             out.extend(toks)
         return out, state
 
-    def _greedy_blocks(self, token: int, state, pos: int, n: int):
+    def _greedy_blocks(self, token: int, state, pos: int, n: int, sampling: Sampling | None = None, index: int = 0):
         """Yields (tokens of one block, state) until n tokens (unchecked). Blocks run one ahead:
         the next block is queued on the device, from the last token as a device scalar, before
         this block's tokens are read back, so the device never waits on the host between blocks.
         The state yielded is the newest one (after the block in flight; after the last block at
-        the end). A caller that stops early abandons at most one block of work."""
+        the end). A caller that stops early abandons at most one block of work. sampling: a
+        sequence drawn in the graph (sampling.drawn_in_graph) whose first token here is its
+        index-th; None: greedy."""
         block = self.runner.decode_block
+        sampling = sampling or Sampling()
         done = 0
         if block == 1:
             while done < n:
                 logits, state = self._decode(token, state, pos + done)
-                token = int(greedy(logits))
+                token = int(draw_row(logits, sampling, index + done))
                 done += 1
                 yield [token], state
             return
@@ -270,7 +273,11 @@ class Engine:
             queued = None
             if done < n:
                 k = min(block, n - done)
-                dev, tok, state = self.runner.greedy_block(state, tok, jnp.int32(pos + done), k, block)
+                samp, k_max = block_inputs(sampling, self.cfg.vocab_size, index + done)
+                if samp is None:
+                    dev, tok, state = self.runner.greedy_block(state, tok, jnp.int32(pos + done), k, block)
+                else:
+                    dev, tok, state = self.runner.greedy_block(state, tok, jnp.int32(pos + done), k, block, samp, k_max)
                 queued = (dev, k)
                 done += k
             if pending is not None:
@@ -498,12 +505,12 @@ class Engine:
         # Greedy runs blocks of decode steps on the device unless the caller keeps the state: a
         # block may run past an end-of-sequence token, and a kept state must end there.
         # Logprobs need each step's logits on the host, and a kept state must end at the last token.
-        blocks = sampling.greedy and top_n is None and not (keep_state and eos)
+        blocks = drawn_in_graph(sampling, self.cfg.vocab_size) and top_n is None and not (keep_state and eos)
         if blocks and max_new_tokens > 0:
             tok = sampler(logits)
             go = emit(tok, logits)
             if go and max_new_tokens > 1:
-                for toks, state in self._greedy_blocks(tok, state, pos, max_new_tokens - 1):
+                for toks, state in self._greedy_blocks(tok, state, pos, max_new_tokens - 1, sampling, 1):
                     if t1 is None:
                         t1, n1 = time.perf_counter(), len(out) + len(toks)
                     for t in toks:

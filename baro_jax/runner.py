@@ -6,9 +6,11 @@ runner for five things and knows nothing of placement:
 - `new_state(length)`: a zeroed per-layer state with a KV cache of `length` positions;
 - `forward(state, tokens, pos, n_valid, all_logits=False)`: m rows at positions pos.. (a
   prefill chunk, or a decode step at m = 1) -> (logits, state), the state donated;
-- `greedy_block(state, token, pos, n, block)`: up to `block` greedy decode steps in one device
-  graph -> (tokens on the device [block], last token, state); `decode_block` says how many steps
-  a call may take (1: the runner cannot loop on the device, the engine steps it from the host);
+- `greedy_block(state, token, pos, n, block, samp=None, k_max=None)`: up to `block` decode steps
+  in one device graph, each token the argmax or (samp, sampling.block_inputs) a sampled
+  sequence's draw -> (tokens on the device [block], last token, state); `decode_block` says how
+  many steps a call may take (1: the runner cannot loop on the device, the engine steps it from
+  the host);
 - `check_budget(state_len, chunk)`: refuse, before any work, what cannot fit;
 - `pick_chunk(n_prompt, n_new)`: the default prefill chunk.
 
@@ -27,12 +29,12 @@ import jax.numpy as jnp
 from . import budget
 from . import model as M
 from .config import Config
-from .sampling import greedy_loop
+from .sampling import greedy_loop, row_draw
 from .settings import Settings
 from .shapes import default_chunk
 
 
-def greedy_steps(forward_row, state, token, pos, n, *, block: int, acc=None):
+def greedy_steps(forward_row, state, token, pos, n, *, block: int, acc=None, draw=None):
     """The one greedy block loop: up to `block` decode steps in one graph, each step's argmax fed
     back. forward_row(state, tokens [1], pos, acc) -> (logits, state, acc) is one decode step (the
     same graph as the m = 1 forward, so the bits are the per-token loop's). Returns (tokens
@@ -40,27 +42,29 @@ def greedy_steps(forward_row, state, token, pos, n, *, block: int, acc=None):
 
     n None: exactly `block` steps, a loop whose trip count XLA knows, so the GPU runtime runs it
     without reading a predicate back to the host every step; a traced n (1..block) serves the
-    shorter last block of a request with one graph for every length."""
+    shorter last block of a request with one graph for every length. draw: greedy_loop's (a
+    sampled sequence's tokens drawn in the graph)."""
     def step(i, st, tok, a):
         return forward_row(st, tok[None], pos + i, a)
 
-    return greedy_loop(step, state, token, block=block, n=n, acc=acc)
+    return greedy_loop(step, state, token, block=block, n=n, acc=acc, draw=draw)
 
 
-def _resident_greedy(params, state, token, pos, n, rope, *, cfg: Config, ops, block: int):
+def _resident_greedy(params, state, token, pos, n, rope, samp=None, *, cfg: Config, ops, block: int, k_max=None):
     def row(st, toks, p, acc):
         logits, st = M.forward(params, st, toks, p, jnp.int32(1), rope, cfg=cfg, ops=ops)
         return logits, st, acc
 
-    toks, last, st, _ = greedy_steps(row, state, token, pos, n, block=block)
+    toks, last, st, _ = greedy_steps(row, state, token, pos, n, block=block, draw=row_draw(samp, k_max))
     return toks, last, st
 
 
 # Module-level jits keyed on (cfg, ops): runners of the same model share compiled graphs.
 FORWARD = jax.jit(M.forward, static_argnames=("cfg", "ops", "all_logits"), donate_argnums=(1,))
 ALL_LOGITS = jax.jit(partial(M.forward, all_logits=True), static_argnames=("cfg", "ops"))
-GREEDY = jax.jit(_resident_greedy, static_argnames=("cfg", "ops", "block"), donate_argnums=(1,))
-GREEDY_FULL = jax.jit(partial(_resident_greedy, n=None), static_argnames=("cfg", "ops", "block"), donate_argnums=(1,))
+GREEDY = jax.jit(_resident_greedy, static_argnames=("cfg", "ops", "block", "k_max"), donate_argnums=(1,))
+GREEDY_FULL = jax.jit(partial(_resident_greedy, n=None), static_argnames=("cfg", "ops", "block", "k_max"),
+                      donate_argnums=(1,))
 # A fresh state in one dispatch: eagerly, its ~80 zeroed buffers were as many host round trips,
 # 39 ms before an 8k prompt's first chunk on the H100 host (prefill_profile_8192_6e691b6_h100.json).
 ZERO_STATE = jax.jit(M.init_state, static_argnums=(0, 1, 2))
@@ -97,10 +101,14 @@ class Runner:
             return ALL_LOGITS(self.params, state, tokens, pos, n_valid, self.rope, cfg=self.cfg, ops=self.ops)
         return FORWARD(self.params, state, tokens, pos, n_valid, self.rope, cfg=self.cfg, ops=self.ops)
 
-    def greedy_block(self, state, token, pos, n: int, block: int):
+    def greedy_block(self, state, token, pos, n: int, block: int, samp=None, k_max=None):
+        """n (1..block) decode steps in one graph: each step's argmax fed back, or with samp
+        (sampling.block_inputs) the sequence's draw."""
         if n == block:
-            return GREEDY_FULL(self.params, state, token, pos, rope=self.rope, cfg=self.cfg, ops=self.ops, block=block)
-        return GREEDY(self.params, state, token, pos, jnp.int32(n), self.rope, cfg=self.cfg, ops=self.ops, block=block)
+            return GREEDY_FULL(self.params, state, token, pos, rope=self.rope, samp=samp, cfg=self.cfg, ops=self.ops,
+                               block=block, k_max=k_max)
+        return GREEDY(self.params, state, token, pos, jnp.int32(n), self.rope, samp, cfg=self.cfg, ops=self.ops,
+                      block=block, k_max=k_max)
 
     def check_budget(self, state_len: int, chunk: int = 0):
         budget.check_resident(self.cfg, self.dtype, self.budget_gb, state_len, chunk, self.devices or 1)

@@ -24,16 +24,17 @@ def check_seed(seed) -> int:
     return int(seed)
 
 
-def greedy_loop(step, state, token, *, block: int, n=None, acc=None):
+def greedy_loop(step, state, token, *, block: int, n=None, acc=None, draw=None):
     """Up to `block` greedy steps in one graph: step(i, state, token, acc) -> (logits, state, acc)
     runs one decode step at offset i, its argmax is fed back. Returns (tokens [block], last token,
     state, acc): tokens past n are -1. n None: exactly `block` steps, a loop whose trip count XLA
     knows (the GPU runtime then reads no predicate back per step); a traced n serves a shorter
-    last block with the same graph. acc: what the steps accumulate (None: nothing)."""
+    last block with the same graph. acc: what the steps accumulate (None: nothing). draw(i,
+    logits): the token of step i instead of the argmax (row_draw: a sampled sequence)."""
     def body(i, carry):
         st, tok, toks, a = carry
         logits, st, a = step(i, st, tok, a)
-        nxt = greedy(logits)
+        nxt = greedy(logits) if draw is None else draw(i, logits)
         return st, nxt, toks.at[i].set(nxt), a
 
     steps = block if n is None else n
@@ -206,6 +207,25 @@ def sample_rows(logits, temperature, top_k, top_p, key_data, index, *, k_max: in
 
 
 SAMPLE_ROWS = jax.jit(sample_rows, static_argnames=("k_max",))
+
+
+def row_draw(samp, k_max):
+    """greedy_loop's draw for one sequence drawn in the graph: samp is its row of sample_rows'
+    inputs ([1] each, the index that of the block's first token), step i draws token index + i;
+    None (greedy) for samp None."""
+    if samp is None:
+        return None
+    t, k, p, key, index = samp
+    return lambda i, logits: sample_rows(logits.reshape(1, -1), t, k, p, key, index + i, k_max=k_max)[0]
+
+
+def block_inputs(s: Sampling, vocab: int, index: int):
+    """(samp, k_max) of a block of one sequence's steps whose first token is its index-th: (None,
+    None) where it is greedy."""
+    if s.greedy:
+        return None, None
+    row = row_params(s, vocab) + (np.int32(index),)
+    return tuple(jnp.asarray(x[None]) for x in row), k_max_for([s], vocab)
 
 
 def k_max_for(rows, vocab: int) -> int:

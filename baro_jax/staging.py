@@ -50,6 +50,7 @@ from . import model as M
 from . import pool as Pool
 from .config import Config
 from .runner import greedy_steps
+from .sampling import row_draw
 from .settings import TIER_DECODE_PATHS, TIER_FETCH_PATHS
 
 EXPERT_KEYS = ("gate_up", "down")
@@ -637,7 +638,8 @@ _DIRECT_ROWS = jax.jit(_direct_rows, static_argnames=("cfg", "ops", "hosts", "gu
 _DIRECT = jax.jit(_direct_forward, static_argnames=("cfg", "ops", "hosts"), donate_argnums=(1,))
 
 
-def _direct_greedy(params, state, token, pos, n, rope, pools, tables, *, cfg: Config, ops, hosts, block: int):
+def _direct_greedy(params, state, token, pos, n, rope, pools, tables, samp=None, *, cfg: Config, ops, hosts,
+                   block: int, k_max=None):
     """runner.greedy_steps (the one block loop) over _direct_forward's rows, summing their hits
     and routing counts. Returns (tokens [block], last, state, (hits, counts))."""
     def row(st, toks, p, acc):
@@ -646,12 +648,12 @@ def _direct_greedy(params, state, token, pos, n, rope, pools, tables, *, cfg: Co
         return logits, st, (acc[0] + h, acc[1] + c)
 
     zero = (jax.numpy.int32(0), jax.numpy.zeros((len(pools), cfg.num_experts), jax.numpy.int32))
-    return greedy_steps(row, state, token, pos, n, block=block, acc=zero)
+    return greedy_steps(row, state, token, pos, n, block=block, acc=zero, draw=row_draw(samp, k_max))
 
 
-_DIRECT_GREEDY = jax.jit(_direct_greedy, static_argnames=("cfg", "ops", "hosts", "block"), donate_argnums=(1,))
-_DIRECT_GREEDY_FULL = jax.jit(functools.partial(_direct_greedy, n=None), static_argnames=("cfg", "ops", "hosts", "block"),
-                              donate_argnums=(1,))
+_DIRECT_GREEDY = jax.jit(_direct_greedy, static_argnames=("cfg", "ops", "hosts", "block", "k_max"), donate_argnums=(1,))
+_DIRECT_GREEDY_FULL = jax.jit(functools.partial(_direct_greedy, n=None),
+                              static_argnames=("cfg", "ops", "hosts", "block", "k_max"), donate_argnums=(1,))
 
 
 ADAPT_EVERY = 16  # tokens between two adaptations (one greedy block; per-token calls wait for 16)
@@ -808,16 +810,16 @@ class DirectDecode:
         self.row_steps += 1
         return logits, pool
 
-    def greedy(self, state, token, pos, n: int, rope, *, cfg: Config, ops, block: int):
+    def greedy(self, state, token, pos, n: int, rope, *, cfg: Config, ops, block: int, samp=None, k_max=None):
         """engine.greedy_steps' contract for n (1..block, a Python int) steps, one graph per block:
-        n == block runs the known-trip-count loop."""
+        n == block runs the known-trip-count loop; samp / k_max: a sampled sequence's draw."""
         pools = self._pools()
         if n == block:
             out = _DIRECT_GREEDY_FULL(self.params, state, token, pos, rope=rope, pools=pools, tables=self.tables,
-                                      cfg=cfg, ops=ops, hosts=self.hosts, block=block)
+                                      samp=samp, cfg=cfg, ops=ops, hosts=self.hosts, block=block, k_max=k_max)
         else:
-            out = _DIRECT_GREEDY(self.params, state, token, pos, jax.numpy.int32(n), rope, pools, self.tables, cfg=cfg,
-                                 ops=ops, hosts=self.hosts, block=block)
+            out = _DIRECT_GREEDY(self.params, state, token, pos, jax.numpy.int32(n), rope, pools, self.tables, samp,
+                                 cfg=cfg, ops=ops, hosts=self.hosts, block=block, k_max=k_max)
         toks, last, state, (hits, counts) = out
         self._record(hits, counts, n)
         return toks, last, state

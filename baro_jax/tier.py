@@ -106,8 +106,9 @@ class TierRunner(Runner):
         return staging.mixed_forward(self.params, state, tokens, pos, n_valid, pool, table, row_tokens, slots, running,
                                      row_pos, self.rope, cfg=self.cfg, ops=ops, guard=guard, all_logits=all_logits)
 
-    def greedy_block(self, state, token, pos, n: int, block: int):
-        return self.direct.greedy(state, token, pos, n, self.rope, cfg=self.cfg, ops=self.ops, block=block)
+    def greedy_block(self, state, token, pos, n: int, block: int, samp=None, k_max=None):
+        return self.direct.greedy(state, token, pos, n, self.rope, cfg=self.cfg, ops=self.ops, block=block, samp=samp,
+                                  k_max=k_max)
 
     def check_budget(self, state_len: int, chunk: int = 0):
         budget.check_tier(self.cfg, self.dtype, self.budget_gb, state_len, chunk, self.cache_slots)

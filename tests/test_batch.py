@@ -279,6 +279,31 @@ def test_sampled_sequences_drawn_in_the_graph_run_in_chained_blocks_with_the_byt
         eng.tune(decode_block=old)
 
 
+def test_generate_draws_a_sampled_sequence_in_blocks_with_the_bytes_of_single_steps(eng):
+    """Engine.generate: a sequence drawn in the graph (plain temperature; top_k with top_p) runs
+    decode blocks of 3 and 16 steps with the ids and final state of one step at a time, as a greedy
+    one does; top_p over the vocabulary (row by row) too, whatever the block setting."""
+    import jax
+
+    def leaves(st):
+        return b"".join(np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(st))
+
+    old = eng.settings.decode_block
+    try:
+        for s in (baro_jax.Sampling(temperature=1.0, seed=3), baro_jax.Sampling(temperature=0.7, top_k=20, top_p=0.8,
+                                                                                  seed=2**62 + 1),
+                  baro_jax.Sampling(temperature=1.0, top_p=0.9, seed=1)):
+            runs = []
+            for b in (1, 3, 16):
+                eng.tune(decode_block=b)
+                r = eng.generate("import os\nx = ", 20, sampling=s, stop_at_eos=False, keep_state=True)
+                runs.append((r.generated_ids, leaves(r.state)))
+            assert runs[1] == runs[0] and runs[2] == runs[0], s
+            assert len(set(runs[0][0])) > 3, runs[0][0]  # a draw, not a run of one id
+    finally:
+        eng.tune(decode_block=old)
+
+
 def test_no_compilation_per_request(eng):
     """The step graphs depend on the slot count, the decode rows' bucket, the pool's length and
     the chunk, not on the prompts: once a few batches have run (a decode step of 1 and of 2 rows,

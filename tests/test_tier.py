@@ -228,6 +228,10 @@ def test_direct_decode_bytes_equal_resident(engines, monkeypatch):
         assert wt == gt
         assert digests.first_diff([np.asarray(x) for x in jax.tree_util.tree_leaves(ws)],
                                    [np.asarray(x) for x in jax.tree_util.tree_leaves(gs)], names) is None
+        # a sampled sequence drawn inside the direct path's block graph: resident's draws
+        s = baro_jax.Sampling(temperature=1.0, top_k=7, top_p=0.9, seed=11)
+        kw = dict(prefill="batch", chunk=16, sampling=s, stop_at_eos=False)
+        assert tier.generate(ids, n, **kw).generated_ids == res.generate(ids, n, **kw).generated_ids
         r = tier.generate(ids, 4, prefill="batch", chunk=16)
         assert r.generated_ids == res.generate(ids, 4, prefill="batch", chunk=16).generated_ids
         ec = r.to_json()["expert_cache"]

@@ -108,6 +108,11 @@ def main():
         a = one.generate(t, n, logprobs=0, stop_at_eos=False, sampling=s)
         assert a.generated_ids == g.generated_ids and \
             b"".join(x.tobytes() for x in a.logprobs) == b"".join(x.tobytes() for x in g.logprobs), (N, t)
+    # one sampled sequence alone on N devices (its draws inside the block graph) == one device's
+    for s in sps[::2]:
+        a = one.generate(PROMPT, 12, logprobs=0, stop_at_eos=False, sampling=s)
+        g = eng.generate(PROMPT, 12, logprobs=None, stop_at_eos=False, sampling=s)
+        assert a.generated_ids == g.generated_ids, (N, s)
     print(f"OK generate_batch devices={N} vs one device alone")
 
 

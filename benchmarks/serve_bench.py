@@ -3,7 +3,8 @@ inter-token latency, and every response checked in bytes against its run alone.
 
 The prompts are --prompt-len random token ids (one per request, the same across levels), each
 asking --new-tokens tokens with ignore_eos (fixed lengths), logprobs=0 and its own seed; every
---sampled-every-th request samples (temperature 0.8, top_p 0.95), the others are greedy. Before the
+--sampled-every-th request samples (--sample-temperature 0.8, --sample-top-p 0.95, --sample-top-k),
+the others are greedy. Before the
 server starts, each prompt runs alone through Engine.generate in this process: the reference.
 The server then runs in this process (uvicorn on a thread, as `python -m baro_jax.serve` runs it)
 and the clients in a child process (asyncio + httpx), so that their JSON parsing does not share
@@ -34,7 +35,9 @@ def _request(i: int, ids: list, args) -> dict:
     body = {"prompt": ids, "max_tokens": args.new_tokens, "ignore_eos": True, "logprobs": 0, "stream": True,
             "seed": args.seed + i, "temperature": 0}
     if args.sampled_every and i % args.sampled_every == args.sampled_every - 1:
-        body.update(temperature=0.8, top_p=0.95)
+        body.update(temperature=args.sample_temperature, top_p=args.sample_top_p)
+        if args.sample_top_k:
+            body["top_k"] = args.sample_top_k
     return body
 
 
@@ -113,6 +116,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--sampled-every", type=int, default=2, help="every k-th request samples; 0: all greedy")
+    ap.add_argument("--sample-temperature", type=float, default=0.8, help="the sampled requests' temperature")
+    ap.add_argument("--sample-top-p", type=float, default=0.95,
+                    help="their top_p (1.0, or a --sample-top-k up to 64: drawn inside the decode graph)")
+    ap.add_argument("--sample-top-k", type=int, default=0, help="their top_k (0: none)")
     ap.add_argument("--max-batch", type=int, default=None, help="server slots (default: the most clients)")
     ap.add_argument("--chunk", type=int, default=256, help="the server's prefill chunk (default: %(default)s)")
     ap.add_argument("--prefill-budget", type=int, default=None,
@@ -135,7 +142,8 @@ def main(argv=None) -> int:
     bodies = [_request(i, p, args) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
     refs = [eng.generate(b["prompt"], args.new_tokens, logprobs=0, stop_at_eos=False, seed=b["seed"],
-                         temperature=b["temperature"] or None, top_p=b.get("top_p")) for b in bodies]
+                         temperature=b["temperature"] or None, top_p=b.get("top_p"), top_k=b.get("top_k"))
+            for b in bodies]
     print(f"[serve_bench] {n} references alone in {time.perf_counter() - t0:.1f}s", flush=True)
 
     slots = args.max_batch or max(levels)
@@ -178,6 +186,8 @@ def main(argv=None) -> int:
             out = {"summary": {"model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                                "warm_up": {"graphs": graphs, "seconds": warm_s},
                                "requests_per_client": args.requests_per_client, "sampled_every": args.sampled_every,
+                               "sampling": {"temperature": args.sample_temperature, "top_p": args.sample_top_p,
+                                            "top_k": args.sample_top_k},
                                "slots": srv.loop.slots, "pool_length": srv.loop.length, "chunk": srv.loop.chunk,
                                "prefill_budget": srv.loop.run.prefill_budget,
                                "decode_block": eng.settings.decode_block, "backend": eng.backend, "pass": ok,

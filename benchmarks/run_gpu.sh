@@ -529,11 +529,13 @@ stage_agreement() {
 # The OpenAI-compatible server under load (issue 30): SERVE_CLIENTS concurrent streaming clients per level
 # (1k-token random prompts, SERVE_NEW new tokens, every other request sampled), throughput, TTFT and ITL
 # p50/p99, every response's ids and logprob bytes checked against Engine.generate alone: $OUT/serve_${CARD}.json.
+# SERVE_ARGS: more serve_bench.py arguments (e.g. "--sample-top-p 1.0": the sampled requests drawn in the
+# pool's decode graphs), SERVE_TAG names the JSON (serve_<tag>_<card>.json).
 stage_serve() {  # needs the server's wheels in .whl (benchmarks/serve_wheels.sh, carried): the machine has none
   install_whl
   timeout "${SERVE_TIMEOUT:-560}" python benchmarks/serve_bench.py --model qwen3.5-35b-a3b \
     --clients "${SERVE_CLIENTS:-1,16,64}" ${SERVE_PREFILL_BUDGET:+--prefill-budget "$SERVE_PREFILL_BUDGET"} --prompt-len "${SERVE_PROMPT_LEN:-1024}" --new-tokens "${SERVE_NEW:-128}" \
-    --json "$OUT/serve_${CARD}.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
+    ${SERVE_ARGS:-} --json "$OUT/serve${SERVE_TAG:+_$SERVE_TAG}_${CARD}.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
 }
 for s in "$@"; do log "$s"; "stage_$s" || log "stage $s FAILED"; done
 log done

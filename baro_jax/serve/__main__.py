@@ -57,8 +57,8 @@ def _parser():
                         "the running ones' next token later (default: %(default)s)")
     p.add_argument("--warm-up", action="store_true",
                    help="compile every step graph of the pool before listening (each decode row bucket, with and "
-                        "without a prefill chunk beside it): no request then waits on a compilation, at the price "
-                        "of a longer start")
+                        "without a prefill chunk beside it, its blocks greedy and sampled): no request then waits on "
+                        "a compilation, at the price of a longer start")
     p.add_argument("--max-body-mb", type=float, default=DEFAULTS["max_body_bytes"] / 2**20, metavar="MB",
                    help="the largest request body, in MiB (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=DEFAULTS["shutdown_timeout"], metavar="S",

@@ -34,7 +34,7 @@ from .block_manager import BlockManager, pages_for, positions_of
 from .logprobs import row_logprobs
 from .ops_xla import KV_BLOCK
 from .results import GenerateResult, check_logprobs
-from .sampling import SAMPLE_ROWS, Sampling, draw_row, drawn_in_graph, k_max_for, row_params, sample_rows
+from .sampling import K_DEVICE, SAMPLE_ROWS, Sampling, draw_row, drawn_in_graph, k_max_for, row_params, sample_rows
 from .scheduler import Scheduler, Sequence
 from .settings import DEFAULT_KV_PAGE
 from .shapes import state_length
@@ -389,9 +389,8 @@ class BatchRun:
             jobs.append(lambda a=all_logits: self._prefill_step(p, self.pool, self.table(), slot, toks, jnp.int32(0),
                                                                 jnp.int32(1), rope, all_logits=a, **kw)[1])
         V = self.cfg.vocab_size
-        top = Sampling(temperature=1.0, top_k=2)
-        draws = [(None, None)] + ([(self._sampling_rows([], self.slots, [s])) for s in (Sampling(temperature=1.0), top)]
-                                  if sampled else [])
+        rows_in = self._sampling_arrays([], self.slots)  # sample_rows' inputs, each bucket its first rows
+        draws = [(None, None)] + ([(rows_in, 0), (rows_in, min(K_DEVICE, V))] if sampled else [])
         for k in self.row_buckets():
             rows = jnp.zeros((k,), jnp.int32)
             idle = jnp.zeros((k,), bool)
@@ -630,17 +629,17 @@ class BatchRun:
         sampled = [s for s in decoding if not s.sampling.greedy]
         # the rows drawn in the graph in one call over the step's rows (each row's bits are its
         # own), the others one row at a time; all dispatched before one wait
+        graph = [s for s in sampled if drawn_in_graph(s.sampling, self.cfg.vocab_size)]
         on_row = [s for s in sampled if not drawn_in_graph(s.sampling, self.cfg.vocab_size)]
         in_graph = None
-        if len(on_row) < len(sampled):
+        if graph:
             samp, k_max = self._sampling_rows(decoding, P)
             in_graph = SAMPLE_ROWS(logits, *samp, k_max=k_max)
         ids, in_graph, drawn = jax.device_get((ids, in_graph, [draw(logits[s.slot], s) for s in on_row]))
         ids = np.array(ids)  # a copy: sampled rows' ids are written in
         if sampled:
-            for s in sampled:
-                if in_graph is not None and s not in on_row:
-                    ids[s.slot] = in_graph[s.slot]
+            for s in graph:
+                ids[s.slot] = in_graph[s.slot]
             for s, t in zip(on_row, drawn):
                 ids[s.slot] = int(t)
             if lp is not None:  # every row's pick, so that one graph serves any number of sampled rows
@@ -696,20 +695,23 @@ class BatchRun:
                 samp = None if samp is None else tuple(x[:P] for x in samp)
         self._record_block(decoding, *pending)
 
-    def _sampling_rows(self, decoding, P: int, like=None):
+    def _sampling_rows(self, decoding, P: int):
         """sample_rows' inputs for a block of P rows, and its k_max: (None, None) where every
-        sequence is greedy (the greedy graph). like: Samplings whose k_max to take (warm_up)."""
-        V = self.cfg.vocab_size
-        if like is None and all(s.sampling.greedy for s in decoding):
+        sequence is greedy (the greedy graph)."""
+        if all(s.sampling.greedy for s in decoding):
             return None, None
+        return self._sampling_arrays(decoding, P), k_max_for([s.sampling for s in decoding], self.cfg.vocab_size)
+
+    def _sampling_arrays(self, decoding, P: int):
+        """(temperature, top_k, top_p, key data, index of the next token) of P rows, each sequence's
+        at its slot, idle rows greedy."""
         t, k = np.zeros((P,), np.float32), np.zeros((P,), np.int32)
         p, keys, index = np.ones((P,), np.float32), np.zeros((P, 2), np.uint32), np.zeros((P,), np.int32)
         for seq in decoding:
             r = seq.slot
-            t[r], k[r], p[r], keys[r] = row_params(seq.sampling, V)
+            t[r], k[r], p[r], keys[r] = row_params(seq.sampling, self.cfg.vocab_size)
             index[r] = len(seq.generated)
-        return tuple(jnp.asarray(x) for x in (t, k, p, keys, index)), k_max_for(
-            like if like is not None else [s.sampling for s in decoding], V)
+        return tuple(jnp.asarray(x) for x in (t, k, p, keys, index))
 
     def _chain_length(self, decoding, unqueued) -> int:
         """Steps of the next chained block: 0 (end the chain) unless chaining is on, nothing

@@ -274,10 +274,7 @@ class Engine:
             if done < n:
                 k = min(block, n - done)
                 samp, k_max = block_inputs(sampling, self.cfg.vocab_size, index + done)
-                if samp is None:
-                    dev, tok, state = self.runner.greedy_block(state, tok, jnp.int32(pos + done), k, block)
-                else:
-                    dev, tok, state = self.runner.greedy_block(state, tok, jnp.int32(pos + done), k, block, samp, k_max)
+                dev, tok, state = self.runner.greedy_block(state, tok, jnp.int32(pos + done), k, block, samp, k_max)
                 queued = (dev, k)
                 done += k
             if pending is not None:

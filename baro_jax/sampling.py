@@ -225,6 +225,7 @@ def block_inputs(s: Sampling, vocab: int, index: int):
     if s.greedy:
         return None, None
     row = row_params(s, vocab) + (np.int32(index),)
+    # device arrays, as a pool's rows are: numpy ones would key another compiled graph
     return tuple(jnp.asarray(x[None]) for x in row), k_max_for([s], vocab)
 
 
@@ -240,9 +241,8 @@ def draw_row(logits_row, s: Sampling, index: int):
         return greedy(logits_row)
     V = logits_row.shape[-1]
     if drawn_in_graph(s, V):
-        row = (x[None] for x in row_params(s, V) + (np.int32(index),))
-        # device arrays, as a pool's rows are: numpy ones would key another compiled graph
-        return SAMPLE_ROWS(logits_row[None], *(jnp.asarray(x) for x in row), k_max=k_max_for([s], V))[0]
+        samp, k_max = block_inputs(s, V, index)
+        return SAMPLE_ROWS(logits_row[None], *samp, k_max=k_max)[0]
     with np.errstate(over="ignore", under="ignore"):
         t32 = np.float32(s.temperature)
     return sample(logits_row, token_key(s.seed, index), t32, s.top_k, jnp.float32(s.top_p))

@@ -200,6 +200,12 @@ stage_attn_wgmma() {
 #     GEMM_WGMMA_SETTINGS="BARO_GEMM_WGMMA_GROUPED=0 BARO_GEMM_WGMMA_GROUPED=down BARO_GEMM_WGMMA_GROUPED=1" \
 #     GEMM_WGMMA_GATE_ENV=BARO_GEMM_WGMMA_GROUPED=1 bash benchmarks/run_gpu.sh build gemm_wgmma
 # (speed_gemm_wgmma{0,1,2}_${CARD}.json: off, down, both; each at 8k and 32k, identity-checked).
+# A setting of several knobs joins them with commas. The ring of 3 stages (BARO_GEMM_WGMMA_RING=3,
+# two 128-row blocks per SM) for the plain GEMMs and the grouped ones, its byte tests first:
+#   OUT=dir GEMM_WGMMA_PARTS="tests speed" GEMM_WGMMA_TEST_TIMEOUT=300 GEMM_WGMMA_LENGTHS=8192 \
+#     GEMM_WGMMA_SETTINGS="BARO_GEMM_WGMMA_RING=4 BARO_GEMM_WGMMA_RING=3 BARO_GEMM_WGMMA_GROUPED=down \
+#       BARO_GEMM_WGMMA_GROUPED=down,BARO_GEMM_WGMMA_RING=3 BARO_GEMM_WGMMA_GROUPED=1,BARO_GEMM_WGMMA_RING=3" \
+#     bash benchmarks/run_gpu.sh build gemm_wgmma
 stage_gemm_wgmma() {
   local part
   for part in ${GEMM_WGMMA_PARTS:-tests speed gate}; do
@@ -210,7 +216,7 @@ stage_gemm_wgmma() {
       speed) local n=0 setting
              for setting in ${GEMM_WGMMA_SETTINGS:-BARO_GEMM_WGMMA=0 BARO_GEMM_WGMMA=1}; do
                echo "--- $setting"
-               env "$setting" timeout 240 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
+               env ${setting//,/ } timeout "${GEMM_WGMMA_SPEED_TIMEOUT:-240}" python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
                  --lengths "${GEMM_WGMMA_LENGTHS:-8192,32768}" --chunk auto --decode-tokens 16 --check-tail 32 \
                  --json "$OUT/speed_gemm_wgmma${n}_${CARD}.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3
                n=$((n + 1))

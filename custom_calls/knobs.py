@@ -141,6 +141,9 @@ _TABLE: tuple[Knob, ...] = (
              "BARO_GEMM_WGMMA lets it run: the down GEMM (A read in place) and the gate/up GEMM with the fused "
              "SwiGLU (A's rows gathered by the kernel's producer warp); down: the down GEMM only; 0: neither "
              "(the same bits; opt-in until measured on a GPU) (csrc/gpu/matmul.cu, csrc/gpu/gemm_wgmma.cu)"),
+    Knob("BARO_GEMM_WGMMA_RING", "choice", "4", choices=("4", "3"),
+         doc="the wgmma GEMM's TMA ring: 4 stages (one 128-row block per SM) or 3 (two blocks per SM, so one "
+             "block's ring start and stores overlap the other's wgmmas); the same bits (csrc/gpu/gemm_wgmma.cu)"),
     Knob("BARO_ROWS16_RING", "choice", "auto", choices=("auto", "deep", "light"),
          doc="gemm_rows16's cp.async ring: deep (8 stages, SwiGLU 6: one or two blocks per SM) or light (4, "
              "SwiGLU 3: twice the blocks per SM); auto: light for grouped MoE calls and grids of 4 blocks per SM, "

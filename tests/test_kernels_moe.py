@@ -331,27 +331,31 @@ def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, k, monkeypatch):
     else:
         wd = put(platform, *moe_weights_sized(rng, E, D, I, I))
     h = bf16(rng, m, D)
-    # (BARO_GEMM_WGMMA, BARO_GEMM_WGMMA_GROUPED): the mma.sync kernels, the down GEMM alone on
-    # wgmma, both grouped GEMMs on wgmma
-    settings = (("0", "0"), ("require", "down"), ("require", "1"))
+    # (BARO_GEMM_WGMMA, BARO_GEMM_WGMMA_GROUPED, BARO_GEMM_WGMMA_RING): the mma.sync kernels, the
+    # down GEMM alone on wgmma, both grouped GEMMs on wgmma, each wgmma setting with the ring of 4
+    # stages and of 3 (two blocks per SM; the gather's arrivals lag one stage instead of two)
+    settings = (("0", "0", "4"), ("require", "down", "4"), ("require", "1", "4"), ("require", "down", "3"),
+                ("require", "1", "3"))
     for fold in ("1", "0"):
         monkeypatch.setenv("BARO_MOE_FOLD", fold)
         got = {}
-        for knob, grouped in settings:
+        for knob, grouped, ring in settings:
             monkeypatch.setenv("BARO_GEMM_WGMMA", knob)
             monkeypatch.setenv("BARO_GEMM_WGMMA_GROUPED", grouped)
+            monkeypatch.setenv("BARO_GEMM_WGMMA_RING", ring)
             poison(platform, (m, D))
             f = jax.jit(lambda *a: cc.moe(*a, top_k=k))  # a fresh jit: the launcher reads the knobs
-            got[grouped] = np.asarray(f(put(platform, h), *wd))
-            assert np.all(np.isfinite(got[grouped])), \
-                f"moe m={m} fold={fold} BARO_GEMM_WGMMA={knob} GROUPED={grouped}: unwritten rows"
-        for grouped in ("down", "1"):
-            assert_same_bits(got[grouped], got["0"],
-                             f"moe m={m} fold={fold} BARO_GEMM_WGMMA_GROUPED={grouped} vs the default")
+            got[grouped, ring] = np.asarray(f(put(platform, h), *wd))
+            assert np.all(np.isfinite(got[grouped, ring])), \
+                f"moe m={m} fold={fold} BARO_GEMM_WGMMA={knob} GROUPED={grouped} RING={ring}: unwritten rows"
+        monkeypatch.delenv("BARO_GEMM_WGMMA_RING", raising=False)
+        for grouped, ring in got:
+            assert_same_bits(got[grouped, ring], got["0", "4"],
+                             f"moe m={m} fold={fold} BARO_GEMM_WGMMA_GROUPED={grouped} RING={ring} vs the default")
         monkeypatch.setenv("BARO_GEMM_WGMMA", "0")
         for i in (0, m - 1):
             one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h[i:i + 1]), *wd))
-            assert_same_bits(one[0], got["1"][i], f"moe m={m} fold={fold} row {i}: wgmma vs one-row call")
+            assert_same_bits(one[0], got["1", "4"][i], f"moe m={m} fold={fold} row {i}: wgmma vs one-row call")
     monkeypatch.delenv("BARO_GEMM_WGMMA", raising=False)
     monkeypatch.delenv("BARO_GEMM_WGMMA_GROUPED", raising=False)
     monkeypatch.delenv("BARO_MOE_FOLD", raising=False)

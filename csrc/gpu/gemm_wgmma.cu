@@ -75,30 +75,35 @@ namespace baro_gpu {
 constexpr int kWgBK = 64;           // K elements per stage (one 128-byte swizzle span)
 constexpr int kWgBN = 128;          // W rows per tile
 constexpr int kWgBox = 64;          // rows per TMA box
-constexpr int kWgStages = 4;        // ring depth
 constexpr int kWgBoxBytes = kWgBox * kWgBK * 2;  // 8 KB
 
-// GATHER: the producer lags its arrivals kGatherLag stages behind its copies (the copies of three
-// stages in flight, as gemm_pipe_kernel's ring keeps two). It must stay below kWgStages - 1: the
-// producer's wait for stage kt's empty barrier needs the consumers past stage kt - kWgStages + 1,
-// whose full barrier the producer completes at stage kt - kWgStages + 1 + kGatherLag (< kt).
-constexpr int kGatherLag = 2;
-static_assert(kGatherLag < kWgStages - 1, "the gather's lagged arrivals would wait on themselves");
-
-template <int BM, bool GATHER = false>
+// STAGES: the ring depth, 4 (the default) or 3 (BARO_GEMM_WGMMA_RING=3). A 128-row block's ring of 4
+// (128 KB) leaves room for one block per SM, so each block's start (barriers, the first TMA round
+// trip) and its stores leave the tensor cores idle; 3 stages (96 KB) fit two blocks per SM that
+// cover each other's. The depth decides when a stage is refilled, never which wgmma adds what.
+// GATHER: the producer lags its arrivals kLag stages behind its copies (two, the copies of three
+// stages in flight, as gemm_pipe_kernel's ring keeps two; one in a ring of 3). It must stay below
+// STAGES - 1: the producer's wait for stage kt's empty barrier needs the consumers past stage
+// kt - STAGES + 1, whose full barrier the producer completes at stage kt - STAGES + 1 + kLag (< kt).
+template <int BM, bool GATHER = false, int STAGES = 4>
 struct WgGemmCfg {
+  static constexpr int kStages = STAGES;
+  static constexpr int kLag = STAGES - 2 < 2 ? STAGES - 2 : 2;
+  static constexpr int kMinBlocks = STAGES <= 3 && BM == 128 ? 2 : 1;  // __launch_bounds__: the registers of two
   static constexpr int kConsumers = BM / 64;             // consumer warpgroups
   static constexpr int kThreads = kConsumers * 128 + 32;  // + the producer warp
   static constexpr int kABytes = BM * kWgBK * 2;
   static constexpr int kBBytes = kWgBN * kWgBK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;   // a ring stage: A tile, then W tile
-  static constexpr int kBarOff = kWgStages * kStageBytes;  // full then empty barriers
+  static constexpr int kBarOff = kStages * kStageBytes;  // full then empty barriers
   // GATHER: the tile's A row ids (-1 past its rows), read by the producer warp every stage
-  static constexpr int kRowOff = kBarOff + 16 * kWgStages;
+  static constexpr int kRowOff = kBarOff + 16 * kStages;
   static constexpr int kSmemBytes = kRowOff + (GATHER ? 4 * BM : 0) + 1024;  // + slack for the 1 KB alignment
   static constexpr int kFullArrivals = GATHER ? 1 + 32 : 1;  // lane 0's expect_tx (+ the gather lanes')
+  static_assert(STAGES == 3 || STAGES == 4, "ring depths built: 3 and 4");
+  static_assert(!GATHER || (kLag >= 1 && kLag < kStages - 1), "the gather's lagged arrivals would wait on themselves");
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "swizzled boxes on 1 KB");
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
+  static_assert(kSmemBytes * kMinBlocks <= 227 * 1024, "shared memory of the blocks on one SM");
 };
 
 // a: A's rows; w: W's rows, groups one after the other (row group * N + n of a grouped call)
@@ -146,10 +151,12 @@ BARO_DEV uint64_t wg_gemm_desc(const uint8_t* tile, int row0, int kk) {
 // Grid: x = BM-row tiles (grouped: the tile list's slots, gemm_slot's (group, rows) each), y =
 // 128-column W tiles (SwiGLU: 64 output columns). Threads: BM / 64 consumer warpgroups, then the
 // producer warp. GATHER (grouped, p.a_rows): A's rows by the producer warp's cp.async (maps.a unused).
-template <int BM, bool SWIGLU, bool GATHER>
-__global__ void __launch_bounds__(WgGemmCfg<BM, GATHER>::kThreads, 1)
+template <int BM, bool SWIGLU, bool GATHER, int STAGES>
+__global__ void __launch_bounds__(WgGemmCfg<BM, GATHER, STAGES>::kThreads, WgGemmCfg<BM, GATHER, STAGES>::kMinBlocks)
     gemm_wgmma_kernel(GemmParams p, const __grid_constant__ WgGemmMaps maps) {
-  using Cfg = WgGemmCfg<BM, GATHER>;
+  using Cfg = WgGemmCfg<BM, GATHER, STAGES>;
+  constexpr int kWgStages = Cfg::kStages;
+  constexpr int kGatherLag = Cfg::kLag;
   extern __shared__ __align__(1024) uint8_t wg_gemm_smem[];
   // the 128-byte swizzle repeats on 1024 bytes: TMA and wgmma must see the same address bits
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wg_gemm_smem) + 1023) & ~uintptr_t{1023});
@@ -344,19 +351,27 @@ static bool wg_gemm_encode(CUtensorMap* m, const uint16_t* base, int64_t rows, i
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <int BM, bool SWIGLU, bool GATHER = false>
-static gpuError_t wg_gemm_launch(const GemmParams& p, const WgGemmMaps& maps, int64_t row_tiles,
-                                 gpuStream_t stream) {
-  using Cfg = WgGemmCfg<BM, GATHER>;
+template <int BM, bool SWIGLU, bool GATHER, int STAGES>
+static gpuError_t wg_gemm_launch_ring(const GemmParams& p, const WgGemmMaps& maps, int64_t row_tiles,
+                                      gpuStream_t stream) {
+  using Cfg = WgGemmCfg<BM, GATHER, STAGES>;
   constexpr int kOutCols = SWIGLU ? kWgBN / 2 : kWgBN;
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t n_tiles = (out_n + kOutCols - 1) / kOutCols;
   static std::atomic<uint64_t> smem_done{0};
-  const gpuError_t e = allow_smem(gemm_wgmma_kernel<BM, SWIGLU, GATHER>, Cfg::kSmemBytes, smem_done);
+  const gpuError_t e = allow_smem(gemm_wgmma_kernel<BM, SWIGLU, GATHER, STAGES>, Cfg::kSmemBytes, smem_done);
   if (e != gpuSuccess) return e;
-  gemm_wgmma_kernel<BM, SWIGLU, GATHER><<<dim3(static_cast<unsigned>(row_tiles), static_cast<unsigned>(n_tiles)),
+  gemm_wgmma_kernel<BM, SWIGLU, GATHER, STAGES><<<dim3(static_cast<unsigned>(row_tiles), static_cast<unsigned>(n_tiles)),
                                   Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
   return gpuGetLastError();
+}
+
+template <int BM, bool SWIGLU, bool GATHER = false>
+static gpuError_t wg_gemm_launch(const GemmParams& p, const WgGemmMaps& maps, int64_t row_tiles,
+                                 gpuStream_t stream) {
+  return baro::knobs::is(baro::knobs::kGemmWgmmaRing, "3")
+             ? wg_gemm_launch_ring<BM, SWIGLU, GATHER, 3>(p, maps, row_tiles, stream)
+             : wg_gemm_launch_ring<BM, SWIGLU, GATHER, 4>(p, maps, row_tiles, stream);
 }
 
 }  // namespace baro_gpu

@@ -38,21 +38,21 @@
 // from the tile's group. The MoE's down GEMM in prefill reads its A rows (the sorted pairs'
 // activations) in place through A's tensor map (=1 and =down). Its gate/up GEMM (=1 only) cannot:
 // pair row s reads token row a_rows[s], and a TMA box is a range of contiguous rows. There
-// (GATHER) the producer is a whole warp: every stage it copies the tile's A rows with 16-byte
+// (GATHER) the producer is a whole warpgroup: every stage it copies the tile's A rows with 16-byte
 // cp.async, row r's 16-byte chunk c at r * 128 + ((c ^ (r & 7)) << 4) of the stage (the 128-byte
 // swizzle TMA writes and the descriptors read), zero bytes for rows past the tile and chunks past
-// K (the zeros TMA would give), while its lane 0 still brings W's boxes by TMA. The copies are
-// generic-proxy writes and wgmma reads through the async proxy, so a lane waits for its own copies
+// K (the zeros TMA would give), while its thread 0 still brings W's boxes by TMA. The copies are
+// generic-proxy writes and wgmma reads through the async proxy, so a thread waits for its own copies
 // of stage kt - kGatherLag (cp.async.wait_group), fences them for the async proxy
 // (fence.proxy.async: the same writer-side order attention_wgmma.cu's cp.async rings use before
-// their barrier) and only then arrives on the stage's full barrier (33 arrivals: lane 0's with the
-// W bytes, then the 32 lanes' once their copies are visible). The operand bits are the same either
+// their barrier) and only then arrives on the stage's full barrier (129 arrivals: thread 0's with
+// the W bytes, then the 128 threads' once their copies are visible). The operand bits are the same either
 // way (A's bf16 rows, unchanged, zeros past K), so are the chains: GATHER changes who writes the
 // shared memory, not one wgmma. The SwiGLU epilogue is the one below, gemm_pipe_kernel's
 // expression on the same fp32 gate and up values. No extra bytes, launches or scratch: the A rows
 // cross L2 once per column tile, as gemm_pipe_kernel's own gathered cp.async copies do.
-// Plain calls passed their byte tests on the H200 (0695bc5); the grouped paths are compiled and
-// inspected only so far (docs/PERF.md).
+// Plain calls passed their byte tests on the H200 (0695bc5), the grouped paths on the H100
+// (9f5d3b3; the rings of 3 and 4, 2b7c437); docs/PERF.md has their speed.
 #include <atomic>
 #include <cstdint>
 
@@ -89,19 +89,24 @@ template <int BM, bool GATHER = false, int STAGES = 4>
 struct WgGemmCfg {
   static constexpr int kStages = STAGES;
   static constexpr int kLag = STAGES - 2 < 2 ? STAGES - 2 : 2;
-  static constexpr int kMinBlocks = STAGES <= 3 && BM == 128 ? 2 : 1;  // __launch_bounds__: the registers of two
+  // GATHER: a whole producer warpgroup copies A's rows (see the kernel); otherwise one warp's lane 0
+  static constexpr int kProducerWarps = GATHER ? 4 : 1;
+  static constexpr int kProducerThreads = 32 * kProducerWarps;
   static constexpr int kConsumers = BM / 64;             // consumer warpgroups
-  static constexpr int kThreads = kConsumers * 128 + 32;  // + the producer warp
+  static constexpr int kThreads = kConsumers * 128 + kProducerThreads;
+  // __launch_bounds__: the registers of two blocks where the ring leaves room for two
+  static constexpr int kMinBlocks = STAGES <= 3 && BM == 128 && !GATHER ? 2 : 1;
   static constexpr int kABytes = BM * kWgBK * 2;
   static constexpr int kBBytes = kWgBN * kWgBK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;   // a ring stage: A tile, then W tile
   static constexpr int kBarOff = kStages * kStageBytes;  // full then empty barriers
-  // GATHER: the tile's A row ids (-1 past its rows), read by the producer warp every stage
+  // GATHER: the tile's A row ids (-1 past its rows), read by the producer threads every stage
   static constexpr int kRowOff = kBarOff + 16 * kStages;
   static constexpr int kSmemBytes = kRowOff + (GATHER ? 4 * BM : 0) + 1024;  // + slack for the 1 KB alignment
-  static constexpr int kFullArrivals = GATHER ? 1 + 32 : 1;  // lane 0's expect_tx (+ the gather lanes')
+  static constexpr int kFullArrivals = GATHER ? 1 + kProducerThreads : 1;  // thread 0's expect_tx (+ the gather threads')
   static_assert(STAGES == 3 || STAGES == 4, "ring depths built: 3 and 4");
   static_assert(!GATHER || (kLag >= 1 && kLag < kStages - 1), "the gather's lagged arrivals would wait on themselves");
+  static_assert(BM % (kProducerThreads / 8) == 0, "the gather threads cover the tile's rows evenly");
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "swizzled boxes on 1 KB");
   static_assert(kSmemBytes * kMinBlocks <= 227 * 1024, "shared memory of the blocks on one SM");
 };
@@ -150,7 +155,7 @@ BARO_DEV uint64_t wg_gemm_desc(const uint8_t* tile, int row0, int kk) {
 
 // Grid: x = BM-row tiles (grouped: the tile list's slots, gemm_slot's (group, rows) each), y =
 // 128-column W tiles (SwiGLU: 64 output columns). Threads: BM / 64 consumer warpgroups, then the
-// producer warp. GATHER (grouped, p.a_rows): A's rows by the producer warp's cp.async (maps.a unused).
+// producer warp (GATHER, grouped with p.a_rows: a producer warpgroup, A's rows by its cp.async; maps.a unused).
 template <int BM, bool SWIGLU, bool GATHER, int STAGES>
 __global__ void __launch_bounds__(WgGemmCfg<BM, GATHER, STAGES>::kThreads, WgGemmCfg<BM, GATHER, STAGES>::kMinBlocks)
     gemm_wgmma_kernel(GemmParams p, const __grid_constant__ WgGemmMaps maps) {
@@ -197,7 +202,7 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, GATHER, STAGES>::kThreads, WgGem
   // the warp index through a shuffle: warp-uniform as far as the compiler can see (as CUTLASS does)
   const int warp_u = __shfl_sync(0xffffffffu, tid / 32, 0);
   if (warp_u >= kConsumerThreads / 32) {
-    // ---- producer: lane 0 of the last warp (GATHER: the whole warp) ----
+    // ---- producer: lane 0 of the last warp (GATHER: the whole last warpgroup) ----
     if (!GATHER && tid != kConsumerThreads) return;
     // W rows of the tile's two boxes: 128 consecutive rows, or (SwiGLU) 64 gate rows and the 64
     // matching up rows
@@ -211,21 +216,24 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, GATHER, STAGES>::kThreads, WgGem
     const int a_boxes = (rc + kWgBox - 1) / kWgBox;
     const bool w_box1 = SWIGLU || c0 + kWgBox < p.N;
     if constexpr (GATHER) {
-      // lane l copies 16-byte chunk l & 7 of rows (l >> 3) + 4 i: eight lanes make one row's 128
-      // contiguous bytes (whole L2 sectors), as gemm_pipe_kernel's copies
-      const int lane = tid & 31;
+      // producer thread t copies 16-byte chunk t & 7 of rows (t >> 3) + 16 i: eight threads make one
+      // row's 128 contiguous bytes (whole L2 sectors), as gemm_pipe_kernel's copies. A warpgroup, not
+      // one warp: a stage is 1024 (BM 128) 16-byte copies, which one warp issued too slowly to keep
+      // the consumers fed (8k prefill 28.9k against 32.4k tok/s with the gather on, 2b7c437 H100).
+      constexpr int kPT = Cfg::kProducerThreads;
+      const int pt = tid - kConsumerThreads;
       int32_t* a_idx = reinterpret_cast<int32_t*>(smem + Cfg::kRowOff);
-      for (int r = lane; r < BM; r += 32) a_idx[r] = r < rc ? p.a_rows[r0 + r] : -1;
-      __syncwarp();  // the ids, for the warp's other lanes
-      const int chunk = lane & 7, row_l = lane >> 3;
+      for (int r = pt; r < BM; r += kPT) a_idx[r] = r < rc ? p.a_rows[r0 + r] : -1;
+      asm volatile("bar.sync 1, %0;\n" ::"n"(kPT) : "memory");  // the ids, for the other producer threads
+      const int chunk = pt & 7, row_l = pt >> 3;
       const uint32_t w_bytes = static_cast<uint32_t>((1 + (w_box1 ? 1 : 0)) * kWgBoxBytes);
       const uint16_t* a_col = p.A + chunk * 8;
       for (int kt = 0; kt < n_k; ++kt) {
         const int s = kt % kWgStages;
-        if (kt >= kWgStages) wg_mbar_wait(empty(s), ((kt / kWgStages) - 1) & 1);  // every lane: it writes the stage
+        if (kt >= kWgStages) wg_mbar_wait(empty(s), ((kt / kWgStages) - 1) & 1);  // every thread: it writes the stage
         uint8_t* st = smem + s * Cfg::kStageBytes;
         const int64_t k0 = static_cast<int64_t>(kt) * kWgBK;
-        if (lane == 0) {
+        if (pt == 0) {
           wg_mbar_expect(full(s), w_bytes);
           tma_box(wg_smem_addr(st + Cfg::kABytes), &maps.w, static_cast<int>(k0), w_row0, full(s));
           if (w_box1)
@@ -234,15 +242,15 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, GATHER, STAGES>::kThreads, WgGem
         const bool k_ok = k0 + chunk * 8 < K;  // K % 8 == 0 (launcher): a chunk is wholly inside or past K
         const uint32_t a_st = wg_smem_addr(st);
 #pragma unroll
-        for (int i = 0; i < BM / 4; ++i) {
-          const int r = row_l + 4 * i;
+        for (int i = 0; i < BM / (kPT / 8); ++i) {
+          const int r = row_l + (kPT / 8) * i;
           const int32_t idx = a_idx[r];
           const bool ok = idx >= 0 && k_ok;
           cp_async16(a_st + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? a_col + static_cast<int64_t>(idx) * p.lda + k0 : p.A,
                      ok);
         }
         cp_async_commit();
-        if (kt >= kGatherLag) {  // stage kt - lag: this lane's copies landed, made visible to wgmma
+        if (kt >= kGatherLag) {  // stage kt - lag: this thread's copies landed, made visible to wgmma
           cp_async_wait<kGatherLag>();
           wg_fence_proxy();
           wg_mbar_arrive(full((kt - kGatherLag) % kWgStages));

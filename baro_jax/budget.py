@@ -25,6 +25,7 @@ import jax
 from .checks import as_int, budget_gb
 from .ops import kernel_scratch_bytes
 from .config import DELTA_BLOCK, FULL, Config
+from .shapes import MIN_CHUNK
 from .pool import page_bytes as pool_page_bytes, slot_bytes as pool_slot_bytes
 from .settings import DEFAULT_CACHE_SLOTS, DEFAULT_KV_PAGE
 from .shapes import state_length
@@ -339,21 +340,29 @@ def tier_cache_slots(cfg: Config, dtype, device_budget_gb: float | None, want: i
                f"{' (the budget allows no more)' if S < top else ''}")
 
 
+def largest_fitting_chunk(check, chunk: int) -> int:
+    """The largest power-of-two fraction of `chunk` (at least MIN_CHUNK) for which check(c) raises
+    no MemoryError; MIN_CHUNK when none passes (the request's own check then refuses it with the
+    numbers). Chunks never change the bits, only the time and the memory."""
+    c = chunk
+    while c > MIN_CHUNK:
+        try:
+            check(c)
+            return c
+        except MemoryError:
+            c //= 2
+    return max(c, 1)
+
+
 def largest_tier_chunk(cfg: Config, dtype, device_budget_gb: float | None, state_len: int, n_prompt: int,
                        cache_slots: int = 0) -> int:
     """The largest power-of-two chunk (16 .. the prompt's next power of two) whose tier-mode
     footprint fits beside the cache; 16 when none does (check_tier then refuses the request with
     the numbers)."""
-    c = 16
+    c = MIN_CHUNK
     while c < n_prompt:
         c *= 2
-    while c > 16:
-        try:
-            check_tier(cfg, dtype, device_budget_gb, state_len, c, cache_slots)
-            return c
-        except MemoryError:
-            c //= 2
-    return c
+    return largest_fitting_chunk(lambda ch: check_tier(cfg, dtype, device_budget_gb, state_len, ch, cache_slots), c)
 
 
 def batch_slots(cfg: Config, dtype, device_budget_gb: float | None, length: int, chunk: int, want: int,

@@ -31,7 +31,7 @@ from . import model as M
 from .config import Config
 from .sampling import greedy_loop, row_draw
 from .settings import Settings
-from .shapes import default_chunk
+from .shapes import default_chunk, state_length
 
 
 def greedy_steps(forward_row, state, token, pos, n, *, block: int, acc=None, draw=None):
@@ -114,7 +114,10 @@ class Runner:
         budget.check_resident(self.cfg, self.dtype, self.budget_gb, state_len, chunk, self.devices or 1)
 
     def pick_chunk(self, n_prompt: int, n_new: int = 0) -> int:
-        return default_chunk(n_prompt)
+        """default_chunk, halved while the request's KV/state and the chunk's activations do not fit
+        beside the weights (an 8k prompt of the 35B-A3B on an 80 GB card: 4096, not 8192)."""
+        L = state_length(n_prompt + n_new, self.cfg.max_context)
+        return budget.largest_fitting_chunk(lambda c: self.check_budget(L, c), default_chunk(n_prompt))
 
     # the decode expert cache: tier mode's alone
     cache_slots = 0

@@ -176,8 +176,9 @@ SPECS: tuple[Spec, ...] = (
          "batch: chunked prefill; replay: the decode step once per prompt token (the identity reference; "
          "BARO_PREFILL=on means batch)", env_parse=parse_prefill_env),
     Spec("chunk", "--chunk", "BARO_PREFILL_C", parse_int(lo=1),
-         f"prefill rows per call; auto: the prompt's next power of two up to {DEFAULT_CHUNK} (tier mode: the "
-         "largest that fits the device budget); never changes the bits", default_text="auto"),
+         f"prefill rows per call; auto: the prompt's next power of two up to {DEFAULT_CHUNK}, halved until the "
+         "request fits the device budget (tier mode: the largest that fits, up to the whole prompt); never "
+         "changes the bits", default_text="auto"),
     Spec("variant", "--variant", "BARO_VARIANT", _variant,
          "an opt-in order-changing variant on the ordered backend (xla, attn-fast, delta-chunk), judged by "
          "teacher-forced agreement, not identity; none: the ordered ops as they are", default_text="none"),

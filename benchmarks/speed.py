@@ -222,8 +222,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="1024,8192")
     ap.add_argument("--chunk", default="1024",
                     help="comma list of prefill chunks; the first is the headline; 'auto' = the engine's own "
-                         "pick for each prompt (Engine.pick_chunk: resident default_chunk, tier the largest that "
-                         "fits the budget)")
+                         "pick for each prompt (Engine.pick_chunk: resident default_chunk halved until it fits the "
+                         "device, tier the largest that fits the budget)")
     ap.add_argument("--mode", default="resident", choices=["resident", "tier"],
                     help="tier: routed experts in pinned host memory (batch-ordered arm only; decode through "
                          "the expert cache, its hit rate reported)")

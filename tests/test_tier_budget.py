@@ -180,3 +180,28 @@ def test_a_callers_state_does_not_skip_the_budget():
         eng.prefill(ids, chunk=big, state=eng.new_state(64))
     with pytest.raises(MemoryError, match=f"activations at chunk {big}"):
         eng.prefill_chunk(ids, eng.new_state(64), 0, big)
+
+
+def test_resident_default_chunk_is_the_largest_that_fits():
+    """Resident mode's default chunk halves until the request fits beside the weights (the 35B-A3B's
+    8k prompt on an 80 GB card takes 4096), and keeps the plain default where it fits; the engine's
+    prefill then runs at that chunk with the bytes of the roomy engine's larger one."""
+    cfg = preset("tiny-random")
+    L = state_length(300 + 2, cfg.max_context)
+    need = {c: budget.check_resident(cfg, BF16, None, L, c) for c in (64, 128)}
+    assert need[128] > need[64]
+    gb = budget.budget_gb_for((need[64] + need[128]) // 2)  # chunk 64 fits, 128 does not
+    eng = baro_jax.load("tiny-random", device_budget_gb=gb, progress=False, backend="ordered")
+    roomy = baro_jax.load("tiny-random", progress=False, backend="ordered")
+    assert roomy.pick_chunk(300, 2) == 512  # shapes.default_chunk: the whole prompt in one chunk
+    assert eng.pick_chunk(300, 2) == 64
+    ids = [(7 * i) % 250 + 1 for i in range(300)]
+    tight, full = eng.generate(ids, 2, logprobs=0), roomy.generate(ids, 2, logprobs=0)
+    assert (tight.chunk, full.chunk) == (64, 512)
+    assert tight.generated_ids == full.generated_ids
+    assert [x.tobytes() for x in tight.logprobs] == [x.tobytes() for x in full.logprobs]
+
+    def never(c):
+        raise MemoryError(f"chunk {c} does not fit")
+
+    assert budget.largest_fitting_chunk(never, 4096) == 16  # none fits: the smallest; the request's check refuses

@@ -296,7 +296,8 @@ def test_moe_small_rows_same_bytes(platform, m, monkeypatch):
 # router, and with BARO_MOE_FOLD=0 the shared expert's fused-SwiGLU gate/up and its down and gate
 # GEMMs) and the grouped GEMMs (tiles of 64 rows where the pairs per expert average 8 to 63, of 128
 # from 64: m = 300 and 700 here): BARO_GEMM_WGMMA_GROUPED=down the down GEMM (A read in place), =1
-# the gate/up GEMM with the fused SwiGLU too (A's rows gathered by the producer warp's cp.async);
+# the gate/up GEMM with the fused SwiGLU too (A's rows gathered by the producer warpgroup's cp.async),
+# =sorted both with gate/up's A rows copied into sorted order (into the down output's scratch) first;
 # the same bytes as the default and as one row per call. require fails the call where a grouped
 # GEMM the setting names would fall back, so these bytes are the wgmma kernel's. D x I: the small
 # shape (K = D = 32 for gate/up, K = I = 16 for down: one partial stage), 256 x 136 (gate/up K = 256:
@@ -332,10 +333,12 @@ def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, k, monkeypatch):
         wd = put(platform, *moe_weights_sized(rng, E, D, I, I))
     h = bf16(rng, m, D)
     # (BARO_GEMM_WGMMA, BARO_GEMM_WGMMA_GROUPED, BARO_GEMM_WGMMA_RING): the mma.sync kernels, the
-    # down GEMM alone on wgmma, both grouped GEMMs on wgmma, each wgmma setting with the ring of 4
-    # stages and of 3 (two blocks per SM; the gather's arrivals lag one stage instead of two)
-    settings = (("0", "0", "4"), ("require", "down", "4"), ("require", "1", "4"), ("require", "down", "3"),
-                ("require", "1", "3"))
+    # down GEMM alone on wgmma, both grouped GEMMs on wgmma (gate/up's A rows gathered in the kernel,
+    # or copied into sorted order first), each wgmma setting with the ring of 4 stages and of 3 (two
+    # blocks per SM; the gather's arrivals lag one stage instead of two), and the sorted rows on the
+    # mma.sync kernels (BARO_GEMM_WGMMA=0: gemm_pipe_kernel reads them in place)
+    settings = (("0", "0", "4"), ("require", "down", "4"), ("require", "1", "4"), ("require", "sorted", "4"),
+                ("require", "down", "3"), ("require", "1", "3"), ("require", "sorted", "3"), ("0", "sorted", "4"))
     for fold in ("1", "0"):
         monkeypatch.setenv("BARO_MOE_FOLD", fold)
         got = {}
@@ -345,17 +348,18 @@ def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, k, monkeypatch):
             monkeypatch.setenv("BARO_GEMM_WGMMA_RING", ring)
             poison(platform, (m, D))
             f = jax.jit(lambda *a: cc.moe(*a, top_k=k))  # a fresh jit: the launcher reads the knobs
-            got[grouped, ring] = np.asarray(f(put(platform, h), *wd))
-            assert np.all(np.isfinite(got[grouped, ring])), \
+            got[knob, grouped, ring] = np.asarray(f(put(platform, h), *wd))
+            assert np.all(np.isfinite(got[knob, grouped, ring])), \
                 f"moe m={m} fold={fold} BARO_GEMM_WGMMA={knob} GROUPED={grouped} RING={ring}: unwritten rows"
         monkeypatch.delenv("BARO_GEMM_WGMMA_RING", raising=False)
-        for grouped, ring in got:
-            assert_same_bits(got[grouped, ring], got["0", "4"],
-                             f"moe m={m} fold={fold} BARO_GEMM_WGMMA_GROUPED={grouped} RING={ring} vs the default")
+        for knob, grouped, ring in got:
+            assert_same_bits(got[knob, grouped, ring], got["0", "0", "4"],
+                             f"moe m={m} fold={fold} BARO_GEMM_WGMMA={knob} GROUPED={grouped} RING={ring} "
+                             "vs the default")
         monkeypatch.setenv("BARO_GEMM_WGMMA", "0")
         for i in (0, m - 1):
             one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h[i:i + 1]), *wd))
-            assert_same_bits(one[0], got["1", "4"][i], f"moe m={m} fold={fold} row {i}: wgmma vs one-row call")
+            assert_same_bits(one[0], got["require", "1", "4"][i], f"moe m={m} fold={fold} row {i}: wgmma vs one-row call")
     monkeypatch.delenv("BARO_GEMM_WGMMA", raising=False)
     monkeypatch.delenv("BARO_GEMM_WGMMA_GROUPED", raising=False)
     monkeypatch.delenv("BARO_MOE_FOLD", raising=False)

@@ -637,12 +637,14 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
   // where their tiles are the pipelined kernel's 64 or 128 rows, a block per tile as
   // gemm_pipe_kernel (opt-in, not yet run on a GPU): BARO_GEMM_WGMMA_GROUPED=down the MoE's down
   // GEMM of prefill (A read in place), =1 its gate/up GEMM with the fused SwiGLU too (A's rows
-  // gathered through a_rows by the kernel's producer warp).
+  // gathered through a_rows by the kernel's producer warpgroup), =sorted both, gate/up's A rows
+  // copied into sorted order before the call (moe.cu) and read in place.
   namespace k = baro::knobs;
   const bool wg_plain = p.tiles == nullptr && p.M >= 64 && p.a_rows == nullptr;
   const bool wg_grouped = p.tiles != nullptr && (cfg == GemmConfig::kPipe64 || cfg == GemmConfig::kPipe128) &&
                           (k::is(k::kGemmWgmmaGrouped, "1") ||
-                           (p.a_rows == nullptr && k::is(k::kGemmWgmmaGrouped, "down")));
+                           (p.a_rows == nullptr && (k::is(k::kGemmWgmmaGrouped, "down") ||
+                                                    k::is(k::kGemmWgmmaGrouped, "sorted"))));
   if ((wg_plain || wg_grouped) && !split_w && p.moe.kind == Row1Moe::kNone) {
     const bool wg_need = k::is(k::kGemmWgmma, "require");
     if (wg_need || k::is(k::kGemmWgmma, "1")) {

@@ -311,6 +311,22 @@ __global__ void __launch_bounds__(kElemThreads)
   }
 }
 
+// dst[pos] = h[srow[pos]] (bf16 rows of D, 16-byte copies; D % 8 == 0, h's rows on 16 bytes): the pairs'
+// rows in sorted order, so that a grouped GEMM reads them in place (BARO_GEMM_WGMMA_GROUPED=sorted).
+// A copy: the bits of every row unchanged.
+__global__ void __launch_bounds__(kElemThreads)
+    moe_sort_rows_kernel(const uint16_t* __restrict__ h, int64_t lda, const int32_t* __restrict__ srow,
+                         uint16_t* __restrict__ dst, int64_t rows, int64_t D) {
+  const int64_t per_row = D / 8;
+  const int64_t total = rows * per_row;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kElemThreads + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * kElemThreads) {
+    const int64_t pos = idx / per_row, c = idx % per_row;
+    const uint4 v = *reinterpret_cast<const uint4*>(h + static_cast<int64_t>(srow[pos]) * lda + 8 * c);
+    *reinterpret_cast<uint4*>(dst + pos * D + 8 * c) = v;
+  }
+}
+
 // out[i][d] = routed + sigmoid(sgl[i * sgl_ld]) * sout[i][d],
 // routed = fma over slots in order of w[i,s] * ys[inv[i*k+s]][d], from 0 (inv == nullptr:
 // ys holds the pairs in (row, slot) order, baro_moe_combine's y).
@@ -591,6 +607,14 @@ size_t moe_scratch_bytes(const MoeArgs& a) {
   return moe_layout(a, nullptr, nullptr);
 }
 
+// The gate/up GEMM's A rows copied into sorted order first (BARO_GEMM_WGMMA_GROUPED=sorted): prefill
+// calls on the pipelined configs, every pair placed (no slot pool), no shared expert folded in.
+static bool moe_sorted_a(const MoeArgs& a, const MoePlan& pl) {
+  return baro::knobs::is(baro::knobs::kGemmWgmmaGrouped, "sorted") &&
+         (pl.cfg == GemmConfig::kPipe64 || pl.cfg == GemmConfig::kPipe128) && !pl.share && !pl.fold &&
+         a.slots == nullptr && !a.skip_unslotted && a.D % 8 == 0;
+}
+
 static unsigned elem_blocks(int64_t total) {
   int64_t b = (total + kElemThreads - 1) / kElemThreads;
   if (b > 65535 * 16) b = 65535 * 16;  // grid-stride loops cover the rest
@@ -725,6 +749,19 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
   {
     GemmParams p = moe_gate_up_params(a);
     p.a_rows = s.srow;
+    // BARO_GEMM_WGMMA_GROUPED=sorted (prefill): the pairs' rows of h copied into sorted order first,
+    // into ys (fp32 [P, D], free until the down GEMM writes it: [P, D] bf16 takes half), so that the
+    // gate/up GEMM reads its A in place, by TMA on the wgmma kernel, as the down GEMM does, instead of
+    // gathering rows inside the kernel. A copy, so the same operand bits and the same chains.
+    if (moe_sorted_a(a, pl) && gemm_vec_ok(p)) {
+      uint16_t* sorted = reinterpret_cast<uint16_t*>(s.ys);
+      moe_sort_rows_kernel<<<elem_blocks(P * (D / 8)), kElemThreads, 0, stream>>>(a.h, p.lda, s.srow, sorted, P, D);
+      BARO_MOE_TRY(gpuGetLastError());
+      p.A = sorted;
+      p.lda = D;
+      p.a_rows = nullptr;
+      p.a_total_rows = P;
+    }
     p.tiles = s.tiles;
     p.n_tiles = s.n_tiles;
     p.w_groups = a.slots != nullptr ? a.S : E;  // for the wgmma GEMM's map of W (BARO_GEMM_WGMMA_GROUPED=1)

@@ -206,6 +206,11 @@ stage_attn_wgmma() {
 #     GEMM_WGMMA_SETTINGS="BARO_GEMM_WGMMA_RING=4 BARO_GEMM_WGMMA_RING=3 BARO_GEMM_WGMMA_GROUPED=down \
 #       BARO_GEMM_WGMMA_GROUPED=down,BARO_GEMM_WGMMA_RING=3 BARO_GEMM_WGMMA_GROUPED=1,BARO_GEMM_WGMMA_RING=3" \
 #     bash benchmarks/run_gpu.sh build gemm_wgmma
+# The gather's two answers (docs/PERF.md 2026-12-05: a producer warpgroup for =1, and =sorted):
+#   OUT=dir GEMM_WGMMA_PARTS="tests speed" GEMM_WGMMA_TEST_TIMEOUT=200 GEMM_WGMMA_LENGTHS=8192 \
+#     GEMM_WGMMA_SETTINGS="BARO_GEMM_WGMMA_GROUPED=0 BARO_GEMM_WGMMA_GROUPED=1 BARO_GEMM_WGMMA_GROUPED=sorted \
+#       BARO_GEMM_WGMMA_GROUPED=1,BARO_GEMM_WGMMA_RING=3 BARO_GEMM_WGMMA_GROUPED=sorted,BARO_GEMM_WGMMA_RING=3" \
+#     bash benchmarks/run_gpu.sh build gemm_wgmma
 stage_gemm_wgmma() {
   local part
   for part in ${GEMM_WGMMA_PARTS:-tests speed gate}; do

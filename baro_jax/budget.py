@@ -25,10 +25,9 @@ import jax
 from .checks import as_int, budget_gb
 from .ops import kernel_scratch_bytes
 from .config import DELTA_BLOCK, FULL, Config
-from .shapes import MIN_CHUNK
 from .pool import page_bytes as pool_page_bytes, slot_bytes as pool_slot_bytes
 from .settings import DEFAULT_CACHE_SLOTS, DEFAULT_KV_PAGE
-from .shapes import state_length
+from .shapes import MIN_CHUNK, state_length
 from .weights import param_shapes
 
 ACTIVATION_MARGIN = 1.25  # XLA temporaries beside the XLA-side activation buffers counted below

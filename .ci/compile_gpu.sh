@@ -19,7 +19,7 @@ FFI="$("$PY" -c 'import jax; print(jax.ffi.include_dir())')"
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 SRCS=(csrc/gpu/*.cu)
-SYMBOLS=(BaroMatmulGpu BaroRmsnormGpu BaroGatedNormGpu BaroAttentionGpu BaroConvGpu BaroDeltaGpu BaroDeltaBlockedGpu BaroMoeGpu BaroMoeSlotsGpu BaroMoeHostSmallGpu BaroMoeRouteGpu BaroMoePairsGpu BaroMoeCombineGpu BaroAttentionRowsGpu BaroLogSoftmaxGpu)
+SYMBOLS=(BaroMatmulGpu BaroRmsnormGpu BaroGatedNormGpu BaroAttentionGpu BaroConvGpu BaroDeltaGpu BaroDeltaBlockedGpu BaroMoeGpu BaroMoeSlotsGpu BaroMoeHostSmallGpu BaroMoeRouteGpu BaroMoePairsGpu BaroMoeCombineGpu BaroAttentionRowsGpu BaroLogSoftmaxGpu BaroTopkRowsGpu)
 INC=(-Icsrc/gpu -Icsrc/common -isystem "$FFI")
 JOBS="$(nproc 2>/dev/null || echo 2)"
 # attention_wgmma.cu and gemm_wgmma.cu use wgmma, which only the arch-specific sm_90a target has

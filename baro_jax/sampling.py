@@ -174,6 +174,22 @@ def _prefix_sums(x):
     return x
 
 
+def rows_top_k(logits, k: int):
+    """Each row's k largest logits and their ids, largest first, ties to the lower id: baro_topk_rows
+    (a radix select per row) where BARO_TOPK_ROWS lets it run on the logits' platform, else
+    jax.lax.top_k. The two give the same bytes (tests/test_kernels_topk.py), so the choice is speed
+    alone; it is made when a graph is traced (a process keeps a traced graph's choice)."""
+    try:
+        import custom_calls as cc
+        from custom_calls.knobs import knob
+    except Exception:  # noqa: BLE001  (no kernel library: the xla backend runs without one)
+        return jax.lax.top_k(logits, k)
+    where, gpu = knob("BARO_TOPK_ROWS"), cc.gpu_platform(logits)
+    if where == "off" or (gpu or "cpu") not in cc.available_platforms() or (gpu and (where != "all" or k > 256)):
+        return jax.lax.top_k(logits, k)
+    return cc.topk_rows(logits, k)
+
+
 def sample_rows(logits, temperature, top_k, top_p, key_data, index, *, k_max: int):
     """Each row's next id, drawn inside a graph: row r from softmax(logits[r] / temperature[r])
     with the key fold_in(key_data[r], index[r]) (token_key's), restricted to its top_k largest
@@ -192,7 +208,7 @@ def sample_rows(logits, temperature, top_k, top_p, key_data, index, *, k_max: in
     noise = jax.vmap(lambda k: gumbel_noise(k, V))(keys)
     drawn = _gumbel_max(z, noise)
     if k_max:
-        vals, ids = jax.lax.top_k(logits, k_max)  # ties to the lower id
+        vals, ids = rows_top_k(logits, k_max)  # ties to the lower id
         zs = vals / t
         j = jnp.arange(k_max)[None, :]
         in_k = j < top_k[:, None]

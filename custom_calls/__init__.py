@@ -15,12 +15,14 @@ from .matmul import matmul
 from .moe import HostStore, host_store, moe, moe_combine, moe_host, moe_pairs, moe_route, moe_slots
 from .norm import add_rmsnorm, gated_norm, rmsnorm
 from .scratch import scratch_bytes
+from .topk import topk_rows
 
 
 
-def gpu_platform() -> str | None:
-    """The GPU platform ("CUDA" or "ROCM") a call on the default device runs on, None for the CPU."""
-    return _lib.gpu_platform(())
+def gpu_platform(*arrays) -> str | None:
+    """The GPU platform ("CUDA" or "ROCM") a call on these arrays runs on (on the default device
+    where none is given, or inside jit), None for the CPU."""
+    return _lib.gpu_platform(arrays)
 
 
 load()
@@ -35,5 +37,5 @@ __all__ = [
     "available_platforms", "library_paths", "load_errors",
     "matmul", "rmsnorm", "add_rmsnorm", "gated_norm", "attention", "conv", "delta", "delta_blocked", "moe",
     "moe_slots", "moe_route", "moe_pairs", "moe_combine", "moe_host", "host_store", "HostStore", "FetchRing",
-    "scratch_bytes", "gpu_platform", "attention_rows", "log_softmax",
+    "scratch_bytes", "gpu_platform", "attention_rows", "log_softmax", "topk_rows",
 ]

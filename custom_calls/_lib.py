@@ -46,6 +46,7 @@ TARGETS = {
     "baro_fetch_experts": "BaroFetchExperts",  # tier decode: pool[slot] = store[expert] by the copy engines
     "baro_attention_rows": "BaroAttentionRows",  # many sequences: each row its own slot of a KV pool
     "baro_log_softmax": "BaroLogSoftmax",  # row-wise log-softmax in a fixed order (logprobs)
+    "baro_topk_rows": "BaroTopkRows",  # each row's k largest logits (sampling's top_k in the decode graph)
 }
 
 # Targets with a CPU kernel only: on a GPU platform whose library does not export them, a stub

@@ -222,3 +222,26 @@ def test_which_samplings_are_drawn_in_the_graph():
     assert k_max_for([Sampling(temperature=1.0), Sampling()], v) == 0
     assert k_max_for([Sampling(temperature=1.0, top_k=3)], v) == K_DEVICE
     assert k_max_for([Sampling(temperature=1.0, top_k=3)], 7) == 7
+
+
+@pytest.mark.parametrize("v", (300, 4099))
+def test_sample_rows_same_bytes_with_either_top_k(rng, v, monkeypatch):
+    """BARO_TOPK_ROWS picks baro_topk_rows or lax.top_k for the draw's top_k when the graph is
+    traced: the same ids either way, and the setting reaches the graph (the custom call is in it
+    only where it runs)."""
+    from baro_jax.sampling import sample_rows
+
+    P = 9
+    x = np.stack([_logits(rng, v, ties=r % 2 == 0) for r in range(P)])
+    sps = [Sampling(temperature=0.8, top_k=int(rng.integers(2, K_DEVICE + 1)), top_p=float(rng.choice([1.0, 0.7])),
+                    seed=int(rng.integers(1 << 62))) for _ in range(P)]
+    args = (jnp.asarray(x),) + _rows_inputs(sps, v, rng.integers(0, 1 << 20, P))
+    got = {}
+    for where in ("cpu", "off"):
+        monkeypatch.setenv("BARO_TOPK_ROWS", where)
+        # a fresh function, so a fresh trace (jit caches traces by function): the knob is read there
+        f = jax.jit(lambda *a, k_max: sample_rows(*a, k_max=k_max), static_argnames=("k_max",))
+        hlo = f.lower(*args, k_max=k_max_for(sps, v)).as_text()
+        assert ("baro_topk_rows" in hlo) == (where == "cpu"), where
+        got[where] = np.asarray(f(*args, k_max=k_max_for(sps, v)))
+    assert got["cpu"].tobytes() == got["off"].tobytes()

@@ -34,6 +34,15 @@
       .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>() /* logits [m, V] */                               \
       .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>() /* out [m, V] */
 
+// baro_topk_rows: each row's k largest logits (IEEE total order: +NaN > +inf > ... > +0 > -0 > ...
+// > -inf > -NaN, as lax.top_k orders them), largest first, equal bit patterns by lower id.
+#define BARO_BIND_TOPK_ROWS_ARGS(bind)                                                              \
+  (bind)                                                                                            \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>() /* logits [m, V] */                               \
+      .Attr<int32_t>("k")                                                                           \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>() /* vals [m, k] */                                 \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::S32>>() /* ids [m, k] */
+
 namespace baro {
 
 // KV positions per KV block of the attention kernels (CPU attn::kBlock, CUDA kFaKB): a page
@@ -109,6 +118,29 @@ inline ::xla::ffi::Error check_log_softmax(const ::xla::ffi::Buffer<::xla::ffi::
   BARO_CHECK(m >= 1 && V >= 1, op, "logits must have shape [m, V] with m, V >= 1, got " << dims_str(x.dimensions()));
   BARO_RETURN_IF(expect_shape(op, "out (result)", out, {m, V}));
   d = LogSoftmaxDims{m, V};
+  return ::xla::ffi::Error::Success();
+}
+
+// The selection key of a logit: its bits mapped so that unsigned order is the IEEE total order
+// (negatives reversed below the positives). Equal keys are equal bit patterns.
+inline uint32_t topk_key(uint32_t bits) { return bits ^ ((bits >> 31) ? 0xffffffffu : 0x80000000u); }
+
+struct TopkRowsDims {
+  int64_t m, V, k;
+};
+
+inline ::xla::ffi::Error check_topk_rows(const ::xla::ffi::Buffer<::xla::ffi::F32>& x, int32_t k,
+                                         const ::xla::ffi::Buffer<::xla::ffi::F32>& vals,
+                                         const ::xla::ffi::Buffer<::xla::ffi::S32>& ids, TopkRowsDims& d) {
+  const char* op = "baro_topk_rows";
+  BARO_RETURN_IF(expect_rank(op, "logits", x, 2));
+  const int64_t m = x.dimensions()[0], V = x.dimensions()[1];
+  BARO_CHECK(m >= 1 && V >= 1, op, "logits must have shape [m, V] with m, V >= 1, got " << dims_str(x.dimensions()));
+  BARO_CHECK(V <= 0x7fffffffLL, op, "V=" << V << " ids do not fit int32");
+  BARO_CHECK(k >= 1 && k <= V, op, "k must be in [1, V=" << V << "], got " << k);
+  BARO_RETURN_IF(expect_shape(op, "vals (result)", vals, {m, k}));
+  BARO_RETURN_IF(expect_shape(op, "ids (result)", ids, {m, k}));
+  d = TopkRowsDims{m, V, k};
   return ::xla::ffi::Error::Success();
 }
 

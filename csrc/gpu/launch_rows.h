@@ -41,4 +41,9 @@ gpuError_t launch_attention_rows(const AttentionRowsArgs& r, void* scratch, gpuS
 // ---- baro_log_softmax (log_softmax.cu) ----
 gpuError_t launch_log_softmax(const float* x, float* y, int64_t m, int64_t V, gpuStream_t stream);
 
+// ---- baro_topk_rows (topk_rows.cu) ----
+// vals / ids [m, k]: each row's k (<= 256) largest of x [m, V], largest first (contract_rows.h).
+gpuError_t launch_topk_rows(const float* x, float* vals, int32_t* ids, int64_t m, int64_t V, int k,
+                            gpuStream_t stream);
+
 }  // namespace baro_gpu

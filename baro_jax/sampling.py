@@ -175,19 +175,14 @@ def _prefix_sums(x):
 
 
 def rows_top_k(logits, k: int):
-    """Each row's k largest logits and their ids, largest first, ties to the lower id: baro_topk_rows
-    (a radix select per row) where BARO_TOPK_ROWS lets it run on the logits' platform, else
-    jax.lax.top_k. The two give the same bytes (tests/test_kernels_topk.py), so the choice is speed
-    alone; it is made when a graph is traced (a process keeps a traced graph's choice)."""
+    """Each row's k largest logits and their ids, largest first, ties to the lower id: the kernel
+    library's custom_calls.topk.top_k (baro_topk_rows where its knob lets it run, else lax.top_k:
+    the same bytes), or lax.top_k where the library is not there (the xla backend runs without it)."""
     try:
-        import custom_calls as cc
-        from custom_calls.knobs import knob
-    except Exception:  # noqa: BLE001  (no kernel library: the xla backend runs without one)
+        from custom_calls.topk import top_k
+    except Exception:  # noqa: BLE001
         return jax.lax.top_k(logits, k)
-    where, gpu = knob("BARO_TOPK_ROWS"), cc.gpu_platform(logits)
-    if where == "off" or (gpu or "cpu") not in cc.available_platforms() or (gpu and (where != "all" or k > 256)):
-        return jax.lax.top_k(logits, k)
-    return cc.topk_rows(logits, k)
+    return top_k(logits, k)
 
 
 def sample_rows(logits, temperature, top_k, top_p, key_data, index, *, k_max: int):

@@ -478,6 +478,23 @@ stage_batch() {
     --max-context 9216 --configs "${BATCH_GATE_CONFIGS:-n/4:256,n:1024}" \
     --json "$OUT/batch_identity_${CARD}.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
 }
+# baro_topk_rows on the GPU (csrc/gpu/topk_rows.cu; docs/PERF.md 2026-12-05): its byte tests
+# against a numpy reference and lax.top_k, then sampled decode at BATCH_SIZES (Qwen3.5's
+# generation_config sampling: temperature 0.7, top_k 20, top_p 0.8) with the draw's top_k from
+# lax.top_k (BARO_TOPK_ROWS=off, the GPU default until these tests pass) and from the kernel (=all);
+# the ids are the same either way. $OUT/throughput_topk20_rows_{off,all}_${CARD}.json.
+stage_topk() {
+  timeout "${TOPK_TEST_TIMEOUT:-120}" python -m pytest -m gpu tests/test_kernels_topk.py -q -p no:cacheprovider 2>&1 \
+    | tee "$OUT/gpu_topk_tests_${CARD}.txt" | tail -3
+  local w
+  for w in off all; do
+    echo "--- BARO_TOPK_ROWS=$w"
+    BARO_TOPK_ROWS=$w timeout "${THROUGHPUT_TIMEOUT:-300}" python benchmarks/throughput.py --model qwen3.5-35b-a3b \
+      --batches "${BATCH_SIZES:-8,64}" --prompt-len 1024 --new-tokens "${BATCH_NEW:-256}" --check 2 \
+      --bandwidth-tbs "$BANDWIDTH_TBS" --temperature 0.7 --top-k 20 --top-p 0.8 \
+      --json "$OUT/throughput_topk20_rows_${w}_${CARD}.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -4
+  done
+}
 # The many-sequence decode step's kernel knobs (speed only, same bits): decode_profile.py --batch
 # BATCH_KNOBS_B (64) once per setting in BATCH_KNOBS, the step time and the kernels they move.
 # The shared-A stream at B = 8 (docs/PERF.md 2026-12-05), after its byte tests

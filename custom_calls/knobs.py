@@ -4,7 +4,7 @@ The C++ code reads its knobs through csrc/common/knobs.h, on every call (the ker
 them between calls); this is the same table (tests/test_knobs.py checks the two agree, and that
 no getenv in csrc reads a name outside it) with a line on what each knob does and which file
 reads it. Four more are read in Python: BARO_CMDBUF_OPS (custom_calls/_lib.py),
-BARO_MOE_SMALL_ROWS (custom_calls/moe.py), BARO_TOPK_ROWS (baro_jax/sampling.py) and the loader's
+BARO_MOE_SMALL_ROWS (custom_calls/moe.py), BARO_TOPK_ROWS (custom_calls/topk.py) and the loader's
 BARO_LIB_DIR. Every knob is a speed
 or test switch: none changes the bits, except BARO_DELTA_BLOCKED_MMA (the blocked delta rule's
 arithmetic on CUDA: its own bits, identical between prefill and decode under each setting).
@@ -212,7 +212,7 @@ _TABLE: tuple[Knob, ...] = (
     Knob("BARO_TOPK_ROWS", "choice", "cpu", choices=("cpu", "all", "off"), reader="Python",
          doc="the top_k of sampling inside the decode graph: cpu: baro_topk_rows (a radix select per row, the "
              "same bytes as lax.top_k) on the CPU, lax.top_k on GPUs until its byte tests pass there; all: "
-             "baro_topk_rows wherever its kernel is built; off: lax.top_k everywhere (baro_jax/sampling.py)"),
+             "baro_topk_rows wherever its kernel is built; off: lax.top_k everywhere (custom_calls/topk.py)"),
     Knob("BARO_LIB_DIR", "path", None, reader="Python", default_text="unset",
          doc="a directory searched first for libbaro_cpu.so / libbaro_cuda.so / libbaro_hip.so "
              "(custom_calls/_lib.py)"),

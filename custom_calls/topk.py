@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _check as C
-from ._lib import check_gpu_limits, check_runnable
+from ._lib import available_platforms, check_gpu_limits, check_runnable, gpu_platform
+from .knobs import knob
 
 OP = "baro_topk_rows"
 MAX_K_GPU = 256  # the GPU kernel's candidates live in shared memory
@@ -36,3 +37,14 @@ def topk_rows(logits, k: int):
     check_runnable(OP, (logits,))
     return jax.ffi.ffi_call(OP, (jax.ShapeDtypeStruct((m, k), C.F32), jax.ShapeDtypeStruct((m, k), jnp.int32)))(
         logits, k=np.int32(k))
+
+
+def top_k(logits, k: int):
+    """jax.lax.top_k(logits, k)'s result, from topk_rows where BARO_TOPK_ROWS lets the kernel run on
+    the logits' platform (cpu, the default: the CPU only; all: GPUs too; off: nowhere), else from
+    lax.top_k. The same bytes either way (tests/test_kernels_topk.py), so the knob is speed alone;
+    it is read when a graph is traced (a process keeps a traced graph's choice)."""
+    where, gpu = knob("BARO_TOPK_ROWS"), gpu_platform((logits,))
+    if where == "off" or (gpu or "cpu") not in available_platforms() or (gpu and (where != "all" or k > MAX_K_GPU)):
+        return jax.lax.top_k(logits, k)
+    return topk_rows(logits, k)

@@ -71,7 +71,7 @@ def test_cpp_table_equals_the_python_table():
             assert k.default == (dflt if lo <= dflt <= hi else None), name
     python_only = {k.name for k in K.KNOBS.values() if k.reader == "Python"}
     readers = {"BARO_CMDBUF_OPS": "custom_calls/_lib.py", "BARO_LIB_DIR": "custom_calls/_lib.py",
-               "BARO_MOE_SMALL_ROWS": "custom_calls/moe.py", "BARO_TOPK_ROWS": "baro_jax/sampling.py"}
+               "BARO_MOE_SMALL_ROWS": "custom_calls/moe.py", "BARO_TOPK_ROWS": "custom_calls/topk.py"}
     assert python_only == set(readers)
     for name, file in readers.items():  # and they are read where the table says
         assert f'knob("{name}")' in (ROOT / file).read_text() or name == "BARO_LIB_DIR", name

@@ -116,15 +116,16 @@ def per_device(kernels, n_steps: int) -> dict:
     return out
 
 
-def short(name: str) -> str:
-    """A kernel's name without its template arguments and parameter list (for grouping). The
-    anonymous namespace's parentheses go first: they cut conv's and delta's names to
-    'void baro_gpu::' in the e8351f8 profile, one group for both."""
+def short(name: str, templates: bool = False) -> str:
+    """A kernel's name without its parameter list and (unless templates) its template arguments,
+    for grouping. The anonymous namespace's parentheses go first: they cut conv's and delta's names
+    to 'void baro_gpu::' in the e8351f8 profile, one group for both. templates keeps the instances
+    apart (gemm_wgmma_kernel<128, true, true, 4>: the MoE's gathered gate/up, not a dense GEMM)."""
     name = name.replace("(anonymous namespace)::", "")
-    for sep in ("(", "<"):
+    for sep in ("(",) if templates else ("(", "<"):
         if sep in name:
             name = name.split(sep, 1)[0]
-    return name.strip()[:80]
+    return name.strip()[:120 if templates else 80]
 
 
 def one_sequence_steps(eng, args, length: int):
@@ -243,6 +244,8 @@ def main(argv=None):
                          "both graphs); with --prefill, untimed prefills (default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--top", type=int, default=25, help="kernel groups to print")
+    ap.add_argument("--templates", action="store_true",
+                    help="group kernels by their template instance (a kernel's instances apart), not by name")
     ap.add_argument("--per-token", action="store_true",
                     help="one device call per token (decode_step + host argmax) instead of greedy blocks")
     ap.add_argument("--mode", default="resident", choices=["resident", "tier"],
@@ -333,7 +336,7 @@ def main(argv=None):
         span = ((max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)) / 1e6 / n) if kernels else 0.0
         groups = collections.defaultdict(lambda: [0, 0])
         for name, s, e in kernels:
-            g = groups[short(name)]
+            g = groups[short(name, args.templates)]
             g[0] += 1
             g[1] += e - s
         rows = sorted(({"kernel": k, "per_step": c / n, "ms_per_step": t / 1e6 / n, "mean_us": t / 1e3 / c}

@@ -398,7 +398,8 @@ stage_prefill_profile() {
   local n
   for n in ${PREFILL_PROFILE_LENGTHS:-8192 32768}; do
     timeout 240 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --prefill --context "$n" --steps 2 \
-      ${PREFILL_PROFILE_CHUNK:+--chunk "$PREFILL_PROFILE_CHUNK"} --top 30 --json "$OUT/prefill_profile_${n}_${CARD}.json" \
+      ${PREFILL_PROFILE_CHUNK:+--chunk "$PREFILL_PROFILE_CHUNK"} ${PREFILL_PROFILE_ARGS:-} --top 30 \
+      --json "$OUT/prefill_profile_${n}_${CARD}.json" \
       2>&1 | grep -v '^\[baro_jax\]' | tail -34
   done
 }

@@ -13,6 +13,11 @@ def test_profile_groups_kernels_by_name_without_templates_or_namespaces():
     assert short("void baro_gpu::gemm_row1_kernel<true, 2, 1>(baro_gpu::GemmParams, long)") == \
         "void baro_gpu::gemm_row1_kernel"
     assert short("loop_add_fusion") == "loop_add_fusion"
+    # --templates: a kernel's instances apart (the MoE's gathered gate/up GEMM, not the dense ones)
+    wg = "void baro_gpu::gemm_wgmma_kernel<128, true, true, 4>(baro_gpu::GemmParams, baro_gpu::WgGemmMaps)"
+    assert short(wg) == "void baro_gpu::gemm_wgmma_kernel"
+    assert short(wg, templates=True) == "void baro_gpu::gemm_wgmma_kernel<128, true, true, 4>"
+    assert short(conv, templates=True) == "void baro_gpu::conv_kernel<8, float>"
 
 
 def test_profile_splits_devices_and_counts_their_collectives():

@@ -180,7 +180,7 @@ def rows_top_k(logits, k: int):
     the same bytes), or lax.top_k where the library is not there (the xla backend runs without it)."""
     try:
         from custom_calls.topk import top_k
-    except Exception:  # noqa: BLE001
+    except ImportError:  # custom_calls missing, or its library not built (LibraryLoadError)
         return jax.lax.top_k(logits, k)
     return top_k(logits, k)
 

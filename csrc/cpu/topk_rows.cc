@@ -4,7 +4,7 @@
 // every batch (the GPU kernel gives these bytes; tests/test_kernels_topk.py).
 #include <algorithm>
 #include <cstring>
-#include <numeric>
+#include <utility>
 #include <vector>
 
 #include "contract_rows.h"
@@ -22,23 +22,36 @@ ffi::Error TopkRowsImpl(ffi::Buffer<ffi::F32> x, int32_t k, ffi::ResultBuffer<ff
   const float* xp = x.typed_data();
   float* vp = vals->typed_data();
   int32_t* ip = ids->typed_data();
-  baro::parallel_for(d.m, 8.0 * V, [&](int64_t r0, int64_t r1) {
-    std::vector<uint32_t> key(static_cast<size_t>(V));
-    std::vector<int32_t> idx(static_cast<size_t>(V));
+  // One pass a row keeping the k best so far in a heap whose front is the worst of them: a later
+  // id only enters with a strictly larger key (an equal key with a larger id ranks below), so
+  // most of the row costs one comparison. Then the k sorted best first.
+  using Entry = std::pair<uint32_t, int32_t>;  // (key, id)
+  const auto better = [](const Entry& a, const Entry& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  };
+  baro::parallel_for(d.m, 4.0 * V, [&](int64_t r0, int64_t r1) {
+    std::vector<Entry> heap;
+    heap.reserve(static_cast<size_t>(K));
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = xp + r * V;
+      heap.clear();
       for (int64_t j = 0; j < V; ++j) {
         uint32_t b;
         std::memcpy(&b, xr + j, 4);
-        key[j] = baro::topk_key(b);
+        const uint32_t key = baro::topk_key(b);
+        if (static_cast<int64_t>(heap.size()) < K) {
+          heap.emplace_back(key, static_cast<int32_t>(j));
+          std::push_heap(heap.begin(), heap.end(), better);
+        } else if (key > heap.front().first) {
+          std::pop_heap(heap.begin(), heap.end(), better);
+          heap.back() = Entry(key, static_cast<int32_t>(j));
+          std::push_heap(heap.begin(), heap.end(), better);
+        }
       }
-      std::iota(idx.begin(), idx.end(), 0);
-      std::partial_sort(idx.begin(), idx.begin() + K, idx.end(), [&](int32_t a, int32_t b) {
-        return key[a] != key[b] ? key[a] > key[b] : a < b;
-      });
+      std::sort(heap.begin(), heap.end(), better);
       for (int64_t i = 0; i < K; ++i) {
-        vp[r * K + i] = xr[idx[i]];
-        ip[r * K + i] = idx[i];
+        vp[r * K + i] = xr[heap[i].second];
+        ip[r * K + i] = heap[i].second;
       }
     }
   });

@@ -73,6 +73,10 @@ def test_topk_rows_is_the_total_order(platform, m, V, k):
         v1, i1 = run(platform, x[r:r + 1], k)
         assert_same_bits(i1[0], ids[r], f"topk_rows row {r} vs its one-row call")
         assert_same_bits(v1[0], vals[r], f"topk_rows row {r} values vs its one-row call")
+    if m > 2:  # the rows in two uneven calls
+        cut = int(rng.integers(1, m))
+        parts = [run(platform, x[a:b], k) for a, b in ((0, cut), (cut, m))]
+        assert_same_bits(np.concatenate([p[1] for p in parts]), ids, f"topk_rows split at {cut} of {m}")
 
 
 def test_all_equal_row_takes_the_lowest_ids(platform):

@@ -206,3 +206,28 @@ def test_throughput_samples_each_sequence_with_its_own_seed_and_checks_it_alone(
     assert [x.seed for x in s] == [0, 1, 2] and all(x.temperature == 0.5 for x in s)
     with pytest.raises(SystemExit):
         throughput.main(["--model", "tiny", "--batches", "1", "--temperature", "-1"])
+
+
+def test_throughput_records_a_batch_the_device_cannot_hold_and_goes_on(tmp_path):
+    """A batch size whose slots do not fit the device budget is refused before any work: its row
+    says why (MemoryError), the other rows still run and the JSON and plot are written, and the
+    run reports failure."""
+    import json
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    import baro_jax
+    from baro_jax import budget
+
+    cfg = baro_jax.load("tiny", progress=False).cfg
+    gb = next(float(g) for g in np.linspace(0.05, 4.0, 4000)
+              if 2 <= budget.batch_slots(cfg, jnp.bfloat16, float(g), 1024, 16, 8)[0] < 8)
+    out, png = tmp_path / "t.json", tmp_path / "t.png"
+    rc = throughput.main(["--model", "tiny", "--batches", "1,8", "--prompt-len", "12", "--new-tokens", "3",
+                          "--chunk", "16", "--check", "1", "--device-budget-gb", str(gb), "--json", str(out),
+                          "--png", str(png)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rc == 1 and png.exists()
+    assert rows[0]["batch"] == 1 and rows[0]["equal_alone"] == [True] and "error" not in rows[0]
+    assert rows[1]["batch"] == 8 and rows[1]["error"].startswith("MemoryError: max_batch 8 slots"), rows[1]

@@ -629,8 +629,9 @@ class BatchRun:
         sampled = [s for s in decoding if not s.sampling.greedy]
         # the rows drawn in the graph in one call over the step's rows (each row's bits are its
         # own), the others one row at a time; all dispatched before one wait
-        graph = [s for s in sampled if drawn_in_graph(s.sampling, self.cfg.vocab_size)]
-        on_row = [s for s in sampled if not drawn_in_graph(s.sampling, self.cfg.vocab_size)]
+        graph, on_row = [], []
+        for s in sampled:
+            (graph if drawn_in_graph(s.sampling, self.cfg.vocab_size) else on_row).append(s)
         in_graph = None
         if graph:
             samp, k_max = self._sampling_rows(decoding, P)

@@ -269,12 +269,14 @@ class Engine:
         sharding = self.runner.token_sharding
         tok = jnp.int32(token) if sharding is None else jax.device_put(jnp.int32(token), sharding)
         pending = None  # (tokens on the device, how many are real) of the block in flight
+        samp, k_max = block_inputs(sampling, self.cfg.vocab_size, index)  # once; each block moves its index on
         while done < n or pending is not None:
             queued = None
             if done < n:
                 k = min(block, n - done)
-                samp, k_max = block_inputs(sampling, self.cfg.vocab_size, index + done)
                 dev, tok, state = self.runner.greedy_block(state, tok, jnp.int32(pos + done), k, block, samp, k_max)
+                if samp is not None:  # the next block's first token is k further on (as the pool's blocks)
+                    samp = samp[:4] + (samp[4] + k,)
                 queued = (dev, k)
                 done += k
             if pending is not None:

@@ -34,7 +34,7 @@ from .block_manager import BlockManager, pages_for, positions_of
 from .logprobs import row_logprobs
 from .ops_xla import KV_BLOCK
 from .results import GenerateResult, check_logprobs
-from .sampling import K_DEVICE, SAMPLE_ROWS, Sampling, draw_row, drawn_in_graph, k_max_for, row_params, sample_rows
+from .sampling import SAMPLE_ROWS, Sampling, draw_row, k_max_for, ranks_needed, row_params, sample_rows
 from .scheduler import Scheduler, Sequence
 from .settings import DEFAULT_KV_PAGE
 from .shapes import state_length
@@ -118,7 +118,7 @@ def _decode_block(params, pool, table, tokens, running, pos, left, stops, rope, 
     logprobs, top ids, top values (None when not asked), the pool, and (tokens, running, pos,
     left) after the block: the next block's inputs, so that it can be queued before this one's
     ids are read). samp (with k_max, sample_rows'): the rows' (temperature, top_k, top_p, key data,
-    index of the block's first token) where some row is sampled (every row drawn_in_graph); a row
+    index of the block's first token) where some row is sampled; a row
     draws its i-th token of the block with index + i, so its ids are those it draws alone."""
     P = tokens.shape[0]  # the pool's first P slots (as _decode)
 
@@ -259,17 +259,10 @@ def pooled_ops(ops):
     return _POOLED[id(ops)][1]
 
 
-def draw(logits_row, seq: Sequence):
-    """The sequence's next token from its logits row [V], as a device scalar not yet read
-    (sampling.draw_row with the token's index: the rule Engine.generate draws by). A step's
-    sampled rows are all dispatched before any is read: one transfer for the step, not one round
-    trip per row."""
-    return draw_row(logits_row, seq.sampling, len(seq.generated))
-
-
 def choose(logits_row, seq: Sequence) -> int:
-    """draw(), read."""
-    return int(draw(logits_row, seq))
+    """The sequence's next token from its logits row [V] (sampling.draw_row with the token's index:
+    the rule Engine.generate draws by)."""
+    return int(draw_row(logits_row, seq.sampling, len(seq.generated)))
 
 
 class BatchRun:
@@ -372,7 +365,7 @@ class BatchRun:
         chunk, and at each row bucket the decode step, the block of steps (whole and shorter), and
         the chunk-and-step pass, with idle slots' states kept and not (prompt_logprobs: also the
         chunk graphs that return every row's logits; sampled: also the blocks and the step's draw
-        for sequences drawn in the graph, plain temperature and top_k). Otherwise a round that first
+        at each ranking width: plain temperature, a top_k of at most K_DEVICE, the whole row ranked). Otherwise a round that first
         meets a bucket compiles it while every running sequence waits. Each call runs on idle rows
         and a free slot with no pages, which the admission of a sequence clears anyway.
         on_graph(done, total) reports progress. Returns (graphs run, seconds)."""
@@ -390,7 +383,8 @@ class BatchRun:
                                                                 jnp.int32(1), rope, all_logits=a, **kw)[1])
         V = self.cfg.vocab_size
         rows_in = self._sampling_arrays([], self.slots)  # sample_rows' inputs, each bucket its first rows
-        draws = [(None, None)] + ([(rows_in, 0), (rows_in, min(K_DEVICE, V))] if sampled else [])
+        widths = sorted({ranks_needed(s, V) for s in (Sampling(1.0), Sampling(1.0, top_k=2), Sampling(1.0, top_p=0.5))})
+        draws = [(None, None)] + ([(rows_in, w) for w in widths] if sampled else [])
         for k in self.row_buckets():
             rows = jnp.zeros((k,), jnp.int32)
             idle = jnp.zeros((k,), bool)
@@ -506,13 +500,11 @@ class BatchRun:
 
     def _block_length(self, decoding) -> int:
         """Decode steps the next call may run on the device: one while a prompt is being prefilled
-        (its chunks interleave with the steps) or a row needs the host for each token (drawn by `sample`, a
-        kept state with host stops); else up to the block, no longer than the longest sequence has
+        (its chunks interleave with the steps) or a kept state meets stops checked here; else up to the block, no longer than the longest sequence has
         left, and while others wait for a slot no longer than the first to finish by length."""
         if self.block <= 1 or self.sched.next_prefill() is not None:
             return 1
-        if any(not drawn_in_graph(s.sampling, self.cfg.vocab_size) for s in decoding) or (
-                self.keep_states and self.host_stops):
+        if self.keep_states and self.host_stops:
             return 1
         left = [s.max_new_tokens - len(s.generated) for s in decoding]
         return max(1, min(self.block, min(left) if self.sched.waiting else max(left)))
@@ -627,22 +619,17 @@ class BatchRun:
         self.steps["decode_rows"] += P
         self.steps["decode_calls"] += 1
         sampled = [s for s in decoding if not s.sampling.greedy]
-        # the rows drawn in the graph in one call over the step's rows (each row's bits are its
-        # own), the others one row at a time; all dispatched before one wait
-        graph, on_row = [], []
-        for s in sampled:
-            (graph if drawn_in_graph(s.sampling, self.cfg.vocab_size) else on_row).append(s)
+        # the sampled rows drawn in one call over the step's rows (each row's bits are its own),
+        # dispatched before one wait
         in_graph = None
-        if graph:
+        if sampled:
             samp, k_max = self._sampling_rows(decoding, P)
             in_graph = SAMPLE_ROWS(logits, *samp, k_max=k_max)
-        ids, in_graph, drawn = jax.device_get((ids, in_graph, [draw(logits[s.slot], s) for s in on_row]))
+        ids, in_graph = jax.device_get((ids, in_graph))
         ids = np.array(ids)  # a copy: sampled rows' ids are written in
         if sampled:
-            for s in graph:
+            for s in sampled:
                 ids[s.slot] = in_graph[s.slot]
-            for s, t in zip(on_row, drawn):
-                ids[s.slot] = int(t)
             if lp is not None:  # every row's pick, so that one graph serves any number of sampled rows
                 rows = np.array([s.slot for s in sampled], np.int32)
                 picked = np.asarray(PICK(lp_rows, jnp.arange(P, dtype=jnp.int32), jnp.asarray(ids)))[rows]

@@ -28,7 +28,7 @@ from .scheduler import Sequence
 from .config import Config
 from .ops import BackendUnavailable, get_ops
 from .runner import ResidentRunner, Runner
-from .sampling import Sampler, Sampling, block_inputs, draw_row, drawn_in_graph
+from .sampling import Sampler, Sampling, block_inputs, draw_row
 from .logprobs import row_logprobs
 from .settings import PREFILL_MODES, Settings, SettingsError
 from .shapes import state_length
@@ -251,8 +251,7 @@ class Engine:
         this block's tokens are read back, so the device never waits on the host between blocks.
         The state yielded is the newest one (after the block in flight; after the last block at
         the end). A caller that stops early abandons at most one block of work. sampling: a
-        sequence drawn in the graph (sampling.drawn_in_graph) whose first token here is its
-        index-th; None: greedy."""
+        sampled sequence whose first token here is its index-th; None: greedy."""
         block = self.runner.decode_block
         sampling = sampling or Sampling()
         done = 0
@@ -504,7 +503,7 @@ class Engine:
         # Greedy runs blocks of decode steps on the device unless the caller keeps the state: a
         # block may run past an end-of-sequence token, and a kept state must end there.
         # Logprobs need each step's logits on the host, and a kept state must end at the last token.
-        blocks = drawn_in_graph(sampling, self.cfg.vocab_size) and top_n is None and not (keep_state and eos)
+        blocks = top_n is None and not (keep_state and eos)
         if blocks and max_new_tokens > 0:
             tok = sampler(logits)
             go = emit(tok, logits)

@@ -5,7 +5,6 @@ import dataclasses
 import functools
 import math
 import numbers
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -80,31 +79,6 @@ def greedy(logits):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("top_k",))
-def sample(logits, key, temperature, top_k: int, top_p):
-    """One id drawn from softmax(logits / temperature), restricted to the top_k largest logits
-    (0: all) and then to the smallest prefix of them whose probability reaches top_p. Ranks are
-    taken on the logits themselves, ties to the lower id as in greedy, so a temperature that squashes
-    the scaled logits together (1e38) does not reorder them, and top_k=1 or a tiny top_p is greedy.
-    A temperature so small that logits / temperature leaves float32 (or rounds to zero) is the
-    t -> 0 limit: greedy, not a draw among the ids the division made infinite."""
-    if top_k == 1:
-        return greedy(logits)
-    logits = logits.astype(jnp.float32)
-    z = logits / temperature
-    overflow = jnp.any(jnp.isfinite(logits) & ~jnp.isfinite(z))
-    order = jnp.argsort(-logits, stable=True)  # descending, equal logits in id order
-    sz = z[order]
-    if top_k:
-        sz = jnp.where(jnp.arange(sz.shape[-1]) < top_k, sz, -jnp.inf)
-    cum = jnp.cumsum(jax.nn.softmax(sz))
-    mass_before = jnp.concatenate([jnp.zeros((1,), cum.dtype), cum[:-1]])
-    keep = (jnp.arange(sz.shape[-1]) == 0) | ((mass_before < top_p) & (sz > -jnp.inf))
-    kept = jnp.zeros(keep.shape, bool).at[order].set(keep)  # back in id order
-    drawn = _gumbel_max(jnp.where(kept, z, -jnp.inf), gumbel_noise(key, z.shape[-1]))
-    return jnp.where(overflow, greedy(logits), drawn).astype(jnp.int32)
-
-
 def gumbel_noise(key, n: int):
     """n standard Gumbel values from key: uniform u in [tiny, 1) from the top 23 bits of each random
     word (an exact bit pattern, no multiply-add a compiler could fuse one way in one graph and another
@@ -121,17 +95,20 @@ def _gumbel_max(z, noise):
     return jnp.argmax(z + noise, axis=-1).astype(jnp.int32)
 
 
-# The most top_k a sequence may ask for and still be drawn inside a decode graph (sample_rows);
-# larger ones, and top_p < 1 over the whole vocabulary, are drawn by `sample` one row at a time.
+# The widest top_k drawn from each row's K_DEVICE best logits (sample_rows' k_max); a sequence
+# with a wider top_k, or a top_p < 1 over the whole vocabulary, is drawn from its whole row ranked
+# (k_max = V): the same rule, a full sort of the row in place of a selection.
 K_DEVICE = 64
 
 
-def drawn_in_graph(s: Sampling, vocab: int) -> bool:
-    """Whether sample_rows draws this sequence's tokens (else `sample`, on its own row): greedy,
-    plain temperature (no top_k, top_p 1), or a top_k of at most K_DEVICE. The rule depends on the
-    sequence alone, so a sequence draws the same way alone and in any batch."""
+def ranks_needed(s: Sampling, vocab: int) -> int:
+    """How many of a row's best logits its draw looks at: 0 (greedy, or a plain temperature: the
+    whole row unranked), min(K_DEVICE, vocab) (a top_k of at most K_DEVICE), or vocab (a wider
+    top_k, or top_p < 1 without a top_k). Decided by the sequence alone."""
     k = 0 if s.top_k >= vocab else s.top_k
-    return s.greedy or (k == 0 and s.top_p == 1.0) or 1 <= k <= K_DEVICE
+    if s.greedy or k == 1 or (k == 0 and s.top_p == 1.0):
+        return 0
+    return min(K_DEVICE, vocab) if k <= K_DEVICE and k else vocab
 
 
 @functools.lru_cache(maxsize=4096)
@@ -152,6 +129,12 @@ def row_params(s: Sampling, vocab: int):
     return t32, np.int32(0 if s.top_k >= vocab else s.top_k), np.float32(s.top_p), key
 
 
+def _level(x):
+    """One level of a fixed-order sum over a whole row (k_max = V): kept apart from the next level,
+    so that no fused kernel computes a whole row's tree in one thread; the same values either way."""
+    return jax.lax.optimization_barrier(x) if x.shape[-1] > 4096 else x
+
+
 def _pairwise_sum(x):
     """Row sums of x [P, K] in one fixed order (halves added until one column is left; K padded with
     zeros to a power of two): each row's bits depend on its own values only, and zeros past a row's
@@ -160,7 +143,7 @@ def _pairwise_sum(x):
     x = jnp.pad(x, ((0, 0), (0, K - x.shape[-1])))
     while x.shape[-1] > 1:
         h = x.shape[-1] // 2
-        x = x[:, :h] + x[:, h:]
+        x = _level(x[:, :h] + x[:, h:])
     return x[:, 0]
 
 
@@ -169,7 +152,7 @@ def _prefix_sums(x):
     value d places back): element j's bits depend on x[:, :j+1] alone."""
     d = 1
     while d < x.shape[-1]:
-        x = x + jnp.pad(x[:, :-d], ((0, 0), (d, 0)))
+        x = _level(x + jnp.pad(x[:, :-d], ((0, 0), (d, 0))))
         d *= 2
     return x
 
@@ -177,7 +160,10 @@ def _prefix_sums(x):
 def rows_top_k(logits, k: int):
     """Each row's k largest logits and their ids, largest first, ties to the lower id: the kernel
     library's custom_calls.topk.top_k (baro_topk_rows where its knob lets it run, else lax.top_k:
-    the same bytes), or lax.top_k where the library is not there (the xla backend runs without it)."""
+    the same bytes), or lax.top_k where the library is not there (the xla backend runs without it);
+    k = V: the whole row ranked by a sort (_ranked)."""
+    if k == logits.shape[-1]:
+        return _ranked(logits)
     try:
         from custom_calls.topk import top_k
     except ImportError:  # custom_calls missing, or its library not built (LibraryLoadError)
@@ -185,15 +171,26 @@ def rows_top_k(logits, k: int):
     return top_k(logits, k)
 
 
+def _ranked(logits):
+    """lax.top_k(logits, V)'s bytes: each row whole, largest first in the IEEE total order, equal bit
+    patterns by lower id, as one stable sort of 32-bit keys (a radix sort where XLA has one) rather
+    than a top_k of V, which XLA lowers to a comparison sort."""
+    bits = jax.lax.bitcast_convert_type(logits, jnp.uint32)
+    key = bits ^ jnp.where(bits >> 31, np.uint32(0xFFFFFFFF), np.uint32(0x80000000))  # unsigned = total order
+    ids = jnp.argsort(~key, axis=-1, stable=True).astype(jnp.int32)
+    return jnp.take_along_axis(logits, ids, axis=-1), ids
+
+
 def sample_rows(logits, temperature, top_k, top_p, key_data, index, *, k_max: int):
     """Each row's next id, drawn inside a graph: row r from softmax(logits[r] / temperature[r])
     with the key fold_in(key_data[r], index[r]) (token_key's), restricted to its top_k largest
     logits (0: all; ranks on the logits, ties to the lower id) and then to the smallest prefix of
-    them whose probability reaches top_p. Rows must be drawn_in_graph (top_p < 1 only with a top_k);
-    greedy where the temperature is 0, top_k is 1 or logits / temperature leaves float32. k_max:
-    0 where no row has a top_k, else min(K_DEVICE, V) (any k_max >= every row's top_k gives the same
-    bits). Every step is per row (elementwise, argmax, top_k, the fixed-order sums above), so a row's
-    id is the same bits whatever the other rows are and however many there are."""
+    them whose probability reaches top_p. Greedy where the temperature is 0, top_k is 1 or
+    logits / temperature leaves float32. k_max: at least every row's ranks_needed (k_max_for):
+    0, min(K_DEVICE, V), or V (a full ranking of each row, for a wider top_k or top_p < 1 without
+    one); any wider k_max gives the same bits (zeros past a row's ranks leave the sums unchanged).
+    Every step is per row (elementwise, argmax, top_k, the fixed-order sums above), so a row's id
+    is the same bits whatever the other rows are and however many there are."""
     logits = logits.astype(jnp.float32)
     V = logits.shape[-1]
     t = temperature[:, None]
@@ -206,13 +203,14 @@ def sample_rows(logits, temperature, top_k, top_p, key_data, index, *, k_max: in
         vals, ids = rows_top_k(logits, k_max)  # ties to the lower id
         zs = vals / t
         j = jnp.arange(k_max)[None, :]
-        in_k = j < top_k[:, None]
+        in_k = (top_k[:, None] == 0) | (j < top_k[:, None])
         e = jnp.where(in_k, jnp.exp(zs - zs[:, :1]), 0.0)
         pr = e / _pairwise_sum(e)[:, None]
         before = jnp.pad(_prefix_sums(pr)[:, :-1], ((0, 0), (1, 0)))
         keep = (j == 0) | ((before < top_p[:, None]) & in_k)
         pick = _gumbel_max(jnp.where(keep, zs, -jnp.inf), jnp.take_along_axis(noise, ids, axis=1))
-        drawn = jnp.where(top_k > 0, jnp.take_along_axis(ids, pick[:, None], axis=1)[:, 0], drawn)
+        ranked = (top_k > 0) | (top_p < 1)
+        drawn = jnp.where(ranked, jnp.take_along_axis(ids, pick[:, None], axis=1)[:, 0], drawn)
     plain = overflow | (temperature == 0) | (top_k == 1)
     return jnp.where(plain, greedy(logits), drawn).astype(jnp.int32)
 
@@ -241,22 +239,17 @@ def block_inputs(s: Sampling, vocab: int, index: int):
 
 
 def k_max_for(rows, vocab: int) -> int:
-    """sample_rows' k_max for rows of these Samplings."""
-    return min(K_DEVICE, vocab) if any(not s.greedy and 1 < (0 if s.top_k >= vocab else s.top_k) for s in rows) else 0
+    """sample_rows' k_max for rows of these Samplings: the most ranks any of them needs."""
+    return max((ranks_needed(s, vocab) for s in rows), default=0)
 
 
 def draw_row(logits_row, s: Sampling, index: int):
     """One sequence's index-th token from its logits row [V] as a device scalar (not read): greedy,
-    sample_rows on the row alone, or `sample`, by drawn_in_graph."""
+    or sample_rows on the row alone."""
     if s.greedy:
         return greedy(logits_row)
-    V = logits_row.shape[-1]
-    if drawn_in_graph(s, V):
-        samp, k_max = block_inputs(s, V, index)
-        return SAMPLE_ROWS(logits_row[None], *samp, k_max=k_max)[0]
-    with np.errstate(over="ignore", under="ignore"):
-        t32 = np.float32(s.temperature)
-    return sample(logits_row, token_key(s.seed, index), t32, s.top_k, jnp.float32(s.top_p))
+    samp, k_max = block_inputs(s, logits_row.shape[-1], index)
+    return SAMPLE_ROWS(logits_row[None], *samp, k_max=k_max)[0]
 
 
 def token_key(seed: int, index: int):

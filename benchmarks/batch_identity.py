@@ -62,8 +62,8 @@ def parse_args(argv=None):
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--kinds", default="mixed", choices=["mixed", "given"],
                     help="mixed: the sampled sequences take, in turn, the given sampling, a plain --temperature and "
-                         "top_k 20 with --top-p (the last two drawn inside the decode graph, the first, with "
-                         "top_p < 1 over the vocabulary, row by row); given: all the given sampling")
+                         "top_k 20 with --top-p (with top_p < 1 and no top_k, the first ranks each row whole); given: "
+                         "all the given sampling")
     ap.add_argument("--prompt-seed", type=int, default=0,
                     help="draws the lengths, their order, the prompts' ids, the new-token counts and the sampling seeds")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS,

@@ -25,8 +25,8 @@ def eng():
 
 
 def samplings(n):
-    """Half greedy; the sampled half in turn top_p over the vocabulary (drawn row by row), a plain
-    temperature and top_k 20 with top_p (both drawn inside the decode graph)."""
+    """Half greedy; the sampled half in turn top_p over the vocabulary (the row ranked whole), a
+    plain temperature and top_k 20 with top_p."""
     kinds = (dict(top_p=0.95), dict(), dict(top_k=20, top_p=0.95))
     return [Sampling() if i % 2 == 0 else Sampling(temperature=0.8, seed=1000 + i, **kinds[(i // 2) % 3])
             for i in range(n)]

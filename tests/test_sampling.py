@@ -10,8 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from baro_jax.sampling import (K_DEVICE, SAMPLE_ROWS, Sampler, Sampling, draw_row, drawn_in_graph, greedy, k_max_for,
-                               row_params, sample)
+from baro_jax.sampling import (K_DEVICE, SAMPLE_ROWS, Sampler, Sampling, draw_row, greedy, k_max_for, ranks_needed,
+                               row_params)
 
 F32_MAX = float(np.finfo(np.float32).max)
 # fresh each run; BARO_TEST_SEED=<printed seed> replays a failure
@@ -40,7 +40,17 @@ def _f32(t):
 
 
 def _draw(logits, t, k, p, seed):
-    return int(sample(jnp.asarray(logits), jax.random.PRNGKey(seed), _f32(t), k, jnp.float32(p)))
+    """One sequence's draw (its first token) from logits alone, as Engine.generate draws it."""
+    return int(draw_row(jnp.asarray(logits), Sampling(temperature=t, top_k=k, top_p=p, seed=seed), 0))
+
+
+def _draws(logits, t, k, p, seed, n):
+    """n draws from the same logits: a sequence's tokens 0..n-1 (each its own key), in one call of
+    n rows."""
+    v = len(logits)
+    s = Sampling(temperature=t, top_k=k, top_p=p, seed=seed)
+    args = _rows_inputs([s] * n, v, np.arange(n))
+    return np.asarray(SAMPLE_ROWS(jnp.asarray(np.tile(logits, (n, 1))), *args, k_max=k_max_for([s], v)))
 
 
 def _greedy(x):
@@ -108,38 +118,15 @@ def _kept(x, t, k, p, slack=1e-5):
     return sure, maybe, dict(zip(order, pr))
 
 
-@pytest.mark.parametrize("v", (7, 256))
-def test_draws_stay_in_the_kept_set_and_follow_its_probabilities(rng, v):
-    draw = jax.jit(jax.vmap(sample, in_axes=(None, 0, None, None, None)), static_argnums=3)
-    for trial in range(4):
-        x = _logits(rng, v, ties=trial % 2 == 0) / 4
-        t, k, p = float(rng.choice([0.7, 1.0, 2.0])), int(rng.choice([0, 3, 5])), float(rng.choice([0.6, 0.95, 1.0]))
-        sure, maybe, pr = _kept(x, t, k, p)
-        n = 4000
-        keys = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 31))), n)
-        ids = np.asarray(draw(jnp.asarray(x), keys, jnp.float32(t), k, jnp.float32(p)))
-        drawn = set(ids.tolist())
-        assert drawn <= maybe, (drawn - maybe, t, k, p)
-        # at a knife edge the draws say which way the sampler's sums rounded; the frequencies below
-        # then fail if it kept the edge ids only sometimes
-        keep = maybe if drawn - sure else sure
-        mass = sum(pr[i] for i in keep)
-        for i in keep:  # each kept id within 6 standard deviations of its renormalised probability
-            q = pr[i] / mass
-            assert abs((ids == i).mean() - q) <= 6 * math.sqrt(q * (1 - q) / n) + 1 / n, (i, q, t, k, p)
-
-
 def test_huge_temperature_ranks_on_the_logits():
     """At t = 3e38 the scaled logits are subnormal or zero (equal after a flush), yet top_k still
     keeps the largest logits, not the lowest ids, and draws are uniform over them."""
     x = np.array([0.0, 0.5, -1.0, 2.0, 1.0, 2.0, -3.0, 1.5], np.float32)
-    draw = jax.jit(jax.vmap(sample, in_axes=(None, 0, None, None, None)), static_argnums=3)
-    keys = jax.random.split(jax.random.PRNGKey(SEED), 3000)
     for t in (3e38, 1e39):
-        ids = np.asarray(draw(jnp.asarray(x), keys, _f32(t), 3, jnp.float32(1.0)))
+        ids = _draws(x, t, 3, 1.0, SEED, 3000)
         assert set(ids.tolist()) == {3, 5, 7}
         assert all(abs((ids == i).mean() - 1 / 3) < 0.05 for i in (3, 5, 7))
-        ids = np.asarray(draw(jnp.asarray(x), keys, _f32(t), 0, jnp.float32(0.3)))
+        ids = _draws(x, t, 0, 0.3, SEED, 3000)
         assert set(ids.tolist()) == {3, 5, 7}  # top_p 0.3 of a uniform 8: the first three ranks
 
 
@@ -158,20 +145,19 @@ def _rows_inputs(samplings, v, index):
 
 
 def _random_sampling(rng, v):
-    """A sampling drawn in the graph: greedy, plain temperature, or a top_k of at most K_DEVICE
-    with or without top_p; temperatures from the edges of float32 to ordinary ones."""
+    """Any sampling: greedy, plain temperature, a top_k of at most K_DEVICE or wider, top_p with or
+    without a top_k; temperatures from the edges of float32 to ordinary ones."""
     t = float(rng.choice([0.0, 1e-45, 1e-30, 0.3, 1.0, 1.7, 1e30]))
-    k = int(rng.choice([0, 0, 1, 2, 5, min(K_DEVICE, v), v + 3]))
-    p = float(rng.choice([1.0, 0.9, 0.5, 1e-9])) if 0 < k < v and k <= K_DEVICE else 1.0
-    s = Sampling(temperature=t, top_k=k, top_p=p, seed=int(rng.integers(1 << 62)))
-    assert drawn_in_graph(s, v)
-    return s
+    k = int(rng.choice([0, 0, 1, 2, 5, min(K_DEVICE, v), K_DEVICE + 1, v + 3]))
+    p = float(rng.choice([1.0, 1.0, 0.9, 0.5, 1e-9]))
+    return Sampling(temperature=t, top_k=k, top_p=p, seed=int(rng.integers(1 << 62)))
 
 
 @pytest.mark.parametrize("v", VOCABS)
 def test_sample_rows_gives_each_row_its_bits_alone(rng, v):
     """sample_rows over P rows == each row drawn alone (draw_row, P = 1, its own k_max), in bytes,
-    for P of 1, 2, an odd count and more than K_DEVICE rows; a wider k_max changes no row."""
+    for P of 1, 2, an odd count and more than K_DEVICE rows; a wider k_max (the whole row ranked)
+    changes no row."""
     for P in (1, 2, 7, 70):
         x = np.stack([_logits(rng, v, ties=r % 3 == 0) for r in range(P)])
         sps = [_random_sampling(rng, v) for _ in range(P)]
@@ -180,8 +166,8 @@ def test_sample_rows_gives_each_row_its_bits_alone(rng, v):
         got = np.asarray(SAMPLE_ROWS(*args, k_max=k_max_for(sps, v)))
         alone = np.array([int(draw_row(jnp.asarray(x[r]), sps[r], int(index[r]))) for r in range(P)], np.int32)
         assert got.tobytes() == alone.tobytes(), (P, got, alone)
-        if k_max_for(sps, v):  # a wider top_k than any row asks: zeros past each row's ranks, the same bits
-            wide = np.asarray(SAMPLE_ROWS(*args, k_max=min(2 * K_DEVICE, v)))
+        if 0 < k_max_for(sps, v) < v:  # every row ranked whole: zeros past each row's ranks, the same bits
+            wide = np.asarray(SAMPLE_ROWS(*args, k_max=v))
             assert wide.tobytes() == got.tobytes(), (P, wide, got)
         for s, g in zip(sps, got):
             assert 0 <= g < v
@@ -190,13 +176,14 @@ def test_sample_rows_gives_each_row_its_bits_alone(rng, v):
 @pytest.mark.parametrize("v", (7, 256))
 def test_sample_rows_draws_stay_in_the_kept_set_and_follow_its_probabilities(rng, v):
     """The graph's draws keep the documented set (ranks on the logits, top_k, then top_p) and follow
-    its renormalised probabilities, as `sample`'s do."""
+    its renormalised probabilities: top_k within K_DEVICE, wider, and top_p with or without a
+    top_k (the whole row ranked)."""
     n = 4000
     for trial in range(4):
         x = _logits(rng, v, ties=trial % 2 == 0) / 4
         t = float(rng.choice([0.7, 1.0, 2.0]))
-        k = int(rng.choice([0, 3, 5]))
-        p = float(rng.choice([0.6, 0.95, 1.0])) if k else 1.0
+        k = int(rng.choice([0, 3, 5, min(K_DEVICE + 2, v)]))
+        p = float(rng.choice([0.6, 0.95, 1.0]))
         sure, maybe, pr = _kept(x, t, k, p)
         s = Sampling(temperature=t, top_k=k, top_p=p, seed=int(rng.integers(1 << 62)))
         args = _rows_inputs([s] * n, v, np.arange(n))
@@ -210,17 +197,20 @@ def test_sample_rows_draws_stay_in_the_kept_set_and_follow_its_probabilities(rng
             assert abs((ids == i).mean() - q) <= 6 * math.sqrt(q * (1 - q) / n) + 1 / n, (i, q, t, k, p)
 
 
-def test_which_samplings_are_drawn_in_the_graph():
+def test_ranks_each_sampling_needs():
     v = 1000
-    assert drawn_in_graph(Sampling(), v)
-    assert drawn_in_graph(Sampling(temperature=1.0), v)
-    assert drawn_in_graph(Sampling(temperature=1.0, top_k=v), v)  # all of them: plain temperature
-    assert drawn_in_graph(Sampling(temperature=1.0, top_k=K_DEVICE, top_p=0.5), v)
-    assert not drawn_in_graph(Sampling(temperature=1.0, top_k=K_DEVICE + 1), v)
-    assert not drawn_in_graph(Sampling(temperature=1.0, top_p=0.9), v)
-    assert not drawn_in_graph(Sampling(temperature=1.0, top_k=v, top_p=0.9), v)
+    assert ranks_needed(Sampling(), v) == 0
+    assert ranks_needed(Sampling(temperature=1.0), v) == 0
+    assert ranks_needed(Sampling(temperature=1.0, top_k=v), v) == 0  # all of them: plain temperature
+    assert ranks_needed(Sampling(temperature=1.0, top_k=1, top_p=0.5), v) == 0  # greedy
+    assert ranks_needed(Sampling(temperature=1.0, top_k=K_DEVICE, top_p=0.5), v) == K_DEVICE
+    assert ranks_needed(Sampling(temperature=1.0, top_k=K_DEVICE + 1), v) == v
+    assert ranks_needed(Sampling(temperature=1.0, top_p=0.9), v) == v
+    assert ranks_needed(Sampling(temperature=1.0, top_k=v, top_p=0.9), v) == v
     assert k_max_for([Sampling(temperature=1.0), Sampling()], v) == 0
+    assert k_max_for([], v) == 0
     assert k_max_for([Sampling(temperature=1.0, top_k=3)], v) == K_DEVICE
+    assert k_max_for([Sampling(temperature=1.0, top_k=3), Sampling(temperature=1.0, top_p=0.9)], v) == v
     assert k_max_for([Sampling(temperature=1.0, top_k=3)], 7) == 7
 
 
@@ -245,3 +235,24 @@ def test_sample_rows_same_bytes_with_either_top_k(rng, v, monkeypatch):
         assert ("baro_topk_rows" in hlo) == (where == "cpu"), where
         got[where] = np.asarray(f(*args, k_max=k_max_for(sps, v)))
     assert got["cpu"].tobytes() == got["off"].tobytes()
+
+
+@pytest.mark.parametrize("v", (2, 7, 4099))
+def test_whole_row_ranking_is_lax_top_k_of_v(rng, v):
+    """rows_top_k(x, V), the whole row ranked by one stable sort of keys, has lax.top_k(x, V)'s
+    bytes: ties across the row, +-0, infinities and NaNs of both signs, rows alone and together."""
+    from baro_jax.sampling import rows_top_k
+
+    P = 5
+    x = np.stack([_logits(rng, v, ties=r % 2 == 0) for r in range(P)])
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan], np.float32)
+    for r in range(1, P):
+        at = rng.choice(v, size=min(v, int(rng.integers(1, 7))), replace=False)
+        x[r, at] = rng.choice(specials, size=len(at))
+    want = jax.lax.top_k(jnp.asarray(x), v)
+    got = jax.jit(rows_top_k, static_argnums=1)(jnp.asarray(x), v)
+    for g, w in zip(got, want):
+        assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
+    for r in range(P):
+        alone = rows_top_k(jnp.asarray(x[r:r + 1]), v)
+        assert all(np.asarray(a)[0].tobytes() == np.asarray(g)[r].tobytes() for a, g in zip(alone, got))

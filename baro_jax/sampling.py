@@ -183,7 +183,7 @@ def _ranked(logits):
 
 def sample_rows(logits, temperature, top_k, top_p, key_data, index, *, k_max: int):
     """Each row's next id, drawn inside a graph: row r from softmax(logits[r] / temperature[r])
-    with the key fold_in(key_data[r], index[r]) (token_key's), restricted to its top_k largest
+    with the key fold_in(key_data[r], index[r]) (key_data: PRNGKey(seed)'s), restricted to its top_k largest
     logits (0: all; ranks on the logits, ties to the lower id) and then to the smallest prefix of
     them whose probability reaches top_p. Greedy where the temperature is 0, top_k is 1 or
     logits / temperature leaves float32. k_max: at least every row's ranks_needed (k_max_for):
@@ -252,16 +252,10 @@ def draw_row(logits_row, s: Sampling, index: int):
     return SAMPLE_ROWS(logits_row[None], *samp, k_max=k_max)[0]
 
 
-def token_key(seed: int, index: int):
-    """The randomness of a sequence's index-th generated token: from (seed, index) alone, never
-    from a batch-wide key or the batch position, so a sampled sequence draws the same tokens
-    alone and in any batch."""
-    return jax.random.fold_in(jax.random.PRNGKey(seed), index)
-
-
 class Sampler:
-    """Chooses a sequence's tokens one after another: greedy, or sampled with the index-th token's
-    key token_key(seed, index)."""
+    """Chooses a sequence's tokens one after another: greedy, or sampled, the index-th token with the
+    key fold_in(PRNGKey(seed), index): from (seed, index) alone, never from a batch-wide key or the
+    batch position, so a sampled sequence draws the same tokens alone and in any batch."""
 
     def __init__(self, s: Sampling):
         self.s = s.validate()

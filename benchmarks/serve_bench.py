@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sampled-every", type=int, default=2, help="every k-th request samples; 0: all greedy")
     ap.add_argument("--sample-temperature", type=float, default=0.8, help="the sampled requests' temperature")
     ap.add_argument("--sample-top-p", type=float, default=0.95,
-                    help="their top_p (1.0, or a --sample-top-k up to 64: drawn inside the decode graph)")
+                    help="their top_p (below 1 without a top_k: each row ranked whole in the decode graph)")
     ap.add_argument("--sample-top-k", type=int, default=0, help="their top_k (0: none)")
     ap.add_argument("--max-batch", type=int, default=None, help="server slots (default: the most clients)")
     ap.add_argument("--chunk", type=int, default=256, help="the server's prefill chunk (default: %(default)s)")

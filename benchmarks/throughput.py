@@ -11,8 +11,10 @@ experts B sequences touch per layer, the delta states read and written, the KV r
 behind B sequences (default: the largest batch) and prefill chunk by chunk while those decode; it reports
 the aggregate tokens/s and the time between a sequence's tokens as its callback saw them (p50 /
 p99 over all sequences' gaps; greedy blocks deliver tokens in bursts, so also each sequence's mean
-time per token, p50 / p99 over sequences). JSON with device, commit and date; --png plots tokens/s and the
-bound against B.
+time per token, p50 / p99 over sequences). --samplings 'greedy=0,0,1;topp=0.8,0,0.95' runs several
+sampling arms (NAME=TEMPERATURE,TOP_K,TOP_P) on the same prompts with the weights made once, a row
+per arm and batch size. JSON with device, commit and date; --png plots tokens/s and the bound
+against B.
 
     python benchmarks/throughput.py --model qwen3.5-35b-a3b --batches 1,8,32,64 --mixed 4:8192:32 \
         --json out.json --png out.png
@@ -71,11 +73,31 @@ def decode_bound(eng, B: int, context: int, bandwidth_tbs: float) -> dict:
             "step_ms": step / (bandwidth_tbs * 1e12) * 1e3, "tokens_per_s": B * bandwidth_tbs * 1e12 / step}
 
 
-def sampling_of(args, B: int) -> list:
-    """Each of B sequences' Sampling: greedy, or --temperature / --top-k / --top-p with seed i for
-    sequence i (distinct draws, each reproducible alone)."""
-    return [baro_jax.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=i).validate()
-            for i in range(B)]
+def sampling_arms(args) -> list:
+    """[(name, (temperature, top_k, top_p))]: --samplings' arms, or the one of --temperature /
+    --top-k / --top-p (named "given"). A ValueError names a malformed arm."""
+    if args.samplings is None:
+        return [("given", (args.temperature, args.top_k, args.top_p))]
+    arms = []
+    for part in args.samplings.split(";"):
+        name, eq, vals = part.partition("=")
+        fields = vals.split(",")
+        if not (eq and name.strip() and len(fields) == 3):
+            raise ValueError(f"--samplings: each arm is NAME=TEMPERATURE,TOP_K,TOP_P, got {part!r}")
+        try:
+            arms.append((name.strip(), (float(fields[0]), int(fields[1]), float(fields[2]))))
+        except ValueError:
+            raise ValueError(f"--samplings: arm {part!r}: TEMPERATURE and TOP_P are numbers, TOP_K an integer") from None
+    if len({n for n, _ in arms}) < len(arms):
+        raise ValueError(f"--samplings: arm names repeat in {args.samplings!r}")
+    return arms
+
+
+def sampling_of(arm, B: int) -> list:
+    """Each of B sequences' Sampling for an arm's (temperature, top_k, top_p): greedy at temperature 0,
+    sequence i with seed i (distinct draws, each reproducible alone)."""
+    t, k, p = arm
+    return [baro_jax.Sampling(temperature=t, top_k=k, top_p=p, seed=i).validate() for i in range(B)]
 
 
 def mixed_row(eng, args, B: int, rng):
@@ -116,11 +138,15 @@ def plot(rows, path: str, title: str):
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if "error" not in r]  # batch sizes the device refused
-    bs = [r["batch"] for r in rows]
+    arms = list(dict.fromkeys(r.get("sampling", "given") for r in rows))
+    bs = sorted({r["batch"] for r in rows})
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(bs, [r["decode_tokens_per_s"] or float("nan") for r in rows], "o-",
-            label="generate_batch decode (each checked alone)")
-    ax.plot(bs, [r["bound"]["tokens_per_s"] for r in rows], "k--", label="byte bound (weights, experts, states)")
+    for arm in arms:
+        mine = [r for r in rows if r.get("sampling", "given") == arm]
+        label = "generate_batch decode (each checked alone)" + ("" if len(arms) == 1 else f": {arm}")
+        ax.plot([r["batch"] for r in mine], [r["decode_tokens_per_s"] or float("nan") for r in mine], "o-", label=label)
+    bound = {r["batch"]: r["bound"]["tokens_per_s"] for r in rows}
+    ax.plot(bs, [bound[b] for b in bs], "k--", label="byte bound (weights, experts, states)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(bs)
@@ -156,6 +182,9 @@ def main(argv=None) -> int:
                     help="sample every sequence at this temperature (0: greedy), sequence i with seed i")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--samplings", default=None, metavar="NAME=T,K,P;...",
+                    help="several sampling arms in one run (the weights made once), each a row per batch size: "
+                         "e.g. 'greedy=0,0,1;topp=0.8,0,0.95' (instead of --temperature / --top-k / --top-p)")
     ap.add_argument("--mixed", default=None, metavar="N:LEN[:B]",
                     help="a mixed-load row: N prompts of LEN tokens arriving behind B decoding sequences "
                          "(default B: the largest of --batches)")
@@ -169,7 +198,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     try:  # before the model loads
-        sampling_of(args, 1)
+        samplings = sampling_arms(args)
+        for _, arm in samplings:
+            sampling_of(arm, 1)
     except (TypeError, ValueError) as e:
         ap.error(str(e))
     if args.mixed is not None:
@@ -183,9 +214,12 @@ def main(argv=None) -> int:
                         cache_slots=args.cache_slots if args.mode == "tier" else None, progress=False)
     rng = np.random.default_rng(args.seed)
     rows, ok = [], True
-    for B in batches:
-        prompts = [[int(t) for t in rng.integers(0, eng.cfg.vocab_size, args.prompt_len)] for _ in range(B)]
-        sampling = sampling_of(args, B)
+    # the same prompts for every arm of a batch size
+    prompts_of = {B: [[int(t) for t in rng.integers(0, eng.cfg.vocab_size, args.prompt_len)] for _ in range(B)]
+                  for B in batches}
+    for (arm_name, arm), B in ((a, B) for a in samplings for B in batches):
+        prompts = prompts_of[B]
+        sampling = sampling_of(arm, B)
         # the same call first: it compiles every graph the timed one runs (the prefill chunk, the
         # one-step decode, the full and the shorter greedy blocks). B slots the device cannot hold
         # (64 of 1,280 positions beside the 35B-A3B on an 80 GB card) are refused before any work:
@@ -194,7 +228,7 @@ def main(argv=None) -> int:
             eng.generate_batch(prompts, args.new_tokens, max_batch=B, chunk=args.chunk, stop_at_eos=False,
                                prefill_budget=args.prefill_budget, sampling=sampling)
         except MemoryError as e:
-            rows.append({"batch": B, "error": f"MemoryError: {e}"})
+            rows.append({"batch": B, "sampling": arm_name, "error": f"MemoryError: {e}"})
             ok = False
             print(f"[throughput] B={B:3d}: refused, {e}", flush=True)
             continue
@@ -232,7 +266,7 @@ def main(argv=None) -> int:
                     and [x.tobytes() for x in a.logprobs] == [x.tobytes() for x in res[i].logprobs])
             checks.append(bool(same))
         ok &= all(checks)
-        row = {"batch": B, "generated_tokens": gen, "wall_seconds": wall,
+        row = {"batch": B, "sampling": arm_name, "generated_tokens": gen, "wall_seconds": wall,
                "aggregate_tokens_per_s": gen / wall,
                "decode_tokens_per_s": dec_tokens / dec_time if dec_time > 0 and not waves else None,
                "slots": stats["slots"], "waves": waves,
@@ -253,7 +287,7 @@ def main(argv=None) -> int:
                     f"direct path: {row['direct_path']['hits']} hits, {row['direct_path']['misses']} misses"))
         rate = (f"decode {row['decode_tokens_per_s'] or 0:8.1f} tok/s" if not waves else
                 "in waves (a sequence ended before the last one started), no decode rate")
-        print(f"[throughput] B={B:3d}: {row['aggregate_tokens_per_s']:8.1f} tok/s whole call, {rate} ({where}), "
+        print(f"[throughput] {arm_name} B={B:3d}: {row['aggregate_tokens_per_s']:8.1f} tok/s whole call, {rate} ({where}), "
               f"equal alone {checks}", flush=True)
     mixed, arms, outputs = None, {}, []
     for arm in (args.mixed_rounds.split(",") if args.mixed else []):
@@ -277,8 +311,8 @@ def main(argv=None) -> int:
     out = {"summary": {"model": args.model, "mode": args.mode, "device_budget_gb": args.device_budget_gb,
                        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                        "bandwidth_tbs": args.bandwidth_tbs, "pass": ok, **provenance(),
-                       "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                                    "seed": "sequence index"}}, "rows": rows,
+                       "samplings": {n: {"temperature": t, "top_k": k, "top_p": p} for n, (t, k, p) in samplings},
+                       "sampling_seed": "sequence index"}, "rows": rows,
            "mixed": mixed, "mixed_arms": arms or None}
     if args.json:
         write_json(args.json, out)

@@ -201,11 +201,36 @@ def test_throughput_samples_each_sequence_with_its_own_seed_and_checks_it_alone(
     row = got["rows"][0]
     assert row["equal_alone"] == [True, True, True]
     assert row["steps"]["decode_calls"] < row["steps"]["decode"], row["steps"]
-    assert got["summary"]["sampling"]["temperature"] == 1.0 and got["summary"]["sampling"]["top_k"] == 5
-    s = throughput.sampling_of(argparse.Namespace(temperature=0.5, top_k=0, top_p=1.0), 3)
+    assert got["summary"]["samplings"] == {"given": {"temperature": 1.0, "top_k": 5, "top_p": 1.0}}
+    assert row["sampling"] == "given"
+    s = throughput.sampling_of((0.5, 0, 1.0), 3)
     assert [x.seed for x in s] == [0, 1, 2] and all(x.temperature == 0.5 for x in s)
     with pytest.raises(SystemExit):
         throughput.main(["--model", "tiny", "--batches", "1", "--temperature", "-1"])
+
+
+def test_throughput_runs_several_sampling_arms_on_one_load(tmp_path):
+    """--samplings: each arm a row per batch size on the same prompts, each checked alone; the
+    greedy arm's rows equal a run of its own; malformed arms are refused before the model loads."""
+    import json
+
+    out, one = tmp_path / "t.json", tmp_path / "g.json"
+    common = ["--model", "tiny", "--batches", "1,2", "--prompt-len", "12", "--new-tokens", "7", "--chunk", "16",
+              "--check", "2"]
+    assert throughput.main(common + ["--samplings", "greedy=0,0,1;topp=0.9,0,0.8;wide=1.1,70,1", "--json",
+                                     str(out), "--png", str(tmp_path / "t.png")]) == 0
+    got = json.loads(out.read_text())
+    assert [(r["sampling"], r["batch"]) for r in got["rows"]] == [(a, b) for a in ("greedy", "topp", "wide")
+                                                                   for b in (1, 2)]
+    assert all(r["equal_alone"] == [True] * r["batch"] for r in got["rows"])
+    assert got["summary"]["samplings"]["topp"] == {"temperature": 0.9, "top_k": 0, "top_p": 0.8}
+    assert (tmp_path / "t.png").stat().st_size > 0
+    assert throughput.main(common + ["--json", str(one)]) == 0
+    alone = json.loads(one.read_text())["rows"]
+    assert [r["generated_tokens"] for r in alone] == [r["generated_tokens"] for r in got["rows"][:2]]
+    for bad in ("greedy", "a=1,2", "a=x,0,1", "a=1,0,1;a=0,0,1", "a=-1,0,1"):
+        with pytest.raises(SystemExit):
+            throughput.main(["--model", "tiny", "--samplings", bad])
 
 
 def test_throughput_records_a_batch_the_device_cannot_hold_and_goes_on(tmp_path):

@@ -192,25 +192,12 @@ stage_attn_wgmma() {
 # default kernel and one-row calls (first, under a short limit: a wrong mbarrier count would hang),
 # prefill speed at GEMM_WGMMA_LENGTHS once per setting in GEMM_WGMMA_SETTINGS (in one call, each
 # identity-checked: speed_gemm_wgmma<i>_${CARD}.json), and the identity gate at full size with
-# GEMM_WGMMA_GATE_ENV. GEMM_WGMMA_PARTS picks parts. The MoE's grouped GEMMs (docs/PERF.md
-# 2026-12-05; BARO_GEMM_WGMMA_GROUPED=down: the down GEMM, =1: the gate/up GEMM with A's rows
-# gathered by the producer warp too), the next GPU run, after `build`, the tests first (the
-# model-shape MoE case at 1024 tokens needs more than the default limit):
-#   OUT=dir GEMM_WGMMA_TEST_TIMEOUT=300 \
-#     GEMM_WGMMA_SETTINGS="BARO_GEMM_WGMMA_GROUPED=0 BARO_GEMM_WGMMA_GROUPED=down BARO_GEMM_WGMMA_GROUPED=1" \
-#     GEMM_WGMMA_GATE_ENV=BARO_GEMM_WGMMA_GROUPED=1 bash benchmarks/run_gpu.sh build gemm_wgmma
-# (speed_gemm_wgmma{0,1,2}_${CARD}.json: off, down, both; each at 8k and 32k, identity-checked).
-# A setting of several knobs joins them with commas. The ring of 3 stages (BARO_GEMM_WGMMA_RING=3,
-# two 128-row blocks per SM) for the plain GEMMs and the grouped ones, its byte tests first:
-#   OUT=dir GEMM_WGMMA_PARTS="tests speed" GEMM_WGMMA_TEST_TIMEOUT=300 GEMM_WGMMA_LENGTHS=8192 \
-#     GEMM_WGMMA_SETTINGS="BARO_GEMM_WGMMA_RING=4 BARO_GEMM_WGMMA_RING=3 BARO_GEMM_WGMMA_GROUPED=down \
-#       BARO_GEMM_WGMMA_GROUPED=down,BARO_GEMM_WGMMA_RING=3 BARO_GEMM_WGMMA_GROUPED=1,BARO_GEMM_WGMMA_RING=3" \
-#     bash benchmarks/run_gpu.sh build gemm_wgmma
-# The gather's two answers (docs/PERF.md 2026-12-05: a producer warpgroup for =1, and =sorted):
+# GEMM_WGMMA_GATE_ENV. GEMM_WGMMA_PARTS picks parts. A setting of several knobs joins them with
+# commas. The MoE's grouped GEMMs on wgmma (BARO_GEMM_WGMMA_GROUPED=down, =sorted) and the ring of 3
+# stages (BARO_GEMM_WGMMA_RING=3), each against the default at 8k (docs/PERF.md 2026-12-06):
 #   OUT=dir GEMM_WGMMA_PARTS="tests speed" GEMM_WGMMA_TEST_TIMEOUT=200 GEMM_WGMMA_LENGTHS=8192 \
-#     GEMM_WGMMA_SETTINGS="BARO_GEMM_WGMMA_GROUPED=0 BARO_GEMM_WGMMA_GROUPED=1 BARO_GEMM_WGMMA_GROUPED=sorted \
-#       BARO_GEMM_WGMMA_GROUPED=1,BARO_GEMM_WGMMA_RING=3 BARO_GEMM_WGMMA_GROUPED=sorted,BARO_GEMM_WGMMA_RING=3" \
-#     bash benchmarks/run_gpu.sh build gemm_wgmma
+#     GEMM_WGMMA_SETTINGS="BARO_GEMM_WGMMA_GROUPED=0 BARO_GEMM_WGMMA_RING=3 BARO_GEMM_WGMMA_GROUPED=down \
+#       BARO_GEMM_WGMMA_GROUPED=sorted,BARO_GEMM_WGMMA_RING=3" bash benchmarks/run_gpu.sh build gemm_wgmma
 stage_gemm_wgmma() {
   local part
   for part in ${GEMM_WGMMA_PARTS:-tests speed gate}; do

@@ -137,12 +137,11 @@ _TABLE: tuple[Knob, ...] = (
          doc="1: plain GEMMs of 64 rows or more on the sm_90a wgmma + TMA kernel where it runs (the same bits as "
              "the mma.sync kernels); 0: the mma.sync kernels everywhere; require: an error where it would fall "
              "back (tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_wgmma.cu)"),
-    Knob("BARO_GEMM_WGMMA_GROUPED", "choice", "0", choices=("0", "1", "down", "sorted"),
-         doc="1: the MoE's grouped GEMMs of prefill (tiles of 64 or 128 rows) on the wgmma kernel too, where "
+    Knob("BARO_GEMM_WGMMA_GROUPED", "choice", "0", choices=("0", "down", "sorted"),
+         doc="sorted: the MoE's grouped GEMMs of prefill (tiles of 64 or 128 rows) on the wgmma kernel too, where "
              "BARO_GEMM_WGMMA lets it run: the down GEMM (A read in place) and the gate/up GEMM with the fused "
-             "SwiGLU (A's rows gathered by the kernel's producer warpgroup); sorted: both, the gate/up GEMM's "
-             "A rows copied into sorted order first and read by TMA; down: the down GEMM only; 0: neither "
-             "(the same bits; opt-in until it wins on a GPU) (csrc/gpu/matmul.cu, csrc/gpu/moe.cu, "
+             "SwiGLU, its A rows copied into sorted order first and read by TMA; down: the down GEMM only; 0: "
+             "neither (the same bits; slower at 8k on an H100, opt-in) (csrc/gpu/matmul.cu, csrc/gpu/moe.cu, "
              "csrc/gpu/gemm_wgmma.cu)"),
     Knob("BARO_GEMM_WGMMA_RING", "choice", "4", choices=("4", "3"),
          doc="the wgmma GEMM's TMA ring: 4 stages (one 128-row block per SM) or 3 (two blocks per SM, so one "

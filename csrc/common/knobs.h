@@ -98,7 +98,7 @@ inline constexpr Knob kKnobs[kCount] = {
     {"BARO_GEMM_SMALL", Kind::kChoice, "auto|stream|rows16|simple", 0, 0, 0},
     {"BARO_GEMM_ROW1", Kind::kOnOff, nullptr, 0, 0, 1},
     {"BARO_GEMM_WGMMA", Kind::kChoice, "1|0|require", 0, 0, 0},
-    {"BARO_GEMM_WGMMA_GROUPED", Kind::kChoice, "0|1|down|sorted", 0, 0, 0},
+    {"BARO_GEMM_WGMMA_GROUPED", Kind::kChoice, "0|down|sorted", 0, 0, 0},
     {"BARO_GEMM_WGMMA_RING", Kind::kChoice, "4|3", 0, 0, 0},
     {"BARO_ROWS16_RING", Kind::kChoice, "auto|deep|light", 0, 0, 0},
     {"BARO_ROWS16_WARPS", Kind::kChoice, "auto|4|2|1", 0, 0, 0},

@@ -35,22 +35,11 @@
 // the same thread, which writes bf16(silu(g) * u) with gemm_pipe_kernel's expression.
 //
 // Grouped calls (BARO_GEMM_WGMMA_GROUPED, opt-in): one block per tile of the tile list, W's boxes
-// from the tile's group. The MoE's down GEMM in prefill reads its A rows (the sorted pairs'
-// activations) in place through A's tensor map (=1 and =down). Its gate/up GEMM (=1 only) cannot:
-// pair row s reads token row a_rows[s], and a TMA box is a range of contiguous rows. There
-// (GATHER) the producer is a whole warpgroup: every stage it copies the tile's A rows with 16-byte
-// cp.async, row r's 16-byte chunk c at r * 128 + ((c ^ (r & 7)) << 4) of the stage (the 128-byte
-// swizzle TMA writes and the descriptors read), zero bytes for rows past the tile and chunks past
-// K (the zeros TMA would give), while its thread 0 still brings W's boxes by TMA. The copies are
-// generic-proxy writes and wgmma reads through the async proxy, so a thread waits for its own copies
-// of stage kt - kGatherLag (cp.async.wait_group), fences them for the async proxy
-// (fence.proxy.async: the same writer-side order attention_wgmma.cu's cp.async rings use before
-// their barrier) and only then arrives on the stage's full barrier (129 arrivals: thread 0's with
-// the W bytes, then the 128 threads' once their copies are visible). The operand bits are the same either
-// way (A's bf16 rows, unchanged, zeros past K), so are the chains: GATHER changes who writes the
-// shared memory, not one wgmma. The SwiGLU epilogue is the one below, gemm_pipe_kernel's
-// expression on the same fp32 gate and up values. No extra bytes, launches or scratch: the A rows
-// cross L2 once per column tile, as gemm_pipe_kernel's own gathered cp.async copies do.
+// from the tile's group, A's rows read in place through A's tensor map: the MoE's down GEMM in
+// prefill (=down and =sorted: the sorted pairs' activations) and its gate/up GEMM (=sorted: the
+// pairs' rows of h copied into sorted order first, moe.cu). Both lose to mma.sync at 8k (docs/PERF.md
+// 2026-12-06) and stay opt-in as the base of fuller tiles; a gather of gate/up's rows inside this
+// kernel (cp.async by a producer warp, then a warpgroup) lost as well and was removed.
 // Plain calls passed their byte tests on the H200 (0695bc5), the grouped paths on the H100
 // (9f5d3b3; the rings of 3 and 4, 2b7c437); docs/PERF.md has their speed.
 #include <atomic>
@@ -81,32 +70,19 @@ constexpr int kWgBoxBytes = kWgBox * kWgBK * 2;  // 8 KB
 // (128 KB) leaves room for one block per SM, so each block's start (barriers, the first TMA round
 // trip) and its stores leave the tensor cores idle; 3 stages (96 KB) fit two blocks per SM that
 // cover each other's. The depth decides when a stage is refilled, never which wgmma adds what.
-// GATHER: the producer lags its arrivals kLag stages behind its copies (two, the copies of three
-// stages in flight, as gemm_pipe_kernel's ring keeps two; one in a ring of 3). It must stay below
-// STAGES - 1: the producer's wait for stage kt's empty barrier needs the consumers past stage
-// kt - STAGES + 1, whose full barrier the producer completes at stage kt - STAGES + 1 + kLag (< kt).
-template <int BM, bool GATHER = false, int STAGES = 4>
+template <int BM, int STAGES = 4>
 struct WgGemmCfg {
   static constexpr int kStages = STAGES;
-  static constexpr int kLag = STAGES - 2 < 2 ? STAGES - 2 : 2;
-  // GATHER: a whole producer warpgroup copies A's rows (see the kernel); otherwise one warp's lane 0
-  static constexpr int kProducerWarps = GATHER ? 4 : 1;
-  static constexpr int kProducerThreads = 32 * kProducerWarps;
   static constexpr int kConsumers = BM / 64;             // consumer warpgroups
-  static constexpr int kThreads = kConsumers * 128 + kProducerThreads;
+  static constexpr int kThreads = kConsumers * 128 + 32;  // + the producer warp (its lane 0 issues)
   // __launch_bounds__: the registers of two blocks where the ring leaves room for two
-  static constexpr int kMinBlocks = STAGES <= 3 && BM == 128 && !GATHER ? 2 : 1;
+  static constexpr int kMinBlocks = STAGES <= 3 && BM == 128 ? 2 : 1;
   static constexpr int kABytes = BM * kWgBK * 2;
   static constexpr int kBBytes = kWgBN * kWgBK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;   // a ring stage: A tile, then W tile
   static constexpr int kBarOff = kStages * kStageBytes;  // full then empty barriers
-  // GATHER: the tile's A row ids (-1 past its rows), read by the producer threads every stage
-  static constexpr int kRowOff = kBarOff + 16 * kStages;
-  static constexpr int kSmemBytes = kRowOff + (GATHER ? 4 * BM : 0) + 1024;  // + slack for the 1 KB alignment
-  static constexpr int kFullArrivals = GATHER ? 1 + kProducerThreads : 1;  // thread 0's expect_tx (+ the gather threads')
+  static constexpr int kSmemBytes = kBarOff + 16 * kStages + 1024;  // + slack for the 1 KB alignment
   static_assert(STAGES == 3 || STAGES == 4, "ring depths built: 3 and 4");
-  static_assert(!GATHER || (kLag >= 1 && kLag < kStages - 1), "the gather's lagged arrivals would wait on themselves");
-  static_assert(BM % (kProducerThreads / 8) == 0, "the gather threads cover the tile's rows evenly");
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "swizzled boxes on 1 KB");
   static_assert(kSmemBytes * kMinBlocks <= 227 * 1024, "shared memory of the blocks on one SM");
 };
@@ -155,13 +131,12 @@ BARO_DEV uint64_t wg_gemm_desc(const uint8_t* tile, int row0, int kk) {
 
 // Grid: x = BM-row tiles (grouped: the tile list's slots, gemm_slot's (group, rows) each), y =
 // 128-column W tiles (SwiGLU: 64 output columns). Threads: BM / 64 consumer warpgroups, then the
-// producer warp (GATHER, grouped with p.a_rows: a producer warpgroup, A's rows by its cp.async; maps.a unused).
-template <int BM, bool SWIGLU, bool GATHER, int STAGES>
-__global__ void __launch_bounds__(WgGemmCfg<BM, GATHER, STAGES>::kThreads, WgGemmCfg<BM, GATHER, STAGES>::kMinBlocks)
+// producer warp.
+template <int BM, bool SWIGLU, int STAGES>
+__global__ void __launch_bounds__(WgGemmCfg<BM, STAGES>::kThreads, WgGemmCfg<BM, STAGES>::kMinBlocks)
     gemm_wgmma_kernel(GemmParams p, const __grid_constant__ WgGemmMaps maps) {
-  using Cfg = WgGemmCfg<BM, GATHER, STAGES>;
+  using Cfg = WgGemmCfg<BM, STAGES>;
   constexpr int kWgStages = Cfg::kStages;
-  constexpr int kGatherLag = Cfg::kLag;
   extern __shared__ __align__(1024) uint8_t wg_gemm_smem[];
   // the 128-byte swizzle repeats on 1024 bytes: TMA and wgmma must see the same address bits
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wg_gemm_smem) + 1023) & ~uintptr_t{1023});
@@ -189,10 +164,10 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, GATHER, STAGES>::kThreads, WgGem
   constexpr int kConsumerThreads = Cfg::kConsumers * 128;
 
   if (tid == kConsumerThreads) {
-    if (!GATHER) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.a)) : "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.a)) : "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.w)) : "memory");
     for (int s = 0; s < kWgStages; ++s) {
-      wg_mbar_init(full(s), Cfg::kFullArrivals);  // the producer's arrival(s) (+ the bytes)
+      wg_mbar_init(full(s), 1);                 // the producer's arrival (+ the bytes)
       wg_mbar_init(empty(s), kConsumerThreads);  // every consumer thread, once done with the stage
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // for the TMA unit
@@ -202,8 +177,8 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, GATHER, STAGES>::kThreads, WgGem
   // the warp index through a shuffle: warp-uniform as far as the compiler can see (as CUTLASS does)
   const int warp_u = __shfl_sync(0xffffffffu, tid / 32, 0);
   if (warp_u >= kConsumerThreads / 32) {
-    // ---- producer: lane 0 of the last warp (GATHER: the whole last warpgroup) ----
-    if (!GATHER && tid != kConsumerThreads) return;
+    // ---- producer: lane 0 of the last warp ----
+    if (tid != kConsumerThreads) return;
     // W rows of the tile's two boxes: 128 consecutive rows, or (SwiGLU) 64 gate rows and the 64
     // matching up rows
     const int64_t w_base = group * p.N;
@@ -215,52 +190,6 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, GATHER, STAGES>::kThreads, WgGem
     // past the edge, and its whole size counts as landed bytes.
     const int a_boxes = (rc + kWgBox - 1) / kWgBox;
     const bool w_box1 = SWIGLU || c0 + kWgBox < p.N;
-    if constexpr (GATHER) {
-      // producer thread t copies 16-byte chunk t & 7 of rows (t >> 3) + 16 i: eight threads make one
-      // row's 128 contiguous bytes (whole L2 sectors), as gemm_pipe_kernel's copies. A warpgroup, not
-      // one warp: a stage is 1024 (BM 128) 16-byte copies, which one warp issued too slowly to keep
-      // the consumers fed (8k prefill 28.9k against 32.4k tok/s with the gather on, 2b7c437 H100).
-      constexpr int kPT = Cfg::kProducerThreads;
-      const int pt = tid - kConsumerThreads;
-      int32_t* a_idx = reinterpret_cast<int32_t*>(smem + Cfg::kRowOff);
-      for (int r = pt; r < BM; r += kPT) a_idx[r] = r < rc ? p.a_rows[r0 + r] : -1;
-      asm volatile("bar.sync 1, %0;\n" ::"n"(kPT) : "memory");  // the ids, for the other producer threads
-      const int chunk = pt & 7, row_l = pt >> 3;
-      const uint32_t w_bytes = static_cast<uint32_t>((1 + (w_box1 ? 1 : 0)) * kWgBoxBytes);
-      const uint16_t* a_col = p.A + chunk * 8;
-      for (int kt = 0; kt < n_k; ++kt) {
-        const int s = kt % kWgStages;
-        if (kt >= kWgStages) wg_mbar_wait(empty(s), ((kt / kWgStages) - 1) & 1);  // every thread: it writes the stage
-        uint8_t* st = smem + s * Cfg::kStageBytes;
-        const int64_t k0 = static_cast<int64_t>(kt) * kWgBK;
-        if (pt == 0) {
-          wg_mbar_expect(full(s), w_bytes);
-          tma_box(wg_smem_addr(st + Cfg::kABytes), &maps.w, static_cast<int>(k0), w_row0, full(s));
-          if (w_box1)
-            tma_box(wg_smem_addr(st + Cfg::kABytes + kWgBoxBytes), &maps.w, static_cast<int>(k0), w_row1, full(s));
-        }
-        const bool k_ok = k0 + chunk * 8 < K;  // K % 8 == 0 (launcher): a chunk is wholly inside or past K
-        const uint32_t a_st = wg_smem_addr(st);
-#pragma unroll
-        for (int i = 0; i < BM / (kPT / 8); ++i) {
-          const int r = row_l + (kPT / 8) * i;
-          const int32_t idx = a_idx[r];
-          const bool ok = idx >= 0 && k_ok;
-          cp_async16(a_st + r * 128 + ((chunk ^ (r & 7)) << 4), ok ? a_col + static_cast<int64_t>(idx) * p.lda + k0 : p.A,
-                     ok);
-        }
-        cp_async_commit();
-        if (kt >= kGatherLag) {  // stage kt - lag: this thread's copies landed, made visible to wgmma
-          cp_async_wait<kGatherLag>();
-          wg_fence_proxy();
-          wg_mbar_arrive(full((kt - kGatherLag) % kWgStages));
-        }
-      }
-      cp_async_wait<0>();  // the last stages' copies (and none left in flight at exit)
-      wg_fence_proxy();
-      for (int kt = n_k > kGatherLag ? n_k - kGatherLag : 0; kt < n_k; ++kt) wg_mbar_arrive(full(kt % kWgStages));
-      return;
-    }
     const uint32_t stage_bytes = static_cast<uint32_t>((a_boxes + 1 + (w_box1 ? 1 : 0)) * kWgBoxBytes);
     for (int kt = 0; kt < n_k; ++kt) {
       const int s = kt % kWgStages;
@@ -359,27 +288,27 @@ static bool wg_gemm_encode(CUtensorMap* m, const uint16_t* base, int64_t rows, i
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <int BM, bool SWIGLU, bool GATHER, int STAGES>
+template <int BM, bool SWIGLU, int STAGES>
 static gpuError_t wg_gemm_launch_ring(const GemmParams& p, const WgGemmMaps& maps, int64_t row_tiles,
                                       gpuStream_t stream) {
-  using Cfg = WgGemmCfg<BM, GATHER, STAGES>;
+  using Cfg = WgGemmCfg<BM, STAGES>;
   constexpr int kOutCols = SWIGLU ? kWgBN / 2 : kWgBN;
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t n_tiles = (out_n + kOutCols - 1) / kOutCols;
   static std::atomic<uint64_t> smem_done{0};
-  const gpuError_t e = allow_smem(gemm_wgmma_kernel<BM, SWIGLU, GATHER, STAGES>, Cfg::kSmemBytes, smem_done);
+  const gpuError_t e = allow_smem(gemm_wgmma_kernel<BM, SWIGLU, STAGES>, Cfg::kSmemBytes, smem_done);
   if (e != gpuSuccess) return e;
-  gemm_wgmma_kernel<BM, SWIGLU, GATHER, STAGES><<<dim3(static_cast<unsigned>(row_tiles), static_cast<unsigned>(n_tiles)),
+  gemm_wgmma_kernel<BM, SWIGLU, STAGES><<<dim3(static_cast<unsigned>(row_tiles), static_cast<unsigned>(n_tiles)),
                                   Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
   return gpuGetLastError();
 }
 
-template <int BM, bool SWIGLU, bool GATHER = false>
+template <int BM, bool SWIGLU>
 static gpuError_t wg_gemm_launch(const GemmParams& p, const WgGemmMaps& maps, int64_t row_tiles,
                                  gpuStream_t stream) {
   return baro::knobs::is(baro::knobs::kGemmWgmmaRing, "3")
-             ? wg_gemm_launch_ring<BM, SWIGLU, GATHER, 3>(p, maps, row_tiles, stream)
-             : wg_gemm_launch_ring<BM, SWIGLU, GATHER, 4>(p, maps, row_tiles, stream);
+             ? wg_gemm_launch_ring<BM, SWIGLU, 3>(p, maps, row_tiles, stream)
+             : wg_gemm_launch_ring<BM, SWIGLU, 4>(p, maps, row_tiles, stream);
 }
 
 }  // namespace baro_gpu
@@ -393,23 +322,22 @@ gpuError_t launch_gemm_wgmma(const GemmParams& p, int bm, int64_t row_slots, gpu
 #if BARO_WGMMA_GEMM_BUILT
   const bool swiglu = p.Act != nullptr;
   const bool grouped = p.tiles != nullptr;
-  // A row gather only in grouped SwiGLU calls (the MoE's gate/up, the one such call: GATHER, with
-  // 16-byte copies: K, lda multiples of 8 and A on 16 bytes, p.vec); no split W, no one-token MoE
-  const bool gather = p.a_rows != nullptr;
-  if (gather && (!grouped || !swiglu || p.vec == 0 || p.K % 8 != 0)) return gpuSuccess;
+  // A's rows read in place (no gather: grouped calls with p.a_rows run on gemm_pipe_kernel); no
+  // split W, no one-token MoE
+  if (p.a_rows != nullptr) return gpuSuccess;
   if (p.W_tail != nullptr || p.W_last != nullptr || p.W_host != nullptr || p.moe.kind != Row1Moe::kNone)
     return gpuSuccess;
   constexpr int64_t kI32 = 0x7fffffffLL;  // TMA coordinates are 32-bit
   if (p.N <= 0 || p.K <= 0 || p.N > kI32 || p.K > kI32) return gpuSuccess;
   // A's rows and W's rows as the tensor maps see them: grouped, the tile list's rows of A read in
-  // place (gather: no map of A) and every group of W, groups one after the other
+  // place and every group of W, groups one after the other
   // (w_group_stride == N * ldw)
   int64_t a_rows = p.M, w_rows = p.N, row_tiles = (p.M + bm - 1) / bm;
   if (grouped) {
-    if (p.n_tiles == nullptr || p.slot_rows > bm || (!gather && p.a_total_rows < 1) || p.w_groups < 1 ||
+    if (p.n_tiles == nullptr || p.slot_rows > bm || p.a_total_rows < 1 || p.w_groups < 1 ||
         p.w_group_stride != p.N * p.ldw || p.w_groups > kI32 / p.N)
       return gpuSuccess;
-    a_rows = gather ? 1 : p.a_total_rows;
+    a_rows = p.a_total_rows;
     w_rows = p.w_groups * p.N;
     row_tiles = row_slots;
   } else if (p.M < 64 || p.w_group_stride != 0) {
@@ -422,12 +350,9 @@ gpuError_t launch_gemm_wgmma(const GemmParams& p, int bm, int64_t row_slots, gpu
   if (n_tiles > 65535) return gpuSuccess;
   if (!wg_device_is_sm90()) return gpuSuccess;
   WgGemmMaps maps{};
-  if ((!gather && !wg_gemm_encode(&maps.a, p.A, a_rows, p.K, p.lda)) || !wg_gemm_encode(&maps.w, p.W, w_rows, p.K, p.ldw))
+  if (!wg_gemm_encode(&maps.a, p.A, a_rows, p.K, p.lda) || !wg_gemm_encode(&maps.w, p.W, w_rows, p.K, p.ldw))
     return gpuSuccess;
   *ran = true;
-  if (gather)
-    return bm >= 128 ? wg_gemm_launch<128, true, true>(p, maps, row_tiles, stream)
-                     : wg_gemm_launch<64, true, true>(p, maps, row_tiles, stream);
   if (swiglu)
     return bm >= 128 ? wg_gemm_launch<128, true>(p, maps, row_tiles, stream)
                      : wg_gemm_launch<64, true>(p, maps, row_tiles, stream);

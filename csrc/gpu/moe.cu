@@ -751,8 +751,8 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     p.a_rows = s.srow;
     // BARO_GEMM_WGMMA_GROUPED=sorted (prefill): the pairs' rows of h copied into sorted order first,
     // into ys (fp32 [P, D], free until the down GEMM writes it: [P, D] bf16 takes half), so that the
-    // gate/up GEMM reads its A in place, by TMA on the wgmma kernel, as the down GEMM does, instead of
-    // gathering rows inside the kernel. A copy, so the same operand bits and the same chains.
+    // gate/up GEMM reads its A in place, by TMA on the wgmma kernel, as the down GEMM does (the
+    // wgmma kernel gathers no rows). A copy, so the same operand bits and the same chains.
     if (moe_sorted_a(a, pl) && gemm_vec_ok(p)) {
       uint16_t* sorted = reinterpret_cast<uint16_t*>(s.ys);
       moe_sort_rows_kernel<<<elem_blocks(P * (D / 8)), kElemThreads, 0, stream>>>(a.h, p.lda, s.srow, sorted, P, D);
@@ -764,7 +764,7 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
     }
     p.tiles = s.tiles;
     p.n_tiles = s.n_tiles;
-    p.w_groups = a.slots != nullptr ? a.S : E;  // for the wgmma GEMM's map of W (BARO_GEMM_WGMMA_GROUPED=1)
+    p.w_groups = a.slots != nullptr ? a.S : E;  // for the wgmma GEMM's map of W (BARO_GEMM_WGMMA_GROUPED=sorted)
     if (pl.share) {  // the shared expert's gate/up rows for the last tiles
       p.W_last = a.s_gate_up;
       p.last_group = kSharedGroup;

@@ -210,7 +210,8 @@ _TABLE: tuple[Knob, ...] = (
              "several graphs) (custom_calls/moe.py)"),
     Knob("BARO_TOPK_ROWS", "choice", "cpu", choices=("cpu", "all", "off"), reader="Python",
          doc="the top_k of sampling inside the decode graph: cpu: baro_topk_rows (a radix select per row, the "
-             "same bytes as lax.top_k) on the CPU, lax.top_k on GPUs until its byte tests pass there; all: "
+             "same bytes as lax.top_k) on the CPU, lax.top_k on GPUs until it is measured faster there (its GPU byte "
+             "tests pass); all: "
              "baro_topk_rows wherever its kernel is built; off: lax.top_k everywhere (custom_calls/topk.py)"),
     Knob("BARO_LIB_DIR", "path", None, reader="Python", default_text="unset",
          doc="a directory searched first for libbaro_cpu.so / libbaro_cuda.so / libbaro_hip.so "

@@ -118,8 +118,8 @@ def _decode_block(params, pool, table, tokens, running, pos, left, stops, rope, 
     logprobs, top ids, top values (None when not asked), the pool, and (tokens, running, pos,
     left) after the block: the next block's inputs, so that it can be queued before this one's
     ids are read). samp (with k_max, sample_rows'): the rows' (temperature, top_k, top_p, key data,
-    index of the block's first token) where some row is sampled; a row
-    draws its i-th token of the block with index + i, so its ids are those it draws alone."""
+    index of the block's first token) where some row is sampled; a row draws its i-th token of
+    the block with index + i, so its ids are those it draws alone."""
     P = tokens.shape[0]  # the pool's first P slots (as _decode)
 
     def body(i, carry):
@@ -365,9 +365,10 @@ class BatchRun:
         chunk, and at each row bucket the decode step, the block of steps (whole and shorter), and
         the chunk-and-step pass, with idle slots' states kept and not (prompt_logprobs: also the
         chunk graphs that return every row's logits; sampled: also the blocks and the step's draw
-        at each ranking width: plain temperature, a top_k of at most K_DEVICE, the whole row ranked). Otherwise a round that first
-        meets a bucket compiles it while every running sequence waits. Each call runs on idle rows
-        and a free slot with no pages, which the admission of a sequence clears anyway.
+        at each ranking width: plain temperature, a top_k of at most K_DEVICE, the whole row
+        ranked). Otherwise a round that first meets a bucket compiles it while every running
+        sequence waits. Each call runs on idle rows and a free slot with no pages, which the
+        admission of a sequence clears anyway.
         on_graph(done, total) reports progress. Returns (graphs run, seconds)."""
         if self.sched.running or self.sched.waiting:
             raise RuntimeError("warm_up runs on an empty pool, before sequences are added")
@@ -500,8 +501,9 @@ class BatchRun:
 
     def _block_length(self, decoding) -> int:
         """Decode steps the next call may run on the device: one while a prompt is being prefilled
-        (its chunks interleave with the steps) or a kept state meets stops checked here; else up to the block, no longer than the longest sequence has
-        left, and while others wait for a slot no longer than the first to finish by length."""
+        (its chunks interleave with the steps) or a kept state meets stops checked here; else up to
+        the block, no longer than the longest sequence has left, and while others wait for a slot
+        no longer than the first to finish by length."""
         if self.block <= 1 or self.sched.next_prefill() is not None:
             return 1
         if self.keep_states and self.host_stops:

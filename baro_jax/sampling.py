@@ -183,9 +183,9 @@ def _ranked(logits):
 
 def sample_rows(logits, temperature, top_k, top_p, key_data, index, *, k_max: int):
     """Each row's next id, drawn inside a graph: row r from softmax(logits[r] / temperature[r])
-    with the key fold_in(key_data[r], index[r]) (key_data: PRNGKey(seed)'s), restricted to its top_k largest
-    logits (0: all; ranks on the logits, ties to the lower id) and then to the smallest prefix of
-    them whose probability reaches top_p. Greedy where the temperature is 0, top_k is 1 or
+    with the key fold_in(key_data[r], index[r]) (key_data: PRNGKey(seed)'s), restricted to its
+    top_k largest logits (0: all; ranks on the logits, ties to the lower id) and then to the
+    smallest prefix of them whose probability reaches top_p. Greedy where the temperature is 0, top_k is 1 or
     logits / temperature leaves float32. k_max: at least every row's ranks_needed (k_max_for):
     0, min(K_DEVICE, V), or V (a full ranking of each row, for a wider top_k or top_p < 1 without
     one); any wider k_max gives the same bits (zeros past a row's ranks leave the sums unchanged).

@@ -15,7 +15,8 @@ On CPU the "kernels" are the XLA thunks of the host plane (for a dry run of this
 With --batch B the step is generate_batch's: B sequence slots of a pool, each prefilled with its
 own --context random tokens, then decode steps of all B rows at once (batch.DECODE_BLOCK, greedy
 blocks of the runner's decode_block, the chosen token's logprob computed as generate_batch's
-default does); per-step numbers are per step of B tokens.
+default does); per-step numbers are per step of B tokens. --temperature / --top-k / --top-p sample
+every row (row i with seed i) inside the block, as a sampled pool does: where the draw's time goes.
 With --prefill the "step" is a whole batched prefill of --context random tokens (at --chunk, or the
 engine's pick): where a prompt's time goes, kernel by kernel (--warmup prefills first; 1 compiles
 every graph it needs).
@@ -186,6 +187,7 @@ def batch_steps(eng, args, length: int):
 
     from baro_jax import batch as BT
     from baro_jax import pool as Pool
+    from baro_jax.sampling import Sampling, k_max_for, row_params
 
     r, B = eng.runner, args.batch
     ops = BT.pooled_ops(r.ops)
@@ -211,8 +213,12 @@ def batch_steps(eng, args, length: int):
             logits, pool = BT.PREFILL(r.params, pool, table, jnp.int32(slot), jnp.asarray(part), jnp.int32(p),
                                       jnp.int32(n), r.rope, cfg=eng.cfg, ops=ops, all_logits=False)
         toks[slot] = int(np.argmax(np.asarray(logits)))
-    state = {"pool": pool, "tok": jnp.asarray(toks), "pos": np.full((B,), args.context, np.int32)}
+    state = {"pool": pool, "tok": jnp.asarray(toks), "pos": np.full((B,), args.context, np.int32), "index": 0}
     block = r.decode_block
+    sps = [Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=i) for i in range(B)]
+    k_max = k_max_for(sps, eng.cfg.vocab_size) if args.temperature else None
+    rows = [row_params(sp, eng.cfg.vocab_size) for sp in sps]
+    samp = tuple(jnp.asarray(np.stack([row[i] for row in rows])) for i in range(4)) if args.temperature else None
     run = jnp.ones((B,), bool)
     stops = jnp.asarray(np.array([-1], np.int32))
 
@@ -223,13 +229,15 @@ def batch_steps(eng, args, length: int):
         t = time.perf_counter()
         for _ in range(n // block):
             left = jnp.full((B,), block, jnp.int32)
+            draw = None if samp is None else samp + (jnp.full((B,), state["index"], jnp.int32),)
             ids, lp, _, _, state["pool"], _ = BT.DECODE_BLOCK(
                 r.params, state["pool"], table, state["tok"], run, jnp.asarray(state["pos"]), left, stops, r.rope,
-                cfg=eng.cfg, ops=ops, guard=False, top_n=0, block=block)
+                None, draw, cfg=eng.cfg, ops=ops, guard=False, top_n=0, block=block, k_max=k_max)
             state["tok"] = ids[-1]
             state["pos"] = state["pos"] + block
+            state["index"] += block
         jax.block_until_ready(state["pool"])
-        return [(time.perf_counter() - t) / n] * n
+        return [(time.perf_counter() - t) / n] * n if n else []  # --warmup 0: no steps
 
     return steps
 
@@ -261,6 +269,10 @@ def main(argv=None):
                     help="expert parallel over N devices (baro_jax.load(devices=N)); per-device busy and collective time")
     ap.add_argument("--batch", type=int, default=None,
                     help="profile generate_batch's decode step over B sequence slots (resident mode)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="--batch: sample every row at this temperature (0: greedy), row i with seed i")
+    ap.add_argument("--top-k", type=int, default=0, help="--batch: the sampled rows' top_k (0: none)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="--batch: the sampled rows' top_p")
     ap.add_argument("--prefill", action="store_true",
                     help="profile a batched prefill of --context tokens instead of decode steps (resident mode)")
     ap.add_argument("--chunk", type=int, default=None, help="--prefill: the prefill chunk (default: the engine's pick)")
@@ -276,6 +288,17 @@ def main(argv=None):
         ap.error("--warmup must be >= 0, --steps and --context >= 1")
     if args.batch is not None and (args.batch < 1 or args.mode != "resident" or args.per_token):
         ap.error("--batch B needs B >= 1, --mode resident and no --per-token")
+    sampled = (args.temperature, args.top_k, args.top_p) != (0.0, 0, 1.0)
+    if sampled and args.batch is None:
+        ap.error("--temperature / --top-k / --top-p sample --batch's rows: give --batch")
+    if sampled:
+        from baro_jax.sampling import Sampling
+        try:
+            Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p).validate()
+        except (TypeError, ValueError) as e:
+            ap.error(str(e))
+        if not args.temperature:
+            ap.error("--top-k / --top-p filter sampling: give --temperature > 0")
     if args.mode == "tier" and args.device_budget_gb is None:
         ap.error("--mode tier needs --device-budget-gb")
     paths = [None] if args.mode != "tier" or not args.tier_paths else args.tier_paths.split(",")
@@ -381,6 +404,7 @@ def main(argv=None):
             "summary": {**provenance(), "model": args.model, "context": args.context, "steps": n,
                         "xla_flags": os.environ.get("XLA_FLAGS", ""), "per_token": args.per_token,
                         "batch": args.batch, "prefill": args.prefill,
+                        "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
                         "chunk": args.chunk,
                         "median_step_ms": wall_ms, "tok_per_s": rows_per_step * 1e3 / wall_ms,
                         "traced_step_ms": traced_s * 1e3 / n, "device_busy_ms_per_step": busy,

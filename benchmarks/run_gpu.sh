@@ -443,6 +443,7 @@ stage_vs_peer() {
 # where one decode step's time goes at BATCH_PROFILE sizes (decode_profile.py --batch) and, unless
 # BATCH_GATE=0, the many-sequence identity gate (benchmarks/batch_identity.py: BATCH_GATE_N
 # sequences of 1 to BATCH_GATE_MAX_LEN tokens, staggered, half sampled, against their runs alone).
+# BATCH_PROFILE_ARGS reaches decode_profile.py (e.g. "--temperature 0.8 --top-p 0.95": a sampled step).
 # BATCH_MIXED=N:LEN[:B] adds the mixed-load row (N prompts of LEN tokens arriving while B decode,
 # e.g. 4:8192:32) for each of BATCH_MIXED_ROUNDS (on,off: a round's chunk and step in one pass or apart).
 # BATCH_SAMPLING: throughput.py's sampling arguments for every sequence (e.g. "--temperature 1.0", an RL
@@ -458,7 +459,8 @@ stage_batch() {
   local b
   for b in ${BATCH_PROFILE-1 8 64}; do  # BATCH_PROFILE= (empty): none
     timeout 200 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --batch "$b" --context 1024 \
-      --steps 32 --warmup 32 --top 24 --json "$OUT/decode_profile_batch${b}_${CARD}.json" 2>&1 \
+      --steps 32 --warmup 32 --top 24 ${BATCH_PROFILE_ARGS:-} \
+      --json "$OUT/decode_profile_batch${b}${BATCH_TAG:+_$BATCH_TAG}_${CARD}.json" 2>&1 \
       | grep -v '^\[baro_jax\]' | tail -34
   done
   [ "${BATCH_GATE:-1}" = 0 ] || timeout "${BATCH_GATE_TIMEOUT:-400}" python benchmarks/batch_identity.py \

@@ -168,6 +168,28 @@ def test_profile_refuses_prefill_with_decode_only_options():
             decode_profile.main(args)
 
 
+def test_profile_of_a_sampled_batch_step_draws_in_the_block(tmp_path):
+    """--batch with --temperature / --top-p: the rows draw inside the decode block (the profile's
+    step is a sampled pool's), the JSON says how; sampling without --batch, or filters without a
+    temperature, are refused."""
+    import json
+
+    out = tmp_path / "s.json"
+    common = ["--model", "tiny", "--batch", "2", "--context", "12", "--steps", "16", "--warmup", "0", "--top", "3"]
+    decode_profile.main(common + ["--temperature", "0.8", "--top-p", "0.9", "--json", str(out)])
+    d = json.loads(out.read_text())
+    s = d["summary"]
+    assert s["batch"] == 2 and s["sampling"] == {"temperature": 0.8, "top_k": 0, "top_p": 0.9}
+    assert s["median_step_ms"] > 0
+    # top_p without a top_k ranks each row whole: the step holds a sort (XLA CPU's thunk), a greedy one none
+    assert any(r["kernel"].startswith("sort") for r in d["kernels"]), [r["kernel"] for r in d["kernels"]]
+    decode_profile.main(common + ["--json", str(out)])
+    assert not any(r["kernel"].startswith("sort") for r in json.loads(out.read_text())["kernels"])
+    for bad in (["--temperature", "0.8"], ["--batch", "2", "--top-p", "0.9"], ["--batch", "2", "--temperature", "-1"]):
+        with pytest.raises(SystemExit):
+            decode_profile.main(["--model", "tiny"] + bad)
+
+
 def test_throughput_gives_no_decode_rate_for_waves(tmp_path):
     """A decode rate is B sequences decoding together: where the prefill budget lets the first
     sequences finish before the last one starts (4 prompts of 40 tokens at 16 prompt tokens a

@@ -336,11 +336,7 @@ class Engine:
         # can show true tokens/s. The batched loop waits for chunk k only after chunk k+1 is
         # dispatched, so the device never idles on the host; without progress nothing waits.
         if mode == "replay":
-            for p, t in enumerate(ids):
-                logits, state = self._decode(t, state, p)
-                if progress and (p + 1) % 256 == 0 and p + 1 < len(ids):
-                    jax.block_until_ready(logits)
-                    progress(p + 1, len(ids))
+            logits, state = self._replay_span(ids, state, 0, len(ids), progress)
         else:
             pending = None  # (logits, tokens done) of the chunk before the one just dispatched
             for p in range(0, len(ids), chunk):
@@ -354,6 +350,28 @@ class Engine:
         if progress:
             progress(len(ids), len(ids))
         return PrefillResult(logits, state, time.perf_counter() - t0, len(ids))
+
+    def _replay_span(self, ids: Sequence[int], state, start: int, stop: int, progress=None):  # unchecked
+        """The decode step once per token of ids[start:stop] on a state holding ids[:start] ->
+        (the last step's logits, the state): all but the last token in device calls of the
+        runner's replay_block steps (their logits never computed), the rest one step a call.
+        progress(done, len(ids)) about every 256 tokens (it waits for the device there)."""
+        block, p, told = self.runner.replay_block, start, start
+        while block > 1 and stop - 1 - p >= block:
+            state = self.runner.replay(state, np.asarray(ids[p:p + block], np.int32), p)
+            p += block
+            if progress and p - told >= 256:
+                jax.block_until_ready(state)
+                progress(p, len(ids))
+                told = p
+        logits = None
+        for q in range(p, stop):
+            logits, state = self._decode(ids[q], state, q)
+            if progress and q + 1 - told >= 256 and q + 1 < len(ids):
+                jax.block_until_ready(logits)
+                progress(q + 1, len(ids))
+                told = q + 1
+        return logits, state
 
     def _chunk_for(self, n_prompt: int, n_new: int, chunk) -> int:
         if chunk is None:

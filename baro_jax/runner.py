@@ -1,7 +1,7 @@
 """Runners: where the weights live and how one forward runs over them.
 
 The Engine (engine.py) is the API: checks, prefill loops, sampling, results. It asks a
-runner for five things and knows nothing of placement:
+runner for these things and knows nothing of placement:
 
 - `new_state(length)`: a zeroed per-layer state with a KV cache of `length` positions;
 - `forward(state, tokens, pos, n_valid, all_logits=False)`: m rows at positions pos.. (a
@@ -10,7 +10,8 @@ runner for five things and knows nothing of placement:
   in one device graph, each token the argmax or (samp, sampling.block_inputs) a sampled
   sequence's draw -> (tokens on the device [block], last token, state); `decode_block` says how
   many steps a call may take (1: the runner cannot loop on the device, the engine steps it from
-  the host);
+  the host); `replay(state, tokens, pos)` likewise runs `replay_block` of a prompt's own tokens
+  (the replay prefill);
 - `check_budget(state_len, chunk)`: refuse, before any work, what cannot fit;
 - `pick_chunk(n_prompt, n_new)`: the default prefill chunk.
 
@@ -59,12 +60,25 @@ def _resident_greedy(params, state, token, pos, n, rope, samp=None, *, cfg: Conf
     return toks, last, st
 
 
+def _resident_replay(params, state, tokens, pos, rope, *, cfg: Config, ops):
+    """len(tokens) decode steps in one graph, token i at pos + i: the prompt's own tokens fed in
+    (replay), not the argmax. Each step is the m = 1 forward, so the state's bits are those of as
+    many FORWARD calls; no step's logits leave the loop, so XLA drops the lm_head from it."""
+    def body(i, st):
+        _, st = M.forward(params, st, jax.lax.dynamic_slice_in_dim(tokens, i, 1), pos + i, jnp.int32(1), rope,
+                          cfg=cfg, ops=ops)
+        return st
+
+    return jax.lax.fori_loop(0, tokens.shape[0], body, state)
+
+
 # Module-level jits keyed on (cfg, ops): runners of the same model share compiled graphs.
 FORWARD = jax.jit(M.forward, static_argnames=("cfg", "ops", "all_logits"), donate_argnums=(1,))
 ALL_LOGITS = jax.jit(partial(M.forward, all_logits=True), static_argnames=("cfg", "ops"))
 GREEDY = jax.jit(_resident_greedy, static_argnames=("cfg", "ops", "block", "k_max"), donate_argnums=(1,))
 GREEDY_FULL = jax.jit(partial(_resident_greedy, n=None), static_argnames=("cfg", "ops", "block", "k_max"),
                       donate_argnums=(1,))
+REPLAY = jax.jit(_resident_replay, static_argnames=("cfg", "ops"), donate_argnums=(1,))
 # A fresh state in one dispatch: eagerly, its ~80 zeroed buffers were as many host round trips,
 # 39 ms before an 8k prompt's first chunk on the H100 host (prefill_profile_8192_6e691b6_h100.json).
 ZERO_STATE = jax.jit(M.init_state, static_argnums=(0, 1, 2))
@@ -109,6 +123,18 @@ class Runner:
                                block=block, k_max=k_max)
         return GREEDY(self.params, state, token, pos, jnp.int32(n), self.rope, samp, cfg=self.cfg, ops=self.ops,
                       block=block, k_max=k_max)
+
+    @property
+    def replay_block(self) -> int:
+        """Prompt tokens one replay call runs on the device (1: the engine runs the decode step
+        per token from the host)."""
+        return self.decode_block
+
+    def replay(self, state, tokens, pos):
+        """replay_block decode steps of the prompt's tokens (int32 [replay_block]) from pos in one
+        graph -> the state (donated in). The same bits as one forward call per token."""
+        return REPLAY(self.params, state, jnp.asarray(tokens, jnp.int32), jnp.int32(pos), self.rope, cfg=self.cfg,
+                      ops=self.ops)
 
     def check_budget(self, state_len: int, chunk: int = 0):
         budget.check_resident(self.cfg, self.dtype, self.budget_gb, state_len, chunk, self.devices or 1)

@@ -84,6 +84,10 @@ class TierRunner(Runner):
         # the cache path stages experts from Python per layer and token: no device loop
         return self.settings.decode_block if self.direct is not None else 1
 
+    @property
+    def replay_block(self) -> int:
+        return 1  # the replay's steps run staging.forward's layers from Python, a token at a time
+
     def forward(self, state, tokens, pos, n_valid, all_logits: bool = False):
         return staging.forward(self.params, state, tokens, pos, n_valid, self.rope, cfg=self.cfg, ops=self.ops,
                                all_logits=all_logits, cache=self.cache, direct=self.direct)

@@ -304,6 +304,34 @@ def test_replay_progress_reaches_the_whole_prompt():
     assert seen and seen[-1] == (300, 300) and all(d <= t for d, t in seen)
 
 
+def test_replay_in_device_blocks_has_the_bytes_of_one_step_a_call():
+    """The replay prefill runs all but the last token in device calls of decode_block teacher-fed
+    steps (no logits computed in them): its logits and state are the bytes of one decode step a
+    call (decode_block 1), for prompts shorter than a block, a block and one past, and several
+    blocks with a remainder; progress still reports every 256 tokens and the whole prompt."""
+    import jax
+
+    def leaves(st):
+        return b"".join(np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(st))
+
+    eng = baro_jax.load("tiny", progress=False)
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % (1 << 32)))
+    old = eng.settings.decode_block
+    try:
+        for n in (1, 5, 16, 17, 33, 300):
+            ids = [int(t) for t in rng.integers(0, eng.cfg.vocab_size, n)]
+            got = {}
+            for b in (1, 16):
+                eng.tune(decode_block=b)
+                seen = []
+                pre = eng.prefill(ids, "replay", progress=lambda d, t: seen.append(d))
+                got[b] = (np.asarray(pre.logits).tobytes(), leaves(pre.state))
+                assert seen[-1] == n and all(d % 256 == 0 for d in seen[:-1]), (n, b, seen)
+            assert got[16] == got[1], n
+    finally:
+        eng.tune(decode_block=old)
+
+
 @pytest.mark.parametrize("kw,msg", [(dict(on_token=3), "on_token must be a callable"),
                                     (dict(progress="yes"), "progress must be a callable"),
                                     (dict(top_k=5), "temperature is 0"),

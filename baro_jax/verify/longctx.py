@@ -80,15 +80,19 @@ def load_replay(path: str, like, expect: dict):
 
 
 def replay_range(eng, ids, state, start: int, stop: int, log: Callable[[str], None] | None = None):
-    """The decode step once per token of ids[start:stop] on a state holding ids[:start];
-    returns (the last step's logits, the state)."""
+    """The decode step once per token of ids[start:stop] on a state holding ids[:start], as the
+    replay prefill runs them (Engine._replay_span: device blocks of the prompt's tokens); returns
+    (the last step's logits, the state)."""
     import jax
 
-    lg = None
-    for p in range(start, stop):
-        lg, state = eng.decode_step(ids[p], state, p)
-        if log and (p + 1) % 8192 == 0:
-            log(f"replay {p + 1}/{stop}")
+    said = [start // 8192]
+
+    def progress(done, _total):
+        if log and done // 8192 > said[0]:
+            said[0] = done // 8192
+            log(f"replay {done}/{stop}")
+
+    lg, state = eng._replay_span(ids, state, start, stop, progress if log else None)
     return lg, jax.block_until_ready(state)
 
 

@@ -124,7 +124,8 @@ def test_warm_up_compiles_every_graph_the_rounds_use(eng):
     """A pool of sizes no other test uses (5 slots: buckets 1, 2, 4, 5; chunk 12): warm_up compiles
     its graphs (the caches grow), then staggered requests, greedy and sampled, short and over
     several chunks, joining while others decode, compile nothing more, and each still gets its
-    bytes alone (sampled ones: plain temperature and a top_k, drawn in the block and step graphs)."""
+    bytes alone (sampled ones: plain temperature, a top_k, top_p over the whole vocabulary, drawn in
+    the block and step graphs)."""
     graphs = (B.PREFILL, B.DECODE, B.DECODE_BLOCK, B.MIXED, B.CLEAR, B.MOVE, B.SAMPLE_ROWS)
     before = [g._cache_size() for g in graphs]
     run = B.open_run(eng, max_batch=5, length=320, chunk=12, logprobs=2, stop_width=4)
@@ -144,6 +145,8 @@ def test_warm_up_compiles_every_graph_the_rounds_use(eng):
         s = baro_jax.Sampling(temperature=0.8, seed=i) if i % 3 == 1 else baro_jax.Sampling()
         if i == 2:  # a top_k with top_p, drawn in the graph too
             s = baro_jax.Sampling(temperature=1.1, top_k=7, top_p=0.9, seed=i)
+        if i == 5:  # top_p over the whole vocabulary: the row ranked whole, warmed up too
+            s = baro_jax.Sampling(temperature=0.9, top_p=0.8, seed=i)
         seqs.append(Sequence(index=i, prompt_ids=eng.encode(p), max_new_tokens=m, sampling=s, eos_ids=eng.eos_ids))
     for s in seqs[:3]:
         run.add(s)

@@ -471,7 +471,7 @@ stage_batch() {
 # baro_topk_rows on the GPU (csrc/gpu/topk_rows.cu; docs/PERF.md 2026-12-05): its byte tests
 # against a numpy reference and lax.top_k, then sampled decode at BATCH_SIZES (Qwen3.5's
 # generation_config sampling: temperature 0.7, top_k 20, top_p 0.8) with the draw's top_k from
-# lax.top_k (BARO_TOPK_ROWS=off, the GPU default until these tests pass) and from the kernel (=all);
+# lax.top_k (BARO_TOPK_ROWS=off) and from the kernel (=all, the default);
 # the ids are the same either way. $OUT/throughput_topk20_rows_{off,all}_${CARD}.json.
 stage_topk() {
   timeout "${TOPK_TEST_TIMEOUT:-120}" python -m pytest -m gpu tests/test_kernels_topk.py -q -p no:cacheprovider 2>&1 \

@@ -227,14 +227,14 @@ def test_sample_rows_same_bytes_with_either_top_k(rng, v, monkeypatch):
                     seed=int(rng.integers(1 << 62))) for _ in range(P)]
     args = (jnp.asarray(x),) + _rows_inputs(sps, v, rng.integers(0, 1 << 20, P))
     got = {}
-    for where in ("cpu", "off"):
+    for where in ("all", "cpu", "off"):
         monkeypatch.setenv("BARO_TOPK_ROWS", where)
         # a fresh function, so a fresh trace (jit caches traces by function): the knob is read there
         f = jax.jit(lambda *a, k_max: sample_rows(*a, k_max=k_max), static_argnames=("k_max",))
         hlo = f.lower(*args, k_max=k_max_for(sps, v)).as_text()
-        assert ("baro_topk_rows" in hlo) == (where == "cpu"), where
+        assert ("baro_topk_rows" in hlo) == (where != "off"), where  # on the CPU: all and cpu alike
         got[where] = np.asarray(f(*args, k_max=k_max_for(sps, v)))
-    assert got["cpu"].tobytes() == got["off"].tobytes()
+    assert got["cpu"].tobytes() == got["off"].tobytes() == got["all"].tobytes()
 
 
 @pytest.mark.parametrize("v", (2, 7, 4099))

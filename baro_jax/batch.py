@@ -21,7 +21,9 @@ Logprobs are log_softmax rows of the same logits (an ordered row-wise op).
 """
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
 import jax
@@ -360,28 +362,49 @@ class BatchRun:
         """Every row count a decode step of this pool may run (see _rows)."""
         return sorted({self._bucket(n) for n in range(1, self.slots + 1)})
 
-    def warm_up(self, prompt_logprobs: bool = False, on_graph=None, sampled: bool = True) -> tuple[int, float]:
+    def warm_up(self, prompt_logprobs: bool = False, on_graph=None, sampled: bool = True,
+                threads: int | None = None) -> tuple[int, float]:
         """Compile, before any sequence joins, every step graph the rounds may use: the prefill
         chunk, and at each row bucket the decode step, the block of steps (whole and shorter), and
         the chunk-and-step pass, with idle slots' states kept and not (prompt_logprobs: also the
         chunk graphs that return every row's logits; sampled: also the blocks and the step's draw
         at each ranking width: plain temperature, a top_k of at most K_DEVICE, the whole row
         ranked). Otherwise a round that first meets a bucket compiles it while every running
-        sequence waits. Each call runs on idle rows and a free slot with no pages, which the
-        admission of a sequence clears anyway.
+        sequence waits. The jitted graphs are first lowered and compiled side by side on `threads`
+        host threads (default: the host's cores, at most 16; XLA compiles outside the GIL, and
+        compiling was ~80% of a warm-up), then each runs once on idle rows and a free slot with no
+        pages, which the admission of a sequence clears anyway.
         on_graph(done, total) reports progress. Returns (graphs run, seconds)."""
         if self.sched.running or self.sched.waiting:
             raise RuntimeError("warm_up runs on an empty pool, before sequences are added")
         t0 = time.perf_counter()
+        jobs = self._warm_up_jobs(prompt_logprobs, sampled)
+        report = on_graph or (lambda done, total: None)
+        compiled = self._compile_side_by_side(jobs, threads, lambda done: report(done, len(jobs)))
+        done = len(compiled)
+        for i, (fn, args, pick) in enumerate(jobs):
+            a, kw = args(self.pool)
+            self.pool = pick(fn(*a, **kw))
+            jax.block_until_ready(self.pool)
+            if i not in compiled:  # the compiled ones were counted as they compiled
+                done += 1
+                report(done, len(jobs))
+        return len(jobs), time.perf_counter() - t0
+
+    def _warm_up_jobs(self, prompt_logprobs: bool, sampled: bool) -> list:
+        """warm_up's graphs as (fn, args, pick): args(pool) -> fn's (positional, keyword) arguments,
+        pick(fn's result) -> the pool after it."""
         p, rope, slot = self.r.params, self.r.rope, jnp.int32(0)
         toks = jnp.zeros((self.chunk,), jnp.int32)
         kw = dict(cfg=self.cfg, ops=self.ops)
         logits_kinds = (False, True) if prompt_logprobs else (False,)
-        jobs = [lambda: CLEAR(self.pool, slot, jnp.asarray(self.blocks.table[0])),  # slot 0 holds no pages yet
-                lambda: MOVE(self.pool, slot, slot)]
+        pool_itself = lambda out: out  # noqa: E731
+        jobs = [(CLEAR, lambda pool: ((pool, slot, jnp.asarray(self.blocks.table[0])), {}), pool_itself),  # slot 0: no pages yet
+                (MOVE, lambda pool: ((pool, slot, slot), {}), pool_itself)]
         for all_logits in logits_kinds:
-            jobs.append(lambda a=all_logits: self._prefill_step(p, self.pool, self.table(), slot, toks, jnp.int32(0),
-                                                                jnp.int32(1), rope, all_logits=a, **kw)[1])
+            jobs.append((self._prefill_step, lambda pool, a=all_logits: (
+                (p, pool, self.table(), slot, toks, jnp.int32(0), jnp.int32(1), rope), dict(all_logits=a, **kw)),
+                lambda out: out[1]))
         V = self.cfg.vocab_size
         rows_in = self._sampling_arrays([], self.slots)  # sample_rows' inputs, each bucket its first rows
         widths = sorted({ranks_needed(s, V) for s in (Sampling(1.0), Sampling(1.0, top_k=2), Sampling(1.0, top_p=0.5))})
@@ -389,33 +412,51 @@ class BatchRun:
         for k in self.row_buckets():
             rows = jnp.zeros((k,), jnp.int32)
             idle = jnp.zeros((k,), bool)
-            for samp, k_max in draws[1:]:  # a step's draw over its rows (_step_done)
-                jobs.append(lambda k=k, samp=samp, k_max=k_max: (SAMPLE_ROWS(
-                    jnp.zeros((k, V), jnp.float32), *(x[:k] for x in samp), k_max=k_max), self.pool)[1])
+            for samp, k_max in draws[1:]:  # a step's draw over its rows (_step_done); the pool untouched
+                logits = jnp.zeros((k, V), jnp.float32)
+                jobs.append((SAMPLE_ROWS, lambda pool, k=k, samp=samp, k_max=k_max, logits=logits: (
+                    (logits,) + tuple(x[:k] for x in samp), dict(k_max=k_max)), lambda out: self.pool))
             stops = jnp.full((k, self.stop_width), -1, jnp.int32)
             for guard in (False, True):
                 step = dict(guard=guard, top_n=self.top_n, **kw)
-                jobs.append(lambda k=k, step=step, rows=rows, idle=idle: self._decode_rows_step(
-                    p, self.pool, self.table(k), rows, idle, rows, rope, **step)[-1])
+                jobs.append((self._decode_rows_step, lambda pool, k=k, step=step, rows=rows, idle=idle: (
+                    (p, pool, self.table(k), rows, idle, rows, rope), step), lambda out: out[-1]))
                 if self.block > 1:
                     for n in (None, jnp.int32(1)):
                         for samp, k_max in draws:
-                            jobs.append(lambda k=k, step=step, n=n, rows=rows, idle=idle, stops=stops, samp=samp,
-                                        k_max=k_max: DECODE_BLOCK(
-                                p, self.pool, self.table(k), rows, idle, rows, rows, stops, rope, n,
-                                None if samp is None else tuple(x[:k] for x in samp), block=self.block, k_max=k_max,
-                                **step)[4])
+                            jobs.append((DECODE_BLOCK, lambda pool, k=k, step=step, n=n, rows=rows, idle=idle, stops=stops,
+                                         samp=samp, k_max=k_max: (
+                                (p, pool, self.table(k), rows, idle, rows, rows, stops, rope, n,
+                                 None if samp is None else tuple(x[:k] for x in samp)),
+                                dict(block=self.block, k_max=k_max, **step)), lambda out: out[4]))
                 if self.mixed:
                     for all_logits in logits_kinds:
-                        jobs.append(lambda k=k, step=step, a=all_logits, rows=rows, idle=idle: self._mixed_pass(
-                            p, self.pool, self.table(), slot, toks, jnp.int32(0), jnp.int32(1), rows, idle, rows, rope,
-                            all_logits=a, **step)[-1])
-        for i, job in enumerate(jobs):
-            self.pool = job()
-            jax.block_until_ready(self.pool)
-            if on_graph is not None:
-                on_graph(i + 1, len(jobs))
-        return len(jobs), time.perf_counter() - t0
+                        jobs.append((self._mixed_pass, lambda pool, k=k, step=step, a=all_logits, rows=rows, idle=idle: (
+                            (p, pool, self.table(), slot, toks, jnp.int32(0), jnp.int32(1), rows, idle, rows, rope),
+                            dict(all_logits=a, **step)), lambda out: out[-1]))
+        return jobs
+
+    def _compile_side_by_side(self, jobs, threads: int | None, on_compiled) -> set:
+        """Lower and compile the jitted graphs among jobs on several host threads, against the
+        pool as it is (lowering reads shapes only: nothing is donated or run); on_compiled(n) after
+        each. A compiled graph is the one the later call finds, so warm_up's calls then run without
+        compiling. Tier mode's steps are Python layer loops of many small graphs: they compile as
+        they run. Returns the indices of the jobs compiled here."""
+        lowerable = [i for i, (fn, _, _) in enumerate(jobs) if hasattr(fn, "lower")]
+        threads = min(16, os.cpu_count() or 1) if threads is None else threads
+        if threads < 2 or len(lowerable) < 2:
+            return set()
+
+        def compile_one(i):
+            fn, args, _ = jobs[i]
+            a, kw = args(self.pool)
+            fn.lower(*a, **kw).compile()
+
+        with ThreadPoolExecutor(max_workers=min(threads, len(lowerable))) as ex:
+            for n, fut in enumerate(as_completed([ex.submit(compile_one, i) for i in lowerable]), 1):
+                fut.result()  # the first failure is raised here, before any graph runs
+                on_compiled(n)
+        return set(lowerable)
 
     def cancel(self, seq: Sequence) -> bool:
         """End a sequence now (finish_reason "cancelled"); its slot is free for the next round."""

@@ -126,13 +126,29 @@ def test_warm_up_compiles_every_graph_the_rounds_use(eng):
     several chunks, joining while others decode, compile nothing more, and each still gets its
     bytes alone (sampled ones: plain temperature, a top_k, top_p over the whole vocabulary, drawn in
     the block and step graphs)."""
+    from jax._src import monitoring
+
     graphs = (B.PREFILL, B.DECODE, B.DECODE_BLOCK, B.MIXED, B.CLEAR, B.MOVE, B.SAMPLE_ROWS)
     before = [g._cache_size() for g in graphs]
     run = B.open_run(eng, max_batch=5, length=320, chunk=12, logprobs=2, stop_width=4)
     assert run.row_buckets() == [1, 2, 4, 5]
-    seen = []
-    n, seconds = run.warm_up(on_graph=lambda i, total: seen.append((i, total)))
-    assert n == len(seen) and seen[-1] == (n, n) and seconds > 0
+    seen, compiles = [], []
+
+    def count(event, seconds, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    monitoring.register_event_duration_secs_listener(count)
+    try:
+        # two threads compile every graph side by side first (all of them: none is a tier step), and
+        # the calls that follow find them: nothing compiles after the last graph is reported ready
+        n, seconds = run.warm_up(threads=2, on_graph=lambda i, total: seen.append((i, total, len(compiles))))
+        after = len(compiles)
+    finally:
+        monitoring.unregister_event_duration_listener(count)
+    assert n == len(seen) and seen[-1][:2] == (n, n) and seconds > 0
+    assert [x[0] for x in seen] == list(range(1, n + 1))
+    assert seen[-1][2] >= n and after == seen[-1][2], (seen[-1], after)
     warm = [g._cache_size() for g in graphs]
     assert all(w > b for w, b in zip(warm, before)), (before, warm)
     with pytest.raises(RuntimeError, match="empty pool"):

@@ -166,6 +166,11 @@ PICK = jax.jit(lambda lp, rows, ids: lp[rows, ids])  # the logprobs of host-chos
 
 # Tier mode's steps (routed experts in host memory): the same contracts as PREFILL and DECODE, run
 # by the runner's Python layer loops (staging.py), which stage the experts layer by layer.
+def compile_threads(threads: int | None = None) -> int:
+    """The host threads BatchRun.warm_up compiles on: threads, or by default the host's cores, at most 16."""
+    return min(16, os.cpu_count() or 1) if threads is None else threads
+
+
 def tier_prefill(runner):
     """PREFILL in tier mode: the slot's state out of the pool, the runner's own forward over the
     chunk (generate()'s prefill, so its bytes), the state back in."""
@@ -443,7 +448,7 @@ class BatchRun:
         compiling. Tier mode's steps are Python layer loops of many small graphs: they compile as
         they run. Returns the indices of the jobs compiled here."""
         lowerable = [i for i, (fn, _, _) in enumerate(jobs) if hasattr(fn, "lower")]
-        threads = min(16, os.cpu_count() or 1) if threads is None else threads
+        threads = compile_threads(threads)
         if threads < 2 or len(lowerable) < 2:
             return set()
 

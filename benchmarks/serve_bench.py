@@ -124,13 +124,20 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=256, help="the server's prefill chunk (default: %(default)s)")
     ap.add_argument("--prefill-budget", type=int, default=None,
                     help="the server's prompt rows per round (default: the server's)")
+    ap.add_argument("--warm-up-threads", type=int, default=None,
+                    help="host threads that compile the server's step graphs before the first level (default: "
+                         "the host's cores, at most 16; 1: one after another; 0: no warm-up, each level's first "
+                         "rounds compile what they meet)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.warm_up_threads is not None and args.warm_up_threads < 0:
+        ap.error(f"--warm-up-threads must be >= 0, got {args.warm_up_threads}")
     levels = [int(c) for c in args.clients.split(",")]
     n = max(levels) * args.requests_per_client
 
     import baro_jax
+    from baro_jax.batch import compile_threads
     from baro_jax.serve.server import Server
     from baro_jax.shapes import state_length
     from baro_jax.verify.records import provenance, write_json
@@ -151,7 +158,7 @@ def main(argv=None) -> int:
     srv = Server(eng, port=0, max_batch=slots, max_queue=n, chunk=args.chunk, max_logprobs=0, **budget)
     # every row bucket's step graphs compile before the first level (a level would otherwise time
     # the compilations of the buckets it is the first to reach), as `serve --warm-up` does
-    graphs, warm_s = srv.loop.warm_up()
+    graphs, warm_s = (0, 0.0) if args.warm_up_threads == 0 else srv.loop.warm_up(threads=args.warm_up_threads)
     print(f"[serve_bench] warm-up: {graphs} step graphs in {warm_s:.1f}s", flush=True)
     url = srv.start()
     rows, ok = [], True
@@ -184,7 +191,8 @@ def main(argv=None) -> int:
                   f"{1000 * (row['itl_p50_s'] or 0):.1f}ms p99 {1000 * (row['itl_p99_s'] or 0):.1f}ms, "
                   f"equal alone {equal}/{len(res)}", flush=True)
             out = {"summary": {"model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                               "warm_up": {"graphs": graphs, "seconds": warm_s},
+                               "warm_up": {"graphs": graphs, "seconds": warm_s,
+                                           "threads": compile_threads(args.warm_up_threads)},
                                "requests_per_client": args.requests_per_client, "sampled_every": args.sampled_every,
                                "sampling": {"temperature": args.sample_temperature, "top_p": args.sample_top_p,
                                             "top_k": args.sample_top_k},

@@ -121,11 +121,14 @@ def test_serve_bench_dry_run_checks_every_response(bench_script, tmp_path):
         assert row["equal_solo"] == row["requests"] == row["clients"] and row["output_tokens"] == 5 * row["requests"]
         assert row["ttft_p50_s"] > 0 and row["health"]["free_slots"] == row["health"]["slots"]
     assert d["summary"]["commit"] and d["summary"]["device"].startswith("cpu")
+    assert d["summary"]["warm_up"]["graphs"] > 0 and d["summary"]["warm_up"]["threads"] >= 1
     # every request sampled with a top_k (drawn inside the server pool's decode graphs): still each
-    # response equal to its run alone
+    # response equal to its run alone; no warm-up (the rounds compile what they meet)
     r = bench_script("serve_bench", "--clients", "3", "--prompt-len", "8", "--new-tokens", "6", "--chunk", "16",
-                     "--sampled-every", "1", "--sample-top-k", "20", "--sample-top-p", "0.9", "--json", out)
+                     "--sampled-every", "1", "--sample-top-k", "20", "--sample-top-p", "0.9", "--warm-up-threads", "0",
+                     "--json", out)
     assert r.returncode == 0, r.stdout + r.stderr
     d = json.loads(out.read_text())
     assert d["summary"]["pass"] and d["summary"]["sampling"]["top_k"] == 20
+    assert d["summary"]["warm_up"] == {"graphs": 0, "seconds": 0.0, "threads": 0}
     assert d["rows"][0]["equal_solo"] == d["rows"][0]["requests"] == 3

@@ -72,12 +72,13 @@ class EngineLoop:
         self._snapshot = {"free_slots": self.run.slots, "running": 0, "waiting": 0}
         self._thread = threading.Thread(target=self._main, name="baro-engine-loop", daemon=True)
 
-    def warm_up(self, on_graph=None) -> tuple[int, float]:
-        """Compile the pool's step graphs before the loop starts (BatchRun.warm_up)."""
+    def warm_up(self, on_graph=None, threads: int | None = None) -> tuple[int, float]:
+        """Compile the pool's step graphs before the loop starts (BatchRun.warm_up; threads: its
+        compile threads, default the host's cores)."""
         if self._thread.is_alive():
             raise RuntimeError("warm_up runs before the engine loop starts")
         with self.engine.exclusive():
-            return self.run.warm_up(on_graph=on_graph)
+            return self.run.warm_up(on_graph=on_graph, threads=threads)
 
     # --- called from the front end's threads -----------------------------------------------
     def start(self):

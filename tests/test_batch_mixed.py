@@ -134,18 +134,20 @@ def test_warm_up_compiles_every_graph_the_rounds_use(eng):
     assert run.row_buckets() == [1, 2, 4, 5]
     seen, compiles = [], []
 
-    def count(event, seconds, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
+    def compiled(event, seconds=None, **kw):  # an executable made, or read from the persistent cache
+        if event in ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_hits"):
             compiles.append(event)
 
-    monitoring.register_event_duration_secs_listener(count)
+    monitoring.register_event_duration_secs_listener(compiled)
+    monitoring.register_event_listener(compiled)
     try:
         # two threads compile every graph side by side first (all of them: none is a tier step), and
         # the calls that follow find them: nothing compiles after the last graph is reported ready
         n, seconds = run.warm_up(threads=2, on_graph=lambda i, total: seen.append((i, total, len(compiles))))
         after = len(compiles)
     finally:
-        monitoring.unregister_event_duration_listener(count)
+        monitoring.unregister_event_duration_listener(compiled)
+        monitoring.unregister_event_listener(compiled)
     assert n == len(seen) and seen[-1][:2] == (n, n) and seconds > 0
     assert [x[0] for x in seen] == list(range(1, n + 1))
     assert seen[-1][2] >= n and after == seen[-1][2], (seen[-1], after)

@@ -164,13 +164,13 @@ TOP = jax.jit(lambda lp, k: jax.lax.top_k(lp, k), static_argnames=("k",))  # tie
 PICK = jax.jit(lambda lp, rows, ids: lp[rows, ids])  # the logprobs of host-chosen ids
 
 
-# Tier mode's steps (routed experts in host memory): the same contracts as PREFILL and DECODE, run
-# by the runner's Python layer loops (staging.py), which stage the experts layer by layer.
 def compile_threads(threads: int | None = None) -> int:
     """The host threads BatchRun.warm_up compiles on: threads, or by default the host's cores, at most 16."""
     return min(16, os.cpu_count() or 1) if threads is None else threads
 
 
+# Tier mode's steps (routed experts in host memory): the same contracts as PREFILL and DECODE, run
+# by the runner's Python layer loops (staging.py), which stage the experts layer by layer.
 def tier_prefill(runner):
     """PREFILL in tier mode: the slot's state out of the pool, the runner's own forward over the
     chunk (generate()'s prefill, so its bytes), the state back in."""

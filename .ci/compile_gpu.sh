@@ -6,6 +6,7 @@
 #
 # Env: BARO_CUDA_ARCH (default 90), BARO_HIP_ARCH (default gfx90a),
 #      BARO_CI_SKIP_HIP=1 / BARO_CI_SKIP_CUDA=1 to skip one platform,
+#      BARO_CI_CUDA_LIB=path: check that already-built libbaro_cuda.so instead of compiling CUDA,
 #      PYTHON (default python3; must import jax for the FFI headers).
 # The flags mirror csrc/gpu/gpu.cmake (keep them in sync).
 set -euo pipefail
@@ -66,7 +67,13 @@ check_symbols() {
 status=0
 
 # ---- CUDA ----
-if [ "${BARO_CI_SKIP_CUDA:-0}" != "1" ]; then
+if [ -n "${BARO_CI_CUDA_LIB:-}" ]; then
+  # the library `pip install` built with csrc/gpu/gpu.cmake's own flags (nvcc on PATH): its symbols,
+  # rather than compiling every source a second time
+  [ -f "$BARO_CI_CUDA_LIB" ] || { echo "compile_gpu: BARO_CI_CUDA_LIB=$BARO_CI_CUDA_LIB is not a file" >&2; exit 1; }
+  echo "== CUDA: $BARO_CI_CUDA_LIB (built by pip through gpu.cmake)"
+  check_symbols "$BARO_CI_CUDA_LIB" && echo "== CUDA: libbaro_cuda.so OK" || status=1
+elif [ "${BARO_CI_SKIP_CUDA:-0}" != "1" ]; then
   NVCC="$(command -v nvcc || true)"
   [ -n "$NVCC" ] || { echo "compile_gpu: nvcc not found (set BARO_CI_SKIP_CUDA=1 to skip)" >&2; exit 1; }
   echo "== CUDA: $("$NVCC" --version | tail -1), sm_$CUDA_ARCH"

@@ -10,7 +10,9 @@ import shutil
 import tempfile
 import uuid
 
-# set by the process pytest starts in, before it starts its xdist workers, which inherit it
+# set by the process pytest starts in, before it starts its xdist workers, which inherit it (as
+# does a pytest that a test starts: it must not remove the cache, so only the first one owns it)
+OWNER = "BARO_TEST_RUN" not in os.environ
 _RUN = os.environ.setdefault("BARO_TEST_RUN", uuid.uuid4().hex[:12])
 CACHE_DIR = os.path.join(tempfile.gettempdir(), f"baro_jax_test_xla_cache_{_RUN}")
 ENABLED = os.environ.get("BARO_TEST_JAX_CACHE", "on") != "off"
@@ -28,7 +30,6 @@ if ENABLED:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    # the controller (or a run without xdist) removes the run's cache; workers leave it to it
-    if ENABLED and not hasattr(session.config, "workerinput") and \
-            os.environ.get("JAX_COMPILATION_CACHE_DIR") == CACHE_DIR:
+    # the process that made the run's cache removes it (not its workers, nor a pytest a test started)
+    if ENABLED and OWNER and os.environ.get("JAX_COMPILATION_CACHE_DIR") == CACHE_DIR:
         shutil.rmtree(CACHE_DIR, ignore_errors=True)

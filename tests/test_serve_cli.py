@@ -69,7 +69,7 @@ def test_a_signal_lets_the_running_stream_finish_and_exits_0(sig):
 def test_warm_up_compiles_the_step_graphs_before_listening():
     """--warm-up: progress per graph, a count and a time, all before the address line; then the
     server answers as usual."""
-    proc, url, lines = _start("--warm-up")
+    proc, url, lines = _start("--warm-up", "--warm-up-threads", "2")
     try:
         r = httpx.post(url + "/v1/completions", json={"prompt": "x = ", "max_tokens": 3}, timeout=120)
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
@@ -79,7 +79,7 @@ def test_warm_up_compiles_the_step_graphs_before_listening():
         if proc.poll() is None:
             proc.kill()
     text = "".join(lines)
-    m = re.search(r"warm-up: (\d+) step graphs compiled in [0-9.]+ s", text)
+    m = re.search(r"warm-up: (\d+) step graphs compiled in [0-9.]+ s on 2 threads", text)
     assert m and f"warm-up: step graph {m.group(1)}/{m.group(1)}" in text, text
     assert text.index("warm-up: ") < text.index("serving 'tiny'")
 
@@ -90,6 +90,8 @@ def test_warm_up_compiles_the_step_graphs_before_listening():
     (["--prefill-budget", "0"], "error: --prefill-budget must be >= 1, got 0"),
     (["--port", "70000"], "error: --port must be in [0, 65535], got 70000"),
     (["--max-body-mb", "0"], "error: --max-body-mb must be > 0, got 0.0"),
+    (["--warm-up", "--warm-up-threads", "0"], "error: --warm-up-threads must be >= 1, got 0"),
+    (["--warm-up-threads", "4"], "error: --warm-up-threads is for --warm-up: give both, or neither"),
     (["--max-batchh", "3"], "error: unrecognized arguments: --max-batchh 3"),
     (["--model", "/no/such/dir"], "error: "),
 ])

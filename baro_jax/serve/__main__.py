@@ -59,6 +59,9 @@ def _parser():
                    help="compile every step graph of the pool before listening (each decode row bucket, with and "
                         "without a prefill chunk beside it, its blocks greedy and sampled): no request then waits on "
                         "a compilation, at the price of a longer start")
+    p.add_argument("--warm-up-threads", type=int, default=None, metavar="N",
+                   help="host threads --warm-up compiles the graphs on, side by side (default: the host's cores, "
+                        "at most 16)")
     p.add_argument("--max-body-mb", type=float, default=DEFAULTS["max_body_bytes"] / 2**20, metavar="MB",
                    help="the largest request body, in MiB (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=DEFAULTS["shutdown_timeout"], metavar="S",
@@ -89,6 +92,10 @@ def _check(args):
         raise UsageError(f"--max-body-mb must be > 0, got {args.max_body_mb}")
     if not args.shutdown_timeout >= 0:
         raise UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.warm_up_threads is not None and args.warm_up_threads < 1:
+        raise UsageError(f"--warm-up-threads must be >= 1, got {args.warm_up_threads}")
+    if args.warm_up_threads is not None and not args.warm_up:
+        raise UsageError("--warm-up-threads is for --warm-up: give both, or neither")
 
 
 def _settings(args):
@@ -119,8 +126,13 @@ def _run(argv) -> int:
                     max_logprobs=args.max_logprobs, max_body_bytes=int(args.max_body_mb * 2**20),
                     shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
     if args.warm_up:
-        n, seconds = server.loop.warm_up(on_graph=lambda i, total: _say(f"[baro_jax] warm-up: step graph {i}/{total}"))
-        _say(f"[baro_jax] warm-up: {n} step graphs compiled in {seconds:.1f} s")
+        from ..batch import compile_threads
+
+        threads = compile_threads(args.warm_up_threads)
+        n, seconds = server.loop.warm_up(on_graph=lambda i, total: _say(f"[baro_jax] warm-up: step graph {i}/{total}"),
+                                         threads=threads)
+        _say(f"[baro_jax] warm-up: {n} step graphs compiled in {seconds:.1f} s on {threads} "
+             f"thread{'s' if threads > 1 else ''}")
     try:
         sock = server.bind()
     except OSError as e:

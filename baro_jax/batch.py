@@ -404,7 +404,8 @@ class BatchRun:
         kw = dict(cfg=self.cfg, ops=self.ops)
         logits_kinds = (False, True) if prompt_logprobs else (False,)
         pool_itself = lambda out: out  # noqa: E731
-        jobs = [(CLEAR, lambda pool: ((pool, slot, jnp.asarray(self.blocks.table[0])), {}), pool_itself),  # slot 0: no pages yet
+        no_pages = jnp.asarray(self.blocks.table[0])  # slot 0 holds no pages yet
+        jobs = [(CLEAR, lambda pool: ((pool, slot, no_pages), {}), pool_itself),
                 (MOVE, lambda pool: ((pool, slot, slot), {}), pool_itself)]
         for all_logits in logits_kinds:
             jobs.append((self._prefill_step, lambda pool, a=all_logits: (
@@ -429,14 +430,14 @@ class BatchRun:
                 if self.block > 1:
                     for n in (None, jnp.int32(1)):
                         for samp, k_max in draws:
-                            jobs.append((DECODE_BLOCK, lambda pool, k=k, step=step, n=n, rows=rows, idle=idle, stops=stops,
-                                         samp=samp, k_max=k_max: (
+                            jobs.append((DECODE_BLOCK, lambda pool, k=k, step=step, n=n, rows=rows, idle=idle,
+                                         stops=stops, samp=samp, k_max=k_max: (
                                 (p, pool, self.table(k), rows, idle, rows, rows, stops, rope, n,
                                  None if samp is None else tuple(x[:k] for x in samp)),
                                 dict(block=self.block, k_max=k_max, **step)), lambda out: out[4]))
                 if self.mixed:
                     for all_logits in logits_kinds:
-                        jobs.append((self._mixed_pass, lambda pool, k=k, step=step, a=all_logits, rows=rows, idle=idle: (
+                        jobs.append((self._mixed_pass, lambda pool, step=step, a=all_logits, rows=rows, idle=idle: (
                             (p, pool, self.table(), slot, toks, jnp.int32(0), jnp.int32(1), rows, idle, rows, rope),
                             dict(all_logits=a, **step)), lambda out: out[-1]))
         return jobs

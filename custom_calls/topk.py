@@ -42,8 +42,9 @@ def topk_rows(logits, k: int):
 def top_k(logits, k: int):
     """jax.lax.top_k(logits, k)'s result, from topk_rows where BARO_TOPK_ROWS lets the kernel run on
     the logits' platform (all, the default: wherever it is built, on GPUs for k <= 256; cpu: the CPU
-    only; off: nowhere), else from lax.top_k. The same bytes either way (tests/test_kernels_topk.py), so the knob is speed alone;
-    it is read when a graph is traced (a process keeps a traced graph's choice)."""
+    only; off: nowhere), else from lax.top_k. The same bytes either way
+    (tests/test_kernels_topk.py), so the knob is speed alone; it is read when a graph is traced (a
+    process keeps a traced graph's choice)."""
     where, gpu = knob("BARO_TOPK_ROWS"), gpu_platform((logits,))
     if where == "off" or (gpu or "cpu") not in available_platforms() or (gpu and (where != "all" or k > MAX_K_GPU)):
         return jax.lax.top_k(logits, k)

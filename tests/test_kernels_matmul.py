@@ -32,13 +32,15 @@ def test_matmul(platform, m):
 
 
 @pytest.mark.parametrize("m,K", [(2, 200), (17, 2056), (130, 203), (300, 200), (300, 2056), (17, 272),
-                                 (300, 1040)])
+                                 (300, 1040), (212, 272)])
 def test_matmul_tiles(platform, m, K, monkeypatch):
     """Several row and N tiles of the large configs, K past a whole BK (200,
     2056 = 16*128 + 8: a half-filled last 16-step) and K % 8 != 0 (203: no
     16-byte loads, the simple kernel walks each 128-row slot in sub-tiles);
     K % 16 == 0 (272, 1040) puts forced 16-row slots on the stream (19 slots at
-    m = 300), the others on gemm_rows16."""
+    m = 300), the others on gemm_rows16. The last 128-row tile's valid rows (2 at m = 130, 44 at
+    300, 84 at 212) leave the pipelined kernel's warps 1, 3, none or 2 of their 4 m fragments
+    to walk (gemm.cuh skips the rest)."""
     N = 264  # 2 full 128-column tiles and a partial one
     rng = np.random.default_rng(900 + m + K)
     x, w = bf16(rng, m, K), bf16(rng, N, K)

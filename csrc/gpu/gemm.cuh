@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common.cuh"
 #include "dot.cuh"
@@ -432,47 +433,62 @@ __global__ void __launch_bounds__(kPipeThreads, (PipeCfg<BM, BN, WM, WN, STAGES,
   const int b_hi = (lane >> 3) & 1;
   const int sw = lane & 7;
 
-  for (int kt = 0; kt < n_k; ++kt) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // stage kt visible to all; stage kt-1 fully consumed
-    {
-      const int nt = kt + STAGES - 1;
-      if (nt < n_k) load_stage(nt, nt % STAGES);
-      cp_async_commit();
-    }
-    const uint32_t base = smem0 + (kt % STAGES) * kStage;
-    const int64_t k0 = static_cast<int64_t>(kt) * kPipeBK;
-    auto k_step = [&](int kk) {
-      FragA fa[MT];
-      FragB fb[NT];
-#pragma unroll
-      for (int a = 0; a < MT; ++a) {
-        const int row = a_row + a * 16;
-        ldsm_x4(base + row * kPipeRowBytes + (((2 * kk + a_hi) ^ sw) << 4), fa[a].r[0],
-                fa[a].r[1], fa[a].r[2], fa[a].r[3]);
+  // A group's last tile is often part empty (an 8k prompt gives an expert about 256 rows: half
+  // the experts get a third 128-row tile of a few rows). A warp's m fragments wholly past the
+  // tile's valid rows are never stored, so it skips their loads and mmas (a warp with none left
+  // only copies and waits at the barriers, freeing the SM for the other resident blocks). Every
+  // stored element is still its one accumulator over the same k-steps: the same bits.
+  const int live = (rc - wm * Cfg::kWarpM + 15) / 16;  // m fragments with a valid row (may be <= 0)
+  auto k_walk = [&](auto partial) {
+    for (int kt = 0; kt < n_k; ++kt) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // stage kt visible to all; stage kt-1 fully consumed
+      {
+        const int nt = kt + STAGES - 1;
+        if (nt < n_k) load_stage(nt, nt % STAGES);
+        cp_async_commit();
       }
+      if (decltype(partial)::value && live <= 0) continue;  // uniform per warp
+      const uint32_t base = smem0 + (kt % STAGES) * kStage;
+      const int64_t k0 = static_cast<int64_t>(kt) * kPipeBK;
+      auto k_step = [&](int kk) {
+        FragA fa[MT];
+        FragB fb[NT];
 #pragma unroll
-      for (int b = 0; b < NT / 2; ++b) {
-        const int row = b_row + b * 16;
-        ldsm_x4(base + BM * kPipeRowBytes + row * kPipeRowBytes + (((2 * kk + b_hi) ^ sw) << 4),
-                fb[2 * b].r[0], fb[2 * b].r[1], fb[2 * b + 1].r[0], fb[2 * b + 1].r[1]);
+        for (int a = 0; a < MT; ++a) {
+          if (decltype(partial)::value && a >= live) continue;
+          const int row = a_row + a * 16;
+          ldsm_x4(base + row * kPipeRowBytes + (((2 * kk + a_hi) ^ sw) << 4), fa[a].r[0],
+                  fa[a].r[1], fa[a].r[2], fa[a].r[3]);
+        }
+#pragma unroll
+        for (int b = 0; b < NT / 2; ++b) {
+          const int row = b_row + b * 16;
+          ldsm_x4(base + BM * kPipeRowBytes + row * kPipeRowBytes + (((2 * kk + b_hi) ^ sw) << 4),
+                  fb[2 * b].r[0], fb[2 * b].r[1], fb[2 * b + 1].r[0], fb[2 * b + 1].r[1]);
+        }
+#pragma unroll
+        for (int a = 0; a < MT; ++a) {
+          if (decltype(partial)::value && a >= live) continue;
+#pragma unroll
+          for (int b = 0; b < NT; ++b) mma_16816(acc[a][b], fa[a], fb[b]);
+        }
+      };
+      if (k0 + kPipeBK <= K) {
+        // whole stage inside K: one straight-line block, so the fragment loads
+        // of step kk+1 can overlap the mma of step kk
+#pragma unroll
+        for (int kk = 0; kk < kPipeBK / 16; ++kk) k_step(kk);
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < kPipeBK / 16; ++kk)
+          if (k0 + kk * 16 < K) k_step(kk);  // uniform: skip steps wholly past K
       }
-#pragma unroll
-      for (int a = 0; a < MT; ++a)
-#pragma unroll
-        for (int b = 0; b < NT; ++b) mma_16816(acc[a][b], fa[a], fb[b]);
-    };
-    if (k0 + kPipeBK <= K) {
-      // whole stage inside K: one straight-line block, so the fragment loads
-      // of step kk+1 can overlap the mma of step kk
-#pragma unroll
-      for (int kk = 0; kk < kPipeBK / 16; ++kk) k_step(kk);
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < kPipeBK / 16; ++kk)
-        if (k0 + kk * 16 < K) k_step(kk);  // uniform: skip steps wholly past K
     }
-  }
+  };
+  // full warps keep the straight-line walk; the guards only exist in the partial one
+  if (live >= MT) k_walk(std::false_type{});
+  else k_walk(std::true_type{});
   cp_async_wait<0>();  // no copy may still target smem when the block exits
 
   // ---- epilogue ----

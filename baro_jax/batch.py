@@ -893,6 +893,19 @@ def open_run(eng, *, max_batch: int, length: int, chunk: int, logprobs: int | No
                     prefill_budget=prefill_budget, pages=pages)
 
 
+def pool_for(eng, ids, news, max_batch, chunk) -> tuple[int, int, int, int]:
+    """(slots, KV pages, positions per slot, prefill chunk) of the pool generate_batch opens for
+    these prompts (token-id lists) and max_new_tokens at max_batch / chunk (None: its own choice).
+    Refuses, naming what does not fit, a sequence past max_context or a pool the device budget
+    cannot hold: a caller that plans several batches checks them all before any work."""
+    for x, m in zip(ids, news):
+        eng.check_fits(len(x), m)
+    length = state_length(max(len(x) + m for x, m in zip(ids, news)), eng.cfg.max_context)
+    chunk = checks.as_int("chunk", chunk, lo=1) if chunk is not None else default_chunk(eng, ids, news, length)
+    slots, pages = _slots(eng, len(ids), max_batch, length, chunk, [positions_of(len(x), m) for x, m in zip(ids, news)])
+    return slots, pages, length, chunk
+
+
 def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_logprobs, max_batch, chunk, stop,
                    stop_token_ids, stop_at_eos, keep_states, on_token, sequence_type, prefill_budget=None):
     """Engine.generate_batch's body (see there)."""
@@ -916,11 +929,7 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
     stops = tuple(_stop_strings(stop))
     stop_ids = frozenset(eng.check_ids(list(stop_token_ids or [])))
     eos = eng.eos_ids if stop_at_eos else frozenset()
-    for i, (x, m) in enumerate(zip(ids, news)):
-        eng.check_fits(len(x), m)
-    length = state_length(max(len(x) + m for x, m in zip(ids, news)), eng.cfg.max_context)
-    chunk = checks.as_int("chunk", chunk, lo=1) if chunk is not None else default_chunk(eng, ids, news, length)
-    slots, pages = _slots(eng, n, max_batch, length, chunk, [positions_of(len(x), m) for x, m in zip(ids, news)])
+    slots, pages, length, chunk = pool_for(eng, ids, news, max_batch, chunk)
     seqs = [sequence_type(index=i, prompt_ids=x, max_new_tokens=m, sampling=s, stop_ids=stop_ids,
                           stop_strings=stops, eos_ids=eos, want_prompt_logprobs=bool(prompt_logprobs))
             for i, (x, m, s) in enumerate(zip(ids, news, samplings))]

@@ -174,4 +174,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except MemoryError as e:  # a case the device budget cannot hold, refused before any work: one line
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

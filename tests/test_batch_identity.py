@@ -188,3 +188,27 @@ def test_command_line_on_tiny(tmp_path):
     assert {"device", "commit", "date", "host", "jax"} <= set(s) and s["model"] == "tiny"
     assert len(res["sequences"]) == 6 and all(row["equal_state"] for row in res["rows"])
     assert sum(x.startswith("max_batch=") for x in r.stdout.splitlines()) == 2 and "PASS: 12/12" in r.stdout
+
+
+def test_a_configuration_that_cannot_fit_is_refused_before_any_run(monkeypatch):
+    """A (max_batch, chunk) whose pool the device budget cannot hold is refused before the runs
+    alone, naming the configuration and what does not fit (not after the configurations before it)."""
+    from baro_jax import budget
+    from baro_jax.settings import DEFAULT_KV_PAGE
+
+    from baro_jax.shapes import state_length
+
+    eng = baro_jax.load("tiny-random", backend="ordered", progress=False)
+    prompts = [list(range(1, 1 + n)) for n in (5, 30, 12, 40, 7, 22, 3, 9)]
+    L = state_length(40 + 4, eng.cfg.max_context)  # the pool's positions per slot
+    found = next((float(gb) for gb in np.linspace(1.0, 1.0025, 25001)
+                  if 1 <= budget.batch_slots(eng.cfg, eng.dtype, float(gb), L, 16, 8, page=DEFAULT_KV_PAGE)[0] < 8), None)
+    assert found is not None
+    eng.runner.settings = eng.runner.settings.replace(device_budget_gb=found)
+    runs = []
+    monkeypatch.setattr(eng, "generate", lambda *a, **k: runs.append(a))
+    monkeypatch.setattr(eng, "generate_batch", lambda *a, **k: runs.append(a))
+    with pytest.raises(MemoryError, match=r"^batch identity: configuration max_batch=8 chunk=16 does not fit: "
+                                          r"max_batch 8 slots .* at most [1-7] do$"):
+        bi.run_batch_identity(eng, prompts, 4, None, [(1, 16), (8, 16)], log=None)
+    assert runs == []

@@ -58,8 +58,15 @@ class FlipEngine:
 
     def __init__(self, what, flip_chunk=5):
         self.what, self.flip_chunk = what, flip_chunk
-        self.cfg = types.SimpleNamespace(layer_types=["linear_attention", "full_attention"], delta_rule="token")
+        self.cfg = types.SimpleNamespace(layer_types=["linear_attention", "full_attention"], delta_rule="token",
+                                         max_context=4096)
         self.variant, self.mode = None, "resident"
+
+    def check_fits(self, n_prompt, n_new=0):  # the gate's checks before any work: everything fits here
+        pass
+
+    def check_device(self, state_len, chunk=0):
+        pass
 
     def prefill(self, ids, mode, chunk, n_new=0):
         rng = np.random.default_rng(len(ids))
@@ -126,3 +133,39 @@ def test_reference_digests_fail_and_an_empty_match_is_no_pass(tmp_path):
     other = {("b", 3): one.rows[0]["replay_digest"]}  # nothing of this run in it
     rep = verify.run_identity_gate(eng, prompts, [2], new_tokens=2, reference=other, log=None)
     assert rep.failures == 0 and not rep.ok and rep.to_json()["summary"]["reference"]["prompts_compared"] == 0
+
+
+def _budget_for_chunk(chunk_fits: int, n: int):
+    """A device budget (GiB) under which tiny-random's resident prefill of an n-token request fits at
+    chunk_fits rows but not at 4096."""
+    import jax.numpy as jnp
+
+    from baro_jax import budget
+
+    cfg = baro_jax.preset("tiny-random")
+    need = budget.check_resident(cfg, jnp.bfloat16, None, n, chunk=chunk_fits)
+    return budget.budget_gb_for(need + (1 << 16))
+
+
+def test_identity_gate_refuses_a_case_that_cannot_fit_before_any_work(monkeypatch):
+    """A chunk the device budget cannot hold beside a prompt is refused before the first prefill,
+    naming the prompt, its length and the chunk (not after the cases before it have run)."""
+    eng = baro_jax.load("tiny-random", backend="xla", device_budget_gb=_budget_for_chunk(16, 1024), progress=False)
+    calls = []
+    monkeypatch.setattr(eng, "prefill", lambda *a, **k: calls.append(a))
+    prompts = [{"name": "p00", "ids": list(range(1, 11))}, {"name": "p01", "ids": list(range(1, 41))}]
+    with pytest.raises(MemoryError, match=r"^identity gate: prompt p00 \(10 tokens\) at chunk 4096 does not fit: "
+                                          r"resident mode needs .* activations at chunk 4096"):
+        verify.run_identity_gate(eng, prompts, [16, 4096], new_tokens=4, log=None)
+    assert calls == []
+
+
+def test_identity_command_line_says_in_one_line_what_does_not_fit(bench_script):
+    r = bench_script("identity", "--model", "tiny-random", "--backend", "xla", "--chunks", "16,4096",
+                     "--device-budget-gb", _budget_for_chunk(16, 1024), "--max-len", 40, "--new-tokens", 4,
+                     timeout=300)
+    assert r.returncode == 2, (r.returncode, r.stdout[-800:], r.stderr[-1500:])
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: identity gate: prompt ") and "at chunk 4096 does not fit" in err[0], \
+        r.stderr[-1500:]
+    assert "Traceback" not in r.stderr

@@ -379,6 +379,15 @@ def run_batch_identity(eng, prompts: Sequence[Sequence[int]], new_tokens, sampli
     bad = [i for i in replay if not 0 <= i < n]
     if bad:
         raise ValueError(f"batch identity: replay indices {bad} are outside the {n} prompts")
+    # every configuration's pool against the device budget before any work: one that cannot be
+    # held is refused now, named, not after the runs alone and the configurations before it
+    from baro_jax.batch import pool_for
+    for b, c in configs:
+        try:
+            pool_for(eng, prompts, news, b, c)
+        except MemoryError as e:
+            raise MemoryError(f"batch identity: configuration max_batch={'auto' if b is None else b} "
+                              f"chunk={'auto' if c is None else c} does not fit: {e}") from None
     names, kv = state_names(eng.cfg), kv_flags(eng.cfg)
     rep = BatchIdentityReport()
     t_start = time.time()

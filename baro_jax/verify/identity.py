@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 
 from .records import echo
+from ..shapes import state_length
 from .digests import arm_digest, first_diff, host_leaves, same_bytes, state_names
 
 TABLE_HEADER = f"{'prompt':>8} {'len':>6} {'chunk':>6} {'state':>8} {'logits':>7} {'tokens':>7}  first diff"
@@ -155,6 +156,17 @@ def run_identity_gate(engine_or_factory, prompts: list[dict], chunks, *, new_tok
     if reference is not None:
         rep.reference = {"file": reference_file, "prompts_compared": 0, "prompts_differing": 0}
     say = log or (lambda _msg: None)
+    # every case against max_context and the device budget before any work (the checks prefill
+    # makes): one that cannot run is refused now, named, not after the cases before it
+    for p in prompts:
+        n = len(p["ids"])
+        for c in [None] + chunks:
+            try:
+                eng.check_fits(n, new_tokens)
+                eng.check_device(state_length(n + new_tokens, eng.cfg.max_context), c or 1)
+            except MemoryError as e:
+                arm = "the replay" if c is None else f"chunk {c}"
+                raise MemoryError(f"identity gate: prompt {p['name']} ({n} tokens) at {arm} does not fit: {e}") from None
     names = state_names(eng.cfg)
     t0 = time.time()
     say(TABLE_HEADER)

@@ -17,9 +17,9 @@ from typing import Callable
 
 import numpy as np
 
-from .records import echo
 from ..shapes import state_length
 from .digests import arm_digest, first_diff, host_leaves, same_bytes, state_names
+from .records import echo
 
 TABLE_HEADER = f"{'prompt':>8} {'len':>6} {'chunk':>6} {'state':>8} {'logits':>7} {'tokens':>7}  first diff"
 

@@ -8,6 +8,9 @@
 #   OUT=dir bash benchmarks/sanitize_gpu.sh               # both tools
 #   TOOLS=memcheck OUT=dir bash benchmarks/sanitize_gpu.sh # one tool per call when time is short
 #   SANITIZE_K="attention or moe" ...                      # narrow the tests (pytest -k)
+#   SANITIZE_SHARDS=files ...                               # one shard per tests/test_kernels_*.py
+#     module, side by side: a sanitizer process that dies (memcheck's whole-suite pass at 0695bc5
+#     was killed by SIGSEGV ~116 tests in, without a report) then takes one module's verdict with it
 #   SANITIZE_SHARDS="moe_tiles;moe_row1" ...                # -k shards run side by side, one
 #     sanitizer process each: racecheck's hazard analysis is slow per launch (a grouped MoE test
 #     takes 80 s), and separate processes overlap it
@@ -50,7 +53,17 @@ python -c "import custom_calls, sys; p = custom_calls.available_platforms(); pri
   || { echo "libbaro_cuda.so not built: BARO_GPU=cuda pip install --no-build-isolation --no-deps -e ."; exit 2; }
 
 rc_all=0
-IFS=';' read -r -a SHARDS <<< "${SANITIZE_SHARDS:-}"
+if [ "${SANITIZE_SHARDS:-}" = files ]; then
+  # -k matches module names as substrings: test_kernels_attention would take test_kernels_attention_rows too
+  mods=(); for f in tests/test_kernels_*.py; do mods+=("$(basename "$f" .py)"); done
+  SHARDS=()
+  for m in "${mods[@]}"; do
+    e=$m; for o in "${mods[@]}"; do [ "$o" != "$m" ] && [[ "$o" == *"$m"* ]] && e="$e and not $o"; done
+    SHARDS+=("$e")
+  done
+else
+  IFS=';' read -r -a SHARDS <<< "${SANITIZE_SHARDS:-}"
+fi
 [ "${#SHARDS[@]}" -gt 0 ] || SHARDS=("")
 run_one() {  # tool log kexpr extra...
   local tool=$1 log=$2 k=$3; shift 3

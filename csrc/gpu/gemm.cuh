@@ -329,8 +329,8 @@ struct PipeCfg {
   static constexpr int kStageBytes = (BM + BN) * kPipeRowBytes;
   static constexpr int kSmemBytes = STAGES * kStageBytes;
   static constexpr int kOutCols = SWIGLU ? BN / 2 : BN;  // output columns per block
-  // 256 rows: 128 accumulators a thread (64 x 64 a warp), so one block per SM
-  static constexpr int kMinBlocks = BM >= 256 ? 1 : BM >= 128 ? 2 : 3;
+  // 192 / 256 rows: 96 / 128 accumulators a thread, and a ring of 120 KB or more: one block per SM
+  static constexpr int kMinBlocks = BM > 128 ? 1 : BM >= 128 ? 2 : 3;
 };
 
 template <int BM, int BN, int WM, int WN, int STAGES, bool SWIGLU>

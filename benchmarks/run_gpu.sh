@@ -27,7 +27,7 @@ stage_build() {
   BARO_GPU=cuda python -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; return 1; }; fi
   python -c "import custom_calls, jax; print(custom_calls.available_platforms(), jax.devices())"
 }
-stage_kernels() { timeout "${KERNELS_TIMEOUT:-300}" python -m pytest -m gpu tests/test_kernels_*.py -q --durations=8 ${KERNELS_K:+-k "$KERNELS_K"} 2>&1 | tee "$OUT/gpu_kernel_tests.txt" | tail -40; }
+stage_kernels() { timeout "${KERNELS_TIMEOUT:-420}" python -m pytest -m gpu tests/test_kernels_*.py -q --durations=8 ${KERNELS_K:+-k "$KERNELS_K"} 2>&1 | tee "$OUT/gpu_kernel_tests.txt" | tail -40; }
 stage_rows() {  # the many-sequence kernels (attention over a KV pool per row, log_softmax): compiled, first GPU run
   timeout "${ROWS_TIMEOUT:-300}" python -m pytest -m gpu tests/test_kernels_attention_rows.py tests/test_kernels_logprob.py -q \
     --durations=8 2>&1 | tee "$OUT/gpu_rows_tests.txt" | tail -30

@@ -329,7 +329,7 @@ struct PipeCfg {
   static constexpr int kStageBytes = (BM + BN) * kPipeRowBytes;
   static constexpr int kSmemBytes = STAGES * kStageBytes;
   static constexpr int kOutCols = SWIGLU ? BN / 2 : BN;  // output columns per block
-  // 192 / 256 rows: 96 / 128 accumulators a thread, and a ring of 120 KB or more: one block per SM
+  // 192 / 256 / 320 rows: 96 / 128 / 160 accumulators a thread, a ring of 120 KB or more: one block per SM
   static constexpr int kMinBlocks = BM > 128 ? 1 : BM >= 128 ? 2 : 3;
 };
 

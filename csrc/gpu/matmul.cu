@@ -173,9 +173,9 @@ static gpuError_t launch_tiled(const GemmParams& p, int64_t row_slots, gpuStream
 // The ring (BARO_PIPE_RING): shallow where blocks share SMs (prefill: 3 stages, 2-3 blocks per
 // SM), deep where the grid has at most one block per SM: a decode step of many sequences
 // (in_proj at 64 rows is 97 blocks of 64 x 128; 11.8 us at the copy rate). 8 stages of 24 KB at
-// BM 64, 6 of 32 KB at 128 (192 KB). H200, 64 sequences, one run (247591d): in_proj 25.7 ->
-// 24.7 us, the pipelined GEMMs 1.31 -> 1.27 ms a step: the ring was not what held them. The
-// depth never touches the arithmetic.
+// BM 64, 6 of 32 KB at 128 (192 KB); the taller tiles 5 x 40, 4 x 48 and 4 x 56 KB. H200, 64
+// sequences, one run (247591d): in_proj 25.7 -> 24.7 us, the pipelined GEMMs 1.31 -> 1.27 ms a
+// step: the ring was not what held them. The depth never touches the arithmetic.
 constexpr int kPipeDeepStages64 = 8, kPipeDeepStages128 = 6, kPipeDeepStages192 = 5, kPipeDeepStages256 = 4;
 constexpr int kPipeDeepStages320 = 4;  // 4 x 56 KB: the most that fits
 static bool pipe_deep(const GemmParams& p, int64_t row_slots) {

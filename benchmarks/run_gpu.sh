@@ -391,19 +391,26 @@ stage_decode_knobs() {
 # MOE_TILES_LENGTHS under auto and each of MOE_TILES_SPEED (the card's chunk decides which fit an
 # expert's pairs: 4096 on an H100, 192 / 256; 8192 on an H200, 256 / 320), identity-checked
 # ($OUT/speed_moe_tile<t>_${CARD}.json).
-stage_moe_tiles() {
-  timeout "${MOE_TILES_TEST_TIMEOUT:-240}" python -m pytest -m gpu tests/test_kernels_matmul.py tests/test_kernels_moe.py \
-    -q -p no:cacheprovider -k "tiles or folded" 2>&1 | tee "$OUT/gpu_moe_tiles_tests_${CARD}.txt" | tail -3
-  local t
-  for t in ${MOE_TILES:-auto 192 256 320 64}; do
-    BARO_GEMM_TILE=$t timeout 120 python benchmarks/op_times.py --m "${MOE_TILES_M:-4096,8192}" --ops moe \
-      --backends ordered --reps 50 --rounds 3 --json "$OUT/op_times_moe_tile${t}_${CARD}.json" 2>&1 | grep "op="
-  done
-  local speed="256 320"; [ "$CARD" = h100 ] && speed="192 256"
-  for t in auto ${MOE_TILES_SPEED:-$speed}; do
-    BARO_GEMM_TILE=$t timeout 200 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
-      --lengths "${MOE_TILES_LENGTHS:-8192}" --chunk auto --decode-tokens 16 --check-tail 32 \
-      --json "$OUT/speed_moe_tile${t}_${CARD}.json" 2>&1 | grep -E "tok/s|identity|Error|error" | tail -3
+stage_moe_tiles() {  # MOE_TILES_PARTS: tests ops speed (~2 + 3 + 5 min: "tests ops" and "speed" fit a call each)
+  local part t speed="256 320"
+  [ "$CARD" = h100 ] && speed="192 256"
+  for part in ${MOE_TILES_PARTS:-tests ops speed}; do
+    log "moe_tiles part $part"
+    case $part in
+      tests) timeout "${MOE_TILES_TEST_TIMEOUT:-240}" python -m pytest -m gpu tests/test_kernels_matmul.py \
+               tests/test_kernels_moe.py -q -p no:cacheprovider -k "tiles or folded" 2>&1 \
+               | tee "$OUT/gpu_moe_tiles_tests_${CARD}.txt" | tail -3 ;;
+      ops) for t in ${MOE_TILES:-auto 192 256 320 64}; do
+             BARO_GEMM_TILE=$t timeout 120 python benchmarks/op_times.py --m "${MOE_TILES_M:-4096,8192}" --ops moe \
+               --backends ordered --reps 50 --rounds 3 --json "$OUT/op_times_moe_tile${t}_${CARD}.json" 2>&1 | grep "op="
+           done ;;
+      speed) for t in auto ${MOE_TILES_SPEED:-$speed}; do
+               BARO_GEMM_TILE=$t timeout 200 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
+                 --lengths "${MOE_TILES_LENGTHS:-8192}" --chunk auto --decode-tokens 16 --check-tail 32 \
+                 --json "$OUT/speed_moe_tile${t}_${CARD}.json" 2>&1 | grep -E "tok/s|identity|Error|error" | tail -3
+             done ;;
+      *) echo "moe_tiles: unknown part $part" ;;
+    esac
   done
 }
 # Where a prompt's prefill time goes (issue 31), kernel by kernel: decode_profile.py --prefill at

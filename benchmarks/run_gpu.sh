@@ -21,6 +21,17 @@ if [ -n "$GPU_MIB" ] && [ "$GPU_MIB" -lt 100000 ]; then
 fi
 case "$CARD" in h100) BANDWIDTH_TBS=${BANDWIDTH_TBS:-3.0} ;; *) BANDWIDTH_TBS=${BANDWIDTH_TBS:-4.3} ;; esac
 log() { echo "=== $(date +%T) $*" | tee -a "$OUT/stages.txt"; }
+# Prefill of the product arm under each value of one speed knob (the same bits), each run checked
+# against replay by speed.py: $OUT/speed_<tag><value>_${CARD}.json.
+# Usage: speed_under KNOB "VALUES" LENGTHS TAG [TIMEOUT_S]
+speed_under() {
+  local knob=$1 values=$2 lengths=$3 tag=$4 v
+  for v in $values; do
+    env "$knob=$v" timeout "${5:-240}" python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
+      --lengths "$lengths" --chunk auto --decode-tokens 16 --check-tail 32 \
+      --json "$OUT/speed_${tag}${v}_${CARD}.json" 2>&1 | grep -E "tok/s|identity|Error|error" | tail -3
+  done
+}
 stage_build() {
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
   if [ -n "${BARO_LIB_DIR:-}" ]; then echo "using prebuilt libraries in $BARO_LIB_DIR"; export PYTHONPATH=$PWD; else
@@ -184,11 +195,7 @@ stage_attn_wgmma() {
                | tee "$OUT/gpu_kernel_tests_attn_wgmma_${CARD}.txt" | tail -8 ;;
       gate) BARO_ATTN_WGMMA=1 python benchmarks/identity.py --model qwen3.5-35b-a3b --chunks "${WGMMA_CHUNKS:-1024,8192}" \
               --prompts benchmarks/prompts/identity_gpu.jsonl --max-context 16384 --json "$OUT/identity_attn_wgmma_${CARD}.json" 2>&1 | tail -4 ;;
-      speed) for knob in 0 1; do
-               BARO_ATTN_WGMMA=$knob timeout 240 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
-                 --lengths "${WGMMA_LENGTHS:-8192,32768}" --chunk auto --decode-tokens 16 --check-tail 32 \
-                 --json "$OUT/speed_attn_wgmma${knob}_${CARD}.json" 2>&1 | grep -E "tok/s|Error|error" | tail -3
-             done ;;
+      speed) speed_under BARO_ATTN_WGMMA "0 1" "${WGMMA_LENGTHS:-8192,32768}" attn_wgmma 240 ;;
       *) echo "attn_wgmma: unknown part $part" ;;
     esac
   done
@@ -404,11 +411,7 @@ stage_moe_tiles() {  # MOE_TILES_PARTS: tests ops speed (~2 + 3 + 5 min: "tests 
              BARO_GEMM_TILE=$t timeout 120 python benchmarks/op_times.py --m "${MOE_TILES_M:-4096,8192}" --ops moe \
                --backends ordered --reps 50 --rounds 3 --json "$OUT/op_times_moe_tile${t}_${CARD}.json" 2>&1 | grep "op="
            done ;;
-      speed) for t in auto ${MOE_TILES_SPEED:-$speed}; do
-               BARO_GEMM_TILE=$t timeout 200 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
-                 --lengths "${MOE_TILES_LENGTHS:-8192}" --chunk auto --decode-tokens 16 --check-tail 32 \
-                 --json "$OUT/speed_moe_tile${t}_${CARD}.json" 2>&1 | grep -E "tok/s|identity|Error|error" | tail -3
-             done ;;
+      speed) speed_under BARO_GEMM_TILE "auto ${MOE_TILES_SPEED:-$speed}" "${MOE_TILES_LENGTHS:-8192}" moe_tile 200 ;;
       *) echo "moe_tiles: unknown part $part" ;;
     esac
   done

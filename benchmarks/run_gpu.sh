@@ -20,6 +20,9 @@ if [ -n "$GPU_MIB" ] && [ "$GPU_MIB" -lt 100000 ]; then
   TIER_MEM_FRACTION=${TIER_MEM_FRACTION:-$(python3 -c "print(round(24576 / $GPU_MIB, 3))")}
 fi
 case "$CARD" in h100) BANDWIDTH_TBS=${BANDWIDTH_TBS:-3.0} ;; *) BANDWIDTH_TBS=${BANDWIDTH_TBS:-4.3} ;; esac
+# The full-size identity gates on an 80 GB H100: 97% of the card holds chunk 1024 beside 16k of
+# context or 24 slots of 9,216 positions (2026-12-06); expanded as env ${GATE_ENV[@]+"${GATE_ENV[@]}"}.
+GATE_ENV=(); [ "$CARD" = h100 ] && GATE_ENV=(XLA_PYTHON_CLIENT_MEM_FRACTION=0.97)
 log() { echo "=== $(date +%T) $*" | tee -a "$OUT/stages.txt"; }
 # Prefill of the product arm under each value of one speed knob (the same bits), each run checked
 # against replay by speed.py: $OUT/speed_<tag><value>_${CARD}.json.
@@ -157,12 +160,12 @@ for mode, c in (("batch", 256), ("batch", 256), ("replay", None), ("replay", Non
     print(mode, c, f"prefill {r.prefill_seconds:.2f}s {r.prefill_tokens_per_s:.0f} tok/s decode {r.decode_tokens_per_s:.1f} tok/s", r.generated_ids[:8])
 PY
 }
-# On an 80 GB H100 the weights leave room for chunks 256 and 1024 beside 16k of context, at 97% of
-# the card (2026-12-06: 48/48 there); the gate refuses a case that cannot fit before any work.
+# On an 80 GB H100 the weights leave room for chunks 256 and 1024 beside 16k of context (GATE_ENV;
+# 48/48 there, 2026-12-06); the gate refuses a case that cannot fit before any work.
 stage_full() {
-  local chunks=256,1024,2048,8192 envs=()
-  [ "$CARD" = h100 ] && chunks=256,1024 && envs=(XLA_PYTHON_CLIENT_MEM_FRACTION=0.97)
-  env ${envs[@]+"${envs[@]}"} python benchmarks/identity.py --model qwen3.5-35b-a3b \
+  local chunks=256,1024,2048,8192
+  [ "$CARD" = h100 ] && chunks=256,1024
+  env ${GATE_ENV[@]+"${GATE_ENV[@]}"} python benchmarks/identity.py --model qwen3.5-35b-a3b \
     --chunks "${GATE_CHUNKS:-$chunks}" --prompts benchmarks/prompts/identity_gpu.jsonl \
     --max-context "${GATE_MAX_CONTEXT:-16384}" --json "$OUT/identity_qwen35_${CARD}.json" 2>&1 | tail -40
 }
@@ -501,10 +504,10 @@ stage_batch() {
       --json "$OUT/decode_profile_batch${b}${BATCH_TAG:+_$BATCH_TAG}_${CARD}.json" 2>&1 \
       | grep -v '^\[baro_jax\]' | tail -34
   done
-  # an H100 holds 16 slots at chunk 256 and 24 at 1024 beside the weights (at 97% of the card)
-  local configs=n/4:256,n:1024 envs=()
-  [ "$CARD" = h100 ] && configs=16:256,24:1024 && envs=(XLA_PYTHON_CLIENT_MEM_FRACTION=0.97)
-  [ "${BATCH_GATE:-1}" = 0 ] || env ${envs[@]+"${envs[@]}"} timeout "${BATCH_GATE_TIMEOUT:-400}" python benchmarks/batch_identity.py \
+  # an H100 holds 16 slots at chunk 256 and 24 at 1024 beside the weights (GATE_ENV)
+  local configs=n/4:256,n:1024
+  [ "$CARD" = h100 ] && configs=16:256,24:1024
+  [ "${BATCH_GATE:-1}" = 0 ] || env ${GATE_ENV[@]+"${GATE_ENV[@]}"} timeout "${BATCH_GATE_TIMEOUT:-400}" python benchmarks/batch_identity.py \
     --model qwen3.5-35b-a3b --n "${BATCH_GATE_N:-64}" --max-len "${BATCH_GATE_MAX_LEN:-9000}" --new-tokens 32 \
     --max-context 9216 --configs "${BATCH_GATE_CONFIGS:-$configs}" \
     --json "$OUT/batch_identity_${CARD}.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8

@@ -54,13 +54,8 @@ python -c "import custom_calls, sys; p = custom_calls.available_platforms(); pri
 
 rc_all=0
 if [ "${SANITIZE_SHARDS:-}" = files ]; then
-  # -k matches module names as substrings: test_kernels_attention would take test_kernels_attention_rows too
-  mods=(); for f in tests/test_kernels_*.py; do mods+=("$(basename "$f" .py)"); done
-  SHARDS=()
-  for m in "${mods[@]}"; do
-    e=$m; for o in "${mods[@]}"; do [ "$o" != "$m" ] && [[ "$o" == *"$m"* ]] && e="$e and not $o"; done
-    SHARDS+=("$e")
-  done
+  # -k with the file name, .py included: test_kernels_attention.py does not match test_kernels_attention_rows.py
+  SHARDS=(); for f in tests/test_kernels_*.py; do SHARDS+=("$(basename "$f")"); done
 else
   IFS=';' read -r -a SHARDS <<< "${SANITIZE_SHARDS:-}"
 fi

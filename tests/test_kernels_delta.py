@@ -304,3 +304,85 @@ def test_delta_rows_mode_errors(platform):
         cc.delta(y, b, a, A_log[:, None], dt_bias, state, 1, rows=True)
     with pytest.raises(ValueError, match=r"baro_delta: rows must be a static bool, got str"):
         cc.delta(y, b, a, A_log, dt_bias, state, 1, rows="yes")
+
+
+# BARO_DELTA_LANES=16 (CUDA, dk >= 64): 16 lanes a state column instead of 8, so kv's and o's
+# sums split in 16: its own bits, which every instance a run takes must share. Under the knob: the
+# many-token kernel in blocks of 32 and of 16 columns, a split call, one-token calls on every
+# BARO_DELTA_ONE path (row by row, carrying the state; a padded row), and rows mode against the
+# folded call and each sequence alone; the bits differ from 8 lanes' where dk >= 64 (the knob took
+# effect) and equal them where dk < 64 (it does not apply there).
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", DELTA_GPU_SHAPES + [(16, 32, 128, 128)], ids=lambda s: "nk%d-nv%d-dk%d-dv%d" % s)
+def test_delta_lanes16(platform, shape, monkeypatch):
+    if platform.platform != "gpu":
+        pytest.skip("BARO_DELTA_LANES is a CUDA knob")
+    nk, nv, dk, dv = shape
+    m = 75
+    rng = np.random.default_rng(720 + nv + dk + dv)
+    y, b, a, A_log, dt_bias, state = delta_model_inputs(rng, m, nk, nv, dk, dv)
+    consts = put(platform, A_log, dt_bias)
+
+    def many(nvld=m, yy=y, bb=b, aa=a):
+        poison(platform, (m, nv, dv))
+        return [np.asarray(r) for r in J_DELTA(*put(platform, yy, bb, aa), *consts, put(platform, state), i32(nvld))]
+
+    o8, s8 = many()
+    monkeypatch.setenv("BARO_DELTA_LANES", "16")
+    o_full, s_full = many()
+    monkeypatch.setenv("BARO_DELTA_COLS", "16")
+    for got, want, what in zip(many(), (o_full, s_full), ("o", "state")):
+        assert_same_bits(got, want, f"delta lanes 16 {shape}: 16-column blocks' {what}")
+    monkeypatch.delenv("BARO_DELTA_COLS")
+    if dk >= 64:
+        assert o_full.tobytes() != o8.tobytes(), f"delta lanes 16 {shape}: o has 8 lanes' bits (knob not taken)"
+    else:
+        assert_same_bits(o_full, o8, f"delta lanes 16 {shape}: dk < 64 keeps 8 lanes' o")
+        assert_same_bits(s_full, s8, f"delta lanes 16 {shape}: dk < 64 keeps 8 lanes' state")
+    o_ref, s_ref = ref_delta(y, b, a, A_log, dt_bias, state, m, nk)
+    assert_close(o_full, o_ref, 1e-4, f"delta lanes 16 {shape} o vs float64")
+    assert_close(s_full, s_ref, 1e-4, f"delta lanes 16 {shape} state vs float64")
+    o, s2 = seq_run(platform, delta_fn, [y, b, a], [A_log, dt_bias], state, [33, m - 33])
+    assert_same_bits(o, o_full, f"delta lanes 16 {shape}: split 33+rest o")
+    assert_same_bits(s2, s_full, f"delta lanes 16 {shape}: split 33+rest state")
+    yp, bp, ap = (np.concatenate([x[:40], garbage_like(rng, m - 40, x[40:])]) for x in (y, b, a))
+    op, sp = many(40, yp, bp, ap)
+    assert_same_bits(op[:40], o_full[:40], f"delta lanes 16 {shape}: n_valid 40 o")
+    assert op[40:].tobytes() == np.zeros_like(op[40:]).tobytes(), f"delta lanes 16 {shape}: padded rows of o"
+    yg, bg, ag = (garbage_like(rng, 1, x) for x in (y, b, a))
+    for knob in DELTA_ONE_KNOBS:
+        monkeypatch.setenv("BARO_DELTA_ONE", knob)
+        st = put(platform, state)
+        states = [state]
+        for i in range(m):
+            poison(platform, (1, nv, dv))
+            o1, st = J_DELTA(*put(platform, y[i:i + 1], b[i:i + 1], a[i:i + 1]), *consts, st, i32(1))
+            assert_same_bits(np.asarray(o1)[0], o_full[i], f"delta lanes 16 {shape} BARO_DELTA_ONE={knob} row {i}")
+            if i == 39:
+                states.append(np.asarray(st))
+        assert_same_bits(np.asarray(st), s_full, f"delta lanes 16 {shape} BARO_DELTA_ONE={knob} state after {m} rows")
+        o0, s0 = J_DELTA(*put(platform, yg, bg, ag), *consts, put(platform, state), i32(0))
+        assert np.asarray(o0).tobytes() == np.zeros((1, nv, dv), np.float32).tobytes() and \
+            np.asarray(s0).tobytes() == state.tobytes(), f"delta lanes 16 {shape} BARO_DELTA_ONE={knob}: padded row"
+    assert_same_bits(sp, states[1], f"delta lanes 16 {shape}: n_valid 40 state against 40 one-token calls")
+    monkeypatch.delenv("BARO_DELTA_ONE")
+    # rows mode: P sequences' one token each, against the folded call and each sequence alone
+    P = 5
+    yr, br, ar, _, _, _ = delta_model_inputs(rng, P, nk, nv, dk, dv)
+    st_rows = f32(rng, P * nv, dk, dv, scale=0.5)
+    b_col, a_col = 2, 2 + nv + 1
+    proj = np.full((P, a_col + nv + 3), np.nan, np.float32)
+    proj[:, b_col:b_col + nv], proj[:, a_col:a_col + nv] = br, ar
+    yd, pj = put(platform, yr, proj)
+    o_want, s_want = (np.asarray(r) for r in
+                      delta_folded(P, nk, nv, dk, b_col, a_col)(yd, pj, *consts, put(platform, st_rows), i32(1)))
+    o, s = (np.asarray(r) for r in jax.jit(lambda *x: cc.delta(*x, b_col=b_col, a_col=a_col, rows=True))(
+        yd, pj, pj, *consts, put(platform, st_rows), i32(1)))
+    assert_same_bits(o, o_want, f"delta lanes 16 rows P={P} {shape}: o against the folded call")
+    assert_same_bits(s, s_want, f"delta lanes 16 rows P={P} {shape}: state against the folded call")
+    one = jax.jit(lambda *x: cc.delta(*x, b_col=b_col, a_col=a_col))
+    for p in range(P):
+        o1, s1 = one(put(platform, yr[p:p + 1]), *(put(platform, proj[p:p + 1]),) * 2, *consts,
+                     put(platform, st_rows[p * nv:(p + 1) * nv]), i32(1))
+        assert_same_bits(np.asarray(o1)[0], o[p], f"delta lanes 16 rows P={P} {shape} row {p} vs alone: o")
+        assert_same_bits(np.asarray(s1), s[p * nv:(p + 1) * nv], f"delta lanes 16 rows P={P} {shape} row {p} vs alone: state")

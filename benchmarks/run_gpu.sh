@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode mma_swap mma_latency prefill_profile moe_tiles delta_lanes tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode mma_swap mma_latency prefill_profile moe_tiles tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -416,34 +416,6 @@ stage_moe_tiles() {  # MOE_TILES_PARTS: tests ops speed (~2 + 3 + 5 min: "tests 
            done ;;
       speed) speed_under BARO_GEMM_TILE "auto ${MOE_TILES_SPEED:-$speed}" "${MOE_TILES_LENGTHS:-8192}" moe_tile 200 ;;
       *) echo "moe_tiles: unknown part $part" ;;
-    esac
-  done
-}
-# The per-token delta rule with 16 lanes a state column (BARO_DELTA_LANES=16: 16 warps an SM where
-# 8 lanes give 8; its own bits), in parts (DELTA_LANES_PARTS: tests ops speed gate): the delta byte
-# tests (test_delta_lanes16 and the default's), the delta op alone at DELTA_LANES_M rows under 8
-# and 16 on the same inputs ($OUT/op_times_delta_lanes<n>_${CARD}.json), prefill at
-# DELTA_LANES_LENGTHS under each, identity-checked against replay under the same setting
-# ($OUT/speed_delta_lanes<n>_${CARD}.json), and the full-size identity gate under 16
-# ($OUT/identity_qwen35_delta_lanes16_${CARD}.json).
-stage_delta_lanes() {
-  local part n
-  for part in ${DELTA_LANES_PARTS:-tests ops speed gate}; do
-    log "delta_lanes part $part"
-    case $part in
-      tests) timeout 240 python -m pytest -m gpu tests/test_kernels_delta.py -q -p no:cacheprovider 2>&1 \
-               | tee "$OUT/gpu_delta_lanes_tests_${CARD}.txt" | tail -3 ;;
-      ops) for n in 8 16; do
-             BARO_DELTA_LANES=$n timeout 120 python benchmarks/op_times.py --m "${DELTA_LANES_M:-4096,8192}" --ops delta \
-               --backends ordered --reps 20 --rounds 3 --json "$OUT/op_times_delta_lanes${n}_${CARD}.json" 2>&1 | grep "op="
-           done ;;
-      speed) speed_under BARO_DELTA_LANES "8 16" "${DELTA_LANES_LENGTHS:-8192}" delta_lanes 200 ;;
-      gate) env ${GATE_ENV[@]+"${GATE_ENV[@]}"} BARO_DELTA_LANES=16 \
-              python benchmarks/identity.py --model qwen3.5-35b-a3b \
-              --chunks "${GATE_CHUNKS:-$([ "$CARD" = h100 ] && echo 256,1024 || echo 256,1024,2048,8192)}" \
-              --prompts benchmarks/prompts/identity_gpu.jsonl --max-context "${GATE_MAX_CONTEXT:-16384}" \
-              --json "$OUT/identity_qwen35_delta_lanes16_${CARD}.json" 2>&1 | tail -4 ;;
-      *) echo "delta_lanes: unknown part $part" ;;
     esac
   done
 }

@@ -7,8 +7,7 @@ reads it. Four more are read in Python: BARO_CMDBUF_OPS (custom_calls/_lib.py),
 BARO_MOE_SMALL_ROWS (custom_calls/moe.py), BARO_TOPK_ROWS (custom_calls/topk.py) and the loader's
 BARO_LIB_DIR. Every knob is a speed
 or test switch: none changes the bits, except BARO_DELTA_BLOCKED_MMA (the blocked delta rule's
-arithmetic on CUDA) and BARO_DELTA_LANES (the per-token delta rule's lanes per state column on
-CUDA): each its own bits, identical between prefill and decode under each setting.
+arithmetic on CUDA: its own bits, identical between prefill and decode under each setting).
 
 Parsing is strict and matches knobs.h: an on/off knob takes 1/0, true/false, on/off, yes/no (any
 case), a choice knob one of its words, an integer knob a decimal integer in its range; empty
@@ -125,10 +124,6 @@ _TABLE: tuple[Knob, ...] = (
              "(mma.sync m16n8k8, 3xTF32) instead of the CUDA-core fmaf chains: its own bits, so keep one "
              "setting from a run's first token (prefill and decode agree under either); HIP ignores it "
              "(csrc/gpu/delta_blocked.cu)"),
-    Knob("BARO_DELTA_LANES", "choice", "8", choices=("8", "16"),
-         doc="lanes per state column of the CUDA delta rule where dk >= 64 (16: twice the warps per SM, the kv and "
-             "o sums split in 16): its own bits, so keep one setting from a run's first token (prefill, decode and "
-             "rows mode agree under either); HIP ignores it (csrc/gpu/delta.cu)"),
     Knob("BARO_GEMM_TILE", "choice", "auto", choices=("auto", "16", "simple", "64", "128", "192", "256", "320"),
          doc="forces the GEMM tile config of every call of more than one row (csrc/gpu/matmul.cu)"),
     Knob("BARO_GEMM_SMALL", "choice", "auto", choices=("auto", "stream", "rows16", "simple"),

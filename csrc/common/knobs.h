@@ -3,8 +3,7 @@
 // Every knob the C++ code reads is a row of kKnobs below (custom_calls/knobs.py holds the same
 // table with a line on what each does; tests/test_knobs.py checks the two agree and that no
 // getenv in csrc reads anything else). Knobs are speed or test switches: none changes the bits,
-// except BARO_DELTA_BLOCKED_MMA, which picks the blocked delta rule's arithmetic, and
-// BARO_DELTA_LANES, the per-token delta rule's lanes per state column on CUDA (opt-in, their own
+// except BARO_DELTA_BLOCKED_MMA, which picks the blocked delta rule's arithmetic (opt-in, its own
 // bits; prefill and decode agree under either setting, so a run keeps one from its first token).
 // They are read on every call, not once, because the kernel tests switch them between calls.
 // BARO_DELTA_BLOCKED_MMA also changes how many kernels a call launches (two against one): a
@@ -53,7 +52,6 @@ enum Id : int {
   kDeltaCols,
   kDeltaOne,
   kDeltaBlockedMma,
-  kDeltaLanes,
   kGemmTile,
   kGemmSmall,
   kGemmRow1,
@@ -96,7 +94,6 @@ inline constexpr Knob kKnobs[kCount] = {
     {"BARO_DELTA_COLS", Kind::kChoice, "32|16", 0, 0, 0},
     {"BARO_DELTA_ONE", Kind::kChoice, "auto|cols|heads|pipe|off", 0, 0, 0},
     {"BARO_DELTA_BLOCKED_MMA", Kind::kOnOff, nullptr, 0, 0, 0},
-    {"BARO_DELTA_LANES", Kind::kChoice, "8|16", 0, 0, 0},
     {"BARO_GEMM_TILE", Kind::kChoice, "auto|16|simple|64|128|192|256|320", 0, 0, 0},
     {"BARO_GEMM_SMALL", Kind::kChoice, "auto|stream|rows16|simple", 0, 0, 0},
     {"BARO_GEMM_ROW1", Kind::kOnOff, nullptr, 0, 0, 1},

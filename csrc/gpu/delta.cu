@@ -59,13 +59,6 @@ BARO_DEV int64_t delta_rows(const int32_t* p, int64_t m) {
 
 #if !BARO_HIP
 
-// Lanes per state column: 8 (4 when dk = 16); with BARO_DELTA_LANES=16 (wide), 16 where dk >= 64.
-// The lanes decide where kv's and o's sums split (the butterflies and the partials' tree), so
-// they are part of the arithmetic: every instance of a call (many tokens, one token, rows mode)
-// takes the same count, and a process keeps one setting from its first token.
-constexpr int delta_lanes(int dk, bool wide) { return wide && dk >= 64 ? 16 : (dk >= 32 ? 8 : 4); }
-bool delta_wide() { return baro::knobs::is(baro::knobs::kDeltaLanes, "16"); }
-
 // COLS: state columns per block (32, or 16 for two blocks per SM). It only
 // groups columns; every column's arithmetic is the same either way.
 // KT: tokens per staged batch (32; 1 for one-token calls). It only groups
@@ -73,14 +66,13 @@ bool delta_wide() { return baro::knobs::is(baro::knobs::kDeltaLanes, "16"); }
 // MINB: blocks per SM the registers must allow (__launch_bounds__).
 // COLS_FAST: the grid's x walks a head's column blocks (adjacent blocks read one head's
 // contiguous state) instead of the heads.
-// LANES: lanes per state column (delta_lanes). Unlike the others it is part of the arithmetic.
-template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false, int LANES = delta_lanes(DK, false)>
+template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false>
 struct DeltaCfg {
   static constexpr int kT = KT;
   static constexpr int kMinBlocks = MINB;
   static constexpr bool kColsFast = COLS_FAST;
   static constexpr int kCols = COLS;
-  static constexpr int L = LANES;             // lanes per column
+  static constexpr int L = DK >= 32 ? 8 : 4;  // lanes per column
   static constexpr int R = DK / L;            // state rows per lane
   static constexpr int CW = BARO_WARP / L;    // columns per warp
   static constexpr int kThreads = kCols * L;
@@ -192,17 +184,6 @@ BARO_DEV float delta_o_partial(const float (&s)[R], const float4 (&q)[R / 4]) {
 // shared memory in that tree; in registers it is the xor butterfly with the offsets ascending
 // (sub ^ 1, sub ^ 2, sub ^ 4: lane offsets CW, 2 CW, ..), the same sums (a + b == b + a).
 BARO_DEV float delta_o_tree4(float4 x) { return (x.x + x.y) + (x.z + x.w); }
-// The tree over a column's L partials p[0..L) in shared memory (16 lanes: (T8(p0..p7)) +
-// (T8(p8..p15)), the butterfly's fourth level).
-template <int L>
-BARO_DEV float delta_o_tree(const float4* p) {
-  if constexpr (L == 16)
-    return (delta_o_tree4(p[0]) + delta_o_tree4(p[1])) + (delta_o_tree4(p[2]) + delta_o_tree4(p[3]));
-  else if constexpr (L == 8)
-    return delta_o_tree4(p[0]) + delta_o_tree4(p[1]);
-  else
-    return delta_o_tree4(p[0]);
-}
 template <int CW>
 BARO_DEV float delta_o_sum(float o) {
 #pragma unroll
@@ -212,7 +193,6 @@ BARO_DEV float delta_o_sum(float o) {
 
 template <typename Cf, int DK, int COLS>
 __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(DeltaArgs a) {
-  static_assert(Cf::L == 4 || Cf::L == 8 || Cf::L == 16, "delta_o_tree's partial counts");
   constexpr int kT = Cf::kT;
   constexpr int kCols = COLS;
   constexpr int L = Cf::L, R = Cf::R, CW = Cf::CW, NT = Cf::kThreads, NW = Cf::kWarps;
@@ -361,7 +341,15 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
     for (int i = tid; i < nt * kCols; i += NT) {
       const int tt = i / kCols, cc = i % kCols;
       if (cc >= ncols) continue;
-      const float o = delta_o_tree<L>(reinterpret_cast<const float4*>(opart + (tt * kCols + cc) * L));
+      const float4* p = reinterpret_cast<const float4*>(opart + (tt * kCols + cc) * L);
+      const float4 x0 = p[0];
+      float o;
+      if constexpr (L == 8) {
+        const float4 x1 = p[1];
+        o = delta_o_tree4(x0) + delta_o_tree4(x1);
+      } else {
+        o = delta_o_tree4(x0);
+      }
       a.o[((t0 + tt) * H + j) * dv + c0 + cc] = o;
     }
   };
@@ -681,9 +669,9 @@ gpuError_t launch_delta_one(const DeltaArgs& a, gpuStream_t stream) {
   return gpuGetLastError();
 }
 
-template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false, int LANES = delta_lanes(DK, false)>
+template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false>
 gpuError_t launch_delta_cols(const DeltaArgs& a, gpuStream_t stream) {
-  using Cf = DeltaCfg<DK, COLS, KT, MINB, COLS_FAST, LANES>;
+  using Cf = DeltaCfg<DK, COLS, KT, MINB, COLS_FAST>;
   const int64_t col_blocks = (a.dv + COLS - 1) / COLS;
   const int64_t heads = static_cast<int64_t>(a.rows) * a.nv;
   if (col_blocks > 65535 || (COLS_FAST && heads > 65535)) return gpuErrorInvalidValue;
@@ -717,20 +705,6 @@ int delta_cols() { return baro::knobs::is(baro::knobs::kDeltaCols, "16") ? 16 : 
 template <int DK>
 gpuError_t launch_delta_dk(const DeltaArgs& a, gpuStream_t stream) {
   namespace k = baro::knobs;
-  if constexpr (delta_lanes(DK, true) == 16) {
-    // 16 lanes a column: many tokens in blocks of 32 columns (512 threads, one block per SM: the
-    // SM's 16 warps where 8 lanes give it 8); one token (and rows mode) in blocks of 16 columns,
-    // three per SM. delta_one_kernel's tile layout is written for 8 lanes, so pipe is not taken.
-    if (delta_wide()) {
-      if (a.m == 1) {
-        const int64_t heads = static_cast<int64_t>(a.rows) * a.nv;
-        if (heads <= 65535 && !k::is(k::kDeltaOne, "heads")) return launch_delta_cols<DK, 16, 1, 3, true, 16>(a, stream);
-        return launch_delta_cols<DK, 16, 1, 3, false, 16>(a, stream);
-      }
-      return delta_cols() == 16 ? launch_delta_cols<DK, 16, 32, 2, false, 16>(a, stream)
-                                : launch_delta_cols<DK, 32, 32, 1, false, 16>(a, stream);
-    }
-  }
   if (a.m == 1 && delta_cols() == 32 && !k::is(k::kDeltaOne, "off")) {
     const int64_t heads = static_cast<int64_t>(a.rows) * a.nv;
     const int64_t tiles = heads * ((a.dv + 31) / 32);

@@ -304,3 +304,43 @@ def test_delta_rows_mode_errors(platform):
         cc.delta(y, b, a, A_log[:, None], dt_bias, state, 1, rows=True)
     with pytest.raises(ValueError, match=r"baro_delta: rows must be a static bool, got str"):
         cc.delta(y, b, a, A_log, dt_bias, state, 1, rows="yes")
+
+
+# BARO_DELTA_LANE_COLS=2 (CUDA): the many-token kernel with two state columns a lane (gi and
+# gi + 16 of a 32-column block, or gi and gi + 8 of a 16-column one), one set of q and k loads for
+# both. Speed only: each column's sums split over its 8 lanes as before, so the bytes of o and of
+# the state are the default's, for every m (1: one-token calls with BARO_DELTA_ONE=off take it),
+# both block widths, dv with a part-full last block (80, 36), no 16-byte copies (36), dk 16 .. 128,
+# padded rows and a split call.
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", DELTA_GPU_SHAPES + [(2, 6, 16, 20), (16, 32, 128, 128)],
+                         ids=lambda s: "nk%d-nv%d-dk%d-dv%d" % s)
+@pytest.mark.parametrize("m", [1, 2, 37, 75, 300])
+def test_delta_lane_cols(platform, m, shape, monkeypatch):
+    if platform.platform != "gpu":
+        pytest.skip("BARO_DELTA_LANE_COLS is a CUDA knob")
+    nk, nv, dk, dv = shape
+    rng = np.random.default_rng(740 + m + nv + dk + dv)
+    y, b, a, A_log, dt_bias, state = delta_model_inputs(rng, m, nk, nv, dk, dv)
+    consts = put(platform, A_log, dt_bias)
+    nvld = m // 2 + 1
+    yp, bp, ap = (np.concatenate([x[:nvld], garbage_like(rng, m - nvld, x[nvld:])]) for x in (y, b, a))
+
+    def run(yy, bb, aa, n):
+        poison(platform, (m, nv, dv))
+        return [np.asarray(r) for r in J_DELTA(*put(platform, yy, bb, aa), *consts, put(platform, state), i32(n))]
+
+    monkeypatch.setenv("BARO_DELTA_ONE", "off")  # m = 1 on the many-token kernel too
+    want = run(y, b, a, m), run(yp, bp, ap, nvld)
+    for cols in ("32", "16"):
+        monkeypatch.setenv("BARO_DELTA_COLS", cols)
+        monkeypatch.setenv("BARO_DELTA_LANE_COLS", "2")
+        got = run(y, b, a, m), run(yp, bp, ap, nvld)
+        for (go, gs), (wo, ws), what in zip(got, want, ("all rows", f"n_valid {nvld}")):
+            assert_same_bits(go, wo, f"delta {shape} m={m} {cols}-column blocks, 2 columns a lane, {what}: o")
+            assert_same_bits(gs, ws, f"delta {shape} m={m} {cols}-column blocks, 2 columns a lane, {what}: state")
+        if m > 33:
+            o, s2 = seq_run(platform, delta_fn, [y, b, a], [A_log, dt_bias], state, [33, m - 33])
+            assert_same_bits(o, want[0][0], f"delta {shape} m={m} {cols}-column blocks, 2 columns a lane: split o")
+            assert_same_bits(s2, want[0][1], f"delta {shape} m={m} {cols}-column blocks, 2 columns a lane: split state")
+        monkeypatch.delenv("BARO_DELTA_LANE_COLS")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode mma_swap mma_latency prefill_profile moe_tiles delta_cols2 tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode mma_swap mma_latency prefill_profile moe_tiles tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -25,14 +25,13 @@ case "$CARD" in h100) BANDWIDTH_TBS=${BANDWIDTH_TBS:-3.0} ;; *) BANDWIDTH_TBS=${
 GATE_ENV=(); [ "$CARD" = h100 ] && GATE_ENV=(XLA_PYTHON_CLIENT_MEM_FRACTION=0.97)
 log() { echo "=== $(date +%T) $*" | tee -a "$OUT/stages.txt"; }
 # Prefill of the product arm under each value of one speed knob (the same bits), each run checked
-# against replay by speed.py: $OUT/speed_<tag><value>_${CARD}.json. SPEED_UNDER_CHUNK forces the
-# chunk (the engine's own pick for an 8k prompt at 94% of an 80 GB H100 is 256).
+# against replay by speed.py: $OUT/speed_<tag><value>_${CARD}.json.
 # Usage: speed_under KNOB "VALUES" LENGTHS TAG [TIMEOUT_S]
 speed_under() {
   local knob=$1 values=$2 lengths=$3 tag=$4 v
   for v in $values; do
     env "$knob=$v" timeout "${5:-240}" python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
-      --lengths "$lengths" --chunk "${SPEED_UNDER_CHUNK:-auto}" --decode-tokens 16 --check-tail 32 \
+      --lengths "$lengths" --chunk auto --decode-tokens 16 --check-tail 32 \
       --json "$OUT/speed_${tag}${v}_${CARD}.json" 2>&1 | grep -E "tok/s|identity|Error|error" | tail -3
   done
 }
@@ -417,30 +416,6 @@ stage_moe_tiles() {  # MOE_TILES_PARTS: tests ops speed (~2 + 3 + 5 min: "tests 
            done ;;
       speed) speed_under BARO_GEMM_TILE "auto ${MOE_TILES_SPEED:-$speed}" "${MOE_TILES_LENGTHS:-8192}" moe_tile 200 ;;
       *) echo "moe_tiles: unknown part $part" ;;
-    esac
-  done
-}
-# The delta scan's many-token kernel with two state columns a lane (BARO_DELTA_LANE_COLS=2: one set
-# of q and k shared loads for both; the same bits), in parts (DELTA_COLS2_PARTS: tests ops speed):
-# the delta byte tests, the delta op alone at DELTA_COLS2_M rows under 1 and 2 on the same inputs
-# ($OUT/op_times_delta_lanecols<n>_${CARD}.json), prefill at DELTA_COLS2_LENGTHS under each,
-# identity-checked ($OUT/speed_delta_lanecols<n>_${CARD}.json; on an H100 at chunk 2048 and 97%).
-stage_delta_cols2() {
-  local part n
-  for part in ${DELTA_COLS2_PARTS:-tests ops speed}; do
-    log "delta_cols2 part $part"
-    case $part in
-      tests) timeout 240 python -m pytest -m gpu tests/test_kernels_delta.py -q -p no:cacheprovider 2>&1 \
-               | tee "$OUT/gpu_delta_cols2_tests_${CARD}.txt" | tail -3 ;;
-      ops) for n in 1 2; do
-             BARO_DELTA_LANE_COLS=$n timeout 120 python benchmarks/op_times.py --m "${DELTA_COLS2_M:-4096,8192}" \
-               --ops delta --backends ordered --reps 20 --rounds 3 --json "$OUT/op_times_delta_lanecols${n}_${CARD}.json" \
-               2>&1 | grep "op="
-           done ;;
-      speed) (  # a subshell: the H100's chunk and memory fraction stay here
-               [ "$CARD" = h100 ] && export XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 SPEED_UNDER_CHUNK=${SPEED_UNDER_CHUNK:-2048}
-               speed_under BARO_DELTA_LANE_COLS "1 2" "${DELTA_COLS2_LENGTHS:-8192}" delta_lanecols 200 ) ;;
-      *) echo "delta_cols2: unknown part $part" ;;
     esac
   done
 }

@@ -124,9 +124,6 @@ _TABLE: tuple[Knob, ...] = (
              "(mma.sync m16n8k8, 3xTF32) instead of the CUDA-core fmaf chains: its own bits, so keep one "
              "setting from a run's first token (prefill and decode agree under either); HIP ignores it "
              "(csrc/gpu/delta_blocked.cu)"),
-    Knob("BARO_DELTA_LANE_COLS", "choice", "1", choices=("1", "2"),
-         doc="state columns a lane of the CUDA delta rule's many-token kernel holds (2: half the threads, one set "
-             "of q and k loads for two columns) (csrc/gpu/delta.cu)"),
     Knob("BARO_GEMM_TILE", "choice", "auto", choices=("auto", "16", "simple", "64", "128", "192", "256", "320"),
          doc="forces the GEMM tile config of every call of more than one row (csrc/gpu/matmul.cu)"),
     Knob("BARO_GEMM_SMALL", "choice", "auto", choices=("auto", "stream", "rows16", "simple"),

@@ -66,20 +66,16 @@ BARO_DEV int64_t delta_rows(const int32_t* p, int64_t m) {
 // MINB: blocks per SM the registers must allow (__launch_bounds__).
 // COLS_FAST: the grid's x walks a head's column blocks (adjacent blocks read one head's
 // contiguous state) instead of the heads.
-// CPL: columns per lane (1, or 2: BARO_DELTA_LANE_COLS). A lane holds the same rows of CPL columns
-// (gi, gi + kCols / CPL), so one set of q and k shared-memory loads serves them all; every
-// column's arithmetic and its split over the L lanes are the same either way.
-template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false, int CPL = 1>
+template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false>
 struct DeltaCfg {
   static constexpr int kT = KT;
   static constexpr int kMinBlocks = MINB;
   static constexpr bool kColsFast = COLS_FAST;
   static constexpr int kCols = COLS;
-  static constexpr int kCpl = CPL;
   static constexpr int L = DK >= 32 ? 8 : 4;  // lanes per column
   static constexpr int R = DK / L;            // state rows per lane
-  static constexpr int CW = BARO_WARP / L;    // column groups per warp (a group: CPL columns)
-  static constexpr int kThreads = kCols * L / CPL;
+  static constexpr int CW = BARO_WARP / L;    // columns per warp
+  static constexpr int kThreads = kCols * L;
   static constexpr int kWarps = kThreads / BARO_WARP;
   // one stage buffer (floats): q[kT][DK] k[kT][DK] v[kT][kCols] gate[kT][2]
   static constexpr int kQ = 0, kK = kT * DK, kV = 2 * kT * DK, kG = 2 * kT * DK + kT * kCols;
@@ -90,7 +86,7 @@ struct DeltaCfg {
   static constexpr int kNormRows = 8;        // rows one warp normalises together (ILP)
   static_assert(R % 4 == 0 && R >= 4, "lane rows come in float4 groups");
   static_assert(DK / 4 <= BARO_WARP, "one float4 per lane per q/k row");
-  static_assert(kCols % (CW * CPL) == 0 && kThreads % BARO_WARP == 0, "whole warps");
+  static_assert(kCols % CW == 0 && kThreads % BARO_WARP == 0, "whole warps");
   static_assert(DK * kTileLd <= kBuf, "the state tile is staged in one stage buffer");
   static_assert(kBuf % 4 == 0 && kK % 4 == 0 && kV % 4 == 0 && kG % 2 == 0, "aligned slots");
 };
@@ -199,19 +195,17 @@ template <typename Cf, int DK, int COLS>
 __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(DeltaArgs a) {
   constexpr int kT = Cf::kT;
   constexpr int kCols = COLS;
-  constexpr int L = Cf::L, R = Cf::R, CW = Cf::CW, NT = Cf::kThreads, NW = Cf::kWarps, CPL = Cf::kCpl;
+  constexpr int L = Cf::L, R = Cf::R, CW = Cf::CW, NT = Cf::kThreads, NW = Cf::kWarps;
   extern __shared__ __align__(16) float smem[];
 
   const int tid = static_cast<int>(threadIdx.x), lane = lane_id(), warp = warp_id();
   const int j = static_cast<int>(Cf::kColsFast ? blockIdx.y : blockIdx.x);  // value head
   const int c0 = static_cast<int>(Cf::kColsFast ? blockIdx.x : blockIdx.y) * kCols;
-  const int cl = warp * CW + lane % CW;  // this lane's (first) column within the block
+  const int cl = warp * CW + lane % CW;  // this lane's column within the block
   const int sub = lane / CW;             // which rows of the column
   const int nk = a.nk, nv = a.nv, dv = a.dv, H = a.rows * nv;
   const int ncols = imin(kCols, dv - c0);
-  bool has[CPL];
-#pragma unroll
-  for (int x = 0; x < CPL; ++x) has[x] = cl + x * (kCols / CPL) < ncols;
+  const bool has = cl < ncols;
   const int kh = (j % nv) / (nv / nk);  // head j is y's row j / nv's head j % nv (row 0 unless rows mode)
   const int64_t C = static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(nv) * dv;
   const int64_t m = a.m;
@@ -334,14 +328,11 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
   }
   cp_async_wait_all();
   __syncthreads();
-  float s[CPL][R];
+  float s[R];
 #pragma unroll
-  for (int x = 0; x < CPL; ++x)
+  for (int i = 0; i < R / 4; ++i)
 #pragma unroll
-    for (int i = 0; i < R / 4; ++i)
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        s[x][4 * i + u] = (smem + Cf::kBuf)[(4 * (sub + L * i) + u) * Cf::kTileLd + cl + x * (kCols / CPL)];
+    for (int u = 0; u < 4; ++u) s[4 * i + u] = (smem + Cf::kBuf)[(4 * (sub + L * i) + u) * Cf::kTileLd + cl];
 
   // o partials [kT][kCols][L] of the batch, reduced over the L lanes by
   // flush_o in one fixed tree, the same for every token.
@@ -387,7 +378,7 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
     const float4* q4 = reinterpret_cast<const float4*>(cur + Cf::kQ) + sub;
     const float* vv = cur + Cf::kV + cl;
     const float2* gg = reinterpret_cast<const float2*>(cur + Cf::kG);
-    float* op = opart + cl * L + sub;  // column x's partials at + x * (kCols / CPL) * L
+    float* op = opart + cl * L + sub;
     float4 ka[R / 4], kb[R / 4], qq[R / 4];
 #pragma unroll
     for (int i = 0; i < R / 4; ++i) {
@@ -399,18 +390,11 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
     // next token's. Two register sets, called alternately, so no copies.
     auto step = [&](int tt, const float4 (&kk)[R / 4], float4 (&kn)[R / 4]) {
       // o partial of token tt - 1 (from the state before this token's decay) and this
-      // token's decay and kv: independent chains (2 per column) the unrolled code interleaves.
-      float ob[CPL], kvp[CPL], v[CPL];
-#pragma unroll
-      for (int x = 0; x < CPL; ++x) {
-        ob[x] = delta_o_partial<R>(s[x], qq);
-        kvp[x] = delta_decay_kv<R>(s[x], kk, eb.x);
-      }
-#pragma unroll
-      for (int x = 0; x < CPL; ++x) {
-        if (tt > 0) op[(tt - 1) * kCols * L + x * (kCols / CPL) * L] = ob[x];
-        v[x] = has[x] ? vv[tt * kCols + x * (kCols / CPL)] : 0.0f;
-      }
+      // token's decay and kv: two independent chains the unrolled code interleaves.
+      const float ob = delta_o_partial<R>(s, qq);
+      const float kvp = delta_decay_kv<R>(s, kk, eb.x);
+      if (tt > 0) op[(tt - 1) * kCols * L] = ob;
+      const float v = has ? vv[tt * kCols] : 0.0f;
       const float beta = eb.y;
       const int tn = tt + 1 < nt ? tt + 1 : tt;
 #pragma unroll
@@ -419,12 +403,9 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
         kn[i] = k4[tn * (DK / 4) + L * i];
       }
       eb = gg[tn];
-#pragma unroll
-      for (int x = 0; x < CPL; ++x) {
-        const float kv = delta_kv_sum<CW>(kvp[x]);
-        const float d = (v[x] - kv) * beta;
-        delta_update<R>(s[x], kk, d);
-      }
+      const float kv = delta_kv_sum<CW>(kvp);
+      const float d = (v - kv) * beta;
+      delta_update<R>(s, kk, d);
     };
     int tt = 0;
     for (; tt + 1 < nt; tt += 2) {
@@ -432,8 +413,7 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
       step(tt + 1, kb, ka);
     }
     if (tt < nt) step(tt, ka, kb);
-#pragma unroll
-    for (int x = 0; x < CPL; ++x) op[(nt - 1) * kCols * L + x * (kCols / CPL) * L] = delta_o_partial<R>(s[x], qq);
+    op[(nt - 1) * kCols * L] = delta_o_partial<R>(s, qq);
     prev_t0 = t0;
     prev_nt = nt;
   }
@@ -445,11 +425,9 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
   flush_o(prev_t0, prev_nt);
   float* tile = smem;
 #pragma unroll
-  for (int x = 0; x < CPL; ++x)
+  for (int i = 0; i < R / 4; ++i)
 #pragma unroll
-    for (int i = 0; i < R / 4; ++i)
-#pragma unroll
-      for (int u = 0; u < 4; ++u) tile[(4 * (sub + L * i) + u) * Cf::kTileLd + cl + x * (kCols / CPL)] = s[x][4 * i + u];
+    for (int u = 0; u < 4; ++u) tile[(4 * (sub + L * i) + u) * Cf::kTileLd + cl] = s[4 * i + u];
   __syncthreads();
   float* Sout = a.state_out + static_cast<int64_t>(j) * DK * dv + c0;
   for (int i = tid; i < DK * kCols; i += NT) {
@@ -691,9 +669,9 @@ gpuError_t launch_delta_one(const DeltaArgs& a, gpuStream_t stream) {
   return gpuGetLastError();
 }
 
-template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false, int CPL = 1>
+template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false>
 gpuError_t launch_delta_cols(const DeltaArgs& a, gpuStream_t stream) {
-  using Cf = DeltaCfg<DK, COLS, KT, MINB, COLS_FAST, CPL>;
+  using Cf = DeltaCfg<DK, COLS, KT, MINB, COLS_FAST>;
   const int64_t col_blocks = (a.dv + COLS - 1) / COLS;
   const int64_t heads = static_cast<int64_t>(a.rows) * a.nv;
   if (col_blocks > 65535 || (COLS_FAST && heads > 65535)) return gpuErrorInvalidValue;
@@ -736,11 +714,6 @@ gpuError_t launch_delta_dk(const DeltaArgs& a, gpuStream_t stream) {
       return launch_delta_cols<DK, 32, 1, 3, true>(a, stream);
     return launch_delta_cols<DK, 32, 1, 3>(a, stream);
   }
-  // BARO_DELTA_LANE_COLS=2: two columns a lane (half the threads, each loading q and k once for
-  // both); the same bits.
-  if (k::is(k::kDeltaLaneCols, "2"))
-    return delta_cols() == 16 ? launch_delta_cols<DK, 16, 32, 1, false, 2>(a, stream)
-                              : launch_delta_cols<DK, 32, 32, 1, false, 2>(a, stream);
   return delta_cols() == 16 ? launch_delta_cols<DK, 16>(a, stream) : launch_delta_cols<DK, 32>(a, stream);
 }
 

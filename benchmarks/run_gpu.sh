@@ -25,13 +25,14 @@ case "$CARD" in h100) BANDWIDTH_TBS=${BANDWIDTH_TBS:-3.0} ;; *) BANDWIDTH_TBS=${
 GATE_ENV=(); [ "$CARD" = h100 ] && GATE_ENV=(XLA_PYTHON_CLIENT_MEM_FRACTION=0.97)
 log() { echo "=== $(date +%T) $*" | tee -a "$OUT/stages.txt"; }
 # Prefill of the product arm under each value of one speed knob (the same bits), each run checked
-# against replay by speed.py: $OUT/speed_<tag><value>_${CARD}.json.
+# against replay by speed.py: $OUT/speed_<tag><value>_${CARD}.json. SPEED_UNDER_CHUNK forces the
+# chunk (the engine's own pick for an 8k prompt at 94% of an 80 GB H100 is 256).
 # Usage: speed_under KNOB "VALUES" LENGTHS TAG [TIMEOUT_S]
 speed_under() {
   local knob=$1 values=$2 lengths=$3 tag=$4 v
   for v in $values; do
     env "$knob=$v" timeout "${5:-240}" python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
-      --lengths "$lengths" --chunk auto --decode-tokens 16 --check-tail 32 \
+      --lengths "$lengths" --chunk "${SPEED_UNDER_CHUNK:-auto}" --decode-tokens 16 --check-tail 32 \
       --json "$OUT/speed_${tag}${v}_${CARD}.json" 2>&1 | grep -E "tok/s|identity|Error|error" | tail -3
   done
 }

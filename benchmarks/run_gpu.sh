@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode mma_swap mma_latency prefill_profile moe_tiles tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode mma_swap mma_latency prefill_profile moe_tiles attn_pipe tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -417,6 +417,33 @@ stage_moe_tiles() {  # MOE_TILES_PARTS: tests ops speed (~2 + 3 + 5 min: "tests 
            done ;;
       speed) speed_under BARO_GEMM_TILE "auto ${MOE_TILES_SPEED:-$speed}" "${MOE_TILES_LENGTHS:-8192}" moe_tile 200 ;;
       *) echo "moe_tiles: unknown part $part" ;;
+    esac
+  done
+}
+# The sm_90a prefill attention with each KV block's S issued one block early (BARO_ATTN_PIPE=1: the
+# tensor cores run it beside the previous block's softmax; the same bits), in parts
+# (ATTN_PIPE_PARTS: tests ops speed): the attention byte tests, the attention op alone (8192 rows)
+# at ATTN_PIPE_CONTEXTS under 0 and 1 on the same inputs ($OUT/op_times_attn_pipe<n>_ctx<c>_${CARD}.json),
+# prefill at ATTN_PIPE_LENGTHS under each, identity-checked ($OUT/speed_attn_pipe<n>_${CARD}.json;
+# on an H100 at chunk 2048 and 97%).
+stage_attn_pipe() {
+  local part n c
+  for part in ${ATTN_PIPE_PARTS:-tests ops speed}; do
+    log "attn_pipe part $part"
+    case $part in
+      tests) timeout 240 python -m pytest -m gpu tests/test_kernels_attention.py -q -p no:cacheprovider 2>&1 \
+               | tee "$OUT/gpu_attn_pipe_tests_${CARD}.txt" | tail -3 ;;
+      ops) for c in ${ATTN_PIPE_CONTEXTS:-16384 32768}; do
+             for n in 0 1; do
+               BARO_ATTN_PIPE=$n timeout 120 python benchmarks/op_times.py --m 8192 --context "$c" --ops attention \
+                 --backends ordered --reps 10 --rounds 3 --json "$OUT/op_times_attn_pipe${n}_ctx${c}_${CARD}.json" \
+                 2>&1 | grep "op="
+             done
+           done ;;
+      speed) (  # a subshell: the H100's chunk and memory fraction stay here
+               [ "$CARD" = h100 ] && export XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 SPEED_UNDER_CHUNK=${SPEED_UNDER_CHUNK:-2048}
+               speed_under BARO_ATTN_PIPE "0 1" "${ATTN_PIPE_LENGTHS:-8192}" attn_pipe 200 ) ;;
+      *) echo "attn_pipe: unknown part $part" ;;
     esac
   done
 }

@@ -278,13 +278,16 @@ def test_attention_decode_copies_same_bytes(platform, hd, monkeypatch):
 # must give the mma.sync prefill kernel's bytes (BARO_ATTN_WGMMA=0) and so the decode path's, row for row: the model's G = 8 at
 # head_dim 256 and G = 4 at 128 / 64, positions from 0 to past several 512-position splits, tiles
 # with padding rows (m = 5, 300) and a padded call (n_valid < rows). m <= 16 runs the decode tiles
-# whatever the knob says; those cases only check that the knob leaves them alone.
+# whatever the knob says; those cases only check that the knob leaves them alone. pipe "1": the
+# same under BARO_ATTN_PIPE=1 (each block's S issued a block early; TMA head dims 128 and 256,
+# the rings at 64 ignore it).
 AT_WGMMA = {"g8_hd256": (16, 2, 256, 32), "g4_hd128": (8, 2, 128, 32), "g4_hd64": (8, 2, 64, 16)}
 AT_WGMMA_S = 2900
 
 
+@pytest.mark.parametrize("pipe", ["0", "1"])
 @pytest.mark.parametrize("cfg", list(AT_WGMMA))
-def test_attention_wgmma_same_bytes(platform, cfg, monkeypatch):
+def test_attention_wgmma_same_bytes(platform, cfg, pipe, monkeypatch):
     if platform.platform == "cpu":
         pytest.skip("BARO_ATTN_WGMMA picks a CUDA kernel")
     # skip only on a GPU known not to be sm_90: a missing or differently spelled attribute runs the
@@ -297,6 +300,7 @@ def test_attention_wgmma_same_bytes(platform, cfg, monkeypatch):
 
     def call(knob, rows, cos, sin, kc, vc, pos0, nv):
         monkeypatch.setenv("BARO_ATTN_WGMMA", knob)  # require: an error where it would fall back
+        monkeypatch.setenv("BARO_ATTN_PIPE", pipe if knob != "0" else "0")
         poison(platform, (rows.shape[0], H * hd), jnp.bfloat16)
         f = jax.jit(lambda *a: cc.attention(*a, eps=EPS))  # a fresh jit: the launcher reads the knob
         out = f(*put(platform, rows, qn, kn, cos, sin, kc, vc), i32(pos0), i32(nv))
@@ -330,3 +334,4 @@ def test_attention_wgmma_same_bytes(platform, cfg, monkeypatch):
                     assert_same_bits(a, b, f"{what} padded {name}: vs one row per call")
                 assert_same_bits(got[0][m:], np.zeros_like(got[0][m:]), f"{what} padding rows")
     monkeypatch.delenv("BARO_ATTN_WGMMA", raising=False)
+    monkeypatch.delenv("BARO_ATTN_PIPE", raising=False)

@@ -342,25 +342,12 @@ BARO_DEV void wg_mma_pv(float (&d)[16][4], const FragA& a, uint64_t bdesc) {
       : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(bdesc), "r"(1));
 }
 
-// Steps a-d of one KV block of 64 keys (from j0) for the tile: fa_block_step's statements with
-// pair -> w (this warp in its warpgroup), half -> the warpgroup, and the two dots on wgmma.
-// kMasked = false only when every row of the tile is real and its limit is >= j0 + 63.
-// kTma: Vt arrives by TMA, complete when phase vpar of the mbarrier vbar is; its rows vrows..
-// (past the last written cache row) are zeroed here. Otherwise by this thread's cp.async groups.
-template <bool kMasked, int kHd, bool kTma>
-BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __restrict__ Kt,
-                            uint16_t* __restrict__ Vt, uint16_t* __restrict__ Ps,
-                            float* __restrict__ red, int half, int w, int j0, const int (&lim)[2], float sl2,
-                            float (&o)[WgLayout<kHd>::kNt][4], float (&ms)[2], float (&ls)[2],
-                            uint32_t vbar, uint32_t vpar, int vrows) {
+// Step a, issued: S for this warpgroup's 32 columns of K tile Kt, head dims ascending into one
+// accumulator zeroed first, committed as one wgmma group and not waited for.
+template <int kHd, bool kTma>
+BARO_DEV void wg_s_issue(const uint16_t* __restrict__ Qs, const uint16_t* __restrict__ Kt, int half,
+                         float (&sacc)[4][4]) {
   using L = WgLayout<kHd, kTma>;
-  const int lane = lane_id();
-  const int g = lane >> 2, t = lane & 3;
-  const int nbase = half * 32;  // this warpgroup's S columns
-  const int rb = 16 * w;        // this warp's first tile row
-
-  // a. S for this warpgroup's 32 columns: K ascending into one accumulator.
-  float sacc[4][4];
 #pragma unroll
   for (int u = 0; u < 4; ++u)
 #pragma unroll
@@ -369,10 +356,35 @@ BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __r
   wg_fence();
 #pragma unroll
   for (int k0 = 0; k0 < kHd; k0 += 16)
-    wg_mma_s(sacc, wg_desc(Qs + k0 * 8, 128, L::kRowGroup), wg_kdesc<kHd, kTma>(Kt, nbase, k0));
+    wg_mma_s(sacc, wg_desc(Qs + k0 * 8, 128, L::kRowGroup), wg_kdesc<kHd, kTma>(Kt, half * 32, k0));
   wg_commit();
-  wg_wait_all();
-  wg_hold(sacc);
+}
+
+// Steps a-d of one KV block of 64 keys (from j0) for the tile: fa_block_step's statements with
+// pair -> w (this warp in its warpgroup), half -> the warpgroup, and the two dots on wgmma.
+// kIssued: S is already in sacc (wg_s_issue'd and waited for by the caller: the pipelined loop
+// issues block b + 1's S before block b's softmax); otherwise step a runs here.
+// kMasked = false only when every row of the tile is real and its limit is >= j0 + 63.
+// kTma: Vt arrives by TMA, complete when phase vpar of the mbarrier vbar is; its rows vrows..
+// (past the last written cache row) are zeroed here. Otherwise by this thread's cp.async groups.
+template <bool kMasked, int kHd, bool kTma, bool kIssued = false>
+BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __restrict__ Kt,
+                            uint16_t* __restrict__ Vt, uint16_t* __restrict__ Ps,
+                            float* __restrict__ red, int half, int w, int j0, const int (&lim)[2], float sl2,
+                            float (&o)[WgLayout<kHd>::kNt][4], float (&ms)[2], float (&ls)[2],
+                            uint32_t vbar, uint32_t vpar, int vrows, float (&sacc)[4][4]) {
+  using L = WgLayout<kHd, kTma>;
+  const int lane = lane_id();
+  const int g = lane >> 2, t = lane & 3;
+  const int nbase = half * 32;  // this warpgroup's S columns
+  const int rb = 16 * w;        // this warp's first tile row
+
+  // a. S for this warpgroup's 32 columns: K ascending into one accumulator.
+  if constexpr (!kIssued) {
+    wg_s_issue<kHd, kTma>(Qs, Kt, half, sacc);
+    wg_wait_all();
+    wg_hold(sacc);
+  }
   // b. scale (base 2), mask past each row's position, row max (exact, any order).
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -479,10 +491,14 @@ BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __r
 // Grid (tiles, Hkv): tile x of kv head y, the tiles last-first (attn_fa_kernel's serial mode).
 // kTma: K/V by TMA through maps (wg_launch); else the cp.async rings, maps unused. kPair (with
 // kTma): launched in clusters of 2 along x, blocks both tiles need multicast (see wg_tma_tile_pair).
-template <int kHd, bool kTma, bool kPair>
+// kPipe (with kTma, not kPair; BARO_ATTN_PIPE=1): block b + 1's S is issued before block b's
+// softmax, so the tensor cores compute it while the warps run the softmax and P V's setup; every
+// dot and every statement is the same, only when S is issued moves.
+template <int kHd, bool kTma, bool kPair, bool kPipe = false>
 __global__ void __launch_bounds__(kWgThreads, 1)
     attn_wgmma_kernel(AttentionArgs a, const __grid_constant__ WgMaps maps) {
   static_assert(kTma || !kPair, "pairs share TMA copies");
+  static_assert(!kPipe || (kTma && !kPair), "the pipelined loop is written for the one-CTA TMA path");
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = WgLayout<kHd, kTma>;
   constexpr int hd = kHd;
@@ -679,22 +695,33 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     }
   };
 
-  for (int b = b_begin; b < b_end; ++b) {
+  // Block bk's K has landed (TMA) and its rows past the last written cache row are zeros (each
+  // thread fences its own zero stores for wgmma; a barrier follows before any wgmma reads it).
+  auto k_landed = [&](int bk) {
+    uint16_t* Kt = K0 + (bk % L::kKStages) * tile_el;
+    const int ok = lim_load - bk * kFaKB + 1;
+    wg_mbar_wait(kbar + 8 * (bk % L::kKStages), (bk / L::kKStages) & 1);
+    if (ok < kFaKB) {  // uniform over the block
+      wg_zero_rows<kHd>(Kt, ok);
+      wg_fence_proxy();
+    }
+  };
+  // One KV block. cur: its S (kPipe: issued one block earlier and complete once waited for here);
+  // nxt: where kPipe issues block b + 1's S.
+  auto block = [&](int b, float (&cur)[4][4], float (&nxt)[4][4]) {
     uint16_t* Kt = K0 + (b % L::kKStages) * tile_el;
     uint16_t* Vt = V0 + (b % L::kVStages) * tile_el;
     // Rows of block b up to the last written cache row; the rest are zeros for both paths.
     const int rows_ok = lim_load - b * kFaKB + 1;
-    if constexpr (kTma) {
-      wg_mbar_wait(kbar + 8 * (b % L::kKStages), (b / L::kKStages) & 1);  // block b's K
-      if (rows_ok < kFaKB) {  // uniform over the block
-        wg_zero_rows<kHd>(Kt, rows_ok);
-        wg_fence_proxy();  // this thread's zeros, for wgmma
-      }
+    if constexpr (kPipe) {
+      if (b + 1 < b_end) k_landed(b + 1);  // for block b + 1's S, issued below
+    } else if constexpr (kTma) {
+      k_landed(b);
     } else {
       fa_cp_async_wait<L::kKWait>();  // block b's K (its V is waited for in the step, before P V)
       wg_fence_proxy();  // block b, as written by this thread's cp.async, for wgmma
     }
-    __syncthreads();   // block b's K visible to all; every warp done with block b-1's buffers
+    __syncthreads();   // that K visible to all; every warp done with block b-1's buffers
     // into the buffers of block b-1 (the rings are kVLead + 1 and kKLead + 1 deep)
     if constexpr (kTma) {
       if (threadIdx.x == 0) {
@@ -731,13 +758,22 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     for (int e = 0; e < 2; ++e)
       if (j0 > lim[e] && j0 - kFaKB <= lim[e]) merge_row(e, b / kAttnSplitBlocks);
 
-    // a-d for the tile. Only blocks that cross a row's position (the diagonal, or any block of
-    // a tile with padding rows) need the masks.
+    if constexpr (kPipe) {
+      wg_wait_all();  // block b's S (and nothing else is in flight)
+      wg_hold(cur);
+      // Issued on every block (the last one's result unused, read from its own landed K) so no
+      // wgmma sits on a branch: ptxas serialises wgmmas around one it cannot prove uniform.
+      const int bn = b + 1 < b_end ? b + 1 : b;
+      wg_s_issue<kHd, kTma>(Qs, K0 + (bn % L::kKStages) * tile_el, half, nxt);
+    }
+    // a-d for the tile (kPipe: b-d; the step's last wait also completes block b + 1's S). Only
+    // blocks that cross a row's position (the diagonal, or any block of a tile with padding
+    // rows) need the masks.
     const uint32_t vb = vbar + 8 * (b % L::kVStages), vp = (b / L::kVStages) & 1;
     if (j0 + kFaKB - 1 > lim_min)
-      wg_block_step<true, kHd, kTma>(Qs, Kt, Vt, Ps, red, half, w, j0, lim, sl2, o, ms, ls, vb, vp, rows_ok);
+      wg_block_step<true, kHd, kTma, kPipe>(Qs, Kt, Vt, Ps, red, half, w, j0, lim, sl2, o, ms, ls, vb, vp, rows_ok, cur);
     else
-      wg_block_step<false, kHd, kTma>(Qs, Kt, Vt, Ps, red, half, w, j0, lim, sl2, o, ms, ls, vb, vp, rows_ok);
+      wg_block_step<false, kHd, kTma, kPipe>(Qs, Kt, Vt, Ps, red, half, w, j0, lim, sl2, o, ms, ls, vb, vp, rows_ok, cur);
 
     // e. split done: in-order merge of the rows still active on this block.
     if ((b + 1) % kAttnSplitBlocks == 0 || b + 1 == b_end) {
@@ -745,6 +781,23 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       for (int e = 0; e < 2; ++e)
         if (j0 <= lim[e]) merge_row(e, b / kAttnSplitBlocks);
     }
+  };
+
+  float sA[4][4], sB[4][4];
+  if constexpr (kPipe) {
+    // Block b_begin's S before the loop (issued even for a tile without blocks, unused then).
+    if (b_begin < b_end) k_landed(b_begin);
+    __syncthreads();  // Q and that K visible to both warpgroups
+    wg_s_issue<kHd, kTma>(Qs, K0 + (b_begin % L::kKStages) * tile_el, half, sA);
+    int b = b_begin;
+    for (; b + 1 < b_end; b += 2) {  // the two accumulators by name, alternating
+      block(b, sA, sB);
+      block(b + 1, sB, sA);
+    }
+    if (b < b_end) block(b, sA, sB);
+    wg_wait_all();  // the last issued S (unused)
+  } else {
+    for (int b = b_begin; b < b_end; ++b) block(b, sA, sB);
   }
 
   // epilogue: o = bf16((O / L) * sigmoid(gate)); rows >= n_valid -> 0.
@@ -797,13 +850,13 @@ static bool wg_encode(CUtensorMap* m, const uint16_t* cache, const AttentionArgs
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <int kHd, bool kTma>
+template <int kHd, bool kTma, bool kPipe = false>
 gpuError_t wg_launch_one(const AttentionArgs& a, const WgMaps& maps, unsigned tiles, gpuStream_t stream) {
   constexpr int smem = WgLayout<kHd, kTma>::kTotal;  // 202 KB at hd 256 (TMA: 203)
   static std::atomic<uint64_t> smem_done{0};
-  const gpuError_t e = allow_smem(attn_wgmma_kernel<kHd, kTma, false>, smem, smem_done);
+  const gpuError_t e = allow_smem(attn_wgmma_kernel<kHd, kTma, false, kPipe>, smem, smem_done);
   if (e != gpuSuccess) return e;
-  return launch_dependent(attn_wgmma_kernel<kHd, kTma, false>, dim3(tiles, static_cast<unsigned>(a.Hkv), 1u),
+  return launch_dependent(attn_wgmma_kernel<kHd, kTma, false, kPipe>, dim3(tiles, static_cast<unsigned>(a.Hkv), 1u),
                           dim3(kWgThreads), smem, stream, a, maps);  // after the cache write
 }
 
@@ -843,7 +896,10 @@ gpuError_t wg_launch(const AttentionArgs& a, unsigned tiles, gpuStream_t stream)
     const int mode = g_wg_tma.load(std::memory_order_relaxed);
     if (mode != 0 && tiles < 0xffffffffu && wg_encode(&maps.k, a.k_cache, a) && wg_encode(&maps.v, a.v_cache, a)) {
       g_wg_last.store(mode == 2 ? 2 : 1, std::memory_order_relaxed);
-      return mode == 2 ? wg_launch_pair<kHd>(a, maps, tiles, stream) : wg_launch_one<kHd, true>(a, maps, tiles, stream);
+      if (mode == 2) return wg_launch_pair<kHd>(a, maps, tiles, stream);
+      // BARO_ATTN_PIPE=1: block b + 1's S issued before block b's softmax (the same bits)
+      if (baro::knobs::is(baro::knobs::kAttnPipe, "1")) return wg_launch_one<kHd, true, true>(a, maps, tiles, stream);
+      return wg_launch_one<kHd, true>(a, maps, tiles, stream);
     }
   }
   g_wg_last.store(0, std::memory_order_relaxed);

@@ -47,8 +47,10 @@
 //
 // Schedule: one tile per block, 256 threads, one block per SM (202 KB of shared memory at hd
 // 256, 203 with TMA); K blocks are in flight two (hd 256) or three blocks ahead of their step
-// and V blocks one or two (WgLayout), and each dot is waited for right after it is issued (the
-// softmax does not yet overlap a wgmma).
+// and V blocks one or two (WgLayout). On the TMA path block b + 1's S is issued before block b's
+// softmax and waited for with block b's P V (kPipe: 9.95 -> 9.65 ms for an 8192-row call at 32k
+// context on the H100, op_times_attn_pipe{0,1}_ctx32768_bbbad77_h100.json); P V is waited for
+// right after it is issued.
 // What the rings cost (H200, the 32k prompt's last 8k chunk at hd 256; attn_wgmma_h200.json):
 // 25.9 ms against attn_fa_kernel's 20.8, 11.5 against 16.6 without the in-loop copies. Those
 // times were taken with the harness built -dc, where every wgmma was serialised (see
@@ -491,9 +493,9 @@ BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __r
 // Grid (tiles, Hkv): tile x of kv head y, the tiles last-first (attn_fa_kernel's serial mode).
 // kTma: K/V by TMA through maps (wg_launch); else the cp.async rings, maps unused. kPair (with
 // kTma): launched in clusters of 2 along x, blocks both tiles need multicast (see wg_tma_tile_pair).
-// kPipe (with kTma, not kPair; BARO_ATTN_PIPE=1): block b + 1's S is issued before block b's
-// softmax, so the tensor cores compute it while the warps run the softmax and P V's setup; every
-// dot and every statement is the same, only when S is issued moves.
+// kPipe (with kTma, not kPair; the default, BARO_ATTN_PIPE=0 turns it off): block b + 1's S is
+// issued before block b's softmax, so the tensor cores compute it while the warps run the softmax
+// and P V's setup; every dot and every statement is the same, only when S is issued moves.
 template <int kHd, bool kTma, bool kPair, bool kPipe = false>
 __global__ void __launch_bounds__(kWgThreads, 1)
     attn_wgmma_kernel(AttentionArgs a, const __grid_constant__ WgMaps maps) {
@@ -897,8 +899,8 @@ gpuError_t wg_launch(const AttentionArgs& a, unsigned tiles, gpuStream_t stream)
     if (mode != 0 && tiles < 0xffffffffu && wg_encode(&maps.k, a.k_cache, a) && wg_encode(&maps.v, a.v_cache, a)) {
       g_wg_last.store(mode == 2 ? 2 : 1, std::memory_order_relaxed);
       if (mode == 2) return wg_launch_pair<kHd>(a, maps, tiles, stream);
-      // BARO_ATTN_PIPE=1: block b + 1's S issued before block b's softmax (the same bits)
-      if (baro::knobs::is(baro::knobs::kAttnPipe, "1")) return wg_launch_one<kHd, true, true>(a, maps, tiles, stream);
+      // block b + 1's S issued before block b's softmax (the same bits; BARO_ATTN_PIPE=0: not)
+      if (!baro::knobs::is(baro::knobs::kAttnPipe, "0")) return wg_launch_one<kHd, true, true>(a, maps, tiles, stream);
       return wg_launch_one<kHd, true>(a, maps, tiles, stream);
     }
   }

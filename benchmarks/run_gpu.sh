@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode mma_swap mma_latency prefill_profile moe_tiles attn_pipe tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode mma_swap mma_latency prefill_profile attn_pipe tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -392,32 +392,6 @@ stage_decode_knobs() {
       --lengths "${KNOBS_LENGTH:-1024}" --chunk auto --decode-tokens 64 --check-tail 32 \
       --json "$OUT/speed_decode_knobs${n}_${CARD}.json" 2>&1 | grep -E "decode|identity|Error|error" | tail -3
     n=$((n + 1))
-  done
-}
-# The grouped MoE GEMMs' tile height at prefill (BARO_GEMM_TILE=192 / 256 / 320, docs/PERF.md
-# 2026-12-06; written without a GPU): their byte tests (the forced tiles 192, 256, 320 and -shallow
-# rings in the matmul and MoE tests), then the MoE op alone at MOE_TILES_M rows under each of
-# MOE_TILES (auto = today's 128 rows at these sizes; 64 tells how the tile count moves it), on the
-# same inputs, back to back ($OUT/op_times_moe_tile<t>_${CARD}.json), then prefill at
-# MOE_TILES_LENGTHS under auto and each of MOE_TILES_SPEED (the card's chunk decides which fit an
-# expert's pairs: 4096 on an H100, 192 / 256; 8192 on an H200, 256 / 320), identity-checked
-# ($OUT/speed_moe_tile<t>_${CARD}.json).
-stage_moe_tiles() {  # MOE_TILES_PARTS: tests ops speed (~2 + 3 + 5 min: "tests ops" and "speed" fit a call each)
-  local part t speed="256 320"
-  [ "$CARD" = h100 ] && speed="192 256"
-  for part in ${MOE_TILES_PARTS:-tests ops speed}; do
-    log "moe_tiles part $part"
-    case $part in
-      tests) timeout "${MOE_TILES_TEST_TIMEOUT:-240}" python -m pytest -m gpu tests/test_kernels_matmul.py \
-               tests/test_kernels_moe.py -q -p no:cacheprovider -k "tiles or folded" 2>&1 \
-               | tee "$OUT/gpu_moe_tiles_tests_${CARD}.txt" | tail -3 ;;
-      ops) for t in ${MOE_TILES:-auto 192 256 320 64}; do
-             BARO_GEMM_TILE=$t timeout 120 python benchmarks/op_times.py --m "${MOE_TILES_M:-4096,8192}" --ops moe \
-               --backends ordered --reps 50 --rounds 3 --json "$OUT/op_times_moe_tile${t}_${CARD}.json" 2>&1 | grep "op="
-           done ;;
-      speed) speed_under BARO_GEMM_TILE "auto ${MOE_TILES_SPEED:-$speed}" "${MOE_TILES_LENGTHS:-8192}" moe_tile 200 ;;
-      *) echo "moe_tiles: unknown part $part" ;;
-    esac
   done
 }
 # The sm_90a prefill attention with each KV block's S issued one block early (BARO_ATTN_PIPE=1: the

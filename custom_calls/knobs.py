@@ -128,7 +128,7 @@ _TABLE: tuple[Knob, ...] = (
              "(mma.sync m16n8k8, 3xTF32) instead of the CUDA-core fmaf chains: its own bits, so keep one "
              "setting from a run's first token (prefill and decode agree under either); HIP ignores it "
              "(csrc/gpu/delta_blocked.cu)"),
-    Knob("BARO_GEMM_TILE", "choice", "auto", choices=("auto", "16", "simple", "64", "128", "192", "256", "320"),
+    Knob("BARO_GEMM_TILE", "choice", "auto", choices=("auto", "16", "simple", "64", "128"),
          doc="forces the GEMM tile config of every call of more than one row (csrc/gpu/matmul.cu)"),
     Knob("BARO_GEMM_SMALL", "choice", "auto", choices=("auto", "stream", "rows16", "simple"),
          doc="the kernel of 16-row slots (GEMMs of 2 to 16 rows, narrow ones of up to 64, grouped MoE calls of "

@@ -71,15 +71,13 @@ MM_K, MM_N = 96, 40
 # "16-rows16": gemm_rows16.cuh (env BARO_GEMM_SMALL=rows16); "16-deep" / "16-light": it with
 # its deep or light cp.async ring (env BARO_ROWS16_RING; otherwise the kernel chooses: light
 # for grouped calls); "16-w2" / "16-w1": its blocks of 2 or 1 warps (env BARO_ROWS16_WARPS).
-# "64" / "128" / "192" / "256" / "320": the pipelined kernel with the ring its grid picks (deep at
-# these tests' sizes); "-shallow" / "-deep": its 3-stage or 8 (BM 64) / 6 (128) / 5 (192) / 4 (256,
-# 320) stage ring (env BARO_PIPE_RING). 192 rows: 2 x 4 warps of 96 x 32; 256 / 320 rows: 4 x 2
-# warps of 64 / 80 x 64, so a tile of few rows leaves whole warps with no fragment to walk.
+# "64" / "128": the pipelined kernel with the ring its grid picks (deep at these tests' sizes);
+# "-shallow" / "-deep": its 3-stage or 8 (BM 64) / 6 (BM 128) stage ring (env BARO_PIPE_RING).
 # "16-tall" / "16-tall_light": gemm_rows16 with slots of 32 or 64 rows for plain GEMMs of more than
 # 16 rows (env BARO_ROWS16_TALL=on; the deep ring at these sizes, or the light one).
 GEMM_TILES = ["16", "16-stream", "16-lsu", "16-simple", "16-rows16", "16-deep", "16-light", "16-w2", "16-w1", "16-tall",
               "16-tall_light", "simple", "64",
-              "64-shallow", "128", "128-shallow", "128-deep", "192", "192-shallow", "256", "256-shallow", "320"]
+              "64-shallow", "128", "128-shallow", "128-deep"]
 _TILE_KNOBS = ("BARO_GEMM_TILE", "BARO_GEMM_SMALL", "BARO_ROWS16_RING", "BARO_ROWS16_WARPS", "BARO_ROW1_COPY",
                "BARO_PIPE_RING", "BARO_ROWS16_TALL")
 

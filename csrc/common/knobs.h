@@ -96,7 +96,7 @@ inline constexpr Knob kKnobs[kCount] = {
     {"BARO_DELTA_COLS", Kind::kChoice, "32|16", 0, 0, 0},
     {"BARO_DELTA_ONE", Kind::kChoice, "auto|cols|heads|pipe|off", 0, 0, 0},
     {"BARO_DELTA_BLOCKED_MMA", Kind::kOnOff, nullptr, 0, 0, 0},
-    {"BARO_GEMM_TILE", Kind::kChoice, "auto|16|simple|64|128|192|256|320", 0, 0, 0},
+    {"BARO_GEMM_TILE", Kind::kChoice, "auto|16|simple|64|128", 0, 0, 0},
     {"BARO_GEMM_SMALL", Kind::kChoice, "auto|stream|rows16|simple", 0, 0, 0},
     {"BARO_GEMM_ROW1", Kind::kOnOff, nullptr, 0, 0, 1},
     {"BARO_GEMM_WGMMA", Kind::kChoice, "1|0|require", 0, 0, 0},

@@ -11,9 +11,8 @@
 // Two families:
 //  - gemm_kernel: the simple synchronous kernel (16x32 decode tiles, 64x64
 //    fallback when 16-byte loads are not possible, and the whole HIP path);
-//  - gemm_pipe_kernel (CUDA only): 8 warps, 64x128 or 128x128 tiles (opt-in 192, 256
-//    and 320 rows for the grouped prefill GEMMs), BK 64, a 3-stage (or deeper)
-//    cp.async ring in XOR-swizzled shared memory, ldmatrix.x4
+//  - gemm_pipe_kernel (CUDA only): 8 warps, 64x128 or 128x128 tiles, BK 64,
+//    a 3-stage (or deeper) cp.async ring in XOR-swizzled shared memory, ldmatrix.x4
 //    fragment loads (the same 32-bit words load_a / load_b_nk read, so the
 //    same registers go into the same mma), optional fused SwiGLU epilogue.
 //
@@ -330,8 +329,7 @@ struct PipeCfg {
   static constexpr int kStageBytes = (BM + BN) * kPipeRowBytes;
   static constexpr int kSmemBytes = STAGES * kStageBytes;
   static constexpr int kOutCols = SWIGLU ? BN / 2 : BN;  // output columns per block
-  // 192 / 256 / 320 rows: 96 / 128 / 160 accumulators a thread, a ring of 120 KB or more: one block per SM
-  static constexpr int kMinBlocks = BM > 128 ? 1 : BM == 128 ? 2 : 3;
+  static constexpr int kMinBlocks = BM >= 128 ? 2 : 3;
 };
 
 template <int BM, int BN, int WM, int WN, int STAGES, bool SWIGLU>

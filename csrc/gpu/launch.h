@@ -69,14 +69,12 @@ inline gpuError_t allow_smem(Kernel kernel, int bytes, std::atomic<uint64_t>& do
 
 // ---- GEMM (matmul.cu) ----
 // kSmall 16 x 32 and kLarge 64 x 64: the simple synchronous kernel (decode,
-// no 16-byte loads, HIP). kPipe64 64 x 128, kPipe128 128 x 128, and (opt-in,
-// BARO_GEMM_TILE=192 / 256 / 320: an expert's 128 +- 11 pairs of a 4k prefill chunk, or
-// 256 +- 16 of an 8k one, in one tile or mostly one) kPipe192, kPipe256 and kPipe320 of
-// 128 columns: the pipelined sm_80+ kernel (HIP runs them on the simple kernel). Every
-// config gives the same bits; the choice is speed only. kRow1: one row per slot, the
+// no 16-byte loads, HIP). kPipe64 64 x 128 and kPipe128 128 x 128: the
+// pipelined sm_80+ kernel (HIP runs them on the simple kernel). Every config
+// gives the same bits; the choice is speed only. kRow1: one row per slot, the
 // streaming decode kernel (gemm_row1.cuh; CUDA, 16-byte loads, K % 16 == 0, else
 // kSmall runs).
-enum class GemmConfig { kSmall, kLarge, kPipe64, kPipe128, kRow1, kPipe192, kPipe256, kPipe320 };
+enum class GemmConfig { kSmall, kLarge, kPipe64, kPipe128, kRow1 };
 int gemm_bm(GemmConfig cfg);  // rows per slot / max rows per grouped tile
 // Plain matmul: one row when m == 1, small when m <= 16, else by m and N (env
 // BARO_GEMM_TILE forces one for m > 1; BARO_GEMM_ROW1=off keeps m == 1 on kSmall).

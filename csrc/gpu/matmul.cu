@@ -27,20 +27,12 @@ int gemm_bm(GemmConfig cfg) {
     case GemmConfig::kLarge: return GemmLarge::BM;
     case GemmConfig::kPipe64: return 64;
     case GemmConfig::kPipe128: return 128;
-    case GemmConfig::kPipe192: return 192;
-    case GemmConfig::kPipe256: return 256;
-    case GemmConfig::kPipe320: return 320;
     case GemmConfig::kRow1: return 1;
   }
   return GemmLarge::BM;
 }
 
-// The opt-in tile heights past 128 rows (BARO_GEMM_TILE=192 / 256 / 320; launch.h).
-static bool pipe_tall(GemmConfig cfg) {
-  return cfg == GemmConfig::kPipe192 || cfg == GemmConfig::kPipe256 || cfg == GemmConfig::kPipe320;
-}
-
-// Test/benchmark knob: BARO_GEMM_TILE=16|64|128|192|256|320|simple forces a config for
+// Test/benchmark knob: BARO_GEMM_TILE=16|64|128|simple forces a config for
 // every GEMM of m > 1 rows (speed only: every config gives the same bits, and
 // the tests use it to reach each kernel at small shapes). Read per call so a
 // test can switch it between calls.
@@ -51,9 +43,6 @@ static bool forced_config(GemmConfig& cfg) {
   else if (t == k::word(k::kGemmTile, "simple")) cfg = GemmConfig::kLarge;
   else if (t == k::word(k::kGemmTile, "64")) cfg = GemmConfig::kPipe64;
   else if (t == k::word(k::kGemmTile, "128")) cfg = GemmConfig::kPipe128;
-  else if (t == k::word(k::kGemmTile, "192")) cfg = GemmConfig::kPipe192;
-  else if (t == k::word(k::kGemmTile, "256")) cfg = GemmConfig::kPipe256;
-  else if (t == k::word(k::kGemmTile, "320")) cfg = GemmConfig::kPipe320;
   else return false;  // auto
   return true;
 }
@@ -173,11 +162,10 @@ static gpuError_t launch_tiled(const GemmParams& p, int64_t row_slots, gpuStream
 // The ring (BARO_PIPE_RING): shallow where blocks share SMs (prefill: 3 stages, 2-3 blocks per
 // SM), deep where the grid has at most one block per SM: a decode step of many sequences
 // (in_proj at 64 rows is 97 blocks of 64 x 128; 11.8 us at the copy rate). 8 stages of 24 KB at
-// BM 64, 6 of 32 KB at 128 (192 KB); the taller tiles 5 x 40, 4 x 48 and 4 x 56 KB. H200, 64
-// sequences, one run (247591d): in_proj 25.7 -> 24.7 us, the pipelined GEMMs 1.31 -> 1.27 ms a
-// step: the ring was not what held them. The depth never touches the arithmetic.
-constexpr int kPipeDeepStages64 = 8, kPipeDeepStages128 = 6, kPipeDeepStages192 = 5, kPipeDeepStages256 = 4;
-constexpr int kPipeDeepStages320 = 4;  // 4 x 56 KB: the most that fits
+// BM 64, 6 of 32 KB at 128 (192 KB). H200, 64 sequences, one run (247591d): in_proj 25.7 ->
+// 24.7 us, the pipelined GEMMs 1.31 -> 1.27 ms a step: the ring was not what held them. The
+// depth never touches the arithmetic.
+constexpr int kPipeDeepStages64 = 8, kPipeDeepStages128 = 6;
 static bool pipe_deep(const GemmParams& p, int64_t row_slots) {
   namespace k = baro::knobs;
   const int r = k::get(k::kPipeRing);
@@ -189,11 +177,7 @@ static bool pipe_deep(const GemmParams& p, int64_t row_slots) {
 }
 template <int BM, int BN, int WM, int WN, bool SWIGLU>
 static gpuError_t launch_pipe(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
-  constexpr int kDeep = BM >= 320   ? kPipeDeepStages320
-                        : BM >= 256 ? kPipeDeepStages256
-                        : BM >= 192 ? kPipeDeepStages192
-                        : BM >= 128 ? kPipeDeepStages128
-                                    : kPipeDeepStages64;
+  constexpr int kDeep = BM >= 128 ? kPipeDeepStages128 : kPipeDeepStages64;
   if (pipe_deep(p, row_slots))
     return launch_tiled<PipeCfg<BM, BN, WM, WN, kDeep, SWIGLU>, gemm_pipe_kernel<BM, BN, WM, WN, kDeep, SWIGLU>,
                         kPipeThreads, SWIGLU>(p, row_slots, stream);
@@ -578,7 +562,7 @@ bool gemm_fused_swiglu_ok(GemmConfig cfg) {
   (void)cfg;
   return false;
 #else
-  return cfg == GemmConfig::kPipe64 || cfg == GemmConfig::kPipe128 || pipe_tall(cfg) || cfg == GemmConfig::kRow1 ||
+  return cfg == GemmConfig::kPipe64 || cfg == GemmConfig::kPipe128 || cfg == GemmConfig::kRow1 ||
          (cfg == GemmConfig::kSmall && !small_simple());
 #endif
 }
@@ -663,9 +647,7 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
     const bool wg_need = k::is(k::kGemmWgmma, "require");
     if (wg_need || k::is(k::kGemmWgmma, "1")) {
       bool ran = false;
-      // (the taller configs are the grouped prefill GEMMs' experiment: plain calls keep 128-row tiles)
-      const gpuError_t e =
-          launch_gemm_wgmma(p, cfg == GemmConfig::kPipe128 || pipe_tall(cfg) ? 128 : 64, row_slots, stream, &ran);
+      const gpuError_t e = launch_gemm_wgmma(p, cfg == GemmConfig::kPipe128 ? 128 : 64, row_slots, stream, &ran);
       if (ran || e != gpuSuccess) return e;
       if (wg_need) return gpuErrorInvalidValue;
     }
@@ -684,20 +666,9 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
 #if BARO_HIP
   if (cfg != GemmConfig::kSmall) cfg = GemmConfig::kLarge;  // slot_rows stays: sub-tiles
 #else
-  if (cfg == GemmConfig::kPipe64 || cfg == GemmConfig::kPipe128 || pipe_tall(cfg)) {
+  if (cfg == GemmConfig::kPipe64 || cfg == GemmConfig::kPipe128) {
     // the pipelined kernel keeps A row indices in 32 bits
     if (p.vec && (p.tiles != nullptr || p.M <= 0x7fffffffLL)) {
-      // 8 warps cover the tile: 192 rows in warps of 96 x 32 (2 x 4), 256 and 320 rows in warps
-      // of 64 x 64 and 80 x 64 (4 x 2)
-      if (cfg == GemmConfig::kPipe192)
-        return swiglu ? launch_pipe<192, 128, 2, 4, true>(p, row_slots, stream)
-                      : launch_pipe<192, 128, 2, 4, false>(p, row_slots, stream);
-      if (cfg == GemmConfig::kPipe256)
-        return swiglu ? launch_pipe<256, 128, 4, 2, true>(p, row_slots, stream)
-                      : launch_pipe<256, 128, 4, 2, false>(p, row_slots, stream);
-      if (cfg == GemmConfig::kPipe320)
-        return swiglu ? launch_pipe<320, 128, 4, 2, true>(p, row_slots, stream)
-                      : launch_pipe<320, 128, 4, 2, false>(p, row_slots, stream);
       if (swiglu)
         return cfg == GemmConfig::kPipe128 ? launch_pipe<128, 128, 2, 4, true>(p, row_slots, stream)
                                            : launch_pipe<64, 128, 2, 4, true>(p, row_slots, stream);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode mma_swap mma_latency prefill_profile attn_pipe tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill mma_swap mma_latency prefill_profile attn_pipe tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -132,6 +132,21 @@ stage_ncu_rows() {
   grep -E "^  [a-z_]+.*\(|Duration|Throughput|L2 Hit|Mem Busy|Max Bandwidth|Achieved Occupancy|Grid Size|Registers Per|Stall|Warp Cycles Per Issued" \
     "$OUT/ncu_rows_${CARD}.txt" | head -150
   pkill -f benchmarks/op_times.py; sleep 1  # a profiled child that outlived the timeout holds the card
+}
+# What holds the MoE's grouped prefill GEMMs (gemm_pipe_kernel: gate/up with the fused SwiGLU, then
+# down) at NCU_MOE_M rows (4096: an H100's 8k chunk): one MoE call under ncu, its two pipelined
+# GEMMs with the tensor pipes' activity, issue stalls, occupancy and memory:
+# $OUT/ncu_moe_prefill_${CARD}.txt.
+stage_ncu_moe_prefill() {
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
+    --section WarpStateStats --section Occupancy --section LaunchStats --section InstructionStats \
+    -k "regex:gemm_pipe" --launch-count 2 \
+    python benchmarks/op_times.py --m "${NCU_MOE_M:-4096}" --ops moe --reps 1 --backends ordered \
+    > "$OUT/ncu_moe_prefill_${CARD}.txt" 2>&1
+  grep -E "^  [a-z_]+.*\(|Duration|Throughput|Pipe|Issue|Eligible|Warp Cycles|Occupancy|Registers Per|Stall|L2 Hit" \
+    "$OUT/ncu_moe_prefill_${CARD}.txt" | head -80
+  pkill -f benchmarks/op_times.py; sleep 1
 }
 # Whether mma.sync gives the same bits with its operands' roles swapped (W as the 16-row A, a
 # step's tokens as the 8-wide B): the question a swapped-operand decode stream for 2 to 8 rows

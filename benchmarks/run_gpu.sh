@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill mma_swap mma_latency prefill_profile attn_pipe tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill mma_swap mma_latency prefill_profile attn_pipe pipe_order tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -433,6 +433,27 @@ stage_attn_pipe() {
                [ "$CARD" = h100 ] && export XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 SPEED_UNDER_CHUNK=${SPEED_UNDER_CHUNK:-2048}
                speed_under BARO_ATTN_PIPE "0 1" "${ATTN_PIPE_LENGTHS:-8192}" attn_pipe 200 ) ;;
       *) echo "attn_pipe: unknown part $part" ;;
+    esac
+  done
+}
+# The tiled GEMMs' grid order (BARO_PIPE_ORDER=cols: a row slot's column tiles side by side, so its
+# A rows come from DRAM once and an expert's weight panels once for its tiles; ncu put the grouped
+# prefill GEMMs at 77-82% of DRAM with 1.3-1.6x their floor's bytes, 2026-12-06), in parts
+# (PIPE_ORDER_PARTS: tests ops): the tiled GEMM and MoE byte tests (the "-cols" tiles among
+# them), then the MoE op at PIPE_ORDER_M rows under rows and cols on the same inputs
+# ($OUT/op_times_moe_order<o>_${CARD}.json).
+stage_pipe_order() {
+  local part o
+  for part in ${PIPE_ORDER_PARTS:-tests ops}; do
+    log "pipe_order part $part"
+    case $part in
+      tests) timeout 240 python -m pytest -m gpu tests/test_kernels_matmul.py tests/test_kernels_moe.py -q \
+               -p no:cacheprovider -k "tiles or folded" 2>&1 | tee "$OUT/gpu_pipe_order_tests_${CARD}.txt" | tail -3 ;;
+      ops) for o in rows cols; do
+             BARO_PIPE_ORDER=$o timeout 120 python benchmarks/op_times.py --m "${PIPE_ORDER_M:-8,4096,8192}" --ops moe \
+               --backends ordered --reps 30 --rounds 3 --json "$OUT/op_times_moe_order${o}_${CARD}.json" 2>&1 | grep "op="
+           done ;;
+      *) echo "pipe_order: unknown part $part" ;;
     esac
   done
 }

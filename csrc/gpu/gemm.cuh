@@ -102,7 +102,15 @@ struct GemmParams {
   int slot_rows = 0;  // rows per plain-matmul slot / max rows per grouped tile
   int vec = 0;        // 16-byte global loads allowed
   int out2 = 0;       // 2-element (8-byte fp32 / 4-byte bf16) stores allowed
+  // The tiled kernels' grid order (launch_tiled): 0, blockIdx.x the row slot and y the column
+  // tile (a column tile's slots run together); 1 (BARO_PIPE_ORDER=cols), x the column tile and
+  // y the slot, so a slot's column tiles run together: its A rows are read from DRAM once and
+  // an expert's weight panels once for its tiles. Which block computes a tile, never how.
+  int cols_fast = 0;
 };
+// The (row slot, column tile) a block of the tiled kernels computes (GemmParams::cols_fast).
+BARO_DEV unsigned gemm_block_slot(const GemmParams& p) { return p.cols_fast ? blockIdx.y : blockIdx.x; }
+BARO_DEV unsigned gemm_block_col(const GemmParams& p) { return p.cols_fast ? blockIdx.x : blockIdx.y; }
 
 // Columns c and c + 1 of an output row (dst points at column c): one 8-byte (fp32) or
 // 4-byte (bf16) store when pair stores are allowed and both are inside nc, else each alone.
@@ -210,8 +218,8 @@ __global__ void __launch_bounds__(BARO_WARP * WM * WN) gemm_kernel(GemmParams p)
   uint16_t* Bs = reinterpret_cast<uint16_t*>(Bs4);
 
   int64_t group = 0, r0s = 0, rcs = 0;
-  if (!gemm_slot(p, blockIdx.x, group, r0s, rcs)) return;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.y) * BN;
+  if (!gemm_slot(p, gemm_block_slot(p), group, r0s, rcs)) return;
+  const int64_t n0 = static_cast<int64_t>(gemm_block_col(p)) * BN;
   if (n0 >= p.N) return;
   const int64_t nc64 = p.N - n0;
   const int nc = nc64 < BN ? static_cast<int>(nc64) : BN;
@@ -343,9 +351,9 @@ __global__ void __launch_bounds__(kPipeThreads, (PipeCfg<BM, BN, WM, WN, STAGES,
   extern __shared__ __align__(128) uint8_t pipe_smem[];
 
   int64_t group = 0, r0 = 0, rc64 = 0;
-  if (!gemm_slot(p, blockIdx.x, group, r0, rc64)) return;
+  if (!gemm_slot(p, gemm_block_slot(p), group, r0, rc64)) return;
   const int rc = static_cast<int>(rc64 < BM ? rc64 : BM);  // slot_rows == BM (host)
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * Cfg::kOutCols;  // first output column
+  const int64_t c0 = static_cast<int64_t>(gemm_block_col(p)) * Cfg::kOutCols;  // first output column
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   if (c0 >= out_n) return;
   const int nc = out_n - c0 < Cfg::kOutCols ? static_cast<int>(out_n - c0) : Cfg::kOutCols;

@@ -198,9 +198,9 @@ __global__ void __launch_bounds__(WARPS * BARO_WARP) gemm_rows16_kernel(GemmPara
   extern __shared__ __align__(16) uint16_t rows16_smem[];  // Cfg::kSmemBytes
 
   int64_t group = 0, r0 = 0, rc64 = 0;
-  if (!gemm_slot(p, blockIdx.x, group, r0, rc64)) return;
+  if (!gemm_slot(p, gemm_block_slot(p), group, r0, rc64)) return;
   const int rc = static_cast<int>(rc64 < kARows ? rc64 : kARows);
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * Cfg::kOutCols;
+  const int64_t c0 = static_cast<int64_t>(gemm_block_col(p)) * Cfg::kOutCols;
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   if (c0 >= out_n) return;
   const int nc = out_n - c0 < Cfg::kOutCols ? static_cast<int>(out_n - c0) : Cfg::kOutCols;

@@ -154,8 +154,11 @@ static gpuError_t launch_tiled(const GemmParams& p, int64_t row_slots, gpuStream
   static std::atomic<uint64_t> smem_done{0};
   gpuError_t e = allow_smem(Kernel, Cfg::kSmemBytes, smem_done);
   if (e != gpuSuccess) return e;
-  dim3 grid(static_cast<unsigned>(row_slots), static_cast<unsigned>(n_tiles));
-  Kernel<<<grid, kThreads, Cfg::kSmemBytes, stream>>>(p);
+  GemmParams q = p;
+  q.cols_fast = baro::knobs::is(baro::knobs::kPipeOrder, "cols") && row_slots <= 65535 ? 1 : 0;
+  const dim3 grid = q.cols_fast ? dim3(static_cast<unsigned>(n_tiles), static_cast<unsigned>(row_slots))
+                                : dim3(static_cast<unsigned>(row_slots), static_cast<unsigned>(n_tiles));
+  Kernel<<<grid, kThreads, Cfg::kSmemBytes, stream>>>(q);
   return gpuGetLastError();
 }
 

@@ -171,10 +171,11 @@ _TABLE: tuple[Knob, ...] = (
          doc="the pipelined 64/128-row GEMM's cp.async ring: shallow (3 stages: two or three blocks per SM) or "
              "deep (8 stages at 64-row tiles, 6 at 128: one block per SM); auto: deep when the grid has no more blocks than "
              "SMs (a decode step's projections), shallow otherwise (csrc/gpu/matmul.cu)"),
-    Knob("BARO_PIPE_ORDER", "choice", "rows", choices=("rows", "cols"),
+    Knob("BARO_PIPE_ORDER", "choice", "auto", choices=("auto", "rows", "cols"),
          doc="the tiled GEMM kernels' grid order: rows (a column tile's row slots side by side) or cols (a row "
              "slot's column tiles side by side: its A rows and an expert's weight panels read from DRAM once "
-             "while they run); speed only (csrc/gpu/matmul.cu)"),
+             "while they run); auto: cols for the MoE's grouped GEMMs on the pipelined kernel (prefill), rows "
+             "otherwise; speed only (csrc/gpu/matmul.cu)"),
     Knob("BARO_PDL", "onoff", False,
          doc="on: a handler's later kernels as programmatic dependent launches on sm_90 (csrc/gpu/matmul.cu)"),
     Knob("BARO_ROW1_BPS", "int", 3, lo=1, hi=8,

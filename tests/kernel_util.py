@@ -75,11 +75,12 @@ MM_K, MM_N = 96, 40
 # "-shallow" / "-deep": its 3-stage or 8 (BM 64) / 6 (BM 128) stage ring (env BARO_PIPE_RING).
 # "16-tall" / "16-tall_light": gemm_rows16 with slots of 32 or 64 rows for plain GEMMs of more than
 # 16 rows (env BARO_ROWS16_TALL=on; the deep ring at these sizes, or the light one).
-# "-cols" (64, 128, 16-rows16): the tiled kernels' grid with a slot's column tiles side by side
-# (env BARO_PIPE_ORDER=cols).
+# "-cols" (64, 128, 16-rows16) / "-rows" (128): the tiled kernels' grid with a slot's column tiles
+# side by side, or a column tile's slots (env BARO_PIPE_ORDER; by default the grouped calls on
+# the pipelined kernel take cols, every other call rows).
 GEMM_TILES = ["16", "16-stream", "16-lsu", "16-simple", "16-rows16", "16-deep", "16-light", "16-w2", "16-w1", "16-tall",
               "16-tall_light", "simple", "64",
-              "64-shallow", "128", "128-shallow", "128-deep", "64-cols", "128-cols", "16-rows16-cols"]
+              "64-shallow", "128", "128-shallow", "128-deep", "64-cols", "128-cols", "128-rows", "16-rows16-cols"]
 _TILE_KNOBS = ("BARO_GEMM_TILE", "BARO_GEMM_SMALL", "BARO_ROWS16_RING", "BARO_ROWS16_WARPS", "BARO_ROW1_COPY",
                "BARO_PIPE_RING", "BARO_ROWS16_TALL", "BARO_PIPE_ORDER")
 
@@ -91,9 +92,10 @@ def force_tile(monkeypatch, tile):
         return
     monkeypatch.setenv("BARO_GEMM_TILE", tile.split("-")[0])
     variant = tile.partition("-")[2]
-    if variant.endswith("cols"):
-        monkeypatch.setenv("BARO_PIPE_ORDER", "cols")
-        variant = variant[:-len("cols")].rstrip("-")
+    for order in ("cols", "rows"):
+        if variant.endswith(order) and variant != "rows16":
+            monkeypatch.setenv("BARO_PIPE_ORDER", order)
+            variant = variant[:-len(order)].rstrip("-")
     if variant == "simple":
         monkeypatch.setenv("BARO_GEMM_SMALL", "simple")
     elif variant in ("rows16", "deep", "light", "w2", "w1", "tall", "tall_light") and tile.startswith("16"):

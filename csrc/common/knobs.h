@@ -108,7 +108,7 @@ inline constexpr Knob kKnobs[kCount] = {
     {"BARO_ROWS16_TALL", Kind::kChoice, "off|on", 0, 0, 0},
     {"BARO_ROWS16_PERSIST", Kind::kChoice, "0|1|require", 0, 0, 0},
     {"BARO_PIPE_RING", Kind::kChoice, "auto|deep|shallow", 0, 0, 0},
-    {"BARO_PIPE_ORDER", Kind::kChoice, "rows|cols", 0, 0, 0},
+    {"BARO_PIPE_ORDER", Kind::kChoice, "auto|rows|cols", 0, 0, 0},
     {"BARO_PDL", Kind::kOnOff, nullptr, 0, 0, 0},
     {"BARO_ROW1_BPS", Kind::kInt, nullptr, 1, 8, 3},
     {"BARO_ROW1_KCHUNK", Kind::kInt, nullptr, 128, 4096, 2048},

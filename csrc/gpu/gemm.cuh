@@ -102,10 +102,10 @@ struct GemmParams {
   int slot_rows = 0;  // rows per plain-matmul slot / max rows per grouped tile
   int vec = 0;        // 16-byte global loads allowed
   int out2 = 0;       // 2-element (8-byte fp32 / 4-byte bf16) stores allowed
-  // The tiled kernels' grid order (launch_tiled): 0, blockIdx.x the row slot and y the column
-  // tile (a column tile's slots run together); 1 (BARO_PIPE_ORDER=cols), x the column tile and
-  // y the slot, so a slot's column tiles run together: its A rows are read from DRAM once and
-  // an expert's weight panels once for its tiles. Which block computes a tile, never how.
+  // The tiled kernels' grid order (launch_tiled, BARO_PIPE_ORDER): 0, blockIdx.x the row slot and
+  // y the column tile (a column tile's slots run together); 1, x the column tile and y the slot,
+  // so a slot's column tiles run together: its A rows are read from DRAM once and an expert's
+  // weight panels once for its tiles. Which block computes a tile, never how.
   int cols_fast = 0;
 };
 // The (row slot, column tile) a block of the tiled kernels computes (GemmParams::cols_fast).

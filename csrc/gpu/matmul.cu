@@ -146,16 +146,24 @@ GemmConfig gemm_pick_grouped(int64_t pairs, int64_t groups, int64_t rows) {
 #if !BARO_HIP
 // Grid (row slots, output-column tiles) of one dynamic-smem kernel. Kernel is a template
 // argument, so each kernel has its own opt-in flag (see allow_smem).
+// The order (BARO_PIPE_ORDER, GemmParams::cols_fast): cols puts a slot's column tiles side by
+// side. auto takes it where measured: the MoE's grouped prefill GEMMs on the pipelined kernel
+// (cols_auto), whose A rows and expert weight panels were read from DRAM once per column tile
+// (ncu on an H100: 77-82% of DRAM with 1.3-1.6x the floor's bytes); the MoE op at 4096 / 8192
+// rows 1.337 / 2.236 -> 1.164 / 2.032 ms, an 8k prefill at chunk 2048 27.2k -> 28.8k tok/s
+// (op_times_moe_order*_714fee0_h100.json, speed_pipe_order*_714fee0_h100.json).
 template <typename Cfg, auto Kernel, int kThreads, bool SWIGLU>
-static gpuError_t launch_tiled(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
+static gpuError_t launch_tiled(const GemmParams& p, int64_t row_slots, gpuStream_t stream, bool cols_auto = false) {
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t n_tiles = (out_n + Cfg::kOutCols - 1) / Cfg::kOutCols;
   if (n_tiles > 65535 || row_slots > 0x7fffffffLL) return gpuErrorInvalidValue;
   static std::atomic<uint64_t> smem_done{0};
   gpuError_t e = allow_smem(Kernel, Cfg::kSmemBytes, smem_done);
   if (e != gpuSuccess) return e;
+  namespace k = baro::knobs;
   GemmParams q = p;
-  q.cols_fast = baro::knobs::is(baro::knobs::kPipeOrder, "cols") && row_slots <= 65535 ? 1 : 0;
+  const bool cols = k::is(k::kPipeOrder, "cols") || (cols_auto && k::is(k::kPipeOrder, "auto"));
+  q.cols_fast = cols && row_slots <= 65535 ? 1 : 0;
   const dim3 grid = q.cols_fast ? dim3(static_cast<unsigned>(n_tiles), static_cast<unsigned>(row_slots))
                                 : dim3(static_cast<unsigned>(row_slots), static_cast<unsigned>(n_tiles));
   Kernel<<<grid, kThreads, Cfg::kSmemBytes, stream>>>(q);
@@ -181,12 +189,13 @@ static bool pipe_deep(const GemmParams& p, int64_t row_slots) {
 template <int BM, int BN, int WM, int WN, bool SWIGLU>
 static gpuError_t launch_pipe(const GemmParams& p, int64_t row_slots, gpuStream_t stream) {
   constexpr int kDeep = BM >= 128 ? kPipeDeepStages128 : kPipeDeepStages64;
+  const bool grouped = p.tiles != nullptr;  // BARO_PIPE_ORDER=auto: cols (launch_tiled)
   if (pipe_deep(p, row_slots))
     return launch_tiled<PipeCfg<BM, BN, WM, WN, kDeep, SWIGLU>, gemm_pipe_kernel<BM, BN, WM, WN, kDeep, SWIGLU>,
-                        kPipeThreads, SWIGLU>(p, row_slots, stream);
+                        kPipeThreads, SWIGLU>(p, row_slots, stream, grouped);
   return launch_tiled<PipeCfg<BM, BN, WM, WN, kPipeStages, SWIGLU>,
                       gemm_pipe_kernel<BM, BN, WM, WN, kPipeStages, SWIGLU>, kPipeThreads, SWIGLU>(
-      p, row_slots, stream);
+      p, row_slots, stream, grouped);
 }
 
 // The one-row streaming kernel (gemm_row1.cuh): a persistent grid of one-warp blocks,

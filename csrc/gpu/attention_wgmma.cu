@@ -495,7 +495,8 @@ BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __r
 // kTma): launched in clusters of 2 along x, blocks both tiles need multicast (see wg_tma_tile_pair).
 // kPipe (with kTma, not kPair; the default, BARO_ATTN_PIPE=0 turns it off): block b + 1's S is
 // issued before block b's softmax, so the tensor cores compute it while the warps run the softmax
-// and P V's setup; every dot and every statement is the same, only when S is issued moves.
+// and P V's setup; every dot and every statement is the same, only when S is issued moves. Block
+// b + 1's K is waited for at the top of step b, so a K copy has one step to land, not two.
 template <int kHd, bool kTma, bool kPair, bool kPipe = false>
 __global__ void __launch_bounds__(kWgThreads, 1)
     attn_wgmma_kernel(AttentionArgs a, const __grid_constant__ WgMaps maps) {

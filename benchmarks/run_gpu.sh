@@ -134,9 +134,9 @@ stage_ncu_rows() {
   pkill -f benchmarks/op_times.py; sleep 1  # a profiled child that outlived the timeout holds the card
 }
 # What holds the MoE's grouped prefill GEMMs (gemm_pipe_kernel: gate/up with the fused SwiGLU, then
-# down) at NCU_MOE_M rows (4096: an H100's 8k chunk): one MoE call under ncu, its two pipelined
-# GEMMs with the tensor pipes' activity, issue stalls, occupancy and memory:
-# $OUT/ncu_moe_prefill_${CARD}.txt.
+# down) at NCU_MOE_M rows (4096; 8192 is the H200's chunk): one MoE call under ncu (the grid order
+# of BARO_PIPE_ORDER as set), its two pipelined GEMMs with the tensor pipes' activity, issue stalls,
+# occupancy and memory: $OUT/ncu_moe_prefill_${CARD}.txt.
 stage_ncu_moe_prefill() {
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
@@ -409,8 +409,8 @@ stage_decode_knobs() {
     n=$((n + 1))
   done
 }
-# The sm_90a prefill attention with each KV block's S issued one block early (BARO_ATTN_PIPE=1: the
-# tensor cores run it beside the previous block's softmax; the same bits), in parts
+# The sm_90a prefill attention with each KV block's S issued one block early (BARO_ATTN_PIPE=1, the
+# default: the tensor cores run it beside the previous block's softmax; the same bits), in parts
 # (ATTN_PIPE_PARTS: tests ops speed): the attention byte tests, the attention op alone (8192 rows)
 # at ATTN_PIPE_CONTEXTS under 0 and 1 on the same inputs ($OUT/op_times_attn_pipe<n>_ctx<c>_${CARD}.json),
 # prefill at ATTN_PIPE_LENGTHS under each, identity-checked ($OUT/speed_attn_pipe<n>_${CARD}.json;

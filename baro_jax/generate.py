@@ -357,7 +357,26 @@ def _run(argv, interrupt) -> int:
         _say(f"\n[{res.model} | {_what_ran(eng, res)} | prefill {res.prefill_mode}: {len(res.prompt_ids)} tokens "
              f"in {res.prefill_seconds:.3f}s ({res.prefill_tokens_per_s:.1f} tok/s) | "
              f"decode {res.decode_tokens_per_s:.1f} tok/s]")
+        hint = _chunk_hint(eng, res)
+        if hint:
+            _say(hint)
     return 0
+
+
+def _chunk_hint(eng, res) -> str | None:
+    """A line when the engine's own chunk (no --chunk) came out below the prompt's default because the
+    device budget is tight: every chunk reads all the weights once, so small chunks make prefill
+    slow (an 8k prompt at chunk 256 on an 80 GB H100: a quarter of the speed at 2048, README)."""
+    from .shapes import default_chunk
+
+    if eng.settings.chunk is not None or eng.mode != "resident" or res.prefill_mode != "batch" or not res.chunk:
+        return None
+    want = default_chunk(len(res.prompt_ids))
+    if res.chunk >= want:
+        return None
+    return (f"[baro_jax] prefill ran in chunks of {res.chunk} rows, not {want}: the device budget leaves little room "
+            "beside the weights, and every chunk reads all the weights once. More device memory for JAX "
+            "(XLA_PYTHON_CLIENT_MEM_FRACTION on a GPU) makes it faster; --chunk sets the chunk.")
 
 
 def _run_batch(eng, args, requests, interrupt) -> int:

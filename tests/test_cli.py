@@ -52,6 +52,29 @@ def test_env_chunk(capsys, monkeypatch):
     assert "error: BARO_PREFILL_C must be an integer, got 'zero'" in err, err
 
 
+def test_small_chunk_hint(capsys, monkeypatch):
+    """When the engine's own chunk comes out below the prompt's default (a tight device budget), the
+    text run says so and how to change it; not when the chunk is the default or given with --chunk."""
+    import baro_jax.runner as runner_mod
+    from baro_jax.shapes import default_chunk
+
+    prompt = ("--prompt-ids", ",".join(str(i % 200 + 1) for i in range(40)), "--max-new-tokens", "1", "--backend", "xla")
+    rc, out, err = run_main(capsys, monkeypatch, *prompt)
+    assert rc == 0, err
+    assert "prefill ran in chunks of" not in err, err
+    monkeypatch.setattr(runner_mod.Runner, "pick_chunk", lambda self, n_prompt, n_new=0: 16)
+    rc, out, err = run_main(capsys, monkeypatch, *prompt)
+    assert rc == 0, err
+    assert f"prefill ran in chunks of 16 rows, not {default_chunk(40)}" in err, err
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in err and "--chunk" in err
+    rc, out, err = run_main(capsys, monkeypatch, *prompt, "--chunk", "16")
+    assert rc == 0, err
+    assert "prefill ran in chunks of" not in err, err
+    rc, out, err = run_main(capsys, monkeypatch, *prompt, "--json")
+    assert rc == 0, err
+    assert json.loads(out)["chunk"] == 16 and "prefill ran in chunks of" not in err
+
+
 def test_seeded_sampling_repeats(capsys, monkeypatch):
     args = ("--prompt", "x = ", "--max-new-tokens", "6", "--backend", "xla", "--temperature", "1.0",
             "--top-k", "50", "--top-p", "0.9", "--seed", "7", "--json")

@@ -102,13 +102,14 @@ struct GemmParams {
   int slot_rows = 0;  // rows per plain-matmul slot / max rows per grouped tile
   int vec = 0;        // 16-byte global loads allowed
   int out2 = 0;       // 2-element (8-byte fp32 / 4-byte bf16) stores allowed
-  // The tiled kernels' grid order (launch_tiled, BARO_PIPE_ORDER): 0, blockIdx.x the row slot and
+  // The grid order of the kernels launch_tiled starts (gemm_pipe_kernel, gemm_rows16_kernel;
+  // BARO_PIPE_ORDER; the simple gemm_kernel's own grid is always rows): 0, blockIdx.x the row slot and
   // y the column tile (a column tile's slots run together); 1, x the column tile and y the slot,
   // so a slot's column tiles run together: its A rows are read from DRAM once and an expert's
   // weight panels once for its tiles. Which block computes a tile, never how.
   int cols_fast = 0;
 };
-// The (row slot, column tile) a block of the tiled kernels computes (GemmParams::cols_fast).
+// The (row slot, column tile) a block of launch_tiled's grid computes (GemmParams::cols_fast).
 BARO_DEV unsigned gemm_block_slot(const GemmParams& p) { return p.cols_fast ? blockIdx.y : blockIdx.x; }
 BARO_DEV unsigned gemm_block_col(const GemmParams& p) { return p.cols_fast ? blockIdx.x : blockIdx.y; }
 
@@ -218,8 +219,8 @@ __global__ void __launch_bounds__(BARO_WARP * WM * WN) gemm_kernel(GemmParams p)
   uint16_t* Bs = reinterpret_cast<uint16_t*>(Bs4);
 
   int64_t group = 0, r0s = 0, rcs = 0;
-  if (!gemm_slot(p, gemm_block_slot(p), group, r0s, rcs)) return;
-  const int64_t n0 = static_cast<int64_t>(gemm_block_col(p)) * BN;
+  if (!gemm_slot(p, blockIdx.x, group, r0s, rcs)) return;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.y) * BN;
   if (n0 >= p.N) return;
   const int64_t nc64 = p.N - n0;
   const int nc = nc64 < BN ? static_cast<int>(nc64) : BN;

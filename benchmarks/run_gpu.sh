@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill mma_swap mma_latency prefill_profile attn_pipe pipe_order tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill mma_swap mma_latency prefill_profile attn_pipe pipe_order moe_grouped tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -454,6 +454,26 @@ stage_pipe_order() {
                --backends ordered --reps 30 --rounds 3 --json "$OUT/op_times_moe_order${o}_${CARD}.json" 2>&1 | grep "op="
            done ;;
       *) echo "pipe_order: unknown part $part" ;;
+    esac
+  done
+}
+# The grouped MoE GEMMs on wgmma at the H200's chunk (8,192 rows: there the math binds, not the
+# bytes, docs/PERF.md 2026-12-06): byte tests, the MoE op and an 8k prefill (identity-checked)
+# under each of MOE_GROUPED_VALUES of BARO_GEMM_WGMMA_GROUPED ($OUT/op_times_moe_grouped<v>_${CARD}.json,
+# $OUT/speed_moe_grouped<v>_${CARD}.json).
+stage_moe_grouped() {
+  local part v
+  for part in ${MOE_GROUPED_PARTS:-tests ops speed}; do
+    log "moe_grouped part $part"
+    case $part in
+      tests) timeout 150 python -m pytest -m gpu tests/test_kernels_moe.py -q -p no:cacheprovider -k "wgmma" 2>&1 \
+               | tee "$OUT/gpu_moe_grouped_tests_${CARD}.txt" | tail -3 ;;
+      ops) for v in ${MOE_GROUPED_VALUES:-0 down sorted}; do
+             BARO_GEMM_WGMMA_GROUPED=$v timeout 120 python benchmarks/op_times.py --m "${MOE_GROUPED_M:-4096,8192}" --ops moe \
+               --backends ordered --reps 20 --rounds 3 --json "$OUT/op_times_moe_grouped${v}_${CARD}.json" 2>&1 | grep "op="
+           done ;;
+      speed) speed_under BARO_GEMM_WGMMA_GROUPED "${MOE_GROUPED_VALUES:-0 down sorted}" "${MOE_GROUPED_LENGTHS:-8192}" moe_grouped 200 ;;
+      *) echo "moe_grouped: unknown part $part" ;;
     esac
   done
 }

@@ -209,6 +209,19 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES>::kThreads, WgGemmCfg<BM,
 
   // ---- consumers: warpgroup cg owns tile rows 64 cg..64 cg+63 ----
   const int cg = warp_u >> 2;
+  if (64 * cg >= rc) {
+    // A warpgroup whose 64 rows are all past the tile's (a grouped tile of an expert's last
+    // <= 64 pairs, a plain call's short last tile) would only compute rows that are never stored:
+    // it issues no wgmma, so the tensor cores are the live warpgroup's. It still takes part in
+    // the ring: waiting for each stage before releasing it keeps its arrivals in that stage's
+    // phase. No element's chain changes (the stored rows are the other warpgroup's).
+    for (int kt = 0; kt < n_k; ++kt) {
+      const int s = kt % kWgStages;
+      wg_mbar_wait(full(s), (kt / kWgStages) & 1);
+      wg_mbar_arrive(empty(s));
+    }
+    return;
+  }
   float acc[16][4];
 #pragma unroll
   for (int j = 0; j < 16; ++j)

@@ -466,7 +466,7 @@ stage_moe_grouped() {
   for part in ${MOE_GROUPED_PARTS:-tests ops speed}; do
     log "moe_grouped part $part"
     case $part in
-      tests) timeout 150 python -m pytest -m gpu tests/test_kernels_moe.py -q -p no:cacheprovider -k "wgmma" 2>&1 \
+      tests) timeout 150 python -m pytest -m gpu tests/test_kernels_moe.py tests/test_kernels_matmul.py -q -p no:cacheprovider -k "wgmma" 2>&1 \
                | tee "$OUT/gpu_moe_grouped_tests_${CARD}.txt" | tail -3 ;;
       ops) for v in ${MOE_GROUPED_VALUES:-0 down sorted}; do
              BARO_GEMM_WGMMA_GROUPED=$v timeout 120 python benchmarks/op_times.py --m "${MOE_GROUPED_M:-4096,8192}" --ops moe \

@@ -332,33 +332,38 @@ def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, k, monkeypatch):
     else:
         wd = put(platform, *moe_weights_sized(rng, E, D, I, I))
     h = bf16(rng, m, D)
-    # (BARO_GEMM_WGMMA, BARO_GEMM_WGMMA_GROUPED, BARO_GEMM_WGMMA_RING): the mma.sync kernels, the
-    # down GEMM alone on wgmma, both grouped GEMMs on wgmma (gate/up's A rows copied into sorted
-    # order first), each wgmma setting with the ring of 4 stages and of 3 (two blocks per SM), and
-    # the sorted rows on the mma.sync kernels (BARO_GEMM_WGMMA=0: gemm_pipe_kernel reads them in place)
-    settings = (("0", "0", "4"), ("require", "down", "4"), ("require", "sorted", "4"),
-                ("require", "down", "3"), ("require", "sorted", "3"), ("0", "sorted", "4"))
+    # (BARO_GEMM_WGMMA, BARO_GEMM_WGMMA_GROUPED, BARO_GEMM_WGMMA_RING, BARO_PIPE_ORDER): the mma.sync
+    # kernels, the down GEMM alone on wgmma, both grouped GEMMs on wgmma (gate/up's A rows copied
+    # into sorted order first), each wgmma setting with the ring of 4 stages and of 3 (two blocks per
+    # SM) and in both walks of the grid (auto: a slot's column tiles side by side; rows: a column
+    # tile's slots), and the sorted rows on the mma.sync kernels (BARO_GEMM_WGMMA=0:
+    # gemm_pipe_kernel reads them in place)
+    settings = (("0", "0", "4", "auto"), ("require", "down", "4", "auto"), ("require", "sorted", "4", "auto"),
+                ("require", "down", "3", "auto"), ("require", "sorted", "3", "auto"), ("0", "sorted", "4", "auto"),
+                ("require", "down", "4", "rows"), ("require", "sorted", "3", "rows"))
     for fold in ("1", "0"):
         monkeypatch.setenv("BARO_MOE_FOLD", fold)
         got = {}
-        for knob, grouped, ring in settings:
+        for knob, grouped, ring, order in settings:
             monkeypatch.setenv("BARO_GEMM_WGMMA", knob)
             monkeypatch.setenv("BARO_GEMM_WGMMA_GROUPED", grouped)
             monkeypatch.setenv("BARO_GEMM_WGMMA_RING", ring)
+            monkeypatch.setenv("BARO_PIPE_ORDER", order)
             poison(platform, (m, D))
             f = jax.jit(lambda *a: cc.moe(*a, top_k=k))  # a fresh jit: the launcher reads the knobs
-            got[knob, grouped, ring] = np.asarray(f(put(platform, h), *wd))
-            assert np.all(np.isfinite(got[knob, grouped, ring])), \
-                f"moe m={m} fold={fold} BARO_GEMM_WGMMA={knob} GROUPED={grouped} RING={ring}: unwritten rows"
+            got[knob, grouped, ring, order] = np.asarray(f(put(platform, h), *wd))
+            assert np.all(np.isfinite(got[knob, grouped, ring, order])), \
+                f"moe m={m} fold={fold} BARO_GEMM_WGMMA={knob} GROUPED={grouped} RING={ring} ORDER={order}: unwritten rows"
         monkeypatch.delenv("BARO_GEMM_WGMMA_RING", raising=False)
-        for knob, grouped, ring in got:
-            assert_same_bits(got[knob, grouped, ring], got["0", "0", "4"],
+        monkeypatch.delenv("BARO_PIPE_ORDER", raising=False)
+        for knob, grouped, ring, order in got:
+            assert_same_bits(got[knob, grouped, ring, order], got["0", "0", "4", "auto"],
                              f"moe m={m} fold={fold} BARO_GEMM_WGMMA={knob} GROUPED={grouped} RING={ring} "
-                             "vs the default")
+                             f"ORDER={order} vs the default")
         monkeypatch.setenv("BARO_GEMM_WGMMA", "0")
         for i in (0, m - 1):
             one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h[i:i + 1]), *wd))
-            assert_same_bits(one[0], got["require", "sorted", "4"][i],
+            assert_same_bits(one[0], got["require", "sorted", "4", "auto"][i],
                              f"moe m={m} fold={fold} row {i}: wgmma vs one-row call")
     monkeypatch.delenv("BARO_GEMM_WGMMA", raising=False)
     monkeypatch.delenv("BARO_GEMM_WGMMA_GROUPED", raising=False)

@@ -129,9 +129,9 @@ BARO_DEV uint64_t wg_gemm_desc(const uint8_t* tile, int row0, int kk) {
   return wg_desc_sw128(tile + row0 * 128 + kk * 32, 16, 1024);
 }
 
-// Grid: x = BM-row tiles (grouped: the tile list's slots, gemm_slot's (group, rows) each), y =
-// 128-column W tiles (SwiGLU: 64 output columns). Threads: BM / 64 consumer warpgroups, then the
-// producer warp.
+// Grid: BM-row tiles (grouped: the tile list's slots, gemm_slot's (group, rows) each) by
+// 128-column W tiles (SwiGLU: 64 output columns), either one fastest (GemmParams::cols_fast).
+// Threads: BM / 64 consumer warpgroups, then the producer warp.
 template <int BM, bool SWIGLU, int STAGES>
 __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES>::kThreads, WgGemmCfg<BM, STAGES>::kMinBlocks)
     gemm_wgmma_kernel(GemmParams p, const __grid_constant__ WgGemmMaps maps) {
@@ -149,14 +149,14 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES>::kThreads, WgGemmCfg<BM,
   // accumulator rows and columns that are never stored, as TMA's zero fill past the edges does.
   int64_t group = 0, r0 = 0, rows = 0;
   if (p.tiles != nullptr) {
-    if (!gemm_slot(p, blockIdx.x, group, r0, rows)) return;  // the whole block: no barrier is met yet
+    if (!gemm_slot(p, gemm_block_slot(p), group, r0, rows)) return;  // the whole block: no barrier is met yet
   } else {
-    r0 = static_cast<int64_t>(blockIdx.x) * BM;
+    r0 = static_cast<int64_t>(gemm_block_slot(p)) * BM;
     rows = p.M - r0;
   }
   const int rc = static_cast<int>(rows < BM ? rows : BM);  // grouped tiles hold at most BM (launcher)
   constexpr int kOutCols = SWIGLU ? kWgBN / 2 : kWgBN;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kOutCols;
+  const int64_t c0 = static_cast<int64_t>(gemm_block_col(p)) * kOutCols;
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t K = p.K;
   const int n_k = static_cast<int>((K + kWgBK - 1) / kWgBK);
@@ -311,8 +311,17 @@ static gpuError_t wg_gemm_launch_ring(const GemmParams& p, const WgGemmMaps& map
   static std::atomic<uint64_t> smem_done{0};
   const gpuError_t e = allow_smem(gemm_wgmma_kernel<BM, SWIGLU, STAGES>, Cfg::kSmemBytes, smem_done);
   if (e != gpuSuccess) return e;
-  gemm_wgmma_kernel<BM, SWIGLU, STAGES><<<dim3(static_cast<unsigned>(row_tiles), static_cast<unsigned>(n_tiles)),
-                                  Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps);
+  // The walk (BARO_PIPE_ORDER, as launch_tiled's): auto lays a grouped call's column tiles of
+  // one slot side by side, so the blocks in flight share their slots' A rows and their experts'
+  // weight panels; plain calls keep the row-fast grid unless cols is forced. Which block
+  // computes a tile changes, never how.
+  namespace k = baro::knobs;
+  GemmParams q = p;
+  const bool cols = k::is(k::kPipeOrder, "cols") || (p.tiles != nullptr && k::is(k::kPipeOrder, "auto"));
+  q.cols_fast = cols && row_tiles <= 65535 ? 1 : 0;
+  const dim3 grid = q.cols_fast ? dim3(static_cast<unsigned>(n_tiles), static_cast<unsigned>(row_tiles))
+                                : dim3(static_cast<unsigned>(row_tiles), static_cast<unsigned>(n_tiles));
+  gemm_wgmma_kernel<BM, SWIGLU, STAGES><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(q, maps);
   return gpuGetLastError();
 }
 

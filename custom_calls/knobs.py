@@ -174,8 +174,8 @@ _TABLE: tuple[Knob, ...] = (
     Knob("BARO_PIPE_ORDER", "choice", "auto", choices=("auto", "rows", "cols"),
          doc="the tiled GEMM kernels' grid order: rows (a column tile's row slots side by side) or cols (a row "
              "slot's column tiles side by side: its A rows and an expert's weight panels read from DRAM once "
-             "while they run); auto: cols for the MoE's grouped GEMMs on the pipelined kernel (prefill), rows "
-             "otherwise; speed only (csrc/gpu/matmul.cu)"),
+             "while they run); auto: cols for the MoE's grouped GEMMs (prefill: the pipelined kernel and the "
+             "wgmma one), rows otherwise; speed only (csrc/gpu/matmul.cu, gemm_wgmma.cu)"),
     Knob("BARO_PDL", "onoff", False,
          doc="on: a handler's later kernels as programmatic dependent launches on sm_90 (csrc/gpu/matmul.cu)"),
     Knob("BARO_ROW1_BPS", "int", 3, lo=1, hi=8,

@@ -136,16 +136,16 @@ stage_ncu_rows() {
 # What holds the MoE's grouped prefill GEMMs (gemm_pipe_kernel: gate/up with the fused SwiGLU, then
 # down) at NCU_MOE_M rows (4096; 8192 is the H200's chunk): one MoE call under ncu (the grid order
 # of BARO_PIPE_ORDER as set), its two pipelined GEMMs with the tensor pipes' activity, issue stalls,
-# occupancy and memory: $OUT/ncu_moe_prefill_${CARD}.txt.
+# occupancy and memory: $OUT/ncu_moe_prefill[_NCU_MOE_TAG]_${CARD}.txt (NCU_MOE_KERNELS: the kernel regex, NCU_MOE_COUNT launches).
 stage_ncu_moe_prefill() {
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
     --section WarpStateStats --section Occupancy --section LaunchStats --section InstructionStats \
-    -k "regex:gemm_pipe" --launch-count 2 \
+    -k "regex:${NCU_MOE_KERNELS:-gemm_pipe}" --launch-count "${NCU_MOE_COUNT:-2}" \
     python benchmarks/op_times.py --m "${NCU_MOE_M:-4096}" --ops moe --reps 1 --backends ordered \
-    > "$OUT/ncu_moe_prefill_${CARD}.txt" 2>&1
+    > "$OUT/ncu_moe_prefill${NCU_MOE_TAG:+_$NCU_MOE_TAG}_${CARD}.txt" 2>&1
   grep -E "^  [a-z_]+.*\(|Duration|Throughput|Pipe|Issue|Eligible|Warp Cycles|Occupancy|Registers Per|Stall|L2 Hit" \
-    "$OUT/ncu_moe_prefill_${CARD}.txt" | head -80
+    "$OUT/ncu_moe_prefill${NCU_MOE_TAG:+_$NCU_MOE_TAG}_${CARD}.txt" | head -80
   pkill -f benchmarks/op_times.py; sleep 1
 }
 # Whether mma.sync gives the same bits with its operands' roles swapped (W as the 16-row A, a

@@ -457,25 +457,37 @@ stage_pipe_order() {
     esac
   done
 }
-# The grouped MoE GEMMs on wgmma at the H200's chunk (8,192 rows: there the math binds, not the
-# bytes, docs/PERF.md 2026-12-06): byte tests, the MoE op and an 8k prefill (identity-checked)
-# under each of MOE_GROUPED_VALUES of BARO_GEMM_WGMMA_GROUPED ($OUT/op_times_moe_grouped<v>_${CARD}.json,
-# $OUT/speed_moe_grouped<v>_${CARD}.json).
+# The wgmma GEMMs at the H200's chunk (8,192 rows: there the MoE's math binds, not its bytes,
+# docs/PERF.md 2026-12-06): byte tests, then under each of MOE_GROUPED_SETTINGS (space-separated;
+# each a comma-joined list of assignments, e.g. BARO_GEMM_WGMMA_GROUPED=sorted,BARO_GEMM_WGMMA_BN=256)
+# the MoE op ($OUT/op_times_moe_<n>_${CARD}.json) and an 8k prefill, identity-checked
+# ($OUT/speed_moe_<n>_${CARD}.json), <n> the setting's index; the settings print beside the numbers.
 stage_moe_grouped() {
-  local part v
+  local part setting n
+  local settings=${MOE_GROUPED_SETTINGS:-BARO_GEMM_WGMMA_GROUPED=0 BARO_GEMM_WGMMA_GROUPED=down BARO_GEMM_WGMMA_GROUPED=sorted}
   for part in ${MOE_GROUPED_PARTS:-tests ops speed}; do
     log "moe_grouped part $part"
+    n=0
     case $part in
-      tests) timeout 150 python -m pytest -m gpu tests/test_kernels_moe.py tests/test_kernels_matmul.py -q -p no:cacheprovider -k "wgmma" 2>&1 \
+      tests) timeout "${MOE_GROUPED_TEST_TIMEOUT:-200}" python -m pytest -m gpu tests/test_kernels_moe.py tests/test_kernels_matmul.py -q -p no:cacheprovider -k "wgmma" 2>&1 \
                | tee "$OUT/gpu_moe_grouped_tests_${CARD}.txt" | tail -3 ;;
-      ops) for v in ${MOE_GROUPED_VALUES:-0 down sorted}; do
-             BARO_GEMM_WGMMA_GROUPED=$v timeout 120 python benchmarks/op_times.py --m "${MOE_GROUPED_M:-4096,8192}" --ops moe \
-               --backends ordered --reps 20 --rounds 3 --json "$OUT/op_times_moe_grouped${v}_${CARD}.json" 2>&1 | grep "op="
+      ops) for setting in $settings; do
+             echo "--- $n: $setting"
+             env ${setting//,/ } timeout 120 python benchmarks/op_times.py --m "${MOE_GROUPED_M:-4096,8192}" --ops moe \
+               --backends ordered --reps 20 --rounds 3 --json "$OUT/op_times_moe_${n}_${CARD}.json" 2>&1 | grep "op="
+             n=$((n + 1))
            done ;;
-      speed) speed_under BARO_GEMM_WGMMA_GROUPED "${MOE_GROUPED_VALUES:-0 down sorted}" "${MOE_GROUPED_LENGTHS:-8192}" moe_grouped 200 ;;
+      speed) for setting in $settings; do
+               echo "--- $n: $setting"
+               env ${setting//,/ } timeout 200 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
+                 --lengths "${MOE_GROUPED_LENGTHS:-8192}" --chunk "${SPEED_UNDER_CHUNK:-auto}" --decode-tokens 16 --check-tail 32 \
+                 --json "$OUT/speed_moe_${n}_${CARD}.json" 2>&1 | grep -E "tok/s|identity|Error|error" | tail -3
+               n=$((n + 1))
+             done ;;
       *) echo "moe_grouped: unknown part $part" ;;
     esac
   done
+  echo "$settings" | tr ' ' '\n' | nl -v0 > "$OUT/moe_grouped_settings.txt"
 }
 # Where a prompt's prefill time goes (issue 31), kernel by kernel: decode_profile.py --prefill at
 # each of PREFILL_PROFILE_LENGTHS (8192 32768) at the engine's chunk (PREFILL_PROFILE_CHUNK to force

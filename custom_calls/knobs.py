@@ -150,6 +150,10 @@ _TABLE: tuple[Knob, ...] = (
     Knob("BARO_GEMM_WGMMA_RING", "choice", "4", choices=("4", "3"),
          doc="the wgmma GEMM's TMA ring: 4 stages (one 128-row block per SM) or 3 (two blocks per SM, so one "
              "block's ring start and stores overlap the other's wgmmas); the same bits (csrc/gpu/gemm_wgmma.cu)"),
+    Knob("BARO_GEMM_WGMMA_BN", "choice", "128", choices=("128", "256", "grouped", "plain"),
+         doc="the wgmma GEMM's W tile: 128 rows, or 256 (a third less read from L2 per product, one block per "
+             "SM) for every call wider than 128 output columns (256), the MoE's grouped calls only (grouped) or "
+             "the plain ones only (plain); the same bits (csrc/gpu/gemm_wgmma.cu)"),
     Knob("BARO_ROWS16_RING", "choice", "auto", choices=("auto", "deep", "light"),
          doc="gemm_rows16's cp.async ring: deep (8 stages, SwiGLU 6: one or two blocks per SM) or light (4, "
              "SwiGLU 3: twice the blocks per SM); auto: light for grouped MoE calls and grids of 4 blocks per SM, "

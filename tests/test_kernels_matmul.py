@@ -254,7 +254,9 @@ def test_matmul_stream_levers_require_one(platform, monkeypatch):
 # and 1544 (12352 / 8: a partial last tile of a wide projection); K: one 64-wide stage, 2048, and
 # 2056 (K % 16 == 8: a half-filled last 16-step, the stage past it skipped). Both tile heights
 # (BARO_GEMM_TILE=64 / 128 pick BM) and the default pick, each with the ring of 4 stages and of 3
-# (BARO_GEMM_WGMMA_RING: two blocks per SM), then both rings in the column-fast walk (BARO_PIPE_ORDER=cols).
+# (BARO_GEMM_WGMMA_RING: two blocks per SM), then both rings in the column-fast walk (BARO_PIPE_ORDER=cols),
+# then 256-row W tiles (BARO_GEMM_WGMMA_BN; N = 200: a second half partly past N, 1544: a last tile of
+# 8 columns in its first box, so three of its four W boxes are not issued).
 WGMMA_M = [64, 65, 127, 128, 300, 1024]
 
 
@@ -271,16 +273,18 @@ def test_matmul_wgmma_same_bytes(platform, N, K, monkeypatch):
     w = bf16(rng, N, K)
     wd = put(platform, w)
 
-    def call(x, knob, tile=None, ring="4", order="auto"):
+    def call(x, knob, tile=None, ring="4", order="auto", bn="128"):
         force_tile(monkeypatch, tile)
         monkeypatch.setenv("BARO_GEMM_WGMMA", knob)
         monkeypatch.setenv("BARO_GEMM_WGMMA_RING", ring)
         monkeypatch.setenv("BARO_PIPE_ORDER", order)
+        monkeypatch.setenv("BARO_GEMM_WGMMA_BN", bn)
         poison(platform, (x.shape[0], N))  # a fresh jit: the launcher reads the knobs when the graph is built
         out = np.asarray(jax.jit(lambda a, b: cc.matmul(a, b))(put(platform, x), wd))
         monkeypatch.delenv("BARO_GEMM_WGMMA", raising=False)
         monkeypatch.delenv("BARO_GEMM_WGMMA_RING", raising=False)
         monkeypatch.delenv("BARO_PIPE_ORDER", raising=False)
+        monkeypatch.delenv("BARO_GEMM_WGMMA_BN", raising=False)
         force_tile(monkeypatch, None)
         return out
 
@@ -298,6 +302,12 @@ def test_matmul_wgmma_same_bytes(platform, N, K, monkeypatch):
         for ring in ("3", "4"):
             assert_same_bits(call(x, "require", None, ring, "cols"), want,
                              f"matmul N={N} K={K} m={m} ring {ring} cols: BARO_GEMM_WGMMA vs the default")
+        # 256-row W tiles (BARO_GEMM_WGMMA_BN: two m64n128 halves per k16 step), both tile heights
+        for tile in ("64", "128"):
+            for ring, order in (("4", "auto"), ("3", "cols")):
+                assert_same_bits(call(x, "require", tile, ring, order, "plain"), want,
+                                 f"matmul N={N} K={K} m={m} tile {tile} ring {ring} {order} BN 256: "
+                                 "BARO_GEMM_WGMMA vs the default")
         # the decode path: a row of the wgmma call against a one-row call
         for i in sorted({0, m // 2, m - 1, int(rng.integers(0, m))}):
             one = call(x[i:i + 1], "0")

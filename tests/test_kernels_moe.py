@@ -337,33 +337,39 @@ def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, k, monkeypatch):
     # into sorted order first), each wgmma setting with the ring of 4 stages and of 3 (two blocks per
     # SM) and in both walks of the grid (auto: a slot's column tiles side by side; rows: a column
     # tile's slots), and the sorted rows on the mma.sync kernels (BARO_GEMM_WGMMA=0:
-    # gemm_pipe_kernel reads them in place)
+    # gemm_pipe_kernel reads them in place); then 256-row W tiles (BARO_GEMM_WGMMA_BN: the grouped
+    # GEMMs, the grouped down GEMM alone in the row walk, and the plain GEMMs (router; the shared
+    # expert when unfolded) with the grouped ones on mma.sync)
     settings = (("0", "0", "4", "auto"), ("require", "down", "4", "auto"), ("require", "sorted", "4", "auto"),
                 ("require", "down", "3", "auto"), ("require", "sorted", "3", "auto"), ("0", "sorted", "4", "auto"),
-                ("require", "down", "4", "rows"), ("require", "sorted", "3", "rows"))
+                ("require", "down", "4", "rows"), ("require", "sorted", "3", "rows"),
+                ("require", "sorted", "4", "auto", "256"), ("require", "down", "3", "rows", "grouped"),
+                ("require", "0", "4", "auto", "256"))
     for fold in ("1", "0"):
         monkeypatch.setenv("BARO_MOE_FOLD", fold)
         got = {}
-        for knob, grouped, ring, order in settings:
+        for knob, grouped, ring, order, *bn in settings:
+            bn = bn[0] if bn else "128"
             monkeypatch.setenv("BARO_GEMM_WGMMA", knob)
             monkeypatch.setenv("BARO_GEMM_WGMMA_GROUPED", grouped)
             monkeypatch.setenv("BARO_GEMM_WGMMA_RING", ring)
             monkeypatch.setenv("BARO_PIPE_ORDER", order)
+            monkeypatch.setenv("BARO_GEMM_WGMMA_BN", bn)
             poison(platform, (m, D))
             f = jax.jit(lambda *a: cc.moe(*a, top_k=k))  # a fresh jit: the launcher reads the knobs
-            got[knob, grouped, ring, order] = np.asarray(f(put(platform, h), *wd))
-            assert np.all(np.isfinite(got[knob, grouped, ring, order])), \
-                f"moe m={m} fold={fold} BARO_GEMM_WGMMA={knob} GROUPED={grouped} RING={ring} ORDER={order}: unwritten rows"
+            got[knob, grouped, ring, order, bn] = np.asarray(f(put(platform, h), *wd))
+            assert np.all(np.isfinite(got[knob, grouped, ring, order, bn])), \
+                f"moe m={m} fold={fold} BARO_GEMM_WGMMA={knob} GROUPED={grouped} RING={ring} ORDER={order} BN={bn}: unwritten rows"
         monkeypatch.delenv("BARO_GEMM_WGMMA_RING", raising=False)
         monkeypatch.delenv("BARO_PIPE_ORDER", raising=False)
-        for knob, grouped, ring, order in got:
-            assert_same_bits(got[knob, grouped, ring, order], got["0", "0", "4", "auto"],
-                             f"moe m={m} fold={fold} BARO_GEMM_WGMMA={knob} GROUPED={grouped} RING={ring} "
-                             f"ORDER={order} vs the default")
+        monkeypatch.delenv("BARO_GEMM_WGMMA_BN", raising=False)
+        for key, arr in got.items():
+            assert_same_bits(arr, got["0", "0", "4", "auto", "128"],
+                             f"moe m={m} fold={fold} BARO_GEMM_WGMMA, GROUPED, RING, ORDER, BN = {key} vs the default")
         monkeypatch.setenv("BARO_GEMM_WGMMA", "0")
         for i in (0, m - 1):
             one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h[i:i + 1]), *wd))
-            assert_same_bits(one[0], got["require", "sorted", "4", "auto"][i],
+            assert_same_bits(one[0], got["require", "sorted", "4", "auto", "256"][i],
                              f"moe m={m} fold={fold} row {i}: wgmma vs one-row call")
     monkeypatch.delenv("BARO_GEMM_WGMMA", raising=False)
     monkeypatch.delenv("BARO_GEMM_WGMMA_GROUPED", raising=False)

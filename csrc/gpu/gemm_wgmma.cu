@@ -62,7 +62,6 @@
 namespace baro_gpu {
 
 constexpr int kWgBK = 64;           // K elements per stage (one 128-byte swizzle span)
-constexpr int kWgBN = 128;          // W rows per tile
 constexpr int kWgBox = 64;          // rows per TMA box
 constexpr int kWgBoxBytes = kWgBox * kWgBK * 2;  // 8 KB
 
@@ -70,19 +69,26 @@ constexpr int kWgBoxBytes = kWgBox * kWgBK * 2;  // 8 KB
 // (128 KB) leaves room for one block per SM, so each block's start (barriers, the first TMA round
 // trip) and its stores leave the tensor cores idle; 3 stages (96 KB) fit two blocks per SM that
 // cover each other's. The depth decides when a stage is refilled, never which wgmma adds what.
-template <int BM, int STAGES = 4>
+// BN: W rows per tile, 128 or 256 (BARO_GEMM_WGMMA_BN). A 256-row W tile brings 48 KB a stage for
+// twice the products of a 128-row one's 32 KB, so a tile reads a third less from L2 per product;
+// each consumer warpgroup then issues two m64n128k16 per k16 step, one per 128-column half, each
+// into its own accumulators (an element's chain is the same k16 steps in the same order).
+template <int BM, int STAGES = 4, int BN = 128>
 struct WgGemmCfg {
   static constexpr int kStages = STAGES;
+  static constexpr int kBN = BN;
+  static constexpr int kHalves = BN / 128;                // m64n128 accumulator sets per warpgroup
   static constexpr int kConsumers = BM / 64;             // consumer warpgroups
   static constexpr int kThreads = kConsumers * 128 + 32;  // + the producer warp (its lane 0 issues)
   // __launch_bounds__: the registers of two blocks where the ring leaves room for two
-  static constexpr int kMinBlocks = STAGES <= 3 && BM == 128 ? 2 : 1;
+  static constexpr int kMinBlocks = STAGES <= 3 && BM == 128 && BN == 128 ? 2 : 1;
   static constexpr int kABytes = BM * kWgBK * 2;
-  static constexpr int kBBytes = kWgBN * kWgBK * 2;
+  static constexpr int kBBytes = BN * kWgBK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;   // a ring stage: A tile, then W tile
   static constexpr int kBarOff = kStages * kStageBytes;  // full then empty barriers
   static constexpr int kSmemBytes = kBarOff + 16 * kStages + 1024;  // + slack for the 1 KB alignment
   static_assert(STAGES == 3 || STAGES == 4, "ring depths built: 3 and 4");
+  static_assert(BN == 128 || BN == 256, "W tiles of 128 or 256 rows");
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "swizzled boxes on 1 KB");
   static_assert(kSmemBytes * kMinBlocks <= 227 * 1024, "shared memory of the blocks on one SM");
 };
@@ -132,10 +138,11 @@ BARO_DEV uint64_t wg_gemm_desc(const uint8_t* tile, int row0, int kk) {
 // Grid: BM-row tiles (grouped: the tile list's slots, gemm_slot's (group, rows) each) by
 // 128-column W tiles (SwiGLU: 64 output columns), either one fastest (GemmParams::cols_fast).
 // Threads: BM / 64 consumer warpgroups, then the producer warp.
-template <int BM, bool SWIGLU, int STAGES>
-__global__ void __launch_bounds__(WgGemmCfg<BM, STAGES>::kThreads, WgGemmCfg<BM, STAGES>::kMinBlocks)
+template <int BM, bool SWIGLU, int STAGES, int BN>
+__global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg<BM, STAGES, BN>::kMinBlocks)
     gemm_wgmma_kernel(GemmParams p, const __grid_constant__ WgGemmMaps maps) {
-  using Cfg = WgGemmCfg<BM, STAGES>;
+  using Cfg = WgGemmCfg<BM, STAGES, BN>;
+  constexpr int kHalves = Cfg::kHalves;
   constexpr int kWgStages = Cfg::kStages;
   extern __shared__ __align__(1024) uint8_t wg_gemm_smem[];
   // the 128-byte swizzle repeats on 1024 bytes: TMA and wgmma must see the same address bits
@@ -155,7 +162,7 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES>::kThreads, WgGemmCfg<BM,
     rows = p.M - r0;
   }
   const int rc = static_cast<int>(rows < BM ? rows : BM);  // grouped tiles hold at most BM (launcher)
-  constexpr int kOutCols = SWIGLU ? kWgBN / 2 : kWgBN;
+  constexpr int kOutCols = SWIGLU ? BN / 2 : BN;
   const int64_t c0 = static_cast<int64_t>(gemm_block_col(p)) * kOutCols;
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t K = p.K;
@@ -179,18 +186,27 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES>::kThreads, WgGemmCfg<BM,
   if (warp_u >= kConsumerThreads / 32) {
     // ---- producer: lane 0 of the last warp ----
     if (tid != kConsumerThreads) return;
-    // W rows of the tile's two boxes: 128 consecutive rows, or (SwiGLU) 64 gate rows and the 64
-    // matching up rows
+    // W rows of the tile's BN / 64 boxes: BN consecutive rows, or (SwiGLU) BN / 2 gate rows and
+    // the BN / 2 matching up rows. Box b's first row and whether it is issued:
     const int64_t w_base = group * p.N;
-    const int w_row0 = static_cast<int>(w_base + c0);
-    const int w_row1 = static_cast<int>(w_base + (SWIGLU ? p.swiglu_I + c0 : c0 + kWgBox));
+    constexpr int kWBoxes = BN / kWgBox;
+    auto w_box = [&](int b, int& row) {
+      const int64_t col = c0 + kWgBox * (SWIGLU ? b % (kWBoxes / 2) : b);  // its first W column
+      row = static_cast<int>(w_base + (SWIGLU && b >= kWBoxes / 2 ? p.swiglu_I : 0) + col);
+      return col < out_n;
+    };
     // Boxes wholly past M or N are not issued (no copy depends on TMA's handling of a box with
     // no element inside): their shared memory keeps whatever it held, which only ever reaches
     // accumulator rows past M or columns past N, never stored. A box partly inside is zero-filled
     // past the edge, and its whole size counts as landed bytes.
     const int a_boxes = (rc + kWgBox - 1) / kWgBox;
-    const bool w_box1 = SWIGLU || c0 + kWgBox < p.N;
-    const uint32_t stage_bytes = static_cast<uint32_t>((a_boxes + 1 + (w_box1 ? 1 : 0)) * kWgBoxBytes);
+    int w_boxes = 0;
+#pragma unroll
+    for (int b = 0; b < kWBoxes; ++b) {
+      int row;
+      w_boxes += w_box(b, row) ? 1 : 0;
+    }
+    const uint32_t stage_bytes = static_cast<uint32_t>((a_boxes + w_boxes) * kWgBoxBytes);
     for (int kt = 0; kt < n_k; ++kt) {
       const int s = kt % kWgStages;
       if (kt >= kWgStages) wg_mbar_wait(empty(s), ((kt / kWgStages) - 1) & 1);  // the stage's last use done
@@ -201,8 +217,11 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES>::kThreads, WgGemmCfg<BM,
       for (int b = 0; b < BM / kWgBox; ++b)
         if (b < a_boxes)
           tma_box(wg_smem_addr(st + b * kWgBoxBytes), &maps.a, k0, static_cast<int>(r0) + b * kWgBox, full(s));
-      tma_box(wg_smem_addr(st + Cfg::kABytes), &maps.w, k0, w_row0, full(s));
-      if (w_box1) tma_box(wg_smem_addr(st + Cfg::kABytes + kWgBoxBytes), &maps.w, k0, w_row1, full(s));
+#pragma unroll
+      for (int b = 0; b < kWBoxes; ++b) {
+        int row;
+        if (w_box(b, row)) tma_box(wg_smem_addr(st + Cfg::kABytes + b * kWgBoxBytes), &maps.w, k0, row, full(s));
+      }
     }
     return;
   }
@@ -222,11 +241,17 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES>::kThreads, WgGemmCfg<BM,
     }
     return;
   }
-  float acc[16][4];
+  float acc[kHalves][16][4];  // acc[h]: W tile rows 128 h..128 h + 127
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
+  for (int h = 0; h < kHalves; ++h)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[h][j][i] = 0.0f;
+  auto hold = [&]() {
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) wg_hold(acc[h]);
+  };
 
   for (int kt = 0; kt < n_k; ++kt) {
     const int s = kt % kWgStages;
@@ -235,25 +260,29 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES>::kThreads, WgGemmCfg<BM,
     const uint8_t* b_tile = a_tile + Cfg::kABytes;
     const int64_t k0 = static_cast<int64_t>(kt) * kWgBK;
     wg_fence();  // the accumulator registers, as the previous wgmmas and the zeroing left them
-    wg_hold(acc);
+    hold();
     if (k0 + kWgBK <= K) {  // the whole stage inside K: the four steps back to back
 #pragma unroll
       for (int kk = 0; kk < kWgBK / 16; ++kk)
-        wg_mma_128(acc, wg_gemm_desc(a_tile, 64 * cg, kk), wg_gemm_desc(b_tile, 0, kk));
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h)
+          wg_mma_128(acc[h], wg_gemm_desc(a_tile, 64 * cg, kk), wg_gemm_desc(b_tile, 128 * h, kk));
     } else {
 #pragma unroll
       for (int kk = 0; kk < kWgBK / 16; ++kk)
         if (k0 + 16 * kk < K)  // uniform: skip steps wholly past K (gemm_pipe_kernel's rule)
-          wg_mma_128(acc, wg_gemm_desc(a_tile, 64 * cg, kk), wg_gemm_desc(b_tile, 0, kk));
+#pragma unroll
+          for (int h = 0; h < kHalves; ++h)
+            wg_mma_128(acc[h], wg_gemm_desc(a_tile, 64 * cg, kk), wg_gemm_desc(b_tile, 128 * h, kk));
     }
     wg_commit();
     // the wgmmas of stage kt - 1 are done once at most this stage's group is in flight: release it
     wg_wait<1>();
-    wg_hold(acc);
+    hold();
     if (kt > 0) wg_mbar_arrive(empty((kt - 1) % kWgStages));
   }
   wg_wait_all();
-  wg_hold(acc);
+  hold();
   // (the last stage is never refilled: no release needed)
 
   // ---- epilogue: gemm_pipe_kernel's stores ----
@@ -267,19 +296,23 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES>::kThreads, WgGemmCfg<BM,
     const int r = 64 * cg + 16 * w + g + 8 * h;
     if (r >= rc) continue;
     const int64_t orow = (r0 + r) * p.ldc;
+    // 8-column chunk f of the W tile is acc[f / 16][f % 16]; SwiGLU: gate chunk q, up chunk q + BN / 16
     if constexpr (SWIGLU) {
 #pragma unroll
-      for (int q = 0; q < 8; ++q) {
+      for (int q = 0; q < BN / 16; ++q) {
         const int c = 8 * q + 2 * t;
-        const float g0 = acc[q][2 * h], g1 = acc[q][2 * h + 1];
-        const float u0 = acc[q + 8][2 * h], u1 = acc[q + 8][2 * h + 1];
+        constexpr int kUp = BN / 16;
+        const float* gq = acc[q / 16][q % 16];
+        const float* uq = acc[(q + kUp) / 16][(q + kUp) % 16];
+        const float g0 = gq[2 * h], g1 = gq[2 * h + 1];
+        const float u0 = uq[2 * h], u1 = uq[2 * h + 1];
         store_pair(p.Act + orow + c0 + c, f32_to_bf16(siluf_(g0) * u0), f32_to_bf16(siluf_(g1) * u1), c, nc, out2);
       }
     } else {
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int c = 8 * j + 2 * t;
-        store_pair(p.C + orow + c0 + c, acc[j][2 * h], acc[j][2 * h + 1], c, nc, out2);
+      for (int f = 0; f < BN / 8; ++f) {
+        const int c = 8 * f + 2 * t;
+        store_pair(p.C + orow + c0 + c, acc[f / 16][f % 16][2 * h], acc[f / 16][f % 16][2 * h + 1], c, nc, out2);
       }
     }
   }
@@ -301,15 +334,15 @@ static bool wg_gemm_encode(CUtensorMap* m, const uint16_t* base, int64_t rows, i
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <int BM, bool SWIGLU, int STAGES>
+template <int BM, bool SWIGLU, int STAGES, int BN>
 static gpuError_t wg_gemm_launch_ring(const GemmParams& p, const WgGemmMaps& maps, int64_t row_tiles,
                                       gpuStream_t stream) {
-  using Cfg = WgGemmCfg<BM, STAGES>;
-  constexpr int kOutCols = SWIGLU ? kWgBN / 2 : kWgBN;
+  using Cfg = WgGemmCfg<BM, STAGES, BN>;
+  constexpr int kOutCols = SWIGLU ? BN / 2 : BN;
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t n_tiles = (out_n + kOutCols - 1) / kOutCols;
   static std::atomic<uint64_t> smem_done{0};
-  const gpuError_t e = allow_smem(gemm_wgmma_kernel<BM, SWIGLU, STAGES>, Cfg::kSmemBytes, smem_done);
+  const gpuError_t e = allow_smem(gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN>, Cfg::kSmemBytes, smem_done);
   if (e != gpuSuccess) return e;
   // The walk (BARO_PIPE_ORDER, as launch_tiled's): auto lays a grouped call's column tiles of
   // one slot side by side, so the blocks in flight share their slots' A rows and their experts'
@@ -321,16 +354,34 @@ static gpuError_t wg_gemm_launch_ring(const GemmParams& p, const WgGemmMaps& map
   q.cols_fast = cols && row_tiles <= 65535 ? 1 : 0;
   const dim3 grid = q.cols_fast ? dim3(static_cast<unsigned>(n_tiles), static_cast<unsigned>(row_tiles))
                                 : dim3(static_cast<unsigned>(row_tiles), static_cast<unsigned>(n_tiles));
-  gemm_wgmma_kernel<BM, SWIGLU, STAGES><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(q, maps);
+  gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(q, maps);
   return gpuGetLastError();
+}
+
+template <int BM, bool SWIGLU, int BN>
+static gpuError_t wg_gemm_launch_bn(const GemmParams& p, const WgGemmMaps& maps, int64_t row_tiles,
+                                    gpuStream_t stream) {
+  return baro::knobs::is(baro::knobs::kGemmWgmmaRing, "3")
+             ? wg_gemm_launch_ring<BM, SWIGLU, 3, BN>(p, maps, row_tiles, stream)
+             : wg_gemm_launch_ring<BM, SWIGLU, 4, BN>(p, maps, row_tiles, stream);
+}
+
+// The W tile's rows (BARO_GEMM_WGMMA_BN): 256 for the calls the setting names (all, grouped or
+// plain) whose output is wider than 128 columns (SwiGLU: 64), else 128.
+static bool wg_gemm_wide(const GemmParams& p) {
+  namespace k = baro::knobs;
+  const bool grouped = p.tiles != nullptr;
+  const bool named = k::is(k::kGemmWgmmaBn, "256") || (grouped && k::is(k::kGemmWgmmaBn, "grouped")) ||
+                     (!grouped && k::is(k::kGemmWgmmaBn, "plain"));
+  const int64_t out_n = p.Act != nullptr ? p.swiglu_I : p.N;
+  return named && out_n > (p.Act != nullptr ? 64 : 128);
 }
 
 template <int BM, bool SWIGLU>
 static gpuError_t wg_gemm_launch(const GemmParams& p, const WgGemmMaps& maps, int64_t row_tiles,
                                  gpuStream_t stream) {
-  return baro::knobs::is(baro::knobs::kGemmWgmmaRing, "3")
-             ? wg_gemm_launch_ring<BM, SWIGLU, 3>(p, maps, row_tiles, stream)
-             : wg_gemm_launch_ring<BM, SWIGLU, 4>(p, maps, row_tiles, stream);
+  return wg_gemm_wide(p) ? wg_gemm_launch_bn<BM, SWIGLU, 256>(p, maps, row_tiles, stream)
+                         : wg_gemm_launch_bn<BM, SWIGLU, 128>(p, maps, row_tiles, stream);
 }
 
 }  // namespace baro_gpu

@@ -256,7 +256,8 @@ def test_matmul_stream_levers_require_one(platform, monkeypatch):
 # (BARO_GEMM_TILE=64 / 128 pick BM) and the default pick, each with the ring of 4 stages and of 3
 # (BARO_GEMM_WGMMA_RING: two blocks per SM), then both rings in the column-fast walk (BARO_PIPE_ORDER=cols),
 # then 256-row W tiles (BARO_GEMM_WGMMA_BN; N = 200: a second half partly past N, 1544: a last tile of
-# 8 columns in its first box, so three of its four W boxes are not issued).
+# 8 columns in its first box, so three of its four W boxes are not issued), then the persistent grid
+# (BARO_GEMM_WGMMA_PERSIST=1).
 WGMMA_M = [64, 65, 127, 128, 300, 1024]
 
 
@@ -273,8 +274,9 @@ def test_matmul_wgmma_same_bytes(platform, N, K, monkeypatch):
     w = bf16(rng, N, K)
     wd = put(platform, w)
 
-    def call(x, knob, tile=None, ring="4", order="auto", bn="128"):
+    def call(x, knob, tile=None, ring="4", order="auto", bn="128", persist="0"):
         force_tile(monkeypatch, tile)
+        monkeypatch.setenv("BARO_GEMM_WGMMA_PERSIST", persist)
         monkeypatch.setenv("BARO_GEMM_WGMMA", knob)
         monkeypatch.setenv("BARO_GEMM_WGMMA_RING", ring)
         monkeypatch.setenv("BARO_PIPE_ORDER", order)
@@ -285,6 +287,7 @@ def test_matmul_wgmma_same_bytes(platform, N, K, monkeypatch):
         monkeypatch.delenv("BARO_GEMM_WGMMA_RING", raising=False)
         monkeypatch.delenv("BARO_PIPE_ORDER", raising=False)
         monkeypatch.delenv("BARO_GEMM_WGMMA_BN", raising=False)
+        monkeypatch.delenv("BARO_GEMM_WGMMA_PERSIST", raising=False)
         force_tile(monkeypatch, None)
         return out
 
@@ -308,11 +311,25 @@ def test_matmul_wgmma_same_bytes(platform, N, K, monkeypatch):
                 assert_same_bits(call(x, "require", tile, ring, order, "plain"), want,
                                  f"matmul N={N} K={K} m={m} tile {tile} ring {ring} {order} BN 256: "
                                  "BARO_GEMM_WGMMA vs the default")
+        # the persistent grid (BARO_GEMM_WGMMA_PERSIST: a block walks several tiles on one ring)
+        for tile, ring, order, bn in (("64", "4", "auto", "128"), ("128", "3", "cols", "128"),
+                                      ("128", "4", "auto", "plain"), ("64", "3", "cols", "plain")):
+            assert_same_bits(call(x, "require", tile, ring, order, bn, "1"), want,
+                             f"matmul N={N} K={K} m={m} tile {tile} ring {ring} {order} BN {bn} persistent: "
+                             "BARO_GEMM_WGMMA vs the default")
         # the decode path: a row of the wgmma call against a one-row call
         for i in sorted({0, m // 2, m - 1, int(rng.integers(0, m))}):
             one = call(x[i:i + 1], "0")
             assert_same_bits(one[0], got[i], f"matmul N={N} K={K} m={m} row {i}: wgmma vs one-row call")
     assert_close(got, ref_matmul(x, w), 1e-5, f"matmul N={N} K={K} wgmma vs float64")
+    # more tiles than the persistent grid has blocks where N is wide (2048, 1544): a block walks
+    # several tiles on one ring, in either walk and tile width
+    x = bf16(rng, 3000, K)
+    want = call(x, "0")
+    for tile, ring, order, bn in (("128", "3", "auto", "128"), ("128", "4", "cols", "plain"), ("64", "4", "auto", "plain")):
+        assert_same_bits(call(x, "require", tile, ring, order, bn, "1"), want,
+                         f"matmul N={N} K={K} m=3000 tile {tile} ring {ring} {order} BN {bn} persistent: "
+                         "BARO_GEMM_WGMMA vs the default")
 
 
 def test_matmul_errors(platform):

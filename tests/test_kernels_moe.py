@@ -339,17 +339,20 @@ def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, k, monkeypatch):
     # tile's slots), and the sorted rows on the mma.sync kernels (BARO_GEMM_WGMMA=0:
     # gemm_pipe_kernel reads them in place); then 256-row W tiles (BARO_GEMM_WGMMA_BN: the grouped
     # GEMMs, the grouped down GEMM alone in the row walk, and the plain GEMMs (router; the shared
-    # expert when unfolded) with the grouped ones on mma.sync)
+    # expert when unfolded) with the grouped ones on mma.sync); then the persistent grid
+    # (BARO_GEMM_WGMMA_PERSIST=1: a block walks several tiles on one ring) with either tile width
     settings = (("0", "0", "4", "auto"), ("require", "down", "4", "auto"), ("require", "sorted", "4", "auto"),
                 ("require", "down", "3", "auto"), ("require", "sorted", "3", "auto"), ("0", "sorted", "4", "auto"),
                 ("require", "down", "4", "rows"), ("require", "sorted", "3", "rows"),
                 ("require", "sorted", "4", "auto", "256"), ("require", "down", "3", "rows", "grouped"),
-                ("require", "0", "4", "auto", "256"))
+                ("require", "0", "4", "auto", "256"), ("require", "sorted", "4", "auto", "128", "1"),
+                ("require", "sorted", "3", "rows", "256", "1"), ("require", "sorted", "4", "auto", "256", "1"))
     for fold in ("1", "0"):
         monkeypatch.setenv("BARO_MOE_FOLD", fold)
         got = {}
-        for knob, grouped, ring, order, *bn in settings:
-            bn = bn[0] if bn else "128"
+        for setting in settings:
+            knob, grouped, ring, order, bn, persist = setting + ("128", "0")[len(setting) - 4:]
+            monkeypatch.setenv("BARO_GEMM_WGMMA_PERSIST", persist)
             monkeypatch.setenv("BARO_GEMM_WGMMA", knob)
             monkeypatch.setenv("BARO_GEMM_WGMMA_GROUPED", grouped)
             monkeypatch.setenv("BARO_GEMM_WGMMA_RING", ring)
@@ -357,19 +360,21 @@ def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, k, monkeypatch):
             monkeypatch.setenv("BARO_GEMM_WGMMA_BN", bn)
             poison(platform, (m, D))
             f = jax.jit(lambda *a: cc.moe(*a, top_k=k))  # a fresh jit: the launcher reads the knobs
-            got[knob, grouped, ring, order, bn] = np.asarray(f(put(platform, h), *wd))
-            assert np.all(np.isfinite(got[knob, grouped, ring, order, bn])), \
-                f"moe m={m} fold={fold} BARO_GEMM_WGMMA={knob} GROUPED={grouped} RING={ring} ORDER={order} BN={bn}: unwritten rows"
+            key = knob, grouped, ring, order, bn, persist
+            got[key] = np.asarray(f(put(platform, h), *wd))
+            assert np.all(np.isfinite(got[key])), f"moe m={m} fold={fold} {key}: unwritten rows"
         monkeypatch.delenv("BARO_GEMM_WGMMA_RING", raising=False)
         monkeypatch.delenv("BARO_PIPE_ORDER", raising=False)
         monkeypatch.delenv("BARO_GEMM_WGMMA_BN", raising=False)
+        monkeypatch.delenv("BARO_GEMM_WGMMA_PERSIST", raising=False)
         for key, arr in got.items():
-            assert_same_bits(arr, got["0", "0", "4", "auto", "128"],
-                             f"moe m={m} fold={fold} BARO_GEMM_WGMMA, GROUPED, RING, ORDER, BN = {key} vs the default")
+            assert_same_bits(arr, got["0", "0", "4", "auto", "128", "0"],
+                             f"moe m={m} fold={fold} BARO_GEMM_WGMMA, GROUPED, RING, ORDER, BN, PERSIST = {key} "
+                             "vs the default")
         monkeypatch.setenv("BARO_GEMM_WGMMA", "0")
         for i in (0, m - 1):
             one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h[i:i + 1]), *wd))
-            assert_same_bits(one[0], got["require", "sorted", "4", "auto", "256"][i],
+            assert_same_bits(one[0], got["require", "sorted", "4", "auto", "256", "1"][i],
                              f"moe m={m} fold={fold} row {i}: wgmma vs one-row call")
     monkeypatch.delenv("BARO_GEMM_WGMMA", raising=False)
     monkeypatch.delenv("BARO_GEMM_WGMMA_GROUPED", raising=False)

@@ -97,6 +97,13 @@ struct WgGemmCfg {
 struct WgGemmMaps {
   CUtensorMap a, w;
 };
+// The call's output tiles: row_tiles (grouped: the tile list's slots) by col_tiles, numbered with
+// the rows (GemmParams::cols_fast: the columns) fastest. A block computes tiles blockIdx.x,
+// blockIdx.x + gridDim.x, ..: one where the grid has a block per tile, several where it is
+// persistent (BARO_GEMM_WGMMA_PERSIST).
+struct WgGemmWalk {
+  int64_t row_tiles, col_tiles;
+};
 
 // d[16][4] += A[64 x 16] B[16 x 128], both from shared memory, K-major (no transpose).
 BARO_DEV void wg_mma_128(float (&d)[16][4], uint64_t adesc, uint64_t bdesc) {
@@ -135,12 +142,14 @@ BARO_DEV uint64_t wg_gemm_desc(const uint8_t* tile, int row0, int kk) {
   return wg_desc_sw128(tile + row0 * 128 + kk * 32, 16, 1024);
 }
 
-// Grid: BM-row tiles (grouped: the tile list's slots, gemm_slot's (group, rows) each) by
-// 128-column W tiles (SwiGLU: 64 output columns), either one fastest (GemmParams::cols_fast).
-// Threads: BM / 64 consumer warpgroups, then the producer warp.
+// Tiles: BM-row tiles (grouped: the tile list's slots, gemm_slot's (group, rows) each) by BN-column
+// W tiles (SwiGLU: BN / 2 output columns), walked as WgGemmWalk says. Threads: BM / 64 consumer
+// warpgroups, then the producer warp. The ring runs on across a block's tiles (the producer fills
+// the next tile's stages while the consumers store the last one's); each tile's accumulators
+// start at zero and take its K walk alone, so a tile's bits do not depend on the block.
 template <int BM, bool SWIGLU, int STAGES, int BN>
 __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg<BM, STAGES, BN>::kMinBlocks)
-    gemm_wgmma_kernel(GemmParams p, const __grid_constant__ WgGemmMaps maps) {
+    gemm_wgmma_kernel(GemmParams p, const __grid_constant__ WgGemmMaps maps, const WgGemmWalk walk) {
   using Cfg = WgGemmCfg<BM, STAGES, BN>;
   constexpr int kHalves = Cfg::kHalves;
   constexpr int kWgStages = Cfg::kStages;
@@ -154,16 +163,31 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
   // A grouped tile's rows sit at r0.. of A and C (the sorted pairs), its W rows at group * N..;
   // rows of A past the tile (the next tile's) and W rows past N (the next group's) only reach
   // accumulator rows and columns that are never stored, as TMA's zero fill past the edges does.
-  int64_t group = 0, r0 = 0, rows = 0;
-  if (p.tiles != nullptr) {
-    if (!gemm_slot(p, gemm_block_slot(p), group, r0, rows)) return;  // the whole block: no barrier is met yet
-  } else {
-    r0 = static_cast<int64_t>(gemm_block_slot(p)) * BM;
-    rows = p.M - r0;
-  }
-  const int rc = static_cast<int>(rows < BM ? rows : BM);  // grouped tiles hold at most BM (launcher)
   constexpr int kOutCols = SWIGLU ? BN / 2 : BN;
-  const int64_t c0 = static_cast<int64_t>(gemm_block_col(p)) * kOutCols;
+  const int64_t n_items = walk.row_tiles * walk.col_tiles;
+  // tile i's W group, first row, rows (at most BM: the launcher's tiles) and first output column;
+  // false for a slot of the tile list left empty
+  auto tile_of = [&](int64_t i, int64_t& group, int64_t& r0, int& rc, int64_t& c0) {
+    const int64_t slot = p.cols_fast ? i / walk.col_tiles : i % walk.row_tiles;
+    c0 = (p.cols_fast ? i % walk.col_tiles : i / walk.row_tiles) * kOutCols;
+    int64_t rows = 0;
+    group = 0;
+    if (p.tiles != nullptr) {
+      if (!gemm_slot(p, slot, group, r0, rows)) return false;
+    } else {
+      r0 = slot * BM;
+      rows = p.M - r0;
+    }
+    rc = static_cast<int>(rows < BM ? rows : BM);
+    return rc > 0;
+  };
+  int64_t group = 0, r0 = 0, c0 = 0;
+  int rc = 0;
+  {
+    bool any = false;  // a block with no tile leaves before any barrier is met
+    for (int64_t i = blockIdx.x; i < n_items && !any; i += gridDim.x) any = tile_of(i, group, r0, rc, c0);
+    if (!any) return;
+  }
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t K = p.K;
   const int n_k = static_cast<int>((K + kWgBK - 1) / kWgBK);
@@ -186,6 +210,9 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
   if (warp_u >= kConsumerThreads / 32) {
     // ---- producer: lane 0 of the last warp ----
     if (tid != kConsumerThreads) return;
+    uint32_t it = 0;  // the ring's position: stage it % kWgStages, its use it / kWgStages
+    for (int64_t i = blockIdx.x; i < n_items; i += gridDim.x) {
+    if (!tile_of(i, group, r0, rc, c0)) continue;
     // W rows of the tile's BN / 64 boxes: BN consecutive rows, or (SwiGLU) BN / 2 gate rows and
     // the BN / 2 matching up rows. Box b's first row and whether it is issued:
     const int64_t w_base = group * p.N;
@@ -207,9 +234,10 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
       w_boxes += w_box(b, row) ? 1 : 0;
     }
     const uint32_t stage_bytes = static_cast<uint32_t>((a_boxes + w_boxes) * kWgBoxBytes);
-    for (int kt = 0; kt < n_k; ++kt) {
-      const int s = kt % kWgStages;
-      if (kt >= kWgStages) wg_mbar_wait(empty(s), ((kt / kWgStages) - 1) & 1);  // the stage's last use done
+    for (int kt = 0; kt < n_k; ++kt, ++it) {
+      const int s = static_cast<int>(it % kWgStages);
+      const uint32_t use = it / kWgStages;
+      if (use > 0) wg_mbar_wait(empty(s), (use - 1) & 1);  // the stage's last use done
       uint8_t* st = smem + s * Cfg::kStageBytes;
       const int k0 = kt * kWgBK;
       wg_mbar_expect(full(s), stage_bytes);
@@ -223,23 +251,27 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
         if (w_box(b, row)) tma_box(wg_smem_addr(st + Cfg::kABytes + b * kWgBoxBytes), &maps.w, k0, row, full(s));
       }
     }
+    }
     return;
   }
 
   // ---- consumers: warpgroup cg owns tile rows 64 cg..64 cg+63 ----
   const int cg = warp_u >> 2;
+  uint32_t it = 0;  // the producer's count, stage by stage
+  for (int64_t i = blockIdx.x; i < n_items; i += gridDim.x) {
+  if (!tile_of(i, group, r0, rc, c0)) continue;
   if (64 * cg >= rc) {
     // A warpgroup whose 64 rows are all past the tile's (a grouped tile of an expert's last
     // <= 64 pairs, a plain call's short last tile) would only compute rows that are never stored:
     // it issues no wgmma, so the tensor cores are the live warpgroup's. It still takes part in
     // the ring: waiting for each stage before releasing it keeps its arrivals in that stage's
     // phase. No element's chain changes (the stored rows are the other warpgroup's).
-    for (int kt = 0; kt < n_k; ++kt) {
-      const int s = kt % kWgStages;
-      wg_mbar_wait(full(s), (kt / kWgStages) & 1);
+    for (int kt = 0; kt < n_k; ++kt, ++it) {
+      const int s = static_cast<int>(it % kWgStages);
+      wg_mbar_wait(full(s), (it / kWgStages) & 1);
       wg_mbar_arrive(empty(s));
     }
-    return;
+    continue;
   }
   float acc[kHalves][16][4];  // acc[h]: W tile rows 128 h..128 h + 127
 #pragma unroll
@@ -253,9 +285,9 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
     for (int h = 0; h < kHalves; ++h) wg_hold(acc[h]);
   };
 
-  for (int kt = 0; kt < n_k; ++kt) {
-    const int s = kt % kWgStages;
-    wg_mbar_wait(full(s), (kt / kWgStages) & 1);
+  for (int kt = 0; kt < n_k; ++kt, ++it) {
+    const int s = static_cast<int>(it % kWgStages);
+    wg_mbar_wait(full(s), (it / kWgStages) & 1);
     const uint8_t* a_tile = smem + s * Cfg::kStageBytes;
     const uint8_t* b_tile = a_tile + Cfg::kABytes;
     const int64_t k0 = static_cast<int64_t>(kt) * kWgBK;
@@ -279,11 +311,11 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
     // the wgmmas of stage kt - 1 are done once at most this stage's group is in flight: release it
     wg_wait<1>();
     hold();
-    if (kt > 0) wg_mbar_arrive(empty((kt - 1) % kWgStages));
+    if (kt > 0) wg_mbar_arrive(empty((it - 1) % kWgStages));
   }
   wg_wait_all();
   hold();
-  // (the last stage is never refilled: no release needed)
+  wg_mbar_arrive(empty((it - 1) % kWgStages));  // the tile's last stage, for the block's next tile
 
   // ---- epilogue: gemm_pipe_kernel's stores ----
   const int lane = tid & 31, w = (tid >> 5) & 3;
@@ -315,6 +347,7 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
         store_pair(p.C + orow + c0 + c, acc[f / 16][f % 16][2 * h], acc[f / 16][f % 16][2 * h + 1], c, nc, out2);
       }
     }
+  }
   }
 }
 
@@ -350,11 +383,27 @@ static gpuError_t wg_gemm_launch_ring(const GemmParams& p, const WgGemmMaps& map
   // computes a tile changes, never how.
   namespace k = baro::knobs;
   GemmParams q = p;
-  const bool cols = k::is(k::kPipeOrder, "cols") || (p.tiles != nullptr && k::is(k::kPipeOrder, "auto"));
-  q.cols_fast = cols && row_tiles <= 65535 ? 1 : 0;
-  const dim3 grid = q.cols_fast ? dim3(static_cast<unsigned>(n_tiles), static_cast<unsigned>(row_tiles))
-                                : dim3(static_cast<unsigned>(row_tiles), static_cast<unsigned>(n_tiles));
-  gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(q, maps);
+  q.cols_fast = k::is(k::kPipeOrder, "cols") || (p.tiles != nullptr && k::is(k::kPipeOrder, "auto")) ? 1 : 0;
+  const WgGemmWalk walk{row_tiles, n_tiles};
+  const int64_t n_items = row_tiles * n_tiles;
+  if (n_items > 0x7fffffffLL) return gpuErrorInvalidValue;
+  // Persistent (BARO_GEMM_WGMMA_PERSIST=1): as many blocks as fit on the SMs at once, each
+  // walking every gridDim-th tile, so a block's ring start is paid once and the next tile's
+  // stages land while the last one's accumulators are stored.
+  int64_t blocks = n_items;
+  if (k::is(k::kGemmWgmmaPersist, "1")) {
+    static std::atomic<int> sms{0};
+    int n = sms.load(std::memory_order_relaxed), dev = 0;
+    if (n == 0) {
+      if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess)
+        sms.store(n, std::memory_order_relaxed);
+      else
+        n = 0, (void)cudaGetLastError();  // the query's own error: fall back to a block per tile
+    }
+    if (n > 0 && blocks > static_cast<int64_t>(n) * Cfg::kMinBlocks) blocks = static_cast<int64_t>(n) * Cfg::kMinBlocks;
+  }
+  gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN>
+      <<<dim3(static_cast<unsigned>(blocks)), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(q, maps, walk);
   return gpuGetLastError();
 }
 

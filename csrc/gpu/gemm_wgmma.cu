@@ -212,45 +212,45 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
     if (tid != kConsumerThreads) return;
     uint32_t it = 0;  // the ring's position: stage it % kWgStages, its use it / kWgStages
     for (int64_t i = blockIdx.x; i < n_items; i += gridDim.x) {
-    if (!tile_of(i, group, r0, rc, c0)) continue;
-    // W rows of the tile's BN / 64 boxes: BN consecutive rows, or (SwiGLU) BN / 2 gate rows and
-    // the BN / 2 matching up rows. Box b's first row and whether it is issued:
-    const int64_t w_base = group * p.N;
-    constexpr int kWBoxes = BN / kWgBox;
-    auto w_box = [&](int b, int& row) {
-      const int64_t col = c0 + kWgBox * (SWIGLU ? b % (kWBoxes / 2) : b);  // its first W column
-      row = static_cast<int>(w_base + (SWIGLU && b >= kWBoxes / 2 ? p.swiglu_I : 0) + col);
-      return col < out_n;
-    };
-    // Boxes wholly past M or N are not issued (no copy depends on TMA's handling of a box with
-    // no element inside): their shared memory keeps whatever it held, which only ever reaches
-    // accumulator rows past M or columns past N, never stored. A box partly inside is zero-filled
-    // past the edge, and its whole size counts as landed bytes.
-    const int a_boxes = (rc + kWgBox - 1) / kWgBox;
-    int w_boxes = 0;
-#pragma unroll
-    for (int b = 0; b < kWBoxes; ++b) {
-      int row;
-      w_boxes += w_box(b, row) ? 1 : 0;
-    }
-    const uint32_t stage_bytes = static_cast<uint32_t>((a_boxes + w_boxes) * kWgBoxBytes);
-    for (int kt = 0; kt < n_k; ++kt, ++it) {
-      const int s = static_cast<int>(it % kWgStages);
-      const uint32_t use = it / kWgStages;
-      if (use > 0) wg_mbar_wait(empty(s), (use - 1) & 1);  // the stage's last use done
-      uint8_t* st = smem + s * Cfg::kStageBytes;
-      const int k0 = kt * kWgBK;
-      wg_mbar_expect(full(s), stage_bytes);
-#pragma unroll
-      for (int b = 0; b < BM / kWgBox; ++b)
-        if (b < a_boxes)
-          tma_box(wg_smem_addr(st + b * kWgBoxBytes), &maps.a, k0, static_cast<int>(r0) + b * kWgBox, full(s));
+      if (!tile_of(i, group, r0, rc, c0)) continue;
+      // W rows of the tile's BN / 64 boxes: BN consecutive rows, or (SwiGLU) BN / 2 gate rows and
+      // the BN / 2 matching up rows. Box b's first row and whether it is issued:
+      const int64_t w_base = group * p.N;
+      constexpr int kWBoxes = BN / kWgBox;
+      auto w_box = [&](int b, int& row) {
+        const int64_t col = c0 + kWgBox * (SWIGLU ? b % (kWBoxes / 2) : b);  // its first W column
+        row = static_cast<int>(w_base + (SWIGLU && b >= kWBoxes / 2 ? p.swiglu_I : 0) + col);
+        return col < out_n;
+      };
+      // Boxes wholly past M or N are not issued (no copy depends on TMA's handling of a box with
+      // no element inside): their shared memory keeps whatever it held, which only ever reaches
+      // accumulator rows past M or columns past N, never stored. A box partly inside is zero-filled
+      // past the edge, and its whole size counts as landed bytes.
+      const int a_boxes = (rc + kWgBox - 1) / kWgBox;
+      int w_boxes = 0;
 #pragma unroll
       for (int b = 0; b < kWBoxes; ++b) {
         int row;
-        if (w_box(b, row)) tma_box(wg_smem_addr(st + Cfg::kABytes + b * kWgBoxBytes), &maps.w, k0, row, full(s));
+        w_boxes += w_box(b, row) ? 1 : 0;
       }
-    }
+      const uint32_t stage_bytes = static_cast<uint32_t>((a_boxes + w_boxes) * kWgBoxBytes);
+      for (int kt = 0; kt < n_k; ++kt, ++it) {
+        const int s = static_cast<int>(it % kWgStages);
+        const uint32_t use = it / kWgStages;
+        if (use > 0) wg_mbar_wait(empty(s), (use - 1) & 1);  // the stage's last use done
+        uint8_t* st = smem + s * Cfg::kStageBytes;
+        const int k0 = kt * kWgBK;
+        wg_mbar_expect(full(s), stage_bytes);
+#pragma unroll
+        for (int b = 0; b < BM / kWgBox; ++b)
+          if (b < a_boxes)
+            tma_box(wg_smem_addr(st + b * kWgBoxBytes), &maps.a, k0, static_cast<int>(r0) + b * kWgBox, full(s));
+#pragma unroll
+        for (int b = 0; b < kWBoxes; ++b) {
+          int row;
+          if (w_box(b, row)) tma_box(wg_smem_addr(st + Cfg::kABytes + b * kWgBoxBytes), &maps.w, k0, row, full(s));
+        }
+      }
     }
     return;
   }
@@ -259,95 +259,95 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
   const int cg = warp_u >> 2;
   uint32_t it = 0;  // the producer's count, stage by stage
   for (int64_t i = blockIdx.x; i < n_items; i += gridDim.x) {
-  if (!tile_of(i, group, r0, rc, c0)) continue;
-  if (64 * cg >= rc) {
-    // A warpgroup whose 64 rows are all past the tile's (a grouped tile of an expert's last
-    // <= 64 pairs, a plain call's short last tile) would only compute rows that are never stored:
-    // it issues no wgmma, so the tensor cores are the live warpgroup's. It still takes part in
-    // the ring: waiting for each stage before releasing it keeps its arrivals in that stage's
-    // phase. No element's chain changes (the stored rows are the other warpgroup's).
+    if (!tile_of(i, group, r0, rc, c0)) continue;
+    if (64 * cg >= rc) {
+      // A warpgroup whose 64 rows are all past the tile's (a grouped tile of an expert's last
+      // <= 64 pairs, a plain call's short last tile) would only compute rows that are never stored:
+      // it issues no wgmma, so the tensor cores are the live warpgroup's. It still takes part in
+      // the ring: waiting for each stage before releasing it keeps its arrivals in that stage's
+      // phase. No element's chain changes (the stored rows are the other warpgroup's).
+      for (int kt = 0; kt < n_k; ++kt, ++it) {
+        const int s = static_cast<int>(it % kWgStages);
+        wg_mbar_wait(full(s), (it / kWgStages) & 1);
+        wg_mbar_arrive(empty(s));
+      }
+      continue;
+    }
+    float acc[kHalves][16][4];  // acc[h]: W tile rows 128 h..128 h + 127
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[h][j][e] = 0.0f;
+    auto hold = [&]() {
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) wg_hold(acc[h]);
+    };
+
     for (int kt = 0; kt < n_k; ++kt, ++it) {
       const int s = static_cast<int>(it % kWgStages);
       wg_mbar_wait(full(s), (it / kWgStages) & 1);
-      wg_mbar_arrive(empty(s));
-    }
-    continue;
-  }
-  float acc[kHalves][16][4];  // acc[h]: W tile rows 128 h..128 h + 127
+      const uint8_t* a_tile = smem + s * Cfg::kStageBytes;
+      const uint8_t* b_tile = a_tile + Cfg::kABytes;
+      const int64_t k0 = static_cast<int64_t>(kt) * kWgBK;
+      wg_fence();  // the accumulator registers, as the previous wgmmas and the zeroing left them
+      hold();
+      if (k0 + kWgBK <= K) {  // the whole stage inside K: the four steps back to back
 #pragma unroll
-  for (int h = 0; h < kHalves; ++h)
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[h][j][i] = 0.0f;
-  auto hold = [&]() {
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h) wg_hold(acc[h]);
-  };
-
-  for (int kt = 0; kt < n_k; ++kt, ++it) {
-    const int s = static_cast<int>(it % kWgStages);
-    wg_mbar_wait(full(s), (it / kWgStages) & 1);
-    const uint8_t* a_tile = smem + s * Cfg::kStageBytes;
-    const uint8_t* b_tile = a_tile + Cfg::kABytes;
-    const int64_t k0 = static_cast<int64_t>(kt) * kWgBK;
-    wg_fence();  // the accumulator registers, as the previous wgmmas and the zeroing left them
-    hold();
-    if (k0 + kWgBK <= K) {  // the whole stage inside K: the four steps back to back
-#pragma unroll
-      for (int kk = 0; kk < kWgBK / 16; ++kk)
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h)
-          wg_mma_128(acc[h], wg_gemm_desc(a_tile, 64 * cg, kk), wg_gemm_desc(b_tile, 128 * h, kk));
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < kWgBK / 16; ++kk)
-        if (k0 + 16 * kk < K)  // uniform: skip steps wholly past K (gemm_pipe_kernel's rule)
+        for (int kk = 0; kk < kWgBK / 16; ++kk)
 #pragma unroll
           for (int h = 0; h < kHalves; ++h)
             wg_mma_128(acc[h], wg_gemm_desc(a_tile, 64 * cg, kk), wg_gemm_desc(b_tile, 128 * h, kk));
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < kWgBK / 16; ++kk)
+          if (k0 + 16 * kk < K)  // uniform: skip steps wholly past K (gemm_pipe_kernel's rule)
+#pragma unroll
+            for (int h = 0; h < kHalves; ++h)
+              wg_mma_128(acc[h], wg_gemm_desc(a_tile, 64 * cg, kk), wg_gemm_desc(b_tile, 128 * h, kk));
+      }
+      wg_commit();
+      // the wgmmas of stage kt - 1 are done once at most this stage's group is in flight: release it
+      wg_wait<1>();
+      hold();
+      if (kt > 0) wg_mbar_arrive(empty((it - 1) % kWgStages));
     }
-    wg_commit();
-    // the wgmmas of stage kt - 1 are done once at most this stage's group is in flight: release it
-    wg_wait<1>();
+    wg_wait_all();
     hold();
-    if (kt > 0) wg_mbar_arrive(empty((it - 1) % kWgStages));
-  }
-  wg_wait_all();
-  hold();
-  wg_mbar_arrive(empty((it - 1) % kWgStages));  // the tile's last stage, for the block's next tile
+    wg_mbar_arrive(empty((it - 1) % kWgStages));  // the tile's last stage, for the block's next tile
 
-  // ---- epilogue: gemm_pipe_kernel's stores ----
-  const int lane = tid & 31, w = (tid >> 5) & 3;
-  const int g = lane >> 2, t = lane & 3;
-  const int64_t nc64 = out_n - c0;
-  const int nc = static_cast<int>(nc64 < kOutCols ? nc64 : kOutCols);
-  const bool out2 = p.out2 != 0;
+    // ---- epilogue: gemm_pipe_kernel's stores ----
+    const int lane = tid & 31, w = (tid >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+    const int64_t nc64 = out_n - c0;
+    const int nc = static_cast<int>(nc64 < kOutCols ? nc64 : kOutCols);
+    const bool out2 = p.out2 != 0;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = 64 * cg + 16 * w + g + 8 * h;
-    if (r >= rc) continue;
-    const int64_t orow = (r0 + r) * p.ldc;
-    // 8-column chunk f of the W tile is acc[f / 16][f % 16]; SwiGLU: gate chunk q, up chunk q + BN / 16
-    if constexpr (SWIGLU) {
+    for (int h = 0; h < 2; ++h) {
+      const int r = 64 * cg + 16 * w + g + 8 * h;
+      if (r >= rc) continue;
+      const int64_t orow = (r0 + r) * p.ldc;
+      // 8-column chunk f of the W tile is acc[f / 16][f % 16]; SwiGLU: gate chunk q, up chunk q + BN / 16
+      if constexpr (SWIGLU) {
 #pragma unroll
-      for (int q = 0; q < BN / 16; ++q) {
-        const int c = 8 * q + 2 * t;
-        constexpr int kUp = BN / 16;
-        const float* gq = acc[q / 16][q % 16];
-        const float* uq = acc[(q + kUp) / 16][(q + kUp) % 16];
-        const float g0 = gq[2 * h], g1 = gq[2 * h + 1];
-        const float u0 = uq[2 * h], u1 = uq[2 * h + 1];
-        store_pair(p.Act + orow + c0 + c, f32_to_bf16(siluf_(g0) * u0), f32_to_bf16(siluf_(g1) * u1), c, nc, out2);
-      }
-    } else {
+        for (int q = 0; q < BN / 16; ++q) {
+          const int c = 8 * q + 2 * t;
+          constexpr int kUp = BN / 16;
+          const float* gq = acc[q / 16][q % 16];
+          const float* uq = acc[(q + kUp) / 16][(q + kUp) % 16];
+          const float g0 = gq[2 * h], g1 = gq[2 * h + 1];
+          const float u0 = uq[2 * h], u1 = uq[2 * h + 1];
+          store_pair(p.Act + orow + c0 + c, f32_to_bf16(siluf_(g0) * u0), f32_to_bf16(siluf_(g1) * u1), c, nc, out2);
+        }
+      } else {
 #pragma unroll
-      for (int f = 0; f < BN / 8; ++f) {
-        const int c = 8 * f + 2 * t;
-        store_pair(p.C + orow + c0 + c, acc[f / 16][f % 16][2 * h], acc[f / 16][f % 16][2 * h + 1], c, nc, out2);
+        for (int f = 0; f < BN / 8; ++f) {
+          const int c = 8 * f + 2 * t;
+          store_pair(p.C + orow + c0 + c, acc[f / 16][f % 16][2 * h], acc[f / 16][f % 16][2 * h + 1], c, nc, out2);
+        }
       }
     }
-  }
   }
 }
 

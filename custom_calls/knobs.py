@@ -154,10 +154,11 @@ _TABLE: tuple[Knob, ...] = (
          doc="the wgmma GEMM's W tile: 128 rows, or 256 (a third less read from L2 per product, one block per "
              "SM) for every call wider than 128 output columns (256), the MoE's grouped calls only (grouped) or "
              "the plain ones only (plain); the same bits (csrc/gpu/gemm_wgmma.cu)"),
-    Knob("BARO_GEMM_WGMMA_PERSIST", "choice", "0", choices=("0", "1"),
-         doc="1: the wgmma GEMM's grid as many blocks as fit on the SMs at once, each walking every gridDim-th "
-             "output tile with one ring (the next tile's stages land while the last one's are stored); 0: a block "
-             "per tile; the same bits (csrc/gpu/gemm_wgmma.cu)"),
+    Knob("BARO_GEMM_WGMMA_PERSIST", "choice", "0", choices=("0", "1", "3"),
+         doc="1: the wgmma GEMM's grid as many blocks as are resident on the SMs at once, each walking every "
+             "gridDim-th output tile with one ring (the next tile's stages land while the last one's are stored); "
+             "3: three blocks (tests: many tiles a block at any shape); 0: a block per tile; the same bits "
+             "(csrc/gpu/gemm_wgmma.cu)"),
     Knob("BARO_ROWS16_RING", "choice", "auto", choices=("auto", "deep", "light"),
          doc="gemm_rows16's cp.async ring: deep (8 stages, SwiGLU 6: one or two blocks per SM) or light (4, "
              "SwiGLU 3: twice the blocks per SM); auto: light for grouped MoE calls and grids of 4 blocks per SM, "

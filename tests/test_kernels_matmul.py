@@ -257,7 +257,7 @@ def test_matmul_stream_levers_require_one(platform, monkeypatch):
 # (BARO_GEMM_WGMMA_RING: two blocks per SM), then both rings in the column-fast walk (BARO_PIPE_ORDER=cols),
 # then 256-row W tiles (BARO_GEMM_WGMMA_BN; N = 200: a second half partly past N, 1544: a last tile of
 # 8 columns in its first box, so three of its four W boxes are not issued), then the persistent grid
-# (BARO_GEMM_WGMMA_PERSIST=1).
+# (BARO_GEMM_WGMMA_PERSIST=1: the resident blocks, =3: three).
 WGMMA_M = [64, 65, 127, 128, 300, 1024]
 
 
@@ -311,11 +311,13 @@ def test_matmul_wgmma_same_bytes(platform, N, K, monkeypatch):
                 assert_same_bits(call(x, "require", tile, ring, order, "plain"), want,
                                  f"matmul N={N} K={K} m={m} tile {tile} ring {ring} {order} BN 256: "
                                  "BARO_GEMM_WGMMA vs the default")
-        # the persistent grid (BARO_GEMM_WGMMA_PERSIST: a block walks several tiles on one ring)
-        for tile, ring, order, bn in (("64", "4", "auto", "128"), ("128", "3", "cols", "128"),
-                                      ("128", "4", "auto", "plain"), ("64", "3", "cols", "plain")):
-            assert_same_bits(call(x, "require", tile, ring, order, bn, "1"), want,
-                             f"matmul N={N} K={K} m={m} tile {tile} ring {ring} {order} BN {bn} persistent: "
+        # the persistent grid (BARO_GEMM_WGMMA_PERSIST: a block walks several tiles on one ring; =3:
+        # three blocks, so every block walks many tiles here, idle and live warpgroups in turn)
+        for tile, ring, order, bn, persist in (("64", "4", "auto", "128", "1"), ("128", "3", "cols", "128", "3"),
+                                               ("128", "4", "auto", "plain", "3"), ("64", "3", "cols", "plain", "3"),
+                                               ("128", "3", "auto", "plain", "1")):
+            assert_same_bits(call(x, "require", tile, ring, order, bn, persist), want,
+                             f"matmul N={N} K={K} m={m} tile {tile} ring {ring} {order} BN {bn} persist {persist}: "
                              "BARO_GEMM_WGMMA vs the default")
         # the decode path: a row of the wgmma call against a one-row call
         for i in sorted({0, m // 2, m - 1, int(rng.integers(0, m))}):

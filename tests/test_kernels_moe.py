@@ -340,13 +340,16 @@ def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, k, monkeypatch):
     # gemm_pipe_kernel reads them in place); then 256-row W tiles (BARO_GEMM_WGMMA_BN: the grouped
     # GEMMs, the grouped down GEMM alone in the row walk, and the plain GEMMs (router; the shared
     # expert when unfolded) with the grouped ones on mma.sync); then the persistent grid
-    # (BARO_GEMM_WGMMA_PERSIST=1: a block walks several tiles on one ring) with either tile width
+    # (BARO_GEMM_WGMMA_PERSIST=1: the resident blocks walk several tiles each on one ring; =3: three
+    # blocks, so every shape walks many tiles a block, empty slots, idle and live warpgroups in turn)
+    # with either tile width
     settings = (("0", "0", "4", "auto"), ("require", "down", "4", "auto"), ("require", "sorted", "4", "auto"),
                 ("require", "down", "3", "auto"), ("require", "sorted", "3", "auto"), ("0", "sorted", "4", "auto"),
                 ("require", "down", "4", "rows"), ("require", "sorted", "3", "rows"),
                 ("require", "sorted", "4", "auto", "256"), ("require", "down", "3", "rows", "grouped"),
                 ("require", "0", "4", "auto", "256"), ("require", "sorted", "4", "auto", "128", "1"),
-                ("require", "sorted", "3", "rows", "256", "1"), ("require", "sorted", "4", "auto", "256", "1"))
+                ("require", "sorted", "3", "rows", "256", "3"), ("require", "sorted", "4", "auto", "256", "1"),
+                ("require", "down", "4", "auto", "grouped", "3"), ("require", "sorted", "3", "auto", "128", "3"))
     for fold in ("1", "0"):
         monkeypatch.setenv("BARO_MOE_FOLD", fold)
         got = {}

@@ -25,16 +25,18 @@
 // There is no split-K and no stream-K: a row's bits never depend on the call's row count or on
 // the tile the row lands in, so prefill through this kernel equals decode.
 //
-// Shape: BM x 128 output tiles (BM 128: two consumer warpgroups of 64 rows, or 64: one), one
-// m64n128k16 per consumer warpgroup per k16 step; a producer warp whose lane 0 issues the TMA
-// boxes (64 K-elements = 128 bytes x 64 rows, the 128-byte swizzle) into a kStages ring with a
-// full mbarrier (the producer's arrival with the stage's byte count, completed by the copies)
-// and an empty mbarrier (one arrival per consumer thread once its wgmmas reading the stage are
-// done) per stage. SwiGLU: the W tile's first 64 rows are gate rows c0.., the last 64 the up rows
-// I + c0.., so accumulator chunk j (gate column 8j..) and chunk j + 8 (the same up column) sit in
-// the same thread, which writes bf16(silu(g) * u) with gemm_pipe_kernel's expression.
+// Shape: BM x BN output tiles (BM 128: two consumer warpgroups of 64 rows, or 64: one; BN 128, or
+// 256 with BARO_GEMM_WGMMA_BN), one m64n128k16 per consumer warpgroup and 128 W rows per k16 step;
+// a producer warp whose lane 0 issues the TMA boxes (64 K-elements = 128 bytes x 64 rows, the
+// 128-byte swizzle) into a kStages ring with a full mbarrier (the producer's arrival with the
+// stage's byte count, completed by the copies) and an empty mbarrier (one arrival per consumer
+// thread once its wgmmas reading the stage are done) per stage. SwiGLU: the W tile's first BN / 2
+// rows are gate rows c0.., the last BN / 2 the up rows I + c0.., so gate chunk q (column 8q..)
+// and up chunk q + BN / 16 (the same up column) sit in the same thread, which writes
+// bf16(silu(g) * u) with gemm_pipe_kernel's expression. A block computes one tile, or with
+// BARO_GEMM_WGMMA_PERSIST several on one ring (WgGemmWalk).
 //
-// Grouped calls (BARO_GEMM_WGMMA_GROUPED, opt-in): one block per tile of the tile list, W's boxes
+// Grouped calls (BARO_GEMM_WGMMA_GROUPED, opt-in): the tiles are the tile list's slots, W's boxes
 // from the tile's group, A's rows read in place through A's tensor map: the MoE's down GEMM in
 // prefill (=down and =sorted: the sorted pairs' activations) and its gate/up GEMM (=sorted: the
 // pairs' rows of h copied into sorted order first, moe.cu). Both lose to mma.sync at 8k (docs/PERF.md
@@ -386,21 +388,25 @@ static gpuError_t wg_gemm_launch_ring(const GemmParams& p, const WgGemmMaps& map
   q.cols_fast = k::is(k::kPipeOrder, "cols") || (p.tiles != nullptr && k::is(k::kPipeOrder, "auto")) ? 1 : 0;
   const WgGemmWalk walk{row_tiles, n_tiles};
   const int64_t n_items = row_tiles * n_tiles;
-  if (n_items > 0x7fffffffLL) return gpuErrorInvalidValue;
-  // Persistent (BARO_GEMM_WGMMA_PERSIST=1): as many blocks as fit on the SMs at once, each
-  // walking every gridDim-th tile, so a block's ring start is paid once and the next tile's
-  // stages land while the last one's accumulators are stored.
+  // Persistent (BARO_GEMM_WGMMA_PERSIST=1): as many blocks as are resident on the SMs at once
+  // (the occupancy query: 64-row tiles fit two or three a SM), each walking every gridDim-th tile,
+  // so a block's ring start is paid once and the next tile's stages land while the last one's
+  // accumulators are stored. =3: a grid of three blocks, so that the tests walk many tiles per
+  // block at every shape. The launcher checked n_items against the 1-D grid's limit.
   int64_t blocks = n_items;
-  if (k::is(k::kGemmWgmmaPersist, "1")) {
-    static std::atomic<int> sms{0};
-    int n = sms.load(std::memory_order_relaxed), dev = 0;
-    if (n == 0) {
-      if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess)
-        sms.store(n, std::memory_order_relaxed);
-      else
-        n = 0, (void)cudaGetLastError();  // the query's own error: fall back to a block per tile
+  if (k::is(k::kGemmWgmmaPersist, "3")) {
+    blocks = n_items < 3 ? n_items : 3;
+  } else if (k::is(k::kGemmWgmmaPersist, "1")) {
+    int dev = 0, sms = 0, per_sm = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN>,
+                                                      Cfg::kThreads, Cfg::kSmemBytes) == cudaSuccess) {
+      const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
+      if (blocks > resident) blocks = resident;
+    } else {
+      (void)cudaGetLastError();  // the queries' own error: a block per tile
     }
-    if (n > 0 && blocks > static_cast<int64_t>(n) * Cfg::kMinBlocks) blocks = static_cast<int64_t>(n) * Cfg::kMinBlocks;
   }
   gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN>
       <<<dim3(static_cast<unsigned>(blocks)), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(q, maps, walk);
@@ -468,8 +474,9 @@ gpuError_t launch_gemm_wgmma(const GemmParams& p, int bm, int64_t row_slots, gpu
   if (a_rows > kI32 || row_tiles < 1 || row_tiles > kI32) return gpuSuccess;
   if (swiglu && (p.swiglu_I <= 0 || p.N != 2 * p.swiglu_I)) return gpuSuccess;
   const int64_t out_n = swiglu ? p.swiglu_I : p.N;
+  // the 1-D grid's tiles at the narrower W tile (128 rows), the most any width launches
   const int64_t n_tiles = (out_n + (swiglu ? 63 : 127)) / (swiglu ? 64 : 128);
-  if (n_tiles > 65535) return gpuSuccess;
+  if (n_tiles * row_tiles > 0x7fffffffLL) return gpuSuccess;
   if (!wg_device_is_sm90()) return gpuSuccess;
   WgGemmMaps maps{};
   if (!wg_gemm_encode(&maps.a, p.A, a_rows, p.K, p.lda) || !wg_gemm_encode(&maps.w, p.W, w_rows, p.K, p.ldw))

@@ -141,19 +141,21 @@ _TABLE: tuple[Knob, ...] = (
          doc="1: plain GEMMs of 64 rows or more on the sm_90a wgmma + TMA kernel where it runs (the same bits as "
              "the mma.sync kernels); 0: the mma.sync kernels everywhere; require: an error where it would fall "
              "back (tests) (csrc/gpu/matmul.cu, csrc/gpu/gemm_wgmma.cu)"),
-    Knob("BARO_GEMM_WGMMA_GROUPED", "choice", "0", choices=("0", "down", "sorted"),
+    Knob("BARO_GEMM_WGMMA_GROUPED", "choice", "auto", choices=("auto", "0", "down", "sorted"),
          doc="sorted: the MoE's grouped GEMMs of prefill (tiles of 64 or 128 rows) on the wgmma kernel too, where "
              "BARO_GEMM_WGMMA lets it run: the down GEMM (A read in place) and the gate/up GEMM with the fused "
              "SwiGLU, its A rows copied into sorted order first and read by TMA; down: the down GEMM only; 0: "
-             "neither (the same bits; slower at 8k on an H100, opt-in) (csrc/gpu/matmul.cu, csrc/gpu/moe.cu, "
-             "csrc/gpu/gemm_wgmma.cu)"),
+             "neither; auto: sorted for calls of at least 32,768 pairs (4,096 tokens of top 8), where it was "
+             "measured faster; the same bits (csrc/gpu/matmul.cu, csrc/gpu/moe.cu, csrc/gpu/gemm_wgmma.cu)"),
     Knob("BARO_GEMM_WGMMA_RING", "choice", "4", choices=("4", "3"),
          doc="the wgmma GEMM's TMA ring: 4 stages (one 128-row block per SM) or 3 (two blocks per SM, so one "
              "block's ring start and stores overlap the other's wgmmas); the same bits (csrc/gpu/gemm_wgmma.cu)"),
-    Knob("BARO_GEMM_WGMMA_BN", "choice", "128", choices=("128", "256", "grouped", "plain"),
+    Knob("BARO_GEMM_WGMMA_BN", "choice", "auto", choices=("auto", "128", "256", "grouped", "plain"),
          doc="the wgmma GEMM's W tile: 128 rows, or 256 (a third less read from L2 per product, one block per "
              "SM) for every call wider than 128 output columns (256), the MoE's grouped calls only (grouped) or "
-             "the plain ones only (plain); the same bits (csrc/gpu/gemm_wgmma.cu)"),
+             "the plain ones only (plain); auto: 256 for calls of at least 4,096 rows or 32,768 pairs, where it "
+             "was measured faster (a prefill chunk of 4,096 or 8,192; decode steps keep 128); the same bits "
+             "(csrc/gpu/gemm_wgmma.cu)"),
     Knob("BARO_GEMM_WGMMA_PERSIST", "choice", "0", choices=("0", "1", "3"),
          doc="1: the wgmma GEMM's grid as many blocks as are resident on the SMs at once, each walking every "
              "gridDim-th output tile with one ring (the next tile's stages land while the last one's are stored); "

@@ -36,12 +36,13 @@
 // bf16(silu(g) * u) with gemm_pipe_kernel's expression. A block computes one tile, or with
 // BARO_GEMM_WGMMA_PERSIST several on one ring (WgGemmWalk).
 //
-// Grouped calls (BARO_GEMM_WGMMA_GROUPED, opt-in): the tiles are the tile list's slots, W's boxes
-// from the tile's group, A's rows read in place through A's tensor map: the MoE's down GEMM in
-// prefill (=down and =sorted: the sorted pairs' activations) and its gate/up GEMM (=sorted: the
-// pairs' rows of h copied into sorted order first, moe.cu). Both lose to mma.sync at 8k (docs/PERF.md
-// 2026-12-06) and stay opt-in as the base of fuller tiles; a gather of gate/up's rows inside this
-// kernel (cp.async by a producer warp, then a warpgroup) lost as well and was removed.
+// Grouped calls (BARO_GEMM_WGMMA_GROUPED): the tiles are the tile list's slots, W's boxes from the
+// tile's group, A's rows read in place through A's tensor map: the MoE's down GEMM in prefill
+// (=down and =sorted: the sorted pairs' activations) and its gate/up GEMM (=sorted: the pairs'
+// rows of h copied into sorted order first, moe.cu). In 128-row W tiles and a row-fast walk both
+// lost to mma.sync at 8k; with a slot's column tiles side by side and 256-row W tiles they win at
+// 4,096 rows and more (docs/PERF.md 2026-12-06), where auto takes them. A gather of gate/up's rows
+// inside this kernel (cp.async by a producer warp, then a warpgroup) lost and was removed.
 // Plain calls passed their byte tests on the H200 (0695bc5), the grouped paths on the H100
 // (9f5d3b3; the rings of 3 and 4, 2b7c437); docs/PERF.md has their speed.
 #include <atomic>
@@ -422,12 +423,14 @@ static gpuError_t wg_gemm_launch_bn(const GemmParams& p, const WgGemmMaps& maps,
 }
 
 // The W tile's rows (BARO_GEMM_WGMMA_BN): 256 for the calls the setting names (all, grouped or
-// plain) whose output is wider than 128 columns (SwiGLU: 64), else 128.
+// plain; auto, the default: calls of at least kWgAutoRows rows or kWgAutoPairs pairs, launch.h)
+// whose output is wider than 128 columns (SwiGLU: 64), else 128.
 static bool wg_gemm_wide(const GemmParams& p) {
   namespace k = baro::knobs;
   const bool grouped = p.tiles != nullptr;
+  const bool big = grouped ? p.a_total_rows >= kWgAutoPairs : p.M >= kWgAutoRows;
   const bool named = k::is(k::kGemmWgmmaBn, "256") || (grouped && k::is(k::kGemmWgmmaBn, "grouped")) ||
-                     (!grouped && k::is(k::kGemmWgmmaBn, "plain"));
+                     (!grouped && k::is(k::kGemmWgmmaBn, "plain")) || (big && k::is(k::kGemmWgmmaBn, "auto"));
   const int64_t out_n = p.Act != nullptr ? p.swiglu_I : p.N;
   return named && out_n > (p.Act != nullptr ? 64 : 128);
 }

@@ -108,6 +108,20 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
 // in the architectures, HIP), the device is not sm_90, or the call or its alignment does not fit;
 // the caller then runs its own kernel. p.out2 must be filled (launch_gemm does).
 gpuError_t launch_gemm_wgmma(const GemmParams& p, int bm, int64_t row_slots, gpuStream_t stream, bool* ran);
+// Where `auto` puts the MoE's grouped prefill GEMMs on wgmma (BARO_GEMM_WGMMA_GROUPED: gate/up's A
+// rows copied into sorted order, both GEMMs reading A in place) and the wgmma GEMM's 256-row W
+// tiles (BARO_GEMM_WGMMA_BN): calls of at least 4,096 rows (plain) or 32,768 pairs (grouped: 4,096
+// tokens of top 8), the sizes measured faster (docs/PERF.md 2026-12-06: an 8k prefill at chunk
+// 4096 +4.8%, the MoE op at 8,192 rows -13%, H100); smaller calls, decode steps among them, keep
+// the kernels measured there. Any choice gives the same bits.
+constexpr int64_t kWgAutoRows = 4096, kWgAutoPairs = 32768;
+inline bool wgmma_grouped_sorted(int64_t pairs) {
+  namespace k = baro::knobs;
+  return k::is(k::kGemmWgmmaGrouped, "sorted") || (k::is(k::kGemmWgmmaGrouped, "auto") && pairs >= kWgAutoPairs);
+}
+inline bool wgmma_grouped_on(int64_t pairs) {
+  return baro::knobs::is(baro::knobs::kGemmWgmmaGrouped, "down") || wgmma_grouped_sorted(pairs);
+}
 // y[m,N] = x[m,K] . w[N,K]^T
 gpuError_t launch_matmul(const uint16_t* x, const uint16_t* w, float* y, int64_t m, int64_t N,
                          int64_t K, gpuStream_t stream);

@@ -646,15 +646,14 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
   // kernel (gemm_wgmma.cu, the same bits as every config here) where the build, device and
   // operands have it, else the config's kernel below; =require (tests): an error instead of that
   // fallback. Whatever cfg the call picked: 128-row tiles where it picked them. Grouped calls
-  // where their tiles are the pipelined kernel's 64 or 128 rows, a block per tile as
-  // gemm_pipe_kernel (opt-in: slower at 8k, docs/PERF.md 2026-12-06): BARO_GEMM_WGMMA_GROUPED=down
+  // where their tiles are the pipelined kernel's 64 or 128 rows (BARO_GEMM_WGMMA_GROUPED): =down
   // the MoE's down GEMM of prefill (A read in place), =sorted its gate/up GEMM with the fused
-  // SwiGLU too, gate/up's A rows copied into sorted order before the call (moe.cu) and read in place.
+  // SwiGLU too, gate/up's A rows copied into sorted order before the call (moe.cu) and read in
+  // place; auto (the default): sorted for calls of at least kWgAutoPairs pairs (launch.h).
   namespace k = baro::knobs;
   const bool wg_plain = p.tiles == nullptr && p.M >= 64 && p.a_rows == nullptr;
   const bool wg_grouped = p.tiles != nullptr && (cfg == GemmConfig::kPipe64 || cfg == GemmConfig::kPipe128) &&
-                          p.a_rows == nullptr &&
-                          (k::is(k::kGemmWgmmaGrouped, "down") || k::is(k::kGemmWgmmaGrouped, "sorted"));
+                          p.a_rows == nullptr && wgmma_grouped_on(p.a_total_rows);
   if ((wg_plain || wg_grouped) && !split_w && p.moe.kind == Row1Moe::kNone) {
     const bool wg_need = k::is(k::kGemmWgmma, "require");
     if (wg_need || k::is(k::kGemmWgmma, "1")) {

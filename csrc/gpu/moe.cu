@@ -610,7 +610,7 @@ size_t moe_scratch_bytes(const MoeArgs& a) {
 // The gate/up GEMM's A rows copied into sorted order first (BARO_GEMM_WGMMA_GROUPED=sorted): prefill
 // calls on the pipelined configs, every pair placed (no slot pool), no shared expert folded in.
 static bool moe_sorted_a(const MoeArgs& a, const MoePlan& pl) {
-  return baro::knobs::is(baro::knobs::kGemmWgmmaGrouped, "sorted") &&
+  return wgmma_grouped_sorted(a.m * a.top_k) &&
          (pl.cfg == GemmConfig::kPipe64 || pl.cfg == GemmConfig::kPipe128) && !pl.share && !pl.fold &&
          a.slots == nullptr && !a.skip_unslotted && a.D % 8 == 0;
 }

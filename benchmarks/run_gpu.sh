@@ -464,7 +464,8 @@ stage_pipe_order() {
 # ($OUT/speed_moe_<n>_${CARD}.json), <n> the setting's index; the settings print beside the numbers.
 stage_moe_grouped() {
   local part setting n
-  local settings=${MOE_GROUPED_SETTINGS:-BARO_GEMM_WGMMA_GROUPED=0 BARO_GEMM_WGMMA_GROUPED=down BARO_GEMM_WGMMA_GROUPED=sorted}
+  # by default the kernels before 3b96722 (mma.sync grouped GEMMs, 128-row W tiles) against today's auto
+  local settings=${MOE_GROUPED_SETTINGS:-BARO_GEMM_WGMMA_GROUPED=0,BARO_GEMM_WGMMA_BN=128 BARO_GEMM_WGMMA_GROUPED=auto,BARO_GEMM_WGMMA_BN=auto}
   for part in ${MOE_GROUPED_PARTS:-tests ops speed}; do
     log "moe_grouped part $part"
     n=0

@@ -386,7 +386,7 @@ static gpuError_t wg_gemm_launch_ring(const GemmParams& p, const WgGemmMaps& map
   // computes a tile changes, never how.
   namespace k = baro::knobs;
   GemmParams q = p;
-  q.cols_fast = k::is(k::kPipeOrder, "cols") || (p.tiles != nullptr && k::is(k::kPipeOrder, "auto")) ? 1 : 0;
+  q.cols_fast = gemm_walk_cols(p.tiles != nullptr) ? 1 : 0;
   const WgGemmWalk walk{row_tiles, n_tiles};
   const int64_t n_items = row_tiles * n_tiles;
   // Persistent (BARO_GEMM_WGMMA_PERSIST=1): as many blocks as are resident on the SMs at once
@@ -398,16 +398,22 @@ static gpuError_t wg_gemm_launch_ring(const GemmParams& p, const WgGemmMaps& map
   if (k::is(k::kGemmWgmmaPersist, "3")) {
     blocks = n_items < 3 ? n_items : 3;
   } else if (k::is(k::kGemmWgmmaPersist, "1")) {
-    int dev = 0, sms = 0, per_sm = 0;
-    if (cudaGetDevice(&dev) == cudaSuccess &&
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN>,
-                                                      Cfg::kThreads, Cfg::kSmemBytes) == cudaSuccess) {
-      const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
-      if (blocks > resident) blocks = resident;
-    } else {
-      (void)cudaGetLastError();  // the queries' own error: a block per tile
+    // asked once per instance (the only device the sm_90a image runs on is sm_90)
+    static std::atomic<int64_t> resident{0};
+    int64_t r = resident.load(std::memory_order_relaxed);
+    if (r == 0) {
+      int dev = 0, sms = 0, per_sm = 0;
+      if (cudaGetDevice(&dev) == cudaSuccess &&
+          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN>,
+                                                        Cfg::kThreads, Cfg::kSmemBytes) == cudaSuccess) {
+        r = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
+        resident.store(r, std::memory_order_relaxed);
+      } else {
+        (void)cudaGetLastError();  // the queries' own error: a block per tile
+      }
     }
+    if (r > 0 && blocks > r) blocks = r;
   }
   gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN>
       <<<dim3(static_cast<unsigned>(blocks)), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(q, maps, walk);

@@ -115,6 +115,13 @@ gpuError_t launch_gemm_wgmma(const GemmParams& p, int bm, int64_t row_slots, gpu
 // 4096 +4.8%, the MoE op at 8,192 rows -13%, H100); smaller calls, decode steps among them, keep
 // the kernels measured there. Any choice gives the same bits.
 constexpr int64_t kWgAutoRows = 4096, kWgAutoPairs = 32768;
+// The tiled grids' walk (BARO_PIPE_ORDER, GemmParams::cols_fast): a slot's column tiles side by
+// side where forced (cols) or, under auto, where the caller says it was measured faster (the
+// MoE's grouped prefill GEMMs, on the pipelined kernel and on wgmma).
+inline bool gemm_walk_cols(bool auto_cols) {
+  namespace k = baro::knobs;
+  return k::is(k::kPipeOrder, "cols") || (auto_cols && k::is(k::kPipeOrder, "auto"));
+}
 inline bool wgmma_grouped_sorted(int64_t pairs) {
   namespace k = baro::knobs;
   return k::is(k::kGemmWgmmaGrouped, "sorted") || (k::is(k::kGemmWgmmaGrouped, "auto") && pairs >= kWgAutoPairs);

@@ -160,10 +160,8 @@ static gpuError_t launch_tiled(const GemmParams& p, int64_t row_slots, gpuStream
   static std::atomic<uint64_t> smem_done{0};
   gpuError_t e = allow_smem(Kernel, Cfg::kSmemBytes, smem_done);
   if (e != gpuSuccess) return e;
-  namespace k = baro::knobs;
   GemmParams q = p;
-  const bool cols = k::is(k::kPipeOrder, "cols") || (cols_auto && k::is(k::kPipeOrder, "auto"));
-  q.cols_fast = cols && row_slots <= 65535 ? 1 : 0;
+  q.cols_fast = gemm_walk_cols(cols_auto) && row_slots <= 65535 ? 1 : 0;
   const dim3 grid = q.cols_fast ? dim3(static_cast<unsigned>(n_tiles), static_cast<unsigned>(row_slots))
                                 : dim3(static_cast<unsigned>(row_slots), static_cast<unsigned>(n_tiles));
   Kernel<<<grid, kThreads, Cfg::kSmemBytes, stream>>>(q);

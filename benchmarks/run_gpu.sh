@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill mma_swap mma_latency prefill_profile attn_pipe pipe_order moe_grouped tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill mma_swap mma_latency prefill_profile chunk_sweep attn_pipe pipe_order moe_grouped tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -501,6 +501,13 @@ stage_prefill_profile() {
       --json "$OUT/prefill_profile_${n}_${CARD}.json" \
       2>&1 | grep -v '^\[baro_jax\]' | tail -34
   done
+}
+# Prefill at each of CHUNK_SWEEP_CHUNKS (8192,16384) in one process, every chunk identity-checked
+# (speed.py's prefix and tail checks): whether a long prompt gains from chunks past DEFAULT_CHUNK.
+stage_chunk_sweep() {
+  timeout "${CHUNK_SWEEP_TIMEOUT:-400}" python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
+    --lengths "${CHUNK_SWEEP_LENGTHS:-32768}" --chunk "${CHUNK_SWEEP_CHUNKS:-8192,16384}" --decode-tokens 16 \
+    --check-tail 32 --json "$OUT/speed_chunk_sweep_${CARD}.json" 2>&1 | grep -E "tok/s|identity|Error|error" | tail -8
 }
 stage_speed() {
   python benchmarks/speed.py --model qwen3.5-35b-a3b --lengths "${SPEED_LENGTHS:-1024,8192}" --chunk 1024 \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill mma_swap mma_latency prefill_profile chunk_sweep attn_pipe pipe_order moe_grouped tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill ncu_source mma_swap mma_latency prefill_profile chunk_sweep attn_pipe pipe_order moe_grouped tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -146,6 +146,23 @@ stage_ncu_moe_prefill() {
     > "$OUT/ncu_moe_prefill${NCU_MOE_TAG:+_$NCU_MOE_TAG}_${CARD}.txt" 2>&1
   grep -E "^  [a-z_]+.*\(|Duration|Throughput|Pipe|Issue|Eligible|Warp Cycles|Occupancy|Registers Per|Stall|L2 Hit" \
     "$OUT/ncu_moe_prefill${NCU_MOE_TAG:+_$NCU_MOE_TAG}_${CARD}.txt" | head -80
+  pkill -f benchmarks/op_times.py; sleep 1
+}
+# Where one kernel's warps wait, line by line of its SASS (ncu --section SourceCounters: warp stall
+# samples per instruction): NCU_SRC_KERNEL (regex, delta_kernel) in one op_times call of NCU_SRC_OPS
+# (delta) at NCU_SRC_M rows (4096). $OUT/ncu_source_<tag>_${CARD}.csv.gz (the source page, SASS) and
+# .txt (ncu's summary sections), tag NCU_SRC_TAG (delta).
+stage_ncu_source() {
+  local tag=${NCU_SRC_TAG:-delta}
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --section SourceCounters \
+    --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
+    -k "regex:${NCU_SRC_KERNEL:-delta_kernel}" --launch-count 1 -f -o "/tmp/ncu_source_$tag" \
+    python benchmarks/op_times.py --m "${NCU_SRC_M:-4096}" --ops "${NCU_SRC_OPS:-delta}" --reps 1 --backends ordered \
+    > "$OUT/ncu_source_${tag}_log.txt" 2>&1
+  ncu -i "/tmp/ncu_source_$tag.ncu-rep" > "$OUT/ncu_source_${tag}_${CARD}.txt" 2>&1
+  ncu -i "/tmp/ncu_source_$tag.ncu-rep" --page source --csv --print-source sass 2>/dev/null \
+    | gzip > "$OUT/ncu_source_${tag}_${CARD}.csv.gz"
+  grep -E "Duration|Issued Warp|Eligible|Warp Cycles|Stall|Occupancy|Registers Per" "$OUT/ncu_source_${tag}_${CARD}.txt" | head -30
   pkill -f benchmarks/op_times.py; sleep 1
 }
 # Whether mma.sync gives the same bits with its operands' roles swapped (W as the 16-row A, a

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill ncu_source mma_swap mma_latency prefill_profile chunk_sweep attn_pipe pipe_order moe_grouped tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill ncu_source mma_swap mma_latency prefill_profile chunk_sweep delta_kv attn_pipe pipe_order moe_grouped tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -506,6 +506,23 @@ stage_moe_grouped() {
     esac
   done
   echo "$settings" | tr ' ' '\n' | nl -v0 > "$OUT/moe_grouped_settings.txt"
+}
+# The delta scan's kv sum (BARO_DELTA_KV: butterfly, gather, two; the same bits): its byte tests,
+# then the delta op at DELTA_KV_M rows under each value (20 calls back to back, fastest of 3 rounds)
+# and, with DELTA_KV_SPEED=1, prefill at DELTA_KV_LENGTHS (8192) under each: op_times_delta_kv_<v>,
+# speed_delta_kv_<v>.
+stage_delta_kv() {
+  local v
+  timeout "${DELTA_KV_TEST_TIMEOUT:-200}" python -m pytest -m gpu tests/test_kernels_delta.py -q -p no:cacheprovider \
+    -k "kv_sum_variants or delta_blocks" 2>&1 | tee "$OUT/gpu_delta_kv_tests_${CARD}.txt" | tail -3
+  for v in ${DELTA_KV_VALUES:-butterfly gather two}; do
+    echo "--- BARO_DELTA_KV=$v"
+    BARO_DELTA_KV=$v timeout 120 python benchmarks/op_times.py --m "${DELTA_KV_M:-4096,8192}" --ops delta \
+      --backends ordered --reps 20 --rounds 3 --json "$OUT/op_times_delta_kv_${v}_${CARD}.json" 2>&1 | grep "op="
+  done
+  [ "${DELTA_KV_SPEED:-0}" = 1 ] && speed_under BARO_DELTA_KV "${DELTA_KV_VALUES:-butterfly gather two}" \
+    "${DELTA_KV_LENGTHS:-8192}" delta_kv_ 200
+  return 0
 }
 # Where a prompt's prefill time goes (issue 31), kernel by kernel: decode_profile.py --prefill at
 # each of PREFILL_PROFILE_LENGTHS (8192 32768) at the engine's chunk (PREFILL_PROFILE_CHUNK to force

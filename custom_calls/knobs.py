@@ -123,6 +123,11 @@ _TABLE: tuple[Knob, ...] = (
              "(cols) or the heads adjacent (heads), the pipelined persistent instance (pipe: the next tiles' "
              "state in flight while one computes), or the 32-token kernel (off); auto: pipe when the call has "
              "more state tiles than the GPU has SMs (many sequences), cols otherwise (csrc/gpu/delta.cu)"),
+    Knob("BARO_DELTA_KV", "choice", "butterfly", choices=("butterfly", "gather", "two"),
+         doc="many-token delta calls on CUDA: a token's kv partials summed over a state column's lanes by the "
+             "xor butterfly (three dependent shuffles), or to the same value by seven independent shuffles and "
+             "the butterfly's tree (gather) or by the butterfly's first level then three shuffles (two) "
+             "(csrc/gpu/delta.cu)"),
     Knob("BARO_DELTA_BLOCKED_MMA", "onoff", False,
          doc="on: the blocked delta rule (delta_rule blocked) on CUDA with its products on the tensor cores "
              "(mma.sync m16n8k8, 3xTF32) instead of the CUDA-core fmaf chains: its own bits, so keep one "

@@ -66,8 +66,11 @@ BARO_DEV int64_t delta_rows(const int32_t* p, int64_t m) {
 // MINB: blocks per SM the registers must allow (__launch_bounds__).
 // COLS_FAST: the grid's x walks a head's column blocks (adjacent blocks read one head's
 // contiguous state) instead of the heads.
-template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false>
+// KV_GATHER: how the token's kv partials meet across a column's lanes (delta_kv_sum_v: 0 the
+// butterfly, 1 / 2 the same value in fewer dependent round trips).
+template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false, int KV_GATHER = 0>
 struct DeltaCfg {
+  static constexpr int kKvGather = KV_GATHER;
   static constexpr int kT = KT;
   static constexpr int kMinBlocks = MINB;
   static constexpr bool kColsFast = COLS_FAST;
@@ -153,6 +156,33 @@ BARO_DEV float delta_kv_sum(float kv) {
 #pragma unroll
   for (int off = BARO_WARP / 2; off >= CW; off >>= 1) kv = kv + shfl_xor(kv, off);
   return kv;
+}
+// The same value with fewer dependent shuffle round trips (the kv sum is on the token's chain):
+// the butterfly leaves at lane x, for L = 8 (offsets 16, 8, 4),
+//   ((p(x) + p(x^16)) + (p(x^8) + p(x^24))) + ((p(x^4) + p(x^20)) + (p(x^12) + p(x^28))),
+// every node a + b with a the lane's own side (a + b == b + a, so the operand order at a node is
+// free). KV_GATHER 1: the seven partners' partials by independent shuffles, then that tree (one
+// round trip, seven shuffles); 2: the first level as the butterfly's, then the three partners'
+// first-level sums (two round trips, four shuffles). L = 4 (offsets 16, 8): (p + p^16) + (p^8 + p^24).
+template <int CW, int KV_GATHER>
+BARO_DEV float delta_kv_sum_v(float kv) {
+  if constexpr (KV_GATHER == 0 || CW == BARO_WARP / 2) {
+    return delta_kv_sum<CW>(kv);
+  } else if constexpr (CW == BARO_WARP / 4) {  // L = 4
+    const float p16 = shfl_xor(kv, 16), p8 = shfl_xor(kv, 8), p24 = shfl_xor(kv, 24);
+    return (kv + p16) + (p8 + p24);
+  } else {
+    static_assert(CW == BARO_WARP / 8, "L = 8 lanes a column (offsets 16, 8, 4)");
+    if constexpr (KV_GATHER == 1) {
+      const float p16 = shfl_xor(kv, 16), p8 = shfl_xor(kv, 8), p24 = shfl_xor(kv, 24);
+      const float p4 = shfl_xor(kv, 4), p20 = shfl_xor(kv, 20), p12 = shfl_xor(kv, 12), p28 = shfl_xor(kv, 28);
+      return ((kv + p16) + (p8 + p24)) + ((p4 + p20) + (p12 + p28));
+    } else {
+      const float a = kv + shfl_xor(kv, 16);
+      const float a8 = shfl_xor(a, 8), a4 = shfl_xor(a, 4), a12 = shfl_xor(a, 12);
+      return (a + a8) + (a4 + a12);
+    }
+  }
 }
 // S = fmaf(k, d, S) on the lane's rows.
 template <int R>
@@ -403,7 +433,7 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
         kn[i] = k4[tn * (DK / 4) + L * i];
       }
       eb = gg[tn];
-      const float kv = delta_kv_sum<CW>(kvp);
+      const float kv = delta_kv_sum_v<CW, Cf::kKvGather>(kvp);
       const float d = (v - kv) * beta;
       delta_update<R>(s, kk, d);
     };
@@ -669,9 +699,9 @@ gpuError_t launch_delta_one(const DeltaArgs& a, gpuStream_t stream) {
   return gpuGetLastError();
 }
 
-template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false>
+template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false, int KV_GATHER = 0>
 gpuError_t launch_delta_cols(const DeltaArgs& a, gpuStream_t stream) {
-  using Cf = DeltaCfg<DK, COLS, KT, MINB, COLS_FAST>;
+  using Cf = DeltaCfg<DK, COLS, KT, MINB, COLS_FAST, KV_GATHER>;
   const int64_t col_blocks = (a.dv + COLS - 1) / COLS;
   const int64_t heads = static_cast<int64_t>(a.rows) * a.nv;
   if (col_blocks > 65535 || (COLS_FAST && heads > 65535)) return gpuErrorInvalidValue;
@@ -714,7 +744,10 @@ gpuError_t launch_delta_dk(const DeltaArgs& a, gpuStream_t stream) {
       return launch_delta_cols<DK, 32, 1, 3, true>(a, stream);
     return launch_delta_cols<DK, 32, 1, 3>(a, stream);
   }
-  return delta_cols() == 16 ? launch_delta_cols<DK, 16>(a, stream) : launch_delta_cols<DK, 32>(a, stream);
+  if (delta_cols() == 16) return launch_delta_cols<DK, 16>(a, stream);
+  if (k::is(k::kDeltaKv, "gather")) return launch_delta_cols<DK, 32, 32, 1, false, 1>(a, stream);
+  if (k::is(k::kDeltaKv, "two")) return launch_delta_cols<DK, 32, 32, 1, false, 2>(a, stream);
+  return launch_delta_cols<DK, 32>(a, stream);
 }
 
 #else  // BARO_HIP: one thread per column, the q/k norms by one warp each

@@ -11,6 +11,7 @@ import argparse
 import csv
 import gzip
 import io
+import re
 from collections import Counter
 
 
@@ -56,6 +57,21 @@ def main() -> None:
     print("by opcode (samples / warp instructions executed):")
     for op, v in by_op.most_common(16):
         print(f"  {op:10s} {v:7d} {100 * v / max(total, 1):5.1f}%  {ex_op[op]:12d}")
+    # loops: the spans of backward branches that hold at least 1% of the executed instructions
+    base = int(rows[0]["Address"], 16)
+    off = [int(r["Address"], 16) - base for r in rows]
+    print("loops (backward branches; executed and sampled shares of the span):")
+    for r, o in zip(rows, off):
+        m = re.search(r"BRA (0x[0-9a-f]+)", r["Source"])
+        if not m or int(m.group(1), 16) - base >= o:
+            continue
+        lo = int(m.group(1), 16) - base
+        span = [x for x, ox in zip(rows, off) if lo <= ox <= o]
+        ex = sum(num(x["Instructions Executed"]) for x in span)
+        sm = sum(num(x["Warp Stall Sampling (All Samples)"]) for x in span)
+        if ex >= 0.01 * executed:
+            print(f"  {lo:#07x}..{o:#07x} {len(span):5d} instructions, branch taken {num(r['Instructions Executed']):10d}"
+                  f" times: {100 * ex / max(executed, 1):5.1f}% executed, {100 * sm / max(total, 1):5.1f}% samples")
     print(f"top {args.top} instructions:")
     top = sorted(rows, key=lambda r: -num(r["Warp Stall Sampling (All Samples)"]))[: args.top]
     for r in top:

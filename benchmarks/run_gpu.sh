@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill ncu_source mma_swap mma_latency prefill_profile chunk_sweep delta_kv attn_pipe pipe_order moe_grouped tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill ncu_source mma_swap mma_latency prefill_profile chunk_sweep delta_knobs attn_pipe pipe_order moe_grouped tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -507,21 +507,25 @@ stage_moe_grouped() {
   done
   echo "$settings" | tr ' ' '\n' | nl -v0 > "$OUT/moe_grouped_settings.txt"
 }
-# The delta scan's kv sum (BARO_DELTA_KV: butterfly, gather, two; the same bits): its byte tests,
-# then the delta op at DELTA_KV_M rows under each value (20 calls back to back, fastest of 3 rounds)
-# and, with DELTA_KV_SPEED=1, prefill at DELTA_KV_LENGTHS (8192) under each: op_times_delta_kv_<v>,
-# speed_delta_kv_<v>.
-stage_delta_kv() {
-  local v
-  timeout "${DELTA_KV_TEST_TIMEOUT:-200}" python -m pytest -m gpu tests/test_kernels_delta.py -q -p no:cacheprovider \
-    -k "kv_sum_variants or delta_blocks" 2>&1 | tee "$OUT/gpu_delta_kv_tests_${CARD}.txt" | tail -3
-  for v in ${DELTA_KV_VALUES:-butterfly gather two}; do
-    echo "--- BARO_DELTA_KV=$v"
-    BARO_DELTA_KV=$v timeout 120 python benchmarks/op_times.py --m "${DELTA_KV_M:-4096,8192}" --ops delta \
-      --backends ordered --reps 20 --rounds 3 --json "$OUT/op_times_delta_kv_${v}_${CARD}.json" 2>&1 | grep "op="
+# The delta scan's same-bits knobs (BARO_DELTA_KV, BARO_DELTA_STAGE): their byte tests, then the
+# delta op at DELTA_KNOB_M rows under each of DELTA_KNOB_SETTINGS (space-separated env
+# assignments; 20 calls back to back, fastest of 3 rounds) and, with DELTA_KNOB_SPEED=1, an 8k
+# prefill under each (SPEED_UNDER_CHUNK as set): op_times_delta_<n>, speed_delta_<n>, numbered as
+# delta_knob_settings.txt lists them.
+stage_delta_knobs() {
+  local settings=${DELTA_KNOB_SETTINGS:-BARO_DELTA_STAGE=index BARO_DELTA_STAGE=fixed BARO_DELTA_KV=two} setting n=0
+  timeout "${DELTA_KNOB_TEST_TIMEOUT:-200}" python -m pytest -m gpu tests/test_kernels_delta.py -q -p no:cacheprovider \
+    -k "same_bits_knobs or delta_blocks" 2>&1 | tee "$OUT/gpu_delta_knob_tests_${CARD}.txt" | tail -3
+  for setting in $settings; do
+    echo "--- $n: $setting"
+    env "$setting" timeout 120 python benchmarks/op_times.py --m "${DELTA_KNOB_M:-4096,8192}" --ops delta \
+      --backends ordered --reps 20 --rounds 3 --json "$OUT/op_times_delta_${n}_${CARD}.json" 2>&1 | grep "op="
+    [ "${DELTA_KNOB_SPEED:-0}" = 1 ] && env "$setting" timeout 200 python benchmarks/speed.py --model qwen3.5-35b-a3b \
+      --arms batch-ordered --lengths "${DELTA_KNOB_LENGTHS:-8192}" --chunk "${SPEED_UNDER_CHUNK:-auto}" --decode-tokens 16 \
+      --check-tail 32 --json "$OUT/speed_delta_${n}_${CARD}.json" 2>&1 | grep -E "tok/s|identity|Error|error" | tail -3
+    n=$((n + 1))
   done
-  [ "${DELTA_KV_SPEED:-0}" = 1 ] && speed_under BARO_DELTA_KV "${DELTA_KV_VALUES:-butterfly gather two}" \
-    "${DELTA_KV_LENGTHS:-8192}" delta_kv_ 200
+  echo "$settings" | tr ' ' '\n' | nl -v0 > "$OUT/delta_knob_settings.txt"
   return 0
 }
 # Where a prompt's prefill time goes (issue 31), kernel by kernel: decode_profile.py --prefill at

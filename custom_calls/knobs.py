@@ -128,6 +128,10 @@ _TABLE: tuple[Knob, ...] = (
              "xor butterfly (three dependent shuffles), or to the same value by seven independent shuffles and "
              "the butterfly's tree (gather) or by the butterfly's first level then three shuffles (two) "
              "(csrc/gpu/delta.cu)"),
+    Knob("BARO_DELTA_STAGE", "choice", "index", choices=("index", "fixed"),
+         doc="many-token delta calls on CUDA: how a 32-token batch's q, k and v chunks are staged, one flat "
+             "copy index divided per copy (index) or a fixed chunk per thread stepped token by token (fixed); "
+             "the same copies (csrc/gpu/delta.cu)"),
     Knob("BARO_DELTA_BLOCKED_MMA", "onoff", False,
          doc="on: the blocked delta rule (delta_rule blocked) on CUDA with its products on the tensor cores "
              "(mma.sync m16n8k8, 3xTF32) instead of the CUDA-core fmaf chains: its own bits, so keep one "

@@ -197,24 +197,27 @@ def test_delta_blocks(platform, m, shape):
         assert_same_bits(s2, s_full, f"delta {shape} m={m} split 33+rest state")
 
 
-# BARO_DELTA_KV: the many-token kernel sums a token's kv partials over a column's lanes by the xor
-# butterfly (default), by seven independent shuffles and the butterfly's tree (gather), or by the
-# first level then three shuffles (two). The same value by construction (each node of the tree is
-# the butterfly's, a + b == b + a), so the many-token call under each equals the default's bytes and
-# one-row calls (the one-token instances keep the butterfly): dk 128 / 64 / 32 (8 lanes a column)
-# and 16 (4 lanes), one, two, odd and several 32-token batches, the model's head counts.
-DELTA_KV_SHAPES = DELTA_GPU_SHAPES + [(2, 6, 16, 20), (16, 32, 128, 128)]
+# Same-bits knobs of the many-token kernel. BARO_DELTA_KV: a token's kv partials summed over a
+# column's lanes by the xor butterfly (default), by seven independent shuffles and the butterfly's
+# tree (gather), or by the first level then three shuffles (two): the same value by construction
+# (each node of the tree is the butterfly's, a + b == b + a). BARO_DELTA_STAGE=fixed: the batch's
+# q, k, v chunks staged by a fixed chunk per thread (the same copies). Under each, the many-token
+# call equals the default's bytes and one-row calls (the one-token instances keep their code):
+# dk 128 / 64 / 32 (8 lanes a column) and 16 (4 lanes), dv 50 (no 16-byte copies: the index
+# staging under either), one, two, odd and several 32-token batches, the model's head counts.
+DELTA_KNOB_SHAPES = DELTA_GPU_SHAPES + [(2, 6, 16, 20), (1, 3, 32, 50), (16, 32, 128, 128)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", DELTA_KV_SHAPES, ids=lambda s: "nk%d-nv%d-dk%d-dv%d" % s)
-def test_delta_kv_sum_variants(platform, shape, monkeypatch):
+@pytest.mark.parametrize("shape", DELTA_KNOB_SHAPES, ids=lambda s: "nk%d-nv%d-dk%d-dv%d" % s)
+def test_delta_same_bits_knobs(platform, shape, monkeypatch):
     nk, nv, dk, dv = shape
     for m in (2, 37, 75, 130):
         rng = np.random.default_rng(7100 + m + dk + dv + nv)
         y, b, a, A_log, dt_bias, state = delta_model_inputs(rng, m, nk, nv, dk, dv)
         consts = put(platform, A_log, dt_bias)
-        monkeypatch.delenv("BARO_DELTA_KV", raising=False)
+        for knob in ("BARO_DELTA_KV", "BARO_DELTA_STAGE"):
+            monkeypatch.delenv(knob, raising=False)
         poison(platform, (m, nv, dv))
         o_want, s_want = (np.asarray(r) for r in
                           J_DELTA(*put(platform, y, b, a), *consts, put(platform, state), i32(m)))
@@ -223,18 +226,18 @@ def test_delta_kv_sum_variants(platform, shape, monkeypatch):
             o1, st = J_DELTA(*put(platform, y[i:i + 1], b[i:i + 1], a[i:i + 1]), *consts, st, i32(1))
             assert_same_bits(np.asarray(o1)[0], o_want[i], f"delta {shape} m={m} row {i} vs one-row call")
         assert_same_bits(np.asarray(st), s_want, f"delta {shape} m={m} state vs one-row calls")
-        for kv in ("gather", "two"):
-            monkeypatch.setenv("BARO_DELTA_KV", kv)
+        for knob, value in (("BARO_DELTA_KV", "gather"), ("BARO_DELTA_KV", "two"), ("BARO_DELTA_STAGE", "fixed")):
+            monkeypatch.setenv(knob, value)
             for fn, what in ((J_DELTA, "aliased"), (J_DELTA_DONATE, "donated")):
                 poison(platform, (m, nv, dv))
                 poison(platform, (nv, dk, dv))
                 o, s2 = fn(*put(platform, y, b, a), *consts, put(platform, state), i32(m))
-                assert_same_bits(np.asarray(o), o_want, f"delta {shape} m={m} BARO_DELTA_KV={kv} o ({what})")
-                assert_same_bits(np.asarray(s2), s_want, f"delta {shape} m={m} BARO_DELTA_KV={kv} state ({what})")
+                assert_same_bits(np.asarray(o), o_want, f"delta {shape} m={m} {knob}={value} o ({what})")
+                assert_same_bits(np.asarray(s2), s_want, f"delta {shape} m={m} {knob}={value} state ({what})")
             o, s2 = seq_run(platform, delta_fn, [y, b, a], [A_log, dt_bias], state, [m // 2, m - m // 2])
-            assert_same_bits(o, o_want, f"delta {shape} m={m} BARO_DELTA_KV={kv} split o")
-            assert_same_bits(s2, s_want, f"delta {shape} m={m} BARO_DELTA_KV={kv} split state")
-    monkeypatch.delenv("BARO_DELTA_KV")
+            assert_same_bits(o, o_want, f"delta {shape} m={m} {knob}={value} split o")
+            assert_same_bits(s2, s_want, f"delta {shape} m={m} {knob}={value} split state")
+            monkeypatch.delenv(knob)
 
 
 # Rows mode (rows=True): y [P, C] is one token of each of P sequences (each row laid out as a

@@ -68,9 +68,14 @@ BARO_DEV int64_t delta_rows(const int32_t* p, int64_t m) {
 // contiguous state) instead of the heads.
 // KV_GATHER: how the token's kv partials meet across a column's lanes (delta_kv_sum_v: 0 the
 // butterfly, 1 / 2 the same value in fewer dependent round trips).
-template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false, int KV_GATHER = 0>
+// STAGE_FIXED: the 16-byte staging gives each thread one fixed chunk of a token's q, k or v
+// columns and steps it token by token (one pointer add a copy), instead of dividing a flat copy
+// index by the chunks a token has for every copy. The same copies either way.
+template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false, int KV_GATHER = 0,
+          bool STAGE_FIXED = false>
 struct DeltaCfg {
   static constexpr int kKvGather = KV_GATHER;
+  static constexpr bool kStageFixed = STAGE_FIXED;
   static constexpr int kT = KT;
   static constexpr int kMinBlocks = MINB;
   static constexpr bool kColsFast = COLS_FAST;
@@ -257,7 +262,27 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
   // [t0, t0 + nt) into buf (one cp.async group).
   auto stage = [&](float* buf, int64_t t0, int nt) {
     const int seq = j / nv, jh = j - seq * nv;  // (recomputed here: fewer registers live in the loop)
-    if (vec) {
+    if (Cf::kStageFixed && vec) {
+      constexpr int QC = DK / 4, VC = kCols / 4, PER = 2 * QC + VC, TPP = NT / PER;  // tokens a pass
+      static_assert(TPP >= 1, "one token's chunks fit the block");
+      const int r = tid % PER, t_in = tid / PER;
+      int64_t src_off;
+      int dst, dst_step;
+      bool ok = true;
+      if (r < QC) {
+        src_off = static_cast<int64_t>(kh) * DK + 4 * r, dst = Cf::kQ + 4 * r, dst_step = DK;
+      } else if (r < 2 * QC) {
+        src_off = static_cast<int64_t>(nk + kh) * DK + 4 * (r - QC), dst = Cf::kK + 4 * (r - QC), dst_step = DK;
+      } else {
+        const int q = r - 2 * QC;
+        src_off = static_cast<int64_t>(2 * nk) * DK + static_cast<int64_t>(jh) * dv + c0 + 4 * q;
+        dst = Cf::kV + 4 * q, dst_step = kCols, ok = 4 * q < ncols;
+      }
+      if (t_in < TPP && ok) {
+        const float* src = a.y + (seq + t0 + t_in) * C + src_off;
+        for (int tt = t_in; tt < nt; tt += TPP, src += TPP * C) cp_async16(buf + dst + tt * dst_step, src);
+      }
+    } else if (vec) {
       constexpr int QC = DK / 4, VC = kCols / 4, PER = 2 * QC + VC;
       for (int i = tid; i < nt * PER; i += NT) {
         const int tt = i / PER, r = i % PER;
@@ -699,9 +724,10 @@ gpuError_t launch_delta_one(const DeltaArgs& a, gpuStream_t stream) {
   return gpuGetLastError();
 }
 
-template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false, int KV_GATHER = 0>
+template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false, int KV_GATHER = 0,
+          bool STAGE_FIXED = false>
 gpuError_t launch_delta_cols(const DeltaArgs& a, gpuStream_t stream) {
-  using Cf = DeltaCfg<DK, COLS, KT, MINB, COLS_FAST, KV_GATHER>;
+  using Cf = DeltaCfg<DK, COLS, KT, MINB, COLS_FAST, KV_GATHER, STAGE_FIXED>;
   const int64_t col_blocks = (a.dv + COLS - 1) / COLS;
   const int64_t heads = static_cast<int64_t>(a.rows) * a.nv;
   if (col_blocks > 65535 || (COLS_FAST && heads > 65535)) return gpuErrorInvalidValue;
@@ -747,6 +773,7 @@ gpuError_t launch_delta_dk(const DeltaArgs& a, gpuStream_t stream) {
   if (delta_cols() == 16) return launch_delta_cols<DK, 16>(a, stream);
   if (k::is(k::kDeltaKv, "gather")) return launch_delta_cols<DK, 32, 32, 1, false, 1>(a, stream);
   if (k::is(k::kDeltaKv, "two")) return launch_delta_cols<DK, 32, 32, 1, false, 2>(a, stream);
+  if (k::is(k::kDeltaStage, "fixed")) return launch_delta_cols<DK, 32, 32, 1, false, 0, true>(a, stream);
   return launch_delta_cols<DK, 32>(a, stream);
 }
 

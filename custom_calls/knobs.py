@@ -129,9 +129,10 @@ _TABLE: tuple[Knob, ...] = (
              "the butterfly's tree (gather) or by the butterfly's first level then three shuffles (two) "
              "(csrc/gpu/delta.cu)"),
     Knob("BARO_DELTA_STAGE", "choice", "index", choices=("index", "fixed"),
-         doc="many-token delta calls on CUDA: how a 32-token batch's q, k and v chunks are staged, one flat "
-             "copy index divided per copy (index) or a fixed chunk per thread stepped token by token (fixed); "
-             "the same copies (csrc/gpu/delta.cu)"),
+         doc="many-token delta calls on CUDA: a 32-token batch's per-batch work as written first (index: one "
+             "flat copy index divided per copy, every lane forming each q/k row's scale) or in fewer instructions "
+             "(fixed: a fixed chunk per thread stepped token by token, one lane per row's scale); the same copies "
+             "and values (csrc/gpu/delta.cu)"),
     Knob("BARO_DELTA_BLOCKED_MMA", "onoff", False,
          doc="on: the blocked delta rule (delta_rule blocked) on CUDA with its products on the tensor cores "
              "(mma.sync m16n8k8, 3xTF32) instead of the CUDA-core fmaf chains: its own bits, so keep one "

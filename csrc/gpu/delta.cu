@@ -68,9 +68,10 @@ BARO_DEV int64_t delta_rows(const int32_t* p, int64_t m) {
 // contiguous state) instead of the heads.
 // KV_GATHER: how the token's kv partials meet across a column's lanes (delta_kv_sum_v: 0 the
 // butterfly, 1 / 2 the same value in fewer dependent round trips).
-// STAGE_FIXED: the 16-byte staging gives each thread one fixed chunk of a token's q, k or v
-// columns and steps it token by token (one pointer add a copy), instead of dividing a flat copy
-// index by the chunks a token has for every copy. The same copies either way.
+// STAGE_FIXED: the per-batch work in fewer instructions, the same copies and values: the 16-byte
+// staging gives each thread one fixed chunk of a token's q, k or v columns and steps it token by
+// token (one pointer add a copy) instead of dividing a flat copy index per copy, and the q/k
+// normalisation forms each row's scale on one lane instead of on every lane of the warp.
 template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false, int KV_GATHER = 0,
           bool STAGE_FIXED = false>
 struct DeltaCfg {
@@ -345,11 +346,22 @@ __global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(Del
 #pragma unroll
         for (int g = 0; g < G; ++g) ss[g] = ss[g] + shfl_xor(ss[g], off);
       }
+      // Every lane holds all G sums. kStageFixed: lane g alone forms row g's scale (one
+      // square root and division for the G rows, not G) and the lanes take it by shuffle: the
+      // same function of the same sum, so the same bits.
+      float rl = 0.0f;
+      if constexpr (Cf::kStageFixed) {
+        float mine_ss = ss[0];
+#pragma unroll
+        for (int g = 1; g < G; ++g) mine_ss = lane == g ? ss[g] : mine_ss;
+        rl = delta_rnorm(mine_ss);
+      }
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         const int rho = base + g * NW;
+        const float rg = Cf::kStageFixed ? __shfl_sync(0xffffffffu, rl, g) : 0.0f;
         if (rho < 2 * nt && mine) {
-          const float r = delta_rnorm(ss[g]);
+          const float r = Cf::kStageFixed ? rg : delta_rnorm(ss[g]);
           const float sc = rho < nt ? scale : 1.0f;
           float* p = buf + (rho < nt ? Cf::kQ + rho * DK : Cf::kK + (rho - nt) * DK);
           *reinterpret_cast<float4*>(p + 4 * lane) = delta_scale4(x[g], r, sc);

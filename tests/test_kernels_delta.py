@@ -201,7 +201,8 @@ def test_delta_blocks(platform, m, shape):
 # column's lanes by the xor butterfly (default), by seven independent shuffles and the butterfly's
 # tree (gather), or by the first level then three shuffles (two): the same value by construction
 # (each node of the tree is the butterfly's, a + b == b + a). BARO_DELTA_STAGE=fixed: the batch's
-# q, k, v chunks staged by a fixed chunk per thread (the same copies). Under each, the many-token
+# q, k, v chunks staged by a fixed chunk per thread (the same copies) and each q/k row's scale
+# formed on one lane (the same function of the same sum). Under each, the many-token
 # call equals the default's bytes and one-row calls (the one-token instances keep their code):
 # dk 128 / 64 / 32 (8 lanes a column) and 16 (4 lanes), dv 50 (no 16-byte copies: the index
 # staging under either), one, two, odd and several 32-token batches, the model's head counts.

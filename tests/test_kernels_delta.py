@@ -202,8 +202,11 @@ def test_delta_blocks(platform, m, shape):
 # tree (gather), or by the first level then three shuffles (two): the same value by construction
 # (each node of the tree is the butterfly's, a + b == b + a). BARO_DELTA_STAGE=fixed: the batch's
 # q, k, v chunks staged by a fixed chunk per thread (the same copies) and each q/k row's scale
-# formed on one lane (the same function of the same sum). Under each, the many-token
-# call equals the default's bytes and one-row calls (the one-token instances keep their code):
+# formed on one lane (the same function of the same sum); =warps: helper warps stage, normalise
+# and flush a batch while the column warps walk the one before (the same helpers on the same rows,
+# two slots behind named barriers: 2 tokens is one batch, 130 five). Under each, the many-token
+# call equals the default's bytes and one-row calls (the one-token instances keep their code), and
+# with the last rows padded (n_valid = m - 3) the default's bytes too:
 # dk 128 / 64 / 32 (8 lanes a column) and 16 (4 lanes), dv 50 (no 16-byte copies: the index
 # staging under either), one, two, odd and several 32-token batches, the model's head counts.
 DELTA_KNOB_SHAPES = DELTA_GPU_SHAPES + [(2, 6, 16, 20), (1, 3, 32, 50), (16, 32, 128, 128)]
@@ -227,8 +230,17 @@ def test_delta_same_bits_knobs(platform, shape, monkeypatch):
             o1, st = J_DELTA(*put(platform, y[i:i + 1], b[i:i + 1], a[i:i + 1]), *consts, st, i32(1))
             assert_same_bits(np.asarray(o1)[0], o_want[i], f"delta {shape} m={m} row {i} vs one-row call")
         assert_same_bits(np.asarray(st), s_want, f"delta {shape} m={m} state vs one-row calls")
-        for knob, value in (("BARO_DELTA_KV", "gather"), ("BARO_DELTA_KV", "two"), ("BARO_DELTA_STAGE", "fixed")):
+        nvld = max(m - 3, 1)
+        poison(platform, (m, nv, dv))
+        o_pad, s_pad = (np.asarray(r) for r in
+                        J_DELTA(*put(platform, y, b, a), *consts, put(platform, state), i32(nvld)))
+        for knob, value in (("BARO_DELTA_KV", "gather"), ("BARO_DELTA_KV", "two"), ("BARO_DELTA_STAGE", "fixed"),
+                            ("BARO_DELTA_STAGE", "warps")):
             monkeypatch.setenv(knob, value)
+            poison(platform, (m, nv, dv))
+            o, s2 = J_DELTA(*put(platform, y, b, a), *consts, put(platform, state), i32(nvld))
+            assert_same_bits(np.asarray(o), o_pad, f"delta {shape} m={m} n_valid={nvld} {knob}={value} o")
+            assert_same_bits(np.asarray(s2), s_pad, f"delta {shape} m={m} n_valid={nvld} {knob}={value} state")
             for fn, what in ((J_DELTA, "aliased"), (J_DELTA_DONATE, "donated")):
                 poison(platform, (m, nv, dv))
                 poison(platform, (nv, dk, dv))

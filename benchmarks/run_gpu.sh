@@ -513,7 +513,7 @@ stage_moe_grouped() {
 # prefill under each (SPEED_UNDER_CHUNK as set): op_times_delta_<n>, speed_delta_<n>, numbered as
 # delta_knob_settings.txt lists them. DELTA_KNOB_TESTS=0 skips the byte tests (a second call).
 stage_delta_knobs() {
-  local settings=${DELTA_KNOB_SETTINGS:-BARO_DELTA_STAGE=index BARO_DELTA_STAGE=fixed BARO_DELTA_STAGE=warps} setting n=0
+  local settings=${DELTA_KNOB_SETTINGS:-BARO_DELTA_STAGE=fixed BARO_DELTA_STAGE=index} setting n=0
   [ "${DELTA_KNOB_TESTS:-1}" = 1 ] && timeout "${DELTA_KNOB_TEST_TIMEOUT:-200}" python -m pytest -m gpu \
     tests/test_kernels_delta.py -q -p no:cacheprovider -k "same_bits_knobs or delta_blocks" 2>&1 \
     | tee "$OUT/gpu_delta_knob_tests_${CARD}.txt" | tail -3

@@ -128,12 +128,11 @@ _TABLE: tuple[Knob, ...] = (
              "xor butterfly (three dependent shuffles), or to the same value by seven independent shuffles and "
              "the butterfly's tree (gather) or by the butterfly's first level then three shuffles (two) "
              "(csrc/gpu/delta.cu)"),
-    Knob("BARO_DELTA_STAGE", "choice", "index", choices=("index", "fixed", "warps"),
-         doc="many-token delta calls on CUDA: a 32-token batch's per-batch work as written first (index: one "
-             "flat copy index divided per copy, every lane forming each q/k row's scale), in fewer instructions "
-             "(fixed: a fixed chunk per thread stepped token by token, one lane per row's scale), or by four "
-             "helper warps while the column warps walk the batch before (warps); the same copies and values "
-             "(csrc/gpu/delta.cu)"),
+    Knob("BARO_DELTA_STAGE", "choice", "fixed", choices=("fixed", "index"),
+         doc="many-token delta calls on CUDA: a 32-token batch's per-batch work in few instructions (fixed: a "
+             "fixed chunk per thread stepped token by token, one lane per q/k row's scale; -18% on the op on an "
+             "H100) or as first written (index: one flat copy index divided per copy, every lane forming each "
+             "row's scale); the same copies and values (csrc/gpu/delta.cu)"),
     Knob("BARO_DELTA_BLOCKED_MMA", "onoff", False,
          doc="on: the blocked delta rule (delta_rule blocked) on CUDA with its products on the tensor cores "
              "(mma.sync m16n8k8, 3xTF32) instead of the CUDA-core fmaf chains: its own bits, so keep one "

@@ -200,13 +200,12 @@ def test_delta_blocks(platform, m, shape):
 # Same-bits knobs of the many-token kernel. BARO_DELTA_KV: a token's kv partials summed over a
 # column's lanes by the xor butterfly (default), by seven independent shuffles and the butterfly's
 # tree (gather), or by the first level then three shuffles (two): the same value by construction
-# (each node of the tree is the butterfly's, a + b == b + a). BARO_DELTA_STAGE=fixed: the batch's
-# q, k, v chunks staged by a fixed chunk per thread (the same copies) and each q/k row's scale
-# formed on one lane (the same function of the same sum); =warps: helper warps stage, normalise
-# and flush a batch while the column warps walk the one before (the same helpers on the same rows,
-# two slots behind named barriers: 2 tokens is one batch, 130 five). Under each, the many-token
-# call equals the default's bytes and one-row calls (the one-token instances keep their code), and
-# with the last rows padded (n_valid = m - 3) the default's bytes too:
+# (each node of the tree is the butterfly's, a + b == b + a). BARO_DELTA_STAGE: the batch's q, k, v
+# chunks staged by a fixed chunk per thread and each q/k row's scale formed on one lane (fixed, the
+# default), or by a flat copy index divided per copy and the scale on every lane (index): the same
+# copies, the same function of the same sum. Under each, the many-token call equals the default's
+# bytes and one-row calls (the one-token instances keep their code), and with the last rows padded
+# (n_valid = m - 3) the default's bytes too:
 # dk 128 / 64 / 32 (8 lanes a column) and 16 (4 lanes), dv 50 (no 16-byte copies: the index
 # staging under either), one, two, odd and several 32-token batches, the model's head counts.
 DELTA_KNOB_SHAPES = DELTA_GPU_SHAPES + [(2, 6, 16, 20), (1, 3, 32, 50), (16, 32, 128, 128)]
@@ -234,8 +233,7 @@ def test_delta_same_bits_knobs(platform, shape, monkeypatch):
         poison(platform, (m, nv, dv))
         o_pad, s_pad = (np.asarray(r) for r in
                         J_DELTA(*put(platform, y, b, a), *consts, put(platform, state), i32(nvld)))
-        for knob, value in (("BARO_DELTA_KV", "gather"), ("BARO_DELTA_KV", "two"), ("BARO_DELTA_STAGE", "fixed"),
-                            ("BARO_DELTA_STAGE", "warps")):
+        for knob, value in (("BARO_DELTA_KV", "gather"), ("BARO_DELTA_KV", "two"), ("BARO_DELTA_STAGE", "index")):
             monkeypatch.setenv(knob, value)
             poison(platform, (m, nv, dv))
             o, s2 = J_DELTA(*put(platform, y, b, a), *consts, put(platform, state), i32(nvld))

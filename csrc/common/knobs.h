@@ -101,7 +101,7 @@ inline constexpr Knob kKnobs[kCount] = {
     {"BARO_DELTA_COLS", Kind::kChoice, "32|16", 0, 0, 0},
     {"BARO_DELTA_ONE", Kind::kChoice, "auto|cols|heads|pipe|off", 0, 0, 0},
     {"BARO_DELTA_KV", Kind::kChoice, "butterfly|gather|two", 0, 0, 0},
-    {"BARO_DELTA_STAGE", Kind::kChoice, "index|fixed|warps", 0, 0, 0},
+    {"BARO_DELTA_STAGE", Kind::kChoice, "fixed|index", 0, 0, 0},
     {"BARO_DELTA_BLOCKED_MMA", Kind::kOnOff, nullptr, 0, 0, 0},
     {"BARO_GEMM_TILE", Kind::kChoice, "auto|16|simple|64|128", 0, 0, 0},
     {"BARO_GEMM_SMALL", Kind::kChoice, "auto|stream|rows16|simple", 0, 0, 0},

@@ -71,15 +71,14 @@ BARO_DEV int64_t delta_rows(const int32_t* p, int64_t m) {
 // STAGE_FIXED: the per-batch work in fewer instructions, the same copies and values: the 16-byte
 // staging gives each thread one fixed chunk of a token's q, k or v columns and steps it token by
 // token (one pointer add a copy) instead of dividing a flat copy index per copy, and the q/k
-// normalisation forms each row's scale on one lane instead of on every lane of the warp.
-// HELPERS: warps beside the column warps that stage, normalise and flush (0: the column warps
-// do it between their batches). With helpers a batch's staging, normalisation, gates and o flush
-// run while the column warps walk the batch before it, on the same rows with the same helpers,
-// so the values are the same; only who computes them, and when, changes.
+// normalisation forms each row's scale on one lane instead of on every lane of the warp. The
+// many-token default (BARO_DELTA_STAGE=fixed): the delta op -18% at 4,096 and 8,192 tokens on an
+// H100, an 8k prefill +5.7% (docs/PERF.md 2026-12-06). Four helper warps doing that work while the
+// column warps walk the batch before were slower (+10%: the scan is issue-bound, and the helpers'
+// instructions share the schedulers), and were removed.
 template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false, int KV_GATHER = 0,
-          bool STAGE_FIXED = false, int HELPERS = 0>
+          bool STAGE_FIXED = false>
 struct DeltaCfg {
-  static constexpr int kHelpers = HELPERS;
   static constexpr int kKvGather = KV_GATHER;
   static constexpr bool kStageFixed = STAGE_FIXED;
   static constexpr int kT = KT;
@@ -91,8 +90,6 @@ struct DeltaCfg {
   static constexpr int CW = BARO_WARP / L;    // columns per warp
   static constexpr int kThreads = kCols * L;
   static constexpr int kWarps = kThreads / BARO_WARP;
-  static constexpr int kThreadsAll = kThreads + HELPERS * BARO_WARP;  // the block
-  static constexpr int kOparts = HELPERS > 0 ? 2 : 1;  // o partial buffers (helpers flush one while the other fills)
   // one stage buffer (floats): q[kT][DK] k[kT][DK] v[kT][kCols] gate[kT][2]
   static constexpr int kQ = 0, kK = kT * DK, kV = 2 * kT * DK, kG = 2 * kT * DK + kT * kCols;
   static constexpr int kTileLd = kCols + 1;  // state tile row stride (bank spread)
@@ -105,15 +102,7 @@ struct DeltaCfg {
   static_assert(kCols % CW == 0 && kThreads % BARO_WARP == 0, "whole warps");
   static_assert(DK * kTileLd <= kBuf, "the state tile is staged in one stage buffer");
   static_assert(kBuf % 4 == 0 && kK % 4 == 0 && kV % 4 == 0 && kG % 2 == 0, "aligned slots");
-  static_assert(HELPERS == 0 || (!STAGE_FIXED && KT > 1), "helpers: many-token batches, the index staging");
 };
-
-// Named barriers of the helpers' schedule (0 is __syncthreads): a batch slot's full (helpers
-// arrive, column warps wait) and empty (column warps arrive, helpers wait), the helpers' own, the
-// column warps' own.
-constexpr int kBarFull = 1, kBarEmpty = 3, kBarHelpers = 5, kBarCols = 6;
-BARO_DEV void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
-BARO_DEV void named_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 
 BARO_DEV void cp_async16(float* smem, const float* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -243,7 +232,7 @@ BARO_DEV float delta_o_sum(float o) {
 }
 
 template <typename Cf, int DK, int COLS>
-__global__ void __launch_bounds__(Cf::kThreadsAll, Cf::kMinBlocks) delta_kernel(DeltaArgs a) {
+__global__ void __launch_bounds__(Cf::kThreads, Cf::kMinBlocks) delta_kernel(DeltaArgs a) {
   constexpr int kT = Cf::kT;
   constexpr int kCols = COLS;
   constexpr int L = Cf::L, R = Cf::R, CW = Cf::CW, NT = Cf::kThreads, NW = Cf::kWarps;
@@ -269,19 +258,19 @@ __global__ void __launch_bounds__(Cf::kThreadsAll, Cf::kMinBlocks) delta_kernel(
   const float scale = a.scale;
 
   // Padded rows leave no trace in the state and read as zeros.
-  for (int64_t i = tid; i < (m - nvld) * ncols; i += Cf::kThreadsAll) {
+  for (int64_t i = tid; i < (m - nvld) * ncols; i += NT) {
     const int64_t t = nvld + i / ncols;
     a.o[(t * H + j) * dv + c0 + i % ncols] = 0.0f;
   }
 
   // Raw q/k rows of key head kh, this block's v columns, b and a for tokens
-  // [t0, t0 + nt) into buf (one cp.async group), by threads me of nthr.
-  auto stage = [&](float* buf, int64_t t0, int nt, int me, int nthr) {
+  // [t0, t0 + nt) into buf (one cp.async group).
+  auto stage = [&](float* buf, int64_t t0, int nt) {
     const int seq = j / nv, jh = j - seq * nv;  // (recomputed here: fewer registers live in the loop)
     if (Cf::kStageFixed && vec) {
       constexpr int QC = DK / 4, VC = kCols / 4, PER = 2 * QC + VC, TPP = NT / PER;  // tokens a pass
       static_assert(TPP >= 1, "one token's chunks fit the block");
-      const int r = me % PER, t_in = me / PER;
+      const int r = tid % PER, t_in = tid / PER;
       int64_t src_off;
       int dst, dst_step;
       bool ok = true;
@@ -300,7 +289,7 @@ __global__ void __launch_bounds__(Cf::kThreadsAll, Cf::kMinBlocks) delta_kernel(
       }
     } else if (vec) {
       constexpr int QC = DK / 4, VC = kCols / 4, PER = 2 * QC + VC;
-      for (int i = me; i < nt * PER; i += nthr) {
+      for (int i = tid; i < nt * PER; i += NT) {
         const int tt = i / PER, r = i % PER;
         const float* row = a.y + (seq + t0 + tt) * C;
         if (r < QC) {
@@ -317,7 +306,7 @@ __global__ void __launch_bounds__(Cf::kThreadsAll, Cf::kMinBlocks) delta_kernel(
       }
     } else {
       constexpr int PER = 2 * DK + kCols;
-      for (int i = me; i < nt * PER; i += nthr) {
+      for (int i = tid; i < nt * PER; i += NT) {
         const int tt = i / PER, r = i % PER;
         const float* row = a.y + (seq + t0 + tt) * C;
         if (r < DK) {
@@ -330,7 +319,7 @@ __global__ void __launch_bounds__(Cf::kThreadsAll, Cf::kMinBlocks) delta_kernel(
         }
       }
     }
-    for (int i = me; i < 2 * nt; i += nthr) {
+    for (int i = tid; i < 2 * nt; i += NT) {
       const float* src = (i & 1) ? a.a + (seq + t0 + (i >> 1)) * a.a_ld : a.b + (seq + t0 + (i >> 1)) * a.b_ld;
       cp_async4(buf + Cf::kG + i, src + jh);
     }
@@ -339,17 +328,16 @@ __global__ void __launch_bounds__(Cf::kThreadsAll, Cf::kMinBlocks) delta_kernel(
 
   // In place: q <- q * (1/sqrt(sum q^2 + 1e-6)) * scale, k likewise without
   // scale; (b, a) <- (exp(g), beta). Row rho < nt is q of token rho, else k of
-  // token rho - nt; warp w of nw takes rows w, w + nw, ... kNormRows at a time; the gates on
-  // the lanes gt = 0.. of the last warp.
-  auto normalise = [&](float* buf, int nt, int w, int nw, int gt) {
+  // token rho - nt; warp w takes rows w, w + NW, ... kNormRows at a time.
+  auto normalise = [&](float* buf, int nt) {
     constexpr int G = Cf::kNormRows;
     const bool mine = lane < DK / 4;
-    for (int base = w; base < 2 * nt; base += nw * G) {
+    for (int base = warp; base < 2 * nt; base += NW * G) {
       float4 x[G];
       float ss[G];
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        const int rho = base + g * nw;
+        const int rho = base + g * NW;
         x[g] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (rho < 2 * nt && mine) {
           const float* p = buf + (rho < nt ? Cf::kQ + rho * DK : Cf::kK + (rho - nt) * DK);
@@ -374,7 +362,7 @@ __global__ void __launch_bounds__(Cf::kThreadsAll, Cf::kMinBlocks) delta_kernel(
       }
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        const int rho = base + g * nw;
+        const int rho = base + g * NW;
         const float rg = Cf::kStageFixed ? __shfl_sync(0xffffffffu, rl, g) : 0.0f;
         if (rho < 2 * nt && mine) {
           const float r = Cf::kStageFixed ? rg : delta_rnorm(ss[g]);
@@ -385,6 +373,7 @@ __global__ void __launch_bounds__(Cf::kThreadsAll, Cf::kMinBlocks) delta_kernel(
       }
     }
     // Gates on the last warp's lanes (the q/k rows above are spread from warp 0).
+    const int gt = tid - (NT - BARO_WARP);
     for (int tt = gt; tt >= 0 && tt < nt; tt += BARO_WARP) {
       float* gp = buf + Cf::kG + 2 * tt;
       const float2 eb = delta_gates(gp[0], gp[1], neg_exp_A, dt_bias);
@@ -393,11 +382,34 @@ __global__ void __launch_bounds__(Cf::kThreadsAll, Cf::kMinBlocks) delta_kernel(
     }
   };
 
-  // o partials [kT][kCols][L] of a batch, reduced over the L lanes by flush_o (threads me of
-  // nthr) in one fixed tree, the same for every token.
-  float* const opart0 = smem + 2 * Cf::kBuf;
-  auto flush_o = [&](const float* opart, int64_t t0, int nt, int me, int nthr) {
-    for (int i = me; i < nt * kCols; i += nthr) {
+  // State tile [DK][kCols] in through buf 1 (coalesced rows of the column
+  // block), together with batch 0 into buf 0.
+  if (nvld > 0) stage(smem, 0, static_cast<int>(nvld < kT ? nvld : kT));
+  {
+    float* tile = (smem + Cf::kBuf);
+    const float* Sin = a.state_in + static_cast<int64_t>(j) * DK * dv + c0;
+    for (int i = tid; i < DK * kCols; i += NT) {
+      const int r = i / kCols, cc = i % kCols;
+      if (cc < ncols)
+        cp_async4(tile + r * Cf::kTileLd + cc, Sin + static_cast<int64_t>(r) * dv + cc);
+      else
+        tile[r * Cf::kTileLd + cc] = 0.0f;
+    }
+    cp_async_commit();
+  }
+  cp_async_wait_all();
+  __syncthreads();
+  float s[R];
+#pragma unroll
+  for (int i = 0; i < R / 4; ++i)
+#pragma unroll
+    for (int u = 0; u < 4; ++u) s[4 * i + u] = (smem + Cf::kBuf)[(4 * (sub + L * i) + u) * Cf::kTileLd + cl];
+
+  // o partials [kT][kCols][L] of the batch, reduced over the L lanes by
+  // flush_o in one fixed tree, the same for every token.
+  float* const opart = smem + 2 * Cf::kBuf;
+  auto flush_o = [&](int64_t t0, int nt) {
+    for (int i = tid; i < nt * kCols; i += NT) {
       const int tt = i / kCols, cc = i % kCols;
       if (cc >= ncols) continue;
       const float4* p = reinterpret_cast<const float4*>(opart + (tt * kCols + cc) * L);
@@ -412,31 +424,27 @@ __global__ void __launch_bounds__(Cf::kThreadsAll, Cf::kMinBlocks) delta_kernel(
       a.o[((t0 + tt) * H + j) * dv + c0 + cc] = o;
     }
   };
-  // The state tile [DK][kCols] in through buf 1 (coalesced rows of the column block).
-  auto load_tile = [&]() {
-    float* tile = (smem + Cf::kBuf);
-    const float* Sin = a.state_in + static_cast<int64_t>(j) * DK * dv + c0;
-    for (int i = tid; i < DK * kCols; i += NT) {
-      const int r = i / kCols, cc = i % kCols;
-      if (cc < ncols)
-        cp_async4(tile + r * Cf::kTileLd + cc, Sin + static_cast<int64_t>(r) * dv + cc);
-      else
-        tile[r * Cf::kTileLd + cc] = 0.0f;
-    }
-    cp_async_commit();
-  };
-  float s[R];
-  auto read_tile = [&]() {
-#pragma unroll
-    for (int i = 0; i < R / 4; ++i)
-#pragma unroll
-      for (int u = 0; u < 4; ++u) s[4 * i + u] = (smem + Cf::kBuf)[(4 * (sub + L * i) + u) * Cf::kTileLd + cl];
-  };
-  // The token loop over a staged, normalised batch cur of nt tokens, o partials into opart.
-  // Token tt's o partial is formed in iteration tt + 1, in the same row loop as token tt+1's
-  // decay and kv (two independent chains), so the only per-token dependency is decay -> kv ->
-  // butterfly -> d -> update. The next token's k and gates are loaded before the butterfly.
-  auto walk = [&](const float* cur, float* opart, int nt) {
+  int b = 0;
+  int64_t prev_t0 = 0;
+  int prev_nt = 0;
+  for (int64_t t0 = 0; t0 < nvld; t0 += kT, b ^= 1) {
+    const int nt = static_cast<int>(nvld - t0 < kT ? nvld - t0 : kT);
+    float* cur = smem + b * Cf::kBuf;
+    // Batch t0 has landed (own copies) and is visible (barrier); the barrier
+    // also ends every read of the other buffer (last batch / state tile) and
+    // every write of the previous batch's o partials.
+    cp_async_wait_all();
+    __syncthreads();
+    if (t0 + kT < nvld)
+      stage(smem + (b ^ 1) * Cf::kBuf, t0 + kT, static_cast<int>(nvld - t0 - kT < kT ? nvld - t0 - kT : kT));
+    flush_o(prev_t0, prev_nt);
+    normalise(cur, nt);
+    __syncthreads();
+
+    // Token tt's o partial is formed in iteration tt + 1, in the same row
+    // loop as token tt+1's decay and kv (two independent chains), so the
+    // only per-token dependency is decay -> kv -> butterfly -> d -> update.
+    // The next token's k and gates are loaded before the butterfly.
     const float4* k4 = reinterpret_cast<const float4*>(cur + Cf::kK) + sub;
     const float4* q4 = reinterpret_cast<const float4*>(cur + Cf::kQ) + sub;
     const float* vv = cur + Cf::kV + cl;
@@ -477,118 +485,25 @@ __global__ void __launch_bounds__(Cf::kThreadsAll, Cf::kMinBlocks) delta_kernel(
     }
     if (tt < nt) step(tt, ka, kb);
     op[(nt - 1) * kCols * L] = delta_o_partial<R>(s, qq);
-  };
-  // The state out: through buf 0 as a tile, then coalesced rows. The block read its whole tile
-  // before its first batch, so state_out may be state_in.
-  auto put_tile = [&]() {
-    float* tile = smem;
+    prev_t0 = t0;
+    prev_nt = nt;
+  }
+
+  // State out through buf 0 (no copies are pending: the last batch staged
+  // nothing). The block read its whole tile before the loop, so state_out may
+  // be state_in.
+  __syncthreads();
+  flush_o(prev_t0, prev_nt);
+  float* tile = smem;
 #pragma unroll
-    for (int i = 0; i < R / 4; ++i)
+  for (int i = 0; i < R / 4; ++i)
 #pragma unroll
-      for (int u = 0; u < 4; ++u) tile[(4 * (sub + L * i) + u) * Cf::kTileLd + cl] = s[4 * i + u];
-  };
-  auto store_tile = [&]() {
-    const float* tile = smem;
-    float* Sout = a.state_out + static_cast<int64_t>(j) * DK * dv + c0;
-    for (int i = tid; i < DK * kCols; i += NT) {
-      const int r = i / kCols, cc = i % kCols;
-      if (cc < ncols) Sout[static_cast<int64_t>(r) * dv + cc] = tile[r * Cf::kTileLd + cc];
-    }
-  };
-
-  if constexpr (Cf::kHelpers > 0) {
-    // Helper warps NW.. stage batch b + 1 (copies, then their own barrier), normalise it and form
-    // its gates, and flush batch b - 1's o, while the column warps walk batch b. Slot b % 2 holds
-    // a batch's stage buffer and o partials; its full barrier says the batch is ready, its empty
-    // barrier that the column warps are done with it (buffer read, partials written).
-    constexpr int NH = Cf::kHelpers * BARO_WARP, NA = Cf::kThreadsAll;
-    const int64_t nb = (nvld + kT - 1) / kT;
-    const bool helper = tid >= NT;
-    auto batch_len = [&](int64_t bi) { return static_cast<int>(nvld - bi * kT < kT ? nvld - bi * kT : kT); };
-    if (helper) {
-      if (nvld > 0) stage(smem, 0, batch_len(0), tid - NT, NH);
-    } else {
-      load_tile();
-    }
-    cp_async_wait_all();
-    __syncthreads();
-    if (!helper) read_tile();
-    __syncthreads();  // buf 1 is free for batch 1
-    if (helper) {
-      const int ht = tid - NT, hw = warp - NW;
-      for (int64_t bi = 0; bi < nb; ++bi) {
-        const int sl = static_cast<int>(bi & 1);
-        float* cur = smem + sl * Cf::kBuf;
-        if (bi >= 2) {  // batch bi - 2 is walked: its slot is free and its o partials are written
-          named_sync(kBarEmpty + sl, NA);
-          flush_o(opart0 + sl * Cf::kOpart, (bi - 2) * kT, kT, ht, NH);
-        }
-        if (bi >= 1) {
-          stage(cur, bi * kT, batch_len(bi), ht, NH);
-          cp_async_wait_all();
-          named_sync(kBarHelpers, NH);
-        }
-        normalise(cur, batch_len(bi), hw, Cf::kHelpers, ht - (NH - BARO_WARP));
-        __threadfence_block();
-        named_arrive(kBarFull + sl, NA);
-      }
-      for (int64_t bi = nb >= 2 ? nb - 2 : 0; bi < nb; ++bi) {
-        const int sl = static_cast<int>(bi & 1);
-        named_sync(kBarEmpty + sl, NA);
-        flush_o(opart0 + sl * Cf::kOpart, bi * kT, batch_len(bi), ht, NH);
-      }
-      return;
-    }
-    for (int64_t bi = 0; bi < nb; ++bi) {
-      const int sl = static_cast<int>(bi & 1);
-      named_sync(kBarFull + sl, NA);
-      walk(smem + sl * Cf::kBuf, opart0 + sl * Cf::kOpart, batch_len(bi));
-      __threadfence_block();
-      named_arrive(kBarEmpty + sl, NA);
-    }
-    // Every stage is done (the helpers staged batch nb - 1 before its full barrier) and every
-    // column warp has read its last batch: buf 0 takes the tile.
-    named_sync(kBarCols, NT);
-    put_tile();
-    named_sync(kBarCols, NT);
-    store_tile();
-    return;
-  } else {
-    // Batch 0 into buf 0 together with the state tile into buf 1.
-    if (nvld > 0) stage(smem, 0, static_cast<int>(nvld < kT ? nvld : kT), tid, NT);
-    load_tile();
-    cp_async_wait_all();
-    __syncthreads();
-    read_tile();
-
-    int b = 0;
-    int64_t prev_t0 = 0;
-    int prev_nt = 0;
-    for (int64_t t0 = 0; t0 < nvld; t0 += kT, b ^= 1) {
-      const int nt = static_cast<int>(nvld - t0 < kT ? nvld - t0 : kT);
-      float* cur = smem + b * Cf::kBuf;
-      // Batch t0 has landed (own copies) and is visible (barrier); the barrier
-      // also ends every read of the other buffer (last batch / state tile) and
-      // every write of the previous batch's o partials.
-      cp_async_wait_all();
-      __syncthreads();
-      if (t0 + kT < nvld)
-        stage(smem + (b ^ 1) * Cf::kBuf, t0 + kT, static_cast<int>(nvld - t0 - kT < kT ? nvld - t0 - kT : kT), tid,
-              NT);
-      flush_o(opart0, prev_t0, prev_nt, tid, NT);
-      normalise(cur, nt, warp, NW, tid - (NT - BARO_WARP));
-      __syncthreads();
-      walk(cur, opart0, nt);
-      prev_t0 = t0;
-      prev_nt = nt;
-    }
-
-    // State out through buf 0 (no copies are pending: the last batch staged nothing).
-    __syncthreads();
-    flush_o(opart0, prev_t0, prev_nt, tid, NT);
-    put_tile();
-    __syncthreads();
-    store_tile();
+    for (int u = 0; u < 4; ++u) tile[(4 * (sub + L * i) + u) * Cf::kTileLd + cl] = s[4 * i + u];
+  __syncthreads();
+  float* Sout = a.state_out + static_cast<int64_t>(j) * DK * dv + c0;
+  for (int i = tid; i < DK * kCols; i += NT) {
+    const int r = i / kCols, cc = i % kCols;
+    if (cc < ncols) Sout[static_cast<int64_t>(r) * dv + cc] = tile[r * Cf::kTileLd + cc];
   }
 }
 
@@ -826,22 +741,21 @@ gpuError_t launch_delta_one(const DeltaArgs& a, gpuStream_t stream) {
 }
 
 template <int DK, int COLS, int KT = 32, int MINB = 1, bool COLS_FAST = false, int KV_GATHER = 0,
-          bool STAGE_FIXED = false, int HELPERS = 0>
+          bool STAGE_FIXED = false>
 gpuError_t launch_delta_cols(const DeltaArgs& a, gpuStream_t stream) {
-  using Cf = DeltaCfg<DK, COLS, KT, MINB, COLS_FAST, KV_GATHER, STAGE_FIXED, HELPERS>;
+  using Cf = DeltaCfg<DK, COLS, KT, MINB, COLS_FAST, KV_GATHER, STAGE_FIXED>;
   const int64_t col_blocks = (a.dv + COLS - 1) / COLS;
   const int64_t heads = static_cast<int64_t>(a.rows) * a.nv;
   if (col_blocks > 65535 || (COLS_FAST && heads > 65535)) return gpuErrorInvalidValue;
   const dim3 grid = COLS_FAST ? dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>(heads))
                               : dim3(static_cast<unsigned>(heads), static_cast<unsigned>(col_blocks));
-  // 107,008 B for dk = 128, COLS = 32; 139,776 with helpers (two o partial buffers)
-  const size_t smem = sizeof(float) * (2 * Cf::kBuf + Cf::kOparts * Cf::kOpart);
+  const size_t smem = sizeof(float) * (2 * Cf::kBuf + Cf::kOpart);  // 107,008 B for dk = 128, COLS = 32
   if (smem > 48 * 1024) {
     const gpuError_t e = cudaFuncSetAttribute(
         delta_kernel<Cf, DK, COLS>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (e != gpuSuccess) return e;
   }
-  delta_kernel<Cf, DK, COLS><<<grid, Cf::kThreadsAll, smem, stream>>>(a);
+  delta_kernel<Cf, DK, COLS><<<grid, Cf::kThreads, smem, stream>>>(a);
   return gpuGetLastError();
 }
 
@@ -875,9 +789,8 @@ gpuError_t launch_delta_dk(const DeltaArgs& a, gpuStream_t stream) {
   if (delta_cols() == 16) return launch_delta_cols<DK, 16>(a, stream);
   if (k::is(k::kDeltaKv, "gather")) return launch_delta_cols<DK, 32, 32, 1, false, 1>(a, stream);
   if (k::is(k::kDeltaKv, "two")) return launch_delta_cols<DK, 32, 32, 1, false, 2>(a, stream);
-  if (k::is(k::kDeltaStage, "fixed")) return launch_delta_cols<DK, 32, 32, 1, false, 0, true>(a, stream);
-  if (k::is(k::kDeltaStage, "warps")) return launch_delta_cols<DK, 32, 32, 1, false, 0, false, 4>(a, stream);
-  return launch_delta_cols<DK, 32>(a, stream);
+  if (k::is(k::kDeltaStage, "index")) return launch_delta_cols<DK, 32>(a, stream);
+  return launch_delta_cols<DK, 32, 32, 1, false, 0, true>(a, stream);
 }
 
 #else  // BARO_HIP: one thread per column, the q/k norms by one warp each

@@ -146,6 +146,58 @@ BARO_DEV void wg_mma_128(float (&d)[16][4], uint64_t adesc, uint64_t bdesc) {
       : "l"(adesc), "l"(bdesc), "r"(1));
 }
 
+// d[h] += A[64 x 16] B[16 x 256], rows 128 h.. of B in d[h]: one m64n256k16 where wg_mma_128 issues two
+// m64n128k16 (BARO_GEMM_WGMMA_N256). An element's k16 step is the same tensor-core step either way
+// (the instruction's N only says how many columns it covers), so its chain and bits do not change;
+// A is read from shared memory once per step instead of twice.
+BARO_DEV void wg_mma_256(float (&d)[2][16][4], uint64_t adesc, uint64_t bdesc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0][0]), "+f"(d[0][0][1]), "+f"(d[0][0][2]), "+f"(d[0][0][3]),
+        "+f"(d[0][1][0]), "+f"(d[0][1][1]), "+f"(d[0][1][2]), "+f"(d[0][1][3]),
+        "+f"(d[0][2][0]), "+f"(d[0][2][1]), "+f"(d[0][2][2]), "+f"(d[0][2][3]),
+        "+f"(d[0][3][0]), "+f"(d[0][3][1]), "+f"(d[0][3][2]), "+f"(d[0][3][3]),
+        "+f"(d[0][4][0]), "+f"(d[0][4][1]), "+f"(d[0][4][2]), "+f"(d[0][4][3]),
+        "+f"(d[0][5][0]), "+f"(d[0][5][1]), "+f"(d[0][5][2]), "+f"(d[0][5][3]),
+        "+f"(d[0][6][0]), "+f"(d[0][6][1]), "+f"(d[0][6][2]), "+f"(d[0][6][3]),
+        "+f"(d[0][7][0]), "+f"(d[0][7][1]), "+f"(d[0][7][2]), "+f"(d[0][7][3]),
+        "+f"(d[0][8][0]), "+f"(d[0][8][1]), "+f"(d[0][8][2]), "+f"(d[0][8][3]),
+        "+f"(d[0][9][0]), "+f"(d[0][9][1]), "+f"(d[0][9][2]), "+f"(d[0][9][3]),
+        "+f"(d[0][10][0]), "+f"(d[0][10][1]), "+f"(d[0][10][2]), "+f"(d[0][10][3]),
+        "+f"(d[0][11][0]), "+f"(d[0][11][1]), "+f"(d[0][11][2]), "+f"(d[0][11][3]),
+        "+f"(d[0][12][0]), "+f"(d[0][12][1]), "+f"(d[0][12][2]), "+f"(d[0][12][3]),
+        "+f"(d[0][13][0]), "+f"(d[0][13][1]), "+f"(d[0][13][2]), "+f"(d[0][13][3]),
+        "+f"(d[0][14][0]), "+f"(d[0][14][1]), "+f"(d[0][14][2]), "+f"(d[0][14][3]),
+        "+f"(d[0][15][0]), "+f"(d[0][15][1]), "+f"(d[0][15][2]), "+f"(d[0][15][3]),
+        "+f"(d[1][0][0]), "+f"(d[1][0][1]), "+f"(d[1][0][2]), "+f"(d[1][0][3]),
+        "+f"(d[1][1][0]), "+f"(d[1][1][1]), "+f"(d[1][1][2]), "+f"(d[1][1][3]),
+        "+f"(d[1][2][0]), "+f"(d[1][2][1]), "+f"(d[1][2][2]), "+f"(d[1][2][3]),
+        "+f"(d[1][3][0]), "+f"(d[1][3][1]), "+f"(d[1][3][2]), "+f"(d[1][3][3]),
+        "+f"(d[1][4][0]), "+f"(d[1][4][1]), "+f"(d[1][4][2]), "+f"(d[1][4][3]),
+        "+f"(d[1][5][0]), "+f"(d[1][5][1]), "+f"(d[1][5][2]), "+f"(d[1][5][3]),
+        "+f"(d[1][6][0]), "+f"(d[1][6][1]), "+f"(d[1][6][2]), "+f"(d[1][6][3]),
+        "+f"(d[1][7][0]), "+f"(d[1][7][1]), "+f"(d[1][7][2]), "+f"(d[1][7][3]),
+        "+f"(d[1][8][0]), "+f"(d[1][8][1]), "+f"(d[1][8][2]), "+f"(d[1][8][3]),
+        "+f"(d[1][9][0]), "+f"(d[1][9][1]), "+f"(d[1][9][2]), "+f"(d[1][9][3]),
+        "+f"(d[1][10][0]), "+f"(d[1][10][1]), "+f"(d[1][10][2]), "+f"(d[1][10][3]),
+        "+f"(d[1][11][0]), "+f"(d[1][11][1]), "+f"(d[1][11][2]), "+f"(d[1][11][3]),
+        "+f"(d[1][12][0]), "+f"(d[1][12][1]), "+f"(d[1][12][2]), "+f"(d[1][12][3]),
+        "+f"(d[1][13][0]), "+f"(d[1][13][1]), "+f"(d[1][13][2]), "+f"(d[1][13][3]),
+        "+f"(d[1][14][0]), "+f"(d[1][14][1]), "+f"(d[1][14][2]), "+f"(d[1][14][3]),
+        "+f"(d[1][15][0]), "+f"(d[1][15][1]), "+f"(d[1][15][2]), "+f"(d[1][15][3])
+      : "l"(adesc), "l"(bdesc), "r"(1));
+}
+
 // K-major operand rows row0.. (a multiple of 8) of a swizzled tile of 128-byte rows, at K step kk
 // (16 elements = 32 bytes inside the row; the swizzle applies to the address wgmma forms, as it
 // did to TMA's). SBO 1024: the next 8 rows; LBO unused (16 elements never cross a row). The same
@@ -159,11 +211,14 @@ BARO_DEV uint64_t wg_gemm_desc(const uint8_t* tile, int row0, int kk) {
 // warpgroups, then the producer warp. The ring runs on across a block's tiles (the producer fills
 // the next tile's stages while the consumers store the last one's); each tile's accumulators
 // start at zero and take its K walk alone, so a tile's bits do not depend on the block.
-template <int BM, bool SWIGLU, int STAGES, int BN, int CLUSTER = 1>
+// N256 (BN 256 only): each k16 step as one m64n256k16 per consumer warpgroup instead of two
+// m64n128k16 (wg_mma_256).
+template <int BM, bool SWIGLU, int STAGES, int BN, int CLUSTER = 1, bool N256 = false>
 __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg<BM, STAGES, BN>::kMinBlocks)
     gemm_wgmma_kernel(GemmParams p, const __grid_constant__ WgGemmMaps maps, const WgGemmWalk walk) {
   using Cfg = WgGemmCfg<BM, STAGES, BN, CLUSTER>;
   constexpr bool kPair = CLUSTER == 2;
+  static_assert(!N256 || BN == 256, "one m64n256k16 covers a 256-row W tile");
   constexpr int kHalves = Cfg::kHalves;
   constexpr int kWgStages = Cfg::kStages;
   extern __shared__ __align__(1024) uint8_t wg_gemm_smem[];
@@ -332,19 +387,22 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
       const int64_t k0 = static_cast<int64_t>(kt) * kWgBK;
       wg_fence();  // the accumulator registers, as the previous wgmmas and the zeroing left them
       hold();
-      if (k0 + kWgBK <= K) {  // the whole stage inside K: the four steps back to back
-#pragma unroll
-        for (int kk = 0; kk < kWgBK / 16; ++kk)
+      auto k_step = [&](int kk) {
+        if constexpr (N256) {
+          wg_mma_256(acc, wg_gemm_desc(a_tile, 64 * cg, kk), wg_gemm_desc(b_tile, 0, kk));
+        } else {
 #pragma unroll
           for (int h = 0; h < kHalves; ++h)
             wg_mma_128(acc[h], wg_gemm_desc(a_tile, 64 * cg, kk), wg_gemm_desc(b_tile, 128 * h, kk));
+        }
+      };
+      if (k0 + kWgBK <= K) {  // the whole stage inside K: the four steps back to back
+#pragma unroll
+        for (int kk = 0; kk < kWgBK / 16; ++kk) k_step(kk);
       } else {
 #pragma unroll
         for (int kk = 0; kk < kWgBK / 16; ++kk)
-          if (k0 + 16 * kk < K)  // uniform: skip steps wholly past K (gemm_pipe_kernel's rule)
-#pragma unroll
-            for (int h = 0; h < kHalves; ++h)
-              wg_mma_128(acc[h], wg_gemm_desc(a_tile, 64 * cg, kk), wg_gemm_desc(b_tile, 128 * h, kk));
+          if (k0 + 16 * kk < K) k_step(kk);  // uniform: skip steps wholly past K (gemm_pipe_kernel's rule)
       }
       wg_commit();
       // the wgmmas of stage kt - 1 are done once at most this stage's group is in flight: release it
@@ -475,6 +533,16 @@ static gpuError_t wg_gemm_launch_ring(const GemmParams& p, const WgGemmMaps& map
       cfg.attrs = attr;
       cfg.numAttrs = 1;
       return cudaLaunchKernelEx(&cfg, kernel, q, maps, walk);
+    }
+  }
+  if constexpr (BN == 256 && STAGES == 4) {
+    if (k::is(k::kGemmWgmmaN256, "1")) {  // BARO_GEMM_WGMMA_N256: one m64n256k16 a step
+      auto kernel = gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN, 1, true>;
+      static std::atomic<uint64_t> n256_smem_done{0};
+      const gpuError_t ne = allow_smem(kernel, Cfg::kSmemBytes, n256_smem_done);
+      if (ne != gpuSuccess) return ne;
+      kernel<<<dim3(static_cast<unsigned>(blocks)), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(q, maps, walk);
+      return gpuGetLastError();
     }
   }
   gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN>

@@ -101,6 +101,15 @@ BARO_DEV void wg_tma_box_pair(uint32_t dst, const CUtensorMap* map, int x, int j
 }
 
 // ---- host ----
+// The launch attribute of clusters of two CTAs along x.
+static inline cudaLaunchAttribute wg_pair_cluster_attr() {
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 2;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  return attr;
+}
 // The only device the sm_90a image runs on: sm_90 (not forward compatible).
 static inline bool wg_device_is_sm90() {
   int dev = 0, major = 0, minor = 0;

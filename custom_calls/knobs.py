@@ -171,14 +171,6 @@ _TABLE: tuple[Knob, ...] = (
              "gridDim-th output tile with one ring (the next tile's stages land while the last one's are stored); "
              "3: three blocks (tests: many tiles a block at any shape); 0: a block per tile; the same bits "
              "(csrc/gpu/gemm_wgmma.cu)"),
-    Knob("BARO_GEMM_WGMMA_CLUSTER", "choice", "0", choices=("0", "2"),
-         doc="2: the MoE's grouped wgmma GEMMs in 256-row W tiles (prefill chunks of 4,096 rows and more) in "
-             "clusters of two CTAs on adjacent column tiles of one slot, each copying half of the shared A rows "
-             "and multicasting them into both (half of A's L2 reads); the same bits (csrc/gpu/gemm_wgmma.cu)"),
-    Knob("BARO_GEMM_WGMMA_N256", "choice", "0", choices=("0", "1"),
-         doc="1: the wgmma GEMM's 256-row W tiles (ring of 4) take each k16 step as one m64n256k16 a consumer "
-             "warpgroup instead of two m64n128k16 (A read from shared memory once a step); the same bits "
-             "(csrc/gpu/gemm_wgmma.cu)"),
     Knob("BARO_ROWS16_RING", "choice", "auto", choices=("auto", "deep", "light"),
          doc="gemm_rows16's cp.async ring: deep (8 stages, SwiGLU 6: one or two blocks per SM) or light (4, "
              "SwiGLU 3: twice the blocks per SM); auto: light for grouped MoE calls and grids of 4 blocks per SM, "

@@ -257,8 +257,7 @@ def test_matmul_stream_levers_require_one(platform, monkeypatch):
 # (BARO_GEMM_WGMMA_RING: two blocks per SM), then both rings in the column-fast walk (BARO_PIPE_ORDER=cols),
 # then 256-row W tiles (BARO_GEMM_WGMMA_BN; N = 200: a second half partly past N, 1544: a last tile of
 # 8 columns in its first box, so three of its four W boxes are not issued), then the persistent grid
-# (BARO_GEMM_WGMMA_PERSIST=1: the resident blocks, =3: three), and the 256-row tiles' k16 steps as
-# one m64n256k16 each (BARO_GEMM_WGMMA_N256).
+# (BARO_GEMM_WGMMA_PERSIST=1: the resident blocks, =3: three).
 WGMMA_M = [64, 65, 127, 128, 300, 1024]
 
 
@@ -275,10 +274,9 @@ def test_matmul_wgmma_same_bytes(platform, N, K, monkeypatch):
     w = bf16(rng, N, K)
     wd = put(platform, w)
 
-    def call(x, knob, tile=None, ring="4", order="auto", bn="128", persist="0", n256="0"):
+    def call(x, knob, tile=None, ring="4", order="auto", bn="128", persist="0"):
         force_tile(monkeypatch, tile)
         monkeypatch.setenv("BARO_GEMM_WGMMA_PERSIST", persist)
-        monkeypatch.setenv("BARO_GEMM_WGMMA_N256", n256)
         monkeypatch.setenv("BARO_GEMM_WGMMA", knob)
         monkeypatch.setenv("BARO_GEMM_WGMMA_RING", ring)
         monkeypatch.setenv("BARO_PIPE_ORDER", order)
@@ -290,7 +288,6 @@ def test_matmul_wgmma_same_bytes(platform, N, K, monkeypatch):
         monkeypatch.delenv("BARO_PIPE_ORDER", raising=False)
         monkeypatch.delenv("BARO_GEMM_WGMMA_BN", raising=False)
         monkeypatch.delenv("BARO_GEMM_WGMMA_PERSIST", raising=False)
-        monkeypatch.delenv("BARO_GEMM_WGMMA_N256", raising=False)
         force_tile(monkeypatch, None)
         return out
 
@@ -314,9 +311,6 @@ def test_matmul_wgmma_same_bytes(platform, N, K, monkeypatch):
                 assert_same_bits(call(x, "require", tile, ring, order, "plain"), want,
                                  f"matmul N={N} K={K} m={m} tile {tile} ring {ring} {order} BN 256: "
                                  "BARO_GEMM_WGMMA vs the default")
-            # each k16 step as one m64n256k16 (BARO_GEMM_WGMMA_N256, the ring of 4)
-            assert_same_bits(call(x, "require", tile, "4", "auto", "plain", "0", "1"), want,
-                             f"matmul N={N} K={K} m={m} tile {tile} BN 256 N256: BARO_GEMM_WGMMA vs the default")
         # the persistent grid (BARO_GEMM_WGMMA_PERSIST: a block walks several tiles on one ring; =3:
         # three blocks, so every block walks many tiles here, idle and live warpgroups in turn)
         for tile, ring, order, bn, persist in (("64", "4", "auto", "128", "1"), ("128", "3", "cols", "128", "3"),

@@ -76,16 +76,8 @@ constexpr int kWgBoxBytes = kWgBox * kWgBK * 2;  // 8 KB
 // twice the products of a 128-row one's 32 KB, so a tile reads a third less from L2 per product;
 // each consumer warpgroup then issues two m64n128k16 per k16 step, one per 128-column half, each
 // into its own accumulators (an element's chain is the same k16 steps in the same order).
-// CLUSTER: 2 launches the tiles in clusters of two CTAs on adjacent column tiles of one slot
-// (BARO_GEMM_WGMMA_CLUSTER, grouped calls in the column-fast walk): both read the same A rows, so
-// each CTA copies one of the stage's two A boxes and multicasts it into both (half of A's L2
-// reads; the gate/up GEMM at 8,192 rows is L2-bound). A stage is refilled only after both CTAs
-// released it: each producer, once its own consumers are done with the stage, arrives on the
-// stage's pair barrier in both CTAs (count 2) and waits on its own. The A bytes landing in a stage
-// are the same either way (the same boxes, the same offsets), so no element's chain changes.
-template <int BM, int STAGES = 4, int BN = 128, int CLUSTER = 1>
+template <int BM, int STAGES = 4, int BN = 128>
 struct WgGemmCfg {
-  static constexpr int kCluster = CLUSTER;
   static constexpr int kStages = STAGES;
   static constexpr int kBN = BN;
   static constexpr int kHalves = BN / 128;                // m64n128 accumulator sets per warpgroup
@@ -96,11 +88,10 @@ struct WgGemmCfg {
   static constexpr int kABytes = BM * kWgBK * 2;
   static constexpr int kBBytes = BN * kWgBK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;   // a ring stage: A tile, then W tile
-  static constexpr int kBarOff = kStages * kStageBytes;  // full, empty (and pair) barriers
-  static constexpr int kSmemBytes = kBarOff + (CLUSTER > 1 ? 24 : 16) * kStages + 1024;  // + 1 KB alignment slack
+  static constexpr int kBarOff = kStages * kStageBytes;  // full then empty barriers
+  static constexpr int kSmemBytes = kBarOff + 16 * kStages + 1024;  // + slack for the 1 KB alignment
   static_assert(STAGES == 3 || STAGES == 4, "ring depths built: 3 and 4");
   static_assert(BN == 128 || BN == 256, "W tiles of 128 or 256 rows");
-  static_assert(CLUSTER == 1 || (CLUSTER == 2 && BM == 128), "pairs split the A tile's two boxes");
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "swizzled boxes on 1 KB");
   static_assert(kSmemBytes * kMinBlocks <= 227 * 1024, "shared memory of the blocks on one SM");
 };
@@ -146,58 +137,6 @@ BARO_DEV void wg_mma_128(float (&d)[16][4], uint64_t adesc, uint64_t bdesc) {
       : "l"(adesc), "l"(bdesc), "r"(1));
 }
 
-// d[h] += A[64 x 16] B[16 x 256], rows 128 h.. of B in d[h]: one m64n256k16 where wg_mma_128 issues two
-// m64n128k16 (BARO_GEMM_WGMMA_N256). An element's k16 step is the same tensor-core step either way
-// (the instruction's N only says how many columns it covers), so its chain and bits do not change;
-// A is read from shared memory once per step instead of twice.
-BARO_DEV void wg_mma_256(float (&d)[2][16][4], uint64_t adesc, uint64_t bdesc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-      "%128, %129, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0][0][0]), "+f"(d[0][0][1]), "+f"(d[0][0][2]), "+f"(d[0][0][3]),
-        "+f"(d[0][1][0]), "+f"(d[0][1][1]), "+f"(d[0][1][2]), "+f"(d[0][1][3]),
-        "+f"(d[0][2][0]), "+f"(d[0][2][1]), "+f"(d[0][2][2]), "+f"(d[0][2][3]),
-        "+f"(d[0][3][0]), "+f"(d[0][3][1]), "+f"(d[0][3][2]), "+f"(d[0][3][3]),
-        "+f"(d[0][4][0]), "+f"(d[0][4][1]), "+f"(d[0][4][2]), "+f"(d[0][4][3]),
-        "+f"(d[0][5][0]), "+f"(d[0][5][1]), "+f"(d[0][5][2]), "+f"(d[0][5][3]),
-        "+f"(d[0][6][0]), "+f"(d[0][6][1]), "+f"(d[0][6][2]), "+f"(d[0][6][3]),
-        "+f"(d[0][7][0]), "+f"(d[0][7][1]), "+f"(d[0][7][2]), "+f"(d[0][7][3]),
-        "+f"(d[0][8][0]), "+f"(d[0][8][1]), "+f"(d[0][8][2]), "+f"(d[0][8][3]),
-        "+f"(d[0][9][0]), "+f"(d[0][9][1]), "+f"(d[0][9][2]), "+f"(d[0][9][3]),
-        "+f"(d[0][10][0]), "+f"(d[0][10][1]), "+f"(d[0][10][2]), "+f"(d[0][10][3]),
-        "+f"(d[0][11][0]), "+f"(d[0][11][1]), "+f"(d[0][11][2]), "+f"(d[0][11][3]),
-        "+f"(d[0][12][0]), "+f"(d[0][12][1]), "+f"(d[0][12][2]), "+f"(d[0][12][3]),
-        "+f"(d[0][13][0]), "+f"(d[0][13][1]), "+f"(d[0][13][2]), "+f"(d[0][13][3]),
-        "+f"(d[0][14][0]), "+f"(d[0][14][1]), "+f"(d[0][14][2]), "+f"(d[0][14][3]),
-        "+f"(d[0][15][0]), "+f"(d[0][15][1]), "+f"(d[0][15][2]), "+f"(d[0][15][3]),
-        "+f"(d[1][0][0]), "+f"(d[1][0][1]), "+f"(d[1][0][2]), "+f"(d[1][0][3]),
-        "+f"(d[1][1][0]), "+f"(d[1][1][1]), "+f"(d[1][1][2]), "+f"(d[1][1][3]),
-        "+f"(d[1][2][0]), "+f"(d[1][2][1]), "+f"(d[1][2][2]), "+f"(d[1][2][3]),
-        "+f"(d[1][3][0]), "+f"(d[1][3][1]), "+f"(d[1][3][2]), "+f"(d[1][3][3]),
-        "+f"(d[1][4][0]), "+f"(d[1][4][1]), "+f"(d[1][4][2]), "+f"(d[1][4][3]),
-        "+f"(d[1][5][0]), "+f"(d[1][5][1]), "+f"(d[1][5][2]), "+f"(d[1][5][3]),
-        "+f"(d[1][6][0]), "+f"(d[1][6][1]), "+f"(d[1][6][2]), "+f"(d[1][6][3]),
-        "+f"(d[1][7][0]), "+f"(d[1][7][1]), "+f"(d[1][7][2]), "+f"(d[1][7][3]),
-        "+f"(d[1][8][0]), "+f"(d[1][8][1]), "+f"(d[1][8][2]), "+f"(d[1][8][3]),
-        "+f"(d[1][9][0]), "+f"(d[1][9][1]), "+f"(d[1][9][2]), "+f"(d[1][9][3]),
-        "+f"(d[1][10][0]), "+f"(d[1][10][1]), "+f"(d[1][10][2]), "+f"(d[1][10][3]),
-        "+f"(d[1][11][0]), "+f"(d[1][11][1]), "+f"(d[1][11][2]), "+f"(d[1][11][3]),
-        "+f"(d[1][12][0]), "+f"(d[1][12][1]), "+f"(d[1][12][2]), "+f"(d[1][12][3]),
-        "+f"(d[1][13][0]), "+f"(d[1][13][1]), "+f"(d[1][13][2]), "+f"(d[1][13][3]),
-        "+f"(d[1][14][0]), "+f"(d[1][14][1]), "+f"(d[1][14][2]), "+f"(d[1][14][3]),
-        "+f"(d[1][15][0]), "+f"(d[1][15][1]), "+f"(d[1][15][2]), "+f"(d[1][15][3])
-      : "l"(adesc), "l"(bdesc), "r"(1));
-}
-
 // K-major operand rows row0.. (a multiple of 8) of a swizzled tile of 128-byte rows, at K step kk
 // (16 elements = 32 bytes inside the row; the swizzle applies to the address wgmma forms, as it
 // did to TMA's). SBO 1024: the next 8 rows; LBO unused (16 elements never cross a row). The same
@@ -211,14 +150,10 @@ BARO_DEV uint64_t wg_gemm_desc(const uint8_t* tile, int row0, int kk) {
 // warpgroups, then the producer warp. The ring runs on across a block's tiles (the producer fills
 // the next tile's stages while the consumers store the last one's); each tile's accumulators
 // start at zero and take its K walk alone, so a tile's bits do not depend on the block.
-// N256 (BN 256 only): each k16 step as one m64n256k16 per consumer warpgroup instead of two
-// m64n128k16 (wg_mma_256).
-template <int BM, bool SWIGLU, int STAGES, int BN, int CLUSTER = 1, bool N256 = false>
+template <int BM, bool SWIGLU, int STAGES, int BN>
 __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg<BM, STAGES, BN>::kMinBlocks)
     gemm_wgmma_kernel(GemmParams p, const __grid_constant__ WgGemmMaps maps, const WgGemmWalk walk) {
-  using Cfg = WgGemmCfg<BM, STAGES, BN, CLUSTER>;
-  constexpr bool kPair = CLUSTER == 2;
-  static_assert(!N256 || BN == 256, "one m64n256k16 covers a 256-row W tile");
+  using Cfg = WgGemmCfg<BM, STAGES, BN>;
   constexpr int kHalves = Cfg::kHalves;
   constexpr int kWgStages = Cfg::kStages;
   extern __shared__ __align__(1024) uint8_t wg_gemm_smem[];
@@ -227,7 +162,6 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
   const uint32_t bar0 = wg_smem_addr(smem + Cfg::kBarOff);
   auto full = [&](int s) { return bar0 + 8 * s; };
   auto empty = [&](int s) { return bar0 + 8 * (kWgStages + s); };
-  auto pair_empty = [&](int s) { return bar0 + 8 * (2 * kWgStages + s); };  // kPair only
 
   // A grouped tile's rows sit at r0.. of A and C (the sorted pairs), its W rows at group * N..;
   // rows of A past the tile (the next tile's) and W rows past N (the next group's) only reach
@@ -253,9 +187,7 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
   int64_t group = 0, r0 = 0, c0 = 0;
   int rc = 0;
   {
-    // A block with no tile leaves before any barrier is met. Pairs: both CTAs of a cluster hold
-    // column tiles of one slot (the launcher's even column count), so they leave together.
-    bool any = false;
+    bool any = false;  // a block with no tile leaves before any barrier is met
     for (int64_t i = blockIdx.x; i < n_items && !any; i += gridDim.x) any = tile_of(i, group, r0, rc, c0);
     if (!any) return;
   }
@@ -271,23 +203,16 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
     for (int s = 0; s < kWgStages; ++s) {
       wg_mbar_init(full(s), 1);                 // the producer's arrival (+ the bytes)
       wg_mbar_init(empty(s), kConsumerThreads);  // every consumer thread, once done with the stage
-      if constexpr (kPair) wg_mbar_init(pair_empty(s), 2);  // each CTA's producer, once its stage is free
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // for the TMA unit (and the peer)
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // for the TMA unit
   }
-  // the barriers initialised before anyone (pairs: the peer's copies and arrivals too) uses them;
-  // no block or cluster barrier after this
-  if constexpr (kPair)
-    wg_cluster_sync();
-  else
-    __syncthreads();
+  __syncthreads();  // the barriers initialised before anyone uses them; no block barrier after this
 
   // the warp index through a shuffle: warp-uniform as far as the compiler can see (as CUTLASS does)
   const int warp_u = __shfl_sync(0xffffffffu, tid / 32, 0);
   if (warp_u >= kConsumerThreads / 32) {
     // ---- producer: lane 0 of the last warp ----
     if (tid != kConsumerThreads) return;
-    const uint32_t rank = kPair ? wg_cluster_rank() : 0;
     uint32_t it = 0;  // the ring's position: stage it % kWgStages, its use it / kWgStages
     for (int64_t i = blockIdx.x; i < n_items; i += gridDim.x) {
       if (!tile_of(i, group, r0, rc, c0)) continue;
@@ -315,30 +240,14 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
       for (int kt = 0; kt < n_k; ++kt, ++it) {
         const int s = static_cast<int>(it % kWgStages);
         const uint32_t use = it / kWgStages;
-        if (use > 0) {
-          wg_mbar_wait(empty(s), (use - 1) & 1);  // the stage's last use done
-          if constexpr (kPair) {  // and in the peer, whose half of A lands in this stage too
-            wg_mbar_arrive_cta(pair_empty(s), 0);
-            wg_mbar_arrive_cta(pair_empty(s), 1);
-            wg_mbar_wait(pair_empty(s), (use - 1) & 1);
-          }
-        }
+        if (use > 0) wg_mbar_wait(empty(s), (use - 1) & 1);  // the stage's last use done
         uint8_t* st = smem + s * Cfg::kStageBytes;
         const int k0 = kt * kWgBK;
-        // the stage's whole byte count: pairs, the peer's A box may land before this arrival (the
-        // phase waits for it)
         wg_mbar_expect(full(s), stage_bytes);
 #pragma unroll
-        for (int b = 0; b < BM / kWgBox; ++b) {
-          if (b >= a_boxes) continue;
-          const uint32_t dst = wg_smem_addr(st + b * kWgBoxBytes);
-          const int row = static_cast<int>(r0) + b * kWgBox;
-          if constexpr (kPair) {
-            if (static_cast<uint32_t>(b) % 2 == rank) wg_tma_box_pair(dst, &maps.a, k0, row, full(s));
-          } else {
-            tma_box(dst, &maps.a, k0, row, full(s));
-          }
-        }
+        for (int b = 0; b < BM / kWgBox; ++b)
+          if (b < a_boxes)
+            tma_box(wg_smem_addr(st + b * kWgBoxBytes), &maps.a, k0, static_cast<int>(r0) + b * kWgBox, full(s));
 #pragma unroll
         for (int b = 0; b < kWBoxes; ++b) {
           int row;
@@ -387,22 +296,19 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
       const int64_t k0 = static_cast<int64_t>(kt) * kWgBK;
       wg_fence();  // the accumulator registers, as the previous wgmmas and the zeroing left them
       hold();
-      auto k_step = [&](int kk) {
-        if constexpr (N256) {
-          wg_mma_256(acc, wg_gemm_desc(a_tile, 64 * cg, kk), wg_gemm_desc(b_tile, 0, kk));
-        } else {
+      if (k0 + kWgBK <= K) {  // the whole stage inside K: the four steps back to back
+#pragma unroll
+        for (int kk = 0; kk < kWgBK / 16; ++kk)
 #pragma unroll
           for (int h = 0; h < kHalves; ++h)
             wg_mma_128(acc[h], wg_gemm_desc(a_tile, 64 * cg, kk), wg_gemm_desc(b_tile, 128 * h, kk));
-        }
-      };
-      if (k0 + kWgBK <= K) {  // the whole stage inside K: the four steps back to back
-#pragma unroll
-        for (int kk = 0; kk < kWgBK / 16; ++kk) k_step(kk);
       } else {
 #pragma unroll
         for (int kk = 0; kk < kWgBK / 16; ++kk)
-          if (k0 + 16 * kk < K) k_step(kk);  // uniform: skip steps wholly past K (gemm_pipe_kernel's rule)
+          if (k0 + 16 * kk < K)  // uniform: skip steps wholly past K (gemm_pipe_kernel's rule)
+#pragma unroll
+            for (int h = 0; h < kHalves; ++h)
+              wg_mma_128(acc[h], wg_gemm_desc(a_tile, 64 * cg, kk), wg_gemm_desc(b_tile, 128 * h, kk));
       }
       wg_commit();
       // the wgmmas of stage kt - 1 are done once at most this stage's group is in flight: release it
@@ -508,38 +414,6 @@ static gpuError_t wg_gemm_launch_ring(const GemmParams& p, const WgGemmMaps& map
       }
     }
     if (r > 0 && blocks > r) blocks = r;
-  }
-  // Pairs (BARO_GEMM_WGMMA_CLUSTER=2): grouped calls of the wide 128-row tiles in the column-fast
-  // walk, a block per tile, an even column count (a cluster's two blocks then hold column tiles of
-  // one slot): the MoE's gate/up (4 column tiles at I = 512) and down (8 at D = 2048) GEMMs.
-  if constexpr (BM == 128 && BN == 256 && STAGES == 4) {
-    if (k::is(k::kGemmWgmmaCluster, "2") && p.tiles != nullptr && q.cols_fast && n_tiles % 2 == 0 &&
-        blocks == n_items) {
-      using PairCfg = WgGemmCfg<BM, STAGES, BN, 2>;
-      auto kernel = gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN, 2>;
-      static std::atomic<uint64_t> pair_smem_done{0};
-      const gpuError_t pe = allow_smem(kernel, PairCfg::kSmemBytes, pair_smem_done);
-      if (pe != gpuSuccess) return pe;
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-      cfg.blockDim = dim3(PairCfg::kThreads);
-      cfg.dynamicSmemBytes = PairCfg::kSmemBytes;
-      cfg.stream = stream;
-      cudaLaunchAttribute attr[1] = {wg_pair_cluster_attr()};
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      return cudaLaunchKernelEx(&cfg, kernel, q, maps, walk);
-    }
-  }
-  if constexpr (BN == 256 && STAGES == 4) {
-    if (k::is(k::kGemmWgmmaN256, "1")) {  // BARO_GEMM_WGMMA_N256: one m64n256k16 a step
-      auto kernel = gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN, 1, true>;
-      static std::atomic<uint64_t> n256_smem_done{0};
-      const gpuError_t ne = allow_smem(kernel, Cfg::kSmemBytes, n256_smem_done);
-      if (ne != gpuSuccess) return ne;
-      kernel<<<dim3(static_cast<unsigned>(blocks)), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(q, maps, walk);
-      return gpuGetLastError();
-    }
   }
   gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN>
       <<<dim3(static_cast<unsigned>(blocks)), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(q, maps, walk);

@@ -36,6 +36,29 @@ speed_under() {
       --json "$OUT/speed_${tag}${v}_${CARD}.json" 2>&1 | grep -E "tok/s|identity|Error|error" | tail -3
   done
 }
+# Each of SETTINGS (space-separated, each a comma-joined list of env assignments) by its index n
+# from 0, for each part of PARTS: ops, OP's times at M rows (20 calls back to back, fastest of 3
+# rounds; $OUT/op_times_<TAG>_<n>_$CARD.json); speed, a prefill at LENGTHS, identity-checked
+# ($OUT/speed_<TAG>_<n>_$CARD.json). The settings go to $OUT/<LIST>.txt, numbered.
+# Usage: sweep_settings "PARTS" OP TAG M LENGTHS LIST "SETTINGS"
+sweep_settings() {
+  local parts=$1 op=$2 tag=$3 m=$4 lengths=$5 list=$6 settings=$7 part setting n
+  for part in $parts; do
+    n=0
+    for setting in $settings; do
+      echo "--- $part $n: $setting"
+      case $part in
+        ops) env ${setting//,/ } timeout 120 python benchmarks/op_times.py --m "$m" --ops "$op" --backends ordered \
+               --reps 20 --rounds 3 --json "$OUT/op_times_${tag}_${n}_${CARD}.json" 2>&1 | grep "op=" ;;
+        speed) env ${setting//,/ } timeout 200 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
+                 --lengths "$lengths" --chunk "${SPEED_UNDER_CHUNK:-auto}" --decode-tokens 16 --check-tail 32 \
+                 --json "$OUT/speed_${tag}_${n}_${CARD}.json" 2>&1 | grep -E "tok/s|identity|Error|error" | tail -3 ;;
+      esac
+      n=$((n + 1))
+    done
+  done
+  echo "$settings" | tr ' ' '\n' | nl -v0 > "$OUT/${list}.txt"
+}
 stage_build() {
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
   if [ -n "${BARO_LIB_DIR:-}" ]; then echo "using prebuilt libraries in $BARO_LIB_DIR"; export PYTHONPATH=$PWD; else
@@ -480,53 +503,33 @@ stage_pipe_order() {
 # the MoE op ($OUT/op_times_moe_<n>_${CARD}.json) and an 8k prefill, identity-checked
 # ($OUT/speed_moe_<n>_${CARD}.json), <n> the setting's index; the settings print beside the numbers.
 stage_moe_grouped() {
-  local part setting n
+  local part
   # by default the kernels before 3b96722 (mma.sync grouped GEMMs, 128-row W tiles) against today's auto
   local settings=${MOE_GROUPED_SETTINGS:-BARO_GEMM_WGMMA_GROUPED=0,BARO_GEMM_WGMMA_BN=128 BARO_GEMM_WGMMA_GROUPED=auto,BARO_GEMM_WGMMA_BN=auto}
   for part in ${MOE_GROUPED_PARTS:-tests ops speed}; do
     log "moe_grouped part $part"
-    n=0
     case $part in
       tests) timeout "${MOE_GROUPED_TEST_TIMEOUT:-200}" python -m pytest -m gpu tests/test_kernels_moe.py tests/test_kernels_matmul.py -q -p no:cacheprovider -k "wgmma" 2>&1 \
                | tee "$OUT/gpu_moe_grouped_tests_${CARD}.txt" | tail -3 ;;
-      ops) for setting in $settings; do
-             echo "--- $n: $setting"
-             env ${setting//,/ } timeout 120 python benchmarks/op_times.py --m "${MOE_GROUPED_M:-4096,8192}" --ops moe \
-               --backends ordered --reps 20 --rounds 3 --json "$OUT/op_times_moe_${n}_${CARD}.json" 2>&1 | grep "op="
-             n=$((n + 1))
-           done ;;
-      speed) for setting in $settings; do
-               echo "--- $n: $setting"
-               env ${setting//,/ } timeout 200 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
-                 --lengths "${MOE_GROUPED_LENGTHS:-8192}" --chunk "${SPEED_UNDER_CHUNK:-auto}" --decode-tokens 16 --check-tail 32 \
-                 --json "$OUT/speed_moe_${n}_${CARD}.json" 2>&1 | grep -E "tok/s|identity|Error|error" | tail -3
-               n=$((n + 1))
-             done ;;
+      ops|speed) sweep_settings "$part" moe moe "${MOE_GROUPED_M:-4096,8192}" "${MOE_GROUPED_LENGTHS:-8192}" \
+                   moe_grouped_settings "$settings" ;;
       *) echo "moe_grouped: unknown part $part" ;;
     esac
   done
-  echo "$settings" | tr ' ' '\n' | nl -v0 > "$OUT/moe_grouped_settings.txt"
 }
-# The delta scan's same-bits knobs (BARO_DELTA_KV, BARO_DELTA_STAGE): their byte tests, then the
-# delta op at DELTA_KNOB_M rows under each of DELTA_KNOB_SETTINGS (space-separated env
-# assignments; 20 calls back to back, fastest of 3 rounds) and, with DELTA_KNOB_SPEED=1, an 8k
-# prefill under each (SPEED_UNDER_CHUNK as set): op_times_delta_<n>, speed_delta_<n>, numbered as
-# delta_knob_settings.txt lists them. DELTA_KNOB_TESTS=0 skips the byte tests (a second call).
+# The delta scan's same-bits knobs (BARO_DELTA_KV, BARO_DELTA_STAGE): their byte tests, then
+# sweep_settings over DELTA_KNOB_SETTINGS: the delta op at DELTA_KNOB_M rows and, with
+# DELTA_KNOB_SPEED=1, a prefill at DELTA_KNOB_LENGTHS (SPEED_UNDER_CHUNK as set):
+# op_times_delta_<n>, speed_delta_<n>, numbered as delta_knob_settings.txt lists them.
+# DELTA_KNOB_TESTS=0 skips the byte tests (a second call).
 stage_delta_knobs() {
-  local settings=${DELTA_KNOB_SETTINGS:-BARO_DELTA_STAGE=fixed BARO_DELTA_STAGE=index} setting n=0
+  local settings=${DELTA_KNOB_SETTINGS:-BARO_DELTA_STAGE=fixed BARO_DELTA_STAGE=index} parts=ops
   [ "${DELTA_KNOB_TESTS:-1}" = 1 ] && timeout "${DELTA_KNOB_TEST_TIMEOUT:-200}" python -m pytest -m gpu \
     tests/test_kernels_delta.py -q -p no:cacheprovider -k "same_bits_knobs or delta_blocks" 2>&1 \
     | tee "$OUT/gpu_delta_knob_tests_${CARD}.txt" | tail -3
-  for setting in $settings; do
-    echo "--- $n: $setting"
-    env "$setting" timeout 120 python benchmarks/op_times.py --m "${DELTA_KNOB_M:-4096,8192}" --ops delta \
-      --backends ordered --reps 20 --rounds 3 --json "$OUT/op_times_delta_${n}_${CARD}.json" 2>&1 | grep "op="
-    [ "${DELTA_KNOB_SPEED:-0}" = 1 ] && env "$setting" timeout 200 python benchmarks/speed.py --model qwen3.5-35b-a3b \
-      --arms batch-ordered --lengths "${DELTA_KNOB_LENGTHS:-8192}" --chunk "${SPEED_UNDER_CHUNK:-auto}" --decode-tokens 16 \
-      --check-tail 32 --json "$OUT/speed_delta_${n}_${CARD}.json" 2>&1 | grep -E "tok/s|identity|Error|error" | tail -3
-    n=$((n + 1))
-  done
-  echo "$settings" | tr ' ' '\n' | nl -v0 > "$OUT/delta_knob_settings.txt"
+  [ "${DELTA_KNOB_SPEED:-0}" = 1 ] && parts="ops speed"
+  sweep_settings "$parts" delta delta "${DELTA_KNOB_M:-4096,8192}" "${DELTA_KNOB_LENGTHS:-8192}" delta_knob_settings \
+    "$settings"
   return 0
 }
 # Where a prompt's prefill time goes (issue 31), kernel by kernel: decode_profile.py --prefill at

@@ -184,33 +184,6 @@ BARO_DEV void wg_tma_tile(uint16_t* dst, const CUtensorMap* map, int kh, int j0,
 // (count 2), then waits on its own. The layouts match, so a multicast lands at the same offsets
 // and completes on the same full-barrier in each CTA; a CTA's own arrival carries the block's
 // whole byte count, the peer's bytes may land before it (the phase waits for the arrival).
-BARO_DEV uint32_t wg_cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-BARO_DEV void wg_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// Arrival on the mbarrier at this CTA's offset bar in CTA rank of the cluster (itself included).
-// It releases a stage whose reads (wgmma, waited for) and zero fills (fenced for the async proxy)
-// all came before the CTA barrier this thread passed: the peer's copies into the stage follow
-// it causally, so no cluster-scope release (a GPU-wide MEMBAR and an L1 invalidate per arrival
-// in SASS) is needed.
-BARO_DEV void wg_mbar_arrive_cta(uint32_t bar, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
-}
-// One box into the same offset dst of both CTAs of the pair, completing on bar in each.
-BARO_DEV void wg_tma_box_pair(uint32_t dst, const CUtensorMap* map, int x, int j0, uint32_t bar) {
-  const uint16_t mask = 3;
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(j0), "r"(bar), "h"(mask)
-      : "memory");
-}
 // A block both CTAs of the pair need: this CTA's arrival with the block's whole byte count, and its
 // half of the boxes (those of its rank's parity) into both.
 template <int kHd>
@@ -877,10 +850,7 @@ gpuError_t wg_launch_pair(const AttentionArgs& a, const WgMaps& maps, unsigned t
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 2;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
+  attr[0] = wg_pair_cluster_attr();
   unsigned n = 1;
   if (pdl_enabled()) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;

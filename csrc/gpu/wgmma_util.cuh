@@ -71,7 +71,45 @@ BARO_DEV void wg_hold(float (&d)[N][W]) {
     for (int i = 0; i < W; ++i) asm volatile("" : "+f"(d[j][i])::"memory");
 }
 
+// ---- clusters of two CTAs (attention's pairs, the grouped GEMM's pairs) ----
+BARO_DEV uint32_t wg_cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+BARO_DEV void wg_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// Arrival on the mbarrier at this CTA's offset bar in CTA rank of the cluster (itself included).
+// It releases a stage whose reads (wgmma, waited for) and zero fills (fenced for the async proxy)
+// all came before the barrier this thread passed or waited on: the peer's copies into the stage
+// follow it causally, so no cluster-scope release (a GPU-wide MEMBAR and an L1 invalidate per
+// arrival in SASS) is needed.
+BARO_DEV void wg_mbar_arrive_cta(uint32_t bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+// One box into the same offset dst of both CTAs of the pair, completing on bar in each.
+BARO_DEV void wg_tma_box_pair(uint32_t dst, const CUtensorMap* map, int x, int j0, uint32_t bar) {
+  const uint16_t mask = 3;
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(j0), "r"(bar), "h"(mask)
+      : "memory");
+}
+
 // ---- host ----
+// The launch attribute of clusters of two CTAs along x.
+static inline cudaLaunchAttribute wg_pair_cluster_attr() {
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 2;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  return attr;
+}
 // The only device the sm_90a image runs on: sm_90 (not forward compatible).
 static inline bool wg_device_is_sm90() {
   int dev = 0, major = 0, minor = 0;

@@ -532,6 +532,14 @@ stage_delta_knobs() {
     "$settings"
   return 0
 }
+# The dense wgmma GEMMs' W pairs (BARO_GEMM_WGMMA_WPAIR, csrc/gpu/gemm_wgmma.cu): the byte tests
+# under require, then the matmul op (WPAIR_M rows) and prefill at WPAIR_LENGTHS without and with it.
+stage_wpair() {
+  timeout "${WPAIR_TEST_TIMEOUT:-240}" python -m pytest -m gpu tests/test_kernels_matmul.py -q -p no:cacheprovider \
+    -k "wgmma_same_bytes" 2>&1 | tee "$OUT/gpu_wpair_tests_${CARD}.txt" | tail -3
+  sweep_settings "${WPAIR_PARTS:-ops speed}" matmul wpair "${WPAIR_M:-4096,8192}" "${WPAIR_LENGTHS:-8192,32768}" \
+    wpair_settings "BARO_GEMM_WGMMA_WPAIR=0 BARO_GEMM_WGMMA_WPAIR=1"
+}
 # Where a prompt's prefill time goes (issue 31), kernel by kernel: decode_profile.py --prefill at
 # each of PREFILL_PROFILE_LENGTHS (8192 32768) at the engine's chunk (PREFILL_PROFILE_CHUNK to force
 # one), two traced prefills after one warm-up: $OUT/prefill_profile_<len>_${CARD}.json.

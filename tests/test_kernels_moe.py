@@ -342,20 +342,25 @@ def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, k, monkeypatch):
     # expert when unfolded) with the grouped ones on mma.sync); then the persistent grid
     # (BARO_GEMM_WGMMA_PERSIST=1: the resident blocks walk several tiles each on one ring; =3: three
     # blocks, so every shape walks many tiles a block, empty slots, idle and live warpgroups in turn)
-    # with either tile width
+    # with either tile width; then (BARO_GEMM_WGMMA_WPAIR) the wide grouped tiles in clusters of two
+    # CTAs on slots 2j, 2j + 1, multicasting W's boxes where both slots hold one expert's rows and
+    # running alone where not (require: a wide grouped call that does not take the pairs fails)
     settings = (("0", "0", "4", "auto"), ("require", "down", "4", "auto"), ("require", "sorted", "4", "auto"),
                 ("require", "down", "3", "auto"), ("require", "sorted", "3", "auto"), ("0", "sorted", "4", "auto"),
                 ("require", "down", "4", "rows"), ("require", "sorted", "3", "rows"),
                 ("require", "sorted", "4", "auto", "256"), ("require", "down", "3", "rows", "grouped"),
                 ("require", "0", "4", "auto", "256"), ("require", "sorted", "4", "auto", "128", "1"),
                 ("require", "sorted", "3", "rows", "256", "3"), ("require", "sorted", "4", "auto", "256", "1"),
-                ("require", "down", "4", "auto", "grouped", "3"), ("require", "sorted", "3", "auto", "128", "3"))
+                ("require", "down", "4", "auto", "grouped", "3"), ("require", "sorted", "3", "auto", "128", "3"),
+                ("require", "sorted", "4", "auto", "grouped", "0", "require"),
+                ("require", "down", "4", "rows", "grouped", "0", "require"))
     for fold in ("1", "0"):
         monkeypatch.setenv("BARO_MOE_FOLD", fold)
         got = {}
         for setting in settings:
-            knob, grouped, ring, order, bn, persist = setting + ("128", "0")[len(setting) - 4:]
+            knob, grouped, ring, order, bn, persist, wpair = setting + ("128", "0", "0")[len(setting) - 4:]
             monkeypatch.setenv("BARO_GEMM_WGMMA_PERSIST", persist)
+            monkeypatch.setenv("BARO_GEMM_WGMMA_WPAIR", wpair)
             monkeypatch.setenv("BARO_GEMM_WGMMA", knob)
             monkeypatch.setenv("BARO_GEMM_WGMMA_GROUPED", grouped)
             monkeypatch.setenv("BARO_GEMM_WGMMA_RING", ring)
@@ -363,21 +368,22 @@ def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, k, monkeypatch):
             monkeypatch.setenv("BARO_GEMM_WGMMA_BN", bn)
             poison(platform, (m, D))
             f = jax.jit(lambda *a: cc.moe(*a, top_k=k))  # a fresh jit: the launcher reads the knobs
-            key = knob, grouped, ring, order, bn, persist
+            key = knob, grouped, ring, order, bn, persist, wpair
             got[key] = np.asarray(f(put(platform, h), *wd))
             assert np.all(np.isfinite(got[key])), f"moe m={m} fold={fold} {key}: unwritten rows"
         monkeypatch.delenv("BARO_GEMM_WGMMA_RING", raising=False)
         monkeypatch.delenv("BARO_PIPE_ORDER", raising=False)
         monkeypatch.delenv("BARO_GEMM_WGMMA_BN", raising=False)
         monkeypatch.delenv("BARO_GEMM_WGMMA_PERSIST", raising=False)
+        monkeypatch.delenv("BARO_GEMM_WGMMA_WPAIR", raising=False)
         for key, arr in got.items():
-            assert_same_bits(arr, got["0", "0", "4", "auto", "128", "0"],
-                             f"moe m={m} fold={fold} BARO_GEMM_WGMMA, GROUPED, RING, ORDER, BN, PERSIST = {key} "
-                             "vs the default")
+            assert_same_bits(arr, got["0", "0", "4", "auto", "128", "0", "0"],
+                             f"moe m={m} fold={fold} BARO_GEMM_WGMMA, GROUPED, RING, ORDER, BN, PERSIST, WPAIR = "
+                             f"{key} vs the default")
         monkeypatch.setenv("BARO_GEMM_WGMMA", "0")
         for i in (0, m - 1):
             one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h[i:i + 1]), *wd))
-            assert_same_bits(one[0], got["require", "sorted", "4", "auto", "256", "1"][i],
+            assert_same_bits(one[0], got["require", "sorted", "4", "auto", "256", "1", "0"][i],
                              f"moe m={m} fold={fold} row {i}: wgmma vs one-row call")
     monkeypatch.delenv("BARO_GEMM_WGMMA", raising=False)
     monkeypatch.delenv("BARO_GEMM_WGMMA_GROUPED", raising=False)

@@ -112,7 +112,7 @@ inline constexpr Knob kKnobs[kCount] = {
     {"BARO_GEMM_WGMMA_RING", Kind::kChoice, "4|3", 0, 0, 0},
     {"BARO_GEMM_WGMMA_BN", Kind::kChoice, "auto|128|256|grouped|plain", 0, 0, 0},
     {"BARO_GEMM_WGMMA_PERSIST", Kind::kChoice, "0|1|3", 0, 0, 0},
-    {"BARO_GEMM_WGMMA_WPAIR", Kind::kChoice, "0|1|require", 0, 0, 0},
+    {"BARO_GEMM_WGMMA_WPAIR", Kind::kChoice, "0|1|plain|grouped|require", 0, 0, 0},
     {"BARO_ROWS16_RING", Kind::kChoice, "auto|deep|light", 0, 0, 0},
     {"BARO_ROWS16_WARPS", Kind::kChoice, "auto|4|2|1", 0, 0, 0},
     {"BARO_ROWS16_TALL", Kind::kChoice, "off|on", 0, 0, 0},

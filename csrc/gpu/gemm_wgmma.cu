@@ -76,14 +76,17 @@ constexpr int kWgBoxBytes = kWgBox * kWgBK * 2;  // 8 KB
 // twice the products of a 128-row one's 32 KB, so a tile reads a third less from L2 per product;
 // each consumer warpgroup then issues two m64n128k16 per k16 step, one per 128-column half, each
 // into its own accumulators (an element's chain is the same k16 steps in the same order).
-// WPAIR (BARO_GEMM_WGMMA_WPAIR=1): plain calls of 256-row W tiles launched in clusters of two CTAs
-// on row tiles 2j and 2j + 1 of one column tile (the row-fast grid, a block per tile). Both read
-// the same W rows, so each CTA copies two of the stage's four W boxes and multicasts them into
-// both: a CTA then reads 32 KB a stage from L2 instead of 48 (the wide tiles run near the L2's
-// rate, docs/PERF.md). A stage is refilled only after both CTAs released it: each producer, once
-// its own consumers are done with the stage, arrives on the stage's pair barrier in both CTAs
-// (count 2) and waits on its own. The W bytes landing in a stage are the same either way (the
-// same boxes at the same offsets), so no element's chain changes.
+// WPAIR (BARO_GEMM_WGMMA_WPAIR): 256-row W tiles launched in clusters of two CTAs on row tiles 2j
+// and 2j + 1 of one column tile, a block per tile: plain calls in the row-fast grid, grouped calls
+// in a walk of slot pairs (each pair's column tiles side by side). Where both tiles read the same
+// W rows (plain: always; grouped: both slots hold rows of one expert) each CTA copies two of the
+// stage's four W boxes and multicasts them into both: a CTA then reads 32 KB a stage from L2
+// instead of 48 (the wide tiles run near the L2's rate, docs/PERF.md). A stage is refilled only
+// after both CTAs released it: each producer, once its own consumers are done with the stage,
+// arrives on the stage's pair barrier in both CTAs (count 2) and waits on its own. A grouped pair
+// of two experts (or with an empty slot) runs as two lone CTAs, both knowing so from the tile list.
+// The W bytes landing in a stage are the same either way (the same boxes at the same offsets), so
+// no element's chain changes.
 template <int BM, int STAGES = 4, int BN = 128, bool WPAIR = false>
 struct WgGemmCfg {
   static constexpr bool kWPair = WPAIR;
@@ -178,12 +181,22 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
   // rows of A past the tile (the next tile's) and W rows past N (the next group's) only reach
   // accumulator rows and columns that are never stored, as TMA's zero fill past the edges does.
   constexpr int kOutCols = SWIGLU ? BN / 2 : BN;
-  const int64_t n_items = walk.row_tiles * walk.col_tiles;
+  // grouped pairs walk slot pairs (2j, 2j + 1), a pair's column tiles side by side, the cluster's
+  // rank the slot's parity (a slot past the list is empty)
+  const bool pair_walk = WPAIR && p.tiles != nullptr;
+  const int64_t n_items = pair_walk ? (walk.row_tiles + 1) / 2 * 2 * walk.col_tiles : walk.row_tiles * walk.col_tiles;
   // tile i's W group, first row, rows (at most BM: the launcher's tiles) and first output column;
   // false for a slot of the tile list left empty
   auto tile_of = [&](int64_t i, int64_t& group, int64_t& r0, int& rc, int64_t& c0) {
-    const int64_t slot = p.cols_fast ? i / walk.col_tiles : i % walk.row_tiles;
-    c0 = (p.cols_fast ? i % walk.col_tiles : i / walk.row_tiles) * kOutCols;
+    int64_t slot, col;
+    if (pair_walk) {
+      slot = 2 * ((i >> 1) / walk.col_tiles) + (i & 1);
+      col = (i >> 1) % walk.col_tiles;
+    } else {
+      slot = p.cols_fast ? i / walk.col_tiles : i % walk.row_tiles;
+      col = p.cols_fast ? i % walk.col_tiles : i / walk.row_tiles;
+    }
+    c0 = col * kOutCols;
     int64_t rows = 0;
     group = 0;
     if (p.tiles != nullptr) {
@@ -204,6 +217,18 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
     for (int64_t i = blockIdx.x; i < n_items && !any; i += gridDim.x) any = tile_of(i, group, r0, rc, c0);
     if (!any) return;
   }
+  // Pairs: whether this cluster shares W (the same for both CTAs: each reads both tiles). A plain
+  // call's pair always does (the launcher's even row-tile count); a grouped pair when the peer's
+  // slot holds rows of the same expert (its column tile is this one's by the walk).
+  bool share = false;
+  if constexpr (WPAIR) {
+    share = true;
+    if (p.tiles != nullptr) {
+      int64_t pg = 0, pr0 = 0, pc0 = 0;
+      int prc = 0;
+      share = tile_of(static_cast<int64_t>(blockIdx.x) ^ 1, pg, pr0, prc, pc0) && pg == group;
+    }
+  }
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t K = p.K;
   const int n_k = static_cast<int>((K + kWgBK - 1) / kWgBK);
@@ -216,13 +241,14 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
     for (int s = 0; s < kWgStages; ++s) {
       wg_mbar_init(full(s), 1);                 // the producer's arrival (+ the bytes)
       wg_mbar_init(empty(s), kConsumerThreads);  // every consumer thread, once done with the stage
-      if constexpr (WPAIR) wg_mbar_init(pair_empty(s), 2);  // each CTA's producer, once its stage is free
+      if (share) wg_mbar_init(pair_empty(s), 2);  // each CTA's producer, once its stage is free
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // for the TMA unit (and the peer)
   }
   // the barriers initialised before anyone (pairs: the peer's copies and arrivals too) uses them;
-  // no block or cluster barrier after this
-  if constexpr (WPAIR)
+  // no block or cluster barrier after this (a lone CTA of a cluster meets no cluster barrier, nor
+  // does its peer)
+  if (share)
     wg_cluster_sync();
   else
     __syncthreads();
@@ -262,7 +288,7 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
         const uint32_t use = it / kWgStages;
         if (use > 0) {
           wg_mbar_wait(empty(s), (use - 1) & 1);  // the stage's last use done
-          if constexpr (WPAIR) {  // and in the peer, whose half of W lands in this stage too
+          if (share) {  // and in the peer, whose half of W lands in this stage too
             wg_mbar_arrive_cta(pair_empty(s), 0);
             wg_mbar_arrive_cta(pair_empty(s), 1);
             wg_mbar_wait(pair_empty(s), (use - 1) & 1);
@@ -282,7 +308,7 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
           int row;
           if (!w_box(b, row)) continue;
           const uint32_t dst = wg_smem_addr(st + Cfg::kABytes + b * kWgBoxBytes);
-          if constexpr (WPAIR) {
+          if (share) {
             if (static_cast<uint32_t>(b) % 2 == rank) wg_tma_box_pair(dst, &maps.w, k0, row, full(s));
           } else {
             tma_box(dst, &maps.w, k0, row, full(s));
@@ -450,33 +476,40 @@ static gpuError_t wg_gemm_launch_ring(const GemmParams& p, const WgGemmMaps& map
     }
     if (r > 0 && blocks > r) blocks = r;
   }
-  // W pairs (BARO_GEMM_WGMMA_WPAIR): plain fp32-output calls of the wide 128-row tiles in the
-  // row-fast walk, a block per tile, an even row-tile count (a cluster's two blocks then hold row
-  // tiles 2j and 2j + 1 of one column tile): the prefill's dense GEMMs at 4,096 rows and more.
-  // require: any other call is an error (tests: no silent fallback).
+  // W pairs (BARO_GEMM_WGMMA_WPAIR; 1 and require: plain and grouped calls, or one kind alone): the
+  // wide 128-row tiles on the ring of 4, a block per tile; plain calls in the row-fast walk with an
+  // even row-tile count (the prefill's dense GEMMs at 4,096 rows and more), grouped calls in the
+  // slot pairs' walk (the MoE's gate/up and down at 32,768 pairs and more). require: a call of these
+  // tiles that cannot pair is an error (tests: no silent fallback).
   if (!k::is(k::kGemmWgmmaWpair, "0")) {
-    bool pairs = false;
-    if constexpr (BM == 128 && BN == 256 && STAGES == 4 && !SWIGLU)
-      pairs = p.tiles == nullptr && !q.cols_fast && row_tiles % 2 == 0 && blocks == n_items;
-    if (!pairs && k::is(k::kGemmWgmmaWpair, "require")) return gpuErrorInvalidValue;
-  }
-  if constexpr (BM == 128 && BN == 256 && STAGES == 4 && !SWIGLU) {
-    if (!k::is(k::kGemmWgmmaWpair, "0") && p.tiles == nullptr && !q.cols_fast && row_tiles % 2 == 0 &&
-        blocks == n_items) {
-      using PairCfg = WgGemmCfg<BM, STAGES, BN, true>;
-      auto kernel = gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN, true>;
-      static std::atomic<uint64_t> pair_smem_done{0};
-      const gpuError_t pe = allow_smem(kernel, PairCfg::kSmemBytes, pair_smem_done);
-      if (pe != gpuSuccess) return pe;
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-      cfg.blockDim = dim3(PairCfg::kThreads);
-      cfg.dynamicSmemBytes = PairCfg::kSmemBytes;
-      cfg.stream = stream;
-      cudaLaunchAttribute attr[1] = {wg_pair_cluster_attr()};
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      return cudaLaunchKernelEx(&cfg, kernel, q, maps, walk);
+    const bool grouped = p.tiles != nullptr;
+    const bool asked = k::is(k::kGemmWgmmaWpair, "1") || k::is(k::kGemmWgmmaWpair, "require") ||
+                       k::is(k::kGemmWgmmaWpair, grouped ? "grouped" : "plain");
+    const bool fits = blocks == n_items && (grouped || (!q.cols_fast && row_tiles % 2 == 0));
+    if constexpr (BM == 128 && BN == 256 && STAGES == 4) {
+      if (k::is(k::kGemmWgmmaWpair, "require") && !fits) return gpuErrorInvalidValue;
+      if (asked && fits) {
+        using PairCfg = WgGemmCfg<BM, STAGES, BN, true>;
+        auto kernel = gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN, true>;
+        static std::atomic<uint64_t> pair_smem_done{0};
+        const gpuError_t pe = allow_smem(kernel, PairCfg::kSmemBytes, pair_smem_done);
+        if (pe != gpuSuccess) return pe;
+        // grouped: the slot pairs' walk, an odd slot count's last pair padded with an empty slot
+        const int64_t pair_blocks = grouped ? (row_tiles + 1) / 2 * 2 * n_tiles : blocks;
+        if (pair_blocks > 0x7fffffffLL) return gpuErrorInvalidValue;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(static_cast<unsigned>(pair_blocks));
+        cfg.blockDim = dim3(PairCfg::kThreads);
+        cfg.dynamicSmemBytes = PairCfg::kSmemBytes;
+        cfg.stream = stream;
+        cudaLaunchAttribute attr[1] = {wg_pair_cluster_attr()};
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        return cudaLaunchKernelEx(&cfg, kernel, q, maps, walk);
+      }
+    } else {
+      (void)asked;
+      (void)fits;
     }
   }
   gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN>

@@ -211,8 +211,9 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
   int64_t group = 0, r0 = 0, c0 = 0;
   int rc = 0;
   {
-    // A block with no tile leaves before any barrier is met. Pairs: a block per tile, every tile
-    // has rows, so both CTAs of a cluster stay.
+    // A block with no tile leaves before any barrier is met. Pairs: a block per tile; a plain
+    // call's tiles all have rows; a grouped CTA on an empty slot leaves, and its peer (share below
+    // false) meets no cluster barrier and touches nothing of it.
     bool any = false;
     for (int64_t i = blockIdx.x; i < n_items && !any; i += gridDim.x) any = tile_of(i, group, r0, rc, c0);
     if (!any) return;

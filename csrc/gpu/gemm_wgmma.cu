@@ -89,7 +89,6 @@ constexpr int kWgBoxBytes = kWgBox * kWgBK * 2;  // 8 KB
 // no element's chain changes.
 template <int BM, int STAGES = 4, int BN = 128, bool WPAIR = false>
 struct WgGemmCfg {
-  static constexpr bool kWPair = WPAIR;
   static constexpr int kStages = STAGES;
   static constexpr int kBN = BN;
   static constexpr int kHalves = BN / 128;                // m64n128 accumulator sets per warpgroup
@@ -482,12 +481,12 @@ static gpuError_t wg_gemm_launch_ring(const GemmParams& p, const WgGemmMaps& map
   // even row-tile count (the prefill's dense GEMMs at 4,096 rows and more), grouped calls in the
   // slot pairs' walk (the MoE's gate/up and down at 32,768 pairs and more). require: a call of these
   // tiles that cannot pair is an error (tests: no silent fallback).
-  if (!k::is(k::kGemmWgmmaWpair, "0")) {
-    const bool grouped = p.tiles != nullptr;
-    const bool asked = k::is(k::kGemmWgmmaWpair, "1") || k::is(k::kGemmWgmmaWpair, "require") ||
-                       k::is(k::kGemmWgmmaWpair, grouped ? "grouped" : "plain");
-    const bool fits = blocks == n_items && (grouped || (!q.cols_fast && row_tiles % 2 == 0));
-    if constexpr (BM == 128 && BN == 256 && STAGES == 4) {
+  if constexpr (BM == 128 && BN == 256 && STAGES == 4) {
+    if (!k::is(k::kGemmWgmmaWpair, "0")) {
+      const bool grouped = p.tiles != nullptr;
+      const bool asked = k::is(k::kGemmWgmmaWpair, "1") || k::is(k::kGemmWgmmaWpair, "require") ||
+                         k::is(k::kGemmWgmmaWpair, grouped ? "grouped" : "plain");
+      const bool fits = blocks == n_items && (grouped || (!q.cols_fast && row_tiles % 2 == 0));
       if (k::is(k::kGemmWgmmaWpair, "require") && !fits) return gpuErrorInvalidValue;
       if (asked && fits) {
         using PairCfg = WgGemmCfg<BM, STAGES, BN, true>;
@@ -508,9 +507,6 @@ static gpuError_t wg_gemm_launch_ring(const GemmParams& p, const WgGemmMaps& map
         cfg.numAttrs = 1;
         return cudaLaunchKernelEx(&cfg, kernel, q, maps, walk);
       }
-    } else {
-      (void)asked;
-      (void)fits;
     }
   }
   gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN>

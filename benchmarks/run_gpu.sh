@@ -24,17 +24,22 @@ case "$CARD" in h100) BANDWIDTH_TBS=${BANDWIDTH_TBS:-3.0} ;; *) BANDWIDTH_TBS=${
 # context or 24 slots of 9,216 positions (2026-12-06); expanded as env ${GATE_ENV[@]+"${GATE_ENV[@]}"}.
 GATE_ENV=(); [ "$CARD" = h100 ] && GATE_ENV=(XLA_PYTHON_CLIENT_MEM_FRACTION=0.97)
 log() { echo "=== $(date +%T) $*" | tee -a "$OUT/stages.txt"; }
-# Prefill of the product arm under each value of one speed knob (the same bits), each run checked
-# against replay by speed.py: $OUT/speed_<tag><value>_${CARD}.json. SPEED_UNDER_CHUNK forces the
-# chunk (the engine's own pick for an 8k prompt at 94% of an 80 GB H100 is 256).
+# One prefill of the product arm at LENGTHS under the env assignments given, checked against
+# replay by speed.py (prefix and tail) into $OUT/JSON. SPEED_UNDER_CHUNK forces the chunk (the
+# engine's own pick for an 8k prompt at 94% of an 80 GB H100 is 256).
+# Usage: prefill_checked JSON TIMEOUT_S LENGTHS [NAME=VALUE...]
+prefill_checked() {
+  local json=$1 limit=$2 lengths=$3
+  shift 3
+  env "$@" timeout "$limit" python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
+    --lengths "$lengths" --chunk "${SPEED_UNDER_CHUNK:-auto}" --decode-tokens 16 --check-tail 32 \
+    --json "$OUT/$json" 2>&1 | grep -E "tok/s|identity|Error|error" | tail -3
+}
+# prefill_checked under each value of one speed knob (the same bits): $OUT/speed_<tag><value>_${CARD}.json.
 # Usage: speed_under KNOB "VALUES" LENGTHS TAG [TIMEOUT_S]
 speed_under() {
   local knob=$1 values=$2 lengths=$3 tag=$4 v
-  for v in $values; do
-    env "$knob=$v" timeout "${5:-240}" python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
-      --lengths "$lengths" --chunk "${SPEED_UNDER_CHUNK:-auto}" --decode-tokens 16 --check-tail 32 \
-      --json "$OUT/speed_${tag}${v}_${CARD}.json" 2>&1 | grep -E "tok/s|identity|Error|error" | tail -3
-  done
+  for v in $values; do prefill_checked "speed_${tag}${v}_${CARD}.json" "${5:-240}" "$lengths" "$knob=$v"; done
 }
 # Each of SETTINGS (space-separated, each a comma-joined list of env assignments) by its index n
 # from 0, for each part of PARTS: ops, OP's times at M rows (20 calls back to back, fastest of 3
@@ -50,9 +55,7 @@ sweep_settings() {
       case $part in
         ops) env ${setting//,/ } timeout 120 python benchmarks/op_times.py --m "$m" --ops "$op" --backends ordered \
                --reps 20 --rounds 3 --json "$OUT/op_times_${tag}_${n}_${CARD}.json" 2>&1 | grep "op=" ;;
-        speed) env ${setting//,/ } timeout 200 python benchmarks/speed.py --model qwen3.5-35b-a3b --arms batch-ordered \
-                 --lengths "$lengths" --chunk "${SPEED_UNDER_CHUNK:-auto}" --decode-tokens 16 --check-tail 32 \
-                 --json "$OUT/speed_${tag}_${n}_${CARD}.json" 2>&1 | grep -E "tok/s|identity|Error|error" | tail -3 ;;
+        speed) prefill_checked "speed_${tag}_${n}_${CARD}.json" 200 "$lengths" ${setting//,/ } ;;
       esac
       n=$((n + 1))
     done

@@ -594,7 +594,8 @@ stage_peer() {
 # before ours are made), unless PEER_JSON names a file stage_peer wrote. One device command may run
 # 10 minutes: speed.py skips what would start after VS_DEADLINE_S and is killed at VS_TIMEOUT_S; it
 # writes the JSON and PNG after every length, so a cut run still returns the lengths done.
-# Env: VS_PEER_LENGTHS (1024,8192,32768), VS_PEER_CHUNKS (auto: the engine's own pick per length; e.g. auto,2048),
+# Env: VS_PEER_LENGTHS (1024,8192,32768: the peer's and ours), VS_LENGTHS (ours, a superset: e.g.
+# 1024,8192,32768,131072 for ours at 128k beside the peer at the first three), VS_PEER_CHUNKS (auto: the engine's own pick per length; e.g. auto,2048),
 # VS_PEER_ARMS (batch-ordered,replay-ordered,batch-xla), VS_REPLAY_MAX (1024), VS_REPEATS (1),
 # VS_PEER_REPEATS (3), VS_PEER_TIMEOUT (300), VS_DEADLINE_S (420), VS_TIMEOUT_S (560), PEER_JSON;
 # VS_MODEL / VS_PEER_DEVICE only for a CPU check of the stage (tiny-random / cpu).
@@ -604,7 +605,8 @@ stage_vs_peer() {
               --peer-device "${VS_PEER_DEVICE:-cuda}")
   [ -n "${PEER_JSON:-}" ] && peer=()
   timeout "${VS_TIMEOUT_S:-560}" python benchmarks/speed.py --model "${VS_MODEL:-qwen3.5-35b-a3b}" \
-    --lengths "${VS_PEER_LENGTHS:-1024,8192,32768}" --chunk "${VS_PEER_CHUNKS:-auto}" \
+    --lengths "${VS_LENGTHS:-${VS_PEER_LENGTHS:-1024,8192,32768}}" --peer-lengths "${VS_PEER_LENGTHS:-1024,8192,32768}" \
+    --chunk "${VS_PEER_CHUNKS:-auto}" \
     --arms "${VS_PEER_ARMS:-batch-ordered,replay-ordered,batch-xla}" --replay-max "${VS_REPLAY_MAX:-1024}" \
     --check-prefix 1088 --check-tail 64 --repeats "${VS_REPEATS:-1}" --deadline-s "${VS_DEADLINE_S:-420}" \
     ${peer[@]+"${peer[@]}"} --peer-json "${PEER_JSON:-$OUT/peer_hf_${CARD}.json}" \

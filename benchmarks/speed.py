@@ -21,7 +21,8 @@ median wall time of --repeats runs, each on a fresh state):
   equals the ordered arm's; max |logit diff| is reported.
 - peer-hf (--peer): benchmarks/peer_hf.py (transformers + FLA) in a subprocess run FIRST, so
   its weights are freed before ours are made on the same card (or --peer-json: reuse a file it
-  wrote). ratio_vs_peer = batch-ordered tok/s / peer tok/s.
+  wrote). ratio_vs_peer = batch-ordered tok/s / peer tok/s. --peer-lengths runs it at fewer
+  lengths than ours (its memory at 128k, say); a length it skips has no peer-hf entry.
 Decode tokens/s is measured too (ordered, m = 1 steps after the prompt, headline chunk).
 
 --mode tier: the checks above are short by default (prefix 128, tail 32, no full replay), since
@@ -256,6 +257,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-json", default=None,
                     help="where the peer writes its JSON; without --peer, an existing file to reuse")
     ap.add_argument("--peer-repeats", type=int, default=3)
+    ap.add_argument("--peer-lengths", default=None,
+                    help="prompt lengths of the peer arm, each one of --lengths (default: all of --lengths)")
     ap.add_argument("--peer-device", default="cuda")
     ap.add_argument("--peer-timeout", type=float, default=None, help="seconds; the peer is killed after this")
     ap.add_argument("--peer-arg", action="append", default=[], help="extra argument for peer_hf.py (repeatable)")
@@ -265,6 +268,9 @@ def main(argv=None) -> int:
             setattr(args, k, v)
 
     lengths = ints(args.lengths)
+    peer_lengths = lengths if args.peer_lengths is None else ints(args.peer_lengths)
+    if set(peer_lengths) - set(lengths):
+        ap.error(f"--peer-lengths {sorted(set(peer_lengths) - set(lengths))} not in --lengths {lengths}")
     chunks = [c if c == "auto" else int(c) for c in (x.strip() for x in args.chunk.split(",")) if c]
     arms = [a for a in args.arms.split(",") if a]
     if args.devices is not None and "batch-xla" in arms:
@@ -277,7 +283,7 @@ def main(argv=None) -> int:
     timings = {}
 
     # The peer first: nothing in this process has touched the device yet.
-    peer, peer_run = run_peer(args, lengths)
+    peer, peer_run = run_peer(args, peer_lengths)
     if peer_run.get("seconds") is not None:
         timings["peer_subprocess"] = peer_run["seconds"]
     peer_rows = {r["prompt_tokens"]: r["peer-hf"] for r in (peer or {}).get("rows", [])}
@@ -457,7 +463,7 @@ def main(argv=None) -> int:
             row["batch-xla"] = r
         if asked in peer_rows:
             row["peer-hf"] = peer_rows[asked]
-        elif peer is not None or peer_run:
+        elif (peer is not None or peer_run) and asked in peer_lengths:
             row["peer-hf"] = {"missing": (peer or {}).get("summary", {}).get("error", "no peer row at this length")}
         bo, ro, ph = row.get("batch-ordered", {}), row.get("replay-ordered", {}), row.get("peer-hf", {})
         if "tokens_per_s" in bo and "tokens_per_s" in ro:

@@ -278,3 +278,28 @@ def test_throughput_records_a_batch_the_device_cannot_hold_and_goes_on(tmp_path)
     assert rc == 1 and png.exists()
     assert rows[0]["batch"] == 1 and rows[0]["equal_alone"] == [True] and "error" not in rows[0]
     assert rows[1]["batch"] == 8 and rows[1]["error"].startswith("MemoryError: max_batch 8 slots"), rows[1]
+
+
+def test_speed_runs_the_peer_at_its_own_lengths(tmp_path):
+    """--peer-lengths: ours at every --lengths, the peer only at its own (its memory at 128k);
+    a length the peer skipped has no peer-hf entry and no ratio, one it ran but lacks says so,
+    and a peer length outside --lengths is refused."""
+    import json
+
+    from benchmarks import speed
+
+    peer = tmp_path / "peer.json"
+    peer.write_text(json.dumps({"summary": {"arm": "peer-hf"},
+                                "rows": [{"prompt_tokens": 16, "peer-hf": {"tokens_per_s": 1000.0}}]}))
+    out = tmp_path / "s.json"
+    common = ["--model", "tiny-random", "--lengths", "16,48", "--arms", "batch-ordered", "--chunk", "16",
+              "--decode-tokens", "2", "--peer-json", str(peer), "--json", str(out)]
+    assert speed.main(common + ["--peer-lengths", "16"]) == 0
+    rows = {r["prompt_tokens"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows[16]["ratio_vs_peer"] == rows[16]["batch-ordered"]["tokens_per_s"] / 1000.0
+    assert "peer-hf" not in rows[48] and "ratio_vs_peer" not in rows[48]
+    assert speed.main(common) == 0
+    rows = {r["prompt_tokens"]: r for r in json.loads(out.read_text())["rows"]}
+    assert "missing" in rows[48]["peer-hf"] and "ratio_vs_peer" not in rows[48]
+    with pytest.raises(SystemExit):
+        speed.main(common + ["--peer-lengths", "16,32"])

@@ -301,7 +301,9 @@ def test_moe_small_rows_same_bytes(platform, m, monkeypatch):
 # the same bytes as the default and as one row per call. require fails the call where a grouped
 # GEMM the setting names would fall back, so these bytes are the wgmma kernel's. D x I: the small
 # shape (K = D = 32 for gate/up, K = I = 16 for down: one partial stage), 256 x 136 (gate/up K = 256:
-# four whole stages; down K past two, a partial third), and the model's own routed experts (D 2048,
+# four whole stages; down K past two, a partial third), 512 x 272 at 700 tokens (gate/up K = 512:
+# eight stages, so the ring of 4 is refilled; down five, the last partial; about 9 slot pairs of one
+# expert, so the W pairs' multicast and their pair barriers run across refills), and the model's own routed experts (D 2048,
 # E 256, top 8, I 512; the gate/up K walk of 32 stages wraps the ring eight times) at 1024 tokens
 # (32 pairs per expert: 64-row tiles) and 2048 (64: the 128-row tiles an 8k prefill chunk runs),
 # whose weights are drawn on the device (1.5 GB of bf16).
@@ -315,7 +317,8 @@ def _device_moe_weights(platform, seed, E, D, I, Is):
 
 @pytest.mark.parametrize("m,E,D,I,k", [(64, None, None, None, MO_K), (130, None, None, None, MO_K),
                                        (300, None, None, None, MO_K), (200, 16, 256, 136, MO_K),
-                                       (700, 16, 256, 136, MO_K), (1024, 256, 2048, 512, 8),
+                                       (700, 16, 256, 136, MO_K), (700, 16, 512, 272, MO_K),
+                                       (1024, 256, 2048, 512, 8),
                                        (2048, 256, 2048, 512, 8)])
 def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, k, monkeypatch):
     if platform.platform != "gpu":
@@ -344,7 +347,8 @@ def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, k, monkeypatch):
     # blocks, so every shape walks many tiles a block, empty slots, idle and live warpgroups in turn)
     # with either tile width; then (BARO_GEMM_WGMMA_WPAIR) the wide grouped tiles in clusters of two
     # CTAs on slots 2j, 2j + 1, multicasting W's boxes where both slots hold one expert's rows and
-    # running alone where not (require: a wide grouped call that does not take the pairs fails)
+    # running alone where not (require: a wide grouped call that does not take the pairs fails), both
+    # grouped GEMMs and the down GEMM alone (the pairs' walk is the same in either grid order)
     settings = (("0", "0", "4", "auto"), ("require", "down", "4", "auto"), ("require", "sorted", "4", "auto"),
                 ("require", "down", "3", "auto"), ("require", "sorted", "3", "auto"), ("0", "sorted", "4", "auto"),
                 ("require", "down", "4", "rows"), ("require", "sorted", "3", "rows"),

@@ -595,7 +595,9 @@ stage_peer() {
 # 10 minutes: speed.py skips what would start after VS_DEADLINE_S and is killed at VS_TIMEOUT_S; it
 # writes the JSON and PNG after every length, so a cut run still returns the lengths done.
 # Env: VS_PEER_LENGTHS (1024,8192,32768: the peer's and ours), VS_LENGTHS (ours, a superset: e.g.
-# 1024,8192,32768,131072 for ours at 128k beside the peer at the first three), VS_PEER_CHUNKS (auto: the engine's own pick per length; e.g. auto,2048),
+# 1024,8192,32768,131000 for ours at 128k beside the peer at the first three; 131,000 so that the
+# prompt and its decode tokens fit a 131,072-position state), VS_PEER_CHUNKS (auto: the engine's own
+# pick per length; e.g. auto,2048),
 # VS_PEER_ARMS (batch-ordered,replay-ordered,batch-xla), VS_REPLAY_MAX (1024), VS_REPEATS (1),
 # VS_PEER_REPEATS (3), VS_PEER_TIMEOUT (300), VS_DEADLINE_S (420), VS_TIMEOUT_S (560), PEER_JSON;
 # VS_MODEL / VS_PEER_DEVICE only for a CPU check of the stage (tiny-random / cpu).

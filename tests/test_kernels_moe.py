@@ -302,11 +302,11 @@ def test_moe_small_rows_same_bytes(platform, m, monkeypatch):
 # GEMM the setting names would fall back, so these bytes are the wgmma kernel's. D x I: the small
 # shape (K = D = 32 for gate/up, K = I = 16 for down: one partial stage), 256 x 136 (gate/up K = 256:
 # four whole stages; down K past two, a partial third), 512 x 272 at 700 tokens (gate/up K = 512:
-# eight stages, so the ring of 4 is refilled; down five, the last partial; about 9 slot pairs of one
-# expert, so the W pairs' multicast and their pair barriers run across refills), and the model's own routed experts (D 2048,
-# E 256, top 8, I 512; the gate/up K walk of 32 stages wraps the ring eight times) at 1024 tokens
-# (32 pairs per expert: 64-row tiles) and 2048 (64: the 128-row tiles an 8k prefill chunk runs),
-# whose weights are drawn on the device (1.5 GB of bf16).
+# eight stages, so the ring of 4 is refilled; down five, the last partial; about 9 slot pairs of
+# one expert, so the W pairs' multicast and pair barriers run across refills), and the model's own
+# routed experts (D 2048, E 256, top 8, I 512; the gate/up K walk of 32 stages wraps the ring eight
+# times) at 1024 tokens (32 pairs per expert: 64-row tiles) and 2048 (64: the 128-row tiles an 8k
+# prefill chunk runs), whose weights are drawn on the device (1.5 GB of bf16).
 def _device_moe_weights(platform, seed, E, D, I, Is):
     """moe_weights_sized's six arrays drawn by jax.random on the device, scaled by 1 / sqrt(K)."""
     shapes = ((E, D), (E, 2 * I, D), (E, D, I), (2 * Is, D), (D, Is), (1, D))

@@ -477,10 +477,10 @@ static gpuError_t wg_gemm_launch_ring(const GemmParams& p, const WgGemmMaps& map
     if (r > 0 && blocks > r) blocks = r;
   }
   // W pairs (BARO_GEMM_WGMMA_WPAIR; 1 and require: plain and grouped calls, or one kind alone): the
-  // 128 x 256 tiles (256 W rows) on the ring of 4, a block per tile; plain calls in the row-fast walk with an
-  // even row-tile count (the prefill's dense GEMMs at 4,096 rows and more), grouped calls in the
-  // slot pairs' walk (the MoE's gate/up and down at 32,768 pairs and more). require: a call of these
-  // tiles that cannot pair is an error (tests: no silent fallback).
+  // 128 x 256 tiles (256 W rows) on the ring of 4, a block per tile; plain calls in the row-fast
+  // walk with an even row-tile count (the prefill's dense GEMMs at 4,096 rows and more), grouped
+  // calls in the slot pairs' walk (the MoE's gate/up and down at 32,768 pairs and more). require: a
+  // call of these tiles that cannot pair is an error (tests: no silent fallback).
   if constexpr (BM == 128 && BN == 256 && STAGES == 4) {
     if (!k::is(k::kGemmWgmmaWpair, "0")) {
       const bool grouped = p.tiles != nullptr;

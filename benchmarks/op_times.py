@@ -17,6 +17,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from baro_jax.config import DELTA_BLOCK
 from baro_jax.verify.records import provenance, write_json
 
 
@@ -44,6 +45,13 @@ def cases(cfg, m, S, pos, key):
     yield "conv proj", "conv", (r((m, cfg.gdn_in_dim), f32), r((C, 4), scale=0.5), r((3, C)), jnp.int32(m)), {}
     yield "delta", "delta", (r((m, C), f32), r((m, nv), f32), r((m, nv), f32), r((nv,), f32, 0.5),
                              r((nv,), f32, 0.5), r((nv, dk, dv), f32, 0.1), jnp.int32(m)), dict(nk=cfg.lin_k_heads, dk=dk)
+    # the opt-in chunk-aligned rule (BARO_DELTA=blocked; BARO_DELTA_BLOCKED_MMA picks its CUDA
+    # instance) from a block's first slot: S0 given, no pending rows
+    B = DELTA_BLOCK
+    yield "delta_blocked", "delta_blocked", (r((m, C), f32), r((m, nv), f32), r((m, nv), f32), r((nv,), f32, 0.5),
+                                             r((nv,), f32, 0.5), r((nv, dk, dv), f32, 0.1), jnp.zeros((nv, B, dk), f32),
+                                             jnp.zeros((nv, B, dv), f32), jnp.zeros((nv, B), f32),
+                                             jnp.int32(pos // B * B), jnp.int32(m)), dict(nk=cfg.lin_k_heads, dk=dk)
     yield "gated_norm", "gated_norm", (r((m, nv, dv), f32), r((m, nv * dv), f32), r((dv,), f32)), dict(eps=1e-6)
     yield "moe", "moe", (r((m, D)), r((E, D), scale=D ** -0.5), r((E, 2 * I, D), scale=D ** -0.5),
                          r((E, D, I), scale=I ** -0.5), r((2 * Is, D), scale=D ** -0.5),

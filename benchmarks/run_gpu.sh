@@ -85,7 +85,9 @@ stage_blocked() {  # the chunk-aligned delta rule's CUDA kernel (compiled, first
 # BLOCKED_MMA_LENGTHS for each arm of BLOCKED_MMA_ARMS: token = the per-token default, blocked0 /
 # blocked1 = the blocked rule with the knob off / on; every arm identity-checked by speed.py's
 # prefix replay and a 100-token tail replay that crosses block closes:
-# speed_delta_<arm>_${CARD}.json), gate (the identity gate at full size with the knob on). The next
+# speed_delta_<arm>_${CARD}.json), gate (the identity gate at full size with the knob on), ops (one
+# layer's delta op, per-token and blocked, with the knob off and on, at BLOCKED_MMA_M rows), ncu (ncu's
+# source counters of the tensor-core kernel at those rows: where its warps wait). The next
 # GPU run, after `build`, four calls of at most ~9 minutes each:
 #   OUT=dir bash benchmarks/run_gpu.sh blocked
 #   OUT=dir BLOCKED_MMA_PARTS=tests bash benchmarks/run_gpu.sh blocked_mma
@@ -110,6 +112,13 @@ stage_blocked_mma() {
                  --arms batch-ordered --lengths "${BLOCKED_MMA_LENGTHS:-8192,32768}" --chunk auto --decode-tokens 16 \
                  --check-tail 100 --json "$OUT/speed_delta_${arm}_${CARD}.json" 2>&1 | grep -E "tok/s|Error|error" | tail -4
              done ;;
+      ops) for arm in blocked0 blocked1; do  # one layer's op at BLOCKED_MMA_M rows: where the prefill gap sits
+             env BARO_DELTA_BLOCKED_MMA=${arm#blocked} timeout 150 python benchmarks/op_times.py --m "${BLOCKED_MMA_M:-8192}" \
+               --ops delta,delta_blocked --backends ordered --reps 5 --rounds 3 \
+               --json "$OUT/op_times_delta_blocked_mma${arm#blocked}_${CARD}.json" 2>&1 | grep "op="
+           done ;;
+      ncu) BARO_DELTA_BLOCKED_MMA=1 NCU_SRC_KERNEL=delta_blocked_mma_kernel NCU_SRC_OPS=delta_blocked \
+             NCU_SRC_M=${BLOCKED_MMA_M:-8192} NCU_SRC_TAG=delta_blocked_mma stage_ncu_source ;;
       tiny) BARO_DELTA=blocked BARO_DELTA_BLOCKED_MMA=1 timeout 200 python benchmarks/identity.py --model tiny \
               --chunks 7,16,37,64,100 --max-len 1100 --json "$OUT/identity_tiny_delta_blocked_mma_gpu.json" 2>&1 | tail -4 ;;
       gate) BARO_DELTA=blocked BARO_DELTA_BLOCKED_MMA=1 python benchmarks/identity.py --model qwen3.5-35b-a3b \

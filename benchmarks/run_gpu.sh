@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill ncu_source mma_swap mma_latency prefill_profile chunk_sweep delta_knobs attn_pipe pipe_order moe_grouped tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill ncu_source mma_swap mma_latency wy_probe prefill_profile chunk_sweep delta_knobs attn_pipe pipe_order moe_grouped tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -215,6 +215,17 @@ stage_mma_latency() {
   nvcc -O3 -std=c++17 --generate-code=arch=compute_90a,code=sm_90a -Icsrc/gpu -Icsrc/common \
     benchmarks/mma_latency_probe.cu -o /tmp/mma_latency_probe 2>&1 | grep -v C7519 | tail -5
   timeout 60 /tmp/mma_latency_probe | tee "$OUT/mma_latency_probe_${CARD}.jsonl" | tail -30
+}
+# The WY form's sequential chain alone (benchmarks/wy_chain_probe.cu: U = X - W S0, O, the close,
+# 3xTF32 mma.sync, one layer's 32 heads) at WY_TOKENS, beside the per-token delta op at the same
+# rows (op_times.py): whether a WY delta rule could beat the token scan before it is built.
+# $OUT/wy_chain_probe_${CARD}.jsonl, $OUT/op_times_delta_wy_ref_${CARD}.json.
+stage_wy_probe() {
+  local n
+  nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/wy_chain_probe.cu -o /tmp/wy_chain_probe 2>&1 | tail -5
+  for n in ${WY_TOKENS:-8192 32768}; do timeout 120 /tmp/wy_chain_probe "$n"; done | tee "$OUT/wy_chain_probe_${CARD}.jsonl"
+  timeout 120 python benchmarks/op_times.py --m "$(echo ${WY_TOKENS:-8192 32768} | tr ' ' ,)" --ops delta --backends ordered \
+    --reps 5 --rounds 3 --json "$OUT/op_times_delta_wy_ref_${CARD}.json" 2>&1 | grep "op="
 }
 stage_ncu_decode() { timeout "${NCU_TIMEOUT:-300}" bash benchmarks/profile_gpu.sh 1 2>&1 | tail -80; }
 stage_probe() {

@@ -1,0 +1,388 @@
+// What the WY form of the blocked delta rule (docs/PERF.md, open levers: "the chunk-aligned delta
+// rule as MMAs") would leave on the sequential chain, timed alone before any of it is built into
+// the library. Per value head, per 64-row block b, with S0 the state at the block's start and the
+// S0-free operands formed beforehand for every block at once (here random, at realistic scales):
+//   U   = X - W S0                      (64 x dv, K = dk)
+//   O   = G (Q S0) + Aqk U              (64 x dv, K = dk and K = 64; Aqk lower triangular)
+//   S0' = GB S0 + (e K)^T U             (dk x dv, K = 64)
+// Products in 3xTF32 mma.sync.m16n8k8 (x = hi + lo; lo_a hi_b, hi_a lo_b, hi_a hi_b into one fp32
+// accumulator), the blocked rule's precision. The grid is value heads x dv / 32 column slices,
+// 4 warps a CTA, one CTA an SM; the S0-free operands sit in global memory in mma-fragment order,
+// already split (hi, lo), and are copied by cp.async into shared memory a phase ahead; S0 and U are
+// shared memory in B-fragment order, split once when written.
+//
+// Prints JSON lines: per variant the time of one layer's chain over N tokens (ms; the fastest of
+// the repeats, cudaEvent), its TF32 rate, and (check) the largest error against a float64 run of
+// the same formulas on the host (rows of 2 heads, relative to the largest magnitude). Variants:
+// `loads` (the above) and `no_loads` (the staged operands never refreshed: the chain's mma and
+// shared-memory work alone, so the gap to `loads` is what the copies cost).
+//
+// On the GPU machine (~20 s): nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/wy_chain_probe.cu
+//   -o /tmp/wy_chain_probe && /tmp/wy_chain_probe [tokens (8192)]
+// (run_gpu.sh wy_probe). Exit status 0 when the check's error is within 1e-4.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+namespace {
+
+constexpr int kB = 64;      // rows a block
+constexpr int kDk = 128;    // key dim (S0 rows)
+constexpr int kDv = 128;    // value dim (S0 columns)
+constexpr int kCols = 32;   // state columns a CTA
+constexpr int kNT = kCols / 8;
+constexpr int kWarps = 4;
+
+// Fragment-order sizes (uint32 words: hi 4 then lo 4 per lane per 16x8 A tile).
+constexpr int kWWords = (kB / 16) * (kDk / 8) * 32 * 8;   // W or Q: 64 x 128
+constexpr int kAWords = (kB / 16) * (kB / 8) * 32 * 8;    // Aqk: 64 x 64
+constexpr int kEWords = (kDk / 16) * (kB / 8) * 32 * 8;   // (eK)^T: 128 x 64
+// B-fragment tiles (8 x 8: per lane hi b0, hi b1, lo b0, lo b1)
+constexpr int kSTiles = (kDk / 8) * kNT;                  // S0 slice: 128 x 32
+constexpr int kUTiles = (kB / 8) * kNT;                   // U: 64 x 32
+constexpr size_t kSmemWords = 2 * kWWords + kAWords + kEWords + 4 * 32 * (kSTiles + kUTiles);
+
+__device__ __forceinline__ uint32_t tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// c += A B in 3xTF32: A tile at a (8 words: hi[4], lo[4] of this lane), B tile bt (hi b0, b1, lo b0, b1).
+__device__ __forceinline__ void mma3(float c[4], const uint4& ah, const uint4& al, const uint4& bt) {
+  const uint32_t h[4] = {ah.x, ah.y, ah.z, ah.w}, l[4] = {al.x, al.y, al.z, al.w};
+  mma(c, l, bt.x, bt.y);
+  mma(c, h, bt.z, bt.w);
+  mma(c, h, bt.x, bt.y);
+}
+
+// Writes value v at (k, n) of a B-fragment-ordered matrix (tiles [k / 8][n / 8], lane (n % 8) * 4 +
+// k % 4, component k % 8 / 4 for hi and 2 + that for lo).
+__device__ __forceinline__ void put_b(uint32_t* tiles, int k, int n, float v) {
+  const int t = (k / 8) * kNT + n / 8, lane = (n % 8) * 4 + (k % 4), half = (k % 8) / 4;
+  uint32_t* p = tiles + (t * 32 + lane) * 4;
+  const uint32_t hi = tf32(v);
+  p[half] = hi;
+  p[2 + half] = tf32(v - __uint_as_float(hi));
+}
+
+__device__ __forceinline__ void cp16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+__device__ __forceinline__ void copy_words(uint32_t* dst, const uint32_t* src, int words) {
+  for (int i = 4 * static_cast<int>(threadIdx.x); i < words; i += 4 * kWarps * 32) cp16(dst + i, src + i);
+}
+
+struct Args {
+  const uint32_t *w, *q, *aqk, *ek;  // [h][b][fragment words]
+  const float *x, *g, *gb;           // x [h][b][64][dv], g [h][b][64], gb [h][b]
+  float *s, *o;                      // s [h][dk][dv] in/out, o [h][b * 64 + i][dv]
+  int nblk;
+};
+
+template <bool LOADS>
+__global__ void __launch_bounds__(kWarps * 32, 1) wy_chain(Args a) {
+  extern __shared__ __align__(16) uint32_t sm[];
+  uint32_t* sW = sm;
+  uint32_t* sQ = sW + kWWords;
+  uint32_t* sA = sQ + kWWords;
+  uint32_t* sE = sA + kAWords;
+  uint32_t* sS = sE + kEWords;
+  uint32_t* sU = sS + 4 * 32 * kSTiles;
+  const int lane = threadIdx.x % 32, w = threadIdx.x / 32, g = lane / 4, qd = lane % 4;
+  const int h = blockIdx.y, col0 = blockIdx.x * kCols;
+  const size_t hb = static_cast<size_t>(h) * a.nblk;
+  // the state slice: warp w holds S0 rows 32w .. 32w + 31 as two 16-row C tiles x kNT
+  float s[2][kNT][4];
+  #pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+    #pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 32 * w + 16 * mt + g + 8 * (e / 2), c = nt * 8 + 2 * qd + (e % 2);
+        s[mt][nt][e] = a.s[(static_cast<size_t>(h) * kDk + r) * kDv + col0 + c];
+        put_b(sS, r, c, s[mt][nt][e]);
+      }
+  copy_words(sW, a.w + hb * kWWords, kWWords);
+  copy_words(sQ, a.q + hb * kWWords, kWWords);
+  copy_words(sA, a.aqk + hb * kAWords, kAWords);
+  copy_words(sE, a.ek + hb * kEWords, kEWords);
+  cp_commit();
+  cp_wait_all();
+  __syncthreads();
+  for (int b = 0; b < a.nblk; ++b) {
+    const size_t bi = hb + b;
+    // X of this warp's rows, read before the products so its latency hides under them
+    float x[kNT][4];
+    #pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * w + g + 8 * (e / 2), c = nt * 8 + 2 * qd + (e % 2);
+        x[nt][e] = a.x[(bi * kB + i) * kDv + col0 + c];
+      }
+    // phase 1: W S0 and Q S0 over dk, the warp's 16 rows
+    float ws[kNT][4] = {}, qs[kNT][4] = {};
+#pragma unroll 4
+    for (int kt = 0; kt < kDk / 8; ++kt) {
+      const uint4* wt = reinterpret_cast<const uint4*>(sW + ((w * (kDk / 8) + kt) * 32 + lane) * 8);
+      const uint4* qt = reinterpret_cast<const uint4*>(sQ + ((w * (kDk / 8) + kt) * 32 + lane) * 8);
+      const uint4 wh = wt[0], wl = wt[1], qh = qt[0], ql = qt[1];
+#pragma unroll
+      #pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        const uint4 bt = reinterpret_cast<const uint4*>(sS)[(kt * kNT + nt) * 32 + lane];
+        mma3(ws[nt], wh, wl, bt);
+        mma3(qs[nt], qh, ql, bt);
+      }
+    }
+    #pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * w + g + 8 * (e / 2), c = nt * 8 + 2 * qd + (e % 2);
+        put_b(sU, i, c, x[nt][e] - ws[nt][e]);
+      }
+    if (LOADS) cp_wait_all();  // A and E of this block
+    __syncthreads();
+    if (LOADS && b + 1 < a.nblk) {  // sW, sQ are free: the next block's
+      copy_words(sW, a.w + (bi + 1) * kWWords, kWWords);
+      copy_words(sQ, a.q + (bi + 1) * kWWords, kWWords);
+      cp_commit();
+    }
+    // phase 2a: O = G (Q S0) + Aqk U over the slots up to the warp's last row
+    float o[kNT][4] = {};
+    for (int kt = 0; kt <= 2 * w + 1; ++kt) {
+      const uint4* at = reinterpret_cast<const uint4*>(sA + ((w * (kB / 8) + kt) * 32 + lane) * 8);
+      const uint4 ah = at[0], al = at[1];
+#pragma unroll
+      #pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) mma3(o[nt], ah, al, reinterpret_cast<const uint4*>(sU)[(kt * kNT + nt) * 32 + lane]);
+    }
+    #pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * w + g + 8 * (e / 2), c = nt * 8 + 2 * qd + (e % 2);
+        a.o[((static_cast<size_t>(h) * a.nblk + b) * kB + i) * kDv + col0 + c] =
+            fmaf(a.g[bi * kB + i], qs[nt][e], o[nt][e]);
+      }
+    // phase 2b: S0' = GB S0 + (eK)^T U over the block's 64 rows
+    const float gb = a.gb[bi];
+    #pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] *= gb;
+#pragma unroll 2
+    for (int kt = 0; kt < kB / 8; ++kt) {
+#pragma unroll
+      #pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const uint4* et = reinterpret_cast<const uint4*>(sE + (((2 * w + mt) * (kB / 8) + kt) * 32 + lane) * 8);
+        const uint4 eh = et[0], el = et[1];
+#pragma unroll
+        #pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) mma3(s[mt][nt], eh, el, reinterpret_cast<const uint4*>(sU)[(kt * kNT + nt) * 32 + lane]);
+      }
+    }
+    #pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e)
+          put_b(sS, 32 * w + 16 * mt + g + 8 * (e / 2), nt * 8 + 2 * qd + (e % 2), s[mt][nt][e]);
+    if (LOADS) cp_wait_all();  // W and Q of the next block
+    __syncthreads();
+    if (LOADS && b + 1 < a.nblk) {  // sA, sE are free
+      copy_words(sA, a.aqk + (bi + 1) * kAWords, kAWords);
+      copy_words(sE, a.ek + (bi + 1) * kEWords, kEWords);
+      cp_commit();
+    }
+  }
+  #pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+    #pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 32 * w + 16 * mt + g + 8 * (e / 2), c = nt * 8 + 2 * qd + (e % 2);
+        a.s[(static_cast<size_t>(h) * kDk + r) * kDv + col0 + c] = s[mt][nt][e];
+      }
+}
+
+// ---- host ----
+uint32_t tf32_host(float x) {  // cvt.rna: round to nearest, ties away, 10 mantissa bits
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u = (u + 0x1000u) & 0xFFFFE000u;
+  return u;
+}
+float as_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// A matrix rows x cols (row-major, m) into fragment order: tiles [rows / 16][cols / 8], lane,
+// then hi a0..a3, lo a0..a3 with a0 (g, q), a1 (g + 8, q), a2 (g, q + 4), a3 (g + 8, q + 4).
+void frag_a(const float* m, int rows, int cols, uint32_t* out) {
+  for (int mt = 0; mt < rows / 16; ++mt)
+    for (int kt = 0; kt < cols / 8; ++kt)
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, q = lane % 4;
+        const int rr[4] = {g, g + 8, g, g + 8}, kk[4] = {q, q, q + 4, q + 4};
+        uint32_t* p = out + ((mt * (cols / 8) + kt) * 32 + lane) * 8;
+        for (int e = 0; e < 4; ++e) {
+          const float v = m[(16 * mt + rr[e]) * cols + 8 * kt + kk[e]];
+          const uint32_t hi = tf32_host(v);
+          p[e] = hi;
+          p[4 + e] = tf32_host(v - as_float(hi));
+        }
+      }
+}
+
+template <typename T>
+T* to_dev(const std::vector<T>& h) {
+  T* p = nullptr;
+  if (cudaMalloc(&p, h.size() * sizeof(T)) != cudaSuccess ||
+      cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice) != cudaSuccess) {
+    std::fprintf(stderr, "device copy of %zu bytes failed\n", h.size() * sizeof(T));
+    std::exit(2);
+  }
+  return p;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int tokens = argc > 1 ? std::atoi(argv[1]) : 8192;
+  const int nv = 32, nblk = tokens / kB;
+  if (nblk < 1) return 2;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> N(0.0f, 1.0f);
+  std::uniform_real_distribution<float> U01(0.0f, 1.0f);
+  const size_t nb = static_cast<size_t>(nv) * nblk;
+  // natural layouts (kept for the float64 check of heads 0 and 1)
+  std::vector<float> W(nb * kB * kDk), Q(nb * kB * kDk), A(nb * kB * kB), E(nb * kDk * kB), X(nb * kB * kDv);
+  std::vector<float> G(nb * kB), GB(nb), S(static_cast<size_t>(nv) * kDk * kDv);
+  for (auto& v : W) v = 0.02f * N(rng);
+  for (auto& v : Q) v = 0.09f * N(rng);
+  for (size_t bi = 0; bi < nb; ++bi)
+    for (int i = 0; i < kB; ++i)
+      for (int j = 0; j < kB; ++j) A[(bi * kB + i) * kB + j] = j <= i ? 0.1f * N(rng) : 0.0f;
+  for (auto& v : E) v = 0.05f * N(rng);
+  for (auto& v : X) v = N(rng);
+  for (auto& v : G) v = 0.5f + 0.5f * U01(rng);
+  for (auto& v : GB) v = 0.5f;
+  for (auto& v : S) v = 0.1f * N(rng);
+  std::vector<uint32_t> Wf(nb * kWWords), Qf(nb * kWWords), Af(nb * kAWords), Ef(nb * kEWords);
+  for (size_t bi = 0; bi < nb; ++bi) {
+    frag_a(&W[bi * kB * kDk], kB, kDk, &Wf[bi * kWWords]);
+    frag_a(&Q[bi * kB * kDk], kB, kDk, &Qf[bi * kWWords]);
+    frag_a(&A[bi * kB * kB], kB, kB, &Af[bi * kAWords]);
+    frag_a(&E[bi * kDk * kB], kDk, kB, &Ef[bi * kEWords]);
+  }
+  Args a{};
+  a.w = to_dev(Wf), a.q = to_dev(Qf), a.aqk = to_dev(Af), a.ek = to_dev(Ef);
+  a.x = to_dev(X), a.g = to_dev(G), a.gb = to_dev(GB);
+  float* s_dev = to_dev(S);
+  float* o_dev = nullptr;
+  cudaMalloc(&o_dev, nb * kB * kDv * sizeof(float));
+  a.s = s_dev, a.o = o_dev, a.nblk = nblk;
+  const size_t smem = kSmemWords * 4;
+  cudaFuncSetAttribute(wy_chain<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  cudaFuncSetAttribute(wy_chain<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const dim3 grid(kDv / kCols, nv), block(kWarps * 32);
+  // the check: one run from S, heads 0 and 1 against float64
+  wy_chain<true><<<grid, block, smem>>>(a);
+  if (cudaDeviceSynchronize() != cudaSuccess) {
+    std::fprintf(stderr, "kernel failed: %s\n", cudaGetErrorString(cudaGetLastError()));
+    return 2;
+  }
+  std::vector<float> O(nb * kB * kDv), S1(S.size());
+  cudaMemcpy(O.data(), o_dev, O.size() * 4, cudaMemcpyDeviceToHost);
+  cudaMemcpy(S1.data(), s_dev, S1.size() * 4, cudaMemcpyDeviceToHost);
+  double err = 0.0, mag = 0.0;
+  for (int h = 0; h < 2; ++h) {
+    std::vector<double> s0(kDk * kDv), u(kB * kDv), s1(kDk * kDv);
+    for (int i = 0; i < kDk * kDv; ++i) s0[i] = S[static_cast<size_t>(h) * kDk * kDv + i];
+    for (int b = 0; b < nblk; ++b) {
+      const size_t bi = static_cast<size_t>(h) * nblk + b;
+      for (int i = 0; i < kB; ++i)
+        for (int c = 0; c < kDv; ++c) {
+          double ws = 0.0;
+          for (int r = 0; r < kDk; ++r) ws += static_cast<double>(W[(bi * kB + i) * kDk + r]) * s0[r * kDv + c];
+          u[i * kDv + c] = X[(bi * kB + i) * kDv + c] - ws;
+        }
+      for (int i = 0; i < kB; ++i)
+        for (int c = 0; c < kDv; ++c) {
+          double qs = 0.0, au = 0.0;
+          for (int r = 0; r < kDk; ++r) qs += static_cast<double>(Q[(bi * kB + i) * kDk + r]) * s0[r * kDv + c];
+          for (int j = 0; j < kB; ++j) au += static_cast<double>(A[(bi * kB + i) * kB + j]) * u[j * kDv + c];
+          const double ref = G[bi * kB + i] * qs + au;
+          err = std::fmax(err, std::fabs(ref - O[(bi * kB + i) * kDv + c]));
+          mag = std::fmax(mag, std::fabs(ref));
+        }
+      for (int r = 0; r < kDk; ++r)
+        for (int c = 0; c < kDv; ++c) {
+          double acc = GB[bi] * s0[r * kDv + c];
+          for (int j = 0; j < kB; ++j) acc += static_cast<double>(E[(bi * kDk + r) * kB + j]) * u[j * kDv + c];
+          s1[r * kDv + c] = acc;
+        }
+      s0 = s1;
+    }
+    for (int i = 0; i < kDk * kDv; ++i) {
+      err = std::fmax(err, std::fabs(s0[i] - S1[static_cast<size_t>(h) * kDk * kDv + i]));
+      mag = std::fmax(mag, std::fabs(s0[i]));
+    }
+  }
+  const double rel = err / (mag > 0 ? mag : 1.0);
+  std::printf("{\"check\": \"float64\", \"heads\": 2, \"blocks\": %d, \"max_abs_err\": %.3e, \"max_abs\": %.3e, "
+              "\"rel\": %.3e, \"ok\": %s}\n", nblk, err, mag, rel, rel <= 1e-4 ? "true" : "false");
+  // timing
+  const double mac = static_cast<double>(nv) * nblk * kDv *
+                     (2.0 * kB * kDk + kB * kB / 2.0 + kDk * kB);  // W S0, Q S0, Aqk U (half), close
+  cudaEvent_t t0, t1;
+  cudaEventCreate(&t0);
+  cudaEventCreate(&t1);
+  for (int variant = 0; variant < 2; ++variant) {
+    float best = 1e30f;
+    for (int rep = 0; rep < 10; ++rep) {
+      cudaEventRecord(t0);
+      if (variant == 0) wy_chain<true><<<grid, block, smem>>>(a);
+      else wy_chain<false><<<grid, block, smem>>>(a);
+      cudaEventRecord(t1);
+      cudaEventSynchronize(t1);
+      float ms = 0.0f;
+      cudaEventElapsedTime(&ms, t0, t1);
+      best = ms < best ? ms : best;
+    }
+    std::printf("{\"variant\": \"%s\", \"tokens\": %d, \"heads\": %d, \"ms\": %.4f, \"us_per_block\": %.3f, "
+                "\"tf32_tflops_3x\": %.1f}\n", variant == 0 ? "loads" : "no_loads", tokens, nv, best,
+                1e3 * best / nblk, 3.0 * 2.0 * mac / (best * 1e-3) / 1e12);
+  }
+  if (cudaGetLastError() != cudaSuccess) return 2;
+  return rel <= 1e-4 ? 0 : 1;
+}

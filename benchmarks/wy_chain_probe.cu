@@ -7,9 +7,10 @@
 //   S0' = GB S0 + (e K)^T U             (dk x dv, K = 64)
 // Products in 3xTF32 mma.sync.m16n8k8 (x = hi + lo; lo_a hi_b, hi_a lo_b, hi_a hi_b into one fp32
 // accumulator), the blocked rule's precision. The grid is value heads x dv / 32 column slices,
-// 4 warps a CTA, one CTA an SM; the S0-free operands sit in global memory in mma-fragment order,
-// already split (hi, lo), and are copied by cp.async into shared memory a phase ahead; S0 and U are
-// shared memory in B-fragment order, split once when written.
+// 4 warps a CTA, one CTA an SM; the S0-free operands sit in global memory as fp32 in mma-fragment
+// order (a lane's four A values of a tile in one 16-byte word), are copied by cp.async into shared
+// memory a phase ahead and split when a warp loads its tile; S0 and U are shared memory in
+// B-fragment order, split once when written. (Split A operands would not fit: 272 KB a CTA.)
 //
 // Prints JSON lines: per variant the time of one layer's chain over N tokens (ms; the fastest of
 // the repeats, cudaEvent), its TF32 rate, and (check) the largest error against a float64 run of
@@ -39,10 +40,10 @@ constexpr int kCols = 32;   // state columns a CTA
 constexpr int kNT = kCols / 8;
 constexpr int kWarps = 4;
 
-// Fragment-order sizes (uint32 words: hi 4 then lo 4 per lane per 16x8 A tile).
-constexpr int kWWords = (kB / 16) * (kDk / 8) * 32 * 8;   // W or Q: 64 x 128
-constexpr int kAWords = (kB / 16) * (kB / 8) * 32 * 8;    // Aqk: 64 x 64
-constexpr int kEWords = (kDk / 16) * (kB / 8) * 32 * 8;   // (eK)^T: 128 x 64
+// Fragment-order sizes (fp32 words: a0..a3 per lane per 16x8 A tile).
+constexpr int kWWords = (kB / 16) * (kDk / 8) * 32 * 4;   // W or Q: 64 x 128
+constexpr int kAWords = (kB / 16) * (kB / 8) * 32 * 4;    // Aqk: 64 x 64
+constexpr int kEWords = (kDk / 16) * (kB / 8) * 32 * 4;   // (eK)^T: 128 x 64
 // B-fragment tiles (8 x 8: per lane hi b0, hi b1, lo b0, lo b1)
 constexpr int kSTiles = (kDk / 8) * kNT;                  // S0 slice: 128 x 32
 constexpr int kUTiles = (kB / 8) * kNT;                   // U: 64 x 32
@@ -62,12 +63,26 @@ __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// c += A B in 3xTF32: A tile at a (8 words: hi[4], lo[4] of this lane), B tile bt (hi b0, b1, lo b0, b1).
-__device__ __forceinline__ void mma3(float c[4], const uint4& ah, const uint4& al, const uint4& bt) {
-  const uint32_t h[4] = {ah.x, ah.y, ah.z, ah.w}, l[4] = {al.x, al.y, al.z, al.w};
-  mma(c, l, bt.x, bt.y);
-  mma(c, h, bt.z, bt.w);
-  mma(c, h, bt.x, bt.y);
+// An A tile's four fp32 values (this lane's) as hi and lo tf32 words.
+struct ATile {
+  uint32_t h[4], l[4];
+};
+__device__ __forceinline__ ATile split_a(const float4 v) {
+  ATile t;
+  const float x[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    t.h[e] = tf32(x[e]);
+    t.l[e] = tf32(x[e] - __uint_as_float(t.h[e]));
+  }
+  return t;
+}
+
+// c += A B in 3xTF32: B tile bt (hi b0, b1, lo b0, b1).
+__device__ __forceinline__ void mma3(float c[4], const ATile& a, const uint4& bt) {
+  mma(c, a.l, bt.x, bt.y);
+  mma(c, a.h, bt.z, bt.w);
+  mma(c, a.h, bt.x, bt.y);
 }
 
 // Writes value v at (k, n) of a B-fragment-ordered matrix (tiles [k / 8][n / 8], lane (n % 8) * 4 +
@@ -87,12 +102,12 @@ __device__ __forceinline__ void cp16(void* smem, const void* gmem) {
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
-__device__ __forceinline__ void copy_words(uint32_t* dst, const uint32_t* src, int words) {
+__device__ __forceinline__ void copy_words(float* dst, const float* src, int words) {
   for (int i = 4 * static_cast<int>(threadIdx.x); i < words; i += 4 * kWarps * 32) cp16(dst + i, src + i);
 }
 
 struct Args {
-  const uint32_t *w, *q, *aqk, *ek;  // [h][b][fragment words]
+  const float *w, *q, *aqk, *ek;     // [h][b][fragment words]
   const float *x, *g, *gb;           // x [h][b][64][dv], g [h][b][64], gb [h][b]
   float *s, *o;                      // s [h][dk][dv] in/out, o [h][b * 64 + i][dv]
   int nblk;
@@ -101,22 +116,22 @@ struct Args {
 template <bool LOADS>
 __global__ void __launch_bounds__(kWarps * 32, 1) wy_chain(Args a) {
   extern __shared__ __align__(16) uint32_t sm[];
-  uint32_t* sW = sm;
-  uint32_t* sQ = sW + kWWords;
-  uint32_t* sA = sQ + kWWords;
-  uint32_t* sE = sA + kAWords;
-  uint32_t* sS = sE + kEWords;
+  float* sW = reinterpret_cast<float*>(sm);
+  float* sQ = sW + kWWords;
+  float* sA = sQ + kWWords;
+  float* sE = sA + kAWords;
+  uint32_t* sS = sm + 2 * kWWords + kAWords + kEWords;
   uint32_t* sU = sS + 4 * 32 * kSTiles;
   const int lane = threadIdx.x % 32, w = threadIdx.x / 32, g = lane / 4, qd = lane % 4;
   const int h = blockIdx.y, col0 = blockIdx.x * kCols;
   const size_t hb = static_cast<size_t>(h) * a.nblk;
   // the state slice: warp w holds S0 rows 32w .. 32w + 31 as two 16-row C tiles x kNT
   float s[2][kNT][4];
-  #pragma unroll
+#pragma unroll
   for (int mt = 0; mt < 2; ++mt)
-    #pragma unroll
+#pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
-      #pragma unroll
+#pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = 32 * w + 16 * mt + g + 8 * (e / 2), c = nt * 8 + 2 * qd + (e % 2);
         s[mt][nt][e] = a.s[(static_cast<size_t>(h) * kDk + r) * kDv + col0 + c];
@@ -133,9 +148,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) wy_chain(Args a) {
     const size_t bi = hb + b;
     // X of this warp's rows, read before the products so its latency hides under them
     float x[kNT][4];
-    #pragma unroll
+#pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
-      #pragma unroll
+#pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 16 * w + g + 8 * (e / 2), c = nt * 8 + 2 * qd + (e % 2);
         x[nt][e] = a.x[(bi * kB + i) * kDv + col0 + c];
@@ -144,20 +159,18 @@ __global__ void __launch_bounds__(kWarps * 32, 1) wy_chain(Args a) {
     float ws[kNT][4] = {}, qs[kNT][4] = {};
 #pragma unroll 4
     for (int kt = 0; kt < kDk / 8; ++kt) {
-      const uint4* wt = reinterpret_cast<const uint4*>(sW + ((w * (kDk / 8) + kt) * 32 + lane) * 8);
-      const uint4* qt = reinterpret_cast<const uint4*>(sQ + ((w * (kDk / 8) + kt) * 32 + lane) * 8);
-      const uint4 wh = wt[0], wl = wt[1], qh = qt[0], ql = qt[1];
+      const ATile wa = split_a(reinterpret_cast<const float4*>(sW)[(w * (kDk / 8) + kt) * 32 + lane]);
+      const ATile qa = split_a(reinterpret_cast<const float4*>(sQ)[(w * (kDk / 8) + kt) * 32 + lane]);
 #pragma unroll
-      #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
         const uint4 bt = reinterpret_cast<const uint4*>(sS)[(kt * kNT + nt) * 32 + lane];
-        mma3(ws[nt], wh, wl, bt);
-        mma3(qs[nt], qh, ql, bt);
+        mma3(ws[nt], wa, bt);
+        mma3(qs[nt], qa, bt);
       }
     }
-    #pragma unroll
+#pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
-      #pragma unroll
+#pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 16 * w + g + 8 * (e / 2), c = nt * 8 + 2 * qd + (e % 2);
         put_b(sU, i, c, x[nt][e] - ws[nt][e]);
@@ -172,15 +185,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1) wy_chain(Args a) {
     // phase 2a: O = G (Q S0) + Aqk U over the slots up to the warp's last row
     float o[kNT][4] = {};
     for (int kt = 0; kt <= 2 * w + 1; ++kt) {
-      const uint4* at = reinterpret_cast<const uint4*>(sA + ((w * (kB / 8) + kt) * 32 + lane) * 8);
-      const uint4 ah = at[0], al = at[1];
+      const ATile aa = split_a(reinterpret_cast<const float4*>(sA)[(w * (kB / 8) + kt) * 32 + lane]);
 #pragma unroll
-      #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) mma3(o[nt], ah, al, reinterpret_cast<const uint4*>(sU)[(kt * kNT + nt) * 32 + lane]);
+      for (int nt = 0; nt < kNT; ++nt) mma3(o[nt], aa, reinterpret_cast<const uint4*>(sU)[(kt * kNT + nt) * 32 + lane]);
     }
-    #pragma unroll
+#pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
-      #pragma unroll
+#pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 16 * w + g + 8 * (e / 2), c = nt * 8 + 2 * qd + (e % 2);
         a.o[((static_cast<size_t>(h) * a.nblk + b) * kB + i) * kDv + col0 + c] =
@@ -188,29 +199,26 @@ __global__ void __launch_bounds__(kWarps * 32, 1) wy_chain(Args a) {
       }
     // phase 2b: S0' = GB S0 + (eK)^T U over the block's 64 rows
     const float gb = a.gb[bi];
-    #pragma unroll
+#pragma unroll
     for (int mt = 0; mt < 2; ++mt)
-      #pragma unroll
+#pragma unroll
       for (int nt = 0; nt < kNT; ++nt)
-        #pragma unroll
+#pragma unroll
         for (int e = 0; e < 4; ++e) s[mt][nt][e] *= gb;
 #pragma unroll 2
     for (int kt = 0; kt < kB / 8; ++kt) {
 #pragma unroll
-      #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        const uint4* et = reinterpret_cast<const uint4*>(sE + (((2 * w + mt) * (kB / 8) + kt) * 32 + lane) * 8);
-        const uint4 eh = et[0], el = et[1];
+        const ATile ea = split_a(reinterpret_cast<const float4*>(sE)[((2 * w + mt) * (kB / 8) + kt) * 32 + lane]);
 #pragma unroll
-        #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) mma3(s[mt][nt], eh, el, reinterpret_cast<const uint4*>(sU)[(kt * kNT + nt) * 32 + lane]);
+        for (int nt = 0; nt < kNT; ++nt) mma3(s[mt][nt], ea, reinterpret_cast<const uint4*>(sU)[(kt * kNT + nt) * 32 + lane]);
       }
     }
-    #pragma unroll
+#pragma unroll
     for (int mt = 0; mt < 2; ++mt)
-      #pragma unroll
+#pragma unroll
       for (int nt = 0; nt < kNT; ++nt)
-        #pragma unroll
+#pragma unroll
         for (int e = 0; e < 4; ++e)
           put_b(sS, 32 * w + 16 * mt + g + 8 * (e / 2), nt * 8 + 2 * qd + (e % 2), s[mt][nt][e]);
     if (LOADS) cp_wait_all();  // W and Q of the next block
@@ -221,11 +229,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1) wy_chain(Args a) {
       cp_commit();
     }
   }
-  #pragma unroll
+#pragma unroll
   for (int mt = 0; mt < 2; ++mt)
-    #pragma unroll
+#pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
-      #pragma unroll
+#pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = 32 * w + 16 * mt + g + 8 * (e / 2), c = nt * 8 + 2 * qd + (e % 2);
         a.s[(static_cast<size_t>(h) * kDk + r) * kDv + col0 + c] = s[mt][nt][e];
@@ -233,33 +241,16 @@ __global__ void __launch_bounds__(kWarps * 32, 1) wy_chain(Args a) {
 }
 
 // ---- host ----
-uint32_t tf32_host(float x) {  // cvt.rna: round to nearest, ties away, 10 mantissa bits
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u = (u + 0x1000u) & 0xFFFFE000u;
-  return u;
-}
-float as_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // A matrix rows x cols (row-major, m) into fragment order: tiles [rows / 16][cols / 8], lane,
-// then hi a0..a3, lo a0..a3 with a0 (g, q), a1 (g + 8, q), a2 (g, q + 4), a3 (g + 8, q + 4).
-void frag_a(const float* m, int rows, int cols, uint32_t* out) {
+// then a0..a3 with a0 (g, q), a1 (g + 8, q), a2 (g, q + 4), a3 (g + 8, q + 4).
+void frag_a(const float* m, int rows, int cols, float* out) {
   for (int mt = 0; mt < rows / 16; ++mt)
     for (int kt = 0; kt < cols / 8; ++kt)
       for (int lane = 0; lane < 32; ++lane) {
         const int g = lane / 4, q = lane % 4;
         const int rr[4] = {g, g + 8, g, g + 8}, kk[4] = {q, q, q + 4, q + 4};
-        uint32_t* p = out + ((mt * (cols / 8) + kt) * 32 + lane) * 8;
-        for (int e = 0; e < 4; ++e) {
-          const float v = m[(16 * mt + rr[e]) * cols + 8 * kt + kk[e]];
-          const uint32_t hi = tf32_host(v);
-          p[e] = hi;
-          p[4 + e] = tf32_host(v - as_float(hi));
-        }
+        float* p = out + ((mt * (cols / 8) + kt) * 32 + lane) * 4;
+        for (int e = 0; e < 4; ++e) p[e] = m[(16 * mt + rr[e]) * cols + 8 * kt + kk[e]];
       }
 }
 
@@ -297,7 +288,7 @@ int main(int argc, char** argv) {
   for (auto& v : G) v = 0.5f + 0.5f * U01(rng);
   for (auto& v : GB) v = 0.5f;
   for (auto& v : S) v = 0.1f * N(rng);
-  std::vector<uint32_t> Wf(nb * kWWords), Qf(nb * kWWords), Af(nb * kAWords), Ef(nb * kEWords);
+  std::vector<float> Wf(nb * kWWords), Qf(nb * kWWords), Af(nb * kAWords), Ef(nb * kEWords);
   for (size_t bi = 0; bi < nb; ++bi) {
     frag_a(&W[bi * kB * kDk], kB, kDk, &Wf[bi * kWWords]);
     frag_a(&Q[bi * kB * kDk], kB, kDk, &Qf[bi * kWWords]);
@@ -317,8 +308,10 @@ int main(int argc, char** argv) {
   const dim3 grid(kDv / kCols, nv), block(kWarps * 32);
   // the check: one run from S, heads 0 and 1 against float64
   wy_chain<true><<<grid, block, smem>>>(a);
-  if (cudaDeviceSynchronize() != cudaSuccess) {
-    std::fprintf(stderr, "kernel failed: %s\n", cudaGetErrorString(cudaGetLastError()));
+  cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "kernel failed: %s\n", cudaGetErrorString(e));
     return 2;
   }
   std::vector<float> O(nb * kB * kDv), S1(S.size());

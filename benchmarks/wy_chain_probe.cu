@@ -43,7 +43,6 @@ constexpr int kDk = 128;    // key dim (S0 rows)
 constexpr int kDv = 128;    // value dim (S0 columns)
 constexpr int kCols = 32;   // state columns a CTA
 constexpr int kNT = kCols / 8;
-constexpr int kWarps = 4;
 
 // Fragment-order sizes (fp32 words: a0..a3 per lane per 16x8 A tile).
 constexpr int kWWords = (kB / 16) * (kDk / 8) * 32 * 4;   // W or Q: 64 x 128
@@ -107,10 +106,6 @@ __device__ __forceinline__ void cp16(void* smem, const void* gmem) {
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
-__device__ __forceinline__ void copy_words(float* dst, const float* src, int words) {
-  for (int i = 4 * static_cast<int>(threadIdx.x); i < words; i += 4 * kWarps * 32) cp16(dst + i, src + i);
-}
-
 struct Args {
   const float *w, *q, *aqk, *ek;     // [h][b][fragment words]
   const float *x, *g, *gb;           // x [h][b][64][dv], g [h][b][64], gb [h][b]
@@ -118,8 +113,12 @@ struct Args {
   int nblk;
 };
 
-template <bool LOADS>
-__global__ void __launch_bounds__(kWarps * 32, 1) wy_chain(Args a) {
+// NWARP = 4: warp w has the block rows 16w.. (phases 1, 2a) and the state rows 32w.. (the close),
+// all kNT column tiles; NWARP = 8: warps w and w + 4 share those rows and take half the column
+// tiles each (two warps a scheduler to hide the chain's latencies, the same mma count).
+template <bool LOADS, int NWARP>
+__global__ void __launch_bounds__(NWARP * 32, 1) wy_chain(Args a) {
+  constexpr int NTW = kNT * 4 / NWARP;  // column tiles a warp
   extern __shared__ __align__(16) uint32_t sm[];
   float* sW = reinterpret_cast<float*>(sm);
   float* sQ = sW + kWWords;
@@ -127,121 +126,126 @@ __global__ void __launch_bounds__(kWarps * 32, 1) wy_chain(Args a) {
   float* sE = sA + kAWords;
   uint32_t* sS = sm + 2 * kWWords + kAWords + kEWords;
   uint32_t* sU = sS + 4 * 32 * kSTiles;
-  const int lane = threadIdx.x % 32, w = threadIdx.x / 32, g = lane / 4, qd = lane % 4;
+  const int lane = threadIdx.x % 32, g = lane / 4, qd = lane % 4;
+  const int w = (threadIdx.x / 32) % 4, nt0 = (threadIdx.x / 128) * NTW;
   const int h = blockIdx.y, col0 = blockIdx.x * kCols;
   const size_t hb = static_cast<size_t>(h) * a.nblk;
-  // the state slice: warp w holds S0 rows 32w .. 32w + 31 as two 16-row C tiles x kNT
-  float s[2][kNT][4];
+  auto copy = [&](float* dst, const float* src, int words) {
+    for (int i = 4 * static_cast<int>(threadIdx.x); i < words; i += 4 * NWARP * 32) cp16(dst + i, src + i);
+  };
+  // the state: this warp's rows 32w .. 32w + 31 (two 16-row C tiles) of its column tiles
+  float s[2][NTW][4];
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
+    for (int n = 0; n < NTW; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = 32 * w + 16 * mt + g + 8 * (e / 2), c = nt * 8 + 2 * qd + (e % 2);
-        s[mt][nt][e] = a.s[(static_cast<size_t>(h) * kDk + r) * kDv + col0 + c];
-        put_b(sS, r, c, s[mt][nt][e]);
+        const int r = 32 * w + 16 * mt + g + 8 * (e / 2), c = (nt0 + n) * 8 + 2 * qd + (e % 2);
+        s[mt][n][e] = a.s[(static_cast<size_t>(h) * kDk + r) * kDv + col0 + c];
+        put_b(sS, r, c, s[mt][n][e]);
       }
-  copy_words(sW, a.w + hb * kWWords, kWWords);
-  copy_words(sQ, a.q + hb * kWWords, kWWords);
-  copy_words(sA, a.aqk + hb * kAWords, kAWords);
-  copy_words(sE, a.ek + hb * kEWords, kEWords);
+  copy(sW, a.w + hb * kWWords, kWWords);
+  copy(sQ, a.q + hb * kWWords, kWWords);
+  copy(sA, a.aqk + hb * kAWords, kAWords);
+  copy(sE, a.ek + hb * kEWords, kEWords);
   cp_commit();
   cp_wait_all();
   __syncthreads();
   for (int b = 0; b < a.nblk; ++b) {
     const size_t bi = hb + b;
     // X of this warp's rows, read before the products so its latency hides under them
-    float x[kNT][4];
+    float x[NTW][4];
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
+    for (int n = 0; n < NTW; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int i = 16 * w + g + 8 * (e / 2), c = nt * 8 + 2 * qd + (e % 2);
-        x[nt][e] = a.x[(bi * kB + i) * kDv + col0 + c];
+        const int i = 16 * w + g + 8 * (e / 2), c = (nt0 + n) * 8 + 2 * qd + (e % 2);
+        x[n][e] = a.x[(bi * kB + i) * kDv + col0 + c];
       }
-    // phase 1: W S0 and Q S0 over dk, the warp's 16 rows
-    float ws[kNT][4] = {}, qs[kNT][4] = {};
+    // phase 1: W S0 and Q S0 over dk
+    float ws[NTW][4] = {}, qs[NTW][4] = {};
 #pragma unroll 4
     for (int kt = 0; kt < kDk / 8; ++kt) {
       const ATile wa = split_a(reinterpret_cast<const float4*>(sW)[(w * (kDk / 8) + kt) * 32 + lane]);
       const ATile qa = split_a(reinterpret_cast<const float4*>(sQ)[(w * (kDk / 8) + kt) * 32 + lane]);
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        const uint4 bt = reinterpret_cast<const uint4*>(sS)[(kt * kNT + nt) * 32 + lane];
-        mma3(ws[nt], wa, bt);
-        mma3(qs[nt], qa, bt);
+      for (int n = 0; n < NTW; ++n) {
+        const uint4 bt = reinterpret_cast<const uint4*>(sS)[(kt * kNT + nt0 + n) * 32 + lane];
+        mma3(ws[n], wa, bt);
+        mma3(qs[n], qa, bt);
       }
     }
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
+    for (int n = 0; n < NTW; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int i = 16 * w + g + 8 * (e / 2), c = nt * 8 + 2 * qd + (e % 2);
-        put_b(sU, i, c, x[nt][e] - ws[nt][e]);
+        const int i = 16 * w + g + 8 * (e / 2), c = (nt0 + n) * 8 + 2 * qd + (e % 2);
+        put_b(sU, i, c, x[n][e] - ws[n][e]);
       }
     if (LOADS) cp_wait_all();  // A and E of this block
     __syncthreads();
     if (LOADS && b + 1 < a.nblk) {  // sW, sQ are free: the next block's
-      copy_words(sW, a.w + (bi + 1) * kWWords, kWWords);
-      copy_words(sQ, a.q + (bi + 1) * kWWords, kWWords);
+      copy(sW, a.w + (bi + 1) * kWWords, kWWords);
+      copy(sQ, a.q + (bi + 1) * kWWords, kWWords);
       cp_commit();
     }
     // phase 2a: O = G (Q S0) + Aqk U over the slots up to the warp's last row
-    float o[kNT][4] = {};
+    float o[NTW][4] = {};
     for (int kt = 0; kt <= 2 * w + 1; ++kt) {
       const ATile aa = split_a(reinterpret_cast<const float4*>(sA)[(w * (kB / 8) + kt) * 32 + lane]);
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) mma3(o[nt], aa, reinterpret_cast<const uint4*>(sU)[(kt * kNT + nt) * 32 + lane]);
+      for (int n = 0; n < NTW; ++n) mma3(o[n], aa, reinterpret_cast<const uint4*>(sU)[(kt * kNT + nt0 + n) * 32 + lane]);
     }
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
+    for (int n = 0; n < NTW; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int i = 16 * w + g + 8 * (e / 2), c = nt * 8 + 2 * qd + (e % 2);
+        const int i = 16 * w + g + 8 * (e / 2), c = (nt0 + n) * 8 + 2 * qd + (e % 2);
         a.o[((static_cast<size_t>(h) * a.nblk + b) * kB + i) * kDv + col0 + c] =
-            fmaf(a.g[bi * kB + i], qs[nt][e], o[nt][e]);
+            fmaf(a.g[bi * kB + i], qs[n][e], o[n][e]);
       }
     // phase 2b: S0' = GB S0 + (eK)^T U over the block's 64 rows
     const float gb = a.gb[bi];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
+      for (int n = 0; n < NTW; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nt][e] *= gb;
+        for (int e = 0; e < 4; ++e) s[mt][n][e] *= gb;
 #pragma unroll 2
     for (int kt = 0; kt < kB / 8; ++kt) {
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         const ATile ea = split_a(reinterpret_cast<const float4*>(sE)[((2 * w + mt) * (kB / 8) + kt) * 32 + lane]);
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) mma3(s[mt][nt], ea, reinterpret_cast<const uint4*>(sU)[(kt * kNT + nt) * 32 + lane]);
+        for (int n = 0; n < NTW; ++n)
+          mma3(s[mt][n], ea, reinterpret_cast<const uint4*>(sU)[(kt * kNT + nt0 + n) * 32 + lane]);
       }
     }
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
+      for (int n = 0; n < NTW; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          put_b(sS, 32 * w + 16 * mt + g + 8 * (e / 2), nt * 8 + 2 * qd + (e % 2), s[mt][nt][e]);
+          put_b(sS, 32 * w + 16 * mt + g + 8 * (e / 2), (nt0 + n) * 8 + 2 * qd + (e % 2), s[mt][n][e]);
     if (LOADS) cp_wait_all();  // W and Q of the next block
     __syncthreads();
     if (LOADS && b + 1 < a.nblk) {  // sA, sE are free
-      copy_words(sA, a.aqk + (bi + 1) * kAWords, kAWords);
-      copy_words(sE, a.ek + (bi + 1) * kEWords, kEWords);
+      copy(sA, a.aqk + (bi + 1) * kAWords, kAWords);
+      copy(sE, a.ek + (bi + 1) * kEWords, kEWords);
       cp_commit();
     }
   }
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
+    for (int n = 0; n < NTW; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = 32 * w + 16 * mt + g + 8 * (e / 2), c = nt * 8 + 2 * qd + (e % 2);
-        a.s[(static_cast<size_t>(h) * kDk + r) * kDv + col0 + c] = s[mt][nt][e];
+        const int r = 32 * w + 16 * mt + g + 8 * (e / 2), c = (nt0 + n) * 8 + 2 * qd + (e % 2);
+        a.s[(static_cast<size_t>(h) * kDk + r) * kDv + col0 + c] = s[mt][n][e];
       }
 }
 
@@ -439,21 +443,12 @@ int main(int argc, char** argv) {
   cudaMalloc(&o_dev, nb * kB * kDv * sizeof(float));
   a.s = s_dev, a.o = o_dev, a.nblk = nblk;
   const size_t smem = kSmemWords * 4;
-  cudaFuncSetAttribute(wy_chain<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  cudaFuncSetAttribute(wy_chain<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  const dim3 grid(kDv / kCols, nv), block(kWarps * 32);
-  // the check: one run from S, heads 0 and 1 against float64
-  wy_chain<true><<<grid, block, smem>>>(a);
-  cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) e = cudaDeviceSynchronize();
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "kernel failed: %s\n", cudaGetErrorString(e));
-    return 2;
-  }
-  std::vector<float> O(nb * kB * kDv), S1(S.size());
-  cudaMemcpy(O.data(), o_dev, O.size() * 4, cudaMemcpyDeviceToHost);
-  cudaMemcpy(S1.data(), s_dev, S1.size() * 4, cudaMemcpyDeviceToHost);
-  double err = 0.0, mag = 0.0;
+  cudaFuncSetAttribute(wy_chain<true, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  cudaFuncSetAttribute(wy_chain<false, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  cudaFuncSetAttribute(wy_chain<true, 8>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const dim3 grid(kDv / kCols, nv), block(4 * 32);
+  // the check: heads 0 and 1 in float64, then one run of each checked variant from S
+  std::vector<double> Oref(2 * static_cast<size_t>(nblk) * kB * kDv), Sref(2 * kDk * kDv);
   for (int h = 0; h < 2; ++h) {
     std::vector<double> s0(kDk * kDv), u(kB * kDv), s1(kDk * kDv);
     for (int i = 0; i < kDk * kDv; ++i) s0[i] = S[static_cast<size_t>(h) * kDk * kDv + i];
@@ -470,9 +465,7 @@ int main(int argc, char** argv) {
           double qs = 0.0, au = 0.0;
           for (int r = 0; r < kDk; ++r) qs += static_cast<double>(Q[(bi * kB + i) * kDk + r]) * s0[r * kDv + c];
           for (int j = 0; j < kB; ++j) au += static_cast<double>(A[(bi * kB + i) * kB + j]) * u[j * kDv + c];
-          const double ref = G[bi * kB + i] * qs + au;
-          err = std::fmax(err, std::fabs(ref - O[(bi * kB + i) * kDv + c]));
-          mag = std::fmax(mag, std::fabs(ref));
+          Oref[(bi * kB + i) * kDv + c] = G[bi * kB + i] * qs + au;
         }
       for (int r = 0; r < kDk; ++r)
         for (int c = 0; c < kDv; ++c) {
@@ -482,26 +475,51 @@ int main(int argc, char** argv) {
         }
       s0 = s1;
     }
-    for (int i = 0; i < kDk * kDv; ++i) {
-      err = std::fmax(err, std::fabs(s0[i] - S1[static_cast<size_t>(h) * kDk * kDv + i]));
-      mag = std::fmax(mag, std::fabs(s0[i]));
-    }
+    for (int i = 0; i < kDk * kDv; ++i) Sref[static_cast<size_t>(h) * kDk * kDv + i] = s0[i];
   }
-  const double rel = err / (mag > 0 ? mag : 1.0);
-  std::printf("{\"check\": \"float64\", \"heads\": 2, \"blocks\": %d, \"max_abs_err\": %.3e, \"max_abs\": %.3e, "
-              "\"rel\": %.3e, \"ok\": %s}\n", nblk, err, mag, rel, rel <= 1e-4 ? "true" : "false");
+  std::vector<float> O(nb * kB * kDv), S1(S.size());
+  double rel = 0.0;
+  for (int variant = 0; variant < 2; ++variant) {
+    cudaMemcpy(s_dev, S.data(), S.size() * 4, cudaMemcpyHostToDevice);
+    if (variant == 0) wy_chain<true, 4><<<grid, block, smem>>>(a);
+    else wy_chain<true, 8><<<grid, dim3(8 * 32), smem>>>(a);
+    cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) {
+      std::fprintf(stderr, "kernel failed: %s\n", cudaGetErrorString(e));
+      return 2;
+    }
+    cudaMemcpy(O.data(), o_dev, O.size() * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(S1.data(), s_dev, S1.size() * 4, cudaMemcpyDeviceToHost);
+    double err = 0.0, mag = 0.0;
+    for (size_t i = 0; i < Oref.size(); ++i) {  // heads 0 and 1 are the first rows of O
+      err = std::fmax(err, std::fabs(Oref[i] - O[i]));
+      mag = std::fmax(mag, std::fabs(Oref[i]));
+    }
+    for (size_t i = 0; i < Sref.size(); ++i) {
+      err = std::fmax(err, std::fabs(Sref[i] - S1[i]));
+      mag = std::fmax(mag, std::fabs(Sref[i]));
+    }
+    const double r = err / (mag > 0 ? mag : 1.0);
+    rel = std::fmax(rel, r);
+    std::printf("{\"check\": \"float64\", \"variant\": \"%s\", \"heads\": 2, \"blocks\": %d, \"max_abs_err\": %.3e, "
+                "\"max_abs\": %.3e, \"rel\": %.3e, \"ok\": %s}\n", variant == 0 ? "loads" : "loads_8warps", nblk, err,
+                mag, r, r <= 1e-4 ? "true" : "false");
+  }
   // timing
   const double mac = static_cast<double>(nv) * nblk * kDv *
                      (2.0 * kB * kDk + kB * kB / 2.0 + kDk * kB);  // W S0, Q S0, Aqk U (half), close
   cudaEvent_t t0, t1;
   cudaEventCreate(&t0);
   cudaEventCreate(&t1);
-  for (int variant = 0; variant < 2; ++variant) {
+  const char* names[3] = {"loads", "no_loads", "loads_8warps"};
+  for (int variant = 0; variant < 3; ++variant) {
     float best = 1e30f;
     for (int rep = 0; rep < 10; ++rep) {
       cudaEventRecord(t0);
-      if (variant == 0) wy_chain<true><<<grid, block, smem>>>(a);
-      else wy_chain<false><<<grid, block, smem>>>(a);
+      if (variant == 0) wy_chain<true, 4><<<grid, block, smem>>>(a);
+      else if (variant == 1) wy_chain<false, 4><<<grid, block, smem>>>(a);
+      else wy_chain<true, 8><<<grid, dim3(8 * 32), smem>>>(a);
       cudaEventRecord(t1);
       cudaEventSynchronize(t1);
       float ms = 0.0f;
@@ -509,7 +527,7 @@ int main(int argc, char** argv) {
       best = ms < best ? ms : best;
     }
     std::printf("{\"variant\": \"%s\", \"tokens\": %d, \"heads\": %d, \"ms\": %.4f, \"us_per_block\": %.3f, "
-                "\"tf32_tflops_3x\": %.1f}\n", variant == 0 ? "loads" : "no_loads", tokens, nv, best,
+                "\"tf32_tflops_3x\": %.1f}\n", names[variant], tokens, nv, best,
                 1e3 * best / nblk, 3.0 * 2.0 * mac / (best * 1e-3) / 1e12);
   }
   // ---- the whole WY layer from the rule's inputs: the prep, then the chain, against the per-token
@@ -546,8 +564,8 @@ int main(int argc, char** argv) {
   c.w = pw, c.q = pqf, c.aqk = paqk, c.ek = pek, c.x = px, c.g = pg, c.gb = pgb;
   cudaMemcpy(s_dev, S.data(), S.size() * 4, cudaMemcpyHostToDevice);
   wy_prep<<<pgrid, kPrepThreads, psmem>>>(p);
-  wy_chain<true><<<grid, block, smem>>>(c);
-  e = cudaGetLastError();
+  wy_chain<true, 4><<<grid, block, smem>>>(c);
+  cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) e = cudaDeviceSynchronize();
   if (e != cudaSuccess) {
     std::fprintf(stderr, "prep + chain failed: %s\n", cudaGetErrorString(e));

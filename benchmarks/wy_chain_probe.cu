@@ -259,7 +259,8 @@ __global__ void __launch_bounds__(NWARP * 32, 1) wy_chain(Args a) {
 // fragment order, X, G and GB = G_63.
 constexpr int kLd = kDk + 4;  // padded rows of K and Q / W in shared memory: fragment loads conflict-free
 constexpr int kPrepThreads = 256;
-constexpr size_t kPrepSmemFloats = 2 * kB * kLd + kB * kDv + kB * kB + 3 * kB;
+constexpr int kLPacked = kB * (kB - 1) / 2;  // L's strictly lower triangle, row i from i (i - 1) / 2
+constexpr size_t kPrepSmemFloats = 2 * kB * kLd + kB * kDv + kLPacked + 3 * kB;  // two CTAs an SM
 
 struct PrepArgs {
   const float *q, *k;          // [nk][T][dk], normalised (q with its dk^-0.5)
@@ -277,13 +278,13 @@ __device__ __forceinline__ size_t frag_index(int row, int col, int cols) {
   return ((static_cast<size_t>(mt) * (cols / 8) + kt) * 32 + g * 4 + q) * 4 + e;
 }
 
-__global__ void __launch_bounds__(kPrepThreads, 1) wy_prep(PrepArgs a) {
+__global__ void __launch_bounds__(kPrepThreads, 2) wy_prep(PrepArgs a) {
   extern __shared__ __align__(16) float ps[];
   float* sK = ps;                 // [64][kLd]
   float* sQ = sK + kB * kLd;      // [64][kLd], then W
   float* sX = sQ + kB * kLd;      // [64][dv]: v, then X in place
-  float* sL = sX + kB * kDv;      // [64][64]
-  float* sc = sL + kB * kB;       // c
+  float* sL = sX + kB * kDv;      // packed: L_ij at i (i - 1) / 2 + j, j < i
+  float* sc = sL + kLPacked;      // c
   float* sbeta = sc + kB;
   float* sG = sbeta + kB;
   const int tid = threadIdx.x, lane = tid % 32, w = tid / 32, g = lane / 4, qd = lane % 4;
@@ -343,7 +344,9 @@ __global__ void __launch_bounds__(kPrepThreads, 1) wy_prep(PrepArgs a) {
       for (int e = 0; e < 4; ++e) {
         const int i = 16 * mt + g + 8 * (e / 2), j = 8 * nt + 2 * qd + (e % 2);
         const float decay = j <= i ? expf(sc[i] - sc[j]) : 0.0f;
-        if (w < 4) sL[i * kB + j] = j < i ? sbeta[i] * decay * acc[nt][e] : 0.0f;
+        if (w < 4) {
+          if (j < i) sL[i * (i - 1) / 2 + j] = sbeta[i] * decay * acc[nt][e];
+        }
         else a.aqk[hb * kAWords + frag_index(i, j, kB)] = j <= i ? decay * acc[nt][e] : 0.0f;
       }
   }
@@ -358,15 +361,16 @@ __global__ void __launch_bounds__(kPrepThreads, 1) wy_prep(PrepArgs a) {
       const float rhs = isw ? sbeta[i] * sG[i] * sK[i * kLd + col] : sbeta[i] * sX[i * kDv + col];
       float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
       int j = 0;
+      const float* li = sL + i * (i - 1) / 2;
       for (; j + 3 < i; j += 4) {
-        p0 = fmaf(sL[i * kB + j], dst[j * ld], p0);
-        p1 = fmaf(sL[i * kB + j + 1], dst[(j + 1) * ld], p1);
-        p2 = fmaf(sL[i * kB + j + 2], dst[(j + 2) * ld], p2);
-        p3 = fmaf(sL[i * kB + j + 3], dst[(j + 3) * ld], p3);
+        p0 = fmaf(li[j], dst[j * ld], p0);
+        p1 = fmaf(li[j + 1], dst[(j + 1) * ld], p1);
+        p2 = fmaf(li[j + 2], dst[(j + 2) * ld], p2);
+        p3 = fmaf(li[j + 3], dst[(j + 3) * ld], p3);
       }
-      if (j < i) p0 = fmaf(sL[i * kB + j], dst[j * ld], p0);
-      if (j + 1 < i) p1 = fmaf(sL[i * kB + j + 1], dst[(j + 1) * ld], p1);
-      if (j + 2 < i) p2 = fmaf(sL[i * kB + j + 2], dst[(j + 2) * ld], p2);
+      if (j < i) p0 = fmaf(li[j], dst[j * ld], p0);
+      if (j + 1 < i) p1 = fmaf(li[j + 1], dst[(j + 1) * ld], p1);
+      if (j + 2 < i) p2 = fmaf(li[j + 2], dst[(j + 2) * ld], p2);
       dst[i * ld] = rhs - ((p0 + p1) + (p2 + p3));
     }
   }

@@ -133,18 +133,24 @@ __global__ void __launch_bounds__(NWARP * 32, 1) wy_chain(Args a) {
   auto copy = [&](float* dst, const float* src, int words) {
     for (int i = 4 * static_cast<int>(threadIdx.x); i < words; i += 4 * NWARP * 32) cp16(dst + i, src + i);
   };
-  // the state: this warp's rows 32w .. 32w + 31 (two 16-row C tiles) of its column tiles
-  float s[2][NTW][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  // f(n, e, row, col) over this warp's C elements of a 16-row tile at row0 (col: the CTA's column)
+  auto each_c = [&](int row0, auto f) {
 #pragma unroll
     for (int n = 0; n < NTW; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = 32 * w + 16 * mt + g + 8 * (e / 2), c = (nt0 + n) * 8 + 2 * qd + (e % 2);
-        s[mt][n][e] = a.s[(static_cast<size_t>(h) * kDk + r) * kDv + col0 + c];
-        put_b(sS, r, c, s[mt][n][e]);
-      }
+      for (int e = 0; e < 4; ++e) f(n, e, row0 + g + 8 * (e / 2), (nt0 + n) * 8 + 2 * qd + (e % 2));
+  };
+  // the state: this warp's rows 32w .. 32w + 31 (two 16-row C tiles) of its column tiles
+  float s[2][NTW][4];
+  auto state = [&](int r, int c) -> float& {
+    return a.s[(static_cast<size_t>(h) * kDk + r) * kDv + col0 + c];
+  };
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+    each_c(32 * w + 16 * mt, [&](int n, int e, int r, int c) {
+      s[mt][n][e] = state(r, c);
+      put_b(sS, r, c, s[mt][n][e]);
+    });
   copy(sW, a.w + hb * kWWords, kWWords);
   copy(sQ, a.q + hb * kWWords, kWWords);
   copy(sA, a.aqk + hb * kAWords, kAWords);
@@ -156,13 +162,7 @@ __global__ void __launch_bounds__(NWARP * 32, 1) wy_chain(Args a) {
     const size_t bi = hb + b;
     // X of this warp's rows, read before the products so its latency hides under them
     float x[NTW][4];
-#pragma unroll
-    for (int n = 0; n < NTW; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 16 * w + g + 8 * (e / 2), c = (nt0 + n) * 8 + 2 * qd + (e % 2);
-        x[n][e] = a.x[(bi * kB + i) * kDv + col0 + c];
-      }
+    each_c(16 * w, [&](int n, int e, int i, int c) { x[n][e] = a.x[(bi * kB + i) * kDv + col0 + c]; });
     // phase 1: W S0 and Q S0 over dk
     float ws[NTW][4] = {}, qs[NTW][4] = {};
 #pragma unroll 4
@@ -176,13 +176,7 @@ __global__ void __launch_bounds__(NWARP * 32, 1) wy_chain(Args a) {
         mma3(qs[n], qa, bt);
       }
     }
-#pragma unroll
-    for (int n = 0; n < NTW; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 16 * w + g + 8 * (e / 2), c = (nt0 + n) * 8 + 2 * qd + (e % 2);
-        put_b(sU, i, c, x[n][e] - ws[n][e]);
-      }
+    each_c(16 * w, [&](int n, int e, int i, int c) { put_b(sU, i, c, x[n][e] - ws[n][e]); });
     if (LOADS) cp_wait_all();  // A and E of this block
     __syncthreads();
     if (LOADS && b + 1 < a.nblk) {  // sW, sQ are free: the next block's
@@ -197,14 +191,9 @@ __global__ void __launch_bounds__(NWARP * 32, 1) wy_chain(Args a) {
 #pragma unroll
       for (int n = 0; n < NTW; ++n) mma3(o[n], aa, reinterpret_cast<const uint4*>(sU)[(kt * kNT + nt0 + n) * 32 + lane]);
     }
-#pragma unroll
-    for (int n = 0; n < NTW; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 16 * w + g + 8 * (e / 2), c = (nt0 + n) * 8 + 2 * qd + (e % 2);
-        a.o[((static_cast<size_t>(h) * a.nblk + b) * kB + i) * kDv + col0 + c] =
-            fmaf(a.g[bi * kB + i], qs[n][e], o[n][e]);
-      }
+    each_c(16 * w, [&](int n, int e, int i, int c) {
+      a.o[((static_cast<size_t>(h) * a.nblk + b) * kB + i) * kDv + col0 + c] = fmaf(a.g[bi * kB + i], qs[n][e], o[n][e]);
+    });
     // phase 2b: S0' = GB S0 + (eK)^T U over the block's 64 rows
     const float gb = a.gb[bi];
 #pragma unroll
@@ -225,11 +214,7 @@ __global__ void __launch_bounds__(NWARP * 32, 1) wy_chain(Args a) {
     }
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int n = 0; n < NTW; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          put_b(sS, 32 * w + 16 * mt + g + 8 * (e / 2), (nt0 + n) * 8 + 2 * qd + (e % 2), s[mt][n][e]);
+      each_c(32 * w + 16 * mt, [&](int n, int e, int r, int c) { put_b(sS, r, c, s[mt][n][e]); });
     if (LOADS) cp_wait_all();  // W and Q of the next block
     __syncthreads();
     if (LOADS && b + 1 < a.nblk) {  // sA, sE are free
@@ -240,13 +225,7 @@ __global__ void __launch_bounds__(NWARP * 32, 1) wy_chain(Args a) {
   }
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int n = 0; n < NTW; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = 32 * w + 16 * mt + g + 8 * (e / 2), c = (nt0 + n) * 8 + 2 * qd + (e % 2);
-        a.s[(static_cast<size_t>(h) * kDk + r) * kDv + col0 + c] = s[mt][n][e];
-      }
+    each_c(32 * w + 16 * mt, [&](int n, int e, int r, int c) { state(r, c) = s[mt][n][e]; });
 }
 
 // ---- the S0-free part (the prep): one CTA per (value head, block), all at once ----
@@ -409,6 +388,16 @@ T* to_dev(const std::vector<T>& h) {
   return p;
 }
 
+// After the launches: their outputs o and state s to the host, or false (said on stderr).
+bool fetch(const char* what, const float* o_dev, const float* s_dev, std::vector<float>& O, std::vector<float>& S1) {
+  cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  if (e == cudaSuccess) e = cudaMemcpy(O.data(), o_dev, O.size() * 4, cudaMemcpyDeviceToHost);
+  if (e == cudaSuccess) e = cudaMemcpy(S1.data(), s_dev, S1.size() * 4, cudaMemcpyDeviceToHost);
+  if (e != cudaSuccess) std::fprintf(stderr, "%s failed: %s\n", what, cudaGetErrorString(e));
+  return e == cudaSuccess;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -487,14 +476,7 @@ int main(int argc, char** argv) {
     cudaMemcpy(s_dev, S.data(), S.size() * 4, cudaMemcpyHostToDevice);
     if (variant == 0) wy_chain<true, 4><<<grid, block, smem>>>(a);
     else wy_chain<true, 8><<<grid, dim3(8 * 32), smem>>>(a);
-    cudaError_t e = cudaGetLastError();
-    if (e == cudaSuccess) e = cudaDeviceSynchronize();
-    if (e != cudaSuccess) {
-      std::fprintf(stderr, "kernel failed: %s\n", cudaGetErrorString(e));
-      return 2;
-    }
-    cudaMemcpy(O.data(), o_dev, O.size() * 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(S1.data(), s_dev, S1.size() * 4, cudaMemcpyDeviceToHost);
+    if (!fetch("chain", o_dev, s_dev, O, S1)) return 2;
     double err = 0.0, mag = 0.0;
     for (size_t i = 0; i < Oref.size(); ++i) {  // heads 0 and 1 are the first rows of O
       err = std::fmax(err, std::fabs(Oref[i] - O[i]));
@@ -569,14 +551,7 @@ int main(int argc, char** argv) {
   cudaMemcpy(s_dev, S.data(), S.size() * 4, cudaMemcpyHostToDevice);
   wy_prep<<<pgrid, kPrepThreads, psmem>>>(p);
   wy_chain<true, 4><<<grid, block, smem>>>(c);
-  cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) e = cudaDeviceSynchronize();
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "prep + chain failed: %s\n", cudaGetErrorString(e));
-    return 2;
-  }
-  cudaMemcpy(O.data(), o_dev, O.size() * 4, cudaMemcpyDeviceToHost);
-  cudaMemcpy(S1.data(), s_dev, S1.size() * 4, cudaMemcpyDeviceToHost);
+  if (!fetch("prep + chain", o_dev, s_dev, O, S1)) return 2;
   double err2 = 0.0, mag2 = 0.0;
   for (int h = 0; h < 2; ++h) {
     const int kh = h / (nv / nk);

@@ -398,6 +398,27 @@ bool fetch(const char* what, const float* o_dev, const float* s_dev, std::vector
   return e == cudaSuccess;
 }
 
+// The fastest of 10 runs of launch (cudaEvent, ms).
+template <class F>
+float fastest(F launch) {
+  cudaEvent_t t0, t1;
+  cudaEventCreate(&t0);
+  cudaEventCreate(&t1);
+  float best = 1e30f;
+  for (int rep = 0; rep < 10; ++rep) {
+    cudaEventRecord(t0);
+    launch();
+    cudaEventRecord(t1);
+    cudaEventSynchronize(t1);
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, t0, t1);
+    best = ms < best ? ms : best;
+  }
+  cudaEventDestroy(t0);
+  cudaEventDestroy(t1);
+  return best;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -495,23 +516,13 @@ int main(int argc, char** argv) {
   // timing
   const double mac = static_cast<double>(nv) * nblk * kDv *
                      (2.0 * kB * kDk + kB * kB / 2.0 + kDk * kB);  // W S0, Q S0, Aqk U (half), close
-  cudaEvent_t t0, t1;
-  cudaEventCreate(&t0);
-  cudaEventCreate(&t1);
   const char* names[3] = {"loads", "no_loads", "loads_8warps"};
   for (int variant = 0; variant < 3; ++variant) {
-    float best = 1e30f;
-    for (int rep = 0; rep < 10; ++rep) {
-      cudaEventRecord(t0);
+    const float best = fastest([&] {
       if (variant == 0) wy_chain<true, 4><<<grid, block, smem>>>(a);
       else if (variant == 1) wy_chain<false, 4><<<grid, block, smem>>>(a);
       else wy_chain<true, 8><<<grid, dim3(8 * 32), smem>>>(a);
-      cudaEventRecord(t1);
-      cudaEventSynchronize(t1);
-      float ms = 0.0f;
-      cudaEventElapsedTime(&ms, t0, t1);
-      best = ms < best ? ms : best;
-    }
+    });
     std::printf("{\"variant\": \"%s\", \"tokens\": %d, \"heads\": %d, \"ms\": %.4f, \"us_per_block\": %.3f, "
                 "\"tf32_tflops_3x\": %.1f}\n", names[variant], tokens, nv, best,
                 1e3 * best / nblk, 3.0 * 2.0 * mac / (best * 1e-3) / 1e12);
@@ -582,16 +593,7 @@ int main(int argc, char** argv) {
     }
   }
   const double rel2 = err2 / (mag2 > 0 ? mag2 : 1.0);
-  float best = 1e30f;
-  for (int rep = 0; rep < 10; ++rep) {
-    cudaEventRecord(t0);
-    wy_prep<<<pgrid, kPrepThreads, psmem>>>(p);
-    cudaEventRecord(t1);
-    cudaEventSynchronize(t1);
-    float ms = 0.0f;
-    cudaEventElapsedTime(&ms, t0, t1);
-    best = ms < best ? ms : best;
-  }
+  const float best = fastest([&] { wy_prep<<<pgrid, kPrepThreads, psmem>>>(p); });
   std::printf("{\"check\": \"prep+chain vs per-token float64\", \"heads\": 2, \"tokens\": %d, \"max_abs_err\": %.3e, "
               "\"max_abs\": %.3e, \"rel\": %.3e, \"ok\": %s}\n", T, err2, mag2, rel2, rel2 <= 1e-4 ? "true" : "false");
   std::printf("{\"variant\": \"prep\", \"tokens\": %d, \"heads\": %d, \"ms\": %.4f}\n", T, nv, best);

@@ -216,8 +216,9 @@ stage_mma_latency() {
     benchmarks/mma_latency_probe.cu -o /tmp/mma_latency_probe 2>&1 | grep -v C7519 | tail -5
   timeout 60 /tmp/mma_latency_probe | tee "$OUT/mma_latency_probe_${CARD}.jsonl" | tail -30
 }
-# The WY form's sequential chain alone (benchmarks/wy_chain_probe.cu: U = X - W S0, O, the close,
-# 3xTF32 mma.sync, one layer's 32 heads) at WY_TOKENS, beside the per-token delta op at the same
+# The WY form of the blocked delta rule outside the library (benchmarks/wy_chain_probe.cu: its
+# sequential chain U = X - W S0, O and the close in 3xTF32 mma.sync, and the S0-free prep, one
+# layer's 32 heads, each checked in float64) at WY_TOKENS, beside the per-token delta op at the same
 # rows (op_times.py): whether a WY delta rule could beat the token scan before it is built.
 # $OUT/wy_chain_probe_${CARD}.jsonl, $OUT/op_times_delta_wy_ref_${CARD}.json.
 stage_wy_probe() {

@@ -7,7 +7,7 @@
 //   S0' = GB S0 + (e K)^T U             (dk x dv, K = 64)
 // Products in 3xTF32 mma.sync.m16n8k8 (x = hi + lo; lo_a hi_b, hi_a lo_b, hi_a hi_b into one fp32
 // accumulator), the blocked rule's precision. The grid is value heads x dv / 32 column slices,
-// 4 warps a CTA, one CTA an SM; the S0-free operands sit in global memory as fp32 in mma-fragment
+// 4 (or 8) warps a CTA, one CTA an SM; the S0-free operands sit in global memory as fp32 in mma-fragment
 // order (a lane's four A values of a tile in one 16-byte word), are copied by cp.async into shared
 // memory a phase ahead and split when a warp loads its tile; S0 and U are shared memory in
 // B-fragment order, split once when written. (Split A operands would not fit: 272 KB a CTA.)
@@ -19,11 +19,11 @@
 // Prints JSON lines: per variant the time of one layer's chain over N tokens (ms; the fastest of
 // the repeats, cudaEvent), its TF32 rate, and (check) the largest error against a float64 run of
 // the same formulas on the host (rows of 2 heads, relative to the largest magnitude). Variants:
-// `loads` (the above) and `no_loads` (the staged operands never refreshed: the chain's mma and
-// shared-memory work alone, so the gap to `loads` is what the copies cost); `prep` (its time) and
-// the prep + chain check.
+// `loads` (the above), `no_loads` (the staged operands never refreshed: the chain's mma and
+// shared-memory work alone, so the gap to `loads` is what the copies cost), `loads_8warps` (two
+// warps a scheduler); `prep` (its time) and the prep + chain check.
 //
-// On the GPU machine (~20 s): nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/wy_chain_probe.cu
+// On the GPU machine (~20 s at 8,192 tokens, ~60 s at 32,768, mostly the host's float64): nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/wy_chain_probe.cu
 //   -o /tmp/wy_chain_probe && /tmp/wy_chain_probe [tokens (8192)]
 // (run_gpu.sh wy_probe). Exit status 0 when both checks' errors are within 1e-4.
 #include <cuda_runtime.h>

@@ -36,6 +36,8 @@
 #include <random>
 #include <vector>
 
+#include "probe_host.h"
+
 namespace {
 
 constexpr int kB = 64;      // rows a block
@@ -377,17 +379,6 @@ void frag_a(const float* m, int rows, int cols, float* out) {
       }
 }
 
-template <typename T>
-T* to_dev(const std::vector<T>& h) {
-  T* p = nullptr;
-  if (cudaMalloc(&p, h.size() * sizeof(T)) != cudaSuccess ||
-      cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice) != cudaSuccess) {
-    std::fprintf(stderr, "device copy of %zu bytes failed\n", h.size() * sizeof(T));
-    std::exit(2);
-  }
-  return p;
-}
-
 // After the launches: their outputs o and state s to the host, or false (said on stderr).
 bool fetch(const char* what, const float* o_dev, const float* s_dev, std::vector<float>& O, std::vector<float>& S1) {
   cudaError_t e = cudaGetLastError();
@@ -450,9 +441,9 @@ int main(int argc, char** argv) {
     frag_a(&E[bi * kDk * kB], kDk, kB, &Ef[bi * kEWords]);
   }
   Args a{};
-  a.w = to_dev(Wf), a.q = to_dev(Qf), a.aqk = to_dev(Af), a.ek = to_dev(Ef);
-  a.x = to_dev(X), a.g = to_dev(G), a.gb = to_dev(GB);
-  float* s_dev = to_dev(S);
+  a.w = dev(Wf), a.q = dev(Qf), a.aqk = dev(Af), a.ek = dev(Ef);
+  a.x = dev(X), a.g = dev(G), a.gb = dev(GB);
+  float* s_dev = dev(S);
   float* o_dev = nullptr;
   cudaMalloc(&o_dev, nb * kB * kDv * sizeof(float));
   a.s = s_dev, a.o = o_dev, a.nblk = nblk;
@@ -547,7 +538,7 @@ int main(int argc, char** argv) {
   for (auto& v : beta) v = U01(rng);
   for (auto& v : gate) v = -0.3f * U01(rng);
   PrepArgs p{};
-  p.q = to_dev(qn), p.k = to_dev(kn), p.v = to_dev(vv), p.beta = to_dev(beta), p.gate = to_dev(gate);
+  p.q = dev(qn), p.k = dev(kn), p.v = dev(vv), p.beta = dev(beta), p.gate = dev(gate);
   float *pw, *pqf, *paqk, *pek, *px, *pg, *pgb;
   cudaMalloc(&pw, nb * kWWords * 4), cudaMalloc(&pqf, nb * kWWords * 4), cudaMalloc(&paqk, nb * kAWords * 4);
   cudaMalloc(&pek, nb * kEWords * 4), cudaMalloc(&px, nb * kB * kDv * 4), cudaMalloc(&pg, nb * kB * 4);

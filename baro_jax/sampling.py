@@ -182,26 +182,29 @@ def _ranked(logits):
 
 
 def sample_rows(logits, temperature, top_k, top_p, key_data, index, *, k_max: int):
-    """Each row's next id, drawn inside a graph: row r from softmax(logits[r] / temperature[r])
+    """Each row's next id, drawn inside a graph: row r from softmax(logits[r] * (1 / temperature[r]))
     with the key fold_in(key_data[r], index[r]) (key_data: PRNGKey(seed)'s), restricted to its
     top_k largest logits (0: all; ranks on the logits, ties to the lower id) and then to the
     smallest prefix of them whose probability reaches top_p. Greedy where the temperature is 0, top_k is 1 or
-    logits / temperature leaves float32. k_max: at least every row's ranks_needed (k_max_for):
+    the scaled logits leave float32. The scale is written as one reciprocal per row and a product,
+    both correctly rounded, because XLA rewrites a division by a broadcast into exactly that: written
+    as a division, the scaled logits (and so the overflow case) would differ from the quotient an
+    oracle computes by an ulp at the float32 edge. k_max: at least every row's ranks_needed (k_max_for):
     0, min(K_DEVICE, V), or V (a full ranking of each row, for a wider top_k or top_p < 1 without
     one); any wider k_max gives the same bits (zeros past a row's ranks leave the sums unchanged).
     Every step is per row (elementwise, argmax, top_k, the fixed-order sums above), so a row's id
     is the same bits whatever the other rows are and however many there are."""
     logits = logits.astype(jnp.float32)
     V = logits.shape[-1]
-    t = temperature[:, None]
-    z = logits / t
+    inv_t = (1.0 / temperature)[:, None]
+    z = logits * inv_t
     overflow = jnp.any(jnp.isfinite(logits) & ~jnp.isfinite(z), axis=-1)
     keys = jax.vmap(jax.random.fold_in)(key_data, index)
     noise = jax.vmap(lambda k: gumbel_noise(k, V))(keys)
     drawn = _gumbel_max(z, noise)
     if k_max:
         vals, ids = rows_top_k(logits, k_max)  # ties to the lower id
-        zs = vals / t
+        zs = vals * inv_t
         j = jnp.arange(k_max)[None, :]
         in_k = (top_k[:, None] == 0) | (j < top_k[:, None])
         e = jnp.where(in_k, jnp.exp(zs - zs[:, :1]), 0.0)

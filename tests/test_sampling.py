@@ -74,17 +74,23 @@ def test_top_k_1_is_greedy_whatever_the_temperature_top_p_or_seed(rng, v):
 @pytest.mark.parametrize("v", VOCABS)
 @np.errstate(over="ignore", divide="ignore")  # the overflow is the point
 def test_overflowing_temperature_is_greedy(rng, v):
-    """Where logits / temperature leaves float32, the choice is greedy for every top_k / top_p / seed."""
+    """Where the scaled logits (logits * (1 / temperature), each correctly rounded) leave float32,
+    the choice is greedy for every top_k / top_p / seed."""
+
+    def overflows(big, t):
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            return not np.isfinite(np.float32(big) * (np.float32(1) / _f32(t)))
+
     for trial in range(10):
         x = _logits(rng, v, ties=trial % 2 == 1)
         big = float(np.abs(x).max())
         # the smallest float32 temperature at which every scaled logit is still finite
         edge = np.float32(big / F32_MAX)
-        while not np.isfinite(np.float32(big) / edge):
+        while overflows(big, edge):
             edge = np.nextafter(edge, np.float32(np.inf))
         below = [float(np.nextafter(edge, np.float32(0))), float(edge) / 3, 1e-45, 0.0]
         for t in below:
-            if t > 0 and np.isfinite(np.float32(big) / _f32(t)):
+            if t > 0 and not overflows(big, t):
                 continue  # the scaled logits fit (edge rounding): not the overflow case
             for k in (0, 2, v):
                 for p in (1.0, 0.5):

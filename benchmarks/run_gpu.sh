@@ -217,7 +217,7 @@ stage_mma_latency() {
   timeout 60 /tmp/mma_latency_probe | tee "$OUT/mma_latency_probe_${CARD}.jsonl" | tail -30
 }
 # The WY form of the blocked delta rule outside the library (benchmarks/wy_chain_probe.cu: its
-# sequential chain U = X - W S0, O and the close in 3xTF32 mma.sync, and the S0-free prep, one
+# sequential chain U = X - W S0, O and the close in 3xTF32 mma.sync, and the S0-free prep in two forms, one
 # layer's 32 heads, each checked in float64) at WY_TOKENS, beside the per-token delta op at the same
 # rows (op_times.py): whether a WY delta rule could beat the token scan before it is built.
 # $OUT/wy_chain_probe_${CARD}.jsonl, $OUT/op_times_delta_wy_ref_${CARD}.json.

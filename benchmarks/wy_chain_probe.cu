@@ -14,18 +14,22 @@
 //
 // Then the part off the chain (wy_prep: one CTA per (head, block), all at once) forms those
 // operands from the rule's own inputs (normalised q, k, v, beta, the log-decay gate), and prep +
-// chain are checked against the per-token recurrence in float64.
+// chain are checked against the per-token recurrence in float64. wy_prep_regs is the same prep with
+// the substitution in registers and the outputs written as whole float4 words; its outputs are
+// compared byte for byte with wy_prep's.
 //
 // Prints JSON lines: per variant the time of one layer's chain over N tokens (ms; the fastest of
 // the repeats, cudaEvent), its TF32 rate, and (check) the largest error against a float64 run of
 // the same formulas on the host (rows of 2 heads, relative to the largest magnitude). Variants:
 // `loads` (the above), `no_loads` (the staged operands never refreshed: the chain's mma and
 // shared-memory work alone, so the gap to `loads` is what the copies cost), `loads_8warps` (two
-// warps a scheduler); `prep` (its time) and the prep + chain check.
+// warps a scheduler); `prep` and `prep_regs` (their times), the prep + chain check and the
+// prep_regs byte check.
 //
 // On the GPU machine (~20 s at 8,192 tokens, ~60 s at 32,768, mostly the host's float64): nvcc -O3 -std=c++17 -arch=sm_90 benchmarks/wy_chain_probe.cu
 //   -o /tmp/wy_chain_probe && /tmp/wy_chain_probe [tokens (8192)]
-// (run_gpu.sh wy_probe). Exit status 0 when both checks' errors are within 1e-4.
+// (run_gpu.sh wy_probe). Exit status 0 when both float64 checks' errors are within 1e-4 and the two
+// preps' outputs are the same bytes.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -365,6 +369,148 @@ __global__ void __launch_bounds__(kPrepThreads, 2) wy_prep(PrepArgs a) {
   }
 }
 
+// The same prep with its two costs on the H100 (0.89 + 1.18 ms at 8,192 tokens, 9841ac8) taken
+// out: the substitution's running sums read W and X from shared memory (two loads an fma, ~18 us a
+// CTA of load issue), and the fragment-order outputs went out one 4-byte word a thread, scattered
+// over the tiles ((e K)^T's worst: a sector a word). Here a thread keeps its column of W or X in
+// registers (the loops unrolled, L's row read as float4 broadcasts), and each output goes out
+// as float4 words from consecutive threads. The arithmetic is wy_prep's, term for term (the same
+// fmaf chains, mma k-steps and products), so its outputs are the same bytes: the probe compares
+// them. Q K^T moves after the substitution, into L's space (L and Aqk rows 68 floats: 86 KB).
+constexpr int kLdL = kB + 4;
+constexpr size_t kPrepRegsSmemFloats = 2 * kB * kLd + kB * kLdL + 4 * kB;
+
+// A ROWS x COLS matrix, element (r, c) = at(r, c), into fragment order (frag_index's layout) at dst:
+// thread t writes float4 word t, t + blockDim, ...
+template <int ROWS, int COLS, class At>
+__device__ __forceinline__ void put_frag(float* dst, At at) {
+  for (int o = threadIdx.x; o < ROWS * COLS / 4; o += kPrepThreads) {
+    const int lane = o % 32, tile = o / 32, mt = tile / (COLS / 8), kt = tile % (COLS / 8);
+    const int r = 16 * mt + lane / 4, c = 8 * kt + lane % 4;
+    reinterpret_cast<float4*>(dst)[o] = make_float4(at(r, c), at(r + 8, c), at(r, c + 4), at(r + 8, c + 4));
+  }
+}
+
+// acc (this warp's column tiles nt = half, half + 2, ... up to the diagonal of row tile mt) = A B^T
+// over dk for 64 x dk row-major A and B in shared memory: wy_prep's mma loop, split over two warps.
+__device__ __forceinline__ void mma_rows_kt(float acc[kB / 16][4], const float* sA, const float* sB, int mt,
+                                            int half, int g, int qd) {
+#pragma unroll 2
+  for (int kt = 0; kt < kDk / 8; ++kt) {
+    const float* ar = sA + (16 * mt + g) * kLd + 8 * kt + qd;
+    const ATile at = split_a(make_float4(ar[0], ar[8 * kLd], ar[4], ar[8 * kLd + 4]));
+#pragma unroll
+    for (int n = 0; n < kB / 16; ++n) {
+      const int nt = 2 * n + half;
+      if (nt > 2 * mt + 1) continue;
+      const float* br = sB + (8 * nt + g) * kLd + 8 * kt + qd;
+      const float b0 = br[0], b1 = br[4];
+      const uint32_t h0 = tf32(b0), h1 = tf32(b1);
+      const uint4 bt = make_uint4(h0, h1, tf32(b0 - __uint_as_float(h0)), tf32(b1 - __uint_as_float(h1)));
+      mma3(acc[n], at, bt);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kPrepThreads, 2) wy_prep_regs(PrepArgs a) {
+  extern __shared__ __align__(16) float ps[];
+  float* sK = ps;                 // [64][kLd]
+  float* sQ = sK + kB * kLd;      // [64][kLd]: q, then W
+  float* sLA = sQ + kB * kLd;     // [64][kLdL]: L (j < i), then Aqk (j <= i)
+  float* sc = sLA + kB * kLdL;    // c
+  float* sbeta = sc + kB;
+  float* sG = sbeta + kB;
+  float* se = sG + kB;            // e_j = e^(c_63 - c_j)
+  const int tid = threadIdx.x, lane = tid % 32, w = tid / 32, g = lane / 4, qd = lane % 4;
+  const int h = blockIdx.y, b = blockIdx.x, kh = h / (a.nv / a.nk);
+  const size_t t0 = static_cast<size_t>(b) * kB;
+  const size_t hb = static_cast<size_t>(h) * a.nblk + b;
+  for (int idx = tid; idx < kB * kDk / 4; idx += kPrepThreads) {
+    const int i = idx / (kDk / 4), c4 = idx % (kDk / 4);
+    const float4 kv = reinterpret_cast<const float4*>(a.k + (static_cast<size_t>(kh) * a.T + t0 + i) * kDk)[c4];
+    const float4 qv = reinterpret_cast<const float4*>(a.q + (static_cast<size_t>(kh) * a.T + t0 + i) * kDk)[c4];
+    *reinterpret_cast<float4*>(sK + i * kLd + 4 * c4) = kv;
+    *reinterpret_cast<float4*>(sQ + i * kLd + 4 * c4) = qv;
+  }
+  if (tid < kB) sbeta[tid] = a.beta[static_cast<size_t>(h) * a.T + t0 + tid];
+  if (tid == 0) {
+    float c = 0.0f;
+    for (int i = 0; i < kB; ++i) {
+      c += a.gate[static_cast<size_t>(h) * a.T + t0 + i];
+      sc[i] = c;
+    }
+  }
+  __syncthreads();
+  if (tid < kB) {
+    sG[tid] = expf(sc[tid]);
+    se[tid] = expf(sc[kB - 1] - sc[tid]);
+    a.g[hb * kB + tid] = sG[tid];
+    if (tid == kB - 1) a.gb[hb] = sG[tid];
+  }
+  put_frag<kB, kDk>(a.qf + hb * kWWords, [&](int r, int c) { return sQ[r * kLd + c]; });
+  const int mt = w % 4, half = w / 4;
+  {  // K K^T -> L
+    float acc[kB / 16][4] = {};
+    mma_rows_kt(acc, sK, sK, mt, half, g, qd);
+#pragma unroll
+    for (int n = 0; n < kB / 16; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * mt + g + 8 * (e / 2), j = 8 * (2 * n + half) + 2 * qd + (e % 2);
+        if (j < i) sLA[i * kLdL + j] = sbeta[i] * expf(sc[i] - sc[j]) * acc[n][e];
+      }
+  }
+  __syncthreads();
+  // the substitution, thread t < 128 on W's column t, t >= 128 on X's column t - 128
+  const bool isw = tid < kDk;
+  const int col = isw ? tid : tid - kDk;
+  float d[kB];
+#pragma unroll
+  for (int i = 0; i < kB; ++i)
+    d[i] = isw ? sbeta[i] * sG[i] * sK[i * kLd + col]
+               : sbeta[i] * a.v[(static_cast<size_t>(h) * a.T + t0 + i) * kDv + col];
+#pragma unroll
+  for (int i = 1; i < kB; ++i) {
+    const float* li = sLA + i * kLdL;
+    float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
+#pragma unroll
+    for (int j = 0; j + 3 < i; j += 4) {
+      const float4 l4 = *reinterpret_cast<const float4*>(li + j);
+      p0 = fmaf(l4.x, d[j], p0);
+      p1 = fmaf(l4.y, d[j + 1], p1);
+      p2 = fmaf(l4.z, d[j + 2], p2);
+      p3 = fmaf(l4.w, d[j + 3], p3);
+    }
+    const int j = i & ~3;
+    if (j < i) p0 = fmaf(li[j], d[j], p0);
+    if (j + 1 < i) p1 = fmaf(li[j + 1], d[j + 1], p1);
+    if (j + 2 < i) p2 = fmaf(li[j + 2], d[j + 2], p2);
+    d[i] = d[i] - ((p0 + p1) + (p2 + p3));
+  }
+  __syncthreads();  // L read by all: its space takes Aqk
+  {  // Q K^T -> Aqk
+    float acc[kB / 16][4] = {};
+    mma_rows_kt(acc, sQ, sK, mt, half, g, qd);
+#pragma unroll
+    for (int n = 0; n < kB / 16; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * mt + g + 8 * (e / 2), j = 8 * (2 * n + half) + 2 * qd + (e % 2);
+        if (j <= i) sLA[i * kLdL + j] = expf(sc[i] - sc[j]) * acc[n][e];
+      }
+  }
+  __syncthreads();  // Q read by all: its space takes W
+#pragma unroll
+  for (int i = 0; i < kB; ++i) {
+    if (isw) sQ[i * kLd + col] = d[i];
+    else a.x[(hb * kB + i) * kDv + col] = d[i];
+  }
+  __syncthreads();
+  put_frag<kB, kDk>(a.w + hb * kWWords, [&](int r, int c) { return sQ[r * kLd + c]; });
+  put_frag<kB, kB>(a.aqk + hb * kAWords, [&](int r, int c) { return c <= r ? sLA[r * kLdL + c] : 0.0f; });
+  put_frag<kDk, kB>(a.ek + hb * kEWords, [&](int r, int c) { return se[c] * sK[c * kLd + r]; });
+}
+
 // ---- host ----
 // A matrix rows x cols (row-major, m) into fragment order: tiles [rows / 16][cols / 8], lane,
 // then a0..a3 with a0 (g, q), a1 (g + 8, q), a2 (g, q + 4), a3 (g + 8, q + 4).
@@ -584,10 +730,37 @@ int main(int argc, char** argv) {
     }
   }
   const double rel2 = err2 / (mag2 > 0 ? mag2 : 1.0);
-  const float best = fastest([&] { wy_prep<<<pgrid, kPrepThreads, psmem>>>(p); });
   std::printf("{\"check\": \"prep+chain vs per-token float64\", \"heads\": 2, \"tokens\": %d, \"max_abs_err\": %.3e, "
               "\"max_abs\": %.3e, \"rel\": %.3e, \"ok\": %s}\n", T, err2, mag2, rel2, rel2 <= 1e-4 ? "true" : "false");
+  // wy_prep_regs into buffers of its own, poisoned first: the same bytes as wy_prep's in every output
+  PrepArgs p2 = p;
+  const size_t sizes[7] = {nb * kWWords, nb * kWWords, nb * kAWords, nb * kEWords, nb * kB * kDv, nb * kB, nb};
+  float* const firsts[7] = {pw, pqf, paqk, pek, px, pg, pgb};
+  float** const outs[7] = {&p2.w, &p2.qf, &p2.aqk, &p2.ek, &p2.x, &p2.g, &p2.gb};
+  for (int o = 0; o < 7; ++o) {
+    cudaMalloc(outs[o], sizes[o] * 4);
+    cudaMemset(*outs[o], 0xff, sizes[o] * 4);  // NaN words: an output left unwritten differs
+  }
+  const size_t p2smem = kPrepRegsSmemFloats * 4;
+  cudaFuncSetAttribute(wy_prep_regs, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(p2smem));
+  wy_prep_regs<<<pgrid, kPrepThreads, p2smem>>>(p2);
+  if (cudaDeviceSynchronize() != cudaSuccess) {
+    std::fprintf(stderr, "wy_prep_regs failed: %s\n", cudaGetErrorString(cudaGetLastError()));
+    return 2;
+  }
+  size_t differ = 0;
+  for (int o = 0; o < 7; ++o) {
+    std::vector<float> x1(sizes[o]), x2(sizes[o]);
+    cudaMemcpy(x1.data(), firsts[o], sizes[o] * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(x2.data(), *outs[o], sizes[o] * 4, cudaMemcpyDeviceToHost);
+    for (size_t i = 0; i < sizes[o]; ++i) differ += std::memcmp(&x1[i], &x2[i], 4) != 0;
+  }
+  std::printf("{\"check\": \"prep_regs bytes == prep\", \"tokens\": %d, \"words_differing\": %zu, \"ok\": %s}\n", T,
+              differ, differ == 0 ? "true" : "false");
+  const float best = fastest([&] { wy_prep<<<pgrid, kPrepThreads, psmem>>>(p); });
+  const float best2 = fastest([&] { wy_prep_regs<<<pgrid, kPrepThreads, p2smem>>>(p2); });
   std::printf("{\"variant\": \"prep\", \"tokens\": %d, \"heads\": %d, \"ms\": %.4f}\n", T, nv, best);
+  std::printf("{\"variant\": \"prep_regs\", \"tokens\": %d, \"heads\": %d, \"ms\": %.4f}\n", T, nv, best2);
   if (cudaGetLastError() != cudaSuccess) return 2;
-  return rel <= 1e-4 && rel2 <= 1e-4 ? 0 : 1;
+  return rel <= 1e-4 && rel2 <= 1e-4 && differ == 0 ? 0 : 1;
 }

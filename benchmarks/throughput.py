@@ -138,6 +138,9 @@ def plot(rows, path: str, title: str):
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if "error" not in r]  # batch sizes the device refused
+    if not rows:  # nothing to draw (a log axis of no points raises): the JSON says why
+        print(f"[throughput] no batch size ran: no plot at {path}", flush=True)
+        return
     arms = list(dict.fromkeys(r.get("sampling", "given") for r in rows))
     bs = sorted({r["batch"] for r in rows})
     fig, ax = plt.subplots(figsize=(6, 4))

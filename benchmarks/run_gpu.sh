@@ -627,9 +627,13 @@ stage_vs_peer() {
   local peer=(--peer --peer-timeout "${VS_PEER_TIMEOUT:-300}" --peer-repeats "${VS_PEER_REPEATS:-3}"
               --peer-device "${VS_PEER_DEVICE:-cuda}")
   [ -n "${PEER_JSON:-}" ] && peer=()
-  timeout "${VS_TIMEOUT_S:-560}" python benchmarks/speed.py --model "${VS_MODEL:-qwen3.5-35b-a3b}" \
+  # On an 80 GB H100 the engine's own pick at 94% is chunk 256 for 8k and no room for 32k
+  # (0f36f4b: 7.8k tok/s, 32k refused); 97% and chunk 4096 are what that card holds (GATE_ENV).
+  local chunks=${VS_PEER_CHUNKS:-auto}
+  [ "$CARD" = h100 ] && chunks=${VS_PEER_CHUNKS:-4096}
+  env ${GATE_ENV[@]+"${GATE_ENV[@]}"} timeout "${VS_TIMEOUT_S:-560}" python benchmarks/speed.py --model "${VS_MODEL:-qwen3.5-35b-a3b}" \
     --lengths "${VS_LENGTHS:-${VS_PEER_LENGTHS:-1024,8192,32768}}" --peer-lengths "${VS_PEER_LENGTHS:-1024,8192,32768}" \
-    --chunk "${VS_PEER_CHUNKS:-auto}" \
+    --chunk "$chunks" \
     --arms "${VS_PEER_ARMS:-batch-ordered,replay-ordered,batch-xla}" --replay-max "${VS_REPLAY_MAX:-1024}" \
     --check-prefix 1088 --check-tail 64 --repeats "${VS_REPEATS:-1}" --deadline-s "${VS_DEADLINE_S:-420}" \
     ${peer[@]+"${peer[@]}"} --peer-json "${PEER_JSON:-$OUT/peer_hf_${CARD}.json}" \
@@ -653,14 +657,18 @@ stage_vs_peer() {
 # A sampled row against the greedy one, throughput only:
 #   OUT=dir BATCH_SIZES=8,64 BATCH_SAMPLING="--temperature 1.0" BATCH_TAG=temp1 BATCH_PROFILE= BATCH_GATE=0 bash benchmarks/run_gpu.sh batch
 stage_batch() {
-  timeout "${THROUGHPUT_TIMEOUT:-300}" python benchmarks/throughput.py --model qwen3.5-35b-a3b \
-    --batches "${BATCH_SIZES:-1,8,32,64}" --prompt-len 1024 --new-tokens "${BATCH_NEW:-256}" --check 2 --bandwidth-tbs "$BANDWIDTH_TBS" \
+  # an H100 at 94% holds no slot of 1,280 positions beside the weights; at 97% B = 16 ran (0f36f4b)
+  local sizes=${BATCH_SIZES:-1,8,32,64}
+  [ "$CARD" = h100 ] && sizes=${BATCH_SIZES:-1,8,16}
+  env ${GATE_ENV[@]+"${GATE_ENV[@]}"} timeout "${THROUGHPUT_TIMEOUT:-300}" python benchmarks/throughput.py --model qwen3.5-35b-a3b \
+    --batches "$sizes" --prompt-len 1024 --new-tokens "${BATCH_NEW:-256}" --check 2 --bandwidth-tbs "$BANDWIDTH_TBS" \
     ${BATCH_MIXED:+--mixed "$BATCH_MIXED" --mixed-rounds "${BATCH_MIXED_ROUNDS:-on,off}"} ${BATCH_PREFILL_BUDGET:+--prefill-budget "$BATCH_PREFILL_BUDGET"} \
     ${BATCH_SAMPLING:-} --json "$OUT/throughput${BATCH_TAG:+_$BATCH_TAG}_${CARD}.json" --png "$OUT/throughput${BATCH_TAG:+_$BATCH_TAG}_${CARD}.png" 2>&1 \
     | grep -v '^\[baro_jax\]' | tail -8
-  local b
-  for b in ${BATCH_PROFILE-1 8 64}; do  # BATCH_PROFILE= (empty): none
-    timeout 200 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --batch "$b" --context 1024 \
+  local b profile=${BATCH_PROFILE-1 8 64}
+  [ "$CARD" = h100 ] && profile=${BATCH_PROFILE-1 8}
+  for b in $profile; do  # BATCH_PROFILE= (empty): none
+    env ${GATE_ENV[@]+"${GATE_ENV[@]}"} timeout 200 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --batch "$b" --context 1024 \
       --steps 32 --warmup 32 --top 24 ${BATCH_PROFILE_ARGS:-} \
       --json "$OUT/decode_profile_batch${b}${BATCH_TAG:+_$BATCH_TAG}_${CARD}.json" 2>&1 \
       | grep -v '^\[baro_jax\]' | tail -34

@@ -168,11 +168,23 @@ def host_memory_bytes() -> int | None:
         return None
 
 
+def allocator_share_note(platform: str) -> str:
+    """On a GPU the device's memory here is what JAX's allocator holds, a share of the card set by
+    XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 unset): the refusals say so, since raising it is often the
+    whole fix (the 35B-A3B's 64.6 GiB of weights do not fit 75% of an 80 GB card)."""
+    if platform not in ("gpu", "cuda", "rocm"):
+        return ""
+    frac = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    held = f"XLA_PYTHON_CLIENT_MEM_FRACTION={frac}" if frac else "JAX's default 0.75 (XLA_PYTHON_CLIENT_MEM_FRACTION unset)"
+    return f" (the share of the card JAX holds: {held}; a larger fraction gives more)"
+
+
 def budget_bytes(device_budget_gb: float | None) -> tuple[int | None, str]:
     """(bytes, what it is): 95% of the device's memory, or the explicit budget where smaller."""
     have = device_memory_bytes()
     dev_limit = None if have is None else int(0.95 * have)
-    dev_what = f"95% of the {jax.devices()[0].platform} device's {have / 2**30:.1f} GiB" if have else ""
+    platform = jax.devices()[0].platform
+    dev_what = (f"95% of the {platform} device's {have / 2**30:.1f} GiB" + allocator_share_note(platform)) if have else ""
     if device_budget_gb is not None:
         device_budget_gb = budget_gb(device_budget_gb)  # a finite number > 0, or a clear error
         b = int(device_budget_gb * 2**30)

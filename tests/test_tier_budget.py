@@ -205,3 +205,18 @@ def test_resident_default_chunk_is_the_largest_that_fits():
         raise MemoryError(f"chunk {c} does not fit")
 
     assert budget.largest_fitting_chunk(never, 4096) == 16  # none fits: the smallest; the request's check refuses
+
+
+def test_gpu_refusal_names_the_allocator_share(monkeypatch):
+    """On a GPU the device memory a refusal quotes is JAX's share of the card: the message names
+    the memory fraction that set it (given or the 0.75 default); a CPU's message does not."""
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.94" in budget.allocator_share_note("gpu")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    assert "default 0.75" in budget.allocator_share_note("gpu")
+    assert budget.allocator_share_note("cpu") == ""
+    # the full-size weights against 75% of an 80 GB card: the refusal carries the note
+    monkeypatch.setattr(budget, "device_memory_bytes", lambda: int(0.75 * 79.1 * 2**30))
+    monkeypatch.setattr(budget.jax, "devices", lambda: [type("Dev", (), {"platform": "gpu"})()])
+    with pytest.raises(MemoryError, match=r"the weights need 6\d\.\d GiB.*default 0\.75.*--mode tier"):
+        budget.check_resident(preset(FULL), BF16)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill ncu_source mma_swap mma_latency wy_probe prefill_profile chunk_sweep delta_knobs attn_pipe pipe_order moe_grouped tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill ncu_attn ncu_source mma_swap mma_latency wy_probe prefill_profile chunk_sweep delta_knobs attn_pipe pipe_order moe_grouped tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -181,6 +181,21 @@ stage_ncu_moe_prefill() {
     > "$OUT/ncu_moe_prefill${NCU_MOE_TAG:+_$NCU_MOE_TAG}_${CARD}.txt" 2>&1
   grep -E "^  [a-z_]+.*\(|Duration|Throughput|Pipe|Issue|Eligible|Warp Cycles|Occupancy|Registers Per|Stall|L2 Hit" \
     "$OUT/ncu_moe_prefill${NCU_MOE_TAG:+_$NCU_MOE_TAG}_${CARD}.txt" | head -80
+  pkill -f benchmarks/op_times.py; sleep 1
+}
+# The prefill attention kernel at a 32k prompt's last 4k chunk (op_times.py puts the queries at
+# the middle of NCU_ATTN_CONTEXT): ncu's speed-of-light, memory and compute sections, to see
+# whether its L2 reads (every 64-row tile reads its whole KV prefix) or its tensor pipe bind
+# (docs/PERF.md, open levers). $OUT/ncu_attn_wgmma_${CARD}.txt.
+stage_ncu_attn() {
+  local f="$OUT/ncu_attn_wgmma_${CARD}.txt"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
+    --section WarpStateStats --section Occupancy --section LaunchStats \
+    -k "regex:attn_wgmma" --launch-count 1 \
+    python benchmarks/op_times.py --m "${NCU_ATTN_M:-4096}" --context "${NCU_ATTN_CONTEXT:-65536}" --ops attention \
+    --reps 1 --backends ordered > "$f" 2>&1
+  grep -E "attn_wgmma|Duration|Throughput|Pipe|Issue|Eligible|Warp Cycles|Occupancy|Registers Per|Stall|L2 Hit" "$f" | head -60
   pkill -f benchmarks/op_times.py; sleep 1
 }
 # Where one kernel's warps wait, line by line of its SASS (ncu --section SourceCounters: warp stall

@@ -263,27 +263,47 @@ __device__ __forceinline__ size_t frag_index(int row, int col, int cols) {
   return ((static_cast<size_t>(mt) * (cols / 8) + kt) * 32 + g * 4 + q) * 4 + e;
 }
 
-__global__ void __launch_bounds__(kPrepThreads, 2) wy_prep(PrepArgs a) {
-  extern __shared__ __align__(16) float ps[];
-  float* sK = ps;                 // [64][kLd]
-  float* sQ = sK + kB * kLd;      // [64][kLd], then W
-  float* sX = sQ + kB * kLd;      // [64][dv]: v, then X in place
-  float* sL = sX + kB * kDv;      // packed: L_ij at i (i - 1) / 2 + j, j < i
-  float* sc = sL + kLPacked;      // c
-  float* sbeta = sc + kB;
-  float* sG = sbeta + kB;
-  const int tid = threadIdx.x, lane = tid % 32, w = tid / 32, g = lane / 4, qd = lane % 4;
-  const int h = blockIdx.y, b = blockIdx.x, kh = h / (a.nv / a.nk);
+// acc = A B^T over dk on row tile mt, column tiles nt = first, first + kStep, ... up to the
+// diagonal (nt <= 2 mt + 1), for 64 x dk row-major A and B in shared memory, 3xTF32, k ascending.
+// wy_prep takes every column tile in one warp (kStep 1), wy_prep_regs splits them over two.
+template <int kStep>
+__device__ __forceinline__ void mma_rows_kt(float acc[kB / 8 / kStep][4], const float* sA, const float* sB,
+                                            int mt, int first, int g, int qd) {
+#pragma unroll 2
+  for (int kt = 0; kt < kDk / 8; ++kt) {
+    const float* ar = sA + (16 * mt + g) * kLd + 8 * kt + qd;
+    const ATile at = split_a(make_float4(ar[0], ar[8 * kLd], ar[4], ar[8 * kLd + 4]));
+#pragma unroll
+    for (int n = 0; n < kB / 8 / kStep; ++n) {
+      const int nt = kStep * n + first;
+      if (nt > 2 * mt + 1) continue;
+      const float* br = sB + (8 * nt + g) * kLd + 8 * kt + qd;
+      const float b0 = br[0], b1 = br[4];
+      const uint32_t h0 = tf32(b0), h1 = tf32(b1);
+      const uint4 bt = make_uint4(h0, h1, tf32(b0 - __uint_as_float(h0)), tf32(b1 - __uint_as_float(h1)));
+      mma3(acc[n], at, bt);
+    }
+  }
+}
+
+// Both preps' start: the block's k and q rows (and v into sX with kLoadV) into shared memory,
+// beta, the prefix c of the log-decays in slot order, G = e^c (out to g and gb). Ends synced
+// for everything but sG, which only its writer reads before the next barrier.
+template <bool kLoadV>
+__device__ __forceinline__ void prep_stage(const PrepArgs& a, float* sK, float* sQ, float* sX, float* sbeta,
+                                           float* sc, float* sG) {
+  const int tid = threadIdx.x, h = blockIdx.y, b = blockIdx.x, kh = h / (a.nv / a.nk);
   const size_t t0 = static_cast<size_t>(b) * kB;
   const size_t hb = static_cast<size_t>(h) * a.nblk + b;
   for (int idx = tid; idx < kB * kDk / 4; idx += kPrepThreads) {
     const int i = idx / (kDk / 4), c4 = idx % (kDk / 4);
     const float4 kv = reinterpret_cast<const float4*>(a.k + (static_cast<size_t>(kh) * a.T + t0 + i) * kDk)[c4];
     const float4 qv = reinterpret_cast<const float4*>(a.q + (static_cast<size_t>(kh) * a.T + t0 + i) * kDk)[c4];
-    const float4 vv = reinterpret_cast<const float4*>(a.v + (static_cast<size_t>(h) * a.T + t0 + i) * kDv)[c4];
     *reinterpret_cast<float4*>(sK + i * kLd + 4 * c4) = kv;
     *reinterpret_cast<float4*>(sQ + i * kLd + 4 * c4) = qv;
-    *reinterpret_cast<float4*>(sX + i * kDv + 4 * c4) = vv;
+    if constexpr (kLoadV)
+      *reinterpret_cast<float4*>(sX + i * kDv + 4 * c4) =
+          reinterpret_cast<const float4*>(a.v + (static_cast<size_t>(h) * a.T + t0 + i) * kDv)[c4];
   }
   if (tid < kB) sbeta[tid] = a.beta[static_cast<size_t>(h) * a.T + t0 + tid];
   if (tid == 0) {  // the prefix of the log-decays, in slot order
@@ -299,6 +319,20 @@ __global__ void __launch_bounds__(kPrepThreads, 2) wy_prep(PrepArgs a) {
     a.g[hb * kB + tid] = sG[tid];
     if (tid == kB - 1) a.gb[hb] = sG[tid];
   }
+}
+
+__global__ void __launch_bounds__(kPrepThreads, 2) wy_prep(PrepArgs a) {
+  extern __shared__ __align__(16) float ps[];
+  float* sK = ps;                 // [64][kLd]
+  float* sQ = sK + kB * kLd;      // [64][kLd], then W
+  float* sX = sQ + kB * kLd;      // [64][dv]: v, then X in place
+  float* sL = sX + kB * kDv;      // packed: L_ij at i (i - 1) / 2 + j, j < i
+  float* sc = sL + kLPacked;      // c
+  float* sbeta = sc + kB;
+  float* sG = sbeta + kB;
+  const int tid = threadIdx.x, lane = tid % 32, w = tid / 32, g = lane / 4, qd = lane % 4;
+  const size_t hb = static_cast<size_t>(blockIdx.y) * a.nblk + blockIdx.x;
+  prep_stage<true>(a, sK, sQ, sX, sbeta, sc, sG);
   // Q in fragment order for the chain (before sQ becomes W)
   for (int idx = tid; idx < kB * kDk; idx += kPrepThreads) {
     const int i = idx / kDk, r = idx % kDk;
@@ -307,22 +341,8 @@ __global__ void __launch_bounds__(kPrepThreads, 2) wy_prep(PrepArgs a) {
   // akk (warps 0-3) and aqk (warps 4-7), row tile w % 4, column tiles up to the diagonal
   {
     const int mt = w % 4;
-    const float* sA = w < 4 ? sK : sQ;
     float acc[kB / 8][4] = {};
-#pragma unroll 2
-    for (int kt = 0; kt < kDk / 8; ++kt) {
-      const float* ar = sA + (16 * mt + g) * kLd + 8 * kt + qd;
-      const ATile at = split_a(make_float4(ar[0], ar[8 * kLd], ar[4], ar[8 * kLd + 4]));
-#pragma unroll
-      for (int nt = 0; nt < kB / 8; ++nt) {
-        if (nt > 2 * mt + 1) continue;
-        const float* br = sK + (8 * nt + g) * kLd + 8 * kt + qd;
-        const float b0 = br[0], b1 = br[4];
-        const uint32_t h0 = tf32(b0), h1 = tf32(b1);
-        const uint4 bt = make_uint4(h0, h1, tf32(b0 - __uint_as_float(h0)), tf32(b1 - __uint_as_float(h1)));
-        mma3(acc[nt], at, bt);
-      }
-    }
+    mma_rows_kt<1>(acc, w < 4 ? sK : sQ, sK, mt, 0, g, qd);
 #pragma unroll
     for (int nt = 0; nt < kB / 8; ++nt)
 #pragma unroll
@@ -391,25 +411,22 @@ __device__ __forceinline__ void put_frag(float* dst, At at) {
   }
 }
 
-// acc (this warp's column tiles nt = half, half + 2, ... up to the diagonal of row tile mt) = A B^T
-// over dk for 64 x dk row-major A and B in shared memory: wy_prep's mma loop, split over two warps.
-__device__ __forceinline__ void mma_rows_kt(float acc[kB / 16][4], const float* sA, const float* sB, int mt,
-                                            int half, int g, int qd) {
-#pragma unroll 2
-  for (int kt = 0; kt < kDk / 8; ++kt) {
-    const float* ar = sA + (16 * mt + g) * kLd + 8 * kt + qd;
-    const ATile at = split_a(make_float4(ar[0], ar[8 * kLd], ar[4], ar[8 * kLd + 4]));
+// sA K^T on this warp's half of the tiles (mma_rows_kt<2>), then into sLA (rows of kLdL) as
+// wy_prep writes it:
+// kL, L = beta_i e^(c_i - c_j) (k_i . k_j) for j < i; else Aqk = e^(c_i - c_j) (q_i . k_j), j <= i.
+template <bool kL>
+__device__ __forceinline__ void gram_into(float* sLA, const float* sA, const float* sK, const float* sc,
+                                          const float* sbeta, int mt, int half, int g, int qd) {
+  float acc[kB / 16][4] = {};
+  mma_rows_kt<2>(acc, sA, sK, mt, half, g, qd);
 #pragma unroll
-    for (int n = 0; n < kB / 16; ++n) {
-      const int nt = 2 * n + half;
-      if (nt > 2 * mt + 1) continue;
-      const float* br = sB + (8 * nt + g) * kLd + 8 * kt + qd;
-      const float b0 = br[0], b1 = br[4];
-      const uint32_t h0 = tf32(b0), h1 = tf32(b1);
-      const uint4 bt = make_uint4(h0, h1, tf32(b0 - __uint_as_float(h0)), tf32(b1 - __uint_as_float(h1)));
-      mma3(acc[n], at, bt);
+  for (int n = 0; n < kB / 16; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 16 * mt + g + 8 * (e / 2), j = 8 * (2 * n + half) + 2 * qd + (e % 2);
+      if (kL ? j < i : j <= i)
+        sLA[i * kLdL + j] = kL ? sbeta[i] * expf(sc[i] - sc[j]) * acc[n][e] : expf(sc[i] - sc[j]) * acc[n][e];
     }
-  }
 }
 
 __global__ void __launch_bounds__(kPrepThreads, 2) wy_prep_regs(PrepArgs a) {
@@ -422,44 +439,14 @@ __global__ void __launch_bounds__(kPrepThreads, 2) wy_prep_regs(PrepArgs a) {
   float* sG = sbeta + kB;
   float* se = sG + kB;            // e_j = e^(c_63 - c_j)
   const int tid = threadIdx.x, lane = tid % 32, w = tid / 32, g = lane / 4, qd = lane % 4;
-  const int h = blockIdx.y, b = blockIdx.x, kh = h / (a.nv / a.nk);
-  const size_t t0 = static_cast<size_t>(b) * kB;
-  const size_t hb = static_cast<size_t>(h) * a.nblk + b;
-  for (int idx = tid; idx < kB * kDk / 4; idx += kPrepThreads) {
-    const int i = idx / (kDk / 4), c4 = idx % (kDk / 4);
-    const float4 kv = reinterpret_cast<const float4*>(a.k + (static_cast<size_t>(kh) * a.T + t0 + i) * kDk)[c4];
-    const float4 qv = reinterpret_cast<const float4*>(a.q + (static_cast<size_t>(kh) * a.T + t0 + i) * kDk)[c4];
-    *reinterpret_cast<float4*>(sK + i * kLd + 4 * c4) = kv;
-    *reinterpret_cast<float4*>(sQ + i * kLd + 4 * c4) = qv;
-  }
-  if (tid < kB) sbeta[tid] = a.beta[static_cast<size_t>(h) * a.T + t0 + tid];
-  if (tid == 0) {
-    float c = 0.0f;
-    for (int i = 0; i < kB; ++i) {
-      c += a.gate[static_cast<size_t>(h) * a.T + t0 + i];
-      sc[i] = c;
-    }
-  }
-  __syncthreads();
-  if (tid < kB) {
-    sG[tid] = expf(sc[tid]);
-    se[tid] = expf(sc[kB - 1] - sc[tid]);
-    a.g[hb * kB + tid] = sG[tid];
-    if (tid == kB - 1) a.gb[hb] = sG[tid];
-  }
+  const int h = blockIdx.y;
+  const size_t t0 = static_cast<size_t>(blockIdx.x) * kB;
+  const size_t hb = static_cast<size_t>(h) * a.nblk + blockIdx.x;
+  prep_stage<false>(a, sK, sQ, nullptr, sbeta, sc, sG);
+  if (tid < kB) se[tid] = expf(sc[kB - 1] - sc[tid]);
   put_frag<kB, kDk>(a.qf + hb * kWWords, [&](int r, int c) { return sQ[r * kLd + c]; });
   const int mt = w % 4, half = w / 4;
-  {  // K K^T -> L
-    float acc[kB / 16][4] = {};
-    mma_rows_kt(acc, sK, sK, mt, half, g, qd);
-#pragma unroll
-    for (int n = 0; n < kB / 16; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 16 * mt + g + 8 * (e / 2), j = 8 * (2 * n + half) + 2 * qd + (e % 2);
-        if (j < i) sLA[i * kLdL + j] = sbeta[i] * expf(sc[i] - sc[j]) * acc[n][e];
-      }
-  }
+  gram_into<true>(sLA, sK, sK, sc, sbeta, mt, half, g, qd);  // K K^T -> L
   __syncthreads();
   // the substitution, thread t < 128 on W's column t, t >= 128 on X's column t - 128
   const bool isw = tid < kDk;
@@ -488,17 +475,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) wy_prep_regs(PrepArgs a) {
     d[i] = d[i] - ((p0 + p1) + (p2 + p3));
   }
   __syncthreads();  // L read by all: its space takes Aqk
-  {  // Q K^T -> Aqk
-    float acc[kB / 16][4] = {};
-    mma_rows_kt(acc, sQ, sK, mt, half, g, qd);
-#pragma unroll
-    for (int n = 0; n < kB / 16; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 16 * mt + g + 8 * (e / 2), j = 8 * (2 * n + half) + 2 * qd + (e % 2);
-        if (j <= i) sLA[i * kLdL + j] = expf(sc[i] - sc[j]) * acc[n][e];
-      }
-  }
+  gram_into<false>(sLA, sQ, sK, sc, sbeta, mt, half, g, qd);  // Q K^T -> Aqk
   __syncthreads();  // Q read by all: its space takes W
 #pragma unroll
   for (int i = 0; i < kB; ++i) {

@@ -26,7 +26,7 @@ from .checks import as_int, budget_gb
 from .ops import kernel_scratch_bytes
 from .config import DELTA_BLOCK, FULL, Config
 from .pool import page_bytes as pool_page_bytes, slot_bytes as pool_slot_bytes
-from .settings import DEFAULT_CACHE_SLOTS, DEFAULT_KV_PAGE
+from .settings import DEFAULT_CACHE_SLOTS, DEFAULT_KV_PAGE, allocator_mem_fraction
 from .shapes import MIN_CHUNK, state_length
 from .weights import param_shapes
 
@@ -174,7 +174,7 @@ def allocator_share_note(platform: str) -> str:
     whole fix (the 35B-A3B's 64.6 GiB of weights do not fit 75% of an 80 GB card)."""
     if platform not in ("gpu", "cuda", "rocm"):
         return ""
-    frac = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    frac = allocator_mem_fraction()
     held = f"XLA_PYTHON_CLIENT_MEM_FRACTION={frac}" if frac else "JAX's default 0.75 (XLA_PYTHON_CLIENT_MEM_FRACTION unset)"
     return f" (the share of the card JAX holds: {held}; a larger fraction gives more)"
 

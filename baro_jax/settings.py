@@ -232,6 +232,12 @@ def recorded_commit() -> str:
     return os.environ.get("BARO_COMMIT", "").strip()
 
 
+def allocator_mem_fraction() -> str | None:
+    """XLA_PYTHON_CLIENT_MEM_FRACTION as given (the share of a GPU JAX's allocator takes), or None
+    when unset (JAX's default, 0.75); budget.py names it when it refuses a request."""
+    return os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or None
+
+
 def recorded_environment() -> dict:
     """The variables that may change speed or the path taken (never the bits), as a result JSON
     records them: BARO_* settings and knobs and the XLA allocator's, BARO_COMMIT aside."""

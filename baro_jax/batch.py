@@ -954,8 +954,12 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
             variant=eng.variant, state=seq.state, logprobs=seq.logprobs,
             top_logprobs=seq.top_logprobs if top_n else None,
             prompt_logprobs=seq.prompt_logprobs if prompt_logprobs else None, finish_reason=seq.finish_reason))
+    tier_cache = eng.runner.cache_slots if eng.runner.placement == "tier" else None
     eng.last_batch_stats = {"sequences": n, "slots": slots, "pool_length": length, "kv_pages": pages,
                             "kv_page": run.blocks.page, "chunk": chunk,
+                            "budget_counted_bytes": budget.batch_counted_bytes(
+                                eng.cfg, eng.dtype, length, chunk, slots, pages, eng.devices or 1, tier_cache,
+                                page=run.blocks.page),
                             "prefill_budget": run.prefill_budget,
                             "steps": dict(run.steps), "seconds": dt,
                             "generated_tokens": sum(len(s.generated) for s in done)}

@@ -376,6 +376,25 @@ def largest_tier_chunk(cfg: Config, dtype, device_budget_gb: float | None, state
     return largest_fitting_chunk(lambda ch: check_tier(cfg, dtype, device_budget_gb, state_len, ch, cache_slots), c)
 
 
+def batch_fixed_bytes(cfg: Config, dtype, length: int, chunk: int, want: int, devices: int = 1,
+                      tier_cache_slots: int | None = None, page: int = DEFAULT_KV_PAGE) -> int:
+    """What batch_slots counts before the pool's slots and pages, without the runtime reserve."""
+    T = -(-length // page)
+    if tier_cache_slots is None:
+        parts = resident_parts(cfg, dtype, 0, max(chunk, want), devices)
+    else:  # the pool's slots are its state: tier_parts' one-sequence state is left out
+        parts = [p for p in tier_parts(cfg, dtype, 0, max(chunk, want), tier_cache_slots) if p.name != "state"]
+    return sum(p.bytes for p in parts) + 2 * want * cfg.vocab_size * 4 + 2 * state_bytes(cfg, dtype, T * page)
+
+
+def batch_counted_bytes(cfg: Config, dtype, length: int, chunk: int, slots: int, pages: int, devices: int = 1,
+                        tier_cache_slots: int | None = None, page: int = DEFAULT_KV_PAGE) -> int:
+    """The device bytes the count gives a pool of `slots` slots and `pages` KV pages (batch_slots'
+    terms, without the runtime reserve): what a run's measured peak is held against."""
+    return (batch_fixed_bytes(cfg, dtype, length, chunk, slots, devices, tier_cache_slots, page)
+            + slots * pool_slot_bytes(cfg, dtype) + pages * pool_page_bytes(cfg, dtype, page))
+
+
 def batch_slots(cfg: Config, dtype, device_budget_gb: float | None, length: int, chunk: int, want: int,
                 devices: int = 1, tier_cache_slots: int | None = None,
                 page: int = DEFAULT_KV_PAGE, longest: int = 1) -> tuple[int, int]:
@@ -396,13 +415,8 @@ def batch_slots(cfg: Config, dtype, device_budget_gb: float | None, length: int,
     if limit is None:
         return want, top
     per_page, per_slot = pool_page_bytes(cfg, dtype, page), pool_slot_bytes(cfg, dtype)
-    if tier_cache_slots is None:
-        parts = resident_parts(cfg, dtype, 0, max(chunk, want), devices)
-    else:  # the pool's slots are its state: tier_parts' one-sequence state is left out
-        parts = [p for p in tier_parts(cfg, dtype, 0, max(chunk, want), tier_cache_slots) if p.name != "state"]
-    fixed = sum(p.bytes for p in parts)
-    fixed += 2 * want * cfg.vocab_size * 4 + 2 * state_bytes(cfg, dtype, T * page) + runtime_reserve_bytes(limit)
-    room = max(0, limit - fixed)
+    fixed = batch_fixed_bytes(cfg, dtype, length, chunk, want, devices, tier_cache_slots, page)
+    room = max(0, limit - fixed - runtime_reserve_bytes(limit))
     slots = int(min(want, room // (per_slot + per_page), max(0, room - longest * per_page) // per_slot))
     pages = int(min(top, (room - slots * per_slot) // per_page)) if slots else 0
     return slots, pages

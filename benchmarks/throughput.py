@@ -13,8 +13,10 @@ the aggregate tokens/s and the time between a sequence's tokens as its callback 
 p99 over all sequences' gaps; greedy blocks deliver tokens in bursts, so also each sequence's mean
 time per token, p50 / p99 over sequences). --samplings 'greedy=0,0,1;topp=0.8,0,0.95' runs several
 sampling arms (NAME=TEMPERATURE,TOP_K,TOP_P) on the same prompts with the weights made once, a row
-per arm and batch size. JSON with device, commit and date; --png plots tokens/s and the bound
-against B.
+per arm and batch size. Each row also has the bytes the budget counted for its pool
+(budget_counted_bytes, without the runtime reserve) beside the device's memory counters
+(device_memory; its peak is over the process so far), so the reserve can be set from measurements.
+JSON with device, commit and date; --png plots tokens/s and the bound against B.
 
     python benchmarks/throughput.py --model qwen3.5-35b-a3b --batches 1,8,32,64 --mixed 4:8192:32 \
         --json out.json --png out.png
@@ -36,6 +38,7 @@ import numpy as np
 import jax
 
 import baro_jax
+from baro_jax.budget import device_memory_stats
 from baro_jax.verify.records import provenance, write_json
 
 
@@ -276,7 +279,10 @@ def main(argv=None) -> int:
                "steps": stats["steps"], "pool_length": stats["pool_length"], "chunk": stats["chunk"],
                "prefill_budget": stats["prefill_budget"],
                "equal_alone": checks,
-               "bound": decode_bound(eng, B, args.prompt_len + args.new_tokens // 2, args.bandwidth_tbs)}
+               "bound": decode_bound(eng, B, args.prompt_len + args.new_tokens // 2, args.bandwidth_tbs),
+               # the count the pool was sized by (without the runtime reserve) beside the device's
+               # counters, whose peak is since the process started: over this and the earlier rows
+               "budget_counted_bytes": stats["budget_counted_bytes"], "device_memory": device_memory_stats()}
         if args.mode == "tier":
             row["expert_cache"] = cache_stats if cache is not None else {"slots_per_layer": 0,
                                                                          "note": eng.runner.cache_note}

@@ -113,6 +113,12 @@ def test_budget_keeps_slots_and_gives_fewer_pages(eng):
             assert old < want, f"at {gb:.2f} GiB contiguous slots would fit all {want} too"
         if slots:
             assert slots * per_slot + pages * per_page <= limit
+            # the count a run records (batch_counted_bytes) is the one the sizing kept inside the
+            # budget, and with every slot kept, one more page would not have fitted
+            counted = budget.batch_counted_bytes(cfg, dt, length, chunk, slots, pages, page=PAGE)
+            assert counted + budget.runtime_reserve_bytes(limit) <= limit
+            if slots == want and pages < full:
+                assert counted + per_page + budget.runtime_reserve_bytes(limit) > limit
     assert seen_paged
 
 
@@ -208,7 +214,9 @@ def test_a_tight_budget_gives_fewer_slots_rather_than_refuse_the_longest_sequenc
         eng.runner.settings = keep
     assert stats["pool_length"] == 1024 and stats["kv_pages"] >= longest and 1 <= stats["slots"] < len(prompts)
     per_page, per_slot = Pool.page_bytes(cfg, dt, PAGE), Pool.slot_bytes(cfg, dt)
-    assert stats["slots"] * per_slot + stats["kv_pages"] * per_page <= budget.budget_bytes(tight)[0]
+    limit = budget.budget_bytes(tight)[0]
+    assert stats["slots"] * per_slot + stats["kv_pages"] * per_page <= limit
+    assert stats["budget_counted_bytes"] + budget.runtime_reserve_bytes(limit) <= limit
     for a, b in zip(alone, got):
         assert a.generated_ids == b.generated_ids
         assert [x.tobytes() for x in a.logprobs] == [x.tobytes() for x in b.logprobs]

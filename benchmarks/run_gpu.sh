@@ -173,29 +173,30 @@ stage_ncu_rows() {
 # of BARO_PIPE_ORDER as set), its two pipelined GEMMs with the tensor pipes' activity, issue stalls,
 # occupancy and memory: $OUT/ncu_moe_prefill[_NCU_MOE_TAG]_${CARD}.txt (NCU_MOE_KERNELS: the kernel regex, NCU_MOE_COUNT launches).
 stage_ncu_moe_prefill() {
+  ncu_op_sections "$OUT/ncu_moe_prefill${NCU_MOE_TAG:+_$NCU_MOE_TAG}_${CARD}.txt" "${NCU_MOE_KERNELS:-gemm_pipe}" \
+    "${NCU_MOE_COUNT:-2}" --m "${NCU_MOE_M:-4096}" --ops moe
+}
+# The prefill attention kernel at a 32k prompt's last 4k chunk (op_times.py puts the queries at
+# the middle of NCU_ATTN_CONTEXT), to see whether its L2 reads (every 64-row tile reads its whole
+# KV prefix) or its tensor pipe bind (docs/PERF.md, open levers). $OUT/ncu_attn_wgmma_${CARD}.txt.
+stage_ncu_attn() {
+  ncu_op_sections "$OUT/ncu_attn_wgmma_${CARD}.txt" attn_wgmma 1 \
+    --m "${NCU_ATTN_M:-4096}" --context "${NCU_ATTN_CONTEXT:-65536}" --ops attention
+}
+# ncu's summary sections (speed of light, compute and memory workload, scheduler and warp states,
+# occupancy, launch, instructions) of COUNT launches of the kernels matching REGEX in one
+# op_times.py call (ordered backend, one rep) with OP_TIMES_ARGS, into FILE; the headline lines shown.
+# Usage: ncu_op_sections FILE REGEX COUNT OP_TIMES_ARGS...
+ncu_op_sections() {
+  local f=$1 regex=$2 count=$3
+  shift 3
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
     --section WarpStateStats --section Occupancy --section LaunchStats --section InstructionStats \
-    -k "regex:${NCU_MOE_KERNELS:-gemm_pipe}" --launch-count "${NCU_MOE_COUNT:-2}" \
-    python benchmarks/op_times.py --m "${NCU_MOE_M:-4096}" --ops moe --reps 1 --backends ordered \
-    > "$OUT/ncu_moe_prefill${NCU_MOE_TAG:+_$NCU_MOE_TAG}_${CARD}.txt" 2>&1
+    -k "regex:$regex" --launch-count "$count" \
+    python benchmarks/op_times.py "$@" --reps 1 --backends ordered > "$f" 2>&1
   grep -E "^  [a-z_]+.*\(|Duration|Throughput|Pipe|Issue|Eligible|Warp Cycles|Occupancy|Registers Per|Stall|L2 Hit" \
-    "$OUT/ncu_moe_prefill${NCU_MOE_TAG:+_$NCU_MOE_TAG}_${CARD}.txt" | head -80
-  pkill -f benchmarks/op_times.py; sleep 1
-}
-# The prefill attention kernel at a 32k prompt's last 4k chunk (op_times.py puts the queries at
-# the middle of NCU_ATTN_CONTEXT): ncu's speed-of-light, memory and compute sections, to see
-# whether its L2 reads (every 64-row tile reads its whole KV prefix) or its tensor pipe bind
-# (docs/PERF.md, open levers). $OUT/ncu_attn_wgmma_${CARD}.txt.
-stage_ncu_attn() {
-  local f="$OUT/ncu_attn_wgmma_${CARD}.txt"
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight \
-    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
-    --section WarpStateStats --section Occupancy --section LaunchStats \
-    -k "regex:attn_wgmma" --launch-count 1 \
-    python benchmarks/op_times.py --m "${NCU_ATTN_M:-4096}" --context "${NCU_ATTN_CONTEXT:-65536}" --ops attention \
-    --reps 1 --backends ordered > "$f" 2>&1
-  grep -E "attn_wgmma|Duration|Throughput|Pipe|Issue|Eligible|Warp Cycles|Occupancy|Registers Per|Stall|L2 Hit" "$f" | head -60
+    "$f" | head -80
   pkill -f benchmarks/op_times.py; sleep 1
 }
 # Where one kernel's warps wait, line by line of its SASS (ncu --section SourceCounters: warp stall

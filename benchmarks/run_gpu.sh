@@ -489,13 +489,13 @@ stage_decode_knobs() {
     n=$((n + 1))
   done
 }
-# The sm_90a prefill attention's pipelines (BARO_ATTN_PIPE: 1, the default, issues each KV block's S
-# one block early, beside the previous block's softmax; 2 also leaves each block's P V running beside
-# the next block's softmax; 0 neither; the same bits), in parts (ATTN_PIPE_PARTS: tests ops speed):
-# the attention byte tests (ATTN_PIPE_K: a pytest -k filter), the attention op alone (8192 rows) at
-# ATTN_PIPE_CONTEXTS under each of ATTN_PIPE_LEVELS (1 2) on the same inputs
-# ($OUT/op_times_attn_pipe<n>_ctx<c>_${CARD}.json), prefill at ATTN_PIPE_LENGTHS under each,
-# identity-checked ($OUT/speed_attn_pipe<n>_${CARD}.json; on an H100 at chunk 2048 and 97%).
+# The sm_90a prefill attention with each KV block's S issued one block early (BARO_ATTN_PIPE=1, the
+# default: the tensor cores run it beside the previous block's softmax; the same bits), in parts
+# (ATTN_PIPE_PARTS: tests ops speed): the attention byte tests (ATTN_PIPE_K: a pytest -k filter), the
+# attention op alone (8192 rows) at ATTN_PIPE_CONTEXTS under each of ATTN_PIPE_LEVELS (0 1) on the same
+# inputs ($OUT/op_times_attn_pipe<n>_ctx<c>_${CARD}.json),
+# prefill at ATTN_PIPE_LENGTHS under each, identity-checked ($OUT/speed_attn_pipe<n>_${CARD}.json;
+# on an H100 at chunk 2048 and 97%).
 stage_attn_pipe() {
   local part n c
   for part in ${ATTN_PIPE_PARTS:-tests ops speed}; do
@@ -504,7 +504,7 @@ stage_attn_pipe() {
       tests) timeout 240 python -m pytest -m gpu tests/test_kernels_attention.py -q -p no:cacheprovider ${ATTN_PIPE_K:+-k "$ATTN_PIPE_K"} 2>&1 \
                | tee "$OUT/gpu_attn_pipe_tests_${CARD}.txt" | tail -3 ;;
       ops) for c in ${ATTN_PIPE_CONTEXTS:-16384 32768}; do
-             for n in ${ATTN_PIPE_LEVELS:-1 2}; do
+             for n in ${ATTN_PIPE_LEVELS:-0 1}; do
                BARO_ATTN_PIPE=$n timeout 120 python benchmarks/op_times.py --m 8192 --context "$c" --ops attention \
                  --backends ordered --reps 10 --rounds 3 --json "$OUT/op_times_attn_pipe${n}_ctx${c}_${CARD}.json" \
                  2>&1 | grep "op="
@@ -512,7 +512,7 @@ stage_attn_pipe() {
            done ;;
       speed) (  # a subshell: the H100's chunk and memory fraction stay here
                [ "$CARD" = h100 ] && export XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 SPEED_UNDER_CHUNK=${SPEED_UNDER_CHUNK:-2048}
-               speed_under BARO_ATTN_PIPE "${ATTN_PIPE_LEVELS:-1 2}" "${ATTN_PIPE_LENGTHS:-8192}" attn_pipe "${ATTN_PIPE_SPEED_TIMEOUT:-200}" ) ;;
+               speed_under BARO_ATTN_PIPE "${ATTN_PIPE_LEVELS:-0 1}" "${ATTN_PIPE_LENGTHS:-8192}" attn_pipe "${ATTN_PIPE_SPEED_TIMEOUT:-200}" ) ;;
       *) echo "attn_pipe: unknown part $part" ;;
     esac
   done

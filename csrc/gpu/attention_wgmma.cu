@@ -123,11 +123,7 @@ struct WgLayout {
   static constexpr int kV = kK + kKStages * kTile;
   static constexpr int kP = kV + kVStages * kTile;
   static constexpr int kRed = kP + kWgRows * kFaPld * 2;
-  // kPipe 2: P of blocks b and b - 1 in Q's blocked layout, for a P V with A from shared memory
-  // (A in registers would stay live through the next block's softmax: past the registers at hd 256)
-  static constexpr int kPTile = kWgRows * kFaKB * 2;
-  static constexpr int kPB = kRed + 4 * kWgRows * 4;   // [max|sum][half][row] at kRed
-  static constexpr int kBar = kPB + (kTma ? 2 * kPTile : 0);  // then the mbarriers
+  static constexpr int kBar = kRed + 4 * kWgRows * 4;  // [max|sum][half][row], then the mbarriers
   // TMA: full-barriers of the K then the V stages, then (pairs) their empty-barriers; 1 KB of slack
   // to put the tiles on the 1024-byte boundary the 128-byte swizzle pattern repeats on (the same
   // address bits for TMA and wgmma).
@@ -321,53 +317,6 @@ BARO_DEV void wg_mma_pv(float (&d)[16][4], const FragA& a, uint64_t bdesc) {
       : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(bdesc), "r"(1));
 }
 
-// d[N][4] += A[64 x 16] B[16 x 8N], A from shared memory (K-major: a blocked P tile), B N-major
-// (trans-b: the V tile): the P V of the deferred pipeline (kPipe 2), at hd 128 (N 8) and 256 (N 16).
-BARO_DEV void wg_mma_pv_ss(float (&d)[8][4], uint64_t adesc, uint64_t bdesc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1, 0, 1;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "l"(adesc), "l"(bdesc), "r"(1));
-}
-BARO_DEV void wg_mma_pv_ss(float (&d)[16][4], uint64_t adesc, uint64_t bdesc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1, 0, 1;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
-        "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
-        "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
-        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-      : "l"(adesc), "l"(bdesc), "r"(1));
-}
-
 // Step a, issued: S for this warpgroup's 32 columns of K tile Kt, head dims ascending into one
 // accumulator zeroed first, committed as one wgmma group and not waited for.
 template <int kHd, bool kTma>
@@ -390,22 +339,15 @@ BARO_DEV void wg_s_issue(const uint16_t* __restrict__ Qs, const uint16_t* __rest
 // pair -> w (this warp in its warpgroup), half -> the warpgroup, and the two dots on wgmma.
 // kIssued: S is already in sacc (wg_s_issue'd and waited for by the caller: the pipelined loop
 // issues block b + 1's S before block b's softmax); otherwise step a runs here.
-// kDeferPV (with kIssued): block b - 1's P V may still be in flight on entry and block b's is left
-// in flight on return. It is waited for just before the second barrier (after the softmax it ran
-// beside), and v_free() runs right after that barrier, when no warp reads block b - 1's V stage.
-// P then goes to Pb (this block's blocked P tile; block b - 1's P V reads the other) and P V takes
-// its A from there: the same bf16 values and the same k16 steps as the fragments of fa_load_a.
 // kMasked = false only when every row of the tile is real and its limit is >= j0 + 63.
 // kTma: Vt arrives by TMA, complete when phase vpar of the mbarrier vbar is; its rows vrows..
 // (past the last written cache row) are zeroed here. Otherwise by this thread's cp.async groups.
-template <bool kMasked, int kHd, bool kTma, bool kIssued = false, bool kDeferPV = false, class VFree>
+template <bool kMasked, int kHd, bool kTma, bool kIssued = false>
 BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __restrict__ Kt,
                             uint16_t* __restrict__ Vt, uint16_t* __restrict__ Ps,
                             float* __restrict__ red, int half, int w, int j0, const int (&lim)[2], float sl2,
                             float (&o)[WgLayout<kHd>::kNt][4], float (&ms)[2], float (&ls)[2],
-                            uint32_t vbar, uint32_t vpar, int vrows, float (&sacc)[4][4], uint16_t* __restrict__ Pb,
-                            VFree&& v_free) {
-  static_assert(!kDeferPV || (kIssued && kTma), "a deferred P V follows the pipelined TMA loop");
+                            uint32_t vbar, uint32_t vpar, int vrows, float (&sacc)[4][4]) {
   using L = WgLayout<kHd, kTma>;
   const int lane = lane_id();
   const int g = lane >> 2, t = lane & 3;
@@ -476,13 +418,9 @@ BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __r
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int c = nbase + 8 * u + 2 * t;
-      const uint32_t pk = fa_pack_bf16x2(sacc[u][2 * e], sacc[u][2 * e + 1]);
-      if constexpr (kDeferPV)  // a warp's 32 stores fill 128 contiguous bytes of one 8 x 8 block
-        *reinterpret_cast<uint32_t*>(Pb + wg_off<kFaKB>(rb + g + 8 * e, c)) = pk;
-      else
-        *reinterpret_cast<uint32_t*>(Ps + (rb + g + 8 * e) * kFaPld + c) = pk;
+      *reinterpret_cast<uint32_t*>(Ps + (rb + g + 8 * e) * kFaPld + c) =
+          fa_pack_bf16x2(sacc[u][2 * e], sacc[u][2 * e + 1]);
     }
-  if constexpr (kDeferPV) wg_fence_proxy();  // P for P V's wgmma (after the barrier below)
   if constexpr (kTma) {
     wg_mbar_wait(vbar, vpar);  // this block's V, for P V below
     if (vrows < kFaKB) {  // uniform: the block holds rows past the last written one
@@ -493,12 +431,7 @@ BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __r
     fa_cp_async_wait<L::kVWait>();  // this block's V, for P V below
     wg_fence_proxy();
   }
-  if constexpr (kDeferPV) {  // block b - 1's P V (and block b + 1's S: ptxas serialises every
-    wg_wait<0>();             // wgmma when both waits leave a group in flight)
-    wg_hold(o);
-  }
   __syncthreads();
-  if constexpr (kDeferPV) v_free();
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     if (active[e]) {
@@ -511,10 +444,8 @@ BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __r
   // d. o = o * alpha + P V over this warpgroup's dims, the 4 key steps ascending. A row inactive
   //    on this block was merged before it (attn_wgmma_kernel); its o is dead from here on.
   FragA pa[kFaKB / 16];
-  if constexpr (!kDeferPV) {
 #pragma unroll
-    for (int kk = 0; kk < kFaKB / 16; ++kk) fa_load_a(pa[kk], Ps + rb * kFaPld + kk * 16, kFaPld);
-  }
+  for (int kk = 0; kk < kFaKB / 16; ++kk) fa_load_a(pa[kk], Ps + rb * kFaPld + kk * 16, kFaPld);
 #pragma unroll
   for (int q = 0; q < L::kNt; ++q) {
     o[q][0] = o[q][0] * alpha[0];
@@ -525,17 +456,11 @@ BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __r
   wg_hold(o);
   wg_fence();
 #pragma unroll
-  for (int kk = 0; kk < kFaKB / 16; ++kk) {
-    if constexpr (kDeferPV)  // Q's blocked layout at 64 columns: 128 B to the next 8 keys, 1 KB to the next 8 rows
-      wg_mma_pv_ss(o, wg_desc(Pb + kk * 16 * 8, 128, (kFaKB / 8) * 128), wg_vdesc<kHd, kTma>(Vt, kk, half * (kHd / 2)));
-    else
-      wg_mma_pv(o, pa[kk], wg_vdesc<kHd, kTma>(Vt, kk, half * (kHd / 2)));
-  }
+  for (int kk = 0; kk < kFaKB / 16; ++kk)
+    wg_mma_pv(o, pa[kk], wg_vdesc<kHd, kTma>(Vt, kk, half * (kHd / 2)));
   wg_commit();
-  if constexpr (!kDeferPV) {
-    wg_wait_all();
-    wg_hold(o);
-  }
+  wg_wait_all();
+  wg_hold(o);
 }
 
 // Grid (tiles, Hkv): tile x of kv head y, the tiles last-first (attn_fa_kernel's serial mode).
@@ -545,17 +470,11 @@ BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __r
 // issued before block b's softmax, so the tensor cores compute it while the warps run the softmax
 // and P V's setup; every dot and every statement is the same, only when S is issued moves. Block
 // b + 1's K is waited for at the top of step b, so a K copy has one step to land, not two.
-// kPipe 2 (BARO_ATTN_PIPE=2) also leaves block b's P V in flight through block b + 1's S issue and
-// softmax, waited for before the o rescale that needs it (and before anything else that reads o:
-// a split's end, the merge of a row that went inactive, the split start's reset, which follows a
-// split end). Block b + 1's V then refills block b - 1's stage only once that wait has passed in
-// both warpgroups (wg_block_step's second barrier), so it has about one step to land, not 1.5.
-template <int kHd, bool kTma, bool kPair, int kPipe = 0>
+template <int kHd, bool kTma, bool kPair, bool kPipe = false>
 __global__ void __launch_bounds__(kWgThreads, 1)
     attn_wgmma_kernel(AttentionArgs a, const __grid_constant__ WgMaps maps) {
   static_assert(kTma || !kPair, "pairs share TMA copies");
   static_assert(!kPipe || (kTma && !kPair), "the pipelined loop is written for the one-CTA TMA path");
-  constexpr bool kDeferPV = kPipe == 2;
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = WgLayout<kHd, kTma>;
   constexpr int hd = kHd;
@@ -568,7 +487,6 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   uint16_t* V0 = reinterpret_cast<uint16_t*>(smem + L::kV);
   uint16_t* Ps = reinterpret_cast<uint16_t*>(smem + L::kP);
   float* red = reinterpret_cast<float*>(smem + L::kRed);
-  uint16_t* P0 = reinterpret_cast<uint16_t*>(smem + L::kPB);  // kDeferPV: blocks' P, alternating
   constexpr int tile_el = kFaKB * hd;  // elements per K or V tile
 
   const int lane = lane_id(), warp = warp_id();
@@ -781,12 +699,10 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     }
     __syncthreads();   // that K visible to all; every warp done with block b-1's buffers
     // into the buffers of block b-1 (the rings are kVLead + 1 and kKLead + 1 deep)
-    const int bv = b + L::kVLead;
     if constexpr (kTma) {
       if (threadIdx.x == 0) {
-        const int bk = b + L::kKLead;
-        // kDeferPV: block b - 1's P V may still read its V stage; the step refills it (v_free)
-        if (!kDeferPV && bv < b_end) issue(V0, &maps.v, vbar, vempty, L::kVStages, bv, true);
+        const int bv = b + L::kVLead, bk = b + L::kKLead;
+        if (bv < b_end) issue(V0, &maps.v, vbar, vempty, L::kVStages, bv, true);
         if (bk < b_end) issue(K0, &maps.k, kbar, kempty, L::kKStages, bk, true);
       }
     } else {
@@ -800,13 +716,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       fa_cp_async_commit();
     }
 
-    const int j0 = b * kFaKB;
-    // kDeferPV: block b - 1's P V is complete before o is written or read here. ptxas must see a
-    // wait on every path to such an access (else it serialises every wgmma), so the waits sit in
-    // the same branches: a split's start (after a split end, nothing is in flight) and every block
-    // past the tile's smallest row limit (a row's merge on its first block past its position).
     if (b % kAttnSplitBlocks == 0) {  // a split starts: fresh online softmax
-      if constexpr (kDeferPV) wg_wait_all();
 #pragma unroll
       for (int q = 0; q < nnt; ++q)
 #pragma unroll
@@ -817,22 +727,15 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         ls[e] = 0.0f;
       }
     }
+    const int j0 = b * kFaKB;
     // A row whose position is in the previous block is inactive from this block on: its split
     // (if active for it) is merged now, with the o, ms, ls the split end would have seen.
-    if (!kDeferPV || j0 > lim_min) {
-      if constexpr (kDeferPV) {
-        wg_wait_all();
-        wg_hold(o);
-      }
 #pragma unroll
-      for (int e = 0; e < 2; ++e)
-        if (j0 > lim[e] && j0 - kFaKB <= lim[e]) merge_row(e, b / kAttnSplitBlocks);
-    }
+    for (int e = 0; e < 2; ++e)
+      if (j0 > lim[e] && j0 - kFaKB <= lim[e]) merge_row(e, b / kAttnSplitBlocks);
 
     if constexpr (kPipe) {
-      // block b's S (kDeferPV: block b - 1's P V, committed after it, may still run; else nothing
-      // else is in flight)
-      wg_wait<kDeferPV ? 1 : 0>();
+      wg_wait_all();  // block b's S (and nothing else is in flight)
       wg_hold(cur);
       // Issued on every block (the last one's result unused, read from its own landed K) so no
       // wgmma sits on a branch: ptxas serialises wgmmas around one it cannot prove uniform.
@@ -843,23 +746,13 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     // blocks that cross a row's position (the diagonal, or any block of a tile with padding
     // rows) need the masks.
     const uint32_t vb = vbar + 8 * (b % L::kVStages), vp = (b / L::kVStages) & 1;
-    auto v_free = [&] {  // kDeferPV: every warp's block b - 1 P V is done; its V stage takes block bv
-      if (threadIdx.x == 0 && bv < b_end) issue(V0, &maps.v, vbar, vempty, L::kVStages, bv, true);
-    };
-    constexpr bool kIssued = kPipe != 0;
     if (j0 + kFaKB - 1 > lim_min)
-      wg_block_step<true, kHd, kTma, kIssued, kDeferPV>(Qs, Kt, Vt, Ps, red, half, w, j0, lim, sl2, o, ms, ls, vb, vp,
-                                                        rows_ok, cur, P0 + (b & 1) * (kWgRows * kFaKB), v_free);
+      wg_block_step<true, kHd, kTma, kPipe>(Qs, Kt, Vt, Ps, red, half, w, j0, lim, sl2, o, ms, ls, vb, vp, rows_ok, cur);
     else
-      wg_block_step<false, kHd, kTma, kIssued, kDeferPV>(Qs, Kt, Vt, Ps, red, half, w, j0, lim, sl2, o, ms, ls, vb, vp,
-                                                         rows_ok, cur, P0 + (b & 1) * (kWgRows * kFaKB), v_free);
+      wg_block_step<false, kHd, kTma, kPipe>(Qs, Kt, Vt, Ps, red, half, w, j0, lim, sl2, o, ms, ls, vb, vp, rows_ok, cur);
 
     // e. split done: in-order merge of the rows still active on this block.
     if ((b + 1) % kAttnSplitBlocks == 0 || b + 1 == b_end) {
-      if constexpr (kDeferPV) {
-        wg_wait_all();
-        wg_hold(o);
-      }
 #pragma unroll
       for (int e = 0; e < 2; ++e)
         if (j0 <= lim[e]) merge_row(e, b / kAttnSplitBlocks);
@@ -872,9 +765,6 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     if (b_begin < b_end) k_landed(b_begin);
     __syncthreads();  // Q and that K visible to both warpgroups
     wg_s_issue<kHd, kTma>(Qs, K0 + (b_begin % L::kKStages) * tile_el, half, sA);
-    // kDeferPV: every block's top waits for all but the newest group (its predecessor's P V), so
-    // the first block's S is waited for here
-    if constexpr (kDeferPV) wg_wait_all();
     int b = b_begin;
     for (; b + 1 < b_end; b += 2) {  // the two accumulators by name, alternating
       block(b, sA, sB);
@@ -936,7 +826,7 @@ static bool wg_encode(CUtensorMap* m, const uint16_t* cache, const AttentionArgs
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <int kHd, bool kTma, int kPipe = 0>
+template <int kHd, bool kTma, bool kPipe = false>
 gpuError_t wg_launch_one(const AttentionArgs& a, const WgMaps& maps, unsigned tiles, gpuStream_t stream) {
   constexpr int smem = WgLayout<kHd, kTma>::kTotal;  // 202 KB at hd 256 (TMA: 203)
   static std::atomic<uint64_t> smem_done{0};
@@ -980,11 +870,9 @@ gpuError_t wg_launch(const AttentionArgs& a, unsigned tiles, gpuStream_t stream)
     if (mode != 0 && tiles < 0xffffffffu && wg_encode(&maps.k, a.k_cache, a) && wg_encode(&maps.v, a.v_cache, a)) {
       g_wg_last.store(mode == 2 ? 2 : 1, std::memory_order_relaxed);
       if (mode == 2) return wg_launch_pair<kHd>(a, maps, tiles, stream);
-      // block b + 1's S issued before block b's softmax (the same bits; BARO_ATTN_PIPE=0: not; 2:
-      // block b's P V also left running beside block b + 1's softmax)
-      if (baro::knobs::is(baro::knobs::kAttnPipe, "0")) return wg_launch_one<kHd, true, 0>(a, maps, tiles, stream);
-      if (baro::knobs::is(baro::knobs::kAttnPipe, "2")) return wg_launch_one<kHd, true, 2>(a, maps, tiles, stream);
-      return wg_launch_one<kHd, true, 1>(a, maps, tiles, stream);
+      // block b + 1's S issued before block b's softmax (the same bits; BARO_ATTN_PIPE=0: not)
+      if (!baro::knobs::is(baro::knobs::kAttnPipe, "0")) return wg_launch_one<kHd, true, true>(a, maps, tiles, stream);
+      return wg_launch_one<kHd, true>(a, maps, tiles, stream);
     }
   }
   g_wg_last.store(0, std::memory_order_relaxed);

@@ -573,19 +573,6 @@ stage_delta_knobs() {
     "$settings"
   return 0
 }
-# The wgmma GEMMs' W pairs (BARO_GEMM_WGMMA_WPAIR, csrc/gpu/gemm_wgmma.cu): the byte tests under
-# require (dense and grouped), then the matmul and MoE ops (WPAIR_M rows) and prefill at WPAIR_LENGTHS
-# under each of WPAIR_SETTINGS (0 plain grouped 1).
-stage_wpair() {
-  timeout "${WPAIR_TEST_TIMEOUT:-240}" python -m pytest -m gpu tests/test_kernels_matmul.py -q -p no:cacheprovider \
-    -k "wgmma_same_bytes" 2>&1 | tee "$OUT/gpu_wpair_tests_${CARD}.txt" | tail -3
-  timeout "${WPAIR_TEST_TIMEOUT:-240}" python -m pytest -m gpu tests/test_kernels_moe.py -q -p no:cacheprovider \
-    -k "moe_gemm_wgmma_same_bytes" 2>&1 \
-    | tee -a "$OUT/gpu_wpair_tests_${CARD}.txt" | tail -3
-  local settings=${WPAIR_SETTINGS:-0 plain grouped 1}
-  sweep_settings "${WPAIR_PARTS:-ops speed}" "${WPAIR_OPS:-matmul,moe}" wpair "${WPAIR_M:-4096,8192}" \
-    "${WPAIR_LENGTHS:-8192,32768}" wpair_settings "$(printf 'BARO_GEMM_WGMMA_WPAIR=%s ' $settings)"
-}
 # Where a prompt's prefill time goes (issue 31), kernel by kernel: decode_profile.py --prefill at
 # each of PREFILL_PROFILE_LENGTHS (8192 32768) at the engine's chunk (PREFILL_PROFILE_CHUNK to force
 # one), two traced prefills after one warm-up: $OUT/prefill_profile_<len>_${CARD}.json.

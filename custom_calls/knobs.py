@@ -171,14 +171,6 @@ _TABLE: tuple[Knob, ...] = (
              "gridDim-th output tile with one ring (the next tile's stages land while the last one's are stored); "
              "3: three blocks (tests: many tiles a block at any shape); 0: a block per tile; the same bits "
              "(csrc/gpu/gemm_wgmma.cu)"),
-    Knob("BARO_GEMM_WGMMA_WPAIR", "choice", "0", choices=("0", "1", "plain", "grouped", "require"),
-         doc="1: the wgmma GEMMs in 256-row W tiles (prefill chunks of 4,096 rows and more) in clusters of two "
-             "CTAs on row tiles 2j and 2j + 1 of one column tile, each copying half of the W rows both read and "
-             "multicasting them into both (a third less read from L2 a stage): the dense GEMMs (plain) and the "
-             "MoE's grouped ones where both slots hold one expert's rows (grouped); plain / grouped: one kind "
-             "alone; require: as 1, and a call of those tiles that cannot pair is an error (tests); the same bits "
-             "(the dense GEMMs 5-9% slower with it at 8,192 rows on an H100; the grouped ones not yet timed) "
-             "(csrc/gpu/gemm_wgmma.cu)"),
     Knob("BARO_ROWS16_RING", "choice", "auto", choices=("auto", "deep", "light"),
          doc="gemm_rows16's cp.async ring: deep (8 stages, SwiGLU 6: one or two blocks per SM) or light (4, "
              "SwiGLU 3: twice the blocks per SM); auto: light for grouped MoE calls and grids of 4 blocks per SM, "

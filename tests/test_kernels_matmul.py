@@ -257,11 +257,7 @@ def test_matmul_stream_levers_require_one(platform, monkeypatch):
 # (BARO_GEMM_WGMMA_RING: two blocks per SM), then both rings in the column-fast walk (BARO_PIPE_ORDER=cols),
 # then 256-row W tiles (BARO_GEMM_WGMMA_BN; N = 200: a second half partly past N, 1544: a last tile of
 # 8 columns in its first box, so three of its four W boxes are not issued), then the persistent grid
-# (BARO_GEMM_WGMMA_PERSIST=1: the resident blocks, =3: three), then W pairs (BARO_GEMM_WGMMA_WPAIR:
-# clusters of two CTAs on row tiles 2j, 2j + 1 multicasting W's boxes; require where the 128-row
-# tiles pair up and the tile is 256 wide: m 1024 and 3000, the latter's last tile 56 rows, so one
-# warpgroup of the pair's second CTA issues no wgmma; N = 1544: the last column tile's one W box
-# comes from rank 0 alone).
+# (BARO_GEMM_WGMMA_PERSIST=1: the resident blocks, =3: three).
 WGMMA_M = [64, 65, 127, 128, 300, 1024]
 
 
@@ -278,10 +274,9 @@ def test_matmul_wgmma_same_bytes(platform, N, K, monkeypatch):
     w = bf16(rng, N, K)
     wd = put(platform, w)
 
-    def call(x, knob, tile=None, ring="4", order="auto", bn="128", persist="0", wpair="0"):
+    def call(x, knob, tile=None, ring="4", order="auto", bn="128", persist="0"):
         force_tile(monkeypatch, tile)
         monkeypatch.setenv("BARO_GEMM_WGMMA_PERSIST", persist)
-        monkeypatch.setenv("BARO_GEMM_WGMMA_WPAIR", wpair)
         monkeypatch.setenv("BARO_GEMM_WGMMA", knob)
         monkeypatch.setenv("BARO_GEMM_WGMMA_RING", ring)
         monkeypatch.setenv("BARO_PIPE_ORDER", order)
@@ -293,12 +288,8 @@ def test_matmul_wgmma_same_bytes(platform, N, K, monkeypatch):
         monkeypatch.delenv("BARO_PIPE_ORDER", raising=False)
         monkeypatch.delenv("BARO_GEMM_WGMMA_BN", raising=False)
         monkeypatch.delenv("BARO_GEMM_WGMMA_PERSIST", raising=False)
-        monkeypatch.delenv("BARO_GEMM_WGMMA_WPAIR", raising=False)
         force_tile(monkeypatch, None)
         return out
-
-    def pairs_fit(m):  # an even count of 128-row tiles, 256-wide W tiles (N past one 128-column tile)
-        return ((m + 127) // 128) % 2 == 0 and N > 128
 
     for m in WGMMA_M:
         x = bf16(rng, m, K)  # fresh inputs for every m
@@ -328,13 +319,6 @@ def test_matmul_wgmma_same_bytes(platform, N, K, monkeypatch):
             assert_same_bits(call(x, "require", tile, ring, order, bn, persist), want,
                              f"matmul N={N} K={K} m={m} tile {tile} ring {ring} {order} BN {bn} persist {persist}: "
                              "BARO_GEMM_WGMMA vs the default")
-        # W pairs (BARO_GEMM_WGMMA_WPAIR=require: the pair kernel or an error)
-        if pairs_fit(m):
-            assert_same_bits(call(x, "require", "128", "4", "auto", "plain", wpair="require"), want,
-                             f"matmul N={N} K={K} m={m} W pairs: BARO_GEMM_WGMMA vs the default")
-        elif m == 300 and N > 128:  # three wide row tiles: require refuses rather than running unpaired
-            with pytest.raises(Exception):
-                call(x, "require", "128", "4", "auto", "plain", wpair="require")
         # the decode path: a row of the wgmma call against a one-row call
         for i in sorted({0, m // 2, m - 1, int(rng.integers(0, m))}):
             one = call(x[i:i + 1], "0")
@@ -348,9 +332,6 @@ def test_matmul_wgmma_same_bytes(platform, N, K, monkeypatch):
         assert_same_bits(call(x, "require", tile, ring, order, bn, "1"), want,
                          f"matmul N={N} K={K} m=3000 tile {tile} ring {ring} {order} BN {bn} persistent: "
                          "BARO_GEMM_WGMMA vs the default")
-    if pairs_fit(3000):
-        assert_same_bits(call(x, "require", "128", "4", "auto", "plain", wpair="require"), want,
-                         f"matmul N={N} K={K} m=3000 W pairs: BARO_GEMM_WGMMA vs the default")
 
 
 def test_matmul_errors(platform):

@@ -302,8 +302,7 @@ def test_moe_small_rows_same_bytes(platform, m, monkeypatch):
 # GEMM the setting names would fall back, so these bytes are the wgmma kernel's. D x I: the small
 # shape (K = D = 32 for gate/up, K = I = 16 for down: one partial stage), 256 x 136 (gate/up K = 256:
 # four whole stages; down K past two, a partial third), 512 x 272 at 700 tokens (gate/up K = 512:
-# eight stages, so the ring of 4 is refilled; down five, the last partial; about 9 slot pairs of
-# one expert, so the W pairs' multicast and pair barriers run across refills), and the model's own
+# eight stages, so the ring of 4 is refilled; down five, the last partial), and the model's own
 # routed experts (D 2048, E 256, top 8, I 512; the gate/up K walk of 32 stages wraps the ring eight
 # times) at 1024 tokens (32 pairs per expert: 64-row tiles) and 2048 (64: the 128-row tiles an 8k
 # prefill chunk runs), whose weights are drawn on the device (1.5 GB of bf16).
@@ -345,26 +344,20 @@ def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, k, monkeypatch):
     # expert when unfolded) with the grouped ones on mma.sync); then the persistent grid
     # (BARO_GEMM_WGMMA_PERSIST=1: the resident blocks walk several tiles each on one ring; =3: three
     # blocks, so every shape walks many tiles a block, empty slots, idle and live warpgroups in turn)
-    # with either tile width; then (BARO_GEMM_WGMMA_WPAIR) the wide grouped tiles in clusters of two
-    # CTAs on slots 2j, 2j + 1, multicasting W's boxes where both slots hold one expert's rows and
-    # running alone where not (require: a wide grouped call that does not take the pairs fails), both
-    # grouped GEMMs and the down GEMM alone (the pairs' walk is the same in either grid order)
+    # with either tile width
     settings = (("0", "0", "4", "auto"), ("require", "down", "4", "auto"), ("require", "sorted", "4", "auto"),
                 ("require", "down", "3", "auto"), ("require", "sorted", "3", "auto"), ("0", "sorted", "4", "auto"),
                 ("require", "down", "4", "rows"), ("require", "sorted", "3", "rows"),
                 ("require", "sorted", "4", "auto", "256"), ("require", "down", "3", "rows", "grouped"),
                 ("require", "0", "4", "auto", "256"), ("require", "sorted", "4", "auto", "128", "1"),
                 ("require", "sorted", "3", "rows", "256", "3"), ("require", "sorted", "4", "auto", "256", "1"),
-                ("require", "down", "4", "auto", "grouped", "3"), ("require", "sorted", "3", "auto", "128", "3"),
-                ("require", "sorted", "4", "auto", "grouped", "0", "require"),
-                ("require", "down", "4", "rows", "grouped", "0", "require"))
+                ("require", "down", "4", "auto", "grouped", "3"), ("require", "sorted", "3", "auto", "128", "3"))
     for fold in ("1", "0"):
         monkeypatch.setenv("BARO_MOE_FOLD", fold)
         got = {}
         for setting in settings:
-            knob, grouped, ring, order, bn, persist, wpair = setting + ("128", "0", "0")[len(setting) - 4:]
+            knob, grouped, ring, order, bn, persist = setting + ("128", "0")[len(setting) - 4:]
             monkeypatch.setenv("BARO_GEMM_WGMMA_PERSIST", persist)
-            monkeypatch.setenv("BARO_GEMM_WGMMA_WPAIR", wpair)
             monkeypatch.setenv("BARO_GEMM_WGMMA", knob)
             monkeypatch.setenv("BARO_GEMM_WGMMA_GROUPED", grouped)
             monkeypatch.setenv("BARO_GEMM_WGMMA_RING", ring)
@@ -372,22 +365,21 @@ def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, k, monkeypatch):
             monkeypatch.setenv("BARO_GEMM_WGMMA_BN", bn)
             poison(platform, (m, D))
             f = jax.jit(lambda *a: cc.moe(*a, top_k=k))  # a fresh jit: the launcher reads the knobs
-            key = knob, grouped, ring, order, bn, persist, wpair
+            key = knob, grouped, ring, order, bn, persist
             got[key] = np.asarray(f(put(platform, h), *wd))
             assert np.all(np.isfinite(got[key])), f"moe m={m} fold={fold} {key}: unwritten rows"
         monkeypatch.delenv("BARO_GEMM_WGMMA_RING", raising=False)
         monkeypatch.delenv("BARO_PIPE_ORDER", raising=False)
         monkeypatch.delenv("BARO_GEMM_WGMMA_BN", raising=False)
         monkeypatch.delenv("BARO_GEMM_WGMMA_PERSIST", raising=False)
-        monkeypatch.delenv("BARO_GEMM_WGMMA_WPAIR", raising=False)
         for key, arr in got.items():
-            assert_same_bits(arr, got["0", "0", "4", "auto", "128", "0", "0"],
-                             f"moe m={m} fold={fold} BARO_GEMM_WGMMA, GROUPED, RING, ORDER, BN, PERSIST, WPAIR = "
+            assert_same_bits(arr, got["0", "0", "4", "auto", "128", "0"],
+                             f"moe m={m} fold={fold} BARO_GEMM_WGMMA, GROUPED, RING, ORDER, BN, PERSIST = "
                              f"{key} vs the default")
         monkeypatch.setenv("BARO_GEMM_WGMMA", "0")
         for i in (0, m - 1):
             one = np.asarray(jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h[i:i + 1]), *wd))
-            assert_same_bits(one[0], got["require", "sorted", "4", "auto", "256", "1", "0"][i],
+            assert_same_bits(one[0], got["require", "sorted", "4", "auto", "256", "1"][i],
                              f"moe m={m} fold={fold} row {i}: wgmma vs one-row call")
     monkeypatch.delenv("BARO_GEMM_WGMMA", raising=False)
     monkeypatch.delenv("BARO_GEMM_WGMMA_GROUPED", raising=False)

@@ -76,18 +76,7 @@ constexpr int kWgBoxBytes = kWgBox * kWgBK * 2;  // 8 KB
 // twice the products of a 128-row one's 32 KB, so a tile reads a third less from L2 per product;
 // each consumer warpgroup then issues two m64n128k16 per k16 step, one per 128-column half, each
 // into its own accumulators (an element's chain is the same k16 steps in the same order).
-// WPAIR (BARO_GEMM_WGMMA_WPAIR): 256-row W tiles launched in clusters of two CTAs on row tiles 2j
-// and 2j + 1 of one column tile, a block per tile: plain calls in the row-fast grid, grouped calls
-// in a walk of slot pairs (each pair's column tiles side by side). Where both tiles read the same
-// W rows (plain: always; grouped: both slots hold rows of one expert) each CTA copies two of the
-// stage's four W boxes and multicasts them into both: a CTA then reads 32 KB a stage from L2
-// instead of 48 (the wide tiles run near the L2's rate, docs/PERF.md). A stage is refilled only
-// after both CTAs released it: each producer, once its own consumers are done with the stage,
-// arrives on the stage's pair barrier in both CTAs (count 2) and waits on its own. A grouped pair
-// of two experts (or with an empty slot) runs as two lone CTAs, both knowing so from the tile list.
-// The W bytes landing in a stage are the same either way (the same boxes at the same offsets), so
-// no element's chain changes.
-template <int BM, int STAGES = 4, int BN = 128, bool WPAIR = false>
+template <int BM, int STAGES = 4, int BN = 128>
 struct WgGemmCfg {
   static constexpr int kStages = STAGES;
   static constexpr int kBN = BN;
@@ -99,11 +88,10 @@ struct WgGemmCfg {
   static constexpr int kABytes = BM * kWgBK * 2;
   static constexpr int kBBytes = BN * kWgBK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;   // a ring stage: A tile, then W tile
-  static constexpr int kBarOff = kStages * kStageBytes;  // full, empty (and pair) barriers
-  static constexpr int kSmemBytes = kBarOff + (WPAIR ? 24 : 16) * kStages + 1024;  // + 1 KB alignment slack
+  static constexpr int kBarOff = kStages * kStageBytes;  // full, then empty barriers
+  static constexpr int kSmemBytes = kBarOff + 16 * kStages + 1024;  // + 1 KB alignment slack
   static_assert(STAGES == 3 || STAGES == 4, "ring depths built: 3 and 4");
   static_assert(BN == 128 || BN == 256, "W tiles of 128 or 256 rows");
-  static_assert(!WPAIR || BN == 256, "pairs split the W tile's four boxes");
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "swizzled boxes on 1 KB");
   static_assert(kSmemBytes * kMinBlocks <= 227 * 1024, "shared memory of the blocks on one SM");
 };
@@ -162,10 +150,10 @@ BARO_DEV uint64_t wg_gemm_desc(const uint8_t* tile, int row0, int kk) {
 // warpgroups, then the producer warp. The ring runs on across a block's tiles (the producer fills
 // the next tile's stages while the consumers store the last one's); each tile's accumulators
 // start at zero and take its K walk alone, so a tile's bits do not depend on the block.
-template <int BM, bool SWIGLU, int STAGES, int BN, bool WPAIR = false>
+template <int BM, bool SWIGLU, int STAGES, int BN>
 __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg<BM, STAGES, BN>::kMinBlocks)
     gemm_wgmma_kernel(GemmParams p, const __grid_constant__ WgGemmMaps maps, const WgGemmWalk walk) {
-  using Cfg = WgGemmCfg<BM, STAGES, BN, WPAIR>;
+  using Cfg = WgGemmCfg<BM, STAGES, BN>;
   constexpr int kHalves = Cfg::kHalves;
   constexpr int kWgStages = Cfg::kStages;
   extern __shared__ __align__(1024) uint8_t wg_gemm_smem[];
@@ -174,27 +162,17 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
   const uint32_t bar0 = wg_smem_addr(smem + Cfg::kBarOff);
   auto full = [&](int s) { return bar0 + 8 * s; };
   auto empty = [&](int s) { return bar0 + 8 * (kWgStages + s); };
-  auto pair_empty = [&](int s) { return bar0 + 8 * (2 * kWgStages + s); };  // WPAIR only
 
   // A grouped tile's rows sit at r0.. of A and C (the sorted pairs), its W rows at group * N..;
   // rows of A past the tile (the next tile's) and W rows past N (the next group's) only reach
   // accumulator rows and columns that are never stored, as TMA's zero fill past the edges does.
   constexpr int kOutCols = SWIGLU ? BN / 2 : BN;
-  // grouped pairs walk slot pairs (2j, 2j + 1), a pair's column tiles side by side, the cluster's
-  // rank the slot's parity (a slot past the list is empty)
-  const bool pair_walk = WPAIR && p.tiles != nullptr;
-  const int64_t n_items = pair_walk ? (walk.row_tiles + 1) / 2 * 2 * walk.col_tiles : walk.row_tiles * walk.col_tiles;
+  const int64_t n_items = walk.row_tiles * walk.col_tiles;
   // tile i's W group, first row, rows (at most BM: the launcher's tiles) and first output column;
   // false for a slot of the tile list left empty
   auto tile_of = [&](int64_t i, int64_t& group, int64_t& r0, int& rc, int64_t& c0) {
-    int64_t slot, col;
-    if (pair_walk) {
-      slot = 2 * ((i >> 1) / walk.col_tiles) + (i & 1);
-      col = (i >> 1) % walk.col_tiles;
-    } else {
-      slot = p.cols_fast ? i / walk.col_tiles : i % walk.row_tiles;
-      col = p.cols_fast ? i % walk.col_tiles : i / walk.row_tiles;
-    }
+    const int64_t slot = p.cols_fast ? i / walk.col_tiles : i % walk.row_tiles;
+    const int64_t col = p.cols_fast ? i % walk.col_tiles : i / walk.row_tiles;
     c0 = col * kOutCols;
     int64_t rows = 0;
     group = 0;
@@ -210,24 +188,10 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
   int64_t group = 0, r0 = 0, c0 = 0;
   int rc = 0;
   {
-    // A block with no tile leaves before any barrier is met. Pairs: a block per tile; a plain
-    // call's tiles all have rows; a grouped CTA on an empty slot leaves, and its peer (share below
-    // false) meets no cluster barrier and touches nothing of it.
+    // A block with no tile leaves before any barrier is met.
     bool any = false;
     for (int64_t i = blockIdx.x; i < n_items && !any; i += gridDim.x) any = tile_of(i, group, r0, rc, c0);
     if (!any) return;
-  }
-  // Pairs: whether this cluster shares W (the same for both CTAs: each reads both tiles). A plain
-  // call's pair always does (the launcher's even row-tile count); a grouped pair when the peer's
-  // slot holds rows of the same expert (its column tile is this one's by the walk).
-  bool share = false;
-  if constexpr (WPAIR) {
-    share = true;
-    if (p.tiles != nullptr) {
-      int64_t pg = 0, pr0 = 0, pc0 = 0;
-      int prc = 0;
-      share = tile_of(static_cast<int64_t>(blockIdx.x) ^ 1, pg, pr0, prc, pc0) && pg == group;
-    }
   }
   const int64_t out_n = SWIGLU ? p.swiglu_I : p.N;
   const int64_t K = p.K;
@@ -241,24 +205,17 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
     for (int s = 0; s < kWgStages; ++s) {
       wg_mbar_init(full(s), 1);                 // the producer's arrival (+ the bytes)
       wg_mbar_init(empty(s), kConsumerThreads);  // every consumer thread, once done with the stage
-      if (share) wg_mbar_init(pair_empty(s), 2);  // each CTA's producer, once its stage is free
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // for the TMA unit (and the peer)
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // for the TMA unit
   }
-  // the barriers initialised before anyone (pairs: the peer's copies and arrivals too) uses them;
-  // no block or cluster barrier after this (a lone CTA of a cluster meets no cluster barrier, nor
-  // does its peer)
-  if (share)
-    wg_cluster_sync();
-  else
-    __syncthreads();
+  // the barriers initialised before anyone uses them; no block barrier after this
+  __syncthreads();
 
   // the warp index through a shuffle: warp-uniform as far as the compiler can see (as CUTLASS does)
   const int warp_u = __shfl_sync(0xffffffffu, tid / 32, 0);
   if (warp_u >= kConsumerThreads / 32) {
     // ---- producer: lane 0 of the last warp ----
     if (tid != kConsumerThreads) return;
-    const uint32_t rank = WPAIR ? wg_cluster_rank() : 0;
     uint32_t it = 0;  // the ring's position: stage it % kWgStages, its use it / kWgStages
     for (int64_t i = blockIdx.x; i < n_items; i += gridDim.x) {
       if (!tile_of(i, group, r0, rc, c0)) continue;
@@ -286,18 +243,9 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
       for (int kt = 0; kt < n_k; ++kt, ++it) {
         const int s = static_cast<int>(it % kWgStages);
         const uint32_t use = it / kWgStages;
-        if (use > 0) {
-          wg_mbar_wait(empty(s), (use - 1) & 1);  // the stage's last use done
-          if (share) {  // and in the peer, whose half of W lands in this stage too
-            wg_mbar_arrive_cta(pair_empty(s), 0);
-            wg_mbar_arrive_cta(pair_empty(s), 1);
-            wg_mbar_wait(pair_empty(s), (use - 1) & 1);
-          }
-        }
+        if (use > 0) wg_mbar_wait(empty(s), (use - 1) & 1);  // the stage's last use done
         uint8_t* st = smem + s * Cfg::kStageBytes;
         const int k0 = kt * kWgBK;
-        // the stage's whole byte count: pairs, the peer's W boxes may land before this arrival
-        // (the phase waits for it)
         wg_mbar_expect(full(s), stage_bytes);
 #pragma unroll
         for (int b = 0; b < BM / kWgBox; ++b)
@@ -307,12 +255,7 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
         for (int b = 0; b < kWBoxes; ++b) {
           int row;
           if (!w_box(b, row)) continue;
-          const uint32_t dst = wg_smem_addr(st + Cfg::kABytes + b * kWgBoxBytes);
-          if (share) {
-            if (static_cast<uint32_t>(b) % 2 == rank) wg_tma_box_pair(dst, &maps.w, k0, row, full(s));
-          } else {
-            tma_box(dst, &maps.w, k0, row, full(s));
-          }
+          tma_box(wg_smem_addr(st + Cfg::kABytes + b * kWgBoxBytes), &maps.w, k0, row, full(s));
         }
       }
     }
@@ -475,39 +418,6 @@ static gpuError_t wg_gemm_launch_ring(const GemmParams& p, const WgGemmMaps& map
       }
     }
     if (r > 0 && blocks > r) blocks = r;
-  }
-  // W pairs (BARO_GEMM_WGMMA_WPAIR; 1 and require: plain and grouped calls, or one kind alone): the
-  // 128 x 256 tiles (256 W rows) on the ring of 4, a block per tile; plain calls in the row-fast
-  // walk with an even row-tile count (the prefill's dense GEMMs at 4,096 rows and more), grouped
-  // calls in the slot pairs' walk (the MoE's gate/up and down at 32,768 pairs and more). require: a
-  // call of these tiles that cannot pair is an error (tests: no silent fallback).
-  if constexpr (BM == 128 && BN == 256 && STAGES == 4) {
-    if (!k::is(k::kGemmWgmmaWpair, "0")) {
-      const bool grouped = p.tiles != nullptr;
-      const bool asked = k::is(k::kGemmWgmmaWpair, "1") || k::is(k::kGemmWgmmaWpair, "require") ||
-                         k::is(k::kGemmWgmmaWpair, grouped ? "grouped" : "plain");
-      const bool fits = blocks == n_items && (grouped || (!q.cols_fast && row_tiles % 2 == 0));
-      if (k::is(k::kGemmWgmmaWpair, "require") && !fits) return gpuErrorInvalidValue;
-      if (asked && fits) {
-        using PairCfg = WgGemmCfg<BM, STAGES, BN, true>;
-        auto kernel = gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN, true>;
-        static std::atomic<uint64_t> pair_smem_done{0};
-        const gpuError_t pe = allow_smem(kernel, PairCfg::kSmemBytes, pair_smem_done);
-        if (pe != gpuSuccess) return pe;
-        // grouped: the slot pairs' walk, an odd slot count's last pair padded with an empty slot
-        const int64_t pair_blocks = grouped ? (row_tiles + 1) / 2 * 2 * n_tiles : blocks;
-        if (pair_blocks > 0x7fffffffLL) return gpuErrorInvalidValue;
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(static_cast<unsigned>(pair_blocks));
-        cfg.blockDim = dim3(PairCfg::kThreads);
-        cfg.dynamicSmemBytes = PairCfg::kSmemBytes;
-        cfg.stream = stream;
-        cudaLaunchAttribute attr[1] = {wg_pair_cluster_attr()};
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        return cudaLaunchKernelEx(&cfg, kernel, q, maps, walk);
-      }
-    }
   }
   gemm_wgmma_kernel<BM, SWIGLU, STAGES, BN>
       <<<dim3(static_cast<unsigned>(blocks)), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(q, maps, walk);

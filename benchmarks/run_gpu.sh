@@ -177,8 +177,9 @@ stage_ncu_moe_prefill() {
     "${NCU_MOE_COUNT:-2}" --m "${NCU_MOE_M:-4096}" --ops moe
 }
 # The prefill attention kernel at a 32k prompt's last 4k chunk (op_times.py puts the queries at
-# the middle of NCU_ATTN_CONTEXT), to see whether its L2 reads (every 64-row tile reads its whole
-# KV prefix) or its tensor pipe bind (docs/PERF.md, open levers). $OUT/ncu_attn_wgmma_${CARD}.txt.
+# the middle of NCU_ATTN_CONTEXT): whether its L2 reads (every 64-row tile reads its whole KV
+# prefix), its tensor pipe or its own latency binds (the last, on an H100 at 176f568: docs/PERF.md
+# 2026-12-07). $OUT/ncu_attn_wgmma_${CARD}.txt.
 stage_ncu_attn() {
   ncu_op_sections "$OUT/ncu_attn_wgmma_${CARD}.txt" attn_wgmma 1 \
     --m "${NCU_ATTN_M:-4096}" --context "${NCU_ATTN_CONTEXT:-65536}" --ops attention

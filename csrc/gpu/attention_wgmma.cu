@@ -218,6 +218,12 @@ BARO_DEV uint64_t wg_kdesc(const uint16_t* Kt, int n0, int k0) {
   else
     return wg_desc(Kt + (n0 / 8) * (kHd / 8) * 64 + k0 * 8, 128, kHd / 8 * 128);
 }
+// Bytes from head dim 0 to head dim k0 (a multiple of 16) in a K tile, as wg_kdesc addresses them:
+// swizzled, box k0 / 64 then 2 bytes a dim inside its rows; blocked, 128 bytes per 8 dims.
+template <int kHd, bool kTma>
+BARO_DEV constexpr uint32_t wg_kstep_bytes(int k0) {
+  return kTma ? static_cast<uint32_t>(2 * ((k0 / 64) * (kFaKB * 64) + k0 % 64)) : static_cast<uint32_t>(2 * k0 * 8);
+}
 // B of P V (N-major, trans-b) for keys 16 kk..16 kk+15 and head dims d0.. (this warpgroup's half)
 // of a V tile. Blocked: LBO the next 8 keys, SBO the next 8 dims. Swizzled: box d0 / 64, keys at
 // 128 bytes, LBO = 8 KB the next 64 dims (the next box), SBO 1024 the next 8 keys.
@@ -329,9 +335,12 @@ BARO_DEV void wg_s_issue(const uint16_t* __restrict__ Qs, const uint16_t* __rest
     for (int i = 0; i < 4; ++i) sacc[u][i] = 0.0f;
   wg_hold(sacc);
   wg_fence();
+  // the k16 steps' operands as the first step's descriptors plus constant offsets (wg_desc_at):
+  // the descriptors wg_desc and wg_kdesc give at each k0
+  const uint64_t qd = wg_desc(Qs, 128, L::kRowGroup), kd = wg_kdesc<kHd, kTma>(Kt, half * 32, 0);
 #pragma unroll
   for (int k0 = 0; k0 < kHd; k0 += 16)
-    wg_mma_s(sacc, wg_desc(Qs + k0 * 8, 128, L::kRowGroup), wg_kdesc<kHd, kTma>(Kt, half * 32, k0));
+    wg_mma_s(sacc, wg_desc_at(qd, 2 * k0 * 8), wg_desc_at(kd, wg_kstep_bytes<kHd, kTma>(k0)));
   wg_commit();
 }
 

@@ -47,6 +47,13 @@ BARO_DEV uint64_t wg_desc(const void* p, uint32_t lbo, uint32_t sbo) {
   return static_cast<uint64_t>((a & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
          (static_cast<uint64_t>(sbo >> 4) << 32);
 }
+// The descriptor of the address `bytes` past the one d describes (bytes: a multiple of 16): d's start
+// field plus bytes / 16. That field holds address bits 4..17 and shared-memory addresses stay below
+// 256 KB, so the sum never carries out of it: the same 64 bits wg_desc gives for the new address, in
+// one 32-bit add of a constant instead of the address, mask, shift and or of each wgmma's operand.
+BARO_DEV uint64_t wg_desc_at(uint64_t d, uint32_t bytes) {
+  return (d & ~uint64_t{0xffffffffu}) | static_cast<uint32_t>(static_cast<uint32_t>(d) + (bytes >> 4));
+}
 // The same with the 128-byte swizzle (layout type 1): the tile's boxes must sit on 1024 bytes.
 BARO_DEV uint64_t wg_desc_sw128(const void* p, uint32_t lbo, uint32_t sbo) {
   return wg_desc(p, lbo, sbo) | (static_cast<uint64_t>(1) << 62);

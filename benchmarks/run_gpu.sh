@@ -202,15 +202,16 @@ ncu_op_sections() {
 }
 # Where one kernel's warps wait, line by line of its SASS (ncu --section SourceCounters: warp stall
 # samples per instruction): NCU_SRC_KERNEL (regex, delta_kernel) in one op_times call of NCU_SRC_OPS
-# (delta) at NCU_SRC_M rows (4096). $OUT/ncu_source_<tag>_${CARD}.csv.gz (the source page, SASS) and
+# (delta) at NCU_SRC_M rows (4096), NCU_SRC_ARGS added to op_times.py's (e.g. "--context 65536" for
+# the prefill attention: NCU_SRC_KERNEL=attn_wgmma NCU_SRC_OPS=attention NCU_SRC_TAG=attn). $OUT/ncu_source_<tag>_${CARD}.csv.gz (the source page, SASS) and
 # .txt (ncu's summary sections), tag NCU_SRC_TAG (delta).
 stage_ncu_source() {
   local tag=${NCU_SRC_TAG:-delta}
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --section SourceCounters \
     --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
     -k "regex:${NCU_SRC_KERNEL:-delta_kernel}" --launch-count 1 -f -o "/tmp/ncu_source_$tag" \
-    python benchmarks/op_times.py --m "${NCU_SRC_M:-4096}" --ops "${NCU_SRC_OPS:-delta}" --reps 1 --backends ordered \
-    > "$OUT/ncu_source_${tag}_log.txt" 2>&1
+    python benchmarks/op_times.py --m "${NCU_SRC_M:-4096}" --ops "${NCU_SRC_OPS:-delta}" ${NCU_SRC_ARGS:-} --reps 1 \
+    --backends ordered > "$OUT/ncu_source_${tag}_log.txt" 2>&1
   ncu -i "/tmp/ncu_source_$tag.ncu-rep" > "$OUT/ncu_source_${tag}_${CARD}.txt" 2>&1
   ncu -i "/tmp/ncu_source_$tag.ncu-rep" --page source --csv --print-source sass 2>/dev/null \
     | gzip > "$OUT/ncu_source_${tag}_${CARD}.csv.gz"

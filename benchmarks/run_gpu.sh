@@ -203,8 +203,9 @@ ncu_op_sections() {
 # Where one kernel's warps wait, line by line of its SASS (ncu --section SourceCounters: warp stall
 # samples per instruction): NCU_SRC_KERNEL (regex, delta_kernel) in one op_times call of NCU_SRC_OPS
 # (delta) at NCU_SRC_M rows (4096), NCU_SRC_ARGS added to op_times.py's (e.g. "--context 65536" for
-# the prefill attention: NCU_SRC_KERNEL=attn_wgmma NCU_SRC_OPS=attention NCU_SRC_TAG=attn). $OUT/ncu_source_<tag>_${CARD}.csv.gz (the source page, SASS) and
-# .txt (ncu's summary sections), tag NCU_SRC_TAG (delta).
+# the prefill attention: NCU_SRC_KERNEL=attn_wgmma NCU_SRC_OPS=attention NCU_SRC_TAG=attn).
+# $OUT/ncu_source_<tag>_${CARD}.csv.gz (the source page, SASS) and .txt (ncu's summary sections),
+# tag NCU_SRC_TAG (delta).
 stage_ncu_source() {
   local tag=${NCU_SRC_TAG:-delta}
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --section SourceCounters \

@@ -99,10 +99,12 @@ _TABLE: tuple[Knob, ...] = (
          doc="1: the sm_90a wgmma prefill attention where it runs (the same bits as the mma.sync kernel); "
              "0: the mma.sync prefill kernel everywhere; require: an error where it would fall back (tests) "
              "(csrc/gpu/attention_fa.cuh)"),
-    Knob("BARO_ATTN_PIPE", "choice", "1", choices=("1", "0"),
+    Knob("BARO_ATTN_PIPE", "choice", "1", choices=("1", "0", "2"),
          doc="1: the sm_90a prefill attention (K/V by TMA) issues a KV block's S wgmma before the previous "
              "block's softmax, so the tensor cores run it beside the softmax; 0: each S issued and waited for in "
-             "its own block; the same bits (csrc/gpu/attention_wgmma.cu)"),
+             "its own block; 2: as 1, and a block's P V also runs beside the next block's softmax, the split "
+             "merge's accumulators in GPU scratch (64 rows x head_dim fp32 a tile); the same bits "
+             "(csrc/gpu/attention_wgmma.cu)"),
     Knob("BARO_MOE_FOLD", "onoff", True,
          doc="off: the shared expert and its gate as GEMMs of their own instead of folded into the router and "
              "grouped GEMMs (one token; many rows on 16-row slots) (csrc/gpu/moe.cu)"),

@@ -280,12 +280,13 @@ def test_attention_decode_copies_same_bytes(platform, hd, monkeypatch):
 # with padding rows (m = 5, 300) and a padded call (n_valid < rows). m <= 16 runs the decode tiles
 # whatever the knob says; those cases only check that the knob leaves them alone. pipe "1": the
 # same under BARO_ATTN_PIPE=1 (each block's S issued a block early; TMA head dims 128 and 256,
-# the rings at 64 ignore it).
+# the rings at 64 ignore it) and 2 (also each block's P V left running through the next block's
+# softmax, the split merge's O in scratch).
 AT_WGMMA = {"g8_hd256": (16, 2, 256, 32), "g4_hd128": (8, 2, 128, 32), "g4_hd64": (8, 2, 64, 16)}
 AT_WGMMA_S = 2900
 
 
-@pytest.mark.parametrize("pipe", ["0", "1"])
+@pytest.mark.parametrize("pipe", ["0", "1", "2"])
 @pytest.mark.parametrize("cfg", list(AT_WGMMA))
 def test_attention_wgmma_same_bytes(platform, cfg, pipe, monkeypatch):
     if platform.platform == "cpu":

@@ -92,7 +92,7 @@ inline constexpr Knob kKnobs[kCount] = {
     {"BARO_CPU_THREADS", Kind::kInt, nullptr, 1, kCpuThreadsMax, 0},
     {"BARO_ATTN_DUP", Kind::kOnOff, nullptr, 0, 0, 0},
     {"BARO_ATTN_WGMMA", Kind::kChoice, "1|0|require", 0, 0, 0},
-    {"BARO_ATTN_PIPE", Kind::kChoice, "1|0", 0, 0, 0},
+    {"BARO_ATTN_PIPE", Kind::kChoice, "1|0|2", 0, 0, 0},
     {"BARO_MOE_FOLD", Kind::kOnOff, nullptr, 0, 0, 1},
     {"BARO_MOE_TAIL", Kind::kChoice, "1|0|combine", 0, 0, 0},
     {"BARO_MOE_HOST", Kind::kChoice, "staged|direct", 0, 0, 0},

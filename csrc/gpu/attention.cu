@@ -71,7 +71,7 @@ static int64_t attn_max_splits(const AttentionArgs& a) { return (a.S + kAttnSpli
 
 size_t attention_scratch_bytes(const AttentionArgs& a) {
 #if !BARO_HIP
-  return fa_scratch_bytes(a);
+  return fa_scratch_bytes(a) + attention_wgmma_scratch_bytes(a);  // calls of <= 16 rows / more
 #else
   static_assert(baro::scratch::kAttnRows == kAttnRows && baro::scratch::kAttnSplit == kAttnSplit,
                 "scratch_layout.h has the HIP kernel's geometry");

@@ -344,6 +344,15 @@ BARO_DEV void wg_s_issue(const uint16_t* __restrict__ Qs, const uint16_t* __rest
   wg_commit();
 }
 
+// Keeps P's fragments in their registers up to here: a P V in flight reads them.
+template <int N>
+BARO_DEV void wg_hold_a(FragA (&a)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[j].r[i])::"memory");
+}
+
 // Steps a-d of one KV block of 64 keys (from j0) for the tile: fa_block_step's statements with
 // pair -> w (this warp in its warpgroup), half -> the warpgroup, and the two dots on wgmma.
 // kIssued: S is already in sacc (wg_s_issue'd and waited for by the caller: the pipelined loop
@@ -351,12 +360,18 @@ BARO_DEV void wg_s_issue(const uint16_t* __restrict__ Qs, const uint16_t* __rest
 // kMasked = false only when every row of the tile is real and its limit is >= j0 + 63.
 // kTma: Vt arrives by TMA, complete when phase vpar of the mbarrier vbar is; its rows vrows..
 // (past the last written cache row) are zeroed here. Otherwise by this thread's cp.async groups.
-template <bool kMasked, int kHd, bool kTma, bool kIssued = false>
+// kDeferPV (with kIssued and kTma): block b - 1's P V, its A operand in pa, may still run on entry
+// and block b's is left running on return. It is waited for just before the second barrier (with
+// block b + 1's S: ptxas serialises every wgmma where both of a block's waits leave a group in
+// flight), and v_free() runs right after that barrier, when no warp reads block b - 1's V stage.
+template <bool kMasked, int kHd, bool kTma, bool kIssued = false, bool kDeferPV = false, class VFree>
 BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __restrict__ Kt,
                             uint16_t* __restrict__ Vt, uint16_t* __restrict__ Ps,
                             float* __restrict__ red, int half, int w, int j0, const int (&lim)[2], float sl2,
                             float (&o)[WgLayout<kHd>::kNt][4], float (&ms)[2], float (&ls)[2],
-                            uint32_t vbar, uint32_t vpar, int vrows, float (&sacc)[4][4]) {
+                            uint32_t vbar, uint32_t vpar, int vrows, float (&sacc)[4][4],
+                            FragA (&pa)[kFaKB / 16], VFree&& v_free) {
+  static_assert(!kDeferPV || (kIssued && kTma), "a deferred P V follows the pipelined TMA loop");
   using L = WgLayout<kHd, kTma>;
   const int lane = lane_id();
   const int g = lane >> 2, t = lane & 3;
@@ -440,7 +455,13 @@ BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __r
     fa_cp_async_wait<L::kVWait>();  // this block's V, for P V below
     wg_fence_proxy();
   }
+  if constexpr (kDeferPV) {  // block b - 1's P V: o, pa and its V stage are free after this
+    wg_wait_all();
+    wg_hold(o);
+    wg_hold_a(pa);
+  }
   __syncthreads();
+  if constexpr (kDeferPV) v_free();
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     if (active[e]) {
@@ -452,7 +473,6 @@ BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __r
   }
   // d. o = o * alpha + P V over this warpgroup's dims, the 4 key steps ascending. A row inactive
   //    on this block was merged before it (attn_wgmma_kernel); its o is dead from here on.
-  FragA pa[kFaKB / 16];
 #pragma unroll
   for (int kk = 0; kk < kFaKB / 16; ++kk) fa_load_a(pa[kk], Ps + rb * kFaPld + kk * 16, kFaPld);
 #pragma unroll
@@ -468,22 +488,33 @@ BARO_DEV void wg_block_step(const uint16_t* __restrict__ Qs, const uint16_t* __r
   for (int kk = 0; kk < kFaKB / 16; ++kk)
     wg_mma_pv(o, pa[kk], wg_vdesc<kHd, kTma>(Vt, kk, half * (kHd / 2)));
   wg_commit();
-  wg_wait_all();
-  wg_hold(o);
+  if constexpr (!kDeferPV) {
+    wg_wait_all();
+    wg_hold(o);
+  }
 }
 
 // Grid (tiles, Hkv): tile x of kv head y, the tiles last-first (attn_fa_kernel's serial mode).
 // kTma: K/V by TMA through maps (wg_launch); else the cp.async rings, maps unused. kPair (with
 // kTma): launched in clusters of 2 along x, blocks both tiles need multicast (see wg_tma_tile_pair).
-// kPipe (with kTma, not kPair; the default, BARO_ATTN_PIPE=0 turns it off): block b + 1's S is
+// kPipe (with kTma, not kPair; 1, the default, BARO_ATTN_PIPE=0 turns it off): block b + 1's S is
 // issued before block b's softmax, so the tensor cores compute it while the warps run the softmax
 // and P V's setup; every dot and every statement is the same, only when S is issued moves. Block
 // b + 1's K is waited for at the top of step b, so a K copy has one step to land, not two.
-template <int kHd, bool kTma, bool kPair, bool kPipe = false>
+// kPipe 2 (BARO_ATTN_PIPE=2, opt-in): block b's P V also runs beside block b + 1's S issue and
+// softmax, its A operand (P) held in registers until then; wg_block_step waits for it before the
+// o rescale, and anything else that touches o waits first (a split's start follows a split end,
+// which waits; a row's merge on its first inactive block; a split's end). The room for that comes
+// from the split merge's O, which moves to global memory (Og: `scratch`, 64 rows x hd fp32 a tile,
+// each thread its own O elements, read and written once a split: the same products and sums as in
+// registers, the first merge of a row against 0.0f as the registers held). Block b + 1's V refills
+// block b - 1's stage once that P V is done in both warpgroups, so it has one step to land.
+template <int kHd, bool kTma, bool kPair, int kPipe = 0>
 __global__ void __launch_bounds__(kWgThreads, 1)
-    attn_wgmma_kernel(AttentionArgs a, const __grid_constant__ WgMaps maps) {
+    attn_wgmma_kernel(AttentionArgs a, const __grid_constant__ WgMaps maps, float* __restrict__ Og) {
   static_assert(kTma || !kPair, "pairs share TMA copies");
   static_assert(!kPipe || (kTma && !kPair), "the pipelined loop is written for the one-CTA TMA path");
+  constexpr bool kDeferPV = kPipe == 2;
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = WgLayout<kHd, kTma>;
   constexpr int hd = kHd;
@@ -653,18 +684,31 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int dbase = half * (hd / 2);                    // this warpgroup's head dims
 
   float o[nnt][4];  // this split's O (reset when a split starts: b % kAttnSplitBlocks == 0)
+  FragA pa[kFaKB / 16];  // the block's P as P V's A operand (kDeferPV: live until the next block's wait)
 #pragma unroll
   for (int q = 0; q < nnt; ++q)
 #pragma unroll
     for (int i = 0; i < 4; ++i) o[q][i] = 0.0f;
   float ms[2] = {-INFINITY, -INFINITY}, ls[2] = {0.0f, 0.0f};
-  // running merge over splits
-  float O[nnt][4];
+  // running merge over splits: in registers, or (kDeferPV) in this block's nnt x 4 x 256 floats of
+  // Og, O[q][2e..2e+1] of thread t at float2 (2q + e) * 256 + t (a warp's accesses side by side);
+  // fresh[e]: row e not merged yet (its O is 0.0f)
+  float O[kDeferPV ? 1 : nnt][4];
+  float2* Og2 = nullptr;
+  bool fresh[2] = {true, true};
+  if constexpr (kDeferPV)
+    Og2 = reinterpret_cast<float2*>(Og + (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * kWgThreads *
+                                             (nnt * 4)) + threadIdx.x;
   float Mrun[2] = {-INFINITY, -INFINITY}, Lrun[2] = {0.0f, 0.0f};
 #pragma unroll
-  for (int q = 0; q < nnt; ++q)
+  for (int q = 0; q < (kDeferPV ? 1 : nnt); ++q)
 #pragma unroll
     for (int i = 0; i < 4; ++i) O[q][i] = 0.0f;
+  // O[q][2e..2e+1] of row e as merged so far
+  auto o_run = [&](int q, int e) {
+    if constexpr (kDeferPV) return fresh[e] ? make_float2(0.0f, 0.0f) : Og2[(2 * q + e) * kWgThreads];
+    else return make_float2(O[q][2 * e], O[q][2 * e + 1]);
+  };
   // attn_fa_kernel's split merge of row e (g + 8e), when split sp is active for it.
   auto merge_row = [&](int e, int sp) {
     if (static_cast<int64_t>(sp) * kAttnSplit <= lim[e]) {  // split active for the row
@@ -673,9 +717,16 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       Lrun[e] = Lrun[e] * ea + ls[e] * eb;
 #pragma unroll
       for (int q = 0; q < nnt; ++q) {
-        O[q][2 * e + 0] = O[q][2 * e + 0] * ea + o[q][2 * e + 0] * eb;
-        O[q][2 * e + 1] = O[q][2 * e + 1] * ea + o[q][2 * e + 1] * eb;
+        const float2 r = o_run(q, e);
+        const float2 n = make_float2(r.x * ea + o[q][2 * e + 0] * eb, r.y * ea + o[q][2 * e + 1] * eb);
+        if constexpr (kDeferPV) {
+          Og2[(2 * q + e) * kWgThreads] = n;
+        } else {
+          O[q][2 * e + 0] = n.x;
+          O[q][2 * e + 1] = n.y;
+        }
       }
+      fresh[e] = false;
       Mrun[e] = Mn;
     }
   };
@@ -708,10 +759,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     }
     __syncthreads();   // that K visible to all; every warp done with block b-1's buffers
     // into the buffers of block b-1 (the rings are kVLead + 1 and kKLead + 1 deep)
+    const int bv = b + L::kVLead;
     if constexpr (kTma) {
       if (threadIdx.x == 0) {
-        const int bv = b + L::kVLead, bk = b + L::kKLead;
-        if (bv < b_end) issue(V0, &maps.v, vbar, vempty, L::kVStages, bv, true);
+        const int bk = b + L::kKLead;
+        // kDeferPV: block b - 1's P V may still read that V stage; the step refills it (v_free)
+        if (!kDeferPV && bv < b_end) issue(V0, &maps.v, vbar, vempty, L::kVStages, bv, true);
         if (bk < b_end) issue(K0, &maps.k, kbar, kempty, L::kKStages, bk, true);
       }
     } else {
@@ -725,7 +778,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       fa_cp_async_commit();
     }
 
+    // kDeferPV: block b - 1's P V is complete before o is written or read here. ptxas must see a
+    // wait on every path to such an access (else it serialises every wgmma), so the waits sit in
+    // the same branches: a split's start (after a split end nothing is in flight) and every block
+    // past the tile's smallest row limit (a row's merge on its first block past its position).
     if (b % kAttnSplitBlocks == 0) {  // a split starts: fresh online softmax
+      if constexpr (kDeferPV) wg_wait_all();
 #pragma unroll
       for (int q = 0; q < nnt; ++q)
 #pragma unroll
@@ -739,12 +797,20 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const int j0 = b * kFaKB;
     // A row whose position is in the previous block is inactive from this block on: its split
     // (if active for it) is merged now, with the o, ms, ls the split end would have seen.
+    if (!kDeferPV || j0 > lim_min) {
+      if constexpr (kDeferPV) {
+        wg_wait_all();
+        wg_hold(o);
+      }
 #pragma unroll
-    for (int e = 0; e < 2; ++e)
-      if (j0 > lim[e] && j0 - kFaKB <= lim[e]) merge_row(e, b / kAttnSplitBlocks);
+      for (int e = 0; e < 2; ++e)
+        if (j0 > lim[e] && j0 - kFaKB <= lim[e]) merge_row(e, b / kAttnSplitBlocks);
+    }
 
     if constexpr (kPipe) {
-      wg_wait_all();  // block b's S (and nothing else is in flight)
+      // block b's S (kDeferPV: done at block b - 1's second wait, or before the loop; only block
+      // b - 1's P V may still run; else nothing else is in flight)
+      if constexpr (!kDeferPV) wg_wait_all();
       wg_hold(cur);
       // Issued on every block (the last one's result unused, read from its own landed K) so no
       // wgmma sits on a branch: ptxas serialises wgmmas around one it cannot prove uniform.
@@ -755,13 +821,23 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     // blocks that cross a row's position (the diagonal, or any block of a tile with padding
     // rows) need the masks.
     const uint32_t vb = vbar + 8 * (b % L::kVStages), vp = (b / L::kVStages) & 1;
+    auto v_free = [&] {  // kDeferPV: every warp's block b - 1 P V is done; its V stage takes block bv
+      if (threadIdx.x == 0 && bv < b_end) issue(V0, &maps.v, vbar, vempty, L::kVStages, bv, true);
+    };
+    constexpr bool kIssued = kPipe != 0;
     if (j0 + kFaKB - 1 > lim_min)
-      wg_block_step<true, kHd, kTma, kPipe>(Qs, Kt, Vt, Ps, red, half, w, j0, lim, sl2, o, ms, ls, vb, vp, rows_ok, cur);
+      wg_block_step<true, kHd, kTma, kIssued, kDeferPV>(Qs, Kt, Vt, Ps, red, half, w, j0, lim, sl2, o, ms, ls, vb,
+                                                        vp, rows_ok, cur, pa, v_free);
     else
-      wg_block_step<false, kHd, kTma, kPipe>(Qs, Kt, Vt, Ps, red, half, w, j0, lim, sl2, o, ms, ls, vb, vp, rows_ok, cur);
+      wg_block_step<false, kHd, kTma, kIssued, kDeferPV>(Qs, Kt, Vt, Ps, red, half, w, j0, lim, sl2, o, ms, ls, vb,
+                                                         vp, rows_ok, cur, pa, v_free);
 
     // e. split done: in-order merge of the rows still active on this block.
     if ((b + 1) % kAttnSplitBlocks == 0 || b + 1 == b_end) {
+      if constexpr (kDeferPV) {
+        wg_wait_all();
+        wg_hold(o);
+      }
 #pragma unroll
       for (int e = 0; e < 2; ++e)
         if (j0 <= lim[e]) merge_row(e, b / kAttnSplitBlocks);
@@ -774,6 +850,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     if (b_begin < b_end) k_landed(b_begin);
     __syncthreads();  // Q and that K visible to both warpgroups
     wg_s_issue<kHd, kTma>(Qs, K0 + (b_begin % L::kKStages) * tile_el, half, sA);
+    if constexpr (kDeferPV) wg_wait_all();  // the loop's blocks find their S done
     int b = b_begin;
     for (; b + 1 < b_end; b += 2) {  // the two accumulators by name, alternating
       block(b, sA, sB);
@@ -799,8 +876,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       for (int q = 0; q < nnt; ++q) {
         uint32_t v = 0;
         if (i < nvld) {
-          const uint16_t lo = f32_to_bf16((O[q][2 * e] / Lrun[e]) * sigmoidf_(grow[q * 8]));
-          const uint16_t hi = f32_to_bf16((O[q][2 * e + 1] / Lrun[e]) * sigmoidf_(grow[q * 8 + 1]));
+          const float2 r = o_run(q, e);
+          const uint16_t lo = f32_to_bf16((r.x / Lrun[e]) * sigmoidf_(grow[q * 8]));
+          const uint16_t hi = f32_to_bf16((r.y / Lrun[e]) * sigmoidf_(grow[q * 8 + 1]));
           v = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
         }
         *reinterpret_cast<uint32_t*>(orow + q * 8) = v;
@@ -835,14 +913,15 @@ static bool wg_encode(CUtensorMap* m, const uint16_t* cache, const AttentionArgs
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <int kHd, bool kTma, bool kPipe = false>
-gpuError_t wg_launch_one(const AttentionArgs& a, const WgMaps& maps, unsigned tiles, gpuStream_t stream) {
+template <int kHd, bool kTma, int kPipe = 0>
+gpuError_t wg_launch_one(const AttentionArgs& a, const WgMaps& maps, unsigned tiles, gpuStream_t stream,
+                         float* og = nullptr) {
   constexpr int smem = WgLayout<kHd, kTma>::kTotal;  // 202 KB at hd 256 (TMA: 203)
   static std::atomic<uint64_t> smem_done{0};
   const gpuError_t e = allow_smem(attn_wgmma_kernel<kHd, kTma, false, kPipe>, smem, smem_done);
   if (e != gpuSuccess) return e;
   return launch_dependent(attn_wgmma_kernel<kHd, kTma, false, kPipe>, dim3(tiles, static_cast<unsigned>(a.Hkv), 1u),
-                          dim3(kWgThreads), smem, stream, a, maps);  // after the cache write
+                          dim3(kWgThreads), smem, stream, a, maps, og);  // after the cache write
 }
 
 // Pairs: clusters of 2 along the tiles (an even count: the pad CTA only meets the cluster
@@ -868,20 +947,23 @@ gpuError_t wg_launch_pair(const AttentionArgs& a, const WgMaps& maps, unsigned t
   }
   cfg.attrs = attr;
   cfg.numAttrs = n;
-  return cudaLaunchKernelEx(&cfg, attn_wgmma_kernel<kHd, true, true>, a, maps);
+  return cudaLaunchKernelEx(&cfg, attn_wgmma_kernel<kHd, true, true>, a, maps, static_cast<float*>(nullptr));
 }
 
 template <int kHd>
-gpuError_t wg_launch(const AttentionArgs& a, unsigned tiles, gpuStream_t stream) {
+gpuError_t wg_launch(const AttentionArgs& a, unsigned tiles, void* scratch, gpuStream_t stream) {
   WgMaps maps{};
   if constexpr (wg_tma_ok<kHd>()) {
     const int mode = g_wg_tma.load(std::memory_order_relaxed);
     if (mode != 0 && tiles < 0xffffffffu && wg_encode(&maps.k, a.k_cache, a) && wg_encode(&maps.v, a.v_cache, a)) {
       g_wg_last.store(mode == 2 ? 2 : 1, std::memory_order_relaxed);
       if (mode == 2) return wg_launch_pair<kHd>(a, maps, tiles, stream);
-      // block b + 1's S issued before block b's softmax (the same bits; BARO_ATTN_PIPE=0: not)
-      if (!baro::knobs::is(baro::knobs::kAttnPipe, "0")) return wg_launch_one<kHd, true, true>(a, maps, tiles, stream);
-      return wg_launch_one<kHd, true>(a, maps, tiles, stream);
+      // block b + 1's S issued before block b's softmax (the same bits; BARO_ATTN_PIPE=0: not; 2:
+      // block b's P V also beside block b + 1's softmax, the split merge's O in `scratch`)
+      if (baro::knobs::is(baro::knobs::kAttnPipe, "0")) return wg_launch_one<kHd, true, 0>(a, maps, tiles, stream);
+      if (baro::knobs::is(baro::knobs::kAttnPipe, "2") && scratch != nullptr)
+        return wg_launch_one<kHd, true, 2>(a, maps, tiles, stream, static_cast<float*>(scratch));
+      return wg_launch_one<kHd, true, 1>(a, maps, tiles, stream);
     }
   }
   g_wg_last.store(0, std::memory_order_relaxed);
@@ -914,8 +996,22 @@ int attention_wgmma_last_loads() {
 #endif
 }
 
+// BARO_ATTN_PIPE=2's merge accumulators: 64 rows x hd fp32 a tile (wg_launch's grid: the row tiles
+// of each kv head), for calls of more than 16 rows at the head dims with TMA; 0 otherwise.
+size_t attention_wgmma_scratch_bytes(const AttentionArgs& a) {
+#if BARO_WGMMA_BUILT
+  if (a.m <= 16 || (a.hd != 256 && a.hd != 128) || a.Hkv <= 0 || a.H % a.Hkv != 0 ||
+      !baro::knobs::is(baro::knobs::kAttnPipe, "2"))
+    return 0;
+  const int64_t tiles = (a.m * (a.H / a.Hkv) + kWgRows - 1) / kWgRows;
+  return static_cast<size_t>(tiles * a.Hkv * kWgRows * a.hd * 4);
+#else
+  (void)a;
+  return 0;
+#endif
+}
+
 gpuError_t launch_attention_wgmma(const AttentionArgs& a, void* scratch, gpuStream_t stream, bool* ran) {
-  (void)scratch;  // serial mode: no split partials
   *ran = false;
 #if BARO_WGMMA_BUILT
   if (a.m <= 0 || a.Hkv <= 0 || a.H % a.Hkv != 0) return gpuSuccess;
@@ -927,13 +1023,14 @@ gpuError_t launch_attention_wgmma(const AttentionArgs& a, void* scratch, gpuStre
   *ran = true;
   const unsigned n = static_cast<unsigned>(tiles);
   switch (a.hd) {
-    case 256: return wg_launch<256>(a, n, stream);
-    case 128: return wg_launch<128>(a, n, stream);
-    case 64: return wg_launch<64>(a, n, stream);
-    default: return wg_launch<32>(a, n, stream);
+    case 256: return wg_launch<256>(a, n, scratch, stream);
+    case 128: return wg_launch<128>(a, n, scratch, stream);
+    case 64: return wg_launch<64>(a, n, scratch, stream);
+    default: return wg_launch<32>(a, n, scratch, stream);
   }
 #else
   (void)a;
+  (void)scratch;
   (void)stream;
   return gpuSuccess;
 #endif

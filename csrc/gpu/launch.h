@@ -180,6 +180,8 @@ gpuError_t launch_attention(const AttentionArgs& a, void* scratch, gpuStream_t s
 // nothing and sets *ran = false where it is not built (no sm_90 in the architectures, HIP), the
 // device is not sm_90 or the head dim is not 32, 64, 128 or 256; the caller then runs the default.
 gpuError_t launch_attention_wgmma(const AttentionArgs& a, void* scratch, gpuStream_t stream, bool* ran);
+// Scratch the Hopper prefill attention takes for a call (BARO_ATTN_PIPE=2's merge accumulators; else 0).
+size_t attention_wgmma_scratch_bytes(const AttentionArgs& a);
 
 // ---- Gated DeltaNet (conv.cu, delta.cu) ----
 // y[t,c] = silu(sum_j w[c,j] u[t-3+j,c]); win_out may equal win_in.

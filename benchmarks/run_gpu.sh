@@ -496,7 +496,8 @@ stage_decode_knobs() {
 # default: the tensor cores run it beside the previous block's softmax; the same bits), in parts
 # (ATTN_PIPE_PARTS: tests ops speed): the attention byte tests (ATTN_PIPE_K: a pytest -k filter), the
 # attention op alone (8192 rows) at ATTN_PIPE_CONTEXTS under each of ATTN_PIPE_LEVELS (0 1) on the same
-# inputs ($OUT/op_times_attn_pipe<n>_ctx<c>_${CARD}.json),
+# inputs ($OUT/op_times_attn_pipe<n>_ctx<c>_${CARD}.json; and with ATTN_PIPE_BASE_LIB's libraries at the
+# default, $OUT/op_times_attn_pipe_base_ctx<c>_${CARD}.json),
 # prefill at ATTN_PIPE_LENGTHS under each, identity-checked ($OUT/speed_attn_pipe<n>_${CARD}.json;
 # on an H100 at chunk 2048 and 97%).
 stage_attn_pipe() {
@@ -512,6 +513,10 @@ stage_attn_pipe() {
                  --backends ordered --reps 10 --rounds 3 --json "$OUT/op_times_attn_pipe${n}_ctx${c}_${CARD}.json" \
                  2>&1 | grep "op="
              done
+             # ATTN_PIPE_BASE_LIB: another build's libraries (e.g. an earlier csrc), timed at the default beside
+             [ -n "${ATTN_PIPE_BASE_LIB:-}" ] && BARO_LIB_DIR=$ATTN_PIPE_BASE_LIB timeout 120 python benchmarks/op_times.py \
+               --m 8192 --context "$c" --ops attention --backends ordered --reps 10 --rounds 3 \
+               --json "$OUT/op_times_attn_pipe_base_ctx${c}_${CARD}.json" 2>&1 | grep "op="
            done ;;
       speed) (  # a subshell: the H100's chunk and memory fraction stay here
                [ "$CARD" = h100 ] && export XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 SPEED_UNDER_CHUNK=${SPEED_UNDER_CHUNK:-2048}

@@ -514,9 +514,11 @@ stage_attn_pipe() {
                  2>&1 | grep "op="
              done
              # ATTN_PIPE_BASE_LIB: another build's libraries (e.g. an earlier csrc), timed at the default beside
-             [ -n "${ATTN_PIPE_BASE_LIB:-}" ] && BARO_LIB_DIR=$ATTN_PIPE_BASE_LIB timeout 120 python benchmarks/op_times.py \
-               --m 8192 --context "$c" --ops attention --backends ordered --reps 10 --rounds 3 \
-               --json "$OUT/op_times_attn_pipe_base_ctx${c}_${CARD}.json" 2>&1 | grep "op="
+             if [ -n "${ATTN_PIPE_BASE_LIB:-}" ]; then
+               BARO_LIB_DIR=$ATTN_PIPE_BASE_LIB timeout 120 python benchmarks/op_times.py --m 8192 --context "$c" \
+                 --ops attention --backends ordered --reps 10 --rounds 3 \
+                 --json "$OUT/op_times_attn_pipe_base_ctx${c}_${CARD}.json" 2>&1 | grep "op="
+             fi
            done ;;
       speed) (  # a subshell: the H100's chunk and memory fraction stay here
                [ "$CARD" = h100 ] && export XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 SPEED_UNDER_CHUNK=${SPEED_UNDER_CHUNK:-2048}

@@ -207,19 +207,20 @@ BARO_DEV void wg_zero_rows(uint16_t* tile, int first) {
     if (((i >> 3) & (kFaKB - 1)) >= first) p[i] = make_uint4(0u, 0u, 0u, 0u);
 }
 
-// B of S (K-major) for keys n0.. (a multiple of 8) and head dims k0..k0+15 of a K tile.
-// Blocked: 8 x 8 blocks, LBO the next 8 dims, SBO the next 8 keys. Swizzled: box k0 / 64, the 16
-// dims as a 32-byte step inside the 128-byte rows (the swizzle applies to the address wgmma
-// forms, as TMA's did), SBO 1024 the next 8 keys; LBO unused (16 dims never cross a row).
+// B of S (K-major) for keys n0.. (a multiple of 8) and head dims 0..15 of a K tile; head dims
+// k0..k0+15 are wg_desc_at(that, wg_kstep_bytes(k0)). Blocked: 8 x 8 blocks, LBO the next 8 dims,
+// SBO the next 8 keys. Swizzled: box k0 / 64, the 16 dims as a 32-byte step inside the 128-byte
+// rows (the swizzle applies to the address wgmma forms, as TMA's did), SBO 1024 the next 8 keys;
+// LBO unused (16 dims never cross a row).
 template <int kHd, bool kTma>
-BARO_DEV uint64_t wg_kdesc(const uint16_t* Kt, int n0, int k0) {
+BARO_DEV uint64_t wg_kdesc(const uint16_t* Kt, int n0) {
   if constexpr (kTma)
-    return wg_desc_sw128(Kt + (k0 / 64) * (kFaKB * 64) + n0 * 64 + (k0 % 64), 16, 1024);
+    return wg_desc_sw128(Kt + n0 * 64, 16, 1024);
   else
-    return wg_desc(Kt + (n0 / 8) * (kHd / 8) * 64 + k0 * 8, 128, kHd / 8 * 128);
+    return wg_desc(Kt + (n0 / 8) * (kHd / 8) * 64, 128, kHd / 8 * 128);
 }
-// Bytes from head dim 0 to head dim k0 (a multiple of 16) in a K tile, as wg_kdesc addresses them:
-// swizzled, box k0 / 64 then 2 bytes a dim inside its rows; blocked, 128 bytes per 8 dims.
+// Bytes from head dim 0 to head dim k0 (a multiple of 16) in a K tile: swizzled, box k0 / 64 then
+// 2 bytes a dim inside its rows; blocked, 128 bytes per 8 dims.
 template <int kHd, bool kTma>
 BARO_DEV constexpr uint32_t wg_kstep_bytes(int k0) {
   return kTma ? static_cast<uint32_t>(2 * ((k0 / 64) * (kFaKB * 64) + k0 % 64)) : static_cast<uint32_t>(2 * k0 * 8);
@@ -336,8 +337,8 @@ BARO_DEV void wg_s_issue(const uint16_t* __restrict__ Qs, const uint16_t* __rest
   wg_hold(sacc);
   wg_fence();
   // the k16 steps' operands as the first step's descriptors plus constant offsets (wg_desc_at):
-  // the descriptors wg_desc and wg_kdesc give at each k0
-  const uint64_t qd = wg_desc(Qs, 128, L::kRowGroup), kd = wg_kdesc<kHd, kTma>(Kt, half * 32, 0);
+  // the descriptors of each k0's addresses
+  const uint64_t qd = wg_desc(Qs, 128, L::kRowGroup), kd = wg_kdesc<kHd, kTma>(Kt, half * 32);
 #pragma unroll
   for (int k0 = 0; k0 < kHd; k0 += 16)
     wg_mma_s(sacc, wg_desc_at(qd, 2 * k0 * 8), wg_desc_at(kd, wg_kstep_bytes<kHd, kTma>(k0)));

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill ncu_attn ncu_source mma_swap mma_latency wy_probe prefill_profile chunk_sweep delta_knobs attn_pipe pipe_order moe_grouped tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill ncu_attn ncu_source mma_swap mma_latency wy_probe k_segments prefill_profile chunk_sweep delta_knobs attn_pipe pipe_order moe_grouped tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -761,6 +761,13 @@ stage_batch_tier() {
       --new-tokens "${BATCH_TIER_NEW:-32}" --chunk 1024 --check 2 --json "$OUT/throughput_tier_${CARD}.json" 2>&1 \
       | grep -v '^\[baro_jax\]' | tail -5
   )
+}
+# A fixed segmented K order's chains for the decode-shaped GEMMs, timed with today's kernel before
+# any of it is built (benchmarks/k_segments_probe.py): S = 1 / 2 / 4 segments at KSEG_M rows,
+# $OUT/k_segments_${CARD}.json.
+stage_k_segments() {
+  timeout "${KSEG_TIMEOUT:-240}" python benchmarks/k_segments_probe.py --m "${KSEG_M:-1,8,16}" \
+    --bandwidth-tbs "$BANDWIDTH_TBS" --json "$OUT/k_segments_${CARD}.json" 2>&1 | grep -E "gemm=|Error" | tail -40
 }
 # Teacher-forced agreement of the opt-in variants (bar 99%, benchmarks/agreement.py): $OUT/agreement_${CARD}.json,
 # written after every prompt (the 8k prefill speeds first). Env: AGREE_CANDIDATES, AGREE_MAX_LEN (2049), AGREE_LIMIT

@@ -1,0 +1,95 @@
+"""What a fixed segmented K order would give the decode-shaped GEMMs, timed before it is built.
+
+Today every output element of a GEMM is one ascending K chain of 16-wide mma steps, so a plain
+GEMM of a few rows has at most N / 8 independent chains of K / 16 steps, and the chain-bound
+calls of a decode step (out_proj and o_proj at K = 4,096, the router) run far above their bytes
+(docs/PERF.md, open levers). A fixed segmented order (each K / S wide segment its own chain from
+zero, the S segment sums added in ascending order) is as batch-invariant as today's, but has S
+times the chains, each S times shorter. This script times that shape with the library's own GEMM:
+segment s of x @ W^T is x[:, s K/S:(s+1) K/S] @ W[:, s K/S:(s+1) K/S]^T, so the S segments of a
+call are one GEMM of K / S over the S N rows of W cut into segments (the same weight bytes; the
+rows of x are the first segment's, the time is the same for any values), and the S partial rows'
+ascending sum, a few kilobytes, is left out. Each arm runs L calls with L distinct weights in
+one jitted graph (the weights stream from DRAM as in a decode step, and XLA's command buffer
+takes the launches), the median of --reps runs divided by L.
+
+    python benchmarks/k_segments_probe.py --m 1,8,16 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from baro_jax.verify.records import provenance, write_json
+
+
+def shapes(cfg):
+    """(name, N, K) of the plain decode GEMMs of a layer."""
+    return [("gdn_out_proj", cfg.hidden_size, cfg.lin_v_heads * cfg.lin_v_dim),
+            ("attn_o_proj", cfg.hidden_size, cfg.num_heads * cfg.head_dim),
+            ("router", cfg.num_experts + 1, cfg.hidden_size),
+            ("gdn_in_proj", cfg.gdn_in_dim, cfg.hidden_size)]
+
+
+def time_calls(m: int, N: int, K: int, segments: int, calls: int, reps: int, key) -> float:
+    """Seconds a call: L GEMMs [m, K/S] x [S N, K/S]^T with distinct weights in one graph."""
+    from custom_calls.matmul import matmul
+
+    k = K // segments
+    kx, kw = jax.random.split(key)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    ws = [(jax.random.normal(jax.random.fold_in(kw, i), (segments * N, k), jnp.float32) * K ** -0.5)
+          .astype(jnp.bfloat16) for i in range(calls)]
+    fn = jax.jit(lambda x, ws: tuple(matmul(x, w) for w in ws))
+    jax.block_until_ready(fn(x, ws))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x, ws))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / calls
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3.5-35b-a3b", help="a preset whose shapes to use")
+    ap.add_argument("--m", default="1,8,16", help="rows of each call (sequences of a decode step)")
+    ap.add_argument("--segments", default="1,2,4", help="S values; each must divide K / 16")
+    ap.add_argument("--calls", type=int, default=32, help="L: distinct-weight calls in one graph")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--bandwidth-tbs", type=float, default=None,
+                    help="HBM copy rate for each row's byte bound (TB/s); none: no bound in the rows")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    from baro_jax.config import preset
+
+    cfg = preset(args.model)
+    segs = [int(s) for s in args.segments.split(",")]
+    rows = []
+    for m in [int(v) for v in args.m.split(",")]:
+        for name, N, K in shapes(cfg):
+            for S in segs:
+                if K % (16 * S):
+                    print(f"skip {name} S={S}: K={K} is not a multiple of 16 S", flush=True)
+                    continue
+                us = time_calls(m, N, K, S, args.calls, args.reps, jax.random.PRNGKey(m * 1000 + S)) * 1e6
+                row = {"gemm": name, "m": m, "N": N, "K": K, "segments": S, "chains": S * N // 8,
+                       "chain_steps": K // S // 16, "us_per_call": us, "weight_mb": 2 * N * K / 1e6}
+                if args.bandwidth_tbs:
+                    row["byte_bound_us"] = 2 * N * K / (args.bandwidth_tbs * 1e6)
+                rows.append(row)
+                print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                      flush=True)
+    write_json(args.json, {"summary": {"model_shapes": args.model, "calls_per_graph": args.calls, "reps": args.reps,
+                                       **provenance()}, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,9 +11,12 @@ call are one GEMM of K / S over the S N rows of W cut into segments (the same we
 rows of x are the first segment's, the time is the same for any values), and the S partial rows'
 ascending sum, a few kilobytes, is left out. Each arm runs L calls with L distinct weights in
 one jitted graph (the weights stream from DRAM as in a decode step, and XLA's command buffer
-takes the launches), the median of --reps runs divided by L.
+takes the launches), the median of --reps runs divided by L. --warm adds, per GEMM, the unsegmented
+call with one weight for all L calls (each its own rows): from the second call on the weight comes
+from L2 where it fits (50 MB on an H100 / H200), the most a fetch into L2 ahead of the call could
+give.
 
-    python benchmarks/k_segments_probe.py --m 1,8,16 --json out.json
+    python benchmarks/k_segments_probe.py --m 1,8,16 --warm --json out.json
 """
 from __future__ import annotations
 
@@ -36,21 +39,24 @@ def shapes(cfg):
             ("gdn_in_proj", cfg.gdn_in_dim, cfg.hidden_size)]
 
 
-def time_calls(m: int, N: int, K: int, segments: int, calls: int, reps: int, key) -> float:
-    """Seconds a call: L GEMMs [m, K/S] x [S N, K/S]^T with distinct weights in one graph."""
+def time_calls(m: int, N: int, K: int, segments: int, calls: int, reps: int, key, warm: bool = False) -> float:
+    """Seconds a call: L GEMMs [m, K/S] x [S N, K/S]^T with distinct weights in one graph (warm:
+    one weight for all L calls, each with its own rows, so from the second call on the weight is
+    read from L2 where it fits: what a weight fetched into L2 ahead of its call would give)."""
     from custom_calls.matmul import matmul
 
     k = K // segments
     kx, kw = jax.random.split(key)
-    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    n_w, n_x = (1, calls) if warm else (calls, 1)
+    xs = [jax.random.normal(jax.random.fold_in(kx, i), (m, k), jnp.float32).astype(jnp.bfloat16) for i in range(n_x)]
     ws = [(jax.random.normal(jax.random.fold_in(kw, i), (segments * N, k), jnp.float32) * K ** -0.5)
-          .astype(jnp.bfloat16) for i in range(calls)]
-    fn = jax.jit(lambda x, ws: tuple(matmul(x, w) for w in ws))
-    jax.block_until_ready(fn(x, ws))
+          .astype(jnp.bfloat16) for i in range(n_w)]
+    fn = jax.jit(lambda xs, ws: tuple(matmul(xs[i % n_x], ws[i % n_w]) for i in range(calls)))
+    jax.block_until_ready(fn(xs, ws))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(x, ws))
+        jax.block_until_ready(fn(xs, ws))
         times.append(time.perf_counter() - t0)
     return statistics.median(times) / calls
 
@@ -62,6 +68,8 @@ def main(argv=None) -> int:
     ap.add_argument("--segments", default="1,2,4", help="S values; each must divide K / 16")
     ap.add_argument("--calls", type=int, default=32, help="L: distinct-weight calls in one graph")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warm", action="store_true",
+                    help="also time S = 1 with one weight for every call (read from L2 after the first, where it fits)")
     ap.add_argument("--bandwidth-tbs", type=float, default=None,
                     help="HBM copy rate for each row's byte bound (TB/s); none: no bound in the rows")
     ap.add_argument("--json", default=None)
@@ -72,6 +80,13 @@ def main(argv=None) -> int:
     cfg = preset(args.model)
     segs = [int(s) for s in args.segments.split(",")]
     rows = []
+
+    def add(row):
+        if args.bandwidth_tbs:
+            row["byte_bound_us"] = row["weight_mb"] / args.bandwidth_tbs
+        rows.append(row)
+        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+
     for m in [int(v) for v in args.m.split(",")]:
         for name, N, K in shapes(cfg):
             for S in segs:
@@ -79,13 +94,12 @@ def main(argv=None) -> int:
                     print(f"skip {name} S={S}: K={K} is not a multiple of 16 S", flush=True)
                     continue
                 us = time_calls(m, N, K, S, args.calls, args.reps, jax.random.PRNGKey(m * 1000 + S)) * 1e6
-                row = {"gemm": name, "m": m, "N": N, "K": K, "segments": S, "chains": S * N // 8,
-                       "chain_steps": K // S // 16, "us_per_call": us, "weight_mb": 2 * N * K / 1e6}
-                if args.bandwidth_tbs:
-                    row["byte_bound_us"] = 2 * N * K / (args.bandwidth_tbs * 1e6)
-                rows.append(row)
-                print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                      flush=True)
+                add({"gemm": name, "m": m, "N": N, "K": K, "segments": S, "weights": "distinct", "chains": S * N // 8,
+                     "chain_steps": K // S // 16, "us_per_call": us, "weight_mb": 2 * N * K / 1e6})
+            if args.warm:
+                us = time_calls(m, N, K, 1, args.calls, args.reps, jax.random.PRNGKey(m * 1000), warm=True) * 1e6
+                add({"gemm": name, "m": m, "N": N, "K": K, "segments": 1, "weights": "one", "chains": N // 8,
+                     "chain_steps": K // 16, "us_per_call": us, "weight_mb": 2 * N * K / 1e6})
     write_json(args.json, {"summary": {"model_shapes": args.model, "calls_per_graph": args.calls, "reps": args.reps,
                                        **provenance()}, "rows": rows})
     return 0

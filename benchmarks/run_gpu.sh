@@ -764,9 +764,10 @@ stage_batch_tier() {
 }
 # A fixed segmented K order's chains for the decode-shaped GEMMs, timed with today's kernel before
 # any of it is built (benchmarks/k_segments_probe.py): S = 1 / 2 / 4 segments at KSEG_M rows,
-# $OUT/k_segments_${CARD}.json.
+# $OUT/k_segments_${CARD}.json. KSEG_ARGS: more of the script's arguments (e.g. "--segments 1
+# --warm": each GEMM with its weight in L2 beside the cold one).
 stage_k_segments() {
-  timeout "${KSEG_TIMEOUT:-240}" python benchmarks/k_segments_probe.py --m "${KSEG_M:-1,8,16}" \
+  timeout "${KSEG_TIMEOUT:-240}" python benchmarks/k_segments_probe.py --m "${KSEG_M:-1,8,16}" ${KSEG_ARGS:-} \
     --bandwidth-tbs "$BANDWIDTH_TBS" --json "$OUT/k_segments_${CARD}.json" 2>&1 | grep -E "gemm=|Error" | tail -40
 }
 # Teacher-forced agreement of the opt-in variants (bar 99%, benchmarks/agreement.py): $OUT/agreement_${CARD}.json,

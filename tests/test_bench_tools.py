@@ -308,7 +308,7 @@ def test_speed_runs_the_peer_at_its_own_lengths(tmp_path):
 def test_k_segments_probe_times_each_segment_count_over_the_same_weight_bytes(tmp_path):
     """Each row of the probe is one GEMM of the layer at S segments: S N / 8 chains of K / S / 16
     steps over the weight bytes of the unsegmented call; an S that does not divide K / 16 is
-    skipped, not timed on a wrong shape."""
+    skipped, not timed on a wrong shape; --warm adds one unsegmented row a GEMM with one weight."""
     import json
 
     from benchmarks import k_segments_probe
@@ -316,13 +316,17 @@ def test_k_segments_probe_times_each_segment_count_over_the_same_weight_bytes(tm
     out = tmp_path / "k.json"
     # tiny-random's router has K = 64: 4 k16 steps, so S = 8 leaves a segment of 8 columns
     assert k_segments_probe.main(["--model", "tiny-random", "--m", "2", "--segments", "1,4,8", "--calls", "2",
-                                  "--reps", "1", "--bandwidth-tbs", "1.0", "--json", str(out)]) == 0
+                                  "--reps", "1", "--bandwidth-tbs", "1.0", "--warm", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
+    warm = [r for r in rows if r["weights"] == "one"]
+    assert len(warm) == 4 and all(r["segments"] == 1 for r in warm)
+    rows = [r for r in rows if r["weights"] == "distinct"]
     names = {r["gemm"] for r in rows}
     assert names == {"gdn_out_proj", "attn_o_proj", "router", "gdn_in_proj"}
     for r in rows:
         assert r["K"] % (16 * r["segments"]) == 0
         assert r["chains"] == r["segments"] * r["N"] // 8 and r["chain_steps"] * 16 * r["segments"] == r["K"]
         assert r["weight_mb"] == 2 * r["N"] * r["K"] / 1e6 and r["us_per_call"] > 0
+        assert r["byte_bound_us"] == r["weight_mb"]  # at 1 TB/s, a MB is a microsecond
     assert not any(r["gemm"] == "router" and r["segments"] == 8 for r in rows)
     assert {r["segments"] for r in rows if r["gemm"] == "router"} == {1, 4}

@@ -61,6 +61,17 @@ def time_calls(m: int, N: int, K: int, segments: int, calls: int, reps: int, key
     return statistics.median(times) / calls
 
 
+def positive_ints(ap, flag: str, text: str) -> list[int]:
+    """A comma list of integers >= 1, or the parser's error naming the flag."""
+    try:
+        vals = [int(v) for v in text.split(",")]
+    except ValueError:
+        ap.error(f"{flag} must be comma-separated integers, got {text!r}")
+    if not vals or min(vals) < 1:
+        ap.error(f"{flag} needs integers >= 1, got {text!r}")
+    return vals
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3.5-35b-a3b", help="a preset whose shapes to use")
@@ -74,11 +85,16 @@ def main(argv=None) -> int:
                     help="HBM copy rate for each row's byte bound (TB/s); none: no bound in the rows")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    ms, segs = positive_ints(ap, "--m", args.m), positive_ints(ap, "--segments", args.segments)
+    for name in ("calls", "reps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.bandwidth_tbs is not None and not args.bandwidth_tbs > 0:
+        ap.error(f"--bandwidth-tbs must be > 0, got {args.bandwidth_tbs}")
 
     from baro_jax.config import preset
 
     cfg = preset(args.model)
-    segs = [int(s) for s in args.segments.split(",")]
     rows = []
 
     def add(row):
@@ -87,7 +103,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
 
-    for m in [int(v) for v in args.m.split(",")]:
+    for m in ms:
         for name, N, K in shapes(cfg):
             for S in segs:
                 if K % (16 * S):

@@ -330,3 +330,13 @@ def test_k_segments_probe_times_each_segment_count_over_the_same_weight_bytes(tm
         assert r["byte_bound_us"] == r["weight_mb"]  # at 1 TB/s, a MB is a microsecond
     assert not any(r["gemm"] == "router" and r["segments"] == 8 for r in rows)
     assert {r["segments"] for r in rows if r["gemm"] == "router"} == {1, 4}
+
+
+@pytest.mark.parametrize("args, named", [(["--segments", "0"], "--segments"), (["--m", "8,x"], "--m"),
+                                         (["--calls", "0"], "--calls"), (["--bandwidth-tbs", "-1"], "--bandwidth-tbs")])
+def test_k_segments_probe_refuses_bad_arguments_by_name(args, named, capsys):
+    from benchmarks import k_segments_probe
+
+    with pytest.raises(SystemExit) as e:
+        k_segments_probe.main(["--model", "tiny-random"] + args)
+    assert e.value.code == 2 and named in capsys.readouterr().err

@@ -10,8 +10,9 @@ segment s of x @ W^T is x[:, s K/S:(s+1) K/S] @ W[:, s K/S:(s+1) K/S]^T, so the 
 call are one GEMM of K / S over the S N rows of W cut into segments (the same weight bytes; the
 rows of x are the first segment's, the time is the same for any values), and the S partial rows'
 ascending sum, a few kilobytes, is left out. Each arm runs L calls with L distinct weights in
-one jitted graph (the weights stream from DRAM as in a decode step, and XLA's command buffer
-takes the launches), the median of --reps runs divided by L. --warm adds, per GEMM, the unsegmented
+one jitted graph (the weights stream from DRAM as in a decode step), the median of --reps runs
+divided by L. The graph's calls pay per-call costs a decode step's do not (8-13 us more a call
+than in a B = 8 step on an H100), the same for every S: compare rows, not absolute times. --warm adds, per GEMM, the unsegmented
 call with one weight for all L calls (each its own rows): from the second call on the weight comes
 from L2 where it fits (50 MB on an H100 / H200), the most a fetch into L2 ahead of the call could
 give.
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="qwen3.5-35b-a3b", help="a preset whose shapes to use")
     ap.add_argument("--m", default="1,8,16", help="rows of each call (sequences of a decode step)")
     ap.add_argument("--segments", default="1,2,4", help="S values; each must divide K / 16")
-    ap.add_argument("--calls", type=int, default=32, help="L: distinct-weight calls in one graph")
+    ap.add_argument("--calls", type=int, default=32, help="L: calls in one graph")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warm", action="store_true",
                     help="also time S = 1 with one weight for every call (read from L2 after the first, where it fits)")

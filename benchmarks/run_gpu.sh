@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_moe_prefill ncu_attn ncu_source mma_swap mma_latency wy_probe k_segments prefill_profile chunk_sweep delta_knobs attn_pipe pipe_order moe_grouped tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_rows ncu_moe_prefill ncu_attn ncu_source mma_swap mma_latency wy_probe k_segments prefill_profile chunk_sweep delta_knobs attn_pipe pipe_order moe_grouped tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier topk serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -154,7 +154,6 @@ stage_row1() {
   timeout "${ROW1_TIMEOUT:-300}" python benchmarks/row1_sweep.py --rows "${ROW1_ROWS:-1}" ${ROW1_ARMS:+--arms "$ROW1_ARMS"} \
     ${ROW1_ENV_ARMS:+--env-arms "$ROW1_ENV_ARMS"} --json "$OUT/row1_sweep_rows${ROW1_ROWS:-1}_${CARD}.json" 2>&1 | tail -40
 }
-# ncu stall reasons of the decode kernels at m = 1 (benchmarks/profile_gpu.sh 1): ~3 min.
 # The few-row GEMMs of decode steps of many sequences (in_proj, out_proj, the MoE at NCU_ROWS_M rows): ncu's
 # speed of light, memory workload (L2 and DRAM throughput) and warp stalls, one op_times process.
 stage_ncu_rows() {
@@ -247,6 +246,7 @@ stage_wy_probe() {
   timeout 120 python benchmarks/op_times.py --m "$(echo ${WY_TOKENS:-8192 32768} | tr ' ' ,)" --ops delta --backends ordered \
     --reps 5 --rounds 3 --json "$OUT/op_times_delta_wy_ref_${CARD}.json" 2>&1 | grep "op="
 }
+# ncu stall reasons of the decode kernels at m = 1 (benchmarks/profile_gpu.sh 1): ~3 min.
 stage_ncu_decode() { timeout "${NCU_TIMEOUT:-300}" bash benchmarks/profile_gpu.sh 1 2>&1 | tail -80; }
 stage_probe() {
   python - <<'PY' 2>&1 | tee "$OUT/probe.txt"

@@ -340,3 +340,15 @@ def test_k_segments_probe_refuses_bad_arguments_by_name(args, named, capsys):
     with pytest.raises(SystemExit) as e:
         k_segments_probe.main(["--model", "tiny-random"] + args)
     assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_run_gpu_usage_lists_every_stage_it_defines():
+    """run_gpu.sh's usage line is where a reader finds the stages: it names each stage_<name>
+    function, and nothing that is not one (a name there without a function fails as a stage)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "benchmarks" / "run_gpu.sh").read_text()
+    defined = set(re.findall(r"^stage_(\w+)\(\)", text, re.M))
+    usage = set(re.search(r"\(stages: ([^)]*)\)", text).group(1).split())
+    assert defined - usage == set() and usage - defined == set()

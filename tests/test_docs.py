@@ -35,3 +35,17 @@ def test_every_cited_result_file_exists():
                 if not glob.glob(str(ROOT / "benchmarks" / "results" / f)) and not glob.glob(str(ROOT / f)):
                     missing.append(f"{doc}: {f}")
     assert not missing, "cited but not in benchmarks/results:\n" + "\n".join(sorted(missing))
+
+
+def test_every_registered_op_has_its_section_in_ffi_md():
+    """docs/FFI.md is where an op's operands, results and order are written down: each op the
+    library registers (custom_calls/_lib.py) has a `### <op>` section there, or is the `_small`
+    twin (the same operands plus a scratch result) of an op that has one, named where the doc
+    describes the twins."""
+    from custom_calls import _lib
+
+    text = (ROOT / "docs" / "FFI.md").read_text()
+    sections = set(re.findall(r"^### (baro_\w+)", text, re.M))
+    twins = {op for op in _lib.TARGETS if op.endswith("_small") and op.removesuffix("_small") in sections
+             and f"`{op}`" in text}
+    assert set(_lib.TARGETS) - sections - twins == set()

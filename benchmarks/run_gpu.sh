@@ -501,24 +501,21 @@ stage_decode_knobs() {
 # prefill at ATTN_PIPE_LENGTHS under each, identity-checked ($OUT/speed_attn_pipe<n>_${CARD}.json;
 # on an H100 at chunk 2048 and 97%).
 stage_attn_pipe() {
-  local part n c
+  local part c arm
   for part in ${ATTN_PIPE_PARTS:-tests ops speed}; do
     log "attn_pipe part $part"
     case $part in
       tests) timeout 240 python -m pytest -m gpu tests/test_kernels_attention.py -q -p no:cacheprovider ${ATTN_PIPE_K:+-k "$ATTN_PIPE_K"} 2>&1 \
                | tee "$OUT/gpu_attn_pipe_tests_${CARD}.txt" | tail -3 ;;
       ops) for c in ${ATTN_PIPE_CONTEXTS:-16384 32768}; do
-             for n in ${ATTN_PIPE_LEVELS:-0 1}; do
-               BARO_ATTN_PIPE=$n timeout 120 python benchmarks/op_times.py --m 8192 --context "$c" --ops attention \
-                 --backends ordered --reps 10 --rounds 3 --json "$OUT/op_times_attn_pipe${n}_ctx${c}_${CARD}.json" \
+             # each level, then (ATTN_PIPE_BASE_LIB: another build's libraries, e.g. an earlier csrc) that
+             # build at the default beside them; NAME=VALUE for env, then the result's tag
+             for arm in ${ATTN_PIPE_LEVELS:-0 1} ${ATTN_PIPE_BASE_LIB:+base}; do
+               if [ "$arm" = base ]; then set -- "BARO_LIB_DIR=$ATTN_PIPE_BASE_LIB" _base; else set -- "BARO_ATTN_PIPE=$arm" "$arm"; fi
+               env "$1" timeout 120 python benchmarks/op_times.py --m 8192 --context "$c" --ops attention \
+                 --backends ordered --reps 10 --rounds 3 --json "$OUT/op_times_attn_pipe$2_ctx${c}_${CARD}.json" \
                  2>&1 | grep "op="
              done
-             # ATTN_PIPE_BASE_LIB: another build's libraries (e.g. an earlier csrc), timed at the default beside
-             if [ -n "${ATTN_PIPE_BASE_LIB:-}" ]; then
-               BARO_LIB_DIR=$ATTN_PIPE_BASE_LIB timeout 120 python benchmarks/op_times.py --m 8192 --context "$c" \
-                 --ops attention --backends ordered --reps 10 --rounds 3 \
-                 --json "$OUT/op_times_attn_pipe_base_ctx${c}_${CARD}.json" 2>&1 | grep "op="
-             fi
            done ;;
       speed) (  # a subshell: the H100's chunk and memory fraction stay here
                [ "$CARD" = h100 ] && export XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 SPEED_UNDER_CHUNK=${SPEED_UNDER_CHUNK:-2048}

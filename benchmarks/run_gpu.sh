@@ -781,10 +781,13 @@ stage_agreement() {
 # p50/p99, every response's ids and logprob bytes checked against Engine.generate alone: $OUT/serve_${CARD}.json.
 # SERVE_ARGS: more serve_bench.py arguments (e.g. "--sample-top-p 1.0": the sampled requests drawn in the
 # pool's decode graphs), SERVE_TAG names the JSON (serve_<tag>_<card>.json).
+# On an H100 the weights leave room for fewer slots: 97% of the card (GATE_ENV) and at most 16 clients
+# (at 94% the pool found room for one slot beside a 256-row chunk, 8250fe3).
 stage_serve() {  # needs the server's wheels in .whl (benchmarks/serve_wheels.sh, carried): the machine has none
   install_whl
-  timeout "${SERVE_TIMEOUT:-560}" python benchmarks/serve_bench.py --model qwen3.5-35b-a3b \
-    --clients "${SERVE_CLIENTS:-1,16,64}" ${SERVE_PREFILL_BUDGET:+--prefill-budget "$SERVE_PREFILL_BUDGET"} --prompt-len "${SERVE_PROMPT_LEN:-1024}" --new-tokens "${SERVE_NEW:-128}" \
+  local clients=1,16,64; [ "$CARD" = h100 ] && clients=1,16
+  env ${GATE_ENV[@]+"${GATE_ENV[@]}"} timeout "${SERVE_TIMEOUT:-560}" python benchmarks/serve_bench.py --model qwen3.5-35b-a3b \
+    --clients "${SERVE_CLIENTS:-$clients}" ${SERVE_PREFILL_BUDGET:+--prefill-budget "$SERVE_PREFILL_BUDGET"} --prompt-len "${SERVE_PROMPT_LEN:-1024}" --new-tokens "${SERVE_NEW:-128}" \
     ${SERVE_ARGS:-} --json "$OUT/serve${SERVE_TAG:+_$SERVE_TAG}_${CARD}.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
 }
 for s in "$@"; do log "$s"; "stage_$s" || log "stage $s FAILED"; done

@@ -233,14 +233,15 @@ def moe(h, router, gate_up, down, shared_gate_up, shared_down, shared_gate, *, t
         dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
     gu = lax.ragged_dot_general(xs, gate_up, sizes, dn, preferred_element_type=f32)
     act = (jax.nn.silu(gu[:, :I]) * gu[:, I:]).astype(A)
-    ys = lax.ragged_dot_general(act, down, sizes, dn, preferred_element_type=f32)
+    # each expert's output rounded to the activation dtype, as a bf16 model's experts return it
+    ys = lax.ragged_dot_general(act, down, sizes, dn, preferred_element_type=f32).astype(A).astype(f32)
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(m, top_k, D)
     routed = jnp.zeros((m, D), f32)
     for s in range(top_k):  # slot order, as written in the contract
         routed = routed + w[:, s, None] * y[:, s]
     sgu = matmul(h, shared_gate_up)
     Is = sgu.shape[1] // 2
-    s_out = matmul((jax.nn.silu(sgu[:, :Is]) * sgu[:, Is:]).astype(A), shared_down)
+    s_out = matmul((jax.nn.silu(sgu[:, :Is]) * sgu[:, Is:]).astype(A), shared_down).astype(A).astype(f32)
     sg = jax.nn.sigmoid(matmul(h, shared_gate))
     return routed + sg * s_out
 

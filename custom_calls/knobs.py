@@ -233,6 +233,9 @@ _TABLE: tuple[Knob, ...] = (
                "the same time as the two kernels on an H100); require: an error where the pairs are more than one "
                "chunk (tests) "
                "(csrc/gpu/moe.cu)"),
+    Knob("BARO_MOE_PAIRS16", "onoff", True,
+         doc="off: the MoE's grouped down GEMM on wgmma (prefill chunks) stores its pair rows as fp32 instead "
+             "of bf16 (the same bits: the combine rounds every pair row to bf16 first) (csrc/gpu/moe.cu)"),
     Knob("BARO_CMDBUF_OPS", "onoff", True, reader="Python",
          doc="off: calls of <= 16 rows on the ops that take scratch from XLA's allocator instead of the _small "
              "twins that may run inside command buffers (custom_calls/_lib.py)"),

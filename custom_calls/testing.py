@@ -188,10 +188,10 @@ def ref_moe(h, router, w_gate_up, w_down, sgu, sdown, sgate, top_k):
         for e, wk in zip(sel, wts):
             gu = f64(w_gate_up[e]) @ h[i]
             act = rbf16(gu[:I] * sigmoid(gu[:I]) * gu[I:])
-            out[i] += wk * (f64(w_down[e]) @ act)
+            out[i] += wk * rbf16(f64(w_down[e]) @ act)  # each expert's output in bf16 (NUMERICS)
         gu = f64(sgu) @ h[i]
         act = rbf16(gu[:Is] * sigmoid(gu[:Is]) * gu[Is:])
-        out[i] += sigmoid(f64(sgate)[0] @ h[i]) * (f64(sdown) @ act)
+        out[i] += sigmoid(f64(sgate)[0] @ h[i]) * rbf16(f64(sdown) @ act)
     return out
 
 

@@ -59,18 +59,20 @@ inline void route_row(const uint16_t* hr, const uint16_t* rp, int64_t D, int64_t
   *wsum_out = wsum;
 }
 
-// routed += wk * y in the pair's slot turn (baro_moe's combine step; baro_moe_combine runs the
-// same one over pairs computed elsewhere).
+// routed += wk * bf16(y) in the pair's slot turn (baro_moe's combine step; baro_moe_combine runs
+// the same one over pairs computed elsewhere). Every expert's output enters the sum rounded to
+// bf16, as a bf16 model's experts return it (NUMERICS.md, moe step 3), so a GPU path may store
+// the pair rows as bf16 and give the same bits.
 inline void accumulate_pair(float wk, const float* y, int64_t D, float* routed) {
-  for (int64_t d = 0; d < D; ++d) routed[d] = std::fma(wk, y[d], routed[d]);
+  for (int64_t d = 0; d < D; ++d) routed[d] = std::fma(wk, baro::round_bf16(y[d]), routed[d]);
 }
 
-// out = routed + sigmoid(shared_gate . h) * shared_expert(h): the last step of a row.
+// out = routed + sigmoid(shared_gate . h) * bf16(shared_expert(h)): the last step of a row.
 inline void finish_row(const uint16_t* hr, const float* routed, const uint16_t* sgup, const uint16_t* sdnp,
                        const uint16_t* sgp, int64_t D, int64_t Is, uint16_t* act, float* shared, float* orow) {
   swiglu(hr, sgup, sdnp, D, Is, act, shared);
   const float sg = baro::sigmoid(baro::dot(hr, sgp, D));
-  for (int64_t d = 0; d < D; ++d) orow[d] = routed[d] + sg * shared[d];
+  for (int64_t d = 0; d < D; ++d) orow[d] = routed[d] + sg * baro::round_bf16(shared[d]);
 }
 
 // The MoE over m rows. slots == nullptr: expert e's weights are w_gate_up[e] / w_down[e];

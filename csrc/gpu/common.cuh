@@ -32,6 +32,9 @@ BARO_DEV uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// f rounded to bf16 precision, kept as float (csrc/common/dot.h's round_bf16)
+BARO_DEV float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
 // ---- elementwise (fp32, same formulas as the CPU kernels) ----
 BARO_DEV float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 BARO_DEV float siluf_(float x) { return x * sigmoidf_(x); }

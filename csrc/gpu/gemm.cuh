@@ -70,6 +70,10 @@ struct GemmParams {
   int64_t M = 0, N = 0, K = 0;  // M: rows when tiles == nullptr
   float* C = nullptr;           // [rows][ldc], row s in sorted space (fp32 epilogue)
   int64_t ldc = 0;
+  // The wgmma GEMM only (launch_gemm's stored16 says whether it ran): C rounded to bf16 into C16
+  // (row stride ldc) instead: the MoE's pair rows, which every reader rounds to bf16 first
+  // (NUMERICS.md, moe step 3), so half the bytes out and back give the same bits.
+  uint16_t* C16 = nullptr;
   const int32_t* tiles = nullptr;    // [max_tiles][3] = (group, row_start, row_count)
   const int32_t* n_tiles = nullptr;  // device scalar (tiles != nullptr)
   // Grouped calls, for the wgmma GEMM's tensor maps (gemm_wgmma.cu; 0: unknown, it does not run):

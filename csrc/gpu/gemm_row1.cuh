@@ -638,9 +638,9 @@ __global__ void __launch_bounds__(ASHARED ? kRow1AsMaxWarps * BARO_WARP : BARO_W
             }
 #pragma unroll
             for (int u = 0; u < 8; ++u)
-              if (s0 + u < k) routed = fmaf(wv[u], yv[u], routed);
+              if (s0 + u < k) routed = fmaf(wv[u], round_bf16(yv[u]), routed);
           }
-          if (live) p.moe.out[col] = routed + c_sg * __ldcg(p.moe.sout + col);
+          if (live) p.moe.out[col] = routed + c_sg * round_bf16(__ldcg(p.moe.sout + col));
         }
       }
       if (++cj < my_units) {

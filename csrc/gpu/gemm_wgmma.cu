@@ -347,6 +347,13 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
           const float u0 = uq[2 * h], u1 = uq[2 * h + 1];
           store_pair(p.Act + orow + c0 + c, f32_to_bf16(siluf_(g0) * u0), f32_to_bf16(siluf_(g1) * u1), c, nc, out2);
         }
+      } else if (p.C16 != nullptr) {  // uniform: the MoE's pair rows in bf16
+#pragma unroll
+        for (int f = 0; f < BN / 8; ++f) {
+          const int c = 8 * f + 2 * t;
+          store_pair(p.C16 + orow + c0 + c, f32_to_bf16(acc[f / 16][f % 16][2 * h]),
+                     f32_to_bf16(acc[f / 16][f % 16][2 * h + 1]), c, nc, out2);
+        }
       } else {
 #pragma unroll
         for (int f = 0; f < BN / 8; ++f) {

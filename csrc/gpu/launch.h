@@ -98,7 +98,10 @@ int64_t row1_moe_route_max_tiles();
 bool gemm_fused_swiglu_ok(GemmConfig cfg);
 // Enqueues the config's kernel over grid (row_slots, N tiles). Fills
 // p.slot_rows, p.vec, p.out2. Grouped tiles must hold <= gemm_bm(cfg) rows.
-gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStream_t stream);
+// p.C16 (with p.C, no SwiGLU, stored16 given): the wgmma kernel, where it runs, stores the output
+// rounded to bf16 there, and *stored16 says so; every other kernel stores fp32 into p.C.
+gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStream_t stream,
+                       bool* stored16 = nullptr);
 // The Hopper prefill GEMM (gemm_wgmma.cu, on unless BARO_GEMM_WGMMA=0; launch_gemm calls it):
 // a plain dense call of m >= 64 rows, or a grouped one (tiles of at most bm rows, row_slots of
 // them, p.w_groups set, and p.a_total_rows where A is read in place; a_rows only with the fused

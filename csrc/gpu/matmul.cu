@@ -628,8 +628,10 @@ bool gemm_row1_moe_ok(const GemmParams& p, GemmConfig cfg) {
 #endif
 }
 
-gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStream_t stream) {
+gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStream_t stream, bool* stored16) {
   const bool swiglu = p.Act != nullptr;
+  if (stored16 != nullptr) *stored16 = false;
+  if (p.C16 != nullptr && (swiglu || p.C == nullptr || stored16 == nullptr)) return gpuErrorInvalidValue;
   if (row_slots <= 0 || p.N <= 0) return gpuSuccess;  // nothing to compute
   const bool split_w = p.W_tail != nullptr || p.W_last != nullptr || p.W_host != nullptr;
   if (split_w && (!gemm_split_w_runs(p, cfg) || (p.W_last != nullptr && p.last_group >= 0)))
@@ -656,12 +658,16 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
     const bool wg_need = k::is(k::kGemmWgmma, "require");
     if (wg_need || k::is(k::kGemmWgmma, "1")) {
       bool ran = false;
-      const gpuError_t e = launch_gemm_wgmma(p, cfg == GemmConfig::kPipe128 ? 128 : 64, row_slots, stream, &ran);
+      GemmParams q = p;
+      if (q.C16 != nullptr) q.out2 = q.ldc % 2 == 0 && is_aligned(q.C16, 4);
+      const gpuError_t e = launch_gemm_wgmma(q, cfg == GemmConfig::kPipe128 ? 128 : 64, row_slots, stream, &ran);
+      if (ran && stored16 != nullptr) *stored16 = q.C16 != nullptr;
       if (ran || e != gpuSuccess) return e;
       if (wg_need) return gpuErrorInvalidValue;
     }
   }
 #endif
+  p.C16 = nullptr;  // the kernels below store fp32 into C
   if (cfg == GemmConfig::kRow1) {
 #if !BARO_HIP
     if (p.vec && p.K % 16 == 0)

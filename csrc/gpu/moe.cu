@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 
 #include "contract.h"
@@ -327,14 +328,15 @@ __global__ void __launch_bounds__(kElemThreads)
   }
 }
 
-// out[i][d] = routed + sigmoid(sgl[i * sgl_ld]) * sout[i][d],
-// routed = fma over slots in order of w[i,s] * ys[inv[i*k+s]][d], from 0 (inv == nullptr:
-// ys holds the pairs in (row, slot) order, baro_moe_combine's y).
-// V consecutive d per thread (16-byte loads when V = 4); the arithmetic of
+// out[i][d] = routed + sigmoid(sgl[i * sgl_ld]) * bf16(sout[i][d]),
+// routed = fma over slots in order of w[i,s] * bf16(ys[inv[i*k+s]][d]), from 0 (inv == nullptr:
+// ys holds the pairs in (row, slot) order, baro_moe_combine's y). YT: the pair rows as the down
+// GEMM stored them, fp32 (rounded here) or already rounded to bf16 (half the bytes, the same
+// values). V consecutive d per thread (16- / 8-byte loads when V = 4); the arithmetic of
 // each element is the same for every V.
-template <int V>
+template <int V, class YT = float>
 __global__ void __launch_bounds__(kElemThreads)
-    moe_combine_kernel(const float* __restrict__ ys, const int32_t* __restrict__ inv,
+    moe_combine_kernel(const YT* __restrict__ ys, const int32_t* __restrict__ inv,
                        const float* __restrict__ wts, const float* __restrict__ sout,
                        const float* __restrict__ sgl, int64_t sgl_ld, float* __restrict__ out, int64_t m,
                        int64_t D, int k, const int32_t* __restrict__ ids,
@@ -353,7 +355,7 @@ __global__ void __launch_bounds__(kElemThreads)
     // then the fmas run in slot order.
     for (int s0 = 0; s0 < k; s0 += kCombineAhead) {
       float wv[kCombineAhead];
-      const float* yp[kCombineAhead];
+      const YT* yp[kCombineAhead];
 #pragma unroll
       for (int u = 0; u < kCombineAhead; ++u) {
         const int s = s0 + u;
@@ -374,15 +376,24 @@ __global__ void __launch_bounds__(kElemThreads)
 #pragma unroll
       for (int u = 0; u < kCombineAhead; ++u) {
         if (s0 + u < k) {
-          if (V == 4) {
+          if constexpr (V == 4 && std::is_same<YT, float>::value) {
             const float4 t = *reinterpret_cast<const float4*>(yp[u]);
-            yv[u][0] = t.x;
-            yv[u][V > 1 ? 1 : 0] = t.y;
-            yv[u][V > 2 ? 2 : 0] = t.z;
-            yv[u][V > 3 ? 3 : 0] = t.w;
+            yv[u][0] = round_bf16(t.x);
+            yv[u][1] = round_bf16(t.y);
+            yv[u][2] = round_bf16(t.z);
+            yv[u][3] = round_bf16(t.w);
+          } else if constexpr (V == 4) {
+            const uint2 t = *reinterpret_cast<const uint2*>(yp[u]);
+            yv[u][0] = __uint_as_float(t.x << 16);
+            yv[u][1] = __uint_as_float(t.x & 0xffff0000u);
+            yv[u][2] = __uint_as_float(t.y << 16);
+            yv[u][3] = __uint_as_float(t.y & 0xffff0000u);
+          } else if constexpr (std::is_same<YT, float>::value) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) yv[u][j] = round_bf16(yp[u][j]);
           } else {
 #pragma unroll
-            for (int j = 0; j < V; ++j) yv[u][j] = yp[u][j];
+            for (int j = 0; j < V; ++j) yv[u][j] = bf16_to_f32(yp[u][j]);
           }
         }
       }
@@ -398,7 +409,7 @@ __global__ void __launch_bounds__(kElemThreads)
     const float* so = sout + i * D + d;
     float* o = out + i * D + d;
 #pragma unroll
-    for (int j = 0; j < V; ++j) o[j] = routed[j] + sg * so[j];
+    for (int j = 0; j < V; ++j) o[j] = routed[j] + sg * round_bf16(so[j]);
   }
 }
 
@@ -670,9 +681,10 @@ static gpuError_t stage_misses(const MoeArgs& a, const MoeScratch& s, gpuStream_
 
 // Steps 1-5 of launch_moe: routing, grouping, grouped gate/up + SwiGLU and down, so that
 // s.ys[s.inv[pair]] is each (row, slot) pair's expert output (pairs of experts without tiles,
-// a.skip_unslotted, are left unwritten).
+// a.skip_unslotted, are left unwritten). ys16 (the combine's caller): the down GEMM may store the
+// pair rows rounded to bf16 (the wgmma kernel does, at prefill sizes); *ys16 then says it did.
 static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const MoePlan& pl,
-                                 gpuStream_t stream) {
+                                 gpuStream_t stream, bool* ys16 = nullptr) {
   const int64_t m = a.m, P = a.m * a.top_k, D = a.D, E = a.E, I = a.I;
   const int bm = gemm_bm(pl.cfg);
   const int64_t max_tiles = moe_max_tiles(a, bm, pl.folded());
@@ -825,20 +837,34 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
       mo.sgl = s.logits + E;         // its gate logit after the router's
       mo.out = a.out;
     }
-    BARO_MOE_TRY(launch_gemm(p, pl.cfg, max_tiles, stream));
+    // bf16 pair rows for the combine kernel only (the tail's combine and moe_pairs read fp32)
+    if (ys16 != nullptr && !pl.tail && !pl.share && baro::knobs::on(baro::knobs::kMoePairs16))
+      p.C16 = reinterpret_cast<uint16_t*>(s.ys);
+    BARO_MOE_TRY(launch_gemm(p, pl.cfg, max_tiles, stream, p.C16 != nullptr ? ys16 : nullptr));
   }
   return gpuSuccess;
 }
 
 // Step 7: out = routed + sigmoid(sgl) * sout, routed the slot-order fma over the pairs of ys
 // (through inv, or in (row, slot) order when inv == nullptr); row i's gate logit at sgl[i * sgl_ld].
+// ys16: ys holds the pair rows as bf16 (routed_experts' down GEMM stored them so).
 static gpuError_t combine(const MoeArgs& a, const float* ys, const int32_t* inv, const float* wts,
                           const float* sout, const float* sgl, int64_t sgl_ld, const int32_t* ids,
-                          gpuStream_t stream) {
+                          gpuStream_t stream, bool ys16 = false) {
   const int64_t m = a.m, D = a.D;
   const bool v4 = D % 4 == 0 && aligned16(a.out) && aligned16(ys);
   const int32_t* slots = nan_row_slots(a);
   // always after the kernels that made ys in this handler
+  if (ys16) {
+    const uint16_t* y16 = reinterpret_cast<const uint16_t*>(ys);
+    if (v4)
+      return launch_dependent(moe_combine_kernel<4, uint16_t>, dim3(elem_blocks(m * D / 4)), dim3(kElemThreads), 0,
+                              stream, y16, inv, wts, sout, sgl, sgl_ld, a.out, m, D, a.top_k, ids, slots,
+                              static_cast<int>(a.S));
+    return launch_dependent(moe_combine_kernel<1, uint16_t>, dim3(elem_blocks(m * D)), dim3(kElemThreads), 0, stream,
+                            y16, inv, wts, sout, sgl, sgl_ld, a.out, m, D, a.top_k, ids, slots,
+                            static_cast<int>(a.S));
+  }
   if (v4)
     return launch_dependent(moe_combine_kernel<4>, dim3(elem_blocks(m * D / 4)), dim3(kElemThreads), 0, stream, ys,
                             inv, wts, sout, sgl, sgl_ld, a.out, m, D, a.top_k, ids, slots, static_cast<int>(a.S));
@@ -867,13 +893,15 @@ gpuError_t launch_moe(const MoeArgs& a, void* scratch, gpuStream_t stream) {
   const MoePlan pl = moe_plan(a);
   if ((a.host_gu != nullptr || a.host_dn != nullptr) && (!pl.fold || !a.host_gu || !a.host_dn))
     return gpuErrorInvalidValue;  // the handler says why first (moe_runs_fold)
-  BARO_MOE_TRY(routed_experts(a, s, pl, stream));  // 1-5 (fold: and 6; tail: and 7)
+  bool ys16 = false;
+  BARO_MOE_TRY(routed_experts(a, s, pl, stream, &ys16));  // 1-5 (fold: and 6; tail: and 7)
   if (pl.tail) return gpuSuccess;
   BARO_MOE_TRY(shared_expert(a, s, pl, stream));  // 6, what is not folded
-  // share: row i of the shared expert is grouped row P + i; gate_tail: its logit is column E
+  // share: row i of the shared expert is grouped row P + i (fp32: no bf16 pair rows with share);
+  // gate_tail: its logit is column E
   const float* sout = pl.share ? s.ys + a.m * a.top_k * a.D : s.sout;
   const float* sgl = pl.gate_tail ? s.logits + a.E : s.sgl;
-  return combine(a, s.ys, s.inv, s.wts, sout, sgl, pl.gate_tail ? a.E + 1 : 1, s.ids, stream);  // 7
+  return combine(a, s.ys, s.inv, s.wts, sout, sgl, pl.gate_tail ? a.E + 1 : 1, s.ids, stream, ys16);  // 7
 }
 
 // ---- expert parallel: baro_moe_pairs and baro_moe_combine ----

@@ -204,6 +204,23 @@ def test_moe_combine_rounds_each_expert_to_bf16(platform, m):
     assert np.mean(got != unrounded) > 0.9, "the fp32 pair rows would give these bytes: no rounding"
 
 
+@pytest.mark.parametrize("m", [1, 5])
+def test_moe_combine_rounds_the_shared_expert_to_bf16(platform, m):
+    """The shared expert's rounding point in bytes: with every pair weight 0 (routed = +0) and a
+    zero shared gate (sigmoid(0) = 0.5 exactly), out = 0.5 * bf16(s), so 2 * out is a bf16 value
+    everywhere; s itself, a dot of random weights, almost never is."""
+    rng = np.random.default_rng(890 + m)
+    y = rng.standard_normal((m, 2, MO_D)).astype(np.float32)
+    w = np.zeros((m, 2), np.float32)
+    h = bf16(rng, m, MO_D)
+    sgu, sdn, sg = moe_weights(rng)[3:]
+    poison(platform, (m, MO_D))
+    got = np.asarray(J_COMBINE(*put(platform, h, y, w, sgu, sdn, np.zeros_like(sg))))
+    twice = got * np.float32(2.0)
+    assert np.count_nonzero(twice) > 0.9 * twice.size, "the shared expert gave zeros: nothing to check"
+    assert_same_bits(twice, twice.astype(BF16).astype(np.float32), f"moe_combine m={m}: 2 * out is bf16(s)")
+
+
 def test_moe_pairs_combine_errors(platform):
     rng = np.random.default_rng(9)
     h = bf16(rng, 3, MO_D)

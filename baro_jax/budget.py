@@ -229,9 +229,10 @@ def _refuse_unless_fits(mode: str, parts: list[Part], limit: int | None, what: s
 
 
 def expert_parallel_bytes(cfg: Config, chunk: int, devices: int) -> int:
-    """The expert-parallel MoE's extra live buffers at m = chunk (expert_parallel.py): the pair
-    outputs [m, k, D] fp32 gathered from every device, the selected copy and this device's own."""
-    return (devices + 2) * chunk * cfg.top_k * cfg.hidden_size * 4
+    """The expert-parallel MoE's extra live buffers at m = chunk (expert_parallel.py), in units of
+    the pair outputs [m, k, D]: this device's own in fp32 (4 bytes) and bf16 (2), the bf16 copies
+    gathered from every device (2 N) and the selected one in bf16 and fp32 (2 + 4)."""
+    return (2 * devices + 12) * chunk * cfg.top_k * cfg.hidden_size
 
 
 def resident_parts(cfg: Config, dtype, state_len: int = 0, chunk: int = 0, devices: int = 1) -> list[Part]:

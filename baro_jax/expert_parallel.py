@@ -12,7 +12,9 @@ sharded):
    (row, slot) pair's expert output if that expert is local, 0 otherwise. A pair's output is
    computed by the same row code as in the one-device kernel, on the one device that holds
    its expert.
-2. `all_gather` of the [m, k, D] pair outputs over "e": it moves fp32 rows and sums nothing.
+2. `all_gather` of the [m, k, D] pair outputs over "e", rounded to bf16 first: the combine
+   rounds every pair row to bf16 before it weighs it (docs/NUMERICS.md, moe step 3), so bf16
+   rows on the link give its bytes with half the traffic; it moves rows and sums nothing.
 3. each pair's row is SELECTED from its expert's owner (`jnp.where` on the owner index, no
    addition), so every device holds the one-device pair outputs, bit for bit.
 4. `ops.moe_combine`: the kernel's own slot-order combine and gated shared expert.
@@ -26,7 +28,7 @@ cost the H200 11% of prefill and 26% of decode at N = 1 (speed_ep1pairs_device_3
 `settings.ep_pairs` (BARO_EP_PAIRS=on) keeps the per-pair kernels at N = 1, to measure or test them
 on one device.
 
-Traffic per MoE call: N x m x k x D fp32 per device (decode: 64 KB x N at Qwen3.5 widths).
+Traffic per MoE call: N x m x k x D bf16 per device (decode: 32 KB x N at Qwen3.5 widths).
 """
 from __future__ import annotations
 
@@ -144,8 +146,9 @@ class ExpertParallelOps:
             el = gu.shape[0]  # experts per device
             first = (jax.lax.axis_index(AXIS) * el).astype(jnp.int32).reshape(1)
             y, w, ids = base.moe_pairs(h, router, gu, dn, first, top_k=top_k)
-            y_all = jax.lax.all_gather(y, AXIS)  # [N, m, k, D]: moves rows, sums nothing
-            y = owner_select(y_all, ids // el)
+            # [N, m, k, D] in bf16, the rounding the combine applies anyway: moves rows, sums nothing
+            y_all = jax.lax.all_gather(y.astype(jnp.bfloat16), AXIS)
+            y = owner_select(y_all, ids // el).astype(jnp.float32)
             return base.moe_combine(h, y, w, sgu, sdn, sg)
 
         rep = P()

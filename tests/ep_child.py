@@ -26,11 +26,12 @@ def moe_hlo(eng):
         top_k=eng.cfg.top_k).as_text()
 
 
-def check_pairs_hlo(hlo):
-    """The MoE really runs expert-parallel: the per-pair kernel on each shard, ONE all-gather of
-    the fp32 pair outputs (the bf16 experts never move), no reducing collective."""
+def check_pairs_hlo(hlo, cfg, m=3):
+    """The MoE really runs expert-parallel: the per-pair kernel on each shard, ONE all-gather, of
+    the [m, k, D] pair outputs in bf16 (the experts never move), no reducing collective."""
     gathers = [ln for ln in hlo.splitlines() if "all_gather" in ln or "all-gather" in ln]
-    assert len(gathers) == 1 and "f32" in gathers[0] and "bf16" not in gathers[0], gathers
+    pairs = f"tensor<1x{m}x{cfg.top_k}x{cfg.hidden_size}xbf16>"
+    assert len(gathers) == 1 and f"({pairs})" in gathers[0], gathers
     assert "baro_moe_pairs" in hlo and "baro_moe_combine" in hlo
     assert "all_reduce" not in hlo and "all-reduce" not in hlo and "reduce_scatter" not in hlo
 
@@ -59,7 +60,7 @@ def main():
         hlo = moe_hlo(many)
         if N > 1:
             assert many.ops.pairs
-            check_pairs_hlo(hlo)
+            check_pairs_hlo(hlo, many.cfg)
         else:  # one device owns every expert: the one-device kernel, no collective
             assert not many.ops.pairs and "baro_moe_pairs" not in hlo
             assert "all-gather" not in hlo and "all_gather" not in hlo
@@ -70,7 +71,7 @@ def main():
         check_arms(many, model, ids, names, ref, f"devices={N}")
         if N == 1:  # the per-pair kernels kept at N = 1 (BARO_EP_PAIRS=1) give the same bytes
             forced = EP.shard(baro_jax.load(model, backend="ordered", progress=False), 1, pairs=True)
-            check_pairs_hlo(moe_hlo(forced))
+            check_pairs_hlo(moe_hlo(forced), forced.cfg)
             check_arms(forced, model, ids, names, ref, "devices=1 pairs")
         # generate(): greedy decode in device blocks (a fori_loop around the sharded MoE)
         g1 = one.generate(PROMPT, 20, stop_at_eos=False).generated_ids

@@ -1,6 +1,6 @@
 """Expert parallel (baro_jax/expert_parallel.py, issue 14): load(devices=N) on N forced host
 devices gives the bytes of one device, batched and replay, states, logits and greedy tokens; the
-MoE lowers to the per-pair kernels with one all-gather of fp32 pair outputs and no reduction.
+MoE lowers to the per-pair kernels with one all-gather of bf16 pair outputs and no reduction.
 Each N runs in a child process because XLA_FLAGS must be set before jax initialises."""
 import json
 import os

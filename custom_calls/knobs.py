@@ -236,6 +236,9 @@ _TABLE: tuple[Knob, ...] = (
     Knob("BARO_MOE_PAIRS16", "onoff", True,
          doc="off: the MoE's grouped down GEMM on wgmma (prefill chunks) stores its pair rows as fp32 instead "
              "of bf16 (the same bits: the combine rounds every pair row to bf16 first) (csrc/gpu/moe.cu)"),
+    Knob("BARO_MOE_COMBINE_WIDE", "onoff", False,
+         doc="on: the MoE combine over bf16 pair rows (BARO_MOE_PAIRS16) takes 8 columns a thread with 16-byte "
+             "loads and stores instead of 4 (the same bits; opt-in until timed on a GPU) (csrc/gpu/moe.cu)"),
     Knob("BARO_CMDBUF_OPS", "onoff", True, reader="Python",
          doc="off: calls of <= 16 rows on the ops that take scratch from XLA's allocator instead of the _small "
              "twins that may run inside command buffers (custom_calls/_lib.py)"),

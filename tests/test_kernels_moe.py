@@ -416,12 +416,14 @@ def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, k, monkeypatch):
         monkeypatch.delenv("BARO_GEMM_WGMMA_BN", raising=False)
         monkeypatch.delenv("BARO_GEMM_WGMMA_PERSIST", raising=False)
         # every wgmma setting above stores the down GEMM's pair rows as bf16 (BARO_MOE_PAIRS16, on by
-        # default); off, the same down GEMM stores fp32 and the combine rounds them
-        monkeypatch.setenv("BARO_MOE_PAIRS16", "0")
-        poison(platform, (m, D))
-        got["require", "sorted", "4", "auto", "pairs32", "0"] = np.asarray(
-            jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h), *wd))
-        monkeypatch.delenv("BARO_MOE_PAIRS16", raising=False)
+        # default); off, the same down GEMM stores fp32 and the combine rounds them; the opt-in wide
+        # combine (BARO_MOE_COMBINE_WIDE: 8 columns a thread) reads the bf16 rows
+        for name, kn, v in (("pairs32", "BARO_MOE_PAIRS16", "0"), ("wide", "BARO_MOE_COMBINE_WIDE", "1")):
+            monkeypatch.setenv(kn, v)
+            poison(platform, (m, D))
+            got["require", "sorted", "4", "auto", name, "0"] = np.asarray(
+                jax.jit(lambda *a: cc.moe(*a, top_k=k))(put(platform, h), *wd))
+            monkeypatch.delenv(kn, raising=False)
         for key, arr in got.items():
             assert_same_bits(arr, got["0", "0", "4", "auto", "128", "0"],
                              f"moe m={m} fold={fold} BARO_GEMM_WGMMA, GROUPED, RING, ORDER, BN, PERSIST = "

@@ -382,6 +382,15 @@ __global__ void __launch_bounds__(kElemThreads)
             yv[u][1] = round_bf16(t.y);
             yv[u][2] = round_bf16(t.z);
             yv[u][3] = round_bf16(t.w);
+          } else if constexpr (V == 8) {  // bf16 rows only (combine() launches no fp32 V = 8)
+            static_assert(std::is_same<YT, uint16_t>::value, "V = 8 reads bf16 pair rows");
+            const uint4 t = *reinterpret_cast<const uint4*>(yp[u]);
+            const uint32_t w4[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              yv[u][2 * q] = __uint_as_float(w4[q] << 16);
+              yv[u][2 * q + 1] = __uint_as_float(w4[q] & 0xffff0000u);
+            }
           } else if constexpr (V == 4) {
             const uint2 t = *reinterpret_cast<const uint2*>(yp[u]);
             yv[u][0] = __uint_as_float(t.x << 16);
@@ -408,8 +417,19 @@ __global__ void __launch_bounds__(kElemThreads)
     const float sg = sigmoidf_(sgl[i * sgl_ld]);
     const float* so = sout + i * D + d;
     float* o = out + i * D + d;
+    if constexpr (V == 8) {  // the shared row and the output as two 16-byte accesses each
+      float sv[8];
+      *reinterpret_cast<float4*>(sv) = reinterpret_cast<const float4*>(so)[0];
+      *reinterpret_cast<float4*>(sv + 4) = reinterpret_cast<const float4*>(so)[1];
+      float ov[8];
 #pragma unroll
-    for (int j = 0; j < V; ++j) o[j] = routed[j] + sg * round_bf16(so[j]);
+      for (int j = 0; j < 8; ++j) ov[j] = routed[j] + sg * round_bf16(sv[j]);
+      reinterpret_cast<float4*>(o)[0] = *reinterpret_cast<const float4*>(ov);
+      reinterpret_cast<float4*>(o)[1] = *reinterpret_cast<const float4*>(ov + 4);
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j) o[j] = routed[j] + sg * round_bf16(so[j]);
+    }
   }
 }
 
@@ -857,6 +877,12 @@ static gpuError_t combine(const MoeArgs& a, const float* ys, const int32_t* inv,
   // always after the kernels that made ys in this handler
   if (ys16) {
     const uint16_t* y16 = reinterpret_cast<const uint16_t*>(ys);
+    // BARO_MOE_COMBINE_WIDE=1 (opt-in until timed on a GPU): 8 columns a thread, every access 16
+    // bytes (the pair rows' eight bf16, the shared row's and the output's two float4 each)
+    if (v4 && D % 8 == 0 && aligned16(sout) && baro::knobs::on(baro::knobs::kMoeCombineWide))
+      return launch_dependent(moe_combine_kernel<8, uint16_t>, dim3(elem_blocks(m * D / 8)), dim3(kElemThreads), 0,
+                              stream, y16, inv, wts, sout, sgl, sgl_ld, a.out, m, D, a.top_k, ids, slots,
+                              static_cast<int>(a.S));
     if (v4)
       return launch_dependent(moe_combine_kernel<4, uint16_t>, dim3(elem_blocks(m * D / 4)), dim3(kElemThreads), 0,
                               stream, y16, inv, wts, sout, sgl, sgl_ld, a.out, m, D, a.top_k, ids, slots,

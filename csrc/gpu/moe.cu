@@ -874,28 +874,20 @@ static gpuError_t combine(const MoeArgs& a, const float* ys, const int32_t* inv,
   const int64_t m = a.m, D = a.D;
   const bool v4 = D % 4 == 0 && aligned16(a.out) && aligned16(ys);
   const int32_t* slots = nan_row_slots(a);
-  // always after the kernels that made ys in this handler
+  // always after the kernels that made ys in this handler; V columns a thread
+  auto go = [&](auto kernel, int V, const auto* y) {
+    return launch_dependent(kernel, dim3(elem_blocks(m * D / V)), dim3(kElemThreads), 0, stream, y, inv, wts, sout,
+                            sgl, sgl_ld, a.out, m, D, a.top_k, ids, slots, static_cast<int>(a.S));
+  };
   if (ys16) {
     const uint16_t* y16 = reinterpret_cast<const uint16_t*>(ys);
     // BARO_MOE_COMBINE_WIDE=1 (opt-in until timed on a GPU): 8 columns a thread, every access 16
     // bytes (the pair rows' eight bf16, the shared row's and the output's two float4 each)
     if (v4 && D % 8 == 0 && aligned16(sout) && baro::knobs::on(baro::knobs::kMoeCombineWide))
-      return launch_dependent(moe_combine_kernel<8, uint16_t>, dim3(elem_blocks(m * D / 8)), dim3(kElemThreads), 0,
-                              stream, y16, inv, wts, sout, sgl, sgl_ld, a.out, m, D, a.top_k, ids, slots,
-                              static_cast<int>(a.S));
-    if (v4)
-      return launch_dependent(moe_combine_kernel<4, uint16_t>, dim3(elem_blocks(m * D / 4)), dim3(kElemThreads), 0,
-                              stream, y16, inv, wts, sout, sgl, sgl_ld, a.out, m, D, a.top_k, ids, slots,
-                              static_cast<int>(a.S));
-    return launch_dependent(moe_combine_kernel<1, uint16_t>, dim3(elem_blocks(m * D)), dim3(kElemThreads), 0, stream,
-                            y16, inv, wts, sout, sgl, sgl_ld, a.out, m, D, a.top_k, ids, slots,
-                            static_cast<int>(a.S));
+      return go(moe_combine_kernel<8, uint16_t>, 8, y16);
+    return v4 ? go(moe_combine_kernel<4, uint16_t>, 4, y16) : go(moe_combine_kernel<1, uint16_t>, 1, y16);
   }
-  if (v4)
-    return launch_dependent(moe_combine_kernel<4>, dim3(elem_blocks(m * D / 4)), dim3(kElemThreads), 0, stream, ys,
-                            inv, wts, sout, sgl, sgl_ld, a.out, m, D, a.top_k, ids, slots, static_cast<int>(a.S));
-  return launch_dependent(moe_combine_kernel<1>, dim3(elem_blocks(m * D)), dim3(kElemThreads), 0, stream, ys, inv,
-                          wts, sout, sgl, sgl_ld, a.out, m, D, a.top_k, ids, slots, static_cast<int>(a.S));
+  return v4 ? go(moe_combine_kernel<4>, 4, ys) : go(moe_combine_kernel<1>, 1, ys);
 }
 
 // Step 6: the shared expert's output sout [m, D] (unless folded) and its gate logit sgl [m]

@@ -73,19 +73,20 @@ def gdn_columns(cfg):
 
 
 def gdn_block(h, p, st, cfg, ops, pos, n_valid):
-    # Every op reads its columns of the projection in place (conv the first C, rounded to the
-    # state's dtype; the others from a column offset), since a slice handed to a custom call is a copy.
-    proj = ops.matmul(h, p["in_proj"])
-    o, st = gdn_core(proj, p, st, cfg, ops, pos, n_valid)
+    # Every op reads its columns of the projection in place (conv the first C, in the state's
+    # dtype; the others from a column offset), since a slice handed to a custom call is a copy.
+    # packed: the backend returned the conv's columns already in bf16 (the bytes it rounds to).
+    proj, packed = ops.gdn_projection(h, p["in_proj"], cfg.conv_dim)
+    o, st = gdn_core(proj, p, st, cfg, ops, pos, n_valid, packed)
     g = ops.gated_norm(o, proj, p["norm"], cfg.rms_eps, h.dtype, z_col=gdn_columns(cfg)[0])
     return ops.matmul(g, p["out"]), st
 
 
-def gdn_core(proj, p, st, cfg, ops, pos, n_valid):
+def gdn_core(proj, p, st, cfg, ops, pos, n_valid, packed=False):
     """The GDN between its projections: the causal conv and the delta rule, (o, new state)."""
     nv = cfg.lin_v_heads
     _, b_col, a_col = gdn_columns(cfg)
-    y, window = ops.conv(proj, p["conv"], st["conv"], n_valid)
+    y, window = ops.conv(proj, p["conv"], st["conv"], n_valid, packed=packed)
     if cfg.delta_rule == "blocked":
         b, a = proj[:, b_col:b_col + nv], proj[:, a_col:]
         o, ssm, bk, bu, bc = ops.delta_blocked(y, b, a, p["A_log"], p["dt_bias"], st["ssm"], st["blk_k"],

@@ -21,6 +21,14 @@ def matmul(x, w):
     return cc.matmul(x, w)
 
 
+def gdn_projection(h, w, conv_cols):
+    """The GDN input projection f32 [m, N], and whether its first conv_cols columns (the conv's)
+    come as bf16 packed at the start of each row (BARO_GDN_PACK16), which conv then takes as
+    `packed`: the same bytes out of the conv, half the bytes between the two."""
+    bf16_cols = cc.packed_columns(h.shape[0], conv_cols)
+    return cc.matmul(h, w, bf16_cols=bf16_cols), bf16_cols > 0
+
+
 def rmsnorm(x, w, eps, dtype=_BF16):
     _bf16_only(dtype)
     return cc.rmsnorm(x, w, eps)
@@ -41,8 +49,8 @@ def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, *, 
     return cc.attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, eps=eps)
 
 
-def conv(x, w, window, n_valid, rows=False):
-    return cc.conv(x, w, window, n_valid, rows=rows)
+def conv(x, w, window, n_valid, rows=False, packed=False):
+    return cc.conv(x, w, window, n_valid, rows=rows, packed=packed)
 
 
 def delta(y, b, a, A_log, dt_bias, state, n_valid, *, nk, dk, b_col=0, a_col=0, rows=False):

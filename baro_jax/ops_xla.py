@@ -21,6 +21,11 @@ def matmul(x, w):
     return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=f32)
 
 
+def gdn_projection(h, w, conv_cols):
+    """The GDN input projection and whether its conv columns are packed (never here)."""
+    return matmul(h, w), False
+
+
 def _rms_scale(x, eps):
     ss = jnp.sum(x * x, axis=-1, keepdims=True)
     return 1.0 / jnp.sqrt(ss / x.shape[-1] + eps)
@@ -99,12 +104,16 @@ def attention(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, pos, n_valid, *, 
     return o.astype(A).reshape(m, H * hd), k_cache, v_cache
 
 
-def conv(x, w, window, n_valid, rows=False):
+def conv(x, w, window, n_valid, rows=False, packed=False):
     """Depthwise causal conv (window 4) + SiLU; returns fp32 y and the new window. x wider
     than w's C channels, or of another dtype than the window, is the GDN projection: its first
     C columns in the window's dtype (as the ordered op rounds them on load).
     rows: x [P, W] is one token of each of P sequences, window [3, P*C] theirs side by side
-    (the ordered op's rows mode): the one-token conv on the rows folded into one row."""
+    (the ordered op's rows mode): the one-token conv on the rows folded into one row.
+    packed: never here (gdn_projection packs nothing)."""
+    if packed:
+        raise ValueError("conv: packed=True takes the ordered backend's packed projection; the xla "
+                         "backend's gdn_projection packs nothing")
     if rows:
         P, C = x.shape[0], w.shape[0]
         y, window = conv(x[:, :C].astype(window.dtype).reshape(1, P * C), jnp.tile(w, (P, 1)), window, n_valid)

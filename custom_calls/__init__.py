@@ -11,7 +11,7 @@ from .attention_rows import attention_rows
 from .deltanet import conv, delta, delta_blocked
 from .fetch import FetchRing
 from .logprob import log_softmax
-from .matmul import matmul
+from .matmul import matmul, packed_columns
 from .moe import HostStore, host_store, moe, moe_combine, moe_host, moe_pairs, moe_route, moe_slots
 from .norm import add_rmsnorm, gated_norm, rmsnorm
 from .scratch import scratch_bytes
@@ -35,7 +35,7 @@ if "cpu" not in available_platforms():
 
 __all__ = [
     "available_platforms", "library_paths", "load_errors",
-    "matmul", "rmsnorm", "add_rmsnorm", "gated_norm", "attention", "conv", "delta", "delta_blocked", "moe",
+    "matmul", "packed_columns", "rmsnorm", "add_rmsnorm", "gated_norm", "attention", "conv", "delta", "delta_blocked", "moe",
     "moe_slots", "moe_route", "moe_pairs", "moe_combine", "moe_host", "host_store", "HostStore", "FetchRing",
     "scratch_bytes", "gpu_platform", "attention_rows", "log_softmax", "topk_rows",
 ]

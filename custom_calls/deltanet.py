@@ -22,13 +22,15 @@ def _rows_flag(op, rows):
     return np.int64(bool(rows))
 
 
-def conv(x, w, window, n_valid, rows=False):
+def conv(x, w, window, n_valid, rows=False, packed=False):
     """x[m,C] bf16, w[C,4] bf16, window[3,C] bf16 (oldest first), n_valid int32
     -> (y[m,C] f32 = silu(causal conv), new window[3,C] bf16, updated in place).
 
     x may instead be f32 [m, W] with W >= C (C from w): the GDN input projection whole, whose
     first C columns rounded to bf16 are the conv input (baro_conv_proj: the slice and the
-    convert XLA would run before baro_conv, done on load).
+    convert XLA would run before baro_conv, done on load). packed=True: x is matmul's output with
+    bf16_cols >= C, its first C columns already bf16, packed at the start of each row; the same
+    bytes as the unpacked projection gives.
 
     rows=True (baro_conv_proj only): x f32 [P, W] is one token of each of P sequences, window
     [3, P*C] their windows side by side (sequence p's at columns p*C ..), n_valid 0 or 1 ->
@@ -36,7 +38,12 @@ def conv(x, w, window, n_valid, rows=False):
     row of P*C channels with w tiled P times, without the fold."""
     op = "baro_conv"
     rows_attr = _rows_flag(op, rows)
+    if not isinstance(packed, (bool, np.bool_)):
+        raise ValueError(f"{op}: packed must be a static bool, got {type(packed).__name__}")
     C.rank(op, "x", x, 2)
+    if packed and np.dtype(x.dtype) != np.float32:
+        raise ValueError(f"{op}: packed=True takes x as the f32 projection matmul packed (baro_conv_proj), "
+                         f"got dtype {np.dtype(x.dtype).name} (shape {list(x.shape)})")
     if np.dtype(x.dtype) == np.float32:
         op = "baro_conv_proj"
         m, W = x.shape
@@ -68,6 +75,8 @@ def conv(x, w, window, n_valid, rows=False):
          jax.ShapeDtypeStruct((CONV_K - 1, P * Cc), C.BF16)),
         input_output_aliases={2: 1},
     )
+    if op == "baro_conv_proj":
+        return tuple(call(*args, rows=rows_attr, packed=np.int64(bool(packed))))
     return tuple(call(*args, rows=rows_attr))
 
 

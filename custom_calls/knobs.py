@@ -3,9 +3,9 @@
 The C++ code reads its knobs through csrc/common/knobs.h, on every call (the kernel tests switch
 them between calls); this is the same table (tests/test_knobs.py checks the two agree, and that
 no getenv in csrc reads a name outside it) with a line on what each knob does and which file
-reads it. Four more are read in Python: BARO_CMDBUF_OPS (custom_calls/_lib.py),
-BARO_MOE_SMALL_ROWS (custom_calls/moe.py), BARO_TOPK_ROWS (custom_calls/topk.py) and the loader's
-BARO_LIB_DIR. Every knob is a speed
+reads it. Five more are read in Python: BARO_CMDBUF_OPS (custom_calls/_lib.py),
+BARO_MOE_SMALL_ROWS (custom_calls/moe.py), BARO_TOPK_ROWS (custom_calls/topk.py), BARO_GDN_PACK16
+(custom_calls/matmul.py) and the loader's BARO_LIB_DIR. Every knob is a speed
 or test switch: none changes the bits, except BARO_DELTA_BLOCKED_MMA (the blocked delta rule's
 arithmetic on CUDA: its own bits, identical between prefill and decode under each setting).
 
@@ -251,6 +251,11 @@ _TABLE: tuple[Knob, ...] = (
              "same bytes as lax.top_k) wherever its kernel is built (GPUs: k <= 256; +5.8% at B = 64 and +1.4% at "
              "B = 8 on the H200 with top_k 20); cpu: on the CPU only, lax.top_k on GPUs; off: lax.top_k "
              "everywhere (custom_calls/topk.py)"),
+    Knob("BARO_GDN_PACK16", "choice", "off", choices=("auto", "all", "off"), reader="Python",
+         doc="the GDN input projection's conv channels as bf16 packed at the start of each row of its f32 "
+             "output, read so by the conv (half the bytes written and read; the same bits: the conv rounds them "
+             "to bf16 on load otherwise): auto: calls of at least 64 rows (prefill chunks, the wgmma GEMM's "
+             "calls); all: every call (tests); off: fp32 (opt-in until timed on a GPU) (custom_calls/matmul.py)"),
     Knob("BARO_LIB_DIR", "path", None, reader="Python", default_text="unset",
          doc="a directory searched first for libbaro_cpu.so / libbaro_cuda.so / libbaro_hip.so "
              "(custom_calls/_lib.py)"),

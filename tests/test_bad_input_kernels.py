@@ -269,16 +269,19 @@ def _delta_call(o_shape, state_rows):
 
 ROWS_HANDLER_CASES = {
     "conv window of one sequence": (
-        lambda: _conv_proj_call(RP, RC, RC)(*rows_conv_args(win_cols=RC), jnp.int32(1), rows=np.int64(1)),
+        lambda: _conv_proj_call(RP, RC, RC)(*rows_conv_args(win_cols=RC), jnp.int32(1), rows=np.int64(1), packed=np.int64(0)),
         r"baro_conv_proj: window must have shape \[3, 24\], got \[3, 8\]"),
     "conv y of the folded call": (
-        lambda: _conv_proj_call(1, RP * RC, RP * RC)(*rows_conv_args(), jnp.int32(1), rows=np.int64(1)),
+        lambda: _conv_proj_call(1, RP * RC, RP * RC)(*rows_conv_args(), jnp.int32(1), rows=np.int64(1), packed=np.int64(0)),
         r"baro_conv_proj: y \(result\) must have shape \[3, 8\], got \[1, 24\]"),
     "conv rows 2": (
-        lambda: _conv_proj_call(RP, RC, RP * RC)(*rows_conv_args(), jnp.int32(1), rows=np.int64(2)),
+        lambda: _conv_proj_call(RP, RC, RP * RC)(*rows_conv_args(), jnp.int32(1), rows=np.int64(2), packed=np.int64(0)),
         r"baro_conv_proj: rows must be 0 or 1, got 2"),
+    "conv packed 2": (
+        lambda: _conv_proj_call(RP, RC, RP * RC)(*rows_conv_args(), jnp.int32(1), rows=np.int64(1), packed=np.int64(2)),
+        r"baro_conv_proj: packed must be 0 or 1, got 2"),
     "conv n_valid past the one token": (
-        lambda: _conv_proj_call(RP, RC, RP * RC)(*rows_conv_args(), jnp.int32(2), rows=np.int64(1)),
+        lambda: _conv_proj_call(RP, RC, RP * RC)(*rows_conv_args(), jnp.int32(2), rows=np.int64(1), packed=np.int64(0)),
         r"baro_conv_proj: n_valid must be in \[0, m=1\], got 2"),
     "conv bf16 x": (
         lambda: jax.ffi.ffi_call("baro_conv", (jax.ShapeDtypeStruct((RP, RC), jnp.float32),

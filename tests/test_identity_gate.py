@@ -36,6 +36,24 @@ def test_identity_gate_ordered_cpu(tiny):
     assert js["summary"]["pass"] and js["summary"]["model"] == "tiny" and js["rows"] is rep.rows
 
 
+def test_identity_gate_with_the_packed_gdn_projection(monkeypatch):
+    """BARO_GDN_PACK16: prefill chunks of 64 rows and more (auto) or every call (all) hand the conv
+    its channels as bf16 packed in the projection; the bytes of every state, logit and token stay
+    those of replay without it (off for the replay's one-row calls under auto)."""
+    from baro_jax import ops_ordered
+    h, w = np.zeros((64, 8), np.float32).astype("bfloat16"), np.zeros((12, 8), np.float32).astype("bfloat16")
+    for mode, rows, packs in (("off", 64, False), ("auto", 63, False), ("auto", 64, True), ("all", 1, True)):
+        monkeypatch.setenv("BARO_GDN_PACK16", mode)
+        assert ops_ordered.gdn_projection(h[:rows], w, 8)[1] is packs, (mode, rows)
+    for mode in ("auto", "all"):
+        monkeypatch.setenv("BARO_GDN_PACK16", mode)
+        eng = baro_jax.load("tiny", backend="ordered", progress=False)
+        prompts = verify.select(verify.load_prompts(DEFAULT_PROMPTS, eng.tokenizer), max_len=200)
+        rep = verify.run_identity_gate(eng, prompts, [64, 100], new_tokens=8, log=None)
+        assert rep.ok, (mode, [r for r in rep.rows if not identity.row_ok(r)])
+        assert max(r["boundaries_crossed"] for r in rep.rows) >= 1
+
+
 def test_identity_gate_detects_differences(bench_script, tmp_path):
     """The xla backend is not row-invariant: the command line must say so and exit 1."""
     out = tmp_path / "x.json"

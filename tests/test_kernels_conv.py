@@ -125,6 +125,45 @@ def test_conv_reads_the_projection(platform, m, C, W):
             assert_same_bits(np.asarray(g), np.asarray(w_), f"ops_xla conv of the projection: {what}")
 
 
+# packed=True: the projection as matmul(bf16_cols=C) returns it (the conv channels bf16 at the start
+# of each row) gives the bytes of the fp32 projection's conv, y and window, one token and many,
+# rows mode too; C % 8 == 0 with W % 4 == 0 (the vector path) and not (the scalar one).
+@pytest.mark.parametrize("C,W", [(1024, 1024 + 136), (40, 40 + 9)])
+@pytest.mark.parametrize("m", [1, 2, 9, 70])
+def test_conv_reads_the_packed_projection(platform, m, C, W):
+    rng = np.random.default_rng(560 + m + W)
+    x, wi = bf16(rng, m, 64), bf16(rng, W, 64)
+    xd, wid = put(platform, x, wi)
+    proj = cc.matmul(xd, wid)
+    packed = cc.matmul(xd, wid, bf16_cols=C)
+    w, win = put(platform, bf16(rng, C, 4, scale=0.5), bf16(rng, 3, C))
+    conv_packed = jax.jit(lambda p, a, b, n: cc.conv(p, a, b, n, packed=True))
+    for nvld in sorted({0, 1, m // 2, m}):
+        want = [np.asarray(r) for r in J_CONV(proj, w, win, i32(nvld))]
+        poison(platform, (m, C))
+        got = [np.asarray(r) for r in conv_packed(packed, w, win, i32(nvld))]
+        assert_same_bits(got[1], want[1], f"conv packed C={C} W={W} m={m} n_valid={nvld} window")
+        assert_same_bits(got[0][:nvld], want[0][:nvld], f"conv packed C={C} W={W} m={m} n_valid={nvld} y")
+    # rows mode: each row one token of its own sequence
+    wins = put(platform, bf16(rng, 3, m * C))
+    rows = jax.jit(lambda p, a, b, n, k: cc.conv(p, a, b, n, rows=True, packed=k), static_argnums=4)
+    for nvld in (0, 1):
+        want = [np.asarray(r) for r in rows(proj, w, wins, i32(nvld), False)]
+        got = [np.asarray(r) for r in rows(packed, w, wins, i32(nvld), True)]
+        assert_same_bits(got[1], want[1], f"conv packed rows C={C} W={W} P={m} n_valid={nvld} window")
+        assert_same_bits(got[0][:nvld], want[0][:nvld], f"conv packed rows C={C} W={W} P={m} y")
+
+
+def test_conv_packed_errors(platform):
+    rng = np.random.default_rng(10)
+    w, win = put(platform, bf16(rng, 8, 4), bf16(rng, 3, 8))
+    with pytest.raises(ValueError, match=r"baro_conv: packed=True takes x as the f32 projection matmul packed "
+                                         r"\(baro_conv_proj\), got dtype bfloat16"):
+        cc.conv(put(platform, bf16(rng, 2, 8)), w, win, 2, packed=True)
+    with pytest.raises(ValueError, match=r"baro_conv: packed must be a static bool, got int"):
+        cc.conv(put(platform, f32(rng, 2, 12)), w, win, 2, packed=1)
+
+
 def test_conv_proj_errors(platform):
     rng = np.random.default_rng(9)
     w, win = put(platform, bf16(rng, 8, 4), bf16(rng, 3, 8))

@@ -28,7 +28,11 @@ def _handler_validates_shapes():
     w = jnp.zeros((5, 7), jnp.bfloat16)
     call = jax.ffi.ffi_call("baro_matmul", jax.ShapeDtypeStruct((3, 5), jnp.float32))
     with pytest.raises(Exception, match=r"baro_matmul: w must have shape \[N, K\] with K = x.shape\[1\] = 8, got \[5, 7\]"):
-        call(x, w).block_until_ready()
+        call(x, w, bf16_cols=np.int64(0)).block_until_ready()
+    w = jnp.zeros((5, 8), jnp.bfloat16)
+    for bad in (3, -2, 6):  # odd, negative, past N = 5
+        with pytest.raises(Exception, match=rf"baro_matmul: bf16_cols must be even and in \[0, N=5\], got {bad}"):
+            call(x, w, bf16_cols=np.int64(bad)).block_until_ready()
     st = jnp.zeros((4, 16, 16), jnp.float32)
     call = jax.ffi.ffi_call("baro_delta", (jax.ShapeDtypeStruct((2, 4, 16), jnp.float32), st))
     y = jnp.zeros((2, 100), jnp.float32)
@@ -52,7 +56,7 @@ def _handler_validates_shapes():
     with pytest.raises(Exception, match=r"baro_conv_proj: x must have at least C=8 columns \(C from w\), "
                                         r"got shape \[2, 6\]"):
         call(jnp.zeros((2, 6)), jnp.zeros((8, 4), jnp.bfloat16), jnp.zeros((3, 8), jnp.bfloat16),
-             jnp.int32(2), rows=np.int64(0))[0].block_until_ready()
+             jnp.int32(2), rows=np.int64(0), packed=np.int64(0))[0].block_until_ready()
 
 
 # Calls of <= 16 rows (decode) go through the _small ops (their GPU scratch is a result

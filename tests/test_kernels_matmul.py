@@ -334,6 +334,58 @@ def test_matmul_wgmma_same_bytes(platform, N, K, monkeypatch):
                          "BARO_GEMM_WGMMA vs the default")
 
 
+# bf16_cols (the GDN projection's conv channels): the first S columns rounded to bf16, packed two
+# to a word at the start of each row, the rest fp32 in place; the same values as the fp32 call and
+# XLA's convert of them. Rows: one, two, odd, a 64-row tile and one past it (the wgmma kernel's
+# plain calls), several tiles; S: none, inside the first 128-column tile, on a 256-column tile's
+# edge, inside a 256-wide tile (its columns split between the two stores), all columns. On a GPU
+# every kernel: the default pick (the wgmma epilogue at 64 rows and more on sm_90, the stream and
+# the one-row kernel below), each forced tile, and the wgmma kernel refused (mma.sync, then the
+# packing pass). Poisoned outputs: a column neither store reaches shows up as NaN.
+def _packed_call(platform, x, wd, S):
+    poison(platform, (x.shape[0], wd.shape[0]))
+    y = np.asarray(jax.jit(lambda a, b: cc.matmul(a, b, bf16_cols=S))(put(platform, x), wd))
+    return y.view(np.uint16).reshape(x.shape[0], 2 * wd.shape[0])[:, :S], y[:, S:]
+
+
+@pytest.mark.parametrize("m", [1, 2, 37, 64, 65, 300])
+def test_matmul_packs_bf16_columns(platform, m, monkeypatch):
+    N, K = 520, 272
+    rng = np.random.default_rng(3100 + m)
+    x, w = bf16(rng, m, K), bf16(rng, N, K)
+    wd = put(platform, w)
+    full = np.asarray(J_MATMUL(put(platform, x), wd))
+    rounded = np.asarray(jax.jit(lambda a: a.astype(jnp.bfloat16))(put(platform, full))).view(np.uint16)
+    arms = [(None, {})]
+    if platform.platform == "gpu":
+        arms += [(t, {}) for t in ("16-simple", "16-stream", "64", "128")]
+        arms += [(None, {"BARO_GEMM_WGMMA": "0"}), ("128", {"BARO_GEMM_WGMMA_BN": "plain"})]
+    for tile, env in arms:
+        force_tile(monkeypatch, tile)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        for S in (0, 40, 256, 384, N):
+            p16, p32 = _packed_call(platform, x, wd, S)
+            what = f"matmul m={m} bf16_cols={S} tile {tile} {env}"
+            assert_same_bits(p16, rounded[:, :S], f"{what}: packed columns vs bf16 of the fp32 call")
+            assert_same_bits(p32, full[:, S:], f"{what}: fp32 columns vs the fp32 call")
+        for k in env:
+            monkeypatch.delenv(k)
+    force_tile(monkeypatch, None)
+
+
+def test_matmul_packed_errors(platform):
+    rng = np.random.default_rng(2)
+    x, w = put(platform, bf16(rng, 3, 8), bf16(rng, 6, 8))
+    for bad in (3, -2, 8):
+        with pytest.raises(ValueError, match=rf"baro_matmul: bf16_cols must be even and in \[0, N=6\], got {bad}"):
+            cc.matmul(x, w, bf16_cols=bad)
+    with pytest.raises(ValueError, match=r"baro_matmul: bf16_cols must be a static Python int, got float"):
+        cc.matmul(x, w, bf16_cols=2.0)
+    with pytest.raises(ValueError, match=r"baro_matmul: bf16_cols must be a static Python int, got bool"):
+        cc.matmul(x, w, bf16_cols=True)
+
+
 def test_matmul_errors(platform):
     rng = np.random.default_rng(1)
     x, w = put(platform, bf16(rng, 3, 8), bf16(rng, 5, 8))

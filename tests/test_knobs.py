@@ -71,7 +71,8 @@ def test_cpp_table_equals_the_python_table():
             assert k.default == (dflt if lo <= dflt <= hi else None), name
     python_only = {k.name for k in K.KNOBS.values() if k.reader == "Python"}
     readers = {"BARO_CMDBUF_OPS": "custom_calls/_lib.py", "BARO_LIB_DIR": "custom_calls/_lib.py",
-               "BARO_MOE_SMALL_ROWS": "custom_calls/moe.py", "BARO_TOPK_ROWS": "custom_calls/topk.py"}
+               "BARO_MOE_SMALL_ROWS": "custom_calls/moe.py", "BARO_TOPK_ROWS": "custom_calls/topk.py",
+               "BARO_GDN_PACK16": "custom_calls/matmul.py"}
     assert python_only == set(readers)
     for name, file in readers.items():  # and they are read where the table says
         assert f'knob("{name}")' in (ROOT / file).read_text() or name == "BARO_LIB_DIR", name
@@ -136,9 +137,9 @@ def test_cpu_handler_refuses_a_bad_knob(monkeypatch):
     for bad in ("abc", "0", "-3", "5000"):
         monkeypatch.setenv("BARO_CPU_THREADS", bad)
         with pytest.raises(Exception, match=rf"BARO_CPU_THREADS must be an integer in \[1, 4096\], got '{bad}'"):
-            jax.block_until_ready(call(x, w))
+            jax.block_until_ready(call(x, w, bf16_cols=np.int64(0)))
     monkeypatch.setenv("BARO_CPU_THREADS", "2")
-    assert np.asarray(call(x, w)).tolist() == [[64.0] * 5] * 3
+    assert np.asarray(call(x, w, bf16_cols=np.int64(0))).tolist() == [[64.0] * 5] * 3
     monkeypatch.delenv("BARO_CPU_THREADS")
     assert os.environ.get("BARO_CPU_THREADS") is None
-    assert np.asarray(call(x, w)).tolist() == [[64.0] * 5] * 3
+    assert np.asarray(call(x, w, bf16_cols=np.int64(0))).tolist() == [[64.0] * 5] * 3

@@ -68,9 +68,13 @@ struct MatmulDims {
   int64_t m, K, N;
 };
 
+// bf16_cols: y's first bf16_cols columns are returned rounded to bf16 and packed two to a float32
+// word at the start of each row (uint16 element i * 2N + c), the rest as float32 in place
+// (docs/FFI.md); 0: every column float32. Even, so that no word holds one of each.
 inline ::xla::ffi::Error check_matmul(const ::xla::ffi::Buffer<::xla::ffi::BF16>& x,
                                       const ::xla::ffi::Buffer<::xla::ffi::BF16>& w,
-                                      const ::xla::ffi::Buffer<::xla::ffi::F32>& y, MatmulDims& d) {
+                                      const ::xla::ffi::Buffer<::xla::ffi::F32>& y, int64_t bf16_cols,
+                                      MatmulDims& d) {
   const char* op = "baro_matmul";
   BARO_RETURN_IF(expect_rank(op, "x", x, 2));
   BARO_RETURN_IF(expect_rank(op, "w", w, 2));
@@ -81,6 +85,8 @@ inline ::xla::ffi::Error check_matmul(const ::xla::ffi::Buffer<::xla::ffi::BF16>
              "w must have shape [N, K] with K = x.shape[1] = " << d.K << ", got "
                  << dims_str(w.dimensions()));
   BARO_RETURN_IF(expect_shape(op, "y (result)", y, {d.m, d.N}));
+  BARO_CHECK(bf16_cols >= 0 && bf16_cols <= d.N && bf16_cols % 2 == 0, op,
+             "bf16_cols must be even and in [0, N=" << d.N << "], got " << bf16_cols);
   return ::xla::ffi::Error::Success();
 }
 
@@ -476,10 +482,13 @@ inline std::string expect_no_rows_mode(const char* op, int64_t rows) {
 // baro_conv_proj's x: the f32 projection [m, W] with at least C = w's rows columns. Rows mode
 // (rows = 1): x's rows are P sequences' one token each, the call one token (m = 1) of P*C
 // channels; else P = 1.
+// packed = 1: the C columns are baro_matmul's bf16_cols >= C columns, bf16 packed at the start of
+// each row (uint16 element t * 2W + c), read as they are.
 inline ::xla::ffi::Error check_conv_proj_x(const char* op, const ::xla::ffi::Buffer<::xla::ffi::F32>& x,
-                                           const ::xla::ffi::Buffer<::xla::ffi::BF16>& w, int64_t rows, int64_t& m,
-                                           int64_t& W, int64_t& C, int64_t& P) {
+                                           const ::xla::ffi::Buffer<::xla::ffi::BF16>& w, int64_t rows,
+                                           int64_t packed, int64_t& m, int64_t& W, int64_t& C, int64_t& P) {
   BARO_RETURN_IF(expect_rows_attr(op, rows));
+  BARO_CHECK(packed == 0 || packed == 1, op, "packed must be 0 or 1, got " << packed);
   BARO_RETURN_IF(expect_rank(op, "x", x, 2));
   BARO_RETURN_IF(expect_rank(op, "w", w, 2));
   m = x.dimensions()[0];

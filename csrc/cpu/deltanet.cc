@@ -75,11 +75,16 @@ ffi::Error ConvImpl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
 // row p), the window [3, P*C].
 ffi::Error ConvProjImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
                         ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf, int64_t rows,
-                        ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::BF16> window_out) {
+                        int64_t packed, ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::BF16> window_out) {
   const char* op = "baro_conv_proj";
   int64_t m = 0, W = 0, C = 0, P = 1;
-  if (auto err = baro::check_conv_proj_x(op, x, w, rows, m, W, C, P); err.failure()) return err;
+  if (auto err = baro::check_conv_proj_x(op, x, w, rows, packed, m, W, C, P); err.failure()) return err;
   const float* xp = x.typed_data();
+  if (packed) {  // baro_matmul's bf16 columns, already rounded
+    const uint16_t* x16 = reinterpret_cast<const uint16_t*>(xp);
+    return conv_rows(op, [&](int64_t t, int64_t c) { return x16[(t + c / C) * 2 * W + c % C]; }, m, C, P, w, window,
+                     n_valid_buf, y, window_out);
+  }
   return conv_rows(op, [&](int64_t t, int64_t c) { return baro::f32_to_bf16(xp[(t + c / C) * W + c % C]); }, m, C,
                    P, w, window, n_valid_buf, y, window_out);
 }
@@ -318,6 +323,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvProjCpu, baro::KnobChecked<ConvProjImpl>::
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // window
                                   .Arg<ffi::Buffer<ffi::S32>>()   // n_valid
                                   .Attr<int64_t>("rows")          // 1: rows mode (x [P, W], window [3, P*C])
+                                  .Attr<int64_t>("packed")        // 1: x's C columns packed bf16 (baro_matmul)
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // window
 );

@@ -205,6 +205,19 @@ gpuError_t launch_conv_proj(const float* x, int64_t ldx, const uint16_t* w, cons
              : launch_conv_v<1>(x, w, win_in, win_out, n_valid, y, m, P * C, ldx, C, stream);
 }
 
+gpuError_t launch_conv_packed(const float* x, int64_t ldx, const uint16_t* w, const uint16_t* win_in,
+                              uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m, int64_t C,
+                              int64_t P, gpuStream_t stream) {
+  (void)gpuGetLastError();
+  if (C <= 0 || P <= 0) return gpuSuccess;
+  // the bf16 columns at the start of each row: a row is 2 ldx of them apart
+  const uint16_t* x16 = reinterpret_cast<const uint16_t*>(x);
+  const bool vec = C % 8 == 0 && ldx % 4 == 0 && aligned16(x) && aligned16(w) && aligned16(win_in) &&
+                   aligned16(win_out) && aligned16(y);
+  return vec ? launch_conv_v<8>(x16, w, win_in, win_out, n_valid, y, m, P * C, 2 * ldx, C, stream)
+             : launch_conv_v<1>(x16, w, win_in, win_out, n_valid, y, m, P * C, 2 * ldx, C, stream);
+}
+
 }  // namespace baro_gpu
 
 // ---------------------------------------------------------------------------
@@ -246,14 +259,14 @@ ffi::Error ConvGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer
 // mode: x [P, W], one token of each of P sequences, window [3, P*C].
 ffi::Error ConvProjGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
                            ffi::Buffer<ffi::BF16> window, ffi::Buffer<ffi::S32> n_valid_buf, int64_t rows,
-                           ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::BF16> window_out) {
+                           int64_t packed, ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::BF16> window_out) {
   const char* op = "baro_conv_proj";
   int64_t m = 0, W = 0, C = 0, P = 1;
-  if (auto err = baro::check_conv_proj_x(op, x, w, rows, m, W, C, P); err.failure()) return err;
+  if (auto err = baro::check_conv_proj_x(op, x, w, rows, packed, m, W, C, P); err.failure()) return err;
   if (auto err = check_conv_rest(op, m, C, P, w, window, n_valid_buf, *y, *window_out); err.failure()) return err;
-  BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_conv_proj(x.typed_data(), W, w.typed_data(), window.typed_data(),
-                                                       window_out->typed_data(), n_valid_buf.typed_data(),
-                                                       y->typed_data(), m, C, P, stream));
+  const auto launch = packed ? baro_gpu::launch_conv_packed : baro_gpu::launch_conv_proj;
+  BARO_GPU_CHECK_LAUNCH(op, launch(x.typed_data(), W, w.typed_data(), window.typed_data(), window_out->typed_data(),
+                                   n_valid_buf.typed_data(), y->typed_data(), m, C, P, stream));
   return ffi::Error::Success();
 }
 
@@ -267,6 +280,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroConvProjGpu, baro::KnobChecked<ConvProjGpuImpl
                                   .Arg<ffi::Buffer<ffi::BF16>>()   // window
                                   .Arg<ffi::Buffer<ffi::S32>>()    // n_valid
                                   .Attr<int64_t>("rows")           // 1: rows mode (x [P, W], window [3, P*C])
+                                  .Attr<int64_t>("packed")         // 1: x's C columns packed bf16 (baro_matmul)
                                   .Ret<ffi::Buffer<ffi::F32>>()    // y
                                   .Ret<ffi::Buffer<ffi::BF16>>(),  // window
                               {ffi::Traits::kCmdBufferCompatible});

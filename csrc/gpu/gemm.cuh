@@ -74,6 +74,11 @@ struct GemmParams {
   // (row stride ldc) instead: the MoE's pair rows, which every reader rounds to bf16 first
   // (NUMERICS.md, moe step 3), so half the bytes out and back give the same bits.
   uint16_t* C16 = nullptr;
+  // The wgmma GEMM only, plain calls (launch_gemm packs after any other kernel): output columns
+  // below pack16 (even) rounded to bf16 and packed at the start of their row of C (uint16 element
+  // row * 2 ldc + col), the others fp32 in place: baro_matmul's bf16_cols (the GDN projection's
+  // conv channels, which the conv rounds to bf16 on load anyway).
+  int64_t pack16 = 0;
   const int32_t* tiles = nullptr;    // [max_tiles][3] = (group, row_start, row_count)
   const int32_t* n_tiles = nullptr;  // device scalar (tiles != nullptr)
   // Grouped calls, for the wgmma GEMM's tensor maps (gemm_wgmma.cu; 0: unknown, it does not run):

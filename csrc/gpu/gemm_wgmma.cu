@@ -354,6 +354,17 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
           store_pair(p.C16 + orow + c0 + c, f32_to_bf16(acc[f / 16][f % 16][2 * h]),
                      f32_to_bf16(acc[f / 16][f % 16][2 * h + 1]), c, nc, out2);
         }
+      } else if (c0 < p.pack16) {  // uniform: packed bf16 columns, their pairs even (launch_gemm)
+        uint16_t* c16 = reinterpret_cast<uint16_t*>(p.C) + 2 * orow;
+#pragma unroll
+        for (int f = 0; f < BN / 8; ++f) {
+          const int c = 8 * f + 2 * t;
+          const float v0 = acc[f / 16][f % 16][2 * h], v1 = acc[f / 16][f % 16][2 * h + 1];
+          if (c0 + c < p.pack16)
+            store_pair(c16 + c0 + c, f32_to_bf16(v0), f32_to_bf16(v1), c, nc, out2);
+          else
+            store_pair(p.C + orow + c0 + c, v0, v1, c, nc, out2);
+        }
       } else {
 #pragma unroll
         for (int f = 0; f < BN / 8; ++f) {

@@ -132,9 +132,12 @@ inline bool wgmma_grouped_sorted(int64_t pairs) {
 inline bool wgmma_grouped_on(int64_t pairs) {
   return baro::knobs::is(baro::knobs::kGemmWgmmaGrouped, "down") || wgmma_grouped_sorted(pairs);
 }
-// y[m,N] = x[m,K] . w[N,K]^T
+// y[m,N] = x[m,K] . w[N,K]^T; the first bf16_cols columns rounded to bf16 and packed at the start
+// of each row (GemmParams::pack16)
 gpuError_t launch_matmul(const uint16_t* x, const uint16_t* w, float* y, int64_t m, int64_t N,
-                         int64_t K, gpuStream_t stream);
+                         int64_t K, gpuStream_t stream, int64_t bf16_cols = 0);
+// C's rows' first `cols` fp32 values rounded to bf16 and packed at the start of the row, in place
+gpuError_t launch_pack16(float* C, int64_t m, int64_t ldc, int64_t cols, gpuStream_t stream);
 
 // ---- norms (norm.cu) ----
 gpuError_t launch_rmsnorm(const float* x, const float* w, uint16_t* y, int64_t m, int64_t D,
@@ -196,6 +199,11 @@ gpuError_t launch_conv(const uint16_t* x, const uint16_t* w, const uint16_t* win
 gpuError_t launch_conv_proj(const float* x, int64_t ldx, const uint16_t* w, const uint16_t* win_in,
                             uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m, int64_t C,
                             int64_t P, gpuStream_t stream);
+// launch_conv_proj where x's first C columns are bf16 packed at the start of each row (baro_matmul's
+// bf16_cols: uint16 element t * 2 ldx + c), read as they are.
+gpuError_t launch_conv_packed(const float* x, int64_t ldx, const uint16_t* w, const uint16_t* win_in,
+                              uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m, int64_t C,
+                              int64_t P, gpuStream_t stream);
 // Rows mode (rows = P > 1, m = 1): y, b and a hold P sequences' one token each, row p; the call's
 // value head j (of rows * nv) is row j / nv's head j % nv, key head (j % nv) / (nv / nk).
 struct DeltaArgs {

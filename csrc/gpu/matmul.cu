@@ -632,6 +632,9 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
   const bool swiglu = p.Act != nullptr;
   if (stored16 != nullptr) *stored16 = false;
   if (p.C16 != nullptr && (swiglu || p.C == nullptr || stored16 == nullptr)) return gpuErrorInvalidValue;
+  if (p.pack16 != 0 && (swiglu || p.C16 != nullptr || p.tiles != nullptr || p.pack16 < 0 || p.pack16 > p.N ||
+                        p.pack16 % 2 != 0))
+    return gpuErrorInvalidValue;
   if (row_slots <= 0 || p.N <= 0) return gpuSuccess;  // nothing to compute
   const bool split_w = p.W_tail != nullptr || p.W_last != nullptr || p.W_host != nullptr;
   if (split_w && (!gemm_split_w_runs(p, cfg) || (p.W_last != nullptr && p.last_group >= 0)))
@@ -668,6 +671,12 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
   }
 #endif
   p.C16 = nullptr;  // the kernels below store fp32 into C
+  if (p.pack16 != 0) {  // ... and then the packed columns are rounded in place
+    GemmParams q = p;
+    q.pack16 = 0;
+    const gpuError_t e = launch_gemm(q, cfg, row_slots, stream);
+    return e != gpuSuccess ? e : launch_pack16(p.C, p.M, p.ldc, p.pack16, stream);
+  }
   if (cfg == GemmConfig::kRow1) {
 #if !BARO_HIP
     if (p.vec && p.K % 16 == 0)
@@ -720,8 +729,31 @@ bool gemm_vec_ok(const GemmParams& p) {
          is_aligned(p.A, 16) && is_aligned(p.W, 16);
 }
 
+// Row r of C: its first `cols` fp32 values rounded to bf16 and packed at the start of the row,
+// in place (GemmParams::pack16 after a kernel that stored fp32). Chunks in ascending order, each
+// read whole before any thread writes it; a chunk's bf16 values land on fp32 columns below its
+// end, all read by then, so no value is overwritten before it is read.
+constexpr int kPackThreads = 256;
+__global__ void __launch_bounds__(kPackThreads) pack16_kernel(float* C, int64_t ldc, int64_t cols) {
+  float* row = C + static_cast<int64_t>(blockIdx.x) * ldc;
+  uint16_t* row16 = reinterpret_cast<uint16_t*>(row);
+  for (int64_t c0 = 0; c0 < cols; c0 += kPackThreads) {
+    const int64_t c = c0 + threadIdx.x;
+    const float v = c < cols ? row[c] : 0.0f;
+    __syncthreads();
+    if (c < cols) row16[c] = f32_to_bf16(v);
+  }
+}
+
+gpuError_t launch_pack16(float* C, int64_t m, int64_t ldc, int64_t cols, gpuStream_t stream) {
+  if (m <= 0 || cols <= 0) return gpuSuccess;
+  if (m > 0x7fffffffLL) return gpuErrorInvalidValue;
+  pack16_kernel<<<static_cast<unsigned>(m), kPackThreads, 0, stream>>>(C, ldc, cols);
+  return gpuGetLastError();
+}
+
 gpuError_t launch_matmul(const uint16_t* x, const uint16_t* w, float* y, int64_t m, int64_t N,
-                         int64_t K, gpuStream_t stream) {
+                         int64_t K, gpuStream_t stream, int64_t bf16_cols) {
   (void)gpuGetLastError();  // clear a stale error so the status below is ours
   if (m <= 0 || N <= 0) return gpuSuccess;
   GemmParams p;
@@ -735,6 +767,7 @@ gpuError_t launch_matmul(const uint16_t* x, const uint16_t* w, float* y, int64_t
   p.K = K;
   p.C = y;
   p.ldc = N;
+  p.pack16 = bf16_cols;
   const GemmConfig cfg = gemm_pick(m, N);
   const int bm = gemm_bm(cfg);
   return launch_gemm(p, cfg, (m + bm - 1) / bm, stream);
@@ -750,13 +783,13 @@ namespace {
 namespace ffi = xla::ffi;
 
 ffi::Error MatmulGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                         ffi::ResultBuffer<ffi::F32> y) {
+                         int64_t bf16_cols, ffi::ResultBuffer<ffi::F32> y) {
   const char* op = "baro_matmul";
   baro::MatmulDims dims;
-  if (auto err = baro::check_matmul(x, w, *y, dims); err.failure()) return err;
+  if (auto err = baro::check_matmul(x, w, *y, bf16_cols, dims); err.failure()) return err;
   const int64_t m = dims.m, K = dims.K, N = dims.N;
   BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_matmul(x.typed_data(), w.typed_data(),
-                                                    y->typed_data(), m, N, K, stream));
+                                                    y->typed_data(), m, N, K, stream, bf16_cols));
   return ffi::Error::Success();
 }
 
@@ -767,5 +800,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaroMatmulGpu, baro::KnobChecked<MatmulGpuImpl>::C
                                   .Ctx<ffi::PlatformStream<gpuStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // x
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w
+                                  .Attr<int64_t>("bf16_cols")     // leading columns packed as bf16
                                   .Ret<ffi::Buffer<ffi::F32>>(),  // y
                               {ffi::Traits::kCmdBufferCompatible});

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_rows ncu_moe_prefill ncu_attn ncu_source mma_swap mma_latency wy_probe k_segments prefill_profile chunk_sweep delta_knobs attn_pipe pipe_order moe_grouped tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier topk serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_rows ncu_moe_prefill ncu_attn ncu_source mma_swap mma_latency wy_probe k_segments prefill_profile chunk_sweep delta_knobs attn_pipe pipe_order moe_grouped gdn_pack tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier topk serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -562,6 +562,21 @@ stage_moe_grouped() {
       ops|speed) sweep_settings "$part" moe moe "${MOE_GROUPED_M:-4096,8192}" "${MOE_GROUPED_LENGTHS:-8192}" \
                    moe_grouped_settings "$settings" ;;
       *) echo "moe_grouped: unknown part $part" ;;
+    esac
+  done
+}
+# The GDN projection's conv channels packed as bf16 (BARO_GDN_PACK16, custom_calls/matmul.py): the
+# byte tests (the packed GEMM on every kernel, the conv reading it; GDN_PACK_PARTS=tests), then a
+# prefill at GDN_PACK_LENGTHS under off and auto (speed_gdn_pack{off,auto}), each identity-checked.
+stage_gdn_pack() {
+  local part
+  for part in ${GDN_PACK_PARTS:-tests speed}; do
+    log "gdn_pack part $part"
+    case $part in
+      tests) timeout "${GDN_PACK_TEST_TIMEOUT:-240}" python -m pytest -m gpu tests/test_kernels_matmul.py tests/test_kernels_conv.py \
+               -q -p no:cacheprovider -k "pack" 2>&1 | tee "$OUT/gpu_gdn_pack_tests_${CARD}.txt" | tail -3 ;;
+      speed) speed_under BARO_GDN_PACK16 "off auto" "${GDN_PACK_LENGTHS:-8192,32768}" gdn_pack 240 ;;
+      *) echo "gdn_pack: unknown part $part" ;;
     esac
   done
 }

@@ -236,9 +236,10 @@ _TABLE: tuple[Knob, ...] = (
     Knob("BARO_MOE_PAIRS16", "onoff", True,
          doc="off: the MoE's grouped down GEMM on wgmma (prefill chunks) stores its pair rows as fp32 instead "
              "of bf16 (the same bits: the combine rounds every pair row to bf16 first) (csrc/gpu/moe.cu)"),
-    Knob("BARO_MOE_COMBINE_WIDE", "onoff", False,
-         doc="on: the MoE combine over bf16 pair rows (BARO_MOE_PAIRS16) takes 8 columns a thread with 16-byte "
-             "loads and stores instead of 4 (the same bits; opt-in until timed on a GPU) (csrc/gpu/moe.cu)"),
+    Knob("BARO_MOE_COMBINE_WIDE", "onoff", True,
+         doc="off: the MoE combine over bf16 pair rows (BARO_MOE_PAIRS16) takes 4 columns a thread instead of 8 "
+             "with 16-byte loads and stores (the same bits; the MoE op -2.4% / -2.8% at 4,096 / 8,192 rows on an "
+             "H100, 9e8d30a) (csrc/gpu/moe.cu)"),
     Knob("BARO_CMDBUF_OPS", "onoff", True, reader="Python",
          doc="off: calls of <= 16 rows on the ops that take scratch from XLA's allocator instead of the _small "
              "twins that may run inside command buffers (custom_calls/_lib.py)"),
@@ -251,11 +252,12 @@ _TABLE: tuple[Knob, ...] = (
              "same bytes as lax.top_k) wherever its kernel is built (GPUs: k <= 256; +5.8% at B = 64 and +1.4% at "
              "B = 8 on the H200 with top_k 20); cpu: on the CPU only, lax.top_k on GPUs; off: lax.top_k "
              "everywhere (custom_calls/topk.py)"),
-    Knob("BARO_GDN_PACK16", "choice", "off", choices=("auto", "all", "off"), reader="Python",
+    Knob("BARO_GDN_PACK16", "choice", "auto", choices=("auto", "all", "off"), reader="Python",
          doc="the GDN input projection's conv channels as bf16 packed at the start of each row of its f32 "
              "output, read so by the conv (half the bytes written and read; the same bits: the conv rounds them "
              "to bf16 on load otherwise): auto: calls of at least 64 rows (prefill chunks, the wgmma GEMM's "
-             "calls); all: every call (tests); off: fp32 (opt-in until timed on a GPU) (custom_calls/matmul.py)"),
+             "calls; +1.0% / +0.8% at 8k / 32k on an H100, 9e8d30a); all: every call (tests); off: fp32 "
+             "(custom_calls/matmul.py)"),
     Knob("BARO_LIB_DIR", "path", None, reader="Python", default_text="unset",
          doc="a directory searched first for libbaro_cpu.so / libbaro_cuda.so / libbaro_hip.so "
              "(custom_calls/_lib.py)"),

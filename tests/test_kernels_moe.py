@@ -416,9 +416,9 @@ def test_moe_gemm_wgmma_same_bytes(platform, m, E, D, I, k, monkeypatch):
         monkeypatch.delenv("BARO_GEMM_WGMMA_BN", raising=False)
         monkeypatch.delenv("BARO_GEMM_WGMMA_PERSIST", raising=False)
         # every wgmma setting above stores the down GEMM's pair rows as bf16 (BARO_MOE_PAIRS16, on by
-        # default); off, the same down GEMM stores fp32 and the combine rounds them; the opt-in wide
-        # combine (BARO_MOE_COMBINE_WIDE: 8 columns a thread) reads the bf16 rows
-        for name, kn, v in (("pairs32", "BARO_MOE_PAIRS16", "0"), ("wide", "BARO_MOE_COMBINE_WIDE", "1")):
+        # default) and combines them 8 columns a thread (BARO_MOE_COMBINE_WIDE, on by default); off,
+        # the same down GEMM stores fp32 and the combine rounds them, or the combine takes 4 columns
+        for name, kn, v in (("pairs32", "BARO_MOE_PAIRS16", "0"), ("narrow", "BARO_MOE_COMBINE_WIDE", "0")):
             monkeypatch.setenv(kn, v)
             poison(platform, (m, D))
             got["require", "sorted", "4", "auto", name, "0"] = np.asarray(

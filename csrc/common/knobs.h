@@ -130,7 +130,7 @@ inline constexpr Knob kKnobs[kCount] = {
     {"BARO_ROW1_SWAP", Kind::kChoice, "0|1|require", 0, 0, 0},
     {"BARO_MOE_ROUTE_GROUP", Kind::kChoice, "0|1|require", 0, 0, 0},
     {"BARO_MOE_PAIRS16", Kind::kOnOff, nullptr, 0, 0, 1},
-    {"BARO_MOE_COMBINE_WIDE", Kind::kOnOff, nullptr, 0, 0, 0},
+    {"BARO_MOE_COMBINE_WIDE", Kind::kOnOff, nullptr, 0, 0, 1},
 };
 
 inline bool same_word(const char* s, const char* w, size_t n) {

@@ -881,8 +881,9 @@ static gpuError_t combine(const MoeArgs& a, const float* ys, const int32_t* inv,
   };
   if (ys16) {
     const uint16_t* y16 = reinterpret_cast<const uint16_t*>(ys);
-    // BARO_MOE_COMBINE_WIDE=1 (opt-in until timed on a GPU): 8 columns a thread, every access 16
-    // bytes (the pair rows' eight bf16, the shared row's and the output's two float4 each)
+    // BARO_MOE_COMBINE_WIDE (on): 8 columns a thread, every access 16 bytes (the pair rows' eight
+    // bf16, the shared row's and the output's two float4 each): the MoE op -2.4% / -2.8% at 4,096 /
+    // 8,192 rows on an H100 (docs/PERF.md 2026-12-07)
     if (v4 && D % 8 == 0 && aligned16(sout) && baro::knobs::on(baro::knobs::kMoeCombineWide))
       return go(moe_combine_kernel<8, uint16_t>, 8, y16);
     return v4 ? go(moe_combine_kernel<4, uint16_t>, 4, y16) : go(moe_combine_kernel<1, uint16_t>, 1, y16);

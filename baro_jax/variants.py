@@ -30,7 +30,8 @@ from .ops import get_ops as backend_ops
 from .settings import VARIANTS
 from .train_model import chunked_delta
 
-OP_NAMES = ("matmul", "gdn_projection", "rmsnorm", "add_rmsnorm", "gated_norm", "attention", "conv", "delta", "delta_blocked", "moe")
+OP_NAMES = ("matmul", "gdn_projection", "rmsnorm", "add_rmsnorm", "gated_norm", "attention", "conv", "delta",
+            "delta_blocked", "moe")
 DELTA_CHUNK = 64  # rows per WY block of the delta-chunk variant (the training script's chunk)
 f32 = jnp.float32
 

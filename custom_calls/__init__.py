@@ -35,7 +35,8 @@ if "cpu" not in available_platforms():
 
 __all__ = [
     "available_platforms", "library_paths", "load_errors",
-    "matmul", "packed_columns", "rmsnorm", "add_rmsnorm", "gated_norm", "attention", "conv", "delta", "delta_blocked", "moe",
+    "matmul", "packed_columns", "rmsnorm", "add_rmsnorm", "gated_norm", "attention", "conv", "delta",
+    "delta_blocked", "moe",
     "moe_slots", "moe_route", "moe_pairs", "moe_combine", "moe_host", "host_store", "HostStore", "FetchRing",
     "scratch_bytes", "gpu_platform", "attention_rows", "log_softmax", "topk_rows",
 ]

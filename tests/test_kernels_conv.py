@@ -162,6 +162,9 @@ def test_conv_packed_errors(platform):
         cc.conv(put(platform, bf16(rng, 2, 8)), w, win, 2, packed=True)
     with pytest.raises(ValueError, match=r"baro_conv: packed must be a static bool, got int"):
         cc.conv(put(platform, f32(rng, 2, 12)), w, win, 2, packed=1)
+    import baro_jax.ops_xla as X  # its gdn_projection never packs, so its conv takes no packed input
+    with pytest.raises(ValueError, match=r"conv: packed=True takes the ordered backend's packed projection"):
+        X.conv(put(platform, f32(rng, 2, 12)), w, win, 2, packed=True)
 
 
 def test_conv_proj_errors(platform):

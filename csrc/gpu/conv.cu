@@ -196,26 +196,18 @@ gpuError_t launch_conv(const uint16_t* x, const uint16_t* w, const uint16_t* win
 
 gpuError_t launch_conv_proj(const float* x, int64_t ldx, const uint16_t* w, const uint16_t* win_in,
                             uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m, int64_t C,
-                            int64_t P, gpuStream_t stream) {
+                            int64_t P, gpuStream_t stream, bool packed) {
   (void)gpuGetLastError();
   if (C <= 0 || P <= 0) return gpuSuccess;
   const bool vec = C % 8 == 0 && ldx % 4 == 0 && aligned16(x) && aligned16(w) && aligned16(win_in) &&
                    aligned16(win_out) && aligned16(y);
+  if (packed) {  // the bf16 columns at the start of each row: a row is 2 ldx of them apart
+    const uint16_t* x16 = reinterpret_cast<const uint16_t*>(x);
+    return vec ? launch_conv_v<8>(x16, w, win_in, win_out, n_valid, y, m, P * C, 2 * ldx, C, stream)
+               : launch_conv_v<1>(x16, w, win_in, win_out, n_valid, y, m, P * C, 2 * ldx, C, stream);
+  }
   return vec ? launch_conv_v<8>(x, w, win_in, win_out, n_valid, y, m, P * C, ldx, C, stream)
              : launch_conv_v<1>(x, w, win_in, win_out, n_valid, y, m, P * C, ldx, C, stream);
-}
-
-gpuError_t launch_conv_packed(const float* x, int64_t ldx, const uint16_t* w, const uint16_t* win_in,
-                              uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m, int64_t C,
-                              int64_t P, gpuStream_t stream) {
-  (void)gpuGetLastError();
-  if (C <= 0 || P <= 0) return gpuSuccess;
-  // the bf16 columns at the start of each row: a row is 2 ldx of them apart
-  const uint16_t* x16 = reinterpret_cast<const uint16_t*>(x);
-  const bool vec = C % 8 == 0 && ldx % 4 == 0 && aligned16(x) && aligned16(w) && aligned16(win_in) &&
-                   aligned16(win_out) && aligned16(y);
-  return vec ? launch_conv_v<8>(x16, w, win_in, win_out, n_valid, y, m, P * C, 2 * ldx, C, stream)
-             : launch_conv_v<1>(x16, w, win_in, win_out, n_valid, y, m, P * C, 2 * ldx, C, stream);
 }
 
 }  // namespace baro_gpu
@@ -264,9 +256,9 @@ ffi::Error ConvProjGpuImpl(gpuStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buf
   int64_t m = 0, W = 0, C = 0, P = 1;
   if (auto err = baro::check_conv_proj_x(op, x, w, rows, packed, m, W, C, P); err.failure()) return err;
   if (auto err = check_conv_rest(op, m, C, P, w, window, n_valid_buf, *y, *window_out); err.failure()) return err;
-  const auto launch = packed ? baro_gpu::launch_conv_packed : baro_gpu::launch_conv_proj;
-  BARO_GPU_CHECK_LAUNCH(op, launch(x.typed_data(), W, w.typed_data(), window.typed_data(), window_out->typed_data(),
-                                   n_valid_buf.typed_data(), y->typed_data(), m, C, P, stream));
+  BARO_GPU_CHECK_LAUNCH(op, baro_gpu::launch_conv_proj(x.typed_data(), W, w.typed_data(), window.typed_data(),
+                                                       window_out->typed_data(), n_valid_buf.typed_data(),
+                                                       y->typed_data(), m, C, P, stream, packed != 0));
   return ffi::Error::Success();
 }
 

@@ -70,15 +70,14 @@ struct GemmParams {
   int64_t M = 0, N = 0, K = 0;  // M: rows when tiles == nullptr
   float* C = nullptr;           // [rows][ldc], row s in sorted space (fp32 epilogue)
   int64_t ldc = 0;
-  // The wgmma GEMM only (launch_gemm's stored16 says whether it ran): C rounded to bf16 into C16
-  // (row stride ldc) instead: the MoE's pair rows, which every reader rounds to bf16 first
-  // (NUMERICS.md, moe step 3), so half the bytes out and back give the same bits.
+  // The wgmma GEMM only (launch_gemm's stored16 says whether it ran): output columns below
+  // c16_cols (even) rounded to bf16 into C16 (row stride ldc16) instead of C, for readers that
+  // round them to bf16 first, so half the bytes give the same bits: the MoE's pair rows (every
+  // column, NUMERICS.md moe step 3) and the GDN projection's conv channels (baro_matmul's
+  // bf16_cols: C16 is C's own rows, packed at their start, ldc16 = 2 ldc).
   uint16_t* C16 = nullptr;
-  // The wgmma GEMM only, plain calls (launch_gemm packs after any other kernel): output columns
-  // below pack16 (even) rounded to bf16 and packed at the start of their row of C (uint16 element
-  // row * 2 ldc + col), the others fp32 in place: baro_matmul's bf16_cols (the GDN projection's
-  // conv channels, which the conv rounds to bf16 on load anyway).
-  int64_t pack16 = 0;
+  int64_t ldc16 = 0;
+  int64_t c16_cols = 0;
   const int32_t* tiles = nullptr;    // [max_tiles][3] = (group, row_start, row_count)
   const int32_t* n_tiles = nullptr;  // device scalar (tiles != nullptr)
   // Grouped calls, for the wgmma GEMM's tensor maps (gemm_wgmma.cu; 0: unknown, it does not run):

@@ -347,20 +347,13 @@ __global__ void __launch_bounds__(WgGemmCfg<BM, STAGES, BN>::kThreads, WgGemmCfg
           const float u0 = uq[2 * h], u1 = uq[2 * h + 1];
           store_pair(p.Act + orow + c0 + c, f32_to_bf16(siluf_(g0) * u0), f32_to_bf16(siluf_(g1) * u1), c, nc, out2);
         }
-      } else if (p.C16 != nullptr) {  // uniform: the MoE's pair rows in bf16
-#pragma unroll
-        for (int f = 0; f < BN / 8; ++f) {
-          const int c = 8 * f + 2 * t;
-          store_pair(p.C16 + orow + c0 + c, f32_to_bf16(acc[f / 16][f % 16][2 * h]),
-                     f32_to_bf16(acc[f / 16][f % 16][2 * h + 1]), c, nc, out2);
-        }
-      } else if (c0 < p.pack16) {  // uniform: packed bf16 columns, their pairs even (launch_gemm)
-        uint16_t* c16 = reinterpret_cast<uint16_t*>(p.C) + 2 * orow;
+      } else if (p.C16 != nullptr && c0 < p.c16_cols) {  // uniform: bf16 columns (c16_cols even)
+        uint16_t* c16 = p.C16 + (r0 + r) * p.ldc16;
 #pragma unroll
         for (int f = 0; f < BN / 8; ++f) {
           const int c = 8 * f + 2 * t;
           const float v0 = acc[f / 16][f % 16][2 * h], v1 = acc[f / 16][f % 16][2 * h + 1];
-          if (c0 + c < p.pack16)
+          if (c0 + c < p.c16_cols)
             store_pair(c16 + c0 + c, f32_to_bf16(v0), f32_to_bf16(v1), c, nc, out2);
           else
             store_pair(p.C + orow + c0 + c, v0, v1, c, nc, out2);

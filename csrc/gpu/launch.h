@@ -99,7 +99,8 @@ bool gemm_fused_swiglu_ok(GemmConfig cfg);
 // Enqueues the config's kernel over grid (row_slots, N tiles). Fills
 // p.slot_rows, p.vec, p.out2. Grouped tiles must hold <= gemm_bm(cfg) rows.
 // p.C16 (with p.C, no SwiGLU, stored16 given): the wgmma kernel, where it runs, stores the output
-// rounded to bf16 there, and *stored16 says so; every other kernel stores fp32 into p.C.
+// columns below p.c16_cols rounded to bf16 there, and *stored16 says so; every other kernel stores
+// fp32 into p.C, and the caller takes them from there.
 gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStream_t stream,
                        bool* stored16 = nullptr);
 // The Hopper prefill GEMM (gemm_wgmma.cu, on unless BARO_GEMM_WGMMA=0; launch_gemm calls it):
@@ -133,7 +134,7 @@ inline bool wgmma_grouped_on(int64_t pairs) {
   return baro::knobs::is(baro::knobs::kGemmWgmmaGrouped, "down") || wgmma_grouped_sorted(pairs);
 }
 // y[m,N] = x[m,K] . w[N,K]^T; the first bf16_cols columns rounded to bf16 and packed at the start
-// of each row (GemmParams::pack16)
+// of each row (GemmParams::C16 on C's own rows, else launch_pack16 after the GEMM)
 gpuError_t launch_matmul(const uint16_t* x, const uint16_t* w, float* y, int64_t m, int64_t N,
                          int64_t K, gpuStream_t stream, int64_t bf16_cols = 0);
 // C's rows' first `cols` fp32 values rounded to bf16 and packed at the start of the row, in place
@@ -196,14 +197,11 @@ gpuError_t launch_conv(const uint16_t* x, const uint16_t* w, const uint16_t* win
                        int64_t C, gpuStream_t stream);
 // x: f32 rows of width ldx >= C, rounded to bf16 on load (baro_conv_proj). P > 1: rows mode (m = 1,
 // x [P, ldx], window [3, P*C], y [P, C]: one token of P*C channels, channel p*C + c from x[p, c]).
+// packed: x's first C columns are bf16 packed at the start of each row (baro_matmul's bf16_cols:
+// uint16 element t * 2 ldx + c), read as they are.
 gpuError_t launch_conv_proj(const float* x, int64_t ldx, const uint16_t* w, const uint16_t* win_in,
                             uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m, int64_t C,
-                            int64_t P, gpuStream_t stream);
-// launch_conv_proj where x's first C columns are bf16 packed at the start of each row (baro_matmul's
-// bf16_cols: uint16 element t * 2 ldx + c), read as they are.
-gpuError_t launch_conv_packed(const float* x, int64_t ldx, const uint16_t* w, const uint16_t* win_in,
-                              uint16_t* win_out, const int32_t* n_valid, float* y, int64_t m, int64_t C,
-                              int64_t P, gpuStream_t stream);
+                            int64_t P, gpuStream_t stream, bool packed = false);
 // Rows mode (rows = P > 1, m = 1): y, b and a hold P sequences' one token each, row p; the call's
 // value head j (of rows * nv) is row j / nv's head j % nv, key head (j % nv) / (nv / nk).
 struct DeltaArgs {

@@ -631,9 +631,8 @@ bool gemm_row1_moe_ok(const GemmParams& p, GemmConfig cfg) {
 gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStream_t stream, bool* stored16) {
   const bool swiglu = p.Act != nullptr;
   if (stored16 != nullptr) *stored16 = false;
-  if (p.C16 != nullptr && (swiglu || p.C == nullptr || stored16 == nullptr)) return gpuErrorInvalidValue;
-  if (p.pack16 != 0 && (swiglu || p.C16 != nullptr || p.tiles != nullptr || p.pack16 < 0 || p.pack16 > p.N ||
-                        p.pack16 % 2 != 0))
+  if (p.C16 != nullptr && (swiglu || p.C == nullptr || stored16 == nullptr || p.c16_cols < 1 ||
+                           p.c16_cols > p.N || p.c16_cols % 2 != 0 || p.ldc16 < p.c16_cols))
     return gpuErrorInvalidValue;
   if (row_slots <= 0 || p.N <= 0) return gpuSuccess;  // nothing to compute
   const bool split_w = p.W_tail != nullptr || p.W_last != nullptr || p.W_host != nullptr;
@@ -662,7 +661,8 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
     if (wg_need || k::is(k::kGemmWgmma, "1")) {
       bool ran = false;
       GemmParams q = p;
-      if (q.C16 != nullptr) q.out2 = q.ldc % 2 == 0 && is_aligned(q.C16, 4);
+      // pair stores where both stores allow them (only bf16 ones where every column is bf16)
+      if (q.C16 != nullptr) q.out2 = (q.c16_cols >= q.N || q.out2) && q.ldc16 % 2 == 0 && is_aligned(q.C16, 4);
       const gpuError_t e = launch_gemm_wgmma(q, cfg == GemmConfig::kPipe128 ? 128 : 64, row_slots, stream, &ran);
       if (ran && stored16 != nullptr) *stored16 = q.C16 != nullptr;
       if (ran || e != gpuSuccess) return e;
@@ -671,12 +671,6 @@ gpuError_t launch_gemm(GemmParams p, GemmConfig cfg, int64_t row_slots, gpuStrea
   }
 #endif
   p.C16 = nullptr;  // the kernels below store fp32 into C
-  if (p.pack16 != 0) {  // ... and then the packed columns are rounded in place
-    GemmParams q = p;
-    q.pack16 = 0;
-    const gpuError_t e = launch_gemm(q, cfg, row_slots, stream);
-    return e != gpuSuccess ? e : launch_pack16(p.C, p.M, p.ldc, p.pack16, stream);
-  }
   if (cfg == GemmConfig::kRow1) {
 #if !BARO_HIP
     if (p.vec && p.K % 16 == 0)
@@ -730,7 +724,7 @@ bool gemm_vec_ok(const GemmParams& p) {
 }
 
 // Row r of C: its first `cols` fp32 values rounded to bf16 and packed at the start of the row,
-// in place (GemmParams::pack16 after a kernel that stored fp32). Chunks in ascending order, each
+// in place (baro_matmul's bf16_cols after a kernel that stored fp32). Chunks in ascending order, each
 // read whole before any thread writes it; a chunk's bf16 values land on fp32 columns below its
 // end, all read by then, so no value is overwritten before it is read.
 constexpr int kPackThreads = 256;
@@ -767,10 +761,17 @@ gpuError_t launch_matmul(const uint16_t* x, const uint16_t* w, float* y, int64_t
   p.K = K;
   p.C = y;
   p.ldc = N;
-  p.pack16 = bf16_cols;
+  if (bf16_cols > 0) {  // C's own rows, the bf16 columns packed at their start
+    p.C16 = reinterpret_cast<uint16_t*>(y);
+    p.ldc16 = 2 * N;
+    p.c16_cols = bf16_cols;
+  }
   const GemmConfig cfg = gemm_pick(m, N);
   const int bm = gemm_bm(cfg);
-  return launch_gemm(p, cfg, (m + bm - 1) / bm, stream);
+  bool stored16 = false;
+  const gpuError_t e = launch_gemm(p, cfg, (m + bm - 1) / bm, stream, bf16_cols > 0 ? &stored16 : nullptr);
+  if (e != gpuSuccess || bf16_cols <= 0 || stored16) return e;
+  return launch_pack16(y, m, N, bf16_cols, stream);  // a kernel that stored fp32: pack in place
 }
 
 }  // namespace baro_gpu

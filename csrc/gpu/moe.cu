@@ -858,8 +858,11 @@ static gpuError_t routed_experts(const MoeArgs& a, const MoeScratch& s, const Mo
       mo.out = a.out;
     }
     // bf16 pair rows for the combine kernel only (the tail's combine and moe_pairs read fp32)
-    if (ys16 != nullptr && !pl.tail && !pl.share && baro::knobs::on(baro::knobs::kMoePairs16))
+    if (ys16 != nullptr && !pl.tail && !pl.share && D % 2 == 0 && baro::knobs::on(baro::knobs::kMoePairs16)) {
       p.C16 = reinterpret_cast<uint16_t*>(s.ys);
+      p.ldc16 = p.ldc;
+      p.c16_cols = D;
+    }
     BARO_MOE_TRY(launch_gemm(p, pl.cfg, max_tiles, stream, p.C16 != nullptr ? ys16 : nullptr));
   }
   return gpuSuccess;

@@ -292,8 +292,15 @@ def _prompt(args):
     """The prompt: text (from --prompt, --prompt-file or the demo) or --prompt-ids' ids, unchecked
     against the model."""
     if args.prompt_ids is not None:
+        if not args.prompt_ids.strip():
+            raise UsageError("--prompt-ids is empty: the prompt needs at least one token")
+        parts = args.prompt_ids.split(",")
+        # an empty entry ("1,,2", "1,2,") is a typo, not a token to drop silently
+        if not all(t.strip() for t in parts):
+            raise UsageError(f"--prompt-ids has an empty entry (two commas in a row, or one at an end): "
+                             f"{args.prompt_ids!r}")
         try:
-            return [int(t, 10) for t in args.prompt_ids.split(",") if t.strip()]
+            return [int(t, 10) for t in parts]
         except ValueError:
             raise UsageError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
     if args.prompt_file is not None:

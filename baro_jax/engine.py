@@ -625,6 +625,8 @@ class Engine:
         `prompt`, from one batched prefill: the bytes the sampler's logprobs had when it
         generated that continuation (generate(..., logprobs=0))."""
         p, c = self.encode(prompt), self.encode(continuation)
+        if not p:
+            raise ValueError("score: the prompt is empty (the first token has no log-probability)")
         if not c:
             raise ValueError("score: the continuation is empty")
         ids = p + c

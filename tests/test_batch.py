@@ -145,6 +145,9 @@ def test_score_batch_gives_each_pair_its_score_alone(eng, alone):
                       ((["a"], [[10**7]]), "outside the vocabulary")):
         with pytest.raises((TypeError, ValueError), match=msg):
             eng.score_batch(*args)
+    for args, msg in ((("", "b"), "score: the prompt is empty"), (("a", []), "score: the continuation is empty")):
+        with pytest.raises(ValueError, match=msg):
+            eng.score(*args)
 
 
 def test_stops_and_finish_reasons(eng, alone):

@@ -105,8 +105,7 @@ class Engine:
                 raise
 
     # The settings a loaded engine may change (tune): none of them moves a weight or changes a bit.
-    TUNABLE = ("prefill", "chunk", "decode_block", "prefill_graphs", "mixed_rounds", "tier_decode", "tier_fetch",
-               "tier_adapt")
+    TUNABLE = ("prefill", "chunk", "decode_block", "mixed_rounds", "tier_decode", "tier_fetch", "tier_adapt")
 
     @property
     def settings(self) -> Settings:
@@ -116,9 +115,8 @@ class Engine:
     @_serialised
     def tune(self, **changes) -> Settings:
         """Change settings that move no weight and change no bit: prefill, chunk, decode_block,
-        prefill_graphs (resident mode), mixed_rounds take effect at the next call (a server's pool:
-        at its next round); tier_decode, tier_fetch, tier_adapt at the next use_expert_cache().
-        Returns the new settings."""
+        mixed_rounds take effect at the next call (a server's pool: at its next round); tier_decode,
+        tier_fetch, tier_adapt at the next use_expert_cache(). Returns the new settings."""
         fixed = sorted(set(changes) - set(self.TUNABLE))
         if fixed:
             raise ValueError(f"tune: {', '.join(fixed)} cannot change on a loaded engine (they place weights or "

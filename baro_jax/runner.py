@@ -79,11 +79,6 @@ GREEDY = jax.jit(_resident_greedy, static_argnames=("cfg", "ops", "block", "k_ma
 GREEDY_FULL = jax.jit(partial(_resident_greedy, n=None), static_argnames=("cfg", "ops", "block", "k_max"),
                       donate_argnums=(1,))
 REPLAY = jax.jit(_resident_replay, static_argnames=("cfg", "ops"), donate_argnums=(1,))
-# FORWARD without XLA's command buffers (BARO_PREFILL_GRAPHS=0): a prefill chunk's kernels are long,
-# so graphs save little launch time there, and a graph whose buffers moved is updated on the host
-# before it runs (docs/PERF.md's open lever on the idle time between a prefill's graphs).
-FORWARD_LAUNCHED = jax.jit(M.forward, static_argnames=("cfg", "ops", "all_logits"), donate_argnums=(1,),
-                           compiler_options={"xla_gpu_enable_command_buffer": ""})
 # A fresh state in one dispatch: eagerly, its ~80 zeroed buffers were as many host round trips,
 # 39 ms before an 8k prompt's first chunk on the H100 host (prefill_profile_8192_6e691b6_h100.json).
 ZERO_STATE = jax.jit(M.init_state, static_argnums=(0, 1, 2))
@@ -118,8 +113,7 @@ class Runner:
     def forward(self, state, tokens, pos, n_valid, all_logits: bool = False):
         if all_logits:
             return ALL_LOGITS(self.params, state, tokens, pos, n_valid, self.rope, cfg=self.cfg, ops=self.ops)
-        fwd = FORWARD if self.settings.prefill_graphs or tokens.shape[0] == 1 else FORWARD_LAUNCHED
-        return fwd(self.params, state, tokens, pos, n_valid, self.rope, cfg=self.cfg, ops=self.ops)
+        return FORWARD(self.params, state, tokens, pos, n_valid, self.rope, cfg=self.cfg, ops=self.ops)
 
     def greedy_block(self, state, token, pos, n: int, block: int, samp=None, k_max=None):
         """n (1..block) decode steps in one graph: each step's argmax fed back, or with samp

@@ -200,10 +200,6 @@ SPECS: tuple[Spec, ...] = (
          "load a checkpoint even when some weights hold NaN or Inf"),
     Spec("decode_block", None, "BARO_DECODE_BLOCK", parse_int(lo=1, hi=MAX_DECODE_BLOCK),
          "greedy decode steps per device call (1: one call per token); never changes the bits"),
-    Spec("prefill_graphs", None, "BARO_PREFILL_GRAPHS", parse_bool,
-         "batched prefill chunks as XLA's command buffers (CUDA graphs) where XLA forms them; off: the chunk "
-         "compiled without them, its kernels launched one by one (one-token calls keep them); never changes the "
-         "bits"),
     Spec("mixed_rounds", None, "BARO_MIXED_ROUNDS", parse_bool,
          "many sequences: a round's first prefill chunk and its decode step in one pass, each weight read once "
          "for both (in tier mode each layer staged once for both); never changes the bits"),
@@ -264,7 +260,6 @@ class Settings:
     cache_slots: int | None = None
     allow_nonfinite: bool = False
     decode_block: int = DEFAULT_DECODE_BLOCK
-    prefill_graphs: bool = True
     mixed_rounds: bool = True
     tier_decode: str = "auto"
     tier_fetch: str = "xla"

@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def phases(eng, ids, chunk, state_len):
-    """One prefill, Engine.prefill's batched path call by call -> {phase: host ms}, wall ms."""
+    """One prefill, Engine.prefill's batched path call by call -> ({phase: host ms}, wall ms, the
+    last logits)."""
     import jax
     import jax.numpy as jnp
 
@@ -56,7 +57,7 @@ def phases(eng, ids, chunk, state_len):
     mark("wait", s)
     wall = (time.perf_counter() - t0) * 1e3
     del state
-    return t, wall
+    return t, wall, logits
 
 
 def main(argv=None):
@@ -82,7 +83,7 @@ def main(argv=None):
     phases(eng, ids, chunk, L)  # compiles
     rows, walls, engine_walls = [], [], []
     for _ in range(args.repeats):
-        t, w = phases(eng, ids, chunk, L)
+        t, w, _ = phases(eng, ids, chunk, L)
         rows.append(t)
         walls.append(w)
         t0 = time.perf_counter()

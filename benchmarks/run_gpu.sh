@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs, in stages: build, kernel tests, identity gates, op times, speed.
-# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_rows ncu_moe_prefill ncu_attn ncu_source mma_swap mma_latency wy_probe k_segments prefill_profile chunk_sweep delta_knobs attn_pipe pipe_order moe_grouped gdn_pack prefill_graphs tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier topk serve)
+# Usage: OUT=dir bash benchmarks/run_gpu.sh STAGE...   (stages: build unrun kernels rows blocked blocked_mma sanitize tiny ops row1 probe full attn_wgmma gemm_wgmma ep1 ep2 longctx decode decode_knobs ncu_decode ncu_rows ncu_moe_prefill ncu_attn ncu_source mma_swap mma_latency wy_probe k_segments prefill_profile chunk_sweep delta_knobs attn_pipe pipe_order moe_grouped gdn_pack prefill_host tier tier_overlap tier_direct tier_profile host_probe speed peer vs_peer agreement batch batch_knobs batch_tier topk serve)
 # Every stage logs to $OUT; a failing stage does not stop the later ones.
 set -u
 OUT=${OUT:-/tmp/baro_out}
@@ -580,17 +580,16 @@ stage_gdn_pack() {
     esac
   done
 }
-# Prefill chunks without XLA's command buffers (BARO_PREFILL_GRAPHS, runner.FORWARD_LAUNCHED): a
-# prefill at PREFILL_GRAPHS_LENGTHS under 1 and 0 (speed_prefill_graphs{1,0}), each identity-checked,
-# then (PREFILL_GRAPHS_PROFILE=1) the 8k prefill's kernels and gaps under each.
-stage_prefill_graphs() {
-  speed_under BARO_PREFILL_GRAPHS "1 0" "${PREFILL_GRAPHS_LENGTHS:-1024,8192,32768}" prefill_graphs 240
-  [ "${PREFILL_GRAPHS_PROFILE:-0}" = 1 ] || return 0
-  local v
-  for v in 1 0; do
-    BARO_PREFILL_GRAPHS=$v timeout 200 python benchmarks/decode_profile.py --model qwen3.5-35b-a3b --prefill --context 8192 \
-      ${SPEED_UNDER_CHUNK:+--chunk "$SPEED_UNDER_CHUNK"} --steps 2 --top 24 \
-      --json "$OUT/prefill_profile_8192_graphs${v}_${CARD}.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -6
+# Where a prefill's host time goes (benchmarks/prefill_host.py): Engine.prefill's calls timed one by
+# one on the host (checks, the fresh state, the first chunk's inputs and dispatch) beside the wall,
+# at each of PREFILL_HOST_LENGTHS (1024 8192; SPEED_UNDER_CHUNK forces the chunk):
+# $OUT/prefill_host_<len>_${CARD}.json.
+stage_prefill_host() {
+  local n
+  for n in ${PREFILL_HOST_LENGTHS:-1024 8192}; do
+    env ${GATE_ENV[@]+"${GATE_ENV[@]}"} timeout 150 python benchmarks/prefill_host.py --model qwen3.5-35b-a3b --length "$n" \
+      ${SPEED_UNDER_CHUNK:+--chunk "$SPEED_UNDER_CHUNK"} --json "$OUT/prefill_host_${n}_${CARD}.json" 2>&1 \
+      | grep -v '^\[baro_jax\]' | tail -11
   done
 }
 # The delta scan's same-bits knobs (BARO_DELTA_KV, BARO_DELTA_STAGE): their byte tests, then

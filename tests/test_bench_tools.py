@@ -1,4 +1,5 @@
 """Small pieces of the bench scripts that decide what a report says."""
+import numpy as np
 import pytest
 
 from benchmarks import decode_profile, sanitize_cover, throughput
@@ -352,3 +353,27 @@ def test_run_gpu_usage_lists_every_stage_it_defines():
     defined = set(re.findall(r"^stage_(\w+)\(\)", text, re.M))
     usage = set(re.search(r"\(stages: ([^)]*)\)", text).group(1).split())
     assert defined - usage == set() and usage - defined == set()
+
+
+def test_prefill_host_times_engine_prefills_own_calls(tmp_path):
+    """prefill_host.py replays Engine.prefill's batched path call by call: the same last logits
+    (bytes) as Engine.prefill, every host phase timed, the first chunk's apart from the later ones."""
+    import json
+
+    import baro_jax
+    from baro_jax.runner import state_length
+    from benchmarks import prefill_host
+
+    eng = baro_jax.load("tiny", backend="auto", progress=False)
+    ids = list(range(3, 40))
+    t, wall, logits = prefill_host.phases(eng, ids, 16, state_length(len(ids), eng.cfg.max_context))
+    ref = eng.prefill(ids, "batch", 16)
+    assert np.asarray(logits).tobytes() == np.asarray(ref.logits).tobytes()
+    assert set(t) == {"check_ids", "check_fits_device", "new_state", "tokens_numpy", "inputs_to_device",
+                      "forward_dispatch", "later_inputs", "later_dispatch", "wait"}
+    assert all(v >= 0 for v in t.values()) and sum(t.values()) <= wall + 1e-6
+    out = tmp_path / "host.json"
+    prefill_host.main(["--model", "tiny", "--length", "40", "--chunk", "16", "--repeats", "1", "--json", str(out)])
+    d = json.loads(out.read_text())
+    assert d["summary"]["chunk"] == 16 and d["summary"]["length"] == 40 and len(d["phase_ms"]) == 1
+    assert d["summary"]["host_ms_before_first_kernels"] < d["summary"]["median_wall_ms"]

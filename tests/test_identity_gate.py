@@ -187,24 +187,3 @@ def test_identity_command_line_says_in_one_line_what_does_not_fit(bench_script):
     assert len(err) == 1 and err[0].startswith("error: identity gate: prompt ") and "at chunk 4096 does not fit" in err[0], \
         r.stderr[-1500:]
     assert "Traceback" not in r.stderr
-
-
-def test_prefill_without_command_buffers_gives_the_same_bytes(tiny):
-    """BARO_PREFILL_GRAPHS=0 (prefill_graphs=False): chunks of more than one row run on the graph
-    compiled without XLA's command buffers; the logits and every state leaf are the default's bytes,
-    and the other graph is the one that ran."""
-    import jax
-
-    from baro_jax import runner as R
-    ids = [int(t) for t in np.random.default_rng(5).integers(0, tiny.cfg.vocab_size, 150)]
-    want = tiny.prefill(ids, "batch", 64)
-    before = R.FORWARD_LAUNCHED._cache_size()
-    tiny.tune(prefill_graphs=False)
-    try:
-        got = tiny.prefill(ids, "batch", 64)
-    finally:
-        tiny.tune(prefill_graphs=True)
-    assert R.FORWARD_LAUNCHED._cache_size() > before
-    assert np.asarray(got.logits).tobytes() == np.asarray(want.logits).tobytes()
-    for a, b in zip(jax.tree_util.tree_leaves(got.state), jax.tree_util.tree_leaves(want.state)):
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

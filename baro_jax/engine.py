@@ -228,7 +228,7 @@ class Engine:
         return self._decode(token, state, pos)
 
     def _decode(self, token: int, state, pos: int):  # unchecked: the engine's own loops
-        return self.runner.forward(state, jnp.asarray([token], jnp.int32), jnp.int32(pos), jnp.int32(1))
+        return self.runner.forward(state, np.asarray([token], np.int32), np.int32(pos), np.int32(1))
 
     @_serialised
     def greedy_decode(self, token: int, state, pos: int, n: int):
@@ -273,7 +273,7 @@ class Engine:
             queued = None
             if done < n:
                 k = min(block, n - done)
-                dev, tok, state = self.runner.greedy_block(state, tok, jnp.int32(pos + done), k, block, samp, k_max)
+                dev, tok, state = self.runner.greedy_block(state, tok, np.int32(pos + done), k, block, samp, k_max)
                 if samp is not None:  # the next block's first token is k further on (as the pool's blocks)
                     samp = samp[:4] + (samp[4] + k,)
                 queued = (dev, k)
@@ -300,7 +300,10 @@ class Engine:
         n = len(ids)
         toks = np.zeros((chunk,), np.int32)
         toks[:n] = ids
-        return self.runner.forward(state, jnp.asarray(toks), jnp.int32(pos), jnp.int32(n), all_logits=all_logits)
+        # host values straight into the jitted call: jit copies them in its own dispatch, where
+        # jnp.asarray / jnp.int32 each dispatch a copy or convert of their own first, ~0.5 ms apiece
+        # on a GPU host with the device idle before a prompt's first chunk (docs/PERF.md)
+        return self.runner.forward(state, toks, np.int32(pos), np.int32(n), all_logits=all_logits)
 
     @_serialised
     def prefill(self, ids: Sequence[int], mode: str | None = None, chunk: int | None = None, state=None,

@@ -26,6 +26,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import budget
 from . import model as M
@@ -121,7 +122,7 @@ class Runner:
         if n == block:
             return GREEDY_FULL(self.params, state, token, pos, rope=self.rope, samp=samp, cfg=self.cfg, ops=self.ops,
                                block=block, k_max=k_max)
-        return GREEDY(self.params, state, token, pos, jnp.int32(n), self.rope, samp, cfg=self.cfg, ops=self.ops,
+        return GREEDY(self.params, state, token, pos, np.int32(n), self.rope, samp, cfg=self.cfg, ops=self.ops,
                       block=block, k_max=k_max)
 
     @property
@@ -133,7 +134,7 @@ class Runner:
     def replay(self, state, tokens, pos):
         """replay_block decode steps of the prompt's tokens (int32 [replay_block]) from pos in one
         graph -> the state (donated in). The same bits as one forward call per token."""
-        return REPLAY(self.params, state, jnp.asarray(tokens, jnp.int32), jnp.int32(pos), self.rope, cfg=self.cfg,
+        return REPLAY(self.params, state, np.asarray(tokens, np.int32), np.int32(pos), self.rope, cfg=self.cfg,
                       ops=self.ops)
 
     def check_budget(self, state_len: int, chunk: int = 0):

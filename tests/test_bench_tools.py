@@ -366,14 +366,16 @@ def test_prefill_host_times_engine_prefills_own_calls(tmp_path):
 
     eng = baro_jax.load("tiny", backend="auto", progress=False)
     ids = list(range(3, 40))
-    t, wall, logits = prefill_host.phases(eng, ids, 16, state_length(len(ids), eng.cfg.max_context))
+    L = state_length(len(ids), eng.cfg.max_context)
     ref = eng.prefill(ids, "batch", 16)
-    assert np.asarray(logits).tobytes() == np.asarray(ref.logits).tobytes()
-    assert set(t) == {"check_ids", "check_fits_device", "new_state", "tokens_numpy", "inputs_to_device",
-                      "forward_dispatch", "later_inputs", "later_dispatch", "wait"}
-    assert all(v >= 0 for v in t.values()) and sum(t.values()) <= wall + 1e-6
+    for jnp_inputs in (False, True):
+        t, wall, logits = prefill_host.phases(eng, ids, 16, L, jnp_inputs=jnp_inputs)
+        assert np.asarray(logits).tobytes() == np.asarray(ref.logits).tobytes()
+        assert set(t) == {"check_ids", "check_fits_device", "new_state", "first_chunk", "later_chunks", "wait"}
+        assert all(v >= 0 for v in t.values()) and sum(t.values()) <= wall + 1e-6
     out = tmp_path / "host.json"
     prefill_host.main(["--model", "tiny", "--length", "40", "--chunk", "16", "--repeats", "1", "--json", str(out)])
     d = json.loads(out.read_text())
     assert d["summary"]["chunk"] == 16 and d["summary"]["length"] == 40 and len(d["phase_ms"]) == 1
     assert d["summary"]["host_ms_before_first_kernels"] < d["summary"]["median_wall_ms"]
+    assert len(d["phase_ms_jnp_inputs"]) == 1 and d["summary"]["median_wall_ms_jnp_inputs"] > 0

@@ -229,7 +229,8 @@ def _batch_request(args, settings, sampling) -> list:
             if key in obj:
                 v = obj[key]
                 if not isinstance(v, kind) or isinstance(v, bool):
-                    raise UsageError(f"{where}: \"{key}\" must be a number, got {v!r}")
+                    what = "an integer" if kind is int else "a number"
+                    raise UsageError(f"{where}: \"{key}\" must be {what}, got {v!r}")
                 fields[key] = v
         try:
             sp = Sampling(fields["temperature"], fields["top_k"], fields["top_p"], fields["seed"]).validate()

@@ -52,7 +52,9 @@ BAD = [
     ("{\"ids\": [1, 999]}\n", "line 1: token id(s) [999] outside the vocabulary"),
     ("{\"prompt\": \"a\", \"max_new_tokens\": -2}\n", "\"max_new_tokens\" must be an integer >= 0, got -2"),
     ("{\"prompt\": \"a\", \"top_k\": 3}\n", "line 1: top_k (--top-k) and top_p (--top-p) filter sampling"),
-    ("{\"prompt\": \"a\", \"seed\": 1.5}\n", "line 1: \"seed\" must be a number, got 1.5"),
+    ("{\"prompt\": \"a\", \"seed\": 1.5}\n", "line 1: \"seed\" must be an integer, got 1.5"),
+    ("{\"prompt\": \"a\", \"temperature\": 1, \"top_k\": 0.5}\n", "line 1: \"top_k\" must be an integer, got 0.5"),
+    ("{\"prompt\": \"a\", \"top_p\": \"0.9\"}\n", "line 1: \"top_p\" must be a number, got '0.9'"),
     ("\n\n", "holds no prompt"),
 ]
 

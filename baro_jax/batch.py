@@ -110,6 +110,13 @@ def _picked(lp, ids, top_n):
     return ids, chosen, top.astype(jnp.int32), vals
 
 
+def to_device(*xs) -> tuple:
+    """Host arrays and scalars as device arrays in one transfer call: jnp.asarray and jnp.int32
+    dispatch a copy or a convert each, host time a step with the device waiting (docs/PERF.md).
+    Uncommitted, as those were, so jit finds the graphs warm_up compiled."""
+    return tuple(jax.device_put(xs))
+
+
 def _decode_block(params, pool, table, tokens, running, pos, left, stops, rope, n=None, samp=None, *, cfg, ops,
                   guard: bool, top_n, block: int, k_max=None):
     """Up to `block` greedy decode steps of every slot in one graph (n of them when given, a
@@ -606,8 +613,9 @@ class BatchRun:
 
     def _prefill_chunk(self, seq: Sequence):
         p, part, toks = self._chunk_inputs(seq)
-        logits, self.pool = self._prefill_step(self.r.params, self.pool, self.table(), jnp.int32(seq.slot),
-                                               jnp.asarray(toks), jnp.int32(p), jnp.int32(len(part)), self.r.rope,
+        logits, self.pool = self._prefill_step(self.r.params, self.pool, self.table(),
+                                               *to_device(np.int32(seq.slot), toks, np.int32(p), np.int32(len(part))),
+                                               self.r.rope,
                                                cfg=self.cfg, ops=self.ops, all_logits=seq.want_prompt_logprobs)
         self._chunk_done(seq, p, part, logits)
 
@@ -617,8 +625,8 @@ class BatchRun:
         P = self._rows(decoding)
         rtoks, running, pos, _, _ = self._inputs(decoding, P)
         logits, *outs, self.pool = self._mixed_pass(
-            self.r.params, self.pool, self.table(), jnp.int32(seq.slot), jnp.asarray(toks), jnp.int32(p),
-            jnp.int32(len(part)), jnp.asarray(rtoks), jnp.asarray(running), jnp.asarray(pos), self.r.rope,
+            self.r.params, self.pool, self.table(),
+            *to_device(np.int32(seq.slot), toks, np.int32(p), np.int32(len(part)), rtoks, running, pos), self.r.rope,
             cfg=self.cfg, ops=self.ops, all_logits=seq.want_prompt_logprobs, guard=self._guard(decoding),
             top_n=self.top_n)
         self.steps["mixed"] += 1
@@ -657,8 +665,7 @@ class BatchRun:
         P = self._rows(decoding)
         toks, running, pos, _, _ = self._inputs(decoding, P)
         *outs, self.pool = self._decode_rows_step(
-            self.r.params, self.pool, self.table(P), jnp.asarray(toks), jnp.asarray(running), jnp.asarray(pos),
-            self.r.rope,
+            self.r.params, self.pool, self.table(P), *to_device(toks, running, pos), self.r.rope,
             cfg=self.cfg, ops=self.ops, guard=self._guard(decoding), top_n=self.top_n)
         self._step_done(decoding, P, *outs)
 
@@ -699,8 +706,8 @@ class BatchRun:
         them, and a row stopped here (a callback, a stop string) costs at most one block."""
         P = self._rows(decoding)  # a chain's sequences only finish: its rows only shrink
         toks, running, pos, left, stops = self._inputs(decoding, P)
-        carry = tuple(jnp.asarray(x) for x in (toks, running, pos, left))
-        stops = jnp.asarray(stops)
+        *carry, stops = to_device(toks, running, pos, left, stops)
+        carry = tuple(carry)
         samp, k_max = self._sampling_rows(decoding, P)
         kw = dict(cfg=self.cfg, ops=self.ops, guard=self._guard(decoding), top_n=self.top_n, block=self.block,
                   k_max=k_max)
@@ -748,7 +755,7 @@ class BatchRun:
             r = seq.slot
             t[r], k[r], p[r], keys[r] = row_params(seq.sampling, self.cfg.vocab_size)
             index[r] = len(seq.generated)
-        return tuple(jnp.asarray(x) for x in (t, k, p, keys, index))
+        return to_device(t, k, p, keys, index)
 
     def _chain_length(self, decoding, unqueued) -> int:
         """Steps of the next chained block: 0 (end the chain) unless chaining is on, nothing

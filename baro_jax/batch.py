@@ -36,6 +36,7 @@ from .block_manager import BlockManager, pages_for, positions_of
 from .logprobs import row_logprobs
 from .ops_xla import KV_BLOCK
 from .results import GenerateResult, check_logprobs
+from .runner import to_device
 from .sampling import SAMPLE_ROWS, Sampling, draw_row, k_max_for, ranks_needed, row_params, sample_rows
 from .scheduler import Scheduler, Sequence
 from .settings import DEFAULT_KV_PAGE
@@ -108,13 +109,6 @@ def _picked(lp, ids, top_n):
         return ids, chosen, None, None
     vals, top = jax.lax.top_k(lp, top_n)  # ties to the lower id, as np.argsort(-lp, kind="stable")
     return ids, chosen, top.astype(jnp.int32), vals
-
-
-def to_device(*xs) -> tuple:
-    """Host arrays and scalars as device arrays in one transfer call: jnp.asarray and jnp.int32
-    dispatch a copy or a convert each, host time a step with the device waiting (docs/PERF.md).
-    Uncommitted, as those were, so jit finds the graphs warm_up compiled."""
-    return tuple(jax.device_put(xs))
 
 
 def _decode_block(params, pool, table, tokens, running, pos, left, stops, rope, n=None, samp=None, *, cfg, ops,
@@ -706,8 +700,8 @@ class BatchRun:
         them, and a row stopped here (a callback, a stop string) costs at most one block."""
         P = self._rows(decoding)  # a chain's sequences only finish: its rows only shrink
         toks, running, pos, left, stops = self._inputs(decoding, P)
-        *carry, stops = to_device(toks, running, pos, left, stops)
-        carry = tuple(carry)
+        toks, running, pos, left, stops = to_device(toks, running, pos, left, stops)
+        carry = (toks, running, pos, left)
         samp, k_max = self._sampling_rows(decoding, P)
         kw = dict(cfg=self.cfg, ops=self.ops, guard=self._guard(decoding), top_n=self.top_n, block=self.block,
                   k_max=k_max)

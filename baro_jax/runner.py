@@ -80,6 +80,14 @@ GREEDY = jax.jit(_resident_greedy, static_argnames=("cfg", "ops", "block", "k_ma
 GREEDY_FULL = jax.jit(partial(_resident_greedy, n=None), static_argnames=("cfg", "ops", "block", "k_max"),
                       donate_argnums=(1,))
 REPLAY = jax.jit(_resident_replay, static_argnames=("cfg", "ops"), donate_argnums=(1,))
+def to_device(*xs) -> tuple:
+    """Host arrays and scalars as device arrays in one transfer call (jnp.asarray and jnp.int32
+    dispatch a copy or a convert each: host time with the device waiting, docs/PERF.md), for
+    inputs that must be device arrays: the pool's, which its warm-up compiled against, and tier
+    mode's, which each layer's call would otherwise copy again. Uncommitted, as those were."""
+    return tuple(jax.device_put(xs))
+
+
 # A fresh state in one dispatch: eagerly, its ~80 zeroed buffers were as many host round trips,
 # 39 ms before an 8k prompt's first chunk on the H100 host (prefill_profile_8192_6e691b6_h100.json).
 ZERO_STATE = jax.jit(M.init_state, static_argnums=(0, 1, 2))

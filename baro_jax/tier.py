@@ -8,10 +8,8 @@ path runs model.py's functions on the same weights, so tier mode gives resident 
 """
 from __future__ import annotations
 
-import jax
-
 from . import budget, staging
-from .runner import Runner
+from .runner import Runner, to_device
 from .shapes import MIN_STATE_LEN, state_length
 
 
@@ -91,8 +89,7 @@ class TierRunner(Runner):
         return 1  # the replay's steps run staging.forward's layers from Python, a token at a time
 
     def forward(self, state, tokens, pos, n_valid, all_logits: bool = False):
-        # host inputs (the engine passes numpy) copied once, not by each layer's call
-        tokens, pos, n_valid = jax.device_put((tokens, pos, n_valid))
+        tokens, pos, n_valid = to_device(tokens, pos, n_valid)  # once, not by each layer's call
         return staging.forward(self.params, state, tokens, pos, n_valid, self.rope, cfg=self.cfg, ops=self.ops,
                                all_logits=all_logits, cache=self.cache, direct=self.direct)
 
@@ -101,7 +98,7 @@ class TierRunner(Runner):
         row on the direct path, in one graph (a lone sequence: the pool packs it into slot 0); else
         the layers from Python (staging.decode_rows), each layer's MoE through the decode expert
         cache, or staged whole. ops: the pool's (with attention_rows)."""
-        tokens, slots, running, pos = jax.device_put((tokens, slots, running, pos))
+        tokens, slots, running, pos = to_device(tokens, slots, running, pos)
         if self.direct is not None and tokens.shape[0] == 1:
             return self.direct.rows(pool, table, tokens, slots, running, pos, self.rope, cfg=self.cfg, ops=ops,
                                     guard=guard)
@@ -112,8 +109,8 @@ class TierRunner(Runner):
               all_logits: bool):
         """A prefill chunk and one decode row per slot in one pass (batch.py's mixed round;
         staging.mixed_forward): the layers staged whole once for both."""
-        tokens, pos, n_valid, row_tokens, slots, running, row_pos = jax.device_put(
-            (tokens, pos, n_valid, row_tokens, slots, running, row_pos))
+        tokens, pos, n_valid, row_tokens, slots, running, row_pos = to_device(
+            tokens, pos, n_valid, row_tokens, slots, running, row_pos)
         return staging.mixed_forward(self.params, state, tokens, pos, n_valid, pool, table, row_tokens, slots, running,
                                      row_pos, self.rope, cfg=self.cfg, ops=ops, guard=guard, all_logits=all_logits)
 

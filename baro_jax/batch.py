@@ -21,6 +21,7 @@ Logprobs are log_softmax rows of the same logits (an ordered row-wise op).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -37,7 +38,7 @@ from .logprobs import row_logprobs
 from .ops_xla import KV_BLOCK
 from .results import GenerateResult, check_logprobs
 from .runner import to_device
-from .sampling import SAMPLE_ROWS, Sampling, draw_row, k_max_for, ranks_needed, row_params, sample_rows
+from .sampling import SAMPLE_ROWS, SEED_RANGE, Sampling, draw_row, k_max_for, ranks_needed, row_params, sample_rows
 from .scheduler import Scheduler, Sequence
 from .settings import DEFAULT_KV_PAGE
 from .shapes import state_length
@@ -156,6 +157,7 @@ DECODE_BLOCK = jax.jit(_decode_block, static_argnames=("cfg", "ops", "guard", "t
                        donate_argnums=(1,))
 CLEAR = jax.jit(Pool.clear_slot, donate_argnums=(0,))
 MOVE = jax.jit(Pool.move_slot, donate_argnums=(0,))  # (pool, src, dst)
+FORK = jax.jit(Pool.fork_slot, donate_argnums=(0,))  # (pool, src, dst, src_pages, dst_pages)
 TAKE = jax.jit(Pool.slot_state)  # (pool, table, slot)
 PUT = jax.jit(Pool.put_slot_state, donate_argnums=(0,))  # (pool, table, slot, state)
 ROWS_OUT = jax.jit(_rows_out, static_argnames=("ops", "top_n"))
@@ -330,9 +332,10 @@ class BatchRun:
         # decode_rows: rows the decode steps computed (a step runs the slots up to the highest one
         # decoding, rounded up to a power of two)
         # mixed: rounds whose first chunk and decode step ran as one pass (each also counted as a
-        # prefill and a decode step); moves: sequences moved to a lower slot (_pack)
+        # prefill and a decode step); moves: sequences moved to a lower slot (_pack); forks:
+        # sequences that took a copy of another's prompt state instead of prefilling their own
         self.steps = {"prefill": 0, "decode": 0, "decode_calls": 0, "chained_calls": 0, "decode_rows": 0, "mixed": 0,
-                      "moves": 0}
+                      "moves": 0, "forks": 0}
         self.t0 = time.perf_counter()
         self.stop_width = max([1] + [len(_device_stops(s)) for s in sequences]) if stop_width is None else stop_width
         # host-side stops (a callback, stop strings) end a sequence after the device has run on:
@@ -351,6 +354,12 @@ class BatchRun:
         if not seq.prompt_ids:
             raise ValueError(f"sequence {seq.index}: the prompt is empty: give at least one token")
         seq.prompt_ids = checks.token_ids(seq.prompt_ids, self.cfg.vocab_size, f"sequence {seq.index}'s prompt ids")
+        src = seq.fork_of
+        if src is not None and (src is seq or list(src.prompt_ids) != list(seq.prompt_ids)
+                                or src.want_prompt_logprobs != seq.want_prompt_logprobs
+                                or src.prompt_top_n != seq.prompt_top_n):
+            raise ValueError(f"sequence {seq.index}: fork_of must name another sequence with the same prompt ids "
+                             f"and prompt logprob asks (sequence {src.index} differs)")
         checks.as_int("max_new_tokens", seq.max_new_tokens, lo=0)
         checks.as_int("prompt_top_n", seq.prompt_top_n, lo=0, hi=self.cfg.vocab_size)
         if len(_device_stops(seq)) > self.stop_width:
@@ -407,7 +416,8 @@ class BatchRun:
         pool_itself = lambda out: out  # noqa: E731
         no_pages = jnp.asarray(self.blocks.table[0])  # slot 0 holds no pages yet
         jobs = [(CLEAR, lambda pool: ((pool, slot, no_pages), {}), pool_itself),
-                (MOVE, lambda pool: ((pool, slot, slot), {}), pool_itself)]
+                (MOVE, lambda pool: ((pool, slot, slot), {}), pool_itself),
+                (FORK, lambda pool: ((pool, slot, slot, no_pages, no_pages), {}), pool_itself)]
         for all_logits in logits_kinds:
             jobs.append((self._prefill_step, lambda pool, a=all_logits: (
                 (p, pool, self.table(), slot, toks, jnp.int32(0), jnp.int32(1), rope), dict(all_logits=a, **kw)),
@@ -638,21 +648,41 @@ class BatchRun:
         else:
             last = logits
         if seq.prefilled == len(seq.prompt_ids):
-            if seq.max_new_tokens == 0:
-                self._finish(seq, "length")
-                return
-            t = choose(last, seq)
-            lp = top = None
-            if self._need_lp():
-                # the pick and the top on the device, as a decode step takes them (the row is a
-                # vocabulary of floats: a host sort of it costs about 15 ms a prompt)
-                rows = LOGPROBS(last[None], ops=self.ops)
-                picked = PICK(rows, jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32))
-                if self.top_n:
-                    picked, (vals, best) = jax.device_get((picked, TOP(rows, self.top_n)))
-                    top = (best[0].astype(np.int64).tolist(), vals[0].astype(np.float32))
-                lp = np.asarray(picked)[0]
-            self._record(seq, t, lp, top)
+            # the samples of this prompt that wait for its state take a copy of it first: the
+            # sequence's own first token may end it and free its pages
+            forks = self.sched.forks_of(seq)
+            for f in forks:
+                self._fork(seq, f)
+            rows = None
+            for s in [seq] + forks:
+                if s.max_new_tokens == 0:
+                    self._finish(s, "length")
+                    continue
+                t = choose(last, s)
+                lp = top = None
+                if self._need_lp():
+                    # the pick and the top on the device, as a decode step takes them (the row is a
+                    # vocabulary of floats: a host sort of it costs about 15 ms a prompt)
+                    rows = LOGPROBS(last[None], ops=self.ops) if rows is None else rows
+                    picked = PICK(rows, jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32))
+                    if self.top_n:
+                        picked, (vals, best) = jax.device_get((picked, TOP(rows, self.top_n)))
+                        top = (best[0].astype(np.int64).tolist(), vals[0].astype(np.float32))
+                    lp = np.asarray(picked)[0]
+                self._record(s, t, lp, top)
+
+    def _fork(self, src: Sequence, dst: Sequence):
+        """dst (the same prompt, its slot and pages admitted) takes a copy of src's state after the
+        prompt and its prompt logprobs: the bytes its own prefill would have given."""
+        table = self.blocks.table
+        self.pool = FORK(self.pool, *to_device(np.int32(src.slot), np.int32(dst.slot), table[src.slot],
+                                               table[dst.slot]))
+        dst.prefilled = src.prefilled
+        if src.prompt_logprobs is not None:
+            dst.prompt_logprobs = list(src.prompt_logprobs)
+            dst.prompt_top_logprobs = None if src.prompt_top_logprobs is None else list(src.prompt_top_logprobs)
+        dst.fork_of = None
+        self.steps["forks"] += 1
 
     def _decode_step(self, decoding):
         """One decode step: greedy ids from the device, sampled ones chosen here."""
@@ -907,23 +937,40 @@ def pool_for(eng, ids, news, max_batch, chunk) -> tuple[int, int, int, int]:
     return slots, pages, length, chunk
 
 
+def sample_seeds(sampling: Sampling, n: int, what: str = "generate_batch") -> list[Sampling]:
+    """The samplings of a prompt's n samples: sample j draws with seed + j (so it is the run
+    alone with that seed); a ValueError naming n where seed + n - 1 is past the seed range."""
+    if n > 1 and sampling.seed + n - 1 > SEED_RANGE[1]:
+        raise ValueError(f"{what}: sample j of a prompt draws with seed + j, and seed {sampling.seed} + {n - 1} "
+                         f"is past the largest seed {SEED_RANGE[1]}: give a smaller seed or n")
+    return [dataclasses.replace(sampling, seed=sampling.seed + j) for j in range(n)]
+
+
 def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_logprobs, max_batch, chunk, stop,
-                   stop_token_ids, stop_at_eos, keep_states, on_token, sequence_type, prefill_budget=None):
-    """Engine.generate_batch's body (see there)."""
+                   stop_token_ids, stop_at_eos, keep_states, on_token, sequence_type, prefill_budget=None,
+                   n_samples=1):
+    """Engine.generate_batch's body (see there; n_samples is its n)."""
     check_batchable(eng)
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
         raise TypeError(f"generate_batch: prompts must be a list of prompts (texts or token-id lists), "
                         f"got {type(prompts).__name__}")
-    n = len(prompts)
-    if n == 0:
+    if len(prompts) == 0:
         return []
+    ks = _per_prompt("n", n_samples, len(prompts), lambda v: checks.as_int("n", v, lo=1))
+    n = sum(ks)
     ids = [eng.check_ids(eng.encode(p)) for p in prompts]
     for i, x in enumerate(ids):
         if not x:
             raise ValueError(f"generate_batch: prompt {i} is empty")
-    news = _per_prompt("max_new_tokens", max_new_tokens, n,
+    news = _per_prompt("max_new_tokens", max_new_tokens, len(prompts),
                        lambda v: checks.as_int("max_new_tokens", v, lo=0))
-    samplings = _per_prompt("sampling", sampling if sampling is not None else Sampling(), n, eng.sampling_for)
+    samplings = _per_prompt("sampling", sampling if sampling is not None else Sampling(), len(prompts),
+                            eng.sampling_for)
+    # each prompt's samples side by side (n = 2: result 2 i + j is prompt i's sample j)
+    ids = [x for x, k in zip(ids, ks) for _ in range(k)]
+    news = [m for m, k in zip(news, ks) for _ in range(k)]
+    samplings = [s for sp, k in zip(samplings, ks) for s in sample_seeds(sp, k)]
+    firsts = [i for i, k in enumerate(ks) for _ in range(k)]  # each sample's prompt
     top_n = check_logprobs(logprobs, eng.cfg.vocab_size)
     if on_token is not None and not callable(on_token):
         raise TypeError(f"on_token must be a callable (or None), got {type(on_token).__name__}")
@@ -934,6 +981,12 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
     seqs = [sequence_type(index=i, prompt_ids=x, max_new_tokens=m, sampling=s, stop_ids=stop_ids,
                           stop_strings=stops, eos_ids=eos, want_prompt_logprobs=bool(prompt_logprobs))
             for i, (x, m, s) in enumerate(zip(ids, news, samplings))]
+    first = {}
+    for seq, i in zip(seqs, firsts):  # a prompt's later samples copy its first one's prompt state
+        if i in first:
+            seq.fork_of = first[i]
+        else:
+            first[i] = seq
     run = BatchRun(eng.runner, eng.tokenizer, seqs, slots=slots, length=length, chunk=chunk, logprobs=top_n,
                    keep_states=keep_states, on_token=on_token, block=eng.runner.decode_block,
                    prefill_budget=prefill_budget, pages=pages)

@@ -599,8 +599,9 @@ class Engine:
                        prompt_logprobs: bool = False, max_batch: int | None = None, chunk: int | None = None,
                        stop=None, stop_token_ids=None, stop_at_eos: bool = True, keep_states: bool = False,
                        on_token: Callable[[int, int], object] | None = None,
-                       prefill_budget: int | None = None) -> list[GenerateResult]:
-        """Continue many prompts at once; one GenerateResult per prompt, in input order.
+                       prefill_budget: int | None = None, n: int = 1) -> list[GenerateResult]:
+        """Continue many prompts at once; one GenerateResult per prompt, in input order (n of them
+        per prompt with n > 1, side by side: with n = 2 result 2 i + j is prompt i's sample j).
 
         Each sequence gets exactly the bytes it gets alone (generate(prompt) with the same
         sampling): tokens, logprobs and states do not depend on the other sequences, their
@@ -615,11 +616,16 @@ class Engine:
         that end a sequence; stop_token_ids: ids that do; end-of-sequence ids end it too
         (stop_at_eos). on_token(i, id): each token of prompt i as it is chosen; returning False
         ends that sequence (finish_reason "stop"). keep_states: each result carries its
-        sequence's final state (host arrays, the KV cache at the pool's length)."""
+        sequence's final state (host arrays, the KV cache at the pool's length). n: samples per
+        prompt (RL rollouts), one for all or one per prompt; sample j draws with the prompt's sampling at seed + j, so it is
+        generate(prompt, sampling with seed + j) alone, bytes; the prompt is prefilled once and its
+        state copied to the other samples where they get slots while it is prefilled (exact copies:
+        the bytes do not depend on it). on_token's i is the result's index."""
         return batch.generate_batch(self, prompts, max_new_tokens, sampling=sampling, logprobs=logprobs,
                                 prompt_logprobs=prompt_logprobs, max_batch=max_batch, chunk=chunk, stop=stop,
                                 stop_token_ids=stop_token_ids, stop_at_eos=stop_at_eos, keep_states=keep_states,
-                                on_token=on_token, sequence_type=Sequence, prefill_budget=prefill_budget)
+                                on_token=on_token, sequence_type=Sequence, prefill_budget=prefill_budget,
+                                n_samples=n)
 
     def score(self, prompt, continuation, *, chunk: int | None = None) -> np.ndarray:
         """The log-probabilities [len(continuation)] float32 of `continuation`'s tokens after

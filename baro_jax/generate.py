@@ -87,11 +87,14 @@ def _parser():
     src.add_argument("--prompt-ids", metavar="IDS", help="the prompt as comma-separated token ids, e.g. 1,2,3 (default: none)")
     src.add_argument("--prompts-file", metavar="FILE.jsonl",
                      help="many prompts at once (generate_batch): one JSON object per line, {\"prompt\": TEXT} or "
-                          "{\"ids\": [...]}, optionally with max_new_tokens, seed, temperature, top_k, top_p; one "
-                          "JSON line per prompt out, in input order (default: none)")
+                          "{\"ids\": [...]}, optionally with max_new_tokens, seed, temperature, top_k, top_p, n; one "
+                          "JSON line per prompt (per sample) out, in input order (default: none)")
     p.add_argument("--max-batch", type=int, default=None, metavar="N",
                    help="with --prompts-file: sequences decoding at once (default: as many as the prompts, at most "
                         "64, as the device budget allows)")
+    p.add_argument("--n", type=int, default=None, metavar="N",
+                   help="with --prompts-file: samples per prompt, sample j drawn with seed + j; the prompt is "
+                        "prefilled once for all of them (default: 1)")
     p.add_argument("--prefill-budget", type=int, default=None, metavar="N",
                    help="with --prompts-file: prompt rows prefilled per round, in whole chunks of 256, before the "
                         "running sequences' next step; the bytes are the same (default: one chunk)")
@@ -151,6 +154,10 @@ def _request(args):
         raise UsageError("--max-batch is for --prompts-file (many prompts at once)")
     if args.max_batch is not None and args.max_batch < 1:
         raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.n is not None and args.prompts_file is None:
+        raise UsageError("--n is for --prompts-file (many prompts at once)")
+    if args.n is not None and args.n < 1:
+        raise UsageError(f"--n must be >= 1, got {args.n}")
     if args.prefill_budget is not None and args.prompts_file is None:
         raise UsageError("--prefill-budget is for --prompts-file (many prompts at once)")
     if args.prefill_budget is not None and args.prefill_budget < 1:
@@ -176,14 +183,15 @@ def _request(args):
     return settings, sampling, prompt
 
 
-PROMPT_LINE_KEYS = ("prompt", "ids", "max_new_tokens", "seed", "temperature", "top_k", "top_p")
+PROMPT_LINE_KEYS = ("prompt", "ids", "max_new_tokens", "seed", "temperature", "top_k", "top_p", "n")
 
 
 def _batch_request(args, settings, sampling) -> list:
-    """--prompts-file's lines as [(prompt, max_new_tokens, Sampling)], each checked (and against
+    """--prompts-file's lines as [(prompt, max_new_tokens, Sampling, n)], each checked (and against
     the model's config where it is known) before any weight is read; errors name the line."""
     import json
 
+    from .batch import sample_seeds
     from .checks import token_ids
     from .engine import Engine
     from .sampling import Sampling
@@ -223,6 +231,9 @@ def _batch_request(args, settings, sampling) -> list:
         news = obj.get("max_new_tokens", args.max_new_tokens)
         if not isinstance(news, int) or isinstance(news, bool) or news < 0:
             raise UsageError(f"{where}: \"max_new_tokens\" must be an integer >= 0, got {news!r}")
+        samples = obj.get("n", 1 if args.n is None else args.n)
+        if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+            raise UsageError(f"{where}: \"n\" must be an integer >= 1, got {samples!r}")
         fields = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
                   "seed": sampling.seed}
         for key, kind in (("temperature", (int, float)), ("top_p", (int, float)), ("top_k", int), ("seed", int)):
@@ -234,6 +245,7 @@ def _batch_request(args, settings, sampling) -> list:
                 fields[key] = v
         try:
             sp = Sampling(fields["temperature"], fields["top_k"], fields["top_p"], fields["seed"]).validate()
+            sample_seeds(sp, samples, "n")
             if unloaded is not None:
                 sp = Engine.sampling_for(unloaded, sp)
                 if isinstance(prompt, list):
@@ -241,7 +253,7 @@ def _batch_request(args, settings, sampling) -> list:
                     Engine.check_fits(unloaded, len(prompt), news)
         except ValueError as e:
             raise UsageError(f"{where}: {e}") from None
-        out.append((prompt, news, sp))
+        out.append((prompt, news, sp, samples))
     if not out:
         raise UsageError(f"--prompts-file {args.prompts_file!r} holds no prompt (one JSON object per line)")
     return out
@@ -387,17 +399,24 @@ def _chunk_hint(eng, res) -> str | None:
             "(XLA_PYTHON_CLIENT_MEM_FRACTION on a GPU) makes it faster; --chunk sets the chunk.")
 
 
+def which_samples(ns) -> list[tuple[int, int]]:
+    """(prompt, sample) of each result of generate_batch(..., n=ns), in its order."""
+    return [(i, j) for i, k in enumerate(ns) for j in range(k)]
+
+
 def _run_batch(eng, args, requests, interrupt) -> int:
     """--prompts-file: every prompt through one generate_batch call, a JSON line each (input
-    order) on stdout, progress (sequences done, tokens, tok/s) on stderr."""
+    order; a prompt's n samples side by side, "index" the prompt's and "sample" the sample's) on
+    stdout, progress (sequences done, tokens, tok/s) on stderr."""
     import json
     import time
 
-    prompts, news, samplings = (list(x) for x in zip(*requests))
-    total = sum(news)
+    prompts, news, samplings, ns = (list(x) for x in zip(*requests))
+    total = sum(m * k for m, k in zip(news, ns))
     t0, state = time.perf_counter(), {"tokens": 0, "last": 0.0}
     if not args.json:
-        _say(f"[baro_jax] running on {_device_name()} | {_what_runs(eng)} | {len(prompts)} prompts")
+        _say(f"[baro_jax] running on {_device_name()} | {_what_runs(eng)} | {len(prompts)} prompts"
+             + (f", {len(which_samples(ns))} samples" if max(ns) > 1 else ""))
 
     def on_token(_index, _token):
         interrupt.check()
@@ -409,17 +428,18 @@ def _run_batch(eng, args, requests, interrupt) -> int:
                  f"{now:.1f}s")
 
     results = eng.generate_batch(prompts, news, sampling=samplings, logprobs=0, max_batch=args.max_batch,
-                                 on_token=on_token, prefill_budget=args.prefill_budget)
+                                 on_token=on_token, prefill_budget=args.prefill_budget, n=ns)
     interrupt.check()
-    for i, res in enumerate(results):
+    which = which_samples(ns)
+    for (i, j), res in zip(which, results):
         out = res.to_json()
         for key in ("prefill_seconds", "prefill_tokens_per_s", "decode_tokens_per_s", "expert_cache",
                     "top_logprobs", "prompt_logprobs"):
             out.pop(key, None)  # a batch's timings are the batch's (below), not one prompt's
-        _write_out(json.dumps({"index": i, **out}) + "\n")
+        _write_out(json.dumps({"index": i, "sample": j, **out}) + "\n")
     stats = eng.last_batch_stats
     if not args.json:
-        _say(f"[{eng.name} | {_what_runs(eng)} | {len(results)} prompts, {stats['generated_tokens']} tokens in "
+        _say(f"[{eng.name} | {_what_runs(eng)} | {len(results)} sequences, {stats['generated_tokens']} tokens in "
              f"{stats['seconds']:.2f}s ({stats['generated_tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s) | "
              f"{stats['slots']} slots]")
     return 0

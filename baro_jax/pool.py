@@ -96,6 +96,25 @@ def move_slot(pool, src, dst):
                                        "ssm": st["ssm"].at[dst].set(st["ssm"][src])} for st in pool)
 
 
+def fork_slot(pool, src, dst, src_pages, dst_pages):
+    """The pool with slot dst holding a copy of slot src's state: its conv and delta state, and
+    KV page src_pages[i] copied into page dst_pages[i] ([T] int32 each, -1 where there is none:
+    one graph for any count). Exact copies: a sequence whose prompt is another's starts from the
+    bytes its own prefill would have left (the prefill is a function of the prompt alone)."""
+    out = []
+    for st in pool:
+        if "k" in st:
+            NP = st["k"].shape[0]
+            at = jnp.where((src_pages >= 0) & (dst_pages >= 0), dst_pages, NP)
+            frm = jnp.maximum(src_pages, 0)
+            out.append({"k": st["k"].at[at].set(st["k"][frm], mode="drop"),
+                        "v": st["v"].at[at].set(st["v"][frm], mode="drop")})
+        else:
+            out.append({"conv": st["conv"].at[:, dst].set(st["conv"][:, src]),
+                        "ssm": st["ssm"].at[dst].set(st["ssm"][src])})
+    return tuple(out)
+
+
 def prefix(pool, k: int):
     """The pool of its first k slots: their conv and delta state, and every KV page (pages are
     the slots' through the table, whose first k rows the caller passes)."""

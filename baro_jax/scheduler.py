@@ -6,7 +6,10 @@ reserved up front; while the oldest waiting one finds too few free pages, it and
 wait. A sequence with prompt tokens left gets the next prefill chunk (one chunk per step, the
 oldest first); every sequence whose prompt is in decodes one token per decode step, all of them
 in one call. A finished sequence frees its slot and its pages at once, for the next waiting one.
-Sequences may join while others run (add) and leave before they end (cancel), as a server's requests do. Nothing here
+Sequences may join while others run (add) and leave before they end (cancel), as a server's requests do.
+A sequence may name another with the same prompt (fork_of: several samples of one prompt); admitted
+while that one's prompt is still being prefilled, it is not prefilled itself but takes a copy of
+that one's state when its prompt is in (BatchRun._chunk_done); otherwise it prefills its own. Nothing here
 depends on another sequence's numbers: the scheduler decides only when a sequence's rows run,
 never how (every row's arithmetic is its own), so a sequence's bytes are the same in any batch.
 """
@@ -44,6 +47,10 @@ class Sequence:
     state: tuple | None = None  # the slot's state when it finished (when asked)
     first_token_s: float | None = None
     token_times: list = dataclasses.field(default_factory=list)
+    # a sequence with the same prompt (and prompt logprob asks) whose state after the prompt this
+    # one copies instead of prefilling its own, while linked (the scheduler unlinks it where the
+    # copy cannot happen: that one's prompt was already in when this one got a slot, or it ended)
+    fork_of: "Sequence | None" = None
 
     @property
     def pos(self) -> int:
@@ -87,8 +94,19 @@ class Scheduler:
         except ValueError:
             return False
         seq.finish_reason = "cancelled"
+        self._unlink_forks(seq)
         self.finished.append(seq)
         return True
+
+    def _unlink_forks(self, seq: Sequence):
+        """The sequences waiting for seq's prompt state prefill their own (seq ended first)."""
+        for s in list(self.running.values()) + list(self.waiting):
+            if s.fork_of is seq:
+                s.fork_of = None
+
+    def forks_of(self, seq: Sequence) -> list[Sequence]:
+        """The running sequences that take a copy of seq's state when its prompt is in."""
+        return [s for s in self.running.values() if s.fork_of is seq]
 
     def drain_finished(self) -> list[Sequence]:
         """The sequences finished since the last call (a long-running loop keeps none of them)."""
@@ -106,6 +124,10 @@ class Scheduler:
         placed = []
         while self.waiting and self.free and self.blocks.can_allocate(self.waiting[0].positions):
             seq = self.waiting.popleft()
+            src = seq.fork_of
+            if src is not None and not (src.slot is not None and self.running.get(src.slot) is src
+                                        and src.prefilled < len(src.prompt_ids)):
+                seq.fork_of = None  # too late (or too early) to copy: it prefills its own prompt
             seq.slot = heapq.heappop(self.free)
             self.blocks.allocate(seq.slot, seq.positions)
             self.running[seq.slot] = seq
@@ -113,8 +135,8 @@ class Scheduler:
         return placed
 
     def next_prefill(self) -> Sequence | None:
-        """The oldest running sequence with prompt tokens still to prefill."""
-        pending = [s for s in self.running.values() if s.prefilled < len(s.prompt_ids)]
+        """The oldest running sequence with prompt tokens still to prefill (and none to copy)."""
+        pending = [s for s in self.running.values() if s.prefilled < len(s.prompt_ids) and s.fork_of is None]
         return min(pending, key=lambda s: s.index) if pending else None
 
     def decoding(self) -> list[Sequence]:
@@ -138,6 +160,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str):
         seq.finish_reason = reason
+        self._unlink_forks(seq)
         del self.running[seq.slot]
         self.blocks.release(seq.slot)
         heapq.heappush(self.free, seq.slot)

@@ -109,6 +109,16 @@ def main():
         a = one.generate(t, n, logprobs=0, stop_at_eos=False, sampling=s)
         assert a.generated_ids == g.generated_ids and \
             b"".join(x.tobytes() for x in a.logprobs) == b"".join(x.tobytes() for x in g.logprobs), (N, t)
+    # two samples of one prompt on N devices: the second takes a copy of the first's prompt state
+    # (the pool's FORK over sharded pages), each == one device's run alone at seed + j
+    got = eng.generate_batch([PROMPT], 6, n=2, logprobs=0, max_batch=2, chunk=8, stop_at_eos=False,
+                             sampling=sps[0])
+    assert eng.last_batch_stats["steps"]["forks"] == 1, eng.last_batch_stats["steps"]
+    for j, g in enumerate(got):
+        a = one.generate(PROMPT, 6, logprobs=0, stop_at_eos=False,
+                         sampling=baro_jax.Sampling(temperature=0.9, seed=4 + j))
+        assert a.generated_ids == g.generated_ids and \
+            b"".join(x.tobytes() for x in a.logprobs) == b"".join(x.tobytes() for x in g.logprobs), (N, j)
     # one sampled sequence alone on N devices (its draws inside the block graph) == one device's
     for s in sps[::2]:
         a = one.generate(PROMPT, 12, logprobs=0, stop_at_eos=False, sampling=s)

@@ -1,6 +1,8 @@
 """Many sequences at once: each sequence of generate_batch gets the bytes it gets alone (tokens,
 logprobs, final state), which equal its replay, whatever the other sequences, their number and
 their arrival; no compilation per request."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -316,7 +318,65 @@ def test_no_compilation_per_request(eng):
     assert [g._cache_size() for g in graphs] == sizes
 
 
+def test_n_samples_of_a_prompt_share_its_prefill_and_each_equals_its_run_alone(eng):
+    """n samples per prompt: result i * n + j is prompt i's sample j, drawn at the prompt's seed + j,
+    and equals generate(prompt, seed + j) alone in tokens, logprob and top bytes, prompt logprobs
+    and final state; the prompt is prefilled once, its later samples copying its state (forks),
+    so the batch runs the chunks of the distinct prompts only."""
+    prompts = [PROMPTS[1], PROMPTS[2]]  # several chunks of 8, and one token
+    sp = [baro_jax.Sampling(temperature=0.9, top_p=0.95, seed=7), baro_jax.Sampling(temperature=1.2, seed=30)]
+    got = eng.generate_batch(prompts, [7, 5], sampling=sp, n=3, logprobs=2, prompt_logprobs=True, chunk=8,
+                             keep_states=True)
+    assert len(got) == 6
+    stats = eng.last_batch_stats
+    chunks = sum(-(-len(eng.encode(p)) // 8) for p in prompts)
+    assert stats["steps"]["forks"] == 4 and stats["steps"]["prefill"] == chunks, stats["steps"]
+    for i, (p, s) in enumerate(zip(prompts, sp)):
+        for j in range(3):
+            a = eng.generate(p, [7, 5][i], sampling=dataclasses.replace(s, seed=s.seed + j), logprobs=2,
+                             prompt_logprobs=True, keep_state=True)
+            r = got[i * 3 + j]
+            assert same(eng.cfg, a, r) is None, f"prompt {i} sample {j}: {same(eng.cfg, a, r)}"
+            assert [None if x is None else x.tobytes() for x in a.prompt_logprobs] == \
+                   [None if x is None else x.tobytes() for x in r.prompt_logprobs], (i, j)
+    assert len({tuple(r.generated_ids) for r in got[:3]}) > 1  # the seeds draw differently
+    greedy = eng.generate_batch([PROMPTS[0]], 6, n=2, chunk=8)
+    assert greedy[0].generated_ids == greedy[1].generated_ids == eng.generate(PROMPTS[0], 6).generated_ids
+
+
+def test_a_sample_that_gets_no_slot_while_its_prompt_prefills_prefills_its_own(eng, alone):
+    """One slot: a prompt's second sample is admitted only after the first has ended, too late to
+    copy the prompt state, so it prefills its prompt itself; the bytes are the same either way.
+    A sample whose first sample is cancelled while prefilling prefills its own too."""
+    got = eng.generate_batch([PROMPTS[1]], NEW[1], n=2, logprobs=2, max_batch=1, chunk=8, keep_states=True)
+    assert eng.last_batch_stats["steps"]["forks"] == 0
+    for r in got:
+        assert same(eng.cfg, alone[1], r) is None, same(eng.cfg, alone[1], r)
+    from baro_jax.scheduler import Sequence
+    run = B.open_run(eng, max_batch=2, length=1024, chunk=8, logprobs=2, stop_width=4)
+    ids = alone[1].prompt_ids
+    first = Sequence(index=0, prompt_ids=ids, max_new_tokens=NEW[1], sampling=baro_jax.Sampling(), eos_ids=eng.eos_ids)
+    second = Sequence(index=1, prompt_ids=ids, max_new_tokens=NEW[1], sampling=baro_jax.Sampling(),
+                      eos_ids=eng.eos_ids, fork_of=first)
+    run.add(first)
+    run.add(second)
+    run.step()
+    assert 0 < first.prefilled < len(ids) and second.prefilled == 0 and second.fork_of is first
+    run.cancel(first)
+    assert second.fork_of is None
+    while not run.done:
+        run.step()
+    assert run.steps["forks"] == 0 and second.generated == alone[1].generated_ids
+    assert [x.tobytes() for x in second.logprobs] == [x.tobytes() for x in alone[1].logprobs]
+    with pytest.raises(ValueError, match="fork_of must name another sequence with the same prompt ids"):
+        run.add(Sequence(index=2, prompt_ids=ids[:-1], max_new_tokens=2, sampling=baro_jax.Sampling(), fork_of=first))
+
+
 @pytest.mark.parametrize("kw,msg", [
+    (dict(n=0), "n must be >= 1"),
+    (dict(n=2.5), "n must be an integer"),
+    (dict(n=3, sampling=baro_jax.Sampling(temperature=1.0, seed=2**63 - 2)),
+     r"sample j of a prompt draws with seed \+ j, and seed 9223372036854775806 \+ 2 is past the largest seed"),
     (dict(prompts="abc"), "prompts must be a list"),
     (dict(prompts=["a", []]), "prompt 1 is empty"),
     (dict(max_new_tokens=[3, 4]), "max_new_tokens has 2 entries for 3 prompts"),

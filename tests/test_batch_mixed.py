@@ -128,7 +128,7 @@ def test_warm_up_compiles_every_graph_the_rounds_use(eng):
     the block and step graphs)."""
     from jax._src import monitoring
 
-    graphs = (B.PREFILL, B.DECODE, B.DECODE_BLOCK, B.MIXED, B.CLEAR, B.MOVE, B.SAMPLE_ROWS)
+    graphs = (B.PREFILL, B.DECODE, B.DECODE_BLOCK, B.MIXED, B.CLEAR, B.MOVE, B.FORK, B.SAMPLE_ROWS)
     before = [g._cache_size() for g in graphs]
     run = B.open_run(eng, max_batch=4, length=320, chunk=12, logprobs=2, stop_width=4)
     assert run.row_buckets() == [1, 2, 4]
@@ -166,7 +166,10 @@ def test_warm_up_compiles_every_graph_the_rounds_use(eng):
         if i == 5:  # top_p over the whole vocabulary: the row ranked whole, warmed up too
             s = baro_jax.Sampling(temperature=0.9, top_p=0.8, seed=i)
         seqs.append(Sequence(index=i, prompt_ids=eng.encode(p), max_new_tokens=m, sampling=s, eos_ids=eng.eos_ids))
-    for s in seqs[:3]:
+    # a second sample of prompt 1, admitted beside it: it takes a copy of prompt 1's state (FORK)
+    fork = Sequence(index=len(PROMPTS), prompt_ids=eng.encode(PROMPTS[1]), max_new_tokens=NEW[1],
+                    sampling=baro_jax.Sampling(temperature=0.8, seed=77), eos_ids=eng.eos_ids, fork_of=seqs[1])
+    for s in seqs[:3] + [fork]:
         run.add(s)
     rounds = 0
     while not run.done or rounds < 4:
@@ -175,9 +178,10 @@ def test_warm_up_compiles_every_graph_the_rounds_use(eng):
         if rounds in (2, 4):  # arrivals while others decode
             for s in seqs[3:5] if rounds == 2 else seqs[5:]:
                 run.add(s)
-    assert run.steps["mixed"] > 0
+    assert run.steps["mixed"] > 0 and run.steps["forks"] == 1
     assert [g._cache_size() for g in graphs] == warm
-    for s in seqs:
-        alone = eng.generate(PROMPTS[s.index], NEW[s.index], logprobs=2, sampling=s.sampling)
+    for s in seqs + [fork]:
+        i = 1 if s is fork else s.index
+        alone = eng.generate(PROMPTS[i], NEW[i], logprobs=2, sampling=s.sampling)
         assert s.generated == alone.generated_ids, s.index
         assert [x.tobytes() for x in s.logprobs] == [x.tobytes() for x in alone.logprobs], s.index

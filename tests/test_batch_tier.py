@@ -96,6 +96,18 @@ def test_tier_batch_sampled_and_greedy_rows_equal_alone(tier):
         assert same(tier.cfg, a, got[i]) is None, f"prompt {i}: {same(tier.cfg, a, got[i])}"
 
 
+def test_tier_samples_of_a_prompt_copy_its_state_and_equal_alone(tier, alone):
+    """n = 2 in tier mode: the second sample of each prompt takes a copy of the first's prompt
+    state (the pool's FORK), and each equals the prompt's run alone in tier mode (greedy: both)."""
+    tier.runner.use_expert_cache(3)
+    got = tier.generate_batch(PROMPTS[:3], NEW[:3], n=2, logprobs=2, max_batch=6, chunk=8, keep_states=True)
+    tier.runner.use_expert_cache(None)
+    assert tier.last_batch_stats["steps"]["forks"] == 3
+    for i in range(3):
+        for j in range(2):
+            assert same(tier.cfg, alone[i], got[2 * i + j]) is None, (i, j, same(tier.cfg, alone[i], got[2 * i + j]))
+
+
 def test_tier_score_batch_equals_resident(res, tier):
     """score_batch (prompt logprobs of every row, staged prefill) in tier mode: resident's bytes,
     and each pair's score alone."""

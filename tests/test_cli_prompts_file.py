@@ -41,7 +41,32 @@ def test_each_line_equals_its_run_alone(tmp_path, capsys):
         assert row["finish_reason"] == alone.finish_reason and row["text"] == alone.text
 
 
+def test_n_samples_per_line_each_equal_their_run_alone_at_seed_plus_j(tmp_path, capsys):
+    """--n (and a line's "n"): a prompt's samples side by side, "index" the line's prompt and
+    "sample" j, drawn at the line's seed + j: each equals its run alone with that seed."""
+    lines = [{"prompt": "def add(a, b):\n", "temperature": 0.9, "seed": 3},
+             {"ids": [5, 6, 7], "max_new_tokens": 3, "n": 1},
+             {"prompt": "import os\n", "temperature": 1.1, "top_k": 9, "n": 3}]
+    rc = generate.main(["--prompts-file", write(tmp_path, lines), "--max-new-tokens", "4", "--n", "2", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    rows = [json.loads(x) for x in out.splitlines()]
+    assert [(r["index"], r["sample"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1), (2, 2)]
+    eng = baro_jax.load("tiny", progress=False)
+    for r in rows:
+        line = lines[r["index"]]
+        sp = Sampling(line.get("temperature", 0.0), line.get("top_k", 0), 1.0, line.get("seed", 0) + r["sample"])
+        alone = eng.generate(line.get("prompt", line.get("ids")), line.get("max_new_tokens", 4), sampling=sp,
+                             logprobs=0)
+        assert r["generated_ids"] == alone.generated_ids, r
+        assert np.asarray(r["logprobs"], np.float32).tobytes() == np.asarray(alone.logprobs, np.float32).tobytes()
+
+
 BAD = [
+    ("{\"prompt\": \"a\", \"n\": 0}\n", "line 1: \"n\" must be an integer >= 1, got 0"),
+    ("{\"prompt\": \"a\", \"n\": 2.0}\n", "line 1: \"n\" must be an integer >= 1, got 2.0"),
+    ("{\"prompt\": \"a\", \"n\": 2, \"seed\": 9223372036854775807, \"temperature\": 1}\n",
+     "line 1: n: sample j of a prompt draws with seed + j"),
     ("{\"prompt\": \"a\"}\nnot json\n", "line 2: not JSON"),
     ("[1, 2]\n", "line 1: expected a JSON object, got list"),
     ("{\"prompt\": \"a\", \"ids\": [1]}\n", "line 1: give exactly one of \"prompt\" (text) and \"ids\""),
@@ -75,6 +100,8 @@ def test_bad_lines_are_refused_before_the_model_loads(tmp_path, capsys, monkeypa
 @pytest.mark.parametrize("args,msg", [
     (("--prompt", "a", "--max-batch", "2"), "--max-batch is for --prompts-file"),
     (("--prompt", "a", "--prefill-budget", "512"), "--prefill-budget is for --prompts-file"),
+    (("--prompt", "a", "--n", "2"), "--n is for --prompts-file"),
+    (("--prompts-file", "P", "--n", "0"), "--n must be >= 1, got 0"),
     (("--prompts-file", "/nonexistent.jsonl"), "cannot read it (No such file or directory)"),
     (("--prompts-file", "P", "--prompt", "a"), "not allowed with argument"),
 ])

@@ -174,6 +174,34 @@ def test_stream_adds_up_to_the_response(eng, client):
     assert word not in text and ref.text.startswith(text)
 
 
+def test_n_choices_each_equal_generate_at_seed_plus_j(eng, server, client):
+    """n: choice i * n + j is prompt i's sample j, drawn with seed + j, and equals Engine.generate
+    with that seed, bytes; a prompt's samples share its prefill (the pool copies its state);
+    streamed, each choice's pieces add up to it; chat takes n too; greedy choices are alike."""
+    forks = server.loop.run.steps["forks"]
+    refs = [[eng.generate(p, 8, temperature=0.8, seed=5 + j, logprobs=1) for j in range(3)] for p in (P1, "x")]
+    r = client.completions.create(model="tiny", prompt=[P1, "x"], n=3, max_tokens=8, temperature=0.8, seed=5,
+                                  logprobs=1, extra_body=ID)
+    assert [c.index for c in r.choices] == list(range(6)) and r.model_extra["seed"] == 5
+    for c in r.choices:
+        check_completion(c, refs[c.index // 3][c.index % 3], 1)
+    assert server.loop.run.steps["forks"] - forks == 4
+    assert r.usage.completion_tokens == sum(len(x.generated_ids) for row in refs for x in row)
+    got = {}
+    for ev in client.completions.create(model="tiny", prompt=P1, n=2, max_tokens=8, temperature=0.8, seed=5,
+                                        stream=True, extra_body=ID):
+        for c in ev.choices:
+            got[c.index] = got.get(c.index, []) + c.model_extra.get("token_ids", [])
+    assert got == {0: refs[0][0].generated_ids, 1: refs[0][1].generated_ids}
+    ids = eng.encode(render_chat(eng.tokenizer, MESSAGES))
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, n=2, max_tokens=6, temperature=1.1, seed=9,
+                                       extra_body=ID)
+    for c in r.choices:
+        assert c.model_extra["token_ids"] == eng.generate(ids, 6, temperature=1.1, seed=9 + c.index).generated_ids
+    r = client.completions.create(model="tiny", prompt=P1, n=2, max_tokens=5, temperature=0)
+    assert r.choices[0].text == r.choices[1].text == eng.generate(P1, 5).text
+
+
 # --- chat -----------------------------------------------------------------------------------------
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
 
@@ -249,7 +277,11 @@ BAD = [
     (C, {"prompt": "x", "stop_token_ids": [300]}, 400, "stop_token_ids[0] = 300 is outside the vocabulary"),
     (C, {"prompt": "x", "stop": [""]}, 400, "stop strings must not be empty"),
     (C, {"prompt": "x", "model": "gpt-4"}, 404, "the model 'gpt-4' does not exist; this server serves 'tiny'"),
-    (C, {"prompt": "x", "n": 2}, 400, "n 2 is not supported by this server (only 1)"),
+    (C, {"prompt": "x", "n": 0}, 400, "n must be in [1, 64], got 0"),
+    (C, {"prompt": ["x", "y"], "n": 40}, 400, "2 prompts x n 40 = 80 sequences; at most 64 in one request"),
+    (C, {"prompt": "x", "n": 2, "seed": 2 ** 63 - 1}, 400,
+     "choice j draws with seed + j, and seed 9223372036854775807 + 1 (n 2) is past the largest seed"),
+    (C, {"prompt": "x", "best_of": 2}, 400, "best_of 2 is not supported by this server (only 1)"),
     (C, {"prompt": "x", "logprobs": 6}, 400, "logprobs must be in [0, 5], got 6"),
     (C, {"prompt": "x", "top_p": 0}, 400, "top_p must be in (0, 1], got 0.0"),
     (C, {"prompt": "x", "seed": -1}, 400, "seed must be in [0, 9223372036854775807], got -1"),

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from ..batch import sample_seeds
 from ..tokenizer import NoChatTemplate, TokenizerError, render_chat
 from . import protocol, render
 from .loop import EngineLoop, Job, Overloaded, ShuttingDown
@@ -131,11 +132,18 @@ class Api:
 
         eos = frozenset() if req.ignore_eos else self.engine.eos_ids
         echo_lp = req.echo and req.logprobs is not None
-        jobs = [Job(self.loop.new_sequence(prompt_ids=p.ids, max_new_tokens=req.max_tokens, sampling=req.sampling,
-                                           stop_ids=req.stop_ids, stop_strings=req.stop, eos_ids=eos,
-                                           want_prompt_logprobs=echo_lp,
-                                           prompt_top_n=req.logprobs if echo_lp else 0), i, sink)
-                for i, p in enumerate(req.prompts)]
+        samplings = sample_seeds(req.sampling, req.n, "n")
+        jobs = []
+        for p in req.prompts:  # choice i * n + j: prompt i's sample j, which copies sample 0's prompt state
+            first = None
+            for sp in samplings:
+                seq = self.loop.new_sequence(prompt_ids=p.ids, max_new_tokens=req.max_tokens, sampling=sp,
+                                             stop_ids=req.stop_ids, stop_strings=req.stop, eos_ids=eos,
+                                             want_prompt_logprobs=echo_lp, prompt_top_n=req.logprobs if echo_lp else 0,
+                                             fork_of=first)
+                if first is None:
+                    first = seq
+                jobs.append(Job(seq, len(jobs), sink))
         try:
             self.loop.submit(jobs)
         except (Overloaded, ShuttingDown) as e:
@@ -158,8 +166,9 @@ class Run:
 
     def __init__(self, api: Api, req: protocol.GenRequest, jobs: list, events: asyncio.Queue):
         self.api, self.req, self.jobs, self.events = api, req, jobs, events
-        self.choices = [render.Choice(i, p.ids, p.text) for i, p in enumerate(req.prompts)]
-        self.texts = [render.TextStream(api.tok, req.stop) for _ in req.prompts]
+        self.choices = [render.Choice(i * req.n + j, p.ids, p.text) for i, p in enumerate(req.prompts)
+                        for j in range(req.n)]
+        self.texts = [render.TextStream(api.tok, req.stop) for _ in self.choices]
         self.r = render.Renderer(api.tok, req.ids_as_tokens, req.logprobs)
         self.open = len(jobs)
         self.kind = "chat.completion" if req.chat else "text_completion"

@@ -43,7 +43,7 @@ class Limits:
     max_context: int         # positions per sequence: prompt plus new tokens
     max_logprobs: int        # the most top logprobs a request may ask
     max_stop_ids: int        # stop_token_ids a request may give
-    max_prompts: int         # prompts one completions request may carry (each takes a slot)
+    max_prompts: int         # sequences one request may carry (prompts x n: each takes a slot)
 
 
 @dataclasses.dataclass
@@ -56,7 +56,8 @@ class Prompt:
 class GenRequest:
     """A checked completions or chat request."""
     chat: bool
-    prompts: list            # of Prompt; one choice each
+    prompts: list            # of Prompt; n choices each
+    n: int                   # choices per prompt: choice i * n + j is prompt i's sample j (seed + j)
     max_tokens: int | None   # None: as many as the context leaves (chat's default)
     sampling: Sampling
     seed: int | None         # the seed drawn with (sampled requests; None for greedy)
@@ -147,9 +148,9 @@ def check_model(body: dict, limits: Limits):
                        type="not_found_error", param="model", code="model_not_found")
 
 
-# OpenAI fields accepted only at their neutral value: the engine has no penalties, no bias, one
-# choice per prompt.
-NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": None,
+# OpenAI fields accepted only at their neutral value: the engine has no penalties, no bias, and
+# keeps every sample it draws (no best_of).
+NEUTRAL = {"best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": None,
            "tools": None, "tool_choice": None, "response_format": None, "parallel_tool_calls": None}
 
 
@@ -168,11 +169,22 @@ CHAT_FIELDS = COMMON + ("messages", "logprobs", "top_logprobs", "max_completion_
                         "response_format", "parallel_tool_calls")
 
 
-def _sampling(body: dict, limits: Limits):
+def _n(body: dict, prompts: list, limits: Limits) -> int:
+    """n: choices per prompt, every one a sequence of its own (a slot), so prompts x n is bounded
+    as a prompt list is."""
+    n = integer(body, "n", 1, lo=1, hi=limits.max_prompts)
+    if len(prompts) * n > limits.max_prompts:
+        raise bad(f"{len(prompts)} prompts x n {n} = {len(prompts) * n} sequences; at most {limits.max_prompts} in "
+                  "one request", "n")
+    return n
+
+
+def _sampling(body: dict, limits: Limits, n: int = 1):
     """(Sampling, the seed drawn with or None). OpenAI's default temperature is 1. With
     temperature 0 decoding is greedy and top_p / top_k filter nothing, so they are left out (the
     engine refuses them together, the API's clients send them together). Without a seed a sampled
-    request draws one, which the response reports, so any answer can be reproduced."""
+    request draws one, which the response reports, so any answer can be reproduced. Choice j of a
+    prompt draws with seed + j, which must stay in the seed range (a drawn seed leaves room)."""
     t = number(body, "temperature", 1.0)
     if t < 0:
         raise bad(f"temperature must be >= 0, got {t}", "temperature")
@@ -184,7 +196,10 @@ def _sampling(body: dict, limits: Limits):
     if t == 0.0:
         return Sampling(), None
     if seed is None:
-        seed = secrets.randbits(63)
+        seed = secrets.randbelow(SEED_RANGE[1] - n + 2)
+    if seed + n - 1 > SEED_RANGE[1]:
+        raise bad(f"choice j draws with seed + j, and seed {seed} + {n - 1} (n {n}) is past the largest seed "
+                  f"{SEED_RANGE[1]}", "seed")
     return Sampling(temperature=t, top_k=max(top_k, 0), top_p=top_p, seed=seed), seed
 
 
@@ -239,16 +254,17 @@ def parse_completion(body, limits: Limits, encode) -> GenRequest:
     """A /v1/completions body; encode(text) -> ids."""
     check_fields(body, COMPLETION_FIELDS, "/v1/completions")
     check_model(body, limits)
-    check_neutral(body, ("n", "best_of", "presence_penalty", "frequency_penalty", "logit_bias", "suffix"))
+    check_neutral(body, ("best_of", "presence_penalty", "frequency_penalty", "logit_bias", "suffix"))
     if "prompt" not in body:
         raise bad("prompt is required: a string, a list of token ids, or a list of either", "prompt")
     prompts = _prompts(body["prompt"], limits, encode)
+    n = _n(body, prompts, limits)
     max_tokens = _max_tokens(body, "max_tokens", 16, limits)
     check_fits(prompts, max_tokens, limits)
-    sampling, seed = _sampling(body, limits)
+    sampling, seed = _sampling(body, limits, n)
     stop, stop_ids = _stops(body, limits)
     stream, usage = _stream(body)
-    return GenRequest(chat=False, prompts=prompts, max_tokens=max_tokens, sampling=sampling, seed=seed, stop=stop,
+    return GenRequest(chat=False, prompts=prompts, n=n, max_tokens=max_tokens, sampling=sampling, seed=seed, stop=stop,
                       stop_ids=stop_ids, logprobs=integer(body, "logprobs", None, lo=0, hi=limits.max_logprobs),
                       echo=boolean(body, "echo"), stream=stream, include_usage=usage,
                       ignore_eos=boolean(body, "ignore_eos"),
@@ -317,7 +333,7 @@ def parse_chat(body, limits: Limits, render) -> GenRequest:
     """A /v1/chat/completions body; render(messages) -> ids through the chat template."""
     check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
     check_model(body, limits)
-    check_neutral(body, ("n", "presence_penalty", "frequency_penalty", "logit_bias", "tools", "tool_choice",
+    check_neutral(body, ("presence_penalty", "frequency_penalty", "logit_bias", "tools", "tool_choice",
                          "response_format", "parallel_tool_calls"))
     if "messages" not in body:
         raise bad("messages is required", "messages")
@@ -327,17 +343,18 @@ def parse_chat(body, limits: Limits, render) -> GenRequest:
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _max_tokens(body, name, None, limits)
     prompts = [Prompt(render(msgs), None)]
+    n = _n(body, prompts, limits)
     check_fits(prompts, max_tokens, limits)
     if max_tokens is None:
         max_tokens = limits.max_context - len(prompts[0].ids)
-    sampling, seed = _sampling(body, limits)
+    sampling, seed = _sampling(body, limits, n)
     stop, stop_ids = _stops(body, limits)
     stream, usage = _stream(body)
     want = boolean(body, "logprobs")
     top = integer(body, "top_logprobs", None, lo=0, hi=limits.max_logprobs)
     if top is not None and not want:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
-    return GenRequest(chat=True, prompts=prompts, max_tokens=max_tokens, sampling=sampling, seed=seed, stop=stop,
+    return GenRequest(chat=True, prompts=prompts, n=n, max_tokens=max_tokens, sampling=sampling, seed=seed, stop=stop,
                       stop_ids=stop_ids, logprobs=(top or 0) if want else None, echo=False, stream=stream,
                       include_usage=usage, ignore_eos=boolean(body, "ignore_eos"),
                       ids_as_tokens=boolean(body, "return_tokens_as_token_ids"))

@@ -688,6 +688,8 @@ stage_vs_peer() {
 # BATCH_GATE=0, the many-sequence identity gate (benchmarks/batch_identity.py: BATCH_GATE_N
 # sequences of 1 to BATCH_GATE_MAX_LEN tokens, staggered, half sampled, against their runs alone).
 # BATCH_PROFILE_ARGS reaches decode_profile.py (e.g. "--temperature 0.8 --top-p 0.95": a sampled step).
+# BATCH_ROLLOUTS=P:K adds throughput.py's rollout row (P prompts x K samples, the prompt's prefill
+# shared by its samples against prefilled per sample, the same bytes).
 # BATCH_MIXED=N:LEN[:B] adds the mixed-load row (N prompts of LEN tokens arriving while B decode,
 # e.g. 4:8192:32) for each of BATCH_MIXED_ROUNDS (on,off: a round's chunk and step in one pass or apart).
 # BATCH_SAMPLING: throughput.py's sampling arguments for every sequence (e.g. "--temperature 1.0", an RL
@@ -701,6 +703,7 @@ stage_batch() {
   env ${GATE_ENV[@]+"${GATE_ENV[@]}"} timeout "${THROUGHPUT_TIMEOUT:-300}" python benchmarks/throughput.py --model qwen3.5-35b-a3b \
     --batches "$sizes" --prompt-len 1024 --new-tokens "${BATCH_NEW:-256}" --check 2 --bandwidth-tbs "$BANDWIDTH_TBS" \
     ${BATCH_MIXED:+--mixed "$BATCH_MIXED" --mixed-rounds "${BATCH_MIXED_ROUNDS:-on,off}"} ${BATCH_PREFILL_BUDGET:+--prefill-budget "$BATCH_PREFILL_BUDGET"} \
+    ${BATCH_ROLLOUTS:+--rollouts "$BATCH_ROLLOUTS"} \
     ${BATCH_SAMPLING:-} --json "$OUT/throughput${BATCH_TAG:+_$BATCH_TAG}_${CARD}.json" --png "$OUT/throughput${BATCH_TAG:+_$BATCH_TAG}_${CARD}.png" 2>&1 \
     | grep -v '^\[baro_jax\]' | tail -8
   local b profile=${BATCH_PROFILE-1 8 64}

@@ -11,7 +11,11 @@ experts B sequences touch per layer, the delta states read and written, the KV r
 behind B sequences (default: the largest batch) and prefill chunk by chunk while those decode; it reports
 the aggregate tokens/s and the time between a sequence's tokens as its callback saw them (p50 /
 p99 over all sequences' gaps; greedy blocks deliver tokens in bursts, so also each sequence's mean
-time per token, p50 / p99 over sequences). --samplings 'greedy=0,0,1;topp=0.8,0,0.95' runs several
+time per token, p50 / p99 over sequences). --rollouts P:K adds an RL-rollout row: P prompts of
+--prompt-len tokens, K samples of each at temperature 1 (sample j at seed --seed + j), in P * K
+slots, twice in one process: as generate_batch(prompts, n=K) (each prompt prefilled once, its
+state copied to its other samples) and as the P * K sequences on their own (every sample
+prefilling its prompt), with the two arms' ids and logprob bytes compared. --samplings 'greedy=0,0,1;topp=0.8,0,0.95' runs several
 sampling arms (NAME=TEMPERATURE,TOP_K,TOP_P) on the same prompts with the weights made once, a row
 per arm and batch size. Each row also has the bytes the budget counted for its pool
 (budget_counted_bytes, without the runtime reserve) beside the device's memory counters
@@ -30,6 +34,7 @@ bound, which counts device memory only, is no bound on it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -135,6 +140,32 @@ def mixed_row(eng, args, B: int, rng):
             "steps": dict(eng.last_batch_stats["steps"])}
 
 
+def rollout_rows(eng, args, rng) -> dict:
+    """--rollouts P:K: the shared-prefill arm (n=K) and the separate one, each timed after an untimed
+    run of the same call (its graphs compiled); the arms' outputs must be the same bytes."""
+    P, K = args.rollouts
+    prompts = [[int(t) for t in rng.integers(0, eng.cfg.vocab_size, args.prompt_len)] for _ in range(P)]
+    base = baro_jax.Sampling(temperature=1.0, seed=args.seed)
+    kw = dict(max_batch=P * K, chunk=args.chunk, stop_at_eos=False, prefill_budget=args.prefill_budget, logprobs=0)
+    repeated = [p for p in prompts for _ in range(K)]
+    seeds = [dataclasses.replace(base, seed=base.seed + j) for _ in prompts for j in range(K)]
+    arms = {"shared": lambda: eng.generate_batch(prompts, args.new_tokens, sampling=base, n=K, **kw),
+            "separate": lambda: eng.generate_batch(repeated, args.new_tokens, sampling=seeds, **kw)}
+    out, outputs = {"prompts": P, "samples": K, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}, []
+    for name, call in arms.items():
+        call()  # compiles
+        t0 = time.perf_counter()
+        res = call()
+        wall = time.perf_counter() - t0
+        gen = sum(len(r.generated_ids) for r in res)
+        out[name] = {"wall_seconds": wall, "generated_tokens": gen, "aggregate_tokens_per_s": gen / wall,
+                     "first_token_s_max": max(r.prefill_seconds for r in res),
+                     "steps": dict(eng.last_batch_stats["steps"])}
+        outputs.append([(r.generated_ids, [x.tobytes() for x in r.logprobs]) for r in res])
+    out["arms_equal"] = outputs[0] == outputs[1]
+    return out
+
+
 def plot(rows, path: str, title: str):
     import matplotlib
     matplotlib.use("Agg")
@@ -194,6 +225,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mixed", default=None, metavar="N:LEN[:B]",
                     help="a mixed-load row: N prompts of LEN tokens arriving behind B decoding sequences "
                          "(default B: the largest of --batches)")
+    ap.add_argument("--rollouts", default=None, metavar="P:K",
+                    help="an RL-rollout row: P prompts, K samples each, shared prefill against separate")
     ap.add_argument("--mixed-rounds", default="on", choices=("on", "off", "on,off", "off,on"),
                     help="the mixed row with a round's prefill chunk and decode step in one pass (on), apart "
                          "(off), or both arms on the same prompts (their outputs compared)")
@@ -214,6 +247,11 @@ def main(argv=None) -> int:
         if not (len(parts) in (2, 3) and all(p.isdigit() and int(p) >= 1 for p in parts)):
             ap.error(f"--mixed takes N:LEN or N:LEN:B, positive integers, got {args.mixed!r}")
         args.mixed = (int(parts[0]), int(parts[1]), int(parts[2]) if len(parts) == 3 else max(batches))
+    if args.rollouts is not None:
+        parts = args.rollouts.split(":")
+        if not (len(parts) == 2 and all(p.isdigit() and int(p) >= 1 for p in parts)):
+            ap.error(f"--rollouts takes P:K, positive integers, got {args.rollouts!r}")
+        args.rollouts = (int(parts[0]), int(parts[1]))
     ctx = max(args.prompt_len, args.mixed[1] if args.mixed else 0) + args.new_tokens
     eng = baro_jax.load(args.model, max_context=max(ctx, 1024), seed=args.seed, mode=args.mode,
                         device_budget_gb=args.device_budget_gb,
@@ -317,12 +355,22 @@ def main(argv=None) -> int:
         print(f"[throughput] mixed arms give the same ids and logprob bytes: {same_arms}", flush=True)
         ok &= same_arms
         mixed["arms_equal"] = same_arms
+    rollouts = None
+    if args.rollouts is not None:
+        rollouts = rollout_rows(eng, args, np.random.default_rng(args.seed + 2))
+        sh, sep = rollouts["shared"], rollouts["separate"]
+        print(f"[throughput] rollouts {rollouts['prompts']} prompts x {rollouts['samples']} samples: shared prefill "
+              f"{sh['aggregate_tokens_per_s']:.1f} tok/s ({sh['wall_seconds']:.2f}s, {sh['steps']['prefill']} chunks, "
+              f"{sh['steps']['forks']} copies), separate {sep['aggregate_tokens_per_s']:.1f} tok/s "
+              f"({sep['wall_seconds']:.2f}s, {sep['steps']['prefill']} chunks); the same ids and logprob bytes: "
+              f"{rollouts['arms_equal']}", flush=True)
+        ok &= rollouts["arms_equal"]
     out = {"summary": {"model": args.model, "mode": args.mode, "device_budget_gb": args.device_budget_gb,
                        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                        "bandwidth_tbs": args.bandwidth_tbs, "pass": ok, **provenance(),
                        "samplings": {n: {"temperature": t, "top_k": k, "top_p": p} for n, (t, k, p) in samplings},
                        "sampling_seed": "sequence index"}, "rows": rows,
-           "mixed": mixed, "mixed_arms": arms or None}
+           "mixed": mixed, "mixed_arms": arms or None, "rollouts": rollouts}
     if args.json:
         write_json(args.json, out)
     if args.png:

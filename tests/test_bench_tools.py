@@ -144,6 +144,25 @@ def test_throughput_mixed_row_reports_the_pace_beside_the_gaps(tmp_path):
         throughput.main(["--model", "tiny", "--mixed", "1:40:0"])
 
 
+def test_throughput_rollout_row_times_shared_and_separate_prefill_with_the_same_bytes(tmp_path):
+    """--rollouts P:K: K samples of each of P prompts, the prompt prefilled once (n=K) and once per
+    sample; the arms give the same ids and logprob bytes, the shared one copies K - 1 states a
+    prompt and runs a K-th of the chunks."""
+    import json
+
+    out = tmp_path / "t.json"
+    assert throughput.main(["--model", "tiny", "--batches", "1", "--prompt-len", "40", "--new-tokens", "5",
+                            "--rollouts", "2:3", "--chunk", "16", "--check", "0", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["rollouts"]
+    assert r["arms_equal"] is True and (r["prompts"], r["samples"]) == (2, 3)
+    sh, sep = r["shared"], r["separate"]
+    assert sh["steps"]["forks"] == 4 and sep["steps"]["forks"] == 0
+    assert sep["steps"]["prefill"] == 3 * sh["steps"]["prefill"] == 3 * 2 * 3
+    assert sh["generated_tokens"] == sep["generated_tokens"] == 2 * 3 * 5
+    with pytest.raises(SystemExit):
+        throughput.main(["--model", "tiny", "--rollouts", "2:0"])
+
+
 def test_profile_of_a_prefill_counts_its_calls_per_prompt(tmp_path):
     """--prefill: the "step" is a whole prompt's batched prefill; the JSON says so, with its chunk,
     tokens per second by the prompt's length, and each chunk's kernels counted once per prompt."""

@@ -355,11 +355,13 @@ class BatchRun:
             raise ValueError(f"sequence {seq.index}: the prompt is empty: give at least one token")
         seq.prompt_ids = checks.token_ids(seq.prompt_ids, self.cfg.vocab_size, f"sequence {seq.index}'s prompt ids")
         src = seq.fork_of
-        if src is not None and (src is seq or list(src.prompt_ids) != list(seq.prompt_ids)
-                                or src.want_prompt_logprobs != seq.want_prompt_logprobs
-                                or src.prompt_top_n != seq.prompt_top_n):
-            raise ValueError(f"sequence {seq.index}: fork_of must name another sequence with the same prompt ids "
-                             f"and prompt logprob asks (sequence {src.index} differs)")
+        if src is not None:
+            f = checks.as_int("fork_at", seq.shared, lo=1, hi=len(seq.prompt_ids))
+            if (src is seq or list(src.prompt_ids[:f]) != list(seq.prompt_ids[:f])
+                    or src.want_prompt_logprobs != seq.want_prompt_logprobs or src.prompt_top_n != seq.prompt_top_n):
+                raise ValueError(f"sequence {seq.index}: fork_of must name another sequence whose prompt starts with "
+                                 f"the {f} shared tokens, with the same prompt logprob asks (sequence {src.index} "
+                                 "differs)")
         checks.as_int("max_new_tokens", seq.max_new_tokens, lo=0)
         checks.as_int("prompt_top_n", seq.prompt_top_n, lo=0, hi=self.cfg.vocab_size)
         if len(_device_stops(seq)) > self.stop_width:
@@ -608,9 +610,13 @@ class BatchRun:
 
     # --- the two kinds of step ---------------------------------------------------------
     def _chunk_inputs(self, seq: Sequence):
-        """The next prefill chunk of seq: (its start, its tokens, the chunk's rows padded)."""
+        """The next prefill chunk of seq: (its start, its tokens, the chunk's rows padded). It ends
+        early where a sequence waiting for seq's state shares no more of its prompt (a chunk's
+        bytes do not depend on where chunks end, §1 of docs/DESIGN.md)."""
         p = seq.prefilled
-        part = seq.prompt_ids[p:p + self.chunk]
+        end = min(p + self.chunk, len(seq.prompt_ids))
+        end = min([end] + [f.shared for f in self.sched.forks_of(seq) if p < f.shared < end])
+        part = seq.prompt_ids[p:end]
         toks = np.zeros((self.chunk,), np.int32)
         toks[:len(part)] = part
         return p, part, toks
@@ -638,7 +644,8 @@ class BatchRun:
         self._step_done(decoding, P, *outs)
 
     def _chunk_done(self, seq: Sequence, p: int, part, logits):
-        """After a prefill chunk: prompt logprobs, and the first token when the prompt is done."""
+        """After a prefill chunk: prompt logprobs, copies of the state for the sequences that share
+        the prompt up to here, and the first token of each whose prompt is done."""
         all_logits = seq.want_prompt_logprobs
         self.steps["prefill"] += 1
         seq.prefilled += len(part)
@@ -647,42 +654,56 @@ class BatchRun:
             last = logits[len(part) - 1]
         else:
             last = logits
-        if seq.prefilled == len(seq.prompt_ids):
-            # the samples of this prompt that wait for its state take a copy of it first: the
-            # sequence's own first token may end it and free its pages
-            forks = self.sched.forks_of(seq)
-            for f in forks:
-                self._fork(seq, f)
-            rows = None
-            for s in [seq] + forks:
-                if s.max_new_tokens == 0:
-                    self._finish(s, "length")
-                    continue
-                t = choose(last, s)
-                lp = top = None
-                if self._need_lp():
-                    # the pick and the top on the device, as a decode step takes them (the row is a
-                    # vocabulary of floats: a host sort of it costs about 15 ms a prompt)
-                    rows = LOGPROBS(last[None], ops=self.ops) if rows is None else rows
-                    picked = PICK(rows, jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32))
-                    if self.top_n:
-                        picked, (vals, best) = jax.device_get((picked, TOP(rows, self.top_n)))
-                        top = (best[0].astype(np.int64).tolist(), vals[0].astype(np.float32))
-                    lp = np.asarray(picked)[0]
-                self._record(s, t, lp, top)
+        # the sequences waiting for seq's state up to here take a copy of it first: seq's own first
+        # token may end it and free its pages
+        forks = [f for f in self.sched.forks_of(seq) if f.shared == seq.prefilled]
+        rows = None
+        for f in forks:
+            rows = self._fork(seq, f, last, rows)
+        for s in [seq] + forks:
+            if s.prefilled < len(s.prompt_ids):  # its prompt goes on (a fork's, in its own chunks)
+                continue
+            if s.max_new_tokens == 0:
+                self._finish(s, "length")
+                continue
+            t = choose(last, s)
+            lp = top = None
+            if self._need_lp():
+                # the pick and the top on the device, as a decode step takes them (the row is a
+                # vocabulary of floats: a host sort of it costs about 15 ms a prompt)
+                rows = LOGPROBS(last[None], ops=self.ops) if rows is None else rows
+                picked = PICK(rows, jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32))
+                if self.top_n:
+                    picked, (vals, best) = jax.device_get((picked, TOP(rows, self.top_n)))
+                    top = (best[0].astype(np.int64).tolist(), vals[0].astype(np.float32))
+                lp = np.asarray(picked)[0]
+            self._record(s, t, lp, top)
 
-    def _fork(self, src: Sequence, dst: Sequence):
-        """dst (the same prompt, its slot and pages admitted) takes a copy of src's state after the
-        prompt and its prompt logprobs: the bytes its own prefill would have given."""
+    def _fork(self, src: Sequence, dst: Sequence, last, rows):
+        """dst (its slot and pages admitted) takes a copy of src's state after the e tokens they share
+        (src has prefilled exactly those) and their prompt logprobs; where dst's prompt goes on, its
+        token e's logprob comes from the row that predicts it, src's last: the bytes dst's own
+        prefill would have given. rows: log_softmax of that row, made here once. Returns rows."""
+        e = src.prefilled
         table = self.blocks.table
         self.pool = FORK(self.pool, *to_device(np.int32(src.slot), np.int32(dst.slot), table[src.slot],
                                                table[dst.slot]))
-        dst.prefilled = src.prefilled
+        dst.prefilled = e
         if src.prompt_logprobs is not None:
-            dst.prompt_logprobs = list(src.prompt_logprobs)
-            dst.prompt_top_logprobs = None if src.prompt_top_logprobs is None else list(src.prompt_top_logprobs)
+            dst.prompt_logprobs = src.prompt_logprobs[:e]
+            dst.prompt_top_logprobs = None if src.prompt_top_logprobs is None else src.prompt_top_logprobs[:e]
+            if e < len(dst.prompt_ids):
+                rows = LOGPROBS(last[None], ops=self.ops) if rows is None else rows
+                t = dst.prompt_ids[e]
+                dst.prompt_logprobs.append(np.float32(np.asarray(
+                    PICK(rows, jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32)))[0]))
+                if dst.prompt_top_n:  # as _prompt_logprobs takes them: the pool's widest k, a prefix
+                    vals, top = (np.asarray(x) for x in TOP(rows, max(self.top_n or 0, dst.prompt_top_n)))
+                    dst.prompt_top_logprobs.append((top[0, :dst.prompt_top_n].astype(np.int64).tolist(),
+                                                    vals[0, :dst.prompt_top_n].astype(np.float32)))
         dst.fork_of = None
         self.steps["forks"] += 1
+        return rows
 
     def _decode_step(self, decoding):
         """One decode step: greedy ids from the device, sampled ones chosen here."""
@@ -948,8 +969,10 @@ def sample_seeds(sampling: Sampling, n: int, what: str = "generate_batch") -> li
 
 def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_logprobs, max_batch, chunk, stop,
                    stop_token_ids, stop_at_eos, keep_states, on_token, sequence_type, prefill_budget=None,
-                   n_samples=1):
-    """Engine.generate_batch's body (see there; n_samples is its n)."""
+                   n_samples=1, shares=None):
+    """Engine.generate_batch's body (see there; n_samples is its n). shares: per prompt, None or
+    (j, f): prompt j < i starts with prompt i's first f tokens, whose state prompt i copies from it
+    (score_batch's pairs of one prompt)."""
     check_batchable(eng)
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
         raise TypeError(f"generate_batch: prompts must be a list of prompts (texts or token-id lists), "
@@ -987,6 +1010,8 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
             seq.fork_of = first[i]
         else:
             first[i] = seq
+            if shares is not None and shares[i] is not None:
+                seq.fork_of, seq.fork_at = first[shares[i][0]], shares[i][1]
     run = BatchRun(eng.runner, eng.tokenizer, seqs, slots=slots, length=length, chunk=chunk, logprobs=top_n,
                    keep_states=keep_states, on_token=on_token, block=eng.runner.decode_block,
                    prefill_budget=prefill_budget, pages=pages)
@@ -1036,8 +1061,17 @@ def score_batch(eng, prompts, continuations, *, chunk, max_batch) -> list:
             raise ValueError(f"score_batch: continuation {i} is empty")
     if not ps:
         return []
-    res = eng.generate_batch([p + c for p, c in zip(ps, cs)], 0, prompt_logprobs=True, max_batch=max_batch,
-                             chunk=chunk, stop_at_eos=False)
+    # the pairs of one prompt (an RL batch: many rollouts of each prompt) prefill it once: each later
+    # pair copies the first one's state after the prompt, and prefills its own continuation
+    first, shares = {}, []
+    for i, p in enumerate(ps):
+        j = first.setdefault(tuple(p), i)
+        shares.append(None if j == i else (j, len(p)))
+    with eng.exclusive():
+        res = generate_batch(eng, [p + c for p, c in zip(ps, cs)], 0, sampling=None, logprobs=0,
+                             prompt_logprobs=True, max_batch=max_batch, chunk=chunk, stop=None, stop_token_ids=None,
+                             stop_at_eos=False, keep_states=False, on_token=None, sequence_type=Sequence,
+                             shares=shares)
     return [np.asarray(r.prompt_logprobs[len(p):], np.float32) for p, r in zip(ps, res)]
 
 

@@ -645,7 +645,8 @@ class Engine:
         """score() of many (prompt, continuation) pairs at once, one float32 array per pair in
         input order, each the bytes score(prompt, continuation) gives alone: every pair runs as a
         sequence of the many-sequence pool (its prompt and continuation prefilled, each position's
-        log-probability kept, nothing generated). prompts and continuations: texts or token-id
+        log-probability kept, nothing generated; the pairs of one prompt prefill it once, the
+        later ones copying the first one's state after it). prompts and continuations: texts or token-id
         lists, as many of one as of the other; max_batch and chunk as generate_batch's."""
         return batch.score_batch(self, prompts, continuations, chunk=chunk, max_batch=max_batch)
 

@@ -7,9 +7,11 @@ wait. A sequence with prompt tokens left gets the next prefill chunk (one chunk 
 oldest first); every sequence whose prompt is in decodes one token per decode step, all of them
 in one call. A finished sequence frees its slot and its pages at once, for the next waiting one.
 Sequences may join while others run (add) and leave before they end (cancel), as a server's requests do.
-A sequence may name another with the same prompt (fork_of: several samples of one prompt); admitted
-while that one's prompt is still being prefilled, it is not prefilled itself but takes a copy of
-that one's state when its prompt is in (BatchRun._chunk_done); otherwise it prefills its own. Nothing here
+A sequence may name another whose prompt starts as its own does (fork_of, fork_at: the samples of
+one prompt, or continuations of one prompt being scored); admitted while that one has not yet
+prefilled past the shared tokens, it is not prefilled itself up to them but takes a copy of that
+one's state there (that one's chunk is cut at the point, BatchRun._chunk_inputs and _chunk_done);
+otherwise it prefills its own. Nothing here
 depends on another sequence's numbers: the scheduler decides only when a sequence's rows run,
 never how (every row's arithmetic is its own), so a sequence's bytes are the same in any batch.
 """
@@ -47,15 +49,22 @@ class Sequence:
     state: tuple | None = None  # the slot's state when it finished (when asked)
     first_token_s: float | None = None
     token_times: list = dataclasses.field(default_factory=list)
-    # a sequence with the same prompt (and prompt logprob asks) whose state after the prompt this
-    # one copies instead of prefilling its own, while linked (the scheduler unlinks it where the
-    # copy cannot happen: that one's prompt was already in when this one got a slot, or it ended)
+    # a sequence whose prompt starts with this one's first fork_at tokens (None: all of this one's
+    # prompt; the same prompt logprob asks), whose state after them this one copies instead of
+    # prefilling them, while linked (the scheduler unlinks it where the copy cannot happen: that
+    # one was already past them when this one got a slot, or it ended)
     fork_of: "Sequence | None" = None
+    fork_at: int | None = None
 
     @property
     def pos(self) -> int:
         """The position of the next token fed to the slot (the last generated one)."""
         return len(self.prompt_ids) + len(self.generated) - 1
+
+    @property
+    def shared(self) -> int:
+        """The prompt tokens it takes from fork_of's state."""
+        return len(self.prompt_ids) if self.fork_at is None else self.fork_at
 
     @property
     def decoding(self) -> bool:
@@ -105,7 +114,7 @@ class Scheduler:
                 s.fork_of = None
 
     def forks_of(self, seq: Sequence) -> list[Sequence]:
-        """The running sequences that take a copy of seq's state when its prompt is in."""
+        """The running sequences that take a copy of seq's state once it has prefilled their shared tokens."""
         return [s for s in self.running.values() if s.fork_of is seq]
 
     def drain_finished(self) -> list[Sequence]:
@@ -126,7 +135,7 @@ class Scheduler:
             seq = self.waiting.popleft()
             src = seq.fork_of
             if src is not None and not (src.slot is not None and self.running.get(src.slot) is src
-                                        and src.prefilled < len(src.prompt_ids)):
+                                        and src.prefilled < seq.shared):
                 seq.fork_of = None  # too late (or too early) to copy: it prefills its own prompt
             seq.slot = heapq.heappop(self.free)
             self.blocks.allocate(seq.slot, seq.positions)

@@ -152,6 +152,28 @@ def test_score_batch_gives_each_pair_its_score_alone(eng, alone):
             eng.score(*args)
 
 
+def test_score_batch_prefills_a_shared_prompt_once(eng):
+    """Rollouts of one prompt scored together: the first pair's prefill is cut where the prompt ends
+    (mid-chunk here: 50 tokens at chunk 16) and each later pair of that prompt copies its state
+    there and prefills only its continuation; each array is still score()'s bytes alone, the
+    first continuation token's logprob included (the row the copy came from predicts it)."""
+    prompt = eng.encode(PROMPTS[1])
+    assert len(prompt) % 16 and len(prompt) > 16
+    conts = [eng.encode(c) for c in ("1) + fib(n - 2)\n", " - 1) + fib(n - 2)", "-1)+fib(n-2)\n\n\ndef")]
+    ps = [prompt, prompt, PROMPTS[0], prompt]
+    cs = conts[:2] + [" import sys"] + conts[2:]
+    got = eng.score_batch(ps, cs, chunk=16, max_batch=4)
+    for p, c, g in zip(ps, cs, got):
+        assert g.tobytes() == eng.score(p, c).tobytes(), (p, c)
+    steps = eng.last_batch_stats["steps"]
+    assert steps["forks"] == 2, steps
+    own = sum(-(-len(p + eng.encode(c) if isinstance(c, str) else p + c) // 16)
+              for p, c in [(eng.encode(PROMPTS[0]), " import sys")])
+    # the prompt's chunks once (cut at its end) and each continuation's own, not the prompt three times
+    shared = -(-len(prompt) // 16) + sum(-(-len(c) // 16) for c in conts)
+    assert steps["prefill"] == shared + own, (steps, shared, own)
+
+
 def test_stops_and_finish_reasons(eng, alone):
     ref = alone[1]
     text = eng.tokenizer.decode(ref.generated_ids)
@@ -368,8 +390,13 @@ def test_a_sample_that_gets_no_slot_while_its_prompt_prefills_prefills_its_own(e
         run.step()
     assert run.steps["forks"] == 0 and second.generated == alone[1].generated_ids
     assert [x.tobytes() for x in second.logprobs] == [x.tobytes() for x in alone[1].logprobs]
-    with pytest.raises(ValueError, match="fork_of must name another sequence with the same prompt ids"):
-        run.add(Sequence(index=2, prompt_ids=ids[:-1], max_new_tokens=2, sampling=baro_jax.Sampling(), fork_of=first))
+    other = [(ids[0] + 1) % eng.cfg.vocab_size] + ids[1:]
+    with pytest.raises(ValueError, match="fork_of must name another sequence whose prompt starts with the 3 shared"):
+        run.add(Sequence(index=2, prompt_ids=other, max_new_tokens=2, sampling=baro_jax.Sampling(), fork_of=first,
+                         fork_at=3))
+    with pytest.raises(ValueError, match=f"fork_at must be <= {len(ids)}, got {len(ids) + 1}"):
+        run.add(Sequence(index=3, prompt_ids=ids, max_new_tokens=2, sampling=baro_jax.Sampling(), fork_of=first,
+                         fork_at=len(ids) + 1))
 
 
 @pytest.mark.parametrize("kw,msg", [

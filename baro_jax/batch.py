@@ -967,12 +967,29 @@ def sample_seeds(sampling: Sampling, n: int, what: str = "generate_batch") -> li
     return [dataclasses.replace(sampling, seed=sampling.seed + j) for j in range(n)]
 
 
+def prefix_shares(ids, min_len: int) -> list:
+    """Per prompt, None or (j, f): the first earlier prompt j that starts with the same min_len
+    tokens, and f the tokens the two share (at most this prompt's length)."""
+    first, out = {}, []
+    for i, x in enumerate(ids):
+        j = first.setdefault(tuple(x[:min_len]), i) if len(x) >= min_len else i
+        if j == i:
+            out.append(None)
+            continue
+        y, f = ids[j], min_len
+        while f < len(x) and f < len(y) and x[f] == y[f]:
+            f += 1
+        out.append((j, f))
+    return out
+
+
 def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_logprobs, max_batch, chunk, stop,
                    stop_token_ids, stop_at_eos, keep_states, on_token, sequence_type, prefill_budget=None,
-                   n_samples=1, shares=None):
+                   n_samples=1, shares=None, share_prefixes=True):
     """Engine.generate_batch's body (see there; n_samples is its n). shares: per prompt, None or
     (j, f): prompt j < i starts with prompt i's first f tokens, whose state prompt i copies from it
-    (score_batch's pairs of one prompt)."""
+    (score_batch's pairs of one prompt); where None and share_prefixes, prompts that start with the
+    same chunk of tokens share what they have in common (prefix_shares)."""
     check_batchable(eng)
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
         raise TypeError(f"generate_batch: prompts must be a list of prompts (texts or token-id lists), "
@@ -990,6 +1007,7 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
     samplings = _per_prompt("sampling", sampling if sampling is not None else Sampling(), len(prompts),
                             eng.sampling_for)
     # each prompt's samples side by side (n = 2: result 2 i + j is prompt i's sample j)
+    ids_in = ids
     ids = [x for x, k in zip(ids, ks) for _ in range(k)]
     news = [m for m, k in zip(news, ks) for _ in range(k)]
     samplings = [s for sp, k in zip(samplings, ks) for s in sample_seeds(sp, k)]
@@ -1001,6 +1019,9 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
     stop_ids = frozenset(eng.check_ids(list(stop_token_ids or [])))
     eos = eng.eos_ids if stop_at_eos else frozenset()
     slots, pages, length, chunk = pool_for(eng, ids, news, max_batch, chunk)
+    if share_prefixes:
+        auto = prefix_shares(ids_in, chunk)
+        shares = auto if shares is None else [a if s is None else s for s, a in zip(shares, auto)]
     seqs = [sequence_type(index=i, prompt_ids=x, max_new_tokens=m, sampling=s, stop_ids=stop_ids,
                           stop_strings=stops, eos_ids=eos, want_prompt_logprobs=bool(prompt_logprobs))
             for i, (x, m, s) in enumerate(zip(ids, news, samplings))]
@@ -1045,7 +1066,7 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
     return out
 
 
-def score_batch(eng, prompts, continuations, *, chunk, max_batch) -> list:
+def score_batch(eng, prompts, continuations, *, chunk, max_batch, share_prefixes=True) -> list:
     """Engine.score_batch's body (see there)."""
     for name, v in (("prompts", prompts), ("continuations", continuations)):
         if isinstance(v, (str, bytes)) or not hasattr(v, "__len__"):
@@ -1065,13 +1086,13 @@ def score_batch(eng, prompts, continuations, *, chunk, max_batch) -> list:
     # pair copies the first one's state after the prompt, and prefills its own continuation
     first, shares = {}, []
     for i, p in enumerate(ps):
-        j = first.setdefault(tuple(p), i)
+        j = first.setdefault(tuple(p), i) if share_prefixes else i
         shares.append(None if j == i else (j, len(p)))
     with eng.exclusive():
         res = generate_batch(eng, [p + c for p, c in zip(ps, cs)], 0, sampling=None, logprobs=0,
                              prompt_logprobs=True, max_batch=max_batch, chunk=chunk, stop=None, stop_token_ids=None,
                              stop_at_eos=False, keep_states=False, on_token=None, sequence_type=Sequence,
-                             shares=shares)
+                             shares=shares, share_prefixes=share_prefixes)
     return [np.asarray(r.prompt_logprobs[len(p):], np.float32) for p, r in zip(ps, res)]
 
 

@@ -599,7 +599,8 @@ class Engine:
                        prompt_logprobs: bool = False, max_batch: int | None = None, chunk: int | None = None,
                        stop=None, stop_token_ids=None, stop_at_eos: bool = True, keep_states: bool = False,
                        on_token: Callable[[int, int], object] | None = None,
-                       prefill_budget: int | None = None, n: int = 1) -> list[GenerateResult]:
+                       prefill_budget: int | None = None, n: int = 1,
+                       share_prefixes: bool = True) -> list[GenerateResult]:
         """Continue many prompts at once; one GenerateResult per prompt, in input order (n of them
         per prompt with n > 1, side by side: with n = 2 result 2 i + j is prompt i's sample j).
 
@@ -620,12 +621,15 @@ class Engine:
         prompt (RL rollouts), one for all or one per prompt; sample j draws with the prompt's sampling at seed + j, so it is
         generate(prompt, sampling with seed + j) alone, bytes; the prompt is prefilled once and its
         state copied to the other samples where they get slots while it is prefilled (exact copies:
-        the bytes do not depend on it). on_token's i is the result's index."""
+        the bytes do not depend on it). share_prefixes: prompts that start with the same prefill
+        chunk of tokens (a few-shot header, a system prompt) prefill what they share once, the
+        later ones copying the state of the first where they get slots in time (False: each
+        prefills its own; the bytes are the same). on_token's i is the result's index."""
         return batch.generate_batch(self, prompts, max_new_tokens, sampling=sampling, logprobs=logprobs,
                                 prompt_logprobs=prompt_logprobs, max_batch=max_batch, chunk=chunk, stop=stop,
                                 stop_token_ids=stop_token_ids, stop_at_eos=stop_at_eos, keep_states=keep_states,
                                 on_token=on_token, sequence_type=Sequence, prefill_budget=prefill_budget,
-                                n_samples=n)
+                                n_samples=n, share_prefixes=share_prefixes)
 
     def score(self, prompt, continuation, *, chunk: int | None = None) -> np.ndarray:
         """The log-probabilities [len(continuation)] float32 of `continuation`'s tokens after
@@ -641,14 +645,16 @@ class Engine:
         return np.asarray([lp[i, t] for i, t in enumerate(c)], np.float32)
 
     def score_batch(self, prompts, continuations, *, chunk: int | None = None,
-                    max_batch: int | None = None) -> list[np.ndarray]:
+                    max_batch: int | None = None, share_prefixes: bool = True) -> list[np.ndarray]:
         """score() of many (prompt, continuation) pairs at once, one float32 array per pair in
         input order, each the bytes score(prompt, continuation) gives alone: every pair runs as a
         sequence of the many-sequence pool (its prompt and continuation prefilled, each position's
         log-probability kept, nothing generated; the pairs of one prompt prefill it once, the
-        later ones copying the first one's state after it). prompts and continuations: texts or token-id
+        later ones copying the first one's state after it; share_prefixes=False: each its own,
+        the same bytes). prompts and continuations: texts or token-id
         lists, as many of one as of the other; max_batch and chunk as generate_batch's."""
-        return batch.score_batch(self, prompts, continuations, chunk=chunk, max_batch=max_batch)
+        return batch.score_batch(self, prompts, continuations, chunk=chunk, max_batch=max_batch,
+                                 share_prefixes=share_prefixes)
 
     def forced_logprobs(self, ids, chunk: int | None = None, start: int = 0) -> np.ndarray:
         """log_softmax rows [n - start, V] of forced_logits (the ordered row-wise op)."""

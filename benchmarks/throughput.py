@@ -150,7 +150,8 @@ def rollout_rows(eng, args, rng) -> dict:
     repeated = [p for p in prompts for _ in range(K)]
     seeds = [dataclasses.replace(base, seed=base.seed + j) for _ in prompts for j in range(K)]
     arms = {"shared": lambda: eng.generate_batch(prompts, args.new_tokens, sampling=base, n=K, **kw),
-            "separate": lambda: eng.generate_batch(repeated, args.new_tokens, sampling=seeds, **kw)}
+            "separate": lambda: eng.generate_batch(repeated, args.new_tokens, sampling=seeds, share_prefixes=False,
+                                                   **kw)}
     out, outputs = {"prompts": P, "samples": K, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}, []
     for name, call in arms.items():
         call()  # compiles

@@ -174,6 +174,34 @@ def test_score_batch_prefills_a_shared_prompt_once(eng):
     assert steps["prefill"] == shared + own, (steps, shared, own)
 
 
+def test_prompts_with_a_common_header_prefill_it_once(eng):
+    """A few-shot header of 40 tokens before each question (chunk 16): the later prompts copy the
+    first one's state where their common tokens end (its chunks cut there), so the batch prefills
+    fewer chunks; every result is its run alone in ids, logprob and prompt logprob bytes, and
+    share_prefixes=False gives the same bytes with no copies. A prompt that is another's prefix
+    takes its first token from that one's row."""
+    header = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return"
+    prompts = [header + q for q in (" a - b\n\n\ndef mul(", " a-b\n\ndef div(a, b):\n    return a /", "")]
+    prompts.append("import os\n")
+    runs = {}
+    for share in (True, False):
+        got = eng.generate_batch(prompts, 6, logprobs=1, prompt_logprobs=True, chunk=16, share_prefixes=share)
+        runs[share] = (got, dict(eng.last_batch_stats["steps"]))
+    (got, steps), (own, own_steps) = runs[True], runs[False]
+    assert steps["forks"] == 2 and own_steps["forks"] == 0
+    assert steps["prefill"] < own_steps["prefill"], (steps, own_steps)
+    for p, a, b in zip(prompts, got, own):
+        alone = eng.generate(p, 6, logprobs=1, prompt_logprobs=True)
+        for r in (a, b):
+            assert same(eng.cfg, alone, r) is None, (p, same(eng.cfg, alone, r))
+            assert [None if x is None else x.tobytes() for x in alone.prompt_logprobs] == \
+                   [None if x is None else x.tobytes() for x in r.prompt_logprobs], p
+    ids = [eng.encode(p) for p in prompts]
+    f = B.prefix_shares(ids, 16)
+    assert f[0] is None and f[3] is None and f[2] == (0, len(ids[2]))
+    assert f[1][0] == 0 and len(ids[2]) <= f[1][1] < len(ids[1])
+
+
 def test_stops_and_finish_reasons(eng, alone):
     ref = alone[1]
     text = eng.tokenizer.decode(ref.generated_ids)

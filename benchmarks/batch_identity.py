@@ -51,6 +51,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="a preset's weights")
     ap.add_argument("--n", type=int, default=16, help="sequences")
     ap.add_argument("--max-len", type=int, default=200, help="the longest prompt, in tokens")
+    ap.add_argument("--shared", type=int, default=0,
+                    help="the last K prompts start as an earlier one does (the pool copies its state at the "
+                         "tokens they share: verify.batch_identity.share_prefixes)")
     ap.add_argument("--lengths", default=None,
                     help="comma-separated prompt lengths instead of the spread (--n is then their count)")
     ap.add_argument("--new-tokens", type=int, default=16, help="the most new tokens a sequence makes")
@@ -127,6 +130,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: the longest sequence needs {need} positions, more than max_context="
                          f"{eng.cfg.max_context} (--max-context, or a smaller --max-len / --new-tokens)")
     prompts = bi.random_prompts(lengths, eng.cfg.vocab_size, seed=args.prompt_seed)
+    if args.shared:
+        prompts = bi.share_prefixes(prompts, args.shared, eng.cfg.vocab_size, seed=args.prompt_seed)
+        lengths = [len(p) for p in prompts]
 
     def sampling(i):
         if args.sampled == "none" or (args.sampled == "half" and i % 2 == 0):
@@ -149,6 +155,7 @@ def main(argv=None) -> int:
              "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                           "kinds": args.kinds},
              "prompt_seed": args.prompt_seed, "weights_seed": args.seed, "alone_chunk": args.alone_chunk,
+             "shared": args.shared,
              "config_list": [[b, c] for b, c in args.configs], "replay_indices": list(replay),
              **verify.provenance()}
     # rewritten after the runs alone and after every configuration, so a run cut short keeps its rows

@@ -686,7 +686,8 @@ stage_vs_peer() {
 # BATCH_NEW new tokens, the first sequences of each batch checked against their runs alone), then
 # where one decode step's time goes at BATCH_PROFILE sizes (decode_profile.py --batch) and, unless
 # BATCH_GATE=0, the many-sequence identity gate (benchmarks/batch_identity.py: BATCH_GATE_N
-# sequences of 1 to BATCH_GATE_MAX_LEN tokens, staggered, half sampled, against their runs alone).
+# sequences of 1 to BATCH_GATE_MAX_LEN tokens, staggered, half sampled, the last BATCH_GATE_SHARED (8)
+# starting as one of the four before them does, against their runs alone).
 # BATCH_PROFILE_ARGS reaches decode_profile.py (e.g. "--temperature 0.8 --top-p 0.95": a sampled step).
 # BATCH_ROLLOUTS=P:K adds throughput.py's rollout row (P prompts x K samples, the prompt's prefill
 # shared by its samples against prefilled per sample, the same bytes).
@@ -719,7 +720,7 @@ stage_batch() {
   [ "$CARD" = h100 ] && configs=16:256,24:1024
   [ "${BATCH_GATE:-1}" = 0 ] || env ${GATE_ENV[@]+"${GATE_ENV[@]}"} timeout "${BATCH_GATE_TIMEOUT:-400}" python benchmarks/batch_identity.py \
     --model qwen3.5-35b-a3b --n "${BATCH_GATE_N:-64}" --max-len "${BATCH_GATE_MAX_LEN:-9000}" --new-tokens 32 \
-    --max-context 9216 --configs "${BATCH_GATE_CONFIGS:-$configs}" \
+    --max-context 9216 --configs "${BATCH_GATE_CONFIGS:-$configs}" --shared "${BATCH_GATE_SHARED:-8}" \
     --json "$OUT/batch_identity_${CARD}.json" 2>&1 | grep -v '^\[baro_jax\]' | tail -8
 }
 # baro_topk_rows on the GPU (csrc/gpu/topk_rows.cu; docs/PERF.md 2026-12-05): its byte tests

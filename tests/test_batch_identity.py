@@ -179,12 +179,16 @@ def test_command_line_on_tiny(tmp_path):
     out = tmp_path / "b.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "batch_identity.py"), "--n", "6",
-                        "--max-len", "40", "--new-tokens", "4", "--configs", "n/3:16,n:32", "--replay", "2",
-                        "--json", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+                        "--max-len", "40", "--new-tokens", "4", "--configs", "n/3:16,n:16", "--replay", "2",
+                        "--shared", "2", "--json", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     s = res["summary"]
-    assert s["pass"] is True and s["rows"] == 12 and s["replay_rows"] == 4 and s["config_list"] == [[2, 16], [6, 32]]
+    # the last two start as the longest before them does: with a slot each from the start (6 slots),
+    # the pool copied the state of their common tokens instead of prefilling them
+    assert s["shared"] == 2 and res["configs"][1]["steps"]["forks"] == 2, res["configs"]
+    assert s["pass"] is True and s["rows"] == 12 and s["replay_rows"] == 4 and s["config_list"] == [[2, 16], [6, 16]]
     assert {"device", "commit", "date", "host", "jax"} <= set(s) and s["model"] == "tiny"
     assert len(res["sequences"]) == 6 and all(row["equal_state"] for row in res["rows"])
     assert sum(x.startswith("max_batch=") for x in r.stdout.splitlines()) == 2 and "PASS: 12/12" in r.stdout

@@ -182,6 +182,25 @@ def random_prompts(lengths: Sequence[int], vocab: int, seed: int = 0) -> list[li
     return [[int(t) for t in rng.integers(0, vocab, int(n))] for n in lengths]
 
 
+def share_prefixes(prompts: Sequence[Sequence[int]], k: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """The prompts with the last k rewritten to start as an earlier one does (the pool copies the
+    earlier one's state there instead of prefilling the common tokens, batch.prefix_shares): prompt
+    i takes the first f tokens of the longest of the four prompts before it (near it in the queue,
+    so it may get a slot while that one still prefills; f from half of it to all of it),
+    then up to 64 tokens of its own, or none (a prompt that is another's prefix, or its copy). The
+    runs alone are unchanged in kind: each prompt alone, the same bytes expected."""
+    rng = np.random.default_rng(seed + 2)
+    out = [list(p) for p in prompts]
+    n, longest = len(out), max(len(p) for p in prompts)  # no longer than the longest given
+    for i in range(max(1, n - k), n):
+        j = max(range(max(0, i - 4), i), key=lambda t: len(out[t]))
+        src = out[j]
+        f = int(rng.integers(max(1, len(src) // 2), len(src) + 1))
+        tail = min(int(rng.integers(0, 65)) if rng.random() < 0.75 else 0, longest - f)
+        out[i] = src[:f] + [int(t) for t in rng.integers(0, vocab, tail)]
+    return out
+
+
 def new_token_mix(n: int, lo: int, hi: int, seed: int = 0) -> list[int]:
     """n max_new_tokens in [lo, hi], uniform from `seed`, with hi and lo both present when n >= 2
     (sequences that finish at different steps, so that freed slots take new arrivals mid-decode)."""
@@ -347,7 +366,8 @@ def format_config(c: dict) -> str:
     return (f"max_batch={c['max_batch']} chunk={c['chunk']}: {'PASS' if c['failures'] == 0 else 'FAIL'} "
             f"{c['rows_equal']}/{c['rows']} sequences equal alone (ids {c['equal_ids']}, logprobs "
             f"{c['equal_logprobs']}, state {c['equal_state']}){rep} | {c['slots']} slots x {c['pool_length']} "
-            f"positions, chunk {c['chunk_used']}, steps prefill {c['steps'].get('prefill')} decode "
+            f"positions, chunk {c['chunk_used']}, steps prefill {c['steps'].get('prefill')} (state copies "
+            f"{c['steps'].get('forks', 0)}) decode "
             f"{c['steps'].get('decode')}, {c['seconds']:.2f}s")
 
 

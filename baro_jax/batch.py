@@ -356,6 +356,9 @@ class BatchRun:
         seq.prompt_ids = checks.token_ids(seq.prompt_ids, self.cfg.vocab_size, f"sequence {seq.index}'s prompt ids")
         src = seq.fork_of
         if src is not None:
+            if not (src.slot is not None or src.finish_reason is not None or any(s is src for s in self.sched.waiting)):
+                raise ValueError(f"sequence {seq.index}: fork_of must name a sequence added to this pool before it "
+                                 f"(sequence {src.index} was not)")
             f = checks.as_int("fork_at", seq.shared, lo=1, hi=len(seq.prompt_ids))
             if (src is seq or list(src.prompt_ids[:f]) != list(seq.prompt_ids[:f])
                     or src.want_prompt_logprobs != seq.want_prompt_logprobs or src.prompt_top_n != seq.prompt_top_n):

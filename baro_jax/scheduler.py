@@ -49,9 +49,9 @@ class Sequence:
     state: tuple | None = None  # the slot's state when it finished (when asked)
     first_token_s: float | None = None
     token_times: list = dataclasses.field(default_factory=list)
-    # a sequence whose prompt starts with this one's first fork_at tokens (None: all of this one's
-    # prompt; the same prompt logprob asks), whose state after them this one copies instead of
-    # prefilling them, while linked (the scheduler unlinks it where the copy cannot happen: that
+    # a sequence added before this one whose prompt starts with the same fork_at tokens (None: all
+    # of this one's prompt; the same prompt logprob asks), whose state after them this one copies
+    # instead of prefilling them, while linked (the scheduler unlinks it where the copy cannot happen: that
     # one was already past them when this one got a slot, or it ended)
     fork_of: "Sequence | None" = None
     fork_at: int | None = None

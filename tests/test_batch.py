@@ -418,6 +418,9 @@ def test_a_sample_that_gets_no_slot_while_its_prompt_prefills_prefills_its_own(e
         run.step()
     assert run.steps["forks"] == 0 and second.generated == alone[1].generated_ids
     assert [x.tobytes() for x in second.logprobs] == [x.tobytes() for x in alone[1].logprobs]
+    lone = Sequence(index=4, prompt_ids=ids, max_new_tokens=2, sampling=baro_jax.Sampling())
+    with pytest.raises(ValueError, match="fork_of must name a sequence added to this pool before it"):
+        run.add(Sequence(index=5, prompt_ids=ids, max_new_tokens=2, sampling=baro_jax.Sampling(), fork_of=lone))
     other = [(ids[0] + 1) % eng.cfg.vocab_size] + ids[1:]
     with pytest.raises(ValueError, match="fork_of must name another sequence whose prompt starts with the 3 shared"):
         run.add(Sequence(index=2, prompt_ids=other, max_new_tokens=2, sampling=baro_jax.Sampling(), fork_of=first,

@@ -293,7 +293,7 @@ class BatchRun:
     def __init__(self, runner, tokenizer, sequences: list[Sequence], *, slots: int, length: int, chunk: int,
                  logprobs: int | None, keep_states: bool, on_token=None, block: int = 1, stop_width: int | None = None,
                  chain: bool = True, prefill_budget: int | None = None, pages: int | None = None,
-                 page: int = DEFAULT_KV_PAGE, mixed: bool | None = None):
+                 page: int = DEFAULT_KV_PAGE, mixed: bool | None = None, share_prefixes: bool = True):
         self.r, self.tok = runner, tokenizer
         # chain: greedy blocks run one ahead while nothing waits for a slot (the next block queued
         # from the last one's outputs before its ids are read), so the device does not idle while
@@ -341,6 +341,10 @@ class BatchRun:
         # host-side stops (a callback, stop strings) end a sequence after the device has run on:
         # its tokens past the stop are dropped, but a kept state would have moved on
         self.host_stops = on_token is not None
+        # share_prefixes: a sequence added without a fork_of whose prompt starts with the same chunk
+        # of tokens as one in the pool copies that one's state where their prompts part (_link_prefix);
+        # _heads: the sequence a chunk of first tokens leads to
+        self.share_prefixes, self._heads = share_prefixes, {}
         for seq in sequences:
             self.add(seq)
 
@@ -376,7 +380,29 @@ class BatchRun:
         self.blocks.check_fits(seq.positions, f"a sequence of {len(seq.prompt_ids)} prompt tokens and "
                                               f"{seq.max_new_tokens} new ones")
         self.host_stops = self.host_stops or bool(seq.stop_strings)
+        if src is None and self.share_prefixes:
+            self._link_prefix(seq)
         self.sched.add(seq)
+
+    def _link_prefix(self, seq: Sequence):
+        """seq's fork_of: the sequence its first chunk of prompt tokens leads to, where that one is
+        still to prefill past the tokens the two share (so their state can be copied), with fork_at
+        where their prompts part; else seq leads that chunk from now on. A few-shot header or a
+        system prompt is then prefilled once for the sequences that meet it in the pool."""
+        if len(seq.prompt_ids) < self.chunk:
+            return
+        key = tuple(seq.prompt_ids[:self.chunk])
+        src = self._heads.get(key)
+        if src is not None and src.finish_reason is None:
+            a, b = src.prompt_ids, seq.prompt_ids
+            f = self.chunk
+            while f < len(a) and f < len(b) and a[f] == b[f]:
+                f += 1
+            if src.prefilled < f and src.want_prompt_logprobs == seq.want_prompt_logprobs \
+                    and src.prompt_top_n == seq.prompt_top_n:
+                seq.fork_of, seq.fork_at = src, f
+                return
+        self._heads[key] = seq
 
     def row_buckets(self) -> list[int]:
         """Every row count a decode step of this pool may run (see _rows)."""
@@ -482,7 +508,14 @@ class BatchRun:
 
     def cancel(self, seq: Sequence) -> bool:
         """End a sequence now (finish_reason "cancelled"); its slot is free for the next round."""
+        self._drop_head(seq)
         return self.sched.cancel(seq)
+
+    def _drop_head(self, seq: Sequence):
+        """An ended sequence leads no chunk of first tokens (a long-running pool keeps none)."""
+        key = tuple(seq.prompt_ids[:self.chunk])
+        if self._heads.get(key) is seq:
+            del self._heads[key]
 
     @property
     def done(self) -> bool:
@@ -891,6 +924,7 @@ class BatchRun:
         return any(s in text for s in seq.stop_strings)
 
     def _finish(self, seq: Sequence, reason: str):
+        self._drop_head(seq)
         if self.keep_states:
             seq.state = jax.tree_util.tree_map(np.asarray, TAKE(self.pool, self.table(), jnp.int32(seq.slot)))
         self.sched.finish(seq, reason)
@@ -970,29 +1004,12 @@ def sample_seeds(sampling: Sampling, n: int, what: str = "generate_batch") -> li
     return [dataclasses.replace(sampling, seed=sampling.seed + j) for j in range(n)]
 
 
-def prefix_shares(ids, min_len: int) -> list:
-    """Per prompt, None or (j, f): the first earlier prompt j that starts with the same min_len
-    tokens, and f the tokens the two share (at most this prompt's length)."""
-    first, out = {}, []
-    for i, x in enumerate(ids):
-        j = first.setdefault(tuple(x[:min_len]), i) if len(x) >= min_len else i
-        if j == i:
-            out.append(None)
-            continue
-        y, f = ids[j], min_len
-        while f < len(x) and f < len(y) and x[f] == y[f]:
-            f += 1
-        out.append((j, f))
-    return out
-
-
 def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_logprobs, max_batch, chunk, stop,
                    stop_token_ids, stop_at_eos, keep_states, on_token, sequence_type, prefill_budget=None,
                    n_samples=1, shares=None, share_prefixes=True):
     """Engine.generate_batch's body (see there; n_samples is its n). shares: per prompt, None or
     (j, f): prompt j < i starts with prompt i's first f tokens, whose state prompt i copies from it
-    (score_batch's pairs of one prompt); where None and share_prefixes, prompts that start with the
-    same chunk of tokens share what they have in common (prefix_shares)."""
+    (score_batch's pairs of one prompt); share_prefixes: BatchRun's."""
     check_batchable(eng)
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
         raise TypeError(f"generate_batch: prompts must be a list of prompts (texts or token-id lists), "
@@ -1010,7 +1027,6 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
     samplings = _per_prompt("sampling", sampling if sampling is not None else Sampling(), len(prompts),
                             eng.sampling_for)
     # each prompt's samples side by side (n = 2: result 2 i + j is prompt i's sample j)
-    ids_in = ids
     ids = [x for x, k in zip(ids, ks) for _ in range(k)]
     news = [m for m, k in zip(news, ks) for _ in range(k)]
     samplings = [s for sp, k in zip(samplings, ks) for s in sample_seeds(sp, k)]
@@ -1022,9 +1038,6 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
     stop_ids = frozenset(eng.check_ids(list(stop_token_ids or [])))
     eos = eng.eos_ids if stop_at_eos else frozenset()
     slots, pages, length, chunk = pool_for(eng, ids, news, max_batch, chunk)
-    if share_prefixes:
-        auto = prefix_shares(ids_in, chunk)
-        shares = auto if shares is None else [a if s is None else s for s, a in zip(shares, auto)]
     seqs = [sequence_type(index=i, prompt_ids=x, max_new_tokens=m, sampling=s, stop_ids=stop_ids,
                           stop_strings=stops, eos_ids=eos, want_prompt_logprobs=bool(prompt_logprobs))
             for i, (x, m, s) in enumerate(zip(ids, news, samplings))]
@@ -1038,7 +1051,7 @@ def generate_batch(eng, prompts, max_new_tokens, *, sampling, logprobs, prompt_l
                 seq.fork_of, seq.fork_at = first[shares[i][0]], shares[i][1]
     run = BatchRun(eng.runner, eng.tokenizer, seqs, slots=slots, length=length, chunk=chunk, logprobs=top_n,
                    keep_states=keep_states, on_token=on_token, block=eng.runner.decode_block,
-                   prefill_budget=prefill_budget, pages=pages)
+                   prefill_budget=prefill_budget, pages=pages, share_prefixes=share_prefixes)
     t0 = time.perf_counter()
     done = run.run()
     dt = time.perf_counter() - t0

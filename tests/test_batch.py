@@ -196,10 +196,18 @@ def test_prompts_with_a_common_header_prefill_it_once(eng):
             assert same(eng.cfg, alone, r) is None, (p, same(eng.cfg, alone, r))
             assert [None if x is None else x.tobytes() for x in alone.prompt_logprobs] == \
                    [None if x is None else x.tobytes() for x in r.prompt_logprobs], p
-    ids = [eng.encode(p) for p in prompts]
-    f = B.prefix_shares(ids, 16)
-    assert f[0] is None and f[3] is None and f[2] == (0, len(ids[2]))
-    assert f[1][0] == 0 and len(ids[2]) <= f[1][1] < len(ids[1])
+    from baro_jax.scheduler import Sequence
+    run = B.open_run(eng, max_batch=4, length=1024, chunk=16, logprobs=1, stop_width=4)
+    seqs = [Sequence(index=i, prompt_ids=eng.encode(p), max_new_tokens=2, sampling=baro_jax.Sampling())
+            for i, p in enumerate(prompts)]
+    for s in seqs:
+        run.add(s)
+    assert seqs[0].fork_of is None and seqs[3].fork_of is None
+    assert seqs[2].fork_of is seqs[0] and seqs[2].shared == len(seqs[2].prompt_ids)
+    assert seqs[1].fork_of is seqs[0] and len(seqs[2].prompt_ids) <= seqs[1].fork_at < len(seqs[1].prompt_ids)
+    while not run.done:  # ended sequences lead no chunk: a long-running pool keeps none of them
+        run.step()
+    assert run._heads == {}
 
 
 def test_stops_and_finish_reasons(eng, alone):

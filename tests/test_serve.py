@@ -200,6 +200,14 @@ def test_n_choices_each_equal_generate_at_seed_plus_j(eng, server, client):
         assert c.model_extra["token_ids"] == eng.generate(ids, 6, temperature=1.1, seed=9 + c.index).generated_ids
     r = client.completions.create(model="tiny", prompt=P1, n=2, max_tokens=5, temperature=0)
     assert r.choices[0].text == r.choices[1].text == eng.generate(P1, 5).text
+    # prompts that start with the same chunk of tokens (a shared header of 32 bytes and more) copy
+    # the first one's state where they part, in the pool
+    forks = server.loop.run.steps["forks"]
+    prompts = [P2 + " = []", P2 + ".append(item)"]
+    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0, logprobs=0)
+    assert server.loop.run.steps["forks"] - forks == 1
+    for c, p in zip(r.choices, prompts):
+        check_completion(c, eng.generate(p, 6, logprobs=0), 0)
 
 
 # --- chat -----------------------------------------------------------------------------------------

@@ -202,10 +202,10 @@ def test_n_choices_each_equal_generate_at_seed_plus_j(eng, server, client):
     assert r.choices[0].text == r.choices[1].text == eng.generate(P1, 5).text
     # prompts that start with the same chunk of tokens (a shared header of 32 bytes and more) copy
     # the first one's state where they part, in the pool
-    forks = server.loop.run.steps["forks"]
+    forks = httpx.get(server.url + "/health").json()["state_copies"]
     prompts = [P2 + " = []", P2 + ".append(item)"]
     r = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0, logprobs=0)
-    assert server.loop.run.steps["forks"] - forks == 1
+    assert httpx.get(server.url + "/health").json()["state_copies"] - forks == 1
     for c, p in zip(r.choices, prompts):
         check_completion(c, eng.generate(p, 6, logprobs=0), 0)
 

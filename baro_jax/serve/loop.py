@@ -69,7 +69,7 @@ class EngineLoop:
         self._jobs: dict[int, Job] = {}  # engine thread only: id(seq) -> job
         self._next_index = 0
         self.stats = {"rounds": 0, "generated_tokens": 0, "finished": 0, "cancelled": 0, "failed_rounds": 0}
-        self._snapshot = {"free_slots": self.run.slots, "running": 0, "waiting": 0}
+        self._snapshot = {"free_slots": self.run.slots, "running": 0, "waiting": 0, "state_copies": 0}
         self._thread = threading.Thread(target=self._main, name="baro-engine-loop", daemon=True)
 
     def warm_up(self, on_graph=None, threads: int | None = None) -> tuple[int, float]:
@@ -111,7 +111,10 @@ class EngineLoop:
             taken = self._taken
         return {"slots": self.slots, "free_slots": snap["free_slots"], "running": snap["running"],
                 "waiting": max(taken - snap["running"], 0), "queue_limit": self.capacity - self.slots,
-                "max_context": self.length, "alive": self._thread.is_alive(), **self.stats}
+                "max_context": self.length, "alive": self._thread.is_alive(),
+                # prompt prefixes copied from another sequence's state instead of prefilled (n
+                # samples, shared headers) in this pool
+                "state_copies": snap["state_copies"], **self.stats}
 
     def stop(self, timeout: float | None = None):
         """Refuse new work, end what runs (its clients get an error event) and join the thread."""
@@ -210,7 +213,7 @@ class EngineLoop:
         sched = self.run.sched
         with self._lock:
             self._snapshot = {"free_slots": len(sched.free), "running": len(sched.running),
-                              "waiting": len(sched.waiting)}
+                              "waiting": len(sched.waiting), "state_copies": self.run.steps["forks"]}
 
     def _end(self, job: Job, event):
         self._jobs.pop(id(job.seq), None)

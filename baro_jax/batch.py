@@ -690,12 +690,20 @@ class BatchRun:
             last = logits[len(part) - 1]
         else:
             last = logits
-        # the sequences waiting for seq's state up to here take a copy of it first: seq's own first
-        # token may end it and free its pages
-        forks = [f for f in self.sched.forks_of(seq) if f.shared == seq.prefilled]
-        rows = None
-        for f in forks:
-            rows = self._fork(seq, f, last, rows)
+        # the sequences waiting for seq's state up to here take a copy of it first (seq's own first
+        # token may end it and free its pages), and those waiting for theirs in turn: row `last`
+        # depends on the shared tokens only. One that waits for a copy's state at an earlier point
+        # (its leader came past it by the copy) prefills its own.
+        forks, todo, rows = [], [seq], None
+        while todo:
+            src = todo.pop(0)
+            for f in self.sched.forks_of(src):
+                if f.shared == src.prefilled:
+                    rows = self._fork(src, f, last, rows)
+                    forks.append(f)
+                    todo.append(f)
+                elif f.shared < src.prefilled:
+                    f.fork_of = None
         for s in [seq] + forks:
             if s.prefilled < len(s.prompt_ids):  # its prompt goes on (a fork's, in its own chunks)
                 continue

@@ -210,6 +210,46 @@ def test_prompts_with_a_common_header_prefill_it_once(eng):
     assert run._heads == {}
 
 
+def test_copies_chain_and_a_sequence_left_behind_by_a_copy_prefills_its_own(eng):
+    """Two prompts alike, two samples each: the second prompt's first sample copies the first
+    prompt's state (a shared chunk of tokens) and its own second sample copies that in turn, in
+    the same round. Scored pairs: pair 1 copies pair 0's state where they part, past the end of
+    its prompt, so pair 2 (which waits for pair 1's state at that end) prefills its own. Each
+    result is its bytes alone, and nothing waits for ever."""
+    p = eng.encode(PROMPTS[3])  # 87 tokens: several chunks of 16
+    sp = baro_jax.Sampling(temperature=0.9, seed=3)
+    got = eng.generate_batch([p, p], 4, sampling=sp, n=2, chunk=16, logprobs=0)
+    assert eng.last_batch_stats["steps"]["forks"] == 3
+    for i, r in enumerate(got):
+        a = eng.generate(p, 4, sampling=dataclasses.replace(sp, seed=3 + i % 2), logprobs=0)
+        assert same(eng.cfg, a, r) is None, (i, same(eng.cfg, a, r))
+    a_, c0 = p[:40], p[40:]
+    b = p[:60]  # starts as pair 0's prompt and continuation do
+    ps, cs = [a_, b, b], [c0, p[60:70], [(p[60] + 1) % eng.cfg.vocab_size, 5, 6]]
+    got = eng.score_batch(ps, cs, chunk=16, max_batch=3)
+    for x, c, g in zip(ps, cs, got):
+        assert g.tobytes() == eng.score(x, c).tobytes()
+    assert eng.last_batch_stats["steps"]["forks"] == 1
+    # the same chain in a pool whose sequences decode on: the one left behind is let go at the copy,
+    # not when the sequence it waited for ends
+    from baro_jax.scheduler import Sequence
+    run = B.open_run(eng, max_batch=3, length=1024, chunk=16, logprobs=0, stop_width=4)
+    lead = Sequence(index=0, prompt_ids=p, max_new_tokens=20, sampling=baro_jax.Sampling())
+    mid = Sequence(index=1, prompt_ids=p[:70], max_new_tokens=20, sampling=baro_jax.Sampling())
+    left = Sequence(index=2, prompt_ids=b + [(p[60] + 1) % eng.cfg.vocab_size], max_new_tokens=20,
+                    sampling=baro_jax.Sampling(), fork_of=mid, fork_at=60)
+    for x in (lead, mid, left):
+        run.add(x)
+    assert mid.fork_of is lead and mid.shared == 70
+    while mid.prefilled < 70:
+        run.step()
+    assert left.fork_of is None and mid.finish_reason is None and left.prefilled == 0  # pending now
+    while not run.done:
+        run.step()
+    for x in (lead, mid, left):
+        assert x.generated == eng.generate(x.prompt_ids, 20, logprobs=0).generated_ids
+
+
 def test_stops_and_finish_reasons(eng, alone):
     ref = alone[1]
     text = eng.tokenizer.decode(ref.generated_ids)

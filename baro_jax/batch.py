@@ -738,13 +738,7 @@ class BatchRun:
             dst.prompt_top_logprobs = None if src.prompt_top_logprobs is None else src.prompt_top_logprobs[:e]
             if e < len(dst.prompt_ids):
                 rows = LOGPROBS(last[None], ops=self.ops) if rows is None else rows
-                t = dst.prompt_ids[e]
-                dst.prompt_logprobs.append(np.float32(np.asarray(
-                    PICK(rows, jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32)))[0]))
-                if dst.prompt_top_n:  # as _prompt_logprobs takes them: the pool's widest k, a prefix
-                    vals, top = (np.asarray(x) for x in TOP(rows, max(self.top_n or 0, dst.prompt_top_n)))
-                    dst.prompt_top_logprobs.append((top[0, :dst.prompt_top_n].astype(np.int64).tolist(),
-                                                    vals[0, :dst.prompt_top_n].astype(np.float32)))
+                self._add_prompt_logprobs(dst, rows, dst.prompt_ids[e:e + 1])
         dst.fork_of = None
         self.steps["forks"] += 1
         return rows
@@ -876,8 +870,10 @@ class BatchRun:
         if seq.prompt_logprobs is None:
             seq.prompt_logprobs = [None]
             seq.prompt_top_logprobs = [None] if seq.prompt_top_n else None
-        rows = LOGPROBS(logits, ops=self.ops)
-        nxt = seq.prompt_ids[p + 1:p + len(part) + 1]  # the token each row predicts
+        self._add_prompt_logprobs(seq, LOGPROBS(logits, ops=self.ops), seq.prompt_ids[p + 1:p + len(part) + 1])
+
+    def _add_prompt_logprobs(self, seq, rows, nxt):
+        """seq's prompt logprobs (and tops) of the tokens nxt, nxt[i] predicted by log_softmax row i."""
         # each row's one value picked on the device: the rows themselves are chunk x vocabulary
         # floats (256 x 248k: 254 MB a chunk to bring over)
         want = np.zeros((rows.shape[0],), np.int32)

@@ -618,10 +618,10 @@ class Engine:
         (stop_at_eos). on_token(i, id): each token of prompt i as it is chosen; returning False
         ends that sequence (finish_reason "stop"). keep_states: each result carries its
         sequence's final state (host arrays, the KV cache at the pool's length). n: samples per
-        prompt (RL rollouts), one for all or one per prompt; sample j draws with the prompt's sampling at seed + j, so it is
-        generate(prompt, sampling with seed + j) alone, bytes; the prompt is prefilled once and its
-        state copied to the other samples where they get slots while it is prefilled (exact copies:
-        the bytes do not depend on it). share_prefixes: prompts that start with the same prefill
+        prompt (RL rollouts), one for all or one per prompt; sample j draws with the prompt's
+        sampling at seed + j, so it is generate(prompt, sampling with seed + j) alone, bytes; the
+        prompt is prefilled once and its state copied to the other samples where they get slots
+        while it is prefilled (exact copies: the bytes do not depend on it). share_prefixes: prompts that start with the same prefill
         chunk of tokens (a few-shot header, a system prompt) prefill what they share once, the
         later ones copying the state of the first where they get slots in time (False: each
         prefills its own; the bytes are the same). on_token's i is the result's index."""

@@ -80,6 +80,8 @@ GREEDY = jax.jit(_resident_greedy, static_argnames=("cfg", "ops", "block", "k_ma
 GREEDY_FULL = jax.jit(partial(_resident_greedy, n=None), static_argnames=("cfg", "ops", "block", "k_max"),
                       donate_argnums=(1,))
 REPLAY = jax.jit(_resident_replay, static_argnames=("cfg", "ops"), donate_argnums=(1,))
+
+
 def to_device(*xs) -> tuple:
     """Host arrays and scalars as device arrays in one transfer call (jnp.asarray and jnp.int32
     dispatch a copy or a convert each: host time with the device waiting, docs/PERF.md), for
